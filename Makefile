@@ -1,0 +1,25 @@
+# Quick start:  make demo   (the main job)   ·   make test   (the test suite)
+# Both create .venv on first use: CPU torch from requirements-cpu.txt, then looplm in editable mode.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install bench clean
+
+$(BIN)/looplm: pyproject.toml requirements-cpu.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-cpu.txt
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(BIN)/looplm
+
+install: $(BIN)/looplm
+
+demo: $(BIN)/looplm
+	$(BIN)/looplm demo --out results/demo
+
+test: $(BIN)/looplm
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) results

@@ -1,0 +1,22 @@
+"""looplm: looped (shared-block, depth-recurrent) transformer language models.
+
+Glossary (one word per idea, used everywhere in the code):
+
+- **prelude / core / coda**: unshared blocks before the loop / the K shared blocks applied once per
+  loop step / unshared blocks after the loop.
+- **loop depth T**: how many times the core is applied; a ``forward`` argument, never model state.
+- **loop step t**: 0-based index of one core application, t = 0 … T−1; state ``h_t`` is the state
+  *before* step t, so ``h_T`` is read out at depth T.
+- **update G(x) = Core(x) − x**: the residual branch of the core; zero-preserving (G(0) = 0).
+- **anchor h\***: the fixed input-conditioned reference computed once per sequence.
+- **deviation Δ_t = h_t − h\***: the state SCSE evolves.
+- **injection**: the input-conditioned signal added at each loop step by additive rules.
+- **forcing bias b_t(e) = T_t(0; e)**: the next deviation produced from the anchor itself.
+- **readout**: ``logits = W_out · RMSNorm(h)``.
+- **depth sampler / depth prior**: the distribution of training loop depths.
+
+Sources: SCSE (Source-Centered State Evolution), Looped Models Done Right, DeepLoop, and the readout
+blind-spot paper; ``SPEC.md`` pins every equation this package implements.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,304 @@
+"""Typed, serializable configuration for looplm (torch-free).
+
+Every config is a dataclass whose fields are plain JSON values; variant names are strings checked
+against ``Literal`` name sets. Construction validates every field and raises :class:`ConfigError`
+naming the field and what is allowed. Field help texts (``metadata["help"]``) become the
+``--help`` of the CLI, which can override any field as ``--section.field VALUE``.
+
+The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+FORMAT_VERSION = 1
+
+RuleName = Literal["looped", "adapter", "step_adapter", "scse"]
+RULE_NAMES: tuple[str, ...] = get_args(RuleName)
+Architecture = Literal["shared", "unshared"]
+AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
+SamplerName = Literal["fixed", "uniform"]
+DatasetName = Literal["brown", "wikitext2", "wikitext103", "text"]
+TokenizerName = Literal["gpt2", "bpe"]
+Device = Literal["cpu", "cuda", "auto"]
+DType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A config field has a value that is not allowed; the message names the field."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+def _check_literal(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = hints[f.name]
+        value = getattr(obj, f.name)
+        if typing.get_origin(tp) is Literal:
+            allowed = get_args(tp)
+            _check(value in allowed, f"{prefix}{f.name}",
+                   f"got {value!r}; allowed: {', '.join(map(repr, allowed))}")
+        elif tp is bool:
+            _check(isinstance(value, bool), f"{prefix}{f.name}", f"must be true/false, got {value!r}")
+        elif tp is int:
+            _check(isinstance(value, int) and not isinstance(value, bool), f"{prefix}{f.name}",
+                   f"must be an integer, got {value!r}")
+        elif tp is float:
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                   f"{prefix}{f.name}", f"must be a number, got {value!r}")
+
+
+class _Base:
+    """Shared JSON round-trip for the config dataclasses."""
+
+    _prefix = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"{cls._prefix}{unknown[0]}: unknown field; known: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Base):
+    """Shape and recurrence rule of a looped (or unshared reference) language model (SPEC §1–2)."""
+
+    _prefix = "model."
+    architecture: Architecture = _f("shared", "shared: prelude + core×T + coda with a recurrence rule; "
+                                    "unshared: n_layers distinct blocks, no recurrence (reference)")
+    rule: RuleName = _f("scse", "recurrence rule (SPEC §2): " + ", ".join(RULE_NAMES))
+    vocab_size: int = _f(50257, "vocabulary size V (set from the tokenizer when training)")
+    d_model: int = _f(384, "model width d")
+    n_heads: int = _f(6, "attention heads (d_model must be divisible by it)")
+    d_ff: int = _f(1536, "SwiGLU hidden width")
+    seq_len: int = _f(128, "context length L (learned absolute positions)")
+    dropout: float = _f(0.1, "dropout probability on embeddings, attention and residual branches")
+    n_prelude: int = _f(0, "unshared prelude blocks before the loop")
+    n_core: int = _f(1, "K: blocks in the shared core applied once per loop step")
+    n_coda: int = _f(0, "unshared coda blocks after the loop")
+    n_layers: int = _f(4, "unshared architecture only: number of distinct blocks")
+    tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
+    norm_eps: float = _f(1e-6, "RMSNorm epsilon")
+    init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
+    step_scale: float = _f(-1.0, "residual step scale s; -1 takes the rule's default "
+                           "(looped 1.0, adapter/step_adapter 0.35, scse 0.5)")
+    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e) (adapter, step_adapter, scse)")
+    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e) (adapter, step_adapter, scse)")
+    alpha_init: float = _f(0.15, "adapter: initial value of the learned source gain α")
+    step_tau: float = _f(0.015, "step_adapter: scale τ of the projected sinusoidal step embedding")
+    scse_anchor: AnchorName = _f("learned", "scse anchor: learned (e + c_a·A(e)), embedding (h*=e), "
+                                 "init (h*=h_0, Δ stays 0), frozen_random (A random, not trained)")
+    scse_mask: bool = _f(True, "scse: apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
+    scse_eps: float = _f(1e-8, "scse: mask threshold ε on the per-example squared Frobenius norm")
+    scse_leak: float = _f(0.0, "scse: deviation leak λ_leak (0 in the main method; 0.02 in the "
+                          "leak diagnostic)")
+    scse_kappa: float = _f(0.0, "scse: initial learned gain κ of the conditioning input κ·W_c h*; "
+                           "0 = no W_c (main method); 0.15 in the leak diagnostic")
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        p = self._prefix
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers"):
+            _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda"):
+            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.d_model % self.n_heads == 0, p + "n_heads",
+               f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(self.norm_eps > 0, p + "norm_eps", "must be > 0")
+        _check(self.init_std > 0, p + "init_std", "must be > 0")
+        _check(self.step_scale == -1.0 or self.step_scale > 0, p + "step_scale",
+               f"must be > 0 or -1 (rule default), got {self.step_scale}")
+        _check(0.0 <= self.scse_leak < 1.0, p + "scse_leak", f"must be in [0, 1), got {self.scse_leak}")
+        _check(self.scse_eps >= 0, p + "scse_eps", "must be >= 0")
+
+    @property
+    def resolved_step_scale(self) -> float:
+        """The residual step scale s actually used (SPEC §2 defaults per rule)."""
+        if self.step_scale != -1.0:
+            return self.step_scale
+        return {"looped": 1.0, "adapter": 0.35, "step_adapter": 0.35, "scse": 0.5}[self.rule]
+
+
+@dataclass(frozen=True)
+class DataConfig(_Base):
+    """Where the training and evaluation text comes from (SPEC §5, §11)."""
+
+    _prefix = "data."
+    dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
+                              "wikitext103 (raw), or text (local files, see text_files)")
+    text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
+    tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
+                                  "the training split with bpe_vocab_size entries")
+    bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
+    data_root: str = _f("", "data root; empty = $LOOPLM_DATA, else ../shared/data next to the repo")
+    cache_dir: str = _f("", "token cache; empty = $LOOPLM_CACHE, else ~/.cache/looplm")
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        _check(self.bpe_vocab_size >= 260, self._prefix + "bpe_vocab_size", "must be >= 260")
+        if self.dataset == "text":
+            _check(len(self.text_files) == 3, self._prefix + "text_files",
+                   "dataset=text needs three paths: train, valid, test")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Base):
+    """Optimization schedule (SPEC §5)."""
+
+    _prefix = "train."
+    steps: int = _f(5000, "optimizer steps")
+    batch_size: int = _f(32, "sequences per microbatch")
+    grad_accum: int = _f(1, "microbatches per optimizer step")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine floor)")
+    warmup_steps: int = _f(500, "linear warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
+    beta1: float = _f(0.9, "AdamW β1")
+    beta2: float = _f(0.95, "AdamW β2")
+    grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
+    depth_sampler: SamplerName = _f("uniform", "training depth sampler: fixed (depth) or uniform "
+                                    "(depth_lo..depth_hi inclusive), one draw per microbatch")
+    depth: int = _f(8, "fixed sampler: loop depth T")
+    depth_lo: int = _f(1, "uniform sampler: lowest depth")
+    depth_hi: int = _f(8, "uniform sampler: highest depth")
+    seed: int = _f(0, "seed for initialization, data order and depth draws")
+    eval_every: int = _f(500, "validate every this many steps (0 = only at the end)")
+    eval_batches: int = _f(20, "validation batches per periodic validation")
+    eval_depth: int = _f(8, "loop depth used for periodic validation")
+    ckpt_every: int = _f(500, "write a checkpoint every this many steps (0 = only at the end)")
+    device: Device = _f("auto", "cpu, cuda, or auto (cuda when available)")
+    dtype: DType = _f("float32", "autocast dtype for forward/backward (bfloat16 on GPU)")
+    num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        p = self._prefix
+        for name in ("steps", "batch_size", "grad_accum", "depth", "depth_lo", "depth_hi", "eval_batches",
+                     "eval_depth"):
+            _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads"):
+            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
+               f"must be >= depth_lo={self.depth_lo}, got {self.depth_hi}")
+        _check(self.lr > 0, p + "lr", "must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
+        _check(self.grad_clip >= 0, p + "grad_clip", "must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class Config(_Base):
+    """A whole run: model, data and training (serialized as ``config.json``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = "run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "name": self.name, "model": self.model.to_dict(),
+                "data": self.data.to_dict(), "train": self.train.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        d = dict(d)
+        version = d.pop("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ConfigError(f"format_version: this looplm reads version {FORMAT_VERSION}, got {version}")
+        unknown = sorted(set(d) - {"model", "data", "train", "name"})
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown section; known: model, data, train, name")
+        for key in ("model", "data", "train"):
+            if key in d and not isinstance(d[key], dict):
+                raise ConfigError(f"{key}: must be a JSON object")
+        return cls(model=ModelConfig.from_dict(d.get("model", {})),
+                   data=DataConfig.from_dict(d.get("data", {})),
+                   train=TrainConfig.from_dict(d.get("train", {})),
+                   name=str(d.get("name", "run")))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return cls.from_dict(json.loads(text))
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def parse_field_value(section: str, name: str, text: str) -> Any:
+    """Parse a command-line string for ``section.name`` into the field's type.
+
+    Raises:
+        ConfigError: unknown section/field, or text that does not parse as the field's type.
+    """
+    if section not in SECTIONS:
+        raise ConfigError(f"{section}: unknown section; known: {', '.join(SECTIONS)}")
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    if name not in {f.name for f in dataclasses.fields(cls)}:
+        known = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"{section}.{name}: unknown field; known: {known}")
+    tp = hints[name]
+    try:
+        if tp is bool:
+            low = text.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return low in ("true", "1", "yes", "on")
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        if tp is list or typing.get_origin(tp) is list:
+            return [s for s in text.split(",") if s] if not text.startswith("[") else json.loads(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"{section}.{name}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated)."""
+    per: dict[str, dict[str, Any]] = {}
+    name = cfg.name
+    for key, value in overrides.items():
+        if key == "name":
+            name = str(value)
+            continue
+        section, _, fname = key.partition(".")
+        if isinstance(value, str):
+            value = parse_field_value(section, fname, value)
+        elif section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section; known: {', '.join(SECTIONS)}")
+        per.setdefault(section, {})[fname] = value
+    d = cfg.to_dict()
+    for section, changes in per.items():
+        d[section].update(changes)
+    d["name"] = name
+    return Config.from_dict(d)
