@@ -1,4 +1,4 @@
-"""looplm: looped (shared-block, depth-recurrent) transformer language models.
+r"""looplm: looped (shared-block, depth-recurrent) transformer language models.
 
 Glossary (one word per idea, used everywhere in the code):
 

@@ -1,0 +1,1 @@
+"""Accounting, statistics, stored results, reports and plots."""

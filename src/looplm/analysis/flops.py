@@ -1,0 +1,37 @@
+"""FLOP proxy per token and parameter accounting (SCSE eq. 20–21; SPEC §9)."""
+
+from __future__ import annotations
+
+from looplm.config import ModelConfig
+
+#: core applications per loop step, per rule (the subtractive controls of SPEC §2 use 2).
+BODY_CALLS_PER_STEP: dict[str, int] = {"looped": 1, "adapter": 1, "step_adapter": 1, "scse": 1}
+
+
+def block_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOP proxy of one block application per token: ``8d² + 6·d·d_ff + 4·L·d`` (SCSE eq. 20)."""
+    d = cfg.d_model
+    return 8 * d * d + 6 * d * cfg.d_ff + 4 * cfg.seq_len * d
+
+
+def body_applications(cfg: ModelConfig, depth: int) -> int:
+    """N_body(T): block applications per token at loop depth T.
+
+    Shared: ``c_body·K·T + n_prelude + n_coda`` (c_body = core calls per step); unshared:
+    ``min(T, n_layers)`` (its active depth saturates at its layer count).
+    """
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    if cfg.architecture == "unshared":
+        return min(depth, cfg.n_layers)
+    return BODY_CALLS_PER_STEP[cfg.rule] * cfg.n_core * depth + cfg.n_prelude + cfg.n_coda
+
+
+def flops_per_token(cfg: ModelConfig, depth: int) -> dict[str, int]:
+    """FLOP proxy per token at loop depth T (SCSE eq. 20–21).
+
+    Returns:
+        ``{"body": N_body(T)·(8d² + 6·d·d_ff + 4·L·d), "body_head": body + 2·d·V}`` in FLOPs/token.
+    """
+    body = body_applications(cfg, depth) * block_flops_per_token(cfg)
+    return {"body": body, "body_head": body + 2 * cfg.d_model * cfg.vocab_size}

@@ -1,0 +1,1 @@
+"""Mechanism diagnostics (SPEC §7)."""

@@ -1,0 +1,61 @@
+"""Named configurations: the SCSE paper's shapes (SPEC §1) and CPU-sized ones.
+
+``scse-*``: the paper's shared-block shapes with its WikiText-103 5k-step protocol (batch 32 × L=128
+= 4,096 tokens/step, AdamW lr 3e-4, 500 warm-up steps, uniform 1..8 training depth).
+``unshared-4x320`` / ``unshared-6x288``: the parameter-matched unshared controls (22.7M / 22.5M);
+``transformer-8``: the fixed-depth unshared Transformer-8 reference.
+``cpu``: the CPU reference protocol (SPEC §11) sized so that the main job (two models trained and
+evaluated) finishes within 15 minutes on a 2-core machine. ``debug``: a tiny model on real text,
+trains in seconds.
+"""
+
+from __future__ import annotations
+
+from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+
+_PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32, lr=3e-4, warmup_steps=500, depth_sampler="uniform",
+                           depth_lo=1, depth_hi=8)
+_PAPER_DATA = DataConfig(dataset="wikitext103", tokenizer="gpt2")
+
+
+def _paper(name: str, d: int, heads: int, d_ff: int, **model) -> Config:
+    return Config(name=name, model=ModelConfig(d_model=d, n_heads=heads, d_ff=d_ff, **model),
+                  data=_PAPER_DATA, train=_PAPER_TRAIN)
+
+
+PRESETS: dict[str, Config] = {
+    "scse-22m": _paper("scse-22m", 384, 6, 1536, rule="scse"),
+    "scse-50m": _paper("scse-50m", 768, 12, 3072, rule="scse"),
+    "scse-95m": _paper("scse-95m", 1280, 20, 5120, rule="scse"),
+    "scse-136m": _paper("scse-136m", 1664, 26, 6656, rule="scse"),
+    "unshared-4x320": _paper("unshared-4x320", 320, 5, 1280, architecture="unshared", n_layers=4),
+    "unshared-6x288": _paper("unshared-6x288", 288, 6, 1152, architecture="unshared", n_layers=6),
+    "transformer-8": _paper("transformer-8", 384, 6, 1536, architecture="unshared", n_layers=8),
+    "cpu": Config(
+        name="cpu",
+        model=ModelConfig(rule="scse", d_model=192, n_heads=3, d_ff=768, seq_len=128, dropout=0.1),
+        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
+        train=TrainConfig(steps=600, batch_size=16, lr=2e-3, warmup_steps=60, depth_sampler="uniform",
+                          depth_lo=1, depth_hi=8, eval_every=200, eval_batches=8, eval_depth=8,
+                          ckpt_every=200, device="cpu"),
+    ),
+    "debug": Config(
+        name="debug",
+        model=ModelConfig(rule="scse", d_model=64, n_heads=2, d_ff=128, seq_len=64, dropout=0.0),
+        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=1024),
+        train=TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=5, depth_sampler="uniform",
+                          depth_lo=1, depth_hi=4, eval_every=20, eval_batches=2, eval_depth=4,
+                          ckpt_every=20, device="cpu"),
+    ),
+}
+
+
+def get_preset(name: str) -> Config:
+    """Return the named preset.
+
+    Raises:
+        KeyError: unknown name (the message lists the known presets).
+    """
+    if name not in PRESETS:
+        raise KeyError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,241 @@
+"""Model tests: every registered rule against an explicitly unrolled reference, shapes, gradients,
+causality, SCSE's exact zero forcing bias, and multi-depth readout vs separate runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from looplm.config import RULE_NAMES, ModelConfig
+from looplm.diagnostics.forcing import forcing_profile
+from looplm.model import RULES, LoopLM
+from looplm.model.layers import sinusoidal_step_embedding
+
+V, D, L = 97, 32, 12
+
+VARIANTS = {
+    **{rule: dict(rule=rule) for rule in RULE_NAMES},
+    "scse-embedding": dict(rule="scse", scse_anchor="embedding"),
+    "scse-frozen_random": dict(rule="scse", scse_anchor="frozen_random"),
+    "scse-nomask": dict(rule="scse", scse_mask=False),
+    "scse-leak": dict(rule="scse", scse_leak=0.02, scse_kappa=0.15),
+    "looped-prelude-coda": dict(rule="looped", n_prelude=1, n_core=2, n_coda=1),
+    "unshared": dict(architecture="unshared", n_layers=3),
+}
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=V, d_model=D, n_heads=4, d_ff=64, seq_len=L, dropout=0.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make(name: str, seed: int = 0) -> LoopLM:
+    torch.manual_seed(seed)
+    return LoopLM(tiny(**VARIANTS[name]))
+
+
+def tokens(b: int = 3, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (b, L), generator=g)
+
+
+def test_registry_matches_config_literal():
+    assert set(RULES) == set(RULE_NAMES)
+    with pytest.raises(Exception, match="allowed"):
+        tiny(rule="nope")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_shapes_and_states(name):
+    model = make(name)
+    x = tokens()
+    out = model(x, depth=[1, 3], targets=x, return_states=True)
+    assert out.logits.shape == (3, L, V)
+    assert set(out.logits_by_depth) == {1, 3} and set(out.nll_by_depth) == {1, 3}
+    assert len(out.states) == 4 and all(s.shape == (3, L, D) for s in out.states)
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gradients_reach_every_trainable_parameter(name):
+    model = make(name)
+    x = tokens()
+    model(x, depth=3, targets=x).loss.backward()
+    for pname, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, f"{pname} got no gradient"
+            assert float(p.grad.abs().sum()) > 0, f"{pname} has an all-zero gradient"
+        else:
+            assert p.grad is None
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_causality(name):
+    model = make(name)
+    x = tokens(b=1)
+    j = 7
+    x2 = x.clone()
+    x2[0, j] = (x[0, j] + 1) % V
+    a = model(x, depth=4).logits
+    b = model(x2, depth=4).logits
+    diff_before = (a[:, :j] - b[:, :j]).abs().max().item()
+    diff_after = (a[:, j:] - b[:, j:]).abs().max().item()
+    print(f"{name}: max |Δlogits| before j={diff_before:.2e}, at/after j={diff_after:.2e}")
+    assert diff_before == 0.0
+    assert diff_after > 0.0
+
+
+def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
+    """Independent unroll written from SPEC §2 with the blocks' own forward: G(z) = Core(z) − z."""
+    cfg = model.cfg
+    e = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))
+    for blk in model.prelude:
+        e = blk(e)
+
+    def G(z):
+        y = z
+        for blk in model.core.blocks:
+            y = blk(y)
+        return y - z
+
+    s = cfg.resolved_step_scale
+    r = model.rule
+    if cfg.rule == "looped":
+        h = e
+        for _ in range(T):
+            h = h + s * G(h + e)
+        return h
+    anchor = e + cfg.anchor_scale * (e @ r.anchor_proj.weight.T)
+    h = e + cfg.init_scale * (e @ r.init_proj.weight.T)
+    if cfg.rule in ("adapter", "step_adapter"):
+        for t in range(T):
+            z = h + r.alpha * (anchor @ r.in_proj.weight.T)
+            if cfg.rule == "step_adapter":
+                z = z + cfg.step_tau * (sinusoidal_step_embedding(t, D) @ r.step_proj.weight.T)
+            h = h + s * G(z)
+        return h
+    delta = h - anchor  # scse
+    for _ in range(T):
+        m = (delta.pow(2).sum(dim=(1, 2), keepdim=True) > cfg.scse_eps).float()
+        delta = delta + m * s * G(delta)
+    return anchor + delta
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_rule_matches_unrolled_reference(rule):
+    model = make(rule).eval()
+    x = tokens()
+    for T in (1, 2, 5):
+        got = model(x, depth=T, return_states=True).states[-1]
+        ref = _reference_hidden(model, x, T)
+        err = (got - ref).abs().max().item()
+        print(f"{rule} T={T}: max |h - h_ref| = {err:.2e}")
+        assert err < 1e-5
+
+
+def test_looped_prelude_coda_matches_reference():
+    model = make("looped-prelude-coda").eval()
+    x = tokens()
+    h = _reference_hidden(model, x, 3)
+    for blk in model.coda:
+        h = blk(h)
+    ref = model.lm_head(model.norm_f(h))
+    assert torch.allclose(model(x, depth=3).logits, ref, atol=1e-5)
+
+
+def test_unshared_runs_min_depth_blocks():
+    model = make("unshared").eval()
+    x = tokens()
+    h = model.tok_emb(x) + model.pos_emb(torch.arange(L))
+    outs = {}
+    for i, blk in enumerate(model.layers):
+        h = blk(h)
+        outs[i + 1] = model.lm_head(model.norm_f(h))
+    got = model(x, depth=[1, 3, 8]).logits_by_depth
+    assert torch.allclose(got[1], outs[1], atol=1e-6)
+    assert torch.allclose(got[3], outs[3], atol=1e-6)
+    assert torch.equal(got[8], got[3])  # active depth saturates at n_layers
+
+
+@pytest.mark.parametrize("anchor", ["learned", "embedding", "frozen_random"])
+def test_scse_forcing_bias_is_exactly_zero(anchor):
+    model = make("scse" if anchor == "learned" else f"scse-{anchor}")
+    recs = forcing_profile(model, tokens(), steps=[0, 3, 7])
+    for r in recs:
+        print(anchor, r)
+        assert r["bias_max_abs"] == 0.0 and r["raw_bias_max_abs"] == 0.0
+        assert r["ratio"] == 0.0
+        assert r["anchor_energy"] > 0
+
+
+@pytest.mark.parametrize("rule", ["looped", "adapter", "step_adapter"])
+def test_additive_rules_have_nonzero_forcing_bias(rule):
+    recs = forcing_profile(make(rule), tokens(), steps=[0, 3, 7])
+    for r in recs:
+        print(rule, r)
+        assert r["bias_energy"] > 1e-8 and r["raw_bias_energy"] == r["bias_energy"]
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+
+
+def test_scse_unmasked_zero_core_still_zero_raw_response():
+    """The zero-preserving core alone gives b̃_t = 0 (no mask involved)."""
+    recs = forcing_profile(make("scse-nomask"), tokens(), steps=[0, 5])
+    assert all(r["raw_bias_max_abs"] == 0.0 for r in recs)
+
+
+def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
+    torch.manual_seed(0)
+    model = LoopLM(tiny(rule="scse", scse_anchor="init")).eval()
+    x = tokens()
+    out = model(x, depth=[0, 1, 8, 24], targets=x, return_states=True)
+    for s in out.states:
+        assert torch.equal(s, out.anchor)  # Δ_t = 0 at every t
+    nll = out.nll_by_depth
+    assert torch.equal(nll[1], nll[0]) and torch.equal(nll[24], nll[8]) and torch.equal(nll[8], nll[1])
+
+
+def test_mask_is_per_example():
+    """An example whose Δ_0 is zero stays put while its batch neighbour moves."""
+    torch.manual_seed(0)
+    model = LoopLM(tiny(rule="scse")).eval()
+    e = torch.randn(2, L, D)
+    state, ctx = model.rule.start(e)
+    state = state.clone()
+    state[0] = 0.0
+    nxt = model.rule.step(model.core, state, 0, ctx)
+    assert torch.equal(nxt[0], torch.zeros_like(nxt[0]))
+    assert nxt[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("name", ["looped", "scse", "step_adapter", "unshared"])
+def test_multi_depth_equals_separate_runs(name):
+    model = make(name).eval()
+    x = tokens()
+    depths = [1, 2, 4, 8, 12]
+    multi = model(x, depth=depths, targets=x)
+    worst = 0.0
+    for T in depths:
+        single = model(x, depth=T, targets=x)
+        rel = ((multi.nll_by_depth[T] - single.nll_by_depth[T]).abs() / single.nll_by_depth[T].abs()).max().item()
+        worst = max(worst, rel)
+    print(f"{name}: max relative difference multi vs separate = {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def test_depth_zero_and_bad_depth():
+    model = make("scse")
+    x = tokens()
+    assert model(x, depth=0).logits.shape == (3, L, V)
+    with pytest.raises(ValueError, match="depth"):
+        model(x, depth=-1)
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, L + 1, dtype=torch.long), depth=1)
+
+
+def test_frozen_random_anchor_not_trained():
+    model = make("scse-frozen_random")
+    assert not model.rule.anchor_proj.weight.requires_grad
+    assert model.num_params() == model.num_params(trainable_only=False) - D * D
