@@ -1,0 +1,193 @@
+"""The ``looplm`` command line: one console script dispatching subcommands.
+
+All argument parsing lives here. Every config field can be overridden as ``--SECTION.FIELD VALUE``
+(for example ``--model.rule looped --train.steps 200``); the field help texts come from the config
+dataclasses, so ``looplm train --help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from looplm.config import SECTIONS, Config, ConfigError, apply_overrides
+
+DEPTHS_HELP = "comma-separated loop depths, e.g. 1,2,4,8,12,16,24,32,48"
+
+
+def parse_depths(text: str) -> list[int]:
+    """``"1,8,48"`` → [1, 8, 48]. Raises argparse.ArgumentTypeError on anything else."""
+    try:
+        depths = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--depths: expected {DEPTHS_HELP}; got {text!r}") from None
+    if not depths or min(depths) < 0:
+        raise argparse.ArgumentTypeError(f"--depths: need loop depths >= 0; got {text!r}")
+    return depths
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="cpu", help="named config to start from (see `looplm info --list`); "
+                   "default: cpu")
+    p.add_argument("--config", type=Path, help="a config.json to start from instead of a preset")
+    for section, cls in SECTIONS.items():
+        g = p.add_argument_group(f"{section} config (override any field)")
+        for f in dataclasses.fields(cls):
+            if f.name.startswith("_"):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            g.add_argument(f"--{section}.{f.name}", dest=f"cfg:{section}.{f.name}", metavar="V",
+                           help=f"{f.metadata.get('help', '')} [preset value; base default {default!r}]")
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    from looplm.presets import get_preset
+
+    cfg = Config.from_json(args.config.read_text()) if args.config else get_preset(args.preset)
+    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    if getattr(args, "name", None):
+        overrides["name"] = args.name
+    return apply_overrides(cfg, overrides)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from looplm.analysis.flops import flops_per_token
+    from looplm.model import LoopLM
+    from looplm.presets import PRESETS
+
+    if args.list:
+        print(json.dumps({name: cfg.to_dict()["model"] for name, cfg in PRESETS.items()}, indent=2))
+        return 0
+    cfg = _config_from_args(args)
+    with torch.device("meta"):
+        model = LoopLM(cfg.model)
+    info = {"preset": args.preset if not args.config else str(args.config), "name": cfg.name,
+            "params": model.num_params(), "params_millions": round(model.num_params() / 1e6, 2),
+            "flops_per_token": {str(T): flops_per_token(cfg.model, T) for T in args.depths},
+            "config": cfg.to_dict()}
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from looplm.train.trainer import train
+
+    cfg = _config_from_args(args)
+    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from looplm.eval.runner import evaluate_checkpoint
+
+    result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
+                                 batch_size=args.batch_size, max_tokens=args.max_tokens, stride=args.stride,
+                                 device=args.device, progress=not args.quiet)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        args.out.with_suffix(".md").write_text(result["markdown"] + "\n")
+        print(result["markdown"])
+        print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from looplm.demo import run_demo
+
+    run_demo(args.out, steps=args.steps, eval_tokens=args.eval_tokens, depths=args.depths,
+             rules=args.rules, progress=not args.quiet)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from looplm.eval.perplexity import DEFAULT_DEPTHS
+
+    default_depths = ",".join(map(str, DEFAULT_DEPTHS))
+    parser = argparse.ArgumentParser(
+        prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
+        "depth-recurrent) transformer language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the main job: train looped and scse on Brown, compare PPL across depths",
+                       description="Train the `looped` baseline and `scse` with the cpu preset on the Brown "
+                       "train split (SPEC §11), evaluate both at every depth on Brown test and on held-out "
+                       "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
+                       "Re-running skips finished training and resumes interrupted runs.")
+    p.add_argument("--out", type=Path, default=Path("results/demo"), help="results folder (default results/demo)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the cpu preset's)")
+    p.add_argument("--eval-tokens", type=int, default=32768,
+                   help="score at most this many tokens per evaluation split (default 32768)")
+    p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
+    p.add_argument("--rules", default="looped,scse", help="comma-separated recurrence rules to train")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="train a model (any config field overridable)",
+                       description="Train a model into --out: checkpoints under OUT/checkpoints (atomic; "
+                       "OUT/latest names the newest), metrics appended to OUT/metrics.jsonl, "
+                       "OUT/summary.json at the end. --resume continues exactly from the newest valid "
+                       "checkpoint.")
+    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("--name", help="run name (default: the preset's)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop with a checkpoint after N steps of this invocation (continue with --resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="multi-depth perplexity of a checkpoint",
+                       description="Perplexity at every requested loop depth from one unroll per batch "
+                       "(SPEC §6), token-weighted. Writes per-depth ppl, nll and tokens as JSON (--out) "
+                       "and a Markdown table next to it.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
+    p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103 (default: the training corpus)")
+    p.add_argument("--split", default="test", choices=["train", "valid", "test"], help="split (default test)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per forward (default 16)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the split")
+    p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: non-overlapping)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--out", type=Path, help="write the JSON here (and FILE.md)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("info", help="parameter count and FLOP proxy of a config, as JSON",
+                       description="Print JSON with `params` (trainable, tied embeddings once) and "
+                       "`flops_per_token` → depth → {body, body_head} (SCSE eq. 20–21). Builds the "
+                       "model on the meta device, so paper-size presets cost no memory.")
+    p.add_argument("--depths", type=parse_depths, default=[8, 48], help=DEPTHS_HELP + " (default 8,48)")
+    p.add_argument("--list", action="store_true", help="list the presets and their model configs")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, KeyError, FileNotFoundError, ValueError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"looplm {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - surface checkpoint errors without a traceback
+        from looplm.train.checkpoint import CheckpointError
+
+        if isinstance(exc, CheckpointError):
+            print(f"looplm {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+

@@ -1,0 +1,269 @@
+"""Corpus registry: raw text of the train / valid / test split of each dataset (SPEC §5, §11).
+
+Every corpus returns a split as a list of *documents* (strings); the token stream puts the
+end-of-text token between documents. ``load_split_text`` joins them with the corpus's separator,
+which gives back the split's text as a user would read it.
+
+Registered names (the ``DataConfig.dataset`` Literal; a test checks that the two agree):
+
+- ``brown``: ``<data_root>/brown/brown_untagged.txt``, 500 documents split by 0-based document
+  index i: ``i % 20 == 18`` → valid, ``i % 20 == 19`` → test, others → train (450 / 25 / 25;
+  SPEC §11, our choice). A document is its sentences joined with ``"\\n"``; documents are joined
+  with ``"\\n\\n"`` in ``load_split_text``.
+- ``wikitext2`` / ``wikitext103``: the raw variants, local files
+  ``<data_root>/wikitext-2-raw/wiki.{train,valid,test}.raw`` (``wikitext-103-raw/`` for 103),
+  CRLF → LF; when a file is missing, the Hugging Face hub (``Salesforce/wikitext``) if the
+  ``datasets`` package is installed. One document per split.
+- ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8 files (CRLF → LF;
+  relative paths are relative to the current directory). One document per split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from looplm.config import DataConfig
+
+SPLITS: tuple[str, ...] = ("train", "valid", "test")
+BROWN_FILE = "brown/brown_untagged.txt"
+_BROWN_SPLIT_VERSION = "brown-mod20-v1"  # bump if the document split rule ever changes
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One registered dataset.
+
+    ``documents(cfg, split, data_root)`` returns the split's documents; ``fingerprint(cfg, split,
+    data_root)`` a cheap string that changes whenever the split's text can change (cache key).
+    Both raise ``FileNotFoundError`` naming the file to provide when the source is missing.
+    """
+
+    name: str
+    documents: Callable[[DataConfig, str, Path], list[str]]
+    fingerprint: Callable[[DataConfig, str, Path], str]
+    separator: str  # joins documents back into the split's text
+
+
+CORPORA: dict[str, Corpus] = {}
+
+
+def register_corpus(corpus: Corpus) -> Corpus:
+    """Add ``corpus`` to the registry under ``corpus.name`` (a ValueError if the name is taken)."""
+    if corpus.name in CORPORA:
+        raise ValueError(f"corpus {corpus.name!r} is already registered")
+    CORPORA[corpus.name] = corpus
+    return corpus
+
+
+def get_corpus(name: str) -> Corpus:
+    """The registered corpus called ``name``; ValueError listing the known names otherwise."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(sorted(CORPORA))}")
+    return CORPORA[name]
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+
+
+def load_split_documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+    """Documents of ``split`` ∈ {train, valid, test} of ``cfg.dataset``, in file order.
+
+    Raises:
+        ValueError: unknown dataset or split.
+        FileNotFoundError: the source file is missing (the message names it and how to provide it).
+    """
+    _check_split(split)
+    return get_corpus(cfg.dataset).documents(cfg, split, Path(data_root))
+
+
+def load_split_text(cfg: DataConfig, split: str, data_root: Path) -> str:
+    """The text of ``split`` ∈ {train, valid, test} of ``cfg.dataset`` (LF line endings).
+
+    Raises: as :func:`load_split_documents`.
+    """
+    corpus = get_corpus(cfg.dataset)
+    return corpus.separator.join(load_split_documents(cfg, split, data_root))
+
+
+def source_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+    """A sha256 hex string identifying the source of ``split`` (used in cache keys).
+
+    Local files: hashed from the dataset name, the split, and the sha256 of the file's bytes
+    (memoized per path, size and mtime, so repeated calls are cheap). Hub sources: from the hub
+    dataset id, config and split.
+
+    Raises: as :func:`load_split_documents`.
+    """
+    _check_split(split)
+    desc = get_corpus(cfg.dataset).fingerprint(cfg, split, Path(data_root))
+    return hashlib.sha256(desc.encode()).hexdigest()
+
+
+_FILE_SHA: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of the bytes of ``path`` (memoized on path, size and mtime)."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_SHA:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _FILE_SHA[key] = h.hexdigest()
+    return _FILE_SHA[key]
+
+
+def read_text_lf(path: Path) -> str:
+    """Read a UTF-8 text file and normalize CRLF line endings to LF."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return f.read().replace("\r\n", "\n")
+
+
+# --- brown ------------------------------------------------------------------------------------
+
+
+def brown_documents(path: Path) -> list[str]:
+    """Parse ``brown_untagged.txt`` into documents (a blank line ends each document).
+
+    Each document is its sentences (one per line in the file) joined with ``"\\n"``, no trailing
+    newline. The shared copy gives 500 documents and 57,340 sentences (``shared/data/SOURCES.md``).
+    """
+    docs: list[str] = []
+    sentences: list[str] = []
+    for line in read_text_lf(path).split("\n"):
+        if line.strip():
+            sentences.append(line)
+        elif sentences:
+            docs.append("\n".join(sentences))
+            sentences = []
+    if sentences:
+        docs.append("\n".join(sentences))
+    return docs
+
+
+def brown_split(docs: list[str]) -> dict[str, list[str]]:
+    """Split documents by 0-based index i (SPEC §11): ``i % 20`` 18 → valid, 19 → test, else train.
+
+    With 500 documents this gives 450 / 25 / 25; document order within each split is file order.
+    """
+    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    for i, doc in enumerate(docs):
+        out["valid" if i % 20 == 18 else "test" if i % 20 == 19 else "train"].append(doc)
+    return out
+
+
+def _brown_path(data_root: Path) -> Path:
+    path = data_root / BROWN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Brown corpus not found: {path}. Put brown_untagged.txt (one sentence per line, a blank "
+            f"line after each of the 500 documents; see shared/data/SOURCES.md) there, or set "
+            f"LOOPLM_DATA / data.data_root to a directory that has {BROWN_FILE}.")
+    return path
+
+
+def _brown_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+    return brown_split(brown_documents(_brown_path(data_root)))[split]
+
+
+def _brown_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+    return f"brown:{split}:{_BROWN_SPLIT_VERSION}:{file_sha256(_brown_path(data_root))}"
+
+
+register_corpus(Corpus("brown", _brown_docs, _brown_fingerprint, "\n\n"))
+
+
+# --- wikitext ---------------------------------------------------------------------------------
+
+_HF_SPLIT = {"train": "train", "valid": "validation", "test": "test"}
+
+
+def _hub_available() -> bool:
+    try:
+        importlib.import_module("datasets")
+    except ImportError:
+        return False
+    return True
+
+
+def _wikitext_hub_text(hub_config: str, split: str) -> str:
+    """Rebuild a raw WikiText split from ``Salesforce/wikitext`` rows.
+
+    Hub rows keep each line's ``"\\n"``, but the raw files' blank lines (``" \\n"``) are stored as
+    empty rows; mapping them back reproduces the raw files byte for byte (the SOURCES.md byte
+    counts agree: valid has 1,299 blank lines, test 1,467).
+    """
+    import datasets
+
+    ds = datasets.load_dataset("Salesforce/wikitext", hub_config, split=_HF_SPLIT[split])
+    return "".join(row if row else " \n" for row in ds["text"])
+
+
+def _wikitext(dirname: str, hub_config: str) -> tuple[Callable, Callable]:
+    def local_path(data_root: Path, split: str) -> Path:
+        return data_root / dirname / f"wiki.{split}.raw"
+
+    def missing(path: Path, split: str, why: str) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"{path} not found ({why}). Put the raw WikiText file wiki.{split}.raw there, set "
+            f"LOOPLM_DATA / data.data_root to a directory with {dirname}/wiki.{split}.raw, or "
+            f"`pip install datasets` while online to load Salesforce/wikitext {hub_config} from "
+            f"the Hugging Face hub.")
+
+    def documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+        path = local_path(data_root, split)
+        if path.is_file():
+            return [read_text_lf(path)]
+        if not _hub_available():
+            raise missing(path, split, "and the `datasets` package is not installed")
+        try:
+            return [_wikitext_hub_text(hub_config, split)]
+        except Exception as e:  # offline, hub down, auth …: all end in the same advice
+            raise missing(path, split, f"and the hub failed: {type(e).__name__}: {e}") from e
+
+    def fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+        path = local_path(data_root, split)
+        if path.is_file():
+            return f"{cfg.dataset}:{split}:file:{file_sha256(path)}"
+        if not _hub_available():
+            raise missing(path, split, "and the `datasets` package is not installed")
+        return f"{cfg.dataset}:{split}:hub:Salesforce/wikitext:{hub_config}:{_HF_SPLIT[split]}"
+
+    return documents, fingerprint
+
+
+register_corpus(Corpus("wikitext2", *_wikitext("wikitext-2-raw", "wikitext-2-raw-v1"), ""))
+register_corpus(Corpus("wikitext103", *_wikitext("wikitext-103-raw", "wikitext-103-raw-v1"), ""))
+
+
+# --- text (local files) -----------------------------------------------------------------------
+
+
+def _text_path(cfg: DataConfig, split: str) -> Path:
+    if len(cfg.text_files) != 3:
+        raise ValueError("data.text_files: dataset=text needs three paths: train, valid, test")
+    path = Path(cfg.text_files[SPLITS.index(split)]).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: data.text_files[{SPLITS.index(split)}] must be "
+                                f"the {split} split as a UTF-8 plain-text file")
+    return path
+
+
+def _text_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+    return [read_text_lf(_text_path(cfg, split))]
+
+
+def _text_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+    return f"text:{split}:{file_sha256(_text_path(cfg, split))}"
+
+
+register_corpus(Corpus("text", _text_docs, _text_fingerprint, ""))

@@ -1,0 +1,147 @@
+"""Tokenizers: GPT-2 BPE (50,257 entries) and a byte-level BPE trained on the training split (SPEC §11).
+
+Both are Hugging Face ``tokenizers.Tokenizer`` objects with a byte-level pre-tokenizer (GPT-2's
+regex, no prefix space) and a byte-level decoder, so ``decode(encode(text).ids)`` gives back the
+text exactly, and both have the special token ``<|endoftext|>`` (GPT-2: id 50256; trained BPE: id 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers.models import BPE
+from tokenizers.pre_tokenizers import ByteLevel
+from tokenizers.trainers import BpeTrainer
+
+from looplm.config import DataConfig
+from looplm.data.corpora import load_split_text, source_fingerprint
+from looplm.data.paths import atomic_write
+
+EOT = "<|endoftext|>"
+GPT2_FILES = ("gpt2-tokenizer/vocab.json", "gpt2-tokenizer/merges.txt")
+
+
+def _byte_level(tok: Tokenizer) -> Tokenizer:
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def load_gpt2_tokenizer(data_root: Path) -> Tokenizer:
+    """GPT-2's BPE from ``<data_root>/gpt2-tokenizer/{vocab.json,merges.txt}`` (OpenAI's files).
+
+    Encodes exactly like GPT-2 ("Hello world" → [15496, 995]); ``<|endoftext|>`` is special id 50256.
+    When the local files are missing, falls back to ``Tokenizer.from_pretrained("gpt2")`` (hub).
+
+    Raises:
+        FileNotFoundError: local files missing and the hub is unreachable; names the files.
+    """
+    vocab, merges = (Path(data_root) / f for f in GPT2_FILES)
+    if vocab.is_file() and merges.is_file():
+        tok = _byte_level(Tokenizer(BPE.from_file(str(vocab), str(merges))))
+    else:
+        try:
+            tok = Tokenizer.from_pretrained("gpt2")
+        except Exception as e:  # offline or hub error
+            missing = ", ".join(str(p) for p in (vocab, merges) if not p.is_file())
+            raise FileNotFoundError(
+                f"GPT-2 tokenizer files not found: {missing}. Put OpenAI's vocab.json (encoder.json) "
+                f"and merges.txt (vocab.bpe) in {vocab.parent}, set LOOPLM_DATA / data.data_root, "
+                f"or go online so Tokenizer.from_pretrained('gpt2') can fetch them "
+                f"({type(e).__name__}: {e})") from e
+    tok.add_special_tokens([AddedToken(EOT, special=True)])
+    return tok
+
+
+def text_chunks(text: str, target_chars: int = 1 << 16) -> Iterator[str]:
+    """Cut ``text`` into pieces of about ``target_chars`` that concatenate back to ``text``.
+
+    Cuts fall only after a ``"\\n"`` where the byte-level pre-tokenizer (GPT-2's regex) splits the
+    same way with or without the cut: the next line starts with a non-space character and the
+    ``"\\n"`` is not part of a longer whitespace run, or the next line starts with one space followed
+    by a non-space character. So encoding the pieces gives the same ids as encoding ``text`` whole
+    (text without such points stays one piece).
+    """
+    n, start = len(text), 0
+    while n - start > target_chars:
+        cut = -1
+        pos = start + target_chars
+        while cut < 0:
+            nl = text.find("\n", pos)
+            if nl < 0 or nl + 2 >= n:
+                break
+            a, b = text[nl + 1], text[nl + 2]
+            if (not a.isspace() and not text[nl - 1].isspace()) or (a == " " and not b.isspace()):
+                cut = nl + 1
+            pos = nl + 1
+        if cut < 0:
+            break
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
+
+
+def train_bpe_tokenizer(text: str, vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with ``vocab_size`` entries (incl. 256 bytes and ``<|endoftext|>`` = id 0).
+
+    Uses Hugging Face ``BpeTrainer`` with the byte-level alphabet, so every string is encodable.
+    Deterministic: the same text and size give the same ``to_str()`` (HF tokenizers has no seed;
+    ties between equally frequent merges are broken by the pair ids).
+
+    Raises:
+        ValueError: ``vocab_size`` < 257 (256 bytes + the special token).
+    """
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size must be >= 257 (256 bytes + {EOT}), got {vocab_size}")
+    tok = _byte_level(Tokenizer(BPE()))
+    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                         initial_alphabet=ByteLevel.alphabet())
+    tok.train_from_iterator(text_chunks(text), trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: Path) -> None:
+    """Write ``tok`` as HF tokenizer JSON to ``path`` atomically (temp file + rename)."""
+    with atomic_write(Path(path)) as f:
+        f.write(tok.to_str().encode())
+
+
+def get_tokenizer(cfg: DataConfig, data_root: Path, cache_dir: Path) -> Tokenizer:
+    """The tokenizer ``cfg.tokenizer`` names.
+
+    - ``gpt2``: :func:`load_gpt2_tokenizer`.
+    - ``bpe``: trained on the training split of ``cfg.dataset`` with ``cfg.bpe_vocab_size`` entries,
+      cached as ``<cache_dir>/tokenizers/<dataset>-bpe<V>-<fp12>.json`` (fp12: the first 12 hex
+      chars of the train split's :func:`source_fingerprint`) and reused when present.
+
+    Raises:
+        ValueError: unknown tokenizer name. FileNotFoundError: missing source files.
+    """
+    if cfg.tokenizer == "gpt2":
+        return load_gpt2_tokenizer(data_root)
+    if cfg.tokenizer != "bpe":
+        raise ValueError(f"unknown tokenizer {cfg.tokenizer!r}; known: gpt2, bpe")
+    fp = source_fingerprint(cfg, "train", data_root)[:12]
+    path = Path(cache_dir) / "tokenizers" / f"{cfg.dataset}-bpe{cfg.bpe_vocab_size}-{fp}.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tok = train_bpe_tokenizer(load_split_text(cfg, "train", data_root), cfg.bpe_vocab_size)
+    save_tokenizer(tok, path)
+    return tok
+
+
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
+    """First 16 hex chars of sha256(``tok.to_str()``): changes whenever the tokenizer does."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def eot_id(tok: Tokenizer) -> int:
+    """Id of ``<|endoftext|>`` in ``tok``; ValueError when it has none."""
+    i = tok.token_to_id(EOT)
+    if i is None:
+        raise ValueError(f"tokenizer has no {EOT} token")
+    return i

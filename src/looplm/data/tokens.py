@@ -1,0 +1,198 @@
+"""Token streams: one cached 1-D memmap per (dataset, split, tokenizer), and the batches cut from it.
+
+Cache layout (nanoGPT style): ``<cache_dir>/tokens/<dataset>-<split>-<key16>.bin``, raw little-endian
+uint16 (vocab ≤ 65,535) or uint32, where key16 = sha256(source fingerprint, tokenizer fingerprint,
+format version)[:16]. A changed source file or tokenizer gives a new key, hence a new file; old files
+are left for the user to delete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from looplm.config import DataConfig
+from looplm.data.corpora import load_split_documents, source_fingerprint
+from looplm.data.paths import atomic_write
+from looplm.data.tokenizer import eot_id, text_chunks, tokenizer_fingerprint
+
+TOKENS_FORMAT_VERSION = 1  # bump when the stream layout (EOT placement, chunking) changes
+_BATCH_CHARS = 1 << 22  # characters handed to one encode_batch call
+_PROGRESS_CHARS = 1 << 20  # show a progress bar above this many characters
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (``vocab_size`` ≤ 65,535), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def tokens_cache_path(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path) -> Path:
+    """Path of the cached token stream of ``split`` (see the module docstring for the key)."""
+    src = source_fingerprint(cfg, split, data_root)
+    key = hashlib.sha256(f"{src}|{tokenizer_fingerprint(tok)}|v{TOKENS_FORMAT_VERSION}".encode())
+    return Path(cache_dir) / "tokens" / f"{cfg.dataset}-{split}-{key.hexdigest()[:16]}.bin"
+
+
+def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing") -> Iterator[np.ndarray]:
+    """Yield the token ids of ``docs`` in order, with ``<|endoftext|>`` between documents.
+
+    Each document is cut with :func:`looplm.data.tokenizer.text_chunks` (~64K chars, cuts only where
+    they do not change the ids) and encoded with ``encode_batch`` in groups of ~4M chars. Decoding the
+    stream gives back the documents joined by ``<|endoftext|>``. A tqdm bar (in characters) is shown
+    above 1M characters.
+    """
+    dtype = token_dtype(tok.get_vocab_size())
+    eot = np.array([eot_id(tok)], dtype=dtype)
+    total = sum(len(d) for d in docs)
+    bar = tqdm(total=total, unit="char", unit_scale=True, desc=desc, disable=total <= _PROGRESS_CHARS)
+    group: list[str] = []  # chunks of possibly many documents, encoded in one parallel call
+    eot_after: list[bool] = []  # chunk i ends a document that is followed by another one
+
+    def flush() -> Iterator[np.ndarray]:
+        for enc, sep in zip(tok.encode_batch(group, add_special_tokens=False), eot_after):
+            yield np.asarray(enc.ids, dtype=dtype)
+            if sep:
+                yield eot
+        bar.update(sum(len(c) for c in group))
+        group.clear()
+        eot_after.clear()
+
+    group_chars = 0
+    for i, doc in enumerate(docs):
+        chunks = list(text_chunks(doc)) or [""]  # an empty document still gets its separator
+        for k, chunk in enumerate(chunks):
+            group.append(chunk)
+            eot_after.append(k == len(chunks) - 1 and i < len(docs) - 1)
+            group_chars += len(chunk)
+            if group_chars >= _BATCH_CHARS:
+                yield from flush()
+                group_chars = 0
+    if group:
+        yield from flush()
+    bar.close()
+
+
+def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # np.memmap refuses empty files
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path) -> np.ndarray:
+    """The token stream of ``split`` as a read-only 1-D memmap (uint16 or uint32, see module doc).
+
+    Built on first use (documents of :func:`~looplm.data.corpora.load_split_documents`, EOT between
+    documents: Brown's documents are separated, the single-document splits have no EOT) and written
+    atomically, so a killed build never leaves a half file; later calls map the cached file without
+    reading the source text.
+
+    Raises:
+        ValueError: unknown dataset / split. FileNotFoundError: missing source (names the file).
+    """
+    path = tokens_cache_path(cfg, split, tok, data_root, cache_dir)
+    dtype = token_dtype(tok.get_vocab_size())
+    if not path.is_file():
+        docs = load_split_documents(cfg, split, data_root)
+        with atomic_write(path) as f:
+            for ids in encode_documents(docs, tok, desc=f"tokenizing {cfg.dataset}/{split}"):
+                f.write(ids.tobytes())
+    return _open_tokens(path, dtype)
+
+
+def batch_seed(seed: int, step: int, micro: int = 0) -> int:
+    """A 63-bit generator seed that is a pure function of (seed, step, micro)."""
+    h = hashlib.blake2b(f"looplm-batch|{seed}|{step}|{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, step: int,
+                 micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random contiguous training windows: x, y int64 (B, L), y the next tokens of x in the stream.
+
+    Each row is ``tokens[o : o + L + 1]`` with offset o uniform in [0, len − L − 1], drawn from a
+    ``torch.Generator`` seeded by :func:`batch_seed` (seed, step, micro): resuming at step k, or
+    another rank, draws exactly the same batches.
+
+    Raises:
+        ValueError: the stream has fewer than L + 1 tokens.
+    """
+    n = len(tokens)
+    if n < seq_len + 1:
+        raise ValueError(f"token stream has {n} tokens; a window needs seq_len + 1 = {seq_len + 1}")
+    g = torch.Generator().manual_seed(batch_seed(seed, step, micro))
+    offsets = torch.randint(0, n - seq_len, (batch_size,), generator=g).numpy()
+    idx = offsets[:, None] + np.arange(seq_len + 1)  # (B, L+1)
+    w = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def _eval_plan(n: int, seq_len: int, stride: int | None) -> np.ndarray:
+    """(start, lo, hi) per window: inputs ``tokens[start : start + L]``, scored positions [lo, hi)."""
+    n_targets = n - 1
+    if n_targets <= 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if stride is None:
+        starts = np.arange(0, n_targets, seq_len)
+        his = np.minimum(seq_len, n_targets - starts)
+        return np.stack([starts, np.zeros_like(starts), his], axis=1)
+    plan = [(0, 0, min(seq_len, n_targets))]
+    end = plan[0][2]  # targets 1..end are scored
+    while end < n_targets:
+        new_end = min(end + stride, n_targets)
+        plan.append((new_end - seq_len, seq_len - (new_end - end), seq_len))
+        end = new_end
+    return np.asarray(plan, dtype=np.int64)
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, *, stride: int | None = None,
+                 max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Evaluation batches (x, y, mask) that score every target ``tokens[1:]`` exactly once.
+
+    - ``stride=None``: non-overlapping windows ``tokens[kL : kL + L]``; the last one may be partial.
+    - ``stride`` in [1, L]: sliding windows of full length L (except when the stream is shorter);
+      the first window scores all its targets, each later one only its last ``stride`` (fewer in the
+      last window) new targets, with the rest of the window as context.
+
+    x, y: int64 (B, L), y the targets of x; mask: bool (B, L), True where a target is scored. Padded
+    positions (past the end of the stream) hold 0 and mask False; unscored context positions hold
+    their real targets. The last batch may have fewer than ``batch_size`` rows; ``max_batches`` stops
+    early. Over a full pass ``mask.sum() == len(tokens) - 1``.
+
+    Raises:
+        ValueError: ``stride`` outside [1, seq_len].
+    """
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+    n = len(tokens)
+    plan = _eval_plan(n, seq_len, stride)
+    pos = np.arange(seq_len + 1)
+    for b, i in enumerate(range(0, len(plan), batch_size)):
+        if max_batches is not None and b >= max_batches:
+            return
+        start, lo, hi = (plan[i:i + batch_size, k] for k in range(3))
+        idx = start[:, None] + pos  # (B, L+1)
+        w = np.where(idx < n, np.asarray(tokens[np.minimum(idx, n - 1)], dtype=np.int64), 0)
+        j = pos[None, :-1]
+        mask = (j >= lo[:, None]) & (j < hi[:, None])  # (B, L)
+        w = torch.from_numpy(w)
+        yield w[:, :-1].contiguous(), w[:, 1:].contiguous(), torch.from_numpy(mask)
+
+
+def unigram_ppl(train_tokens: np.ndarray, test_tokens: np.ndarray, vocab_size: int) -> float:
+    """Perplexity of an add-one-smoothed unigram model fitted on ``train_tokens``.
+
+    p(v) = (count_train(v) + 1) / (N_train + V); ppl = exp(−mean log p(t)) over the test targets
+    ``test_tokens[1:]`` (the same targets the models are scored on). A floor any LM should beat.
+    """
+    counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    targets = np.asarray(test_tokens[1:], dtype=np.int64)
+    if len(targets) == 0:
+        raise ValueError("test_tokens needs at least 2 tokens (one target)")
+    return float(np.exp(-logp[targets].mean()))

@@ -1,0 +1,1 @@
+"""Evaluation: multi-depth perplexity (SPEC §6)."""

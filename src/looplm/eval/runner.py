@@ -1,0 +1,54 @@
+"""Evaluate a checkpoint on a corpus split at several loop depths (``looplm eval``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from looplm.analysis.flops import flops_per_token
+from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.tokens import load_tokens
+from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table
+from looplm.train.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
+
+
+def load_tokenizer_for(ckpt: Path) -> Tokenizer:
+    """The tokenizer saved with a checkpoint (``tokenizer.json``)."""
+    path = ckpt / TOKENIZER_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; the checkpoint does not carry its tokenizer")
+    return Tokenizer.from_file(str(path))
+
+
+def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
+                        dataset: str | None = None, split: str = "test", batch_size: int = 16,
+                        max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
+                        progress: bool = True) -> dict[str, Any]:
+    """Multi-depth perplexity of a checkpoint on ``dataset``/``split``.
+
+    Returns:
+        JSON-ready dict: ``checkpoint``, ``dataset``, ``split``, ``params``, ``depths`` →
+        ``{"T": {"ppl", "nll", "tokens", "flops_per_token"}}`` and a ``markdown`` table.
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint; FileNotFoundError: missing data split.
+    """
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tok = load_tokenizer_for(ckpt)
+    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
+                          device=torch.device(device), progress=progress,
+                          desc=f"eval {data_cfg.dataset}/{split}")
+    label = f"{cfg.name} ({data_cfg.dataset} {split})"
+    return {
+        "checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+        "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split,
+        "params": model.num_params(), "max_tokens": max_tokens, "stride": stride,
+        "depths": {str(T): {**r, "flops_per_token": flops_per_token(cfg.model, T)} for T, r in res.items()},
+        "markdown": markdown_table({label: res}, sorted(res)),
+    }

@@ -1,0 +1,1 @@
+"""Training: depth samplers, optimizer and schedule, checkpoints, the trainer loop."""

@@ -1,0 +1,203 @@
+"""The training loop: setup → fit, with periodic validation, atomic checkpoints and exact resume.
+
+Exact resume: batches and depth draws are pure functions of (seed, step, micro); the checkpoint keeps
+weights, optimizer, scheduler and the torch RNG (dropout) state, so a run resumed from step k
+reproduces the loss trace of the uninterrupted run bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from looplm.config import Config
+from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.tokenizer import get_tokenizer
+from looplm.data.tokens import load_tokens, sample_batch
+from looplm.eval.perplexity import evaluate_depths
+from looplm.model import LoopLM
+from looplm.train.checkpoint import (CheckpointError, load_checkpoint, newest_valid_checkpoint,
+                                     save_checkpoint)
+from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.train.samplers import build_sampler
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available; use cpu or auto")
+    return torch.device(name)
+
+
+def autocast_context(device: torch.device, dtype: str):
+    """bf16 autocast when ``dtype == "bfloat16"``, otherwise a no-op context."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class TrainData:
+    """Tokenized splits and the tokenizer of a run."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    tokenizer_json: str
+    vocab_size: int
+
+
+def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
+    """Tokenizer and memmapped train/valid token streams for ``cfg.data`` (cached on disk)."""
+    root = resolve_data_root(cfg.data.data_root)
+    cache = resolve_cache_dir(cfg.data.cache_dir)
+    tok = get_tokenizer(cfg.data, root, cache)
+    train = load_tokens(cfg.data, "train", tok, root, cache)
+    valid = load_tokens(cfg.data, "valid", tok, root, cache)
+    return TrainData(train=train, valid=valid, tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size())
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records logged after ``last_step`` (they will be logged again by the resumed run)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip()
+            and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
+          data: TrainData | None = None, stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
+
+    Args:
+        cfg: run config; ``model.vocab_size`` is set from the tokenizer.
+        out_dir: run directory.
+        resume: continue from the newest valid checkpoint in ``out_dir`` (its saved config wins).
+        data: pre-tokenized data (tests and the demo reuse it across runs).
+        stop_after: stop (with a checkpoint) after this many steps of this invocation, e.g. to fit a
+            time box; ``resume`` continues later exactly as if never stopped.
+
+    Returns:
+        Summary: steps, final validation loss/PPL, wall time, tokens/s, parameter count.
+
+    Raises:
+        CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start_step, state = 0, None
+    if resume:
+        ckpt = newest_valid_checkpoint(out)
+        if ckpt is None:
+            raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'}")
+        model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
+        start_step = int(state["step"])
+    tcfg = cfg.train
+    if tcfg.num_threads:
+        torch.set_num_threads(tcfg.num_threads)
+    device = resolve_device(tcfg.device)
+    data = data or prepare_data(cfg, progress=progress)
+    if cfg.model.vocab_size != data.vocab_size:
+        cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
+    if not resume:
+        torch.manual_seed(tcfg.seed)
+        model = LoopLM(cfg.model)
+    model.to(device)
+    (out / "config.json").write_text(cfg.to_json())
+    (out / "tokenizer.json").write_text(data.tokenizer_json)
+    opt = build_optimizer(model, tcfg)
+    sched = build_scheduler(opt, tcfg)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+    sampler = build_sampler(tcfg)
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        _truncate_metrics(metrics_path, start_step)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    L, B = cfg.model.seq_len, tcfg.batch_size
+    eval_tokens = tcfg.eval_batches * B * L
+
+    def checkpoint(step: int) -> None:
+        train_state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                       "rng": _rng_state(), "data_position": {"seed": tcfg.seed, "step": step}}
+        save_checkpoint(out, step, model, cfg, train_state=train_state, tokenizer_json=data.tokenizer_json)
+
+    def validate() -> dict[str, float]:
+        res = evaluate_depths(model, data.valid, [tcfg.eval_depth], batch_size=B, max_tokens=eval_tokens,
+                              device=device, progress=False)[tcfg.eval_depth]
+        return {"val_loss": res["nll"], "val_ppl": res["ppl"]}
+
+    model.train()
+    t_start = time.time()
+    tokens_done = 0
+    last: dict[str, Any] = {}
+    bar = tqdm(total=tcfg.steps, initial=start_step, desc=cfg.name, disable=not progress, unit="step",
+               dynamic_ncols=True)
+    end_step = tcfg.steps if stop_after is None else min(tcfg.steps, start_step + stop_after)
+    with metrics_path.open("a") as log:
+        for step in range(start_step, end_step):
+            t0 = time.time()
+            loss_sum, depths = 0.0, []
+            for micro in range(tcfg.grad_accum):
+                T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
+                depths.append(T)
+                x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast_context(device, tcfg.dtype):
+                    loss = model(x, depth=T, targets=y, keep_logits=False).loss
+                (loss / tcfg.grad_accum).backward()
+                loss_sum += float(loss.detach())
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip or math.inf))
+            lr = sched.get_last_lr()[0]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.time() - t0
+            n_tok = B * L * tcfg.grad_accum
+            tokens_done += n_tok
+            done = step + 1
+            last = {"step": done, "loss": loss_sum / tcfg.grad_accum, "lr": lr, "grad_norm": grad_norm,
+                    "depths": depths, "tokens_per_s": n_tok / dt}
+            if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
+                last.update(validate())
+            log.write(json.dumps(last) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}",
+                            **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
+            if tcfg.ckpt_every and done % tcfg.ckpt_every == 0 or done in (tcfg.steps, end_step):
+                checkpoint(done)
+    bar.close()
+    wall = time.time() - t_start
+    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "params": model.num_params(), "wall_s": wall,
+               "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
+               "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
+    if end_step == tcfg.steps:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

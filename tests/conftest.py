@@ -1,0 +1,32 @@
+"""Shared fixtures: real data from ../shared/data (offline), tiny configs, a persistent test cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("LOOPLM_CACHE", str(REPO / ".cache" / "test"))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    """A tiny SCSE config on Brown with a 512-entry byte-level BPE (trains in seconds)."""
+    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+
+    return Config(
+        name="tiny",
+        model=ModelConfig(rule="scse", d_model=32, n_heads=2, d_ff=64, seq_len=32, dropout=0.1),
+        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=512),
+        train=TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, depth_lo=1, depth_hi=4,
+                          eval_every=3, eval_batches=2, eval_depth=4, ckpt_every=2, device="cpu"),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_cfg):
+    from looplm.train.trainer import prepare_data
+
+    return prepare_data(tiny_cfg, progress=False)

@@ -1,0 +1,111 @@
+"""Training tests: exact resume, atomic checkpoints with clear errors on damage, samplers, schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from looplm.config import TrainConfig
+from looplm.model import LoopLM
+from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
+                                     newest_valid_checkpoint, save_checkpoint)
+from looplm.train.optim import build_optimizer, lr_factor
+from looplm.train.samplers import FixedDepth, UniformDepth, build_sampler
+from looplm.train.trainer import train
+
+
+def _trace(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_loss_trace(tmp_path, tiny_cfg, tiny_data):
+    full = tmp_path / "full"
+    train(tiny_cfg, full, progress=False, data=tiny_data)
+    part = tmp_path / "part"
+    train(tiny_cfg, part, progress=False, data=tiny_data, stop_after=3)
+    assert not (part / "summary.json").exists()
+    assert [r["step"] for r in _trace(part)] == [1, 2, 3]
+    train(tiny_cfg, part, progress=False, data=tiny_data, resume=True)
+    a, b = _trace(full), _trace(part)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for ra, rb in zip(a, b):
+        print(ra["step"], ra["loss"], rb["loss"], ra["depths"], rb["depths"])
+        assert ra["depths"] == rb["depths"]
+        assert ra["loss"] == rb["loss"]  # bit-identical on CPU
+        assert ra.get("val_loss") == rb.get("val_loss")
+    ma, _, _, _ = load_checkpoint(full)
+    mb, _, _, _ = load_checkpoint(part)
+    for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_truncated_checkpoint_gives_clear_error_and_previous_still_loads(tmp_path, tiny_cfg, tiny_data):
+    run = tmp_path / "run"
+    train(tiny_cfg, run, progress=False, data=tiny_data)
+    ckpts = list_checkpoints(run)
+    assert [c.name for c in ckpts] == ["step-000004", "step-000006"]
+    newest, previous = ckpts[-1], ckpts[-2]
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors.*truncated"):
+        load_checkpoint(run)
+    model, cfg, state, path = load_checkpoint(previous, with_state=True)
+    assert path == previous and state["step"] == 4
+    assert newest_valid_checkpoint(run) == previous
+    # resume falls back to the newest valid checkpoint and finishes the run
+    train(tiny_cfg, run, progress=False, data=tiny_data, resume=True)
+    assert load_checkpoint(run)[3].name == "step-000006"
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, tiny_cfg):
+    torch.manual_seed(0)
+    cfg = tiny_cfg.replace(model=tiny_cfg.model.replace(vocab_size=64))
+    model = LoopLM(cfg.model)
+    save_checkpoint(tmp_path, 1, model, cfg)
+    # a save killed midway leaves only a hidden temp dir; 'latest' still names step 1
+    (tmp_path / "checkpoints" / ".tmp-step-000002-999").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step-000002-999" / "model.safetensors").write_bytes(b"partial")
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step-000001"]
+    loaded, _, _, path = load_checkpoint(tmp_path)
+    assert path.name == "step-000001"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+
+
+def test_missing_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_uniform_sampler_is_a_function_of_seed_and_step():
+    s = UniformDepth(1, 8)
+    draws = [s.sample(0, step) for step in range(4000)]
+    assert draws == [s.sample(0, step) for step in range(4000)]
+    assert draws != [s.sample(1, step) for step in range(4000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=9)[1:]
+    assert counts.min() > 400 and counts.max() < 600  # 500 expected per depth
+    assert abs(sum(draws) / len(draws) - 4.5) < 0.1
+    assert FixedDepth(5).sample(3, 7) == 5
+    assert build_sampler(TrainConfig(depth_sampler="fixed", depth=3)).sample(0, 0) == 3
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, cfg) == pytest.approx(0.1)
+
+
+def test_weight_decay_on_matrices_only(tiny_cfg):
+    model = LoopLM(tiny_cfg.model.replace(vocab_size=64, rule="adapter"))
+    opt = build_optimizer(model, TrainConfig())
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert n == model.num_params()
