@@ -3,6 +3,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The shared data folder (brown/, wikitext-2-raw/, gpt2-tokenizer/, lambada/): $LOOPLM_DATA if set,
+# else ../shared/data next to this checkout, else /work/shared/data.
+export LOOPLM_DATA ?= $(firstword $(wildcard $(abspath ../shared/data) /work/shared/data))
 
 .PHONY: demo test install bench clean
 

@@ -30,3 +30,13 @@ def tiny_data(tiny_cfg):
     from looplm.train.trainer import prepare_data
 
     return prepare_data(tiny_cfg, progress=False)
+
+
+def pytest_sessionstart(session):
+    """The suite checks values on real data: fail loudly (never skip) when the data is missing."""
+    from looplm.data.paths import resolve_data_root
+
+    root = resolve_data_root("")
+    if not (root / "brown" / "brown_untagged.txt").is_file():
+        pytest.exit(f"shared data not found at {root}: set LOOPLM_DATA to the folder holding brown/, "
+                    "wikitext-2-raw/, gpt2-tokenizer/ and lambada/", returncode=1)

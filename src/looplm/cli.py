@@ -110,6 +110,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
+COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from looplm.eval.perplexity import DEFAULT_DEPTHS
 
@@ -126,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "Re-running skips finished training and resumes interrupted runs.")
     p.add_argument("--out", type=Path, default=Path("results/demo"), help="results folder (default results/demo)")
     p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the cpu preset's)")
-    p.add_argument("--eval-tokens", type=int, default=32768,
-                   help="score at most this many tokens per evaluation split (default 32768)")
+    p.add_argument("--eval-tokens", type=int, default=16384,
+                   help="score at most this many tokens per evaluation split (default 16384)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
     p.add_argument("--rules", default="looped,scse", help="comma-separated recurrence rules to train")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -171,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the presets and their model configs")
     _add_config_args(p)
     p.set_defaults(func=cmd_info)
+
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -56,7 +56,7 @@ def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     train(cfg, run_dir, resume=ckpt is not None, progress=progress, data=data)
 
 
-def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | None = 32768,
+def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | None = 16384,
              depths: Sequence[int] = DEFAULT_DEPTHS, rules: str = "looped,scse", progress: bool = True) -> dict:
     """Run the main job into ``out`` and return the results dict (also written to results.json)."""
     t0 = time.time()

@@ -1,4 +1,5 @@
-"""Plots (matplotlib, Agg backend): PPL against loop depth on a log2 axis (SCSE Figure 3 style)."""
+"""Plots (matplotlib, Agg backend): PPL against loop depth on a log2 axis (SCSE Figure 3 style),
+per model (:func:`plot_ppl_vs_depth`) or as seed mean ± std bands (:func:`plot_mean_std_vs_depth`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 from typing import Mapping
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -34,6 +36,9 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
             ax.axvspan(train_range[0], train_range[1], color="tab:green", alpha=0.08, label="training depths")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        depths = sorted({t for curve in models.values() for t in curve})
+        ax.set_xticks(depths, [str(t) for t in depths])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("loop depth T (log2)")
         ax.set_ylabel("perplexity")
         ax.set_title(ptitle)
@@ -41,6 +46,52 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]]], path: str | Path, *,
+                           title: str = "", ylabel: str = "perplexity", log_y: bool = True,
+                           train_range: tuple[int, int] | None = None) -> Path:
+    """One line per variant: the seed mean against loop depth T (log2 x-axis) with a ±std band.
+
+    Args:
+        curves: {variant label: {T: (mean, std)}}; a NaN std (a single seed) draws no band.
+        path: output PNG path.
+        log_y: log-scale y-axis (perplexities); needs positive values.
+        train_range: (lo, hi) training depths, shaded.
+
+    Returns:
+        ``path``.
+    """
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    for label, curve in curves.items():
+        ts = sorted(curve)
+        if not ts:
+            continue
+        mean = [curve[t][0] for t in ts]
+        std = [0.0 if curve[t][1] != curve[t][1] else curve[t][1] for t in ts]  # NaN (one seed) → no band
+        (line,) = ax.plot(ts, mean, marker="o", label=label)
+        lo = [m - s for m, s in zip(mean, std)]
+        if log_y:  # keep the band on the positive axis
+            lo = [max(v, m * 1e-3) for v, m in zip(lo, mean)]
+        ax.fill_between(ts, lo, [m + s for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2,
+                        linewidth=0)
+    if train_range:
+        ax.axvspan(train_range[0], train_range[1], color="tab:green", alpha=0.08, label="training depths")
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("loop depth T (log2)")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,162 @@
+"""Config validation, presets against the paper's parameter counts and FLOP proxies, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from looplm.analysis.flops import flops_per_token
+from looplm.cli import main
+from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, apply_overrides
+from looplm.model import LoopLM
+from looplm.presets import PRESETS, get_preset
+
+
+def n_params(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        return LoopLM(cfg).num_params()
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(rule="loopy"), "model.rule"),
+    (dict(d_model=30, n_heads=4), "model.n_heads"),
+    (dict(dropout=1.5), "model.dropout"),
+    (dict(scse_anchor="zero"), "model.scse_anchor"),
+    (dict(n_core=0), "model.n_core"),
+    (dict(scse_mask="yes"), "model.scse_mask"),
+])
+def test_model_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(**kwargs)
+    assert str(info.value).startswith(field)
+
+
+def test_error_lists_allowed_values():
+    with pytest.raises(ConfigError, match="model.rule: got 'loopy'; allowed: 'looped', 'adapter', .*'scse'"):
+        ModelConfig(rule="loopy")
+    with pytest.raises(ConfigError, match="train.depth_hi: must be >= depth_lo"):
+        TrainConfig(depth_lo=5, depth_hi=2)
+    with pytest.raises(ConfigError, match="data.dataset"):
+        DataConfig(dataset="pile")
+    with pytest.raises(ConfigError, match="data.text_files"):
+        DataConfig(dataset="text")
+
+
+def test_json_round_trip_and_format_version():
+    cfg = get_preset("scse-22m")
+    again = Config.from_json(cfg.to_json())
+    assert again == cfg
+    d = json.loads(cfg.to_json())
+    assert d["format_version"] == 1
+    d["format_version"] = 99
+    with pytest.raises(ConfigError, match="format_version"):
+        Config.from_dict(d)
+    d["format_version"] = 1
+    d["model"]["widthh"] = 3
+    with pytest.raises(ConfigError, match="model.widthh: unknown field"):
+        Config.from_dict(d)
+
+
+def test_overrides_parse_types():
+    cfg = apply_overrides(get_preset("cpu"), {"model.rule": "looped", "train.lr": "1e-3",
+                                              "model.scse_mask": "false", "train.steps": "7"})
+    assert cfg.model.rule == "looped" and cfg.train.lr == 1e-3 and cfg.model.scse_mask is False
+    assert cfg.train.steps == 7
+    with pytest.raises(ConfigError, match="train.steps: cannot parse"):
+        apply_overrides(cfg, {"train.steps": "many"})
+    with pytest.raises(ConfigError, match="optim: unknown section"):
+        apply_overrides(cfg, {"optim.lr": "1"})
+
+
+# ---------------------------------------------------------------- paper figures (SPEC §1, §9)
+def test_scse_22m_matches_paper_parameter_count():
+    p = n_params(get_preset("scse-22m").model)
+    assert p == 22_003_200  # 50257·384 + 128·384 + block 2,359,296 + A, I 2·384² + 3 norms
+    assert round(p / 1e6) == 22
+
+
+@pytest.mark.parametrize("preset, millions", [("unshared-4x320", 22.7), ("unshared-6x288", 22.5)])
+def test_parameter_matched_controls(preset, millions):
+    assert round(n_params(get_preset(preset).model) / 1e6, 1) == millions
+
+
+def test_transformer8_reference_is_about_77mb_in_16bit():
+    p = n_params(get_preset("transformer-8").model)
+    assert round(2 * p / 1e6) == 76  # paper: "roughly 77 MB" of 16-bit parameters
+
+
+@pytest.mark.parametrize("preset, millions", [("scse-95m", 95.6), ("scse-136m", 136.5)])
+def test_larger_paper_shapes(preset, millions):
+    """The paper's 95.6M / 136.5M equal the shared-block model with three d×d source matrices
+    (A, I, W_in: the adapter family at that shape); SCSE's main method uses two (A, I)."""
+    cfg = get_preset(preset).model
+    d = cfg.d_model
+    assert round(n_params(cfg.replace(rule="adapter")) / 1e6, 1) == millions
+    assert n_params(cfg) == n_params(cfg.replace(rule="adapter")) - d * d - 1
+
+
+def test_flop_proxy_matches_paper():
+    cfg = get_preset("scse-22m").model
+    f8, f48 = flops_per_token(cfg, 8), flops_per_token(cfg, 48)
+    assert round(f8["body"] / 1e6, 1) == 39.3 and round(f8["body_head"] / 1e6, 1) == 77.9
+    assert round(f48["body"] / 1e6, 1) == 235.9 and round(f48["body_head"] / 1e6, 1) == 274.5
+    unshared = get_preset("transformer-8").model
+    assert flops_per_token(unshared, 48) == flops_per_token(unshared, 8)  # min(T, n_layers)
+
+
+def test_every_preset_builds():
+    for name, cfg in PRESETS.items():
+        assert n_params(cfg.model) > 0, name
+
+
+# ---------------------------------------------------------------- CLI
+def test_info_json(capsys):
+    assert main(["info", "--preset", "scse-22m", "--depths", "8,48"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["params"] == 22_003_200
+    assert info["flops_per_token"]["8"] == {"body": 39_321_600, "body_head": 77_918_976}
+    assert info["flops_per_token"]["48"]["body_head"] == 274_526_976
+
+
+def test_cli_bad_values_give_clear_errors(capsys):
+    assert main(["info", "--preset", "scse-22m", "--model.rule", "loopy"]) == 2
+    assert "model.rule" in capsys.readouterr().err
+    assert main(["info", "--preset", "nope"]) == 2
+    assert "known:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", "x", "--depths", "1,a"])
+
+
+def test_python_dash_m_help():
+    out = subprocess.run([sys.executable, "-m", "looplm", "train", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "--model.rule" in out and "recurrence rule" in out and "--resume" in out
+
+
+def test_debug_train_then_eval_end_to_end(tmp_path, capsys):
+    """`looplm train --preset debug` on real Brown text, then `looplm eval` writes per-depth JSON."""
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--out", str(run), "--quiet", "--train.steps", "30"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed_steps"] == 30
+    trace = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert trace[-1]["loss"] < trace[0]["loss"] - 0.5  # it learns
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(run), "--depths", "1,8,48", "--out", str(out), "--quiet",
+                 "--max-tokens", "2000"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["depths"]) == {"1", "8", "48"}
+    for r in res["depths"].values():
+        assert r["tokens"] == 2000 and r["ppl"] == pytest.approx(torch.tensor(r["nll"]).exp().item())
+    assert out.with_suffix(".md").read_text().startswith("| model |")
+    # held-out corpus with the checkpoint's own tokenizer
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--dataset", "wikitext2", "--depths", "4", "--quiet",
+                 "--max-tokens", "500"]) == 0
+    held_out = json.loads(capsys.readouterr().out)
+    assert held_out["dataset"] == "wikitext2" and held_out["depths"]["4"]["tokens"] == 500
