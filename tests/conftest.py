@@ -9,6 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOOPLM_CACHE", str(REPO / ".cache" / "test"))
+# Tiny test models run fastest on one thread; several threads per process oversubscribe a 2-core box.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

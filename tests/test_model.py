@@ -1,5 +1,7 @@
 """Model tests: every registered rule against an explicitly unrolled reference, shapes, gradients,
-causality, SCSE's exact zero forcing bias, and multi-depth readout vs separate runs."""
+causality, the forcing bias of each rule family (exactly zero for SCSE, the masked SC-Cond family and
+the subtractive controls in eval mode), core calls per step vs the FLOP proxy, and multi-depth readout
+vs separate runs."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import math
 import pytest
 import torch
 
-from looplm.config import RULE_NAMES, ModelConfig
+from looplm.analysis.flops import BODY_CALLS_PER_STEP, body_applications
+from looplm.config import DEFAULT_STEP_SCALE, RULE_NAMES, ModelConfig
 from looplm.diagnostics.forcing import forcing_profile
 from looplm.model import RULES, LoopLM
 from looplm.model.layers import sinusoidal_step_embedding
@@ -21,6 +24,13 @@ VARIANTS = {
     "scse-frozen_random": dict(rule="scse", scse_anchor="frozen_random"),
     "scse-nomask": dict(rule="scse", scse_mask=False),
     "scse-leak": dict(rule="scse", scse_leak=0.02, scse_kappa=0.15),
+    "step_film-2rows": dict(rule="step_film", film_steps=2),  # T > 2 reuses the last row
+    "norm_reset-P2": dict(rule="norm_reset", norm_reset_period=2),
+    "sc_cond-nomask": dict(rule="sc_cond", scse_mask=False),
+    "sc_cond-embedding": dict(rule="sc_cond", scse_anchor="embedding"),
+    "sc_subtract-nomask": dict(rule="sc_subtract", scse_mask=False),
+    "scse_leak-nomask": dict(rule="scse_leak", scse_mask=False),
+    "additive_subtract-step": dict(rule="additive_subtract", subtract_step_tau=0.015),
     "looped-prelude-coda": dict(rule="looped", n_prelude=1, n_core=2, n_coda=1),
     "unshared": dict(architecture="unshared", n_layers=3),
 }
@@ -93,47 +103,105 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
     cfg = model.cfg
     e = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))
     for blk in model.prelude:
-        e = blk(e)
+        e = e + blk(e)
 
     def G(z):
         y = z
         for blk in model.core.blocks:
-            y = blk(y)
+            y = y + blk(y)
         return y - z
+
+    def lin(z, module):
+        return z @ module.weight.T
 
     s = cfg.resolved_step_scale
     r = model.rule
-    if cfg.rule == "looped":
+    if cfg.rule in ("looped", "norm_reset"):
         h = e
-        for _ in range(T):
-            h = h + s * G(h + e)
-        return h
-    anchor = e + cfg.anchor_scale * (e @ r.anchor_proj.weight.T)
-    h = e + cfg.init_scale * (e @ r.init_proj.weight.T)
-    if cfg.rule in ("adapter", "step_adapter"):
         for t in range(T):
-            z = h + r.alpha * (anchor @ r.in_proj.weight.T)
+            h = h + s * G(h + e)
+            if cfg.rule == "norm_reset" and (t + 1) % cfg.norm_reset_period == 0:
+                h = h / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + cfg.norm_eps)  # parameter-free
+        return h
+    h = e + cfg.init_scale * lin(e, r.init_proj)
+    learned_anchor = e + cfg.anchor_scale * lin(e, r.anchor_proj) if hasattr(r, "anchor_proj") else None
+    if cfg.rule in ("adapter", "step_adapter", "step_film"):
+        for t in range(T):
+            z = h + r.alpha * lin(learned_anchor, r.in_proj)
             if cfg.rule == "step_adapter":
-                z = z + cfg.step_tau * (sinusoidal_step_embedding(t, D) @ r.step_proj.weight.T)
+                z = z + cfg.step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
+            if cfg.rule == "step_film":
+                g, b = r.film[min(t, cfg.film_steps - 1), 0], r.film[min(t, cfg.film_steps - 1), 1]
+                z = (1 + cfg.film_sigma * g) * z + cfg.film_sigma * b
             h = h + s * G(z)
         return h
-    delta = h - anchor  # scse
+    if cfg.rule == "additive_subtract":  # SCSE eq. 22
+        anchor = learned_anchor
+        delta = h - anchor
+        src = r.alpha * lin(e, r.in_proj)
+        for t in range(T):
+            tau_t = 0.0
+            if cfg.subtract_step_tau:
+                tau_t = cfg.subtract_step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
+            delta = delta + s * (G(anchor + delta + src + tau_t) - G(anchor + src + tau_t))
+        return anchor + delta
+    # SCSE family: scse, sc_cond, sc_subtract, scse_leak
+    anchor = {"embedding": e, "init": h}.get(cfg.scse_anchor, learned_anchor)
+    kappa = {"scse": cfg.scse_kappa}.get(cfg.rule, cfg.sc_kappa)  # the learned κ still holds its init
+    leak = {"scse": cfg.scse_leak, "scse_leak": cfg.sc_leak}.get(cfg.rule, 0.0)
+    c = kappa * lin(anchor, r.cond_proj) if kappa else 0.0
+    delta = h - anchor
     for _ in range(T):
-        m = (delta.pow(2).sum(dim=(1, 2), keepdim=True) > cfg.scse_eps).float()
-        delta = delta + m * s * G(delta)
+        m = (delta.pow(2).sum(dim=(1, 2), keepdim=True) > cfg.scse_eps).float() if cfg.scse_mask else 1.0
+        q = s * (G(delta + c) - G(c)) if cfg.rule == "sc_subtract" else s * G(delta + c)
+        delta = (1 - leak) * delta + m * q
     return anchor + delta
 
 
-@pytest.mark.parametrize("rule", RULE_NAMES)
-def test_rule_matches_unrolled_reference(rule):
-    model = make(rule).eval()
+REFERENCE_VARIANTS = [name for name in VARIANTS if name not in ("unshared", "looped-prelude-coda")]
+
+
+@pytest.mark.parametrize("name", REFERENCE_VARIANTS)
+def test_rule_matches_unrolled_reference(name):
+    model = make(name).eval()
     x = tokens()
     for T in (1, 2, 5):
         got = model(x, depth=T, return_states=True).states[-1]
         ref = _reference_hidden(model, x, T)
         err = (got - ref).abs().max().item()
-        print(f"{rule} T={T}: max |h - h_ref| = {err:.2e}")
+        print(f"{name} T={T}: max |h - h_ref| = {err:.2e}")
         assert err < 1e-5
+
+
+def test_every_rule_has_a_reference_and_defaults():
+    assert set(RULE_NAMES) <= set(REFERENCE_VARIANTS)
+    assert set(DEFAULT_STEP_SCALE) == set(RULE_NAMES) == set(BODY_CALLS_PER_STEP)
+    assert tiny(rule="step_film").resolved_step_scale == 0.35
+    assert tiny(rule="additive_subtract").resolved_step_scale == 0.5
+    assert tiny(rule="norm_reset").resolved_step_scale == 1.0
+    assert tiny(rule="sc_subtract", step_scale=0.3).resolved_step_scale == 0.3
+
+
+@pytest.mark.parametrize("field, value", [("film_steps", 0), ("norm_reset_period", 0), ("sc_leak", 1.0),
+                                          ("film_sigma", -0.1), ("subtract_step_tau", -1.0)])
+def test_new_fields_are_validated(field, value):
+    with pytest.raises(Exception, match=f"model.{field}"):
+        tiny(**{field: value})
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_core_calls_per_step_match_flop_proxy(rule):
+    """c_body of the FLOP proxy (SPEC §9) equals the core applications the rule really makes."""
+    model = make(rule).eval()
+    calls = 0
+
+    def count(module, args):
+        nonlocal calls
+        calls += 1
+
+    model.core.register_forward_pre_hook(count)
+    model(tokens(), depth=4)
+    assert calls == BODY_CALLS_PER_STEP[rule] * 4 == body_applications(model.cfg, 4)
 
 
 def test_looped_prelude_coda_matches_reference():
@@ -141,7 +209,7 @@ def test_looped_prelude_coda_matches_reference():
     x = tokens()
     h = _reference_hidden(model, x, 3)
     for blk in model.coda:
-        h = blk(h)
+        h = h + blk(h)
     ref = model.lm_head(model.norm_f(h))
     assert torch.allclose(model(x, depth=3).logits, ref, atol=1e-5)
 
@@ -152,7 +220,7 @@ def test_unshared_runs_min_depth_blocks():
     h = model.tok_emb(x) + model.pos_emb(torch.arange(L))
     outs = {}
     for i, blk in enumerate(model.layers):
-        h = blk(h)
+        h = h + blk(h)
         outs[i + 1] = model.lm_head(model.norm_f(h))
     got = model(x, depth=[1, 3, 8]).logits_by_depth
     assert torch.allclose(got[1], outs[1], atol=1e-6)
@@ -171,13 +239,54 @@ def test_scse_forcing_bias_is_exactly_zero(anchor):
         assert r["anchor_energy"] > 0
 
 
-@pytest.mark.parametrize("rule", ["looped", "adapter", "step_adapter"])
+@pytest.mark.parametrize("rule", ["looped", "adapter", "step_adapter", "step_film", "norm_reset"])
 def test_additive_rules_have_nonzero_forcing_bias(rule):
     recs = forcing_profile(make(rule), tokens(), steps=[0, 3, 7])
     for r in recs:
         print(rule, r)
         assert r["bias_energy"] > 1e-8 and r["raw_bias_energy"] == r["bias_energy"]
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+
+
+@pytest.mark.parametrize("name", ["sc_subtract", "sc_subtract-nomask", "additive_subtract",
+                                  "additive_subtract-step"])
+def test_subtractive_controls_have_exactly_zero_forcing_bias_in_eval(name):
+    """The two core calls cancel bit for bit at Δ = 0 with dropout off: b_t = b̃_t = 0 (SCSE eq. 22)."""
+    recs = forcing_profile(make(name), tokens(), steps=[0, 3, 7])
+    for r in recs:
+        print(name, r)
+        assert r["bias_max_abs"] == 0.0 and r["raw_bias_max_abs"] == 0.0 and r["ratio"] == 0.0
+        assert r["anchor_energy"] > 0
+
+
+@pytest.mark.parametrize("name", ["sc_subtract", "additive_subtract"])
+def test_subtractive_controls_do_not_cancel_under_training_dropout(name):
+    """Independent dropout draws in the two calls (the paper's training map) leave b_t ≠ 0."""
+    torch.manual_seed(0)
+    model = LoopLM(tiny(**VARIANTS[name], **{"dropout": 0.1})).train()
+    state, ctx = model.rule.start(model.embed(tokens()))
+    b = model.rule.hidden(model.rule.step(model.core, model.rule.to_state(ctx.anchor, ctx), 0, ctx, mask=False),
+                          ctx) - ctx.anchor
+    assert b.abs().max() > 0
+
+
+@pytest.mark.parametrize("name", ["sc_cond", "sc_cond-embedding", "scse_leak"])
+def test_masked_source_conditioned_rules_zero_realized_nonzero_raw_bias(name):
+    """Masked SC-Cond / leak diagnostic: realized b_t = 0 exactly, raw b̃_t = s·G(κ·W_c h*) ≠ 0."""
+    recs = forcing_profile(make(name), tokens(), steps=[0, 3, 7])
+    for r in recs:
+        print(name, r)
+        assert r["bias_max_abs"] == 0.0 and r["ratio"] == 0.0
+        assert r["raw_bias_energy"] > 1e-10
+
+
+@pytest.mark.parametrize("name", ["sc_cond-nomask", "scse_leak-nomask"])
+def test_unmasked_sc_cond_has_nonzero_forcing_bias(name):
+    recs = forcing_profile(make(name), tokens(), steps=[0, 3, 7])
+    for r in recs:
+        print(name, r)
+        assert r["raw_bias_energy"] > 1e-10 and r["bias_energy"] == r["raw_bias_energy"]
+        assert r["ratio"] > 0
 
 
 def test_scse_unmasked_zero_core_still_zero_raw_response():
@@ -210,7 +319,7 @@ def test_mask_is_per_example():
     assert nxt[1].abs().max() > 0
 
 
-@pytest.mark.parametrize("name", ["looped", "scse", "step_adapter", "unshared"])
+@pytest.mark.parametrize("name", [*RULE_NAMES, "unshared"])
 def test_multi_depth_equals_separate_runs(name):
     model = make(name).eval()
     x = tokens()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -80,16 +81,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _config_from_args(args)
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
-    print(json.dumps(summary, indent=2))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary, indent=2))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from looplm.eval.runner import evaluate_checkpoint
+    progress = not args.quiet
+    if args.task == "ppl":
+        from looplm.eval.runner import evaluate_checkpoint
 
-    result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
-                                 batch_size=args.batch_size, max_tokens=args.max_tokens, stride=args.stride,
-                                 device=args.device, progress=not args.quiet)
+        result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
+                                     batch_size=args.batch_size, max_tokens=args.max_tokens, stride=args.stride,
+                                     device=args.device, progress=progress)
+    elif args.task == "lambada":
+        from looplm.eval.lambada import evaluate_lambada_checkpoint
+
+        result = evaluate_lambada_checkpoint(args.checkpoint, depths=args.depths, max_examples=args.max_examples,
+                                             batch_size=args.batch_size, device=args.device, progress=progress)
+    else:
+        from looplm.eval.adaptive import adaptive_depth_checkpoint
+
+        result = adaptive_depth_checkpoint(args.checkpoint, targets=args.targets, ceiling=args.ceiling,
+                                           dataset=args.dataset, max_tokens=args.max_tokens,
+                                           batch_size=args.batch_size, device=args.device, progress=progress)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,11 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="multi-depth perplexity of a checkpoint",
-                       description="Perplexity at every requested loop depth from one unroll per batch "
-                       "(SPEC §6), token-weighted. Writes per-depth ppl, nll and tokens as JSON (--out) "
+    p = sub.add_parser("eval", help="multi-depth perplexity, LAMBADA, or adaptive depth of a checkpoint",
+                       description="--task ppl (default): perplexity at every requested loop depth from one "
+                       "unroll per batch (SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens. "
+                       "--task lambada: OpenAI LAMBADA target-token completion PPL, target-token accuracy "
+                       "and exact last-word accuracy per depth (target_ppl, target_acc, exact_acc). "
+                       "--task adaptive: the hidden-update stopping rule (max-token relative update < tau, "
+                       "ceiling --ceiling), tau calibrated on the valid split per target mean depth, test PPL "
+                       "and achieved depth, plus a real early-exit run with its speedup. Writes JSON (--out) "
                        "and a Markdown table next to it.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    p.add_argument("--task", choices=["ppl", "lambada", "adaptive"], default="ppl", help="what to evaluate")
+    p.add_argument("--max-examples", type=int, default=None, help="lambada: score only the first N passages")
+    p.add_argument("--targets", type=parse_depths, default=[8, 16, 24],
+                   help="adaptive: target mean loop budgets (default 8,16,24)")
+    p.add_argument("--ceiling", type=int, default=48, help="adaptive: loop ceiling (default 48)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
     p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103 (default: the training corpus)")
     p.add_argument("--split", default="test", choices=["train", "valid", "test"], help="split (default test)")

@@ -18,15 +18,27 @@ from typing import Any, Literal, get_args
 
 FORMAT_VERSION = 1
 
-RuleName = Literal["looped", "adapter", "step_adapter", "scse"]
+RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
+                   "sc_subtract", "additive_subtract", "scse_leak"]
 RULE_NAMES: tuple[str, ...] = get_args(RuleName)
 Architecture = Literal["shared", "unshared"]
 AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
 SamplerName = Literal["fixed", "uniform"]
-DatasetName = Literal["brown", "wikitext2", "wikitext103", "text"]
+DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4"]
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
+Parallel = Literal["ddp", "fsdp"]
 DType = Literal["float32", "bfloat16"]
+
+
+#: residual step scale s per rule when ``step_scale == -1`` (SPEC §2; for the controls the paper gives
+#: no value: adapter-family controls take the tuned adapter's 0.35, the SCSE-family ones SCSE's 0.5,
+#: norm_reset the looped baseline's 1.0 — our choice).
+DEFAULT_STEP_SCALE: dict[str, float] = {
+    "looped": 1.0, "norm_reset": 1.0,
+    "adapter": 0.35, "step_adapter": 0.35, "step_film": 0.35,
+    "scse": 0.5, "sc_cond": 0.5, "sc_subtract": 0.5, "additive_subtract": 0.5, "scse_leak": 0.5,
+}
 
 
 class ConfigError(ValueError):
@@ -105,19 +117,34 @@ class ModelConfig(_Base):
     norm_eps: float = _f(1e-6, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
     step_scale: float = _f(-1.0, "residual step scale s; -1 takes the rule's default "
-                           "(looped 1.0, adapter/step_adapter 0.35, scse 0.5)")
-    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e) (adapter, step_adapter, scse)")
-    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e) (adapter, step_adapter, scse)")
-    alpha_init: float = _f(0.15, "adapter: initial value of the learned source gain α")
+                           "(looped, norm_reset 1.0; adapter, step_adapter, step_film 0.35; scse, sc_cond, "
+                           "sc_subtract, additive_subtract, scse_leak 0.5)")
+    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e) (every rule except looped, norm_reset)")
+    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e) (every rule except looped, "
+                           "norm_reset)")
+    alpha_init: float = _f(0.15, "adapter, step_adapter, step_film, additive_subtract: initial value of "
+                           "the learned source gain α")
     step_tau: float = _f(0.015, "step_adapter: scale τ of the projected sinusoidal step embedding")
-    scse_anchor: AnchorName = _f("learned", "scse anchor: learned (e + c_a·A(e)), embedding (h*=e), "
+    scse_anchor: AnchorName = _f("learned", "scse, sc_cond, sc_subtract, scse_leak anchor: learned "
+                                 "(e + c_a·A(e)), embedding (h*=e), "
                                  "init (h*=h_0, Δ stays 0), frozen_random (A random, not trained)")
-    scse_mask: bool = _f(True, "scse: apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
-    scse_eps: float = _f(1e-8, "scse: mask threshold ε on the per-example squared Frobenius norm")
+    scse_mask: bool = _f(True, "scse, sc_cond, sc_subtract, scse_leak: apply the zero-deviation mask "
+                         "m = 1{‖Δ‖²_F > ε}")
+    scse_eps: float = _f(1e-8, "scse family: mask threshold ε on the per-example squared Frobenius norm")
     scse_leak: float = _f(0.0, "scse: deviation leak λ_leak (0 in the main method; 0.02 in the "
                           "leak diagnostic)")
     scse_kappa: float = _f(0.0, "scse: initial learned gain κ of the conditioning input κ·W_c h*; "
                            "0 = no W_c (main method); 0.15 in the leak diagnostic")
+    film_sigma: float = _f(0.1, "step_film: modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
+    film_steps: int = _f(8, "step_film: rows of the learned step-embedding table (g_t, b_t); steps "
+                         "t >= film_steps reuse the last row")
+    norm_reset_period: int = _f(4, "norm_reset: P, apply the parameter-free h ← RMSNorm(h) after every "
+                                "P-th loop step")
+    sc_kappa: float = _f(0.15, "sc_cond, sc_subtract, scse_leak: initial learned gain κ of the source "
+                         "conditioning c_sc = κ·W_c h*")
+    sc_leak: float = _f(0.02, "scse_leak: deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
+    subtract_step_tau: float = _f(0.0, "additive_subtract: scale τ of the optional step term "
+                                  "τ_t = τ·P_step γ_t of SCSE eq. 22 (0 = none, the paper's control)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -135,13 +162,20 @@ class ModelConfig(_Base):
                f"must be > 0 or -1 (rule default), got {self.step_scale}")
         _check(0.0 <= self.scse_leak < 1.0, p + "scse_leak", f"must be in [0, 1), got {self.scse_leak}")
         _check(self.scse_eps >= 0, p + "scse_eps", "must be >= 0")
+        _check(self.film_sigma >= 0, p + "film_sigma", f"must be >= 0, got {self.film_sigma}")
+        _check(self.film_steps >= 1, p + "film_steps", f"must be >= 1, got {self.film_steps}")
+        _check(self.norm_reset_period >= 1, p + "norm_reset_period",
+               f"must be >= 1, got {self.norm_reset_period}")
+        _check(0.0 <= self.sc_leak < 1.0, p + "sc_leak", f"must be in [0, 1), got {self.sc_leak}")
+        _check(self.subtract_step_tau >= 0, p + "subtract_step_tau",
+               f"must be >= 0, got {self.subtract_step_tau}")
 
     @property
     def resolved_step_scale(self) -> float:
         """The residual step scale s actually used (SPEC §2 defaults per rule)."""
         if self.step_scale != -1.0:
             return self.step_scale
-        return {"looped": 1.0, "adapter": 0.35, "step_adapter": 0.35, "scse": 0.5}[self.rule]
+        return DEFAULT_STEP_SCALE[self.rule]
 
 
 @dataclass(frozen=True)
@@ -150,7 +184,8 @@ class DataConfig(_Base):
 
     _prefix = "data."
     dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
-                              "wikitext103 (raw), or text (local files, see text_files)")
+                              "wikitext103 (raw), text (local files, see text_files), openwebtext or c4 "
+                              "(hub slices of SPEC §5, online only)")
     text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
     tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
                                   "the training split with bpe_vocab_size entries")
@@ -194,6 +229,11 @@ class TrainConfig(_Base):
     device: Device = _f("auto", "cpu, cuda, or auto (cuda when available)")
     dtype: DType = _f("float32", "autocast dtype for forward/backward (bfloat16 on GPU)")
     num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
+    distributed: Parallel = _f("ddp", "under torchrun (WORLD_SIZE > 1): ddp (replicated weights) or fsdp "
+                               "(FSDP2 fully_shard per block); batch_size is the global batch, split "
+                               "evenly across ranks")
+    compile: bool = _f(False, "torch.compile each block (compiled once; changing the loop depth does not "
+                       "recompile)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)

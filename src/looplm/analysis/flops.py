@@ -5,7 +5,10 @@ from __future__ import annotations
 from looplm.config import ModelConfig
 
 #: core applications per loop step, per rule (the subtractive controls of SPEC §2 use 2).
-BODY_CALLS_PER_STEP: dict[str, int] = {"looped": 1, "adapter": 1, "step_adapter": 1, "scse": 1}
+BODY_CALLS_PER_STEP: dict[str, int] = {
+    "looped": 1, "adapter": 1, "step_adapter": 1, "step_film": 1, "scse": 1, "norm_reset": 1, "sc_cond": 1,
+    "scse_leak": 1, "sc_subtract": 2, "additive_subtract": 2,
+}
 
 
 def block_flops_per_token(cfg: ModelConfig) -> int:

@@ -82,10 +82,18 @@ def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]
         ax.fill_between(ts, lo, [m + s for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2,
                         linewidth=0)
     if train_range:
-        ax.axvspan(train_range[0], train_range[1], color="tab:green", alpha=0.08, label="training depths")
+        ax.axvspan(train_range[0], train_range[1], color="gray", alpha=0.1, label="training depths")
     ax.set_xscale("log", base=2)
     if log_y:
         ax.set_yscale("log")
+    depths = sorted({t for curve in curves.values() for t in curve})
+    ax.set_xticks(depths, [str(t) for t in depths])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 450, not 4.5×10^2
+    ax.yaxis.set_major_formatter(plain)
+    lo, hi = ax.get_ylim()
+    if log_y and hi / lo < 10:  # within one decade the minor ticks are the only labels
+        ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("loop depth T (log2)")
     ax.set_ylabel(ylabel)
     if title:

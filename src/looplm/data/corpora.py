@@ -16,12 +16,24 @@ Registered names (the ``DataConfig.dataset`` Literal; a test checks that the two
   ``datasets`` package is installed. One document per split.
 - ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8 files (CRLF → LF;
   relative paths are relative to the current directory). One document per split.
+- ``openwebtext``: hub only (``Skylion007/openwebtext``, its one ``train`` split, in hub order):
+  rows [0, 200,000) → train, the next 4,096 → valid, the next 4,096 → test (SPEC §5).
+- ``c4``: hub only (``allenai/c4``, config ``en``): the first 100,000 ``train`` rows → train; rows
+  [0, 4,096) of ``validation`` → valid and rows [4,096, 8,192) → test (SPEC §5: two disjoint slices;
+  valid is the SCSE paper's held-out C4 slice).
+
+The hub corpora are read through ``datasets`` in streaming mode (only the rows used are fetched),
+one document per row (its ``text``), documents joined with ``"\\n\\n"``. Their fingerprint describes
+the hub source and slice without network access, so a token stream built once online is reused
+offline from the token cache; with no cache, ``datasets`` missing or the hub unreachable, loading
+raises FileNotFoundError naming the dataset and the ``pip install datasets`` + online remedy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,3 +279,74 @@ def _text_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
 
 
 register_corpus(Corpus("text", _text_docs, _text_fingerprint, ""))
+
+
+# --- hub-only corpora (openwebtext, c4) -------------------------------------------------------
+
+_HUB_SLICE_VERSION = "hub-slice-v1"  # bump if a slice rule below ever changes
+
+
+@dataclass(frozen=True)
+class HubSlice:
+    """Rows ``[start, stop)`` of split ``hub_split`` of hub dataset ``hub_id`` (config ``hub_config``)."""
+
+    hub_id: str
+    hub_config: str | None
+    hub_split: str
+    start: int
+    stop: int
+
+
+def _hub_rows(sl: HubSlice) -> list[str]:
+    """The ``text`` of the slice's rows, streamed (only rows before ``stop`` are fetched).
+
+    Raises:
+        ValueError: the hub split has fewer than ``stop`` rows.
+    """
+    import datasets
+
+    ds = datasets.load_dataset(sl.hub_id, sl.hub_config, split=sl.hub_split, streaming=True)
+    rows = [row["text"] for row in itertools.islice(ds, sl.start, sl.stop)]
+    if len(rows) != sl.stop - sl.start:
+        raise ValueError(f"{sl.hub_id} {sl.hub_split}: expected rows [{sl.start}, {sl.stop}), the split "
+                         f"ended after {sl.start + len(rows)}")
+    return rows
+
+
+def _hub_corpus(name: str, slices: dict[str, HubSlice]) -> Corpus:
+    def missing(split: str, why: str) -> FileNotFoundError:
+        sl = slices[split]
+        cfg_txt = f" (config {sl.hub_config!r})" if sl.hub_config else ""
+        return FileNotFoundError(
+            f"dataset {name!r} ({split} split) is loaded from the Hugging Face hub: {sl.hub_id}{cfg_txt}, "
+            f"{sl.hub_split} rows [{sl.start}, {sl.stop}) — {why}. Go online and `pip install datasets`; "
+            f"once tokenized, the split is reused offline from the token cache (LOOPLM_CACHE).")
+
+    def documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+        if not _hub_available():
+            raise missing(split, "the `datasets` package is not installed")
+        try:
+            return _hub_rows(slices[split])
+        except Exception as e:  # offline, hub down, auth …: all end in the same advice
+            raise missing(split, f"the hub failed: {type(e).__name__}: {e}") from e
+
+    def fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+        sl = slices[split]
+        return (f"{name}:{split}:hub:{sl.hub_id}:{sl.hub_config}:{sl.hub_split}:{sl.start}:{sl.stop}:"
+                f"{_HUB_SLICE_VERSION}")
+
+    return Corpus(name, documents, fingerprint, "\n\n")
+
+
+OPENWEBTEXT_SLICES = {
+    "train": HubSlice("Skylion007/openwebtext", None, "train", 0, 200_000),
+    "valid": HubSlice("Skylion007/openwebtext", None, "train", 200_000, 204_096),
+    "test": HubSlice("Skylion007/openwebtext", None, "train", 204_096, 208_192),
+}
+C4_SLICES = {
+    "train": HubSlice("allenai/c4", "en", "train", 0, 100_000),
+    "valid": HubSlice("allenai/c4", "en", "validation", 0, 4_096),
+    "test": HubSlice("allenai/c4", "en", "validation", 4_096, 8_192),
+}
+register_corpus(_hub_corpus("openwebtext", OPENWEBTEXT_SLICES))
+register_corpus(_hub_corpus("c4", C4_SLICES))

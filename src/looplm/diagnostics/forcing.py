@@ -1,9 +1,11 @@
-"""Zero-deviation forcing bias (SCSE §2–3; SPEC §7), in each model's own anchor coordinates.
+"""Zero-deviation forcing bias (SCSE §2–3, eq. 7–9; SPEC §7), in each model's own anchor coordinates.
 
-``b_t(e) = T_t(0; e)``: run the realized loop step t from the anchor (h = h*, i.e. Δ = 0) and
-subtract h*. ``b̃_t`` is the same with the SCSE zero-deviation mask disabled (raw pre-mask response).
-Along the ordinary trajectory, ``R_t = (N⁻¹‖b_t‖²) / max(N⁻¹‖Δ_{t+1} − Δ_t‖², 1e-12)`` and the anchor
-energy ``E_Δ,t = N⁻¹‖Δ_t‖²`` with Δ_t = h_t − h*; N counts all entries of the batch.
+The one-step deviation map of a rule at loop step t is ``T_t(Δ; e) = h_{t+1} − h*`` for
+``h_t = h* + Δ`` (the realized step, dropout off). ``b_t(e) = T_t(0; e)``: run the realized step from
+the anchor (h = h*, i.e. Δ = 0) and subtract h*. ``b̃_t`` is the same with the zero-deviation mask
+of the SCSE family disabled (raw pre-mask response). Along the ordinary trajectory,
+``R_t = (N⁻¹‖b_t‖²) / max(N⁻¹‖Δ_{t+1} − Δ_t‖², 1e-12)`` (eq. 9) and the anchor energy
+``E_Δ,t = N⁻¹‖Δ_t‖²`` with Δ_t = h_t − h*; N counts all entries of the batch tensor (B·L·d).
 """
 
 from __future__ import annotations
@@ -13,10 +15,57 @@ from typing import Sequence
 import torch
 
 from looplm.model import LoopLM
+from looplm.model.layers import Core
+from looplm.model.recurrence import LoopContext, RecurrenceRule
+
+RATIO_FLOOR = 1e-12  # the numerical floor of eq. 9
 
 
-def _energy(x: torch.Tensor) -> float:
+def energy(x: torch.Tensor) -> float:
+    """N⁻¹‖x‖²_F over all N entries, accumulated in float64."""
     return float(x.double().pow(2).mean())
+
+
+def check_shared(model: LoopLM, what: str) -> None:
+    """Raise ValueError when ``model`` has no recurrence (unshared architecture)."""
+    if not model.shared:
+        raise ValueError(f"{what} needs a shared (looped) architecture with an anchor; this model is "
+                         "model.architecture=unshared")
+
+
+def deviation_step(rule: RecurrenceRule, core: Core, delta: torch.Tensor, t: int, ctx: LoopContext, *,
+                   mask: bool = True) -> torch.Tensor:
+    """``T_t(Δ; e)``: the rule's realized step t applied at ``h = h* + Δ``, minus h*.
+
+    Args:
+        delta: Δ (B, L, d) in anchor coordinates. For Δ = 0, h* + 0 == h* exactly and ``to_state(h*)``
+            is exactly 0 for rules whose state is Δ, so b_t is computed without rounding.
+        mask: False gives the raw pre-mask map of the SCSE family.
+
+    Returns:
+        (B, L, d) next deviation Δ_{t+1}.
+    """
+    state = rule.to_state(ctx.anchor + delta, ctx)
+    return rule.hidden(rule.step(core, state, t, ctx, mask=mask), ctx) - ctx.anchor
+
+
+def forcing_record(rule: RecurrenceRule, core: Core, state: torch.Tensor, nxt: torch.Tensor, t: int,
+                   ctx: LoopContext) -> dict[str, float]:
+    """Forcing-bias record at step t of one batch, given the ordinary trajectory's state_t and state_{t+1}.
+
+    Returns:
+        ``t``, ``bias_energy`` N⁻¹‖b_t‖², ``raw_bias_energy`` N⁻¹‖b̃_t‖², ``ratio`` R_t (eq. 9),
+        ``anchor_energy`` E_Δ,t, and the max-abs entries ``bias_max_abs``, ``raw_bias_max_abs``
+        (exact-zero checks).
+    """
+    zero = torch.zeros_like(ctx.anchor)
+    b = deviation_step(rule, core, zero, t, ctx)  # (B, L, d)
+    b_raw = deviation_step(rule, core, zero, t, ctx, mask=False)
+    delta_t = rule.hidden(state, ctx) - ctx.anchor
+    motion = rule.hidden(nxt, ctx) - rule.hidden(state, ctx)  # Δ_{t+1} − Δ_t
+    return {"t": t, "bias_energy": energy(b), "raw_bias_energy": energy(b_raw),
+            "ratio": energy(b) / max(energy(motion), RATIO_FLOOR), "anchor_energy": energy(delta_t),
+            "bias_max_abs": float(b.abs().max()), "raw_bias_max_abs": float(b_raw.abs().max())}
 
 
 @torch.no_grad()
@@ -29,35 +78,24 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
         steps: 0-based loop steps t at which to measure (unroll runs to max(steps) + 1).
 
     Returns:
-        One record per t: ``t``, ``bias_energy`` N⁻¹‖b_t‖², ``raw_bias_energy`` N⁻¹‖b̃_t‖²,
-        ``ratio`` R_t, ``anchor_energy`` E_Δ,t, plus the max-abs entries ``bias_max_abs`` and
-        ``raw_bias_max_abs`` (exact-zero checks).
+        One :func:`forcing_record` per t.
 
     Raises:
         ValueError: unshared architecture (no anchor) or a negative step.
     """
-    if not model.shared:
-        raise ValueError("forcing bias needs a shared (looped) architecture; this model is unshared")
+    check_shared(model, "forcing bias")
     if not steps or min(steps) < 0:
         raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
     was_training = model.training
     model.eval()
     rule, core = model.rule, model.core
     state, ctx = rule.start(model.embed(idx))
-    anchor_state = rule.to_state(ctx.anchor, ctx)
     wanted = set(steps)
     records = []
     for t in range(max(steps) + 1):
         nxt = rule.step(core, state, t, ctx)
         if t in wanted:
-            b = rule.hidden(rule.step(core, anchor_state, t, ctx), ctx) - ctx.anchor  # (B, L, d)
-            b_raw = rule.hidden(rule.step(core, anchor_state, t, ctx, mask=False), ctx) - ctx.anchor
-            delta_t = rule.hidden(state, ctx) - ctx.anchor
-            motion = rule.hidden(nxt, ctx) - rule.hidden(state, ctx)  # Δ_{t+1} − Δ_t
-            records.append({"t": t, "bias_energy": _energy(b), "raw_bias_energy": _energy(b_raw),
-                            "ratio": _energy(b) / max(_energy(motion), 1e-12),
-                            "anchor_energy": _energy(delta_t),
-                            "bias_max_abs": float(b.abs().max()), "raw_bias_max_abs": float(b_raw.abs().max())})
+            records.append(forcing_record(rule, core, state, nxt, t, ctx))
         state = nxt
     model.train(was_training)
     return records

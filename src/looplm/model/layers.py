@@ -1,7 +1,12 @@
 """Transformer layers shared by every looplm architecture (SPEC §1).
 
 All projections are bias-free and RMSNorm maps 0 to 0, so a block's residual update is
-zero-preserving: ``Block.update(0) == 0`` exactly. SCSE relies on this (SPEC §2).
+zero-preserving: ``Block(0) == 0`` exactly. SCSE relies on this (SPEC §2).
+
+Modules return residual *updates*: ``Block(x)`` is the block's branch sum ``Block_full(x) − x`` and
+``Core(x)`` is G(x) = Core_full(x) − x, so callers write ``x + block(x)``. Calling blocks through
+``__call__`` (never a side method) keeps module hooks working: FSDP2 unshards parameters and
+``torch.compile`` compiles ``forward``.
 """
 
 from __future__ import annotations
@@ -65,10 +70,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: ``x + Attn(N(x))``, then ``+ MLP(N(·))`` (SPEC §1).
+    """Pre-LN transformer block ``x + Attn(N(x))``, then ``+ MLP(N(·))`` (SPEC §1), returning its update.
 
-    ``update(x)`` returns the residual branch ``Block(x) − x`` computed as the sum of the two branch
-    outputs, so that ``update(0) == 0`` holds exactly in floating point.
+    ``block(x)`` returns the residual branch (full block output − x) computed as the sum of the two
+    branch outputs, so that ``block(0) == 0`` holds exactly in floating point. Shapes: (B, L, d) → (B, L, d).
     """
 
     def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float):
@@ -79,33 +84,26 @@ class Block(nn.Module):
         self.mlp = SwiGLU(d, d_ff)
         self.drop = nn.Dropout(dropout)
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.drop(self.attn(self.norm1(x)))  # (B, L, d)
         m = self.drop(self.mlp(self.norm2(x + a)))  # (B, L, d)
         return a + m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.update(x)
-
 
 class Core(nn.Module):
-    """The shared core: K blocks applied in order. ``update(x) = Core(x) − x`` is the paper's G(x).
-
-    Shapes: (B, L, d) → (B, L, d). Zero-preserving: ``update(0) == 0`` exactly.
+    """The shared core: K blocks applied in order; ``core(x)`` returns the paper's update
+    G(x) = Core_full(x) − x (SCSE eq. 1). Shapes: (B, L, d) → (B, L, d). Zero-preserving: G(0) = 0 exactly.
     """
 
     def __init__(self, n_blocks: int, d: int, n_heads: int, d_ff: int, dropout: float, eps: float):
         super().__init__()
         self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps) for _ in range(n_blocks))
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        delta = self.blocks[0].update(x)
-        for block in self.blocks[1:]:
-            delta = delta + block.update(x + delta)
-        return delta
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.update(x)
+        delta = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            delta = delta + block(x + delta)
+        return delta
 
 
 def sinusoidal_step_embedding(t: int, d: int, device=None, dtype=None) -> torch.Tensor:

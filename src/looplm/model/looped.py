@@ -117,14 +117,14 @@ class LoopLM(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
         if self.shared:
             for block in self.prelude:
-                x = block(x)
+                x = x + block(x)
         return x
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Coda, then ``W_out · RMSNorm(h)``. (B, L, d) → (B, L, V) logits."""
         if self.shared:
             for block in self.coda:
-                h = block(h)
+                h = h + block(h)
         return self.lm_head(self.norm_f(h))
 
     def start(self, e: torch.Tensor) -> tuple[torch.Tensor, LoopContext]:
@@ -141,7 +141,7 @@ class LoopLM(nn.Module):
             yield 0, h, None
             for T in range(1, max_depth + 1):
                 if T <= len(self.layers):
-                    h = self.layers[T - 1](h)
+                    h = h + self.layers[T - 1](h)
                 yield T, h, None
             return
         state, ctx = self.rule.start(e)

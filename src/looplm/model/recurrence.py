@@ -6,24 +6,35 @@ A rule defines, from the embedding ``e`` (B, L, d):
   per-sequence constants (the injection), packed in a :class:`LoopContext`;
 - ``step(core, state, t, ctx)``: one loop step ``state_t → state_{t+1}``;
 - ``hidden(state, ctx)`` / ``to_state(h, ctx)``: the map between a rule's loop state and the hidden
-  state ``h`` that is read out (identity except for SCSE, whose state is the deviation Δ = h − h*).
+  state ``h`` that is read out (identity for the additive rules; the deviation Δ = h − h* for the
+  SCSE family and additive_subtract);
+- ``with_injection_gain(ctx, g)``: the context with the rule's injection ``ctx.injection`` scaled by g
+  (the evaluation-time dose response of SPEC §7). What the injection is, per rule: ``e`` (looped,
+  norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
+  scse_leak, and scse when ``scse_kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none —
+  its anchor is the origin of the coordinates, not a re-added source.
 
 Register a new rule with :func:`register_rule`; ``ModelConfig.rule`` must name a registered rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from looplm.config import RULE_NAMES, ModelConfig
-from looplm.model.layers import Core, sinusoidal_step_embedding
+from looplm.model.layers import Core, RMSNorm, sinusoidal_step_embedding
 
 
 @dataclass
 class LoopContext:
-    """Per-sequence constants of one unroll. All tensors (B, L, d)."""
+    """Per-sequence constants of one unroll. All tensors (B, L, d).
+
+    ``injection`` is the input-conditioned signal the rule re-adds at every step (None for none).
+    """
 
     e: torch.Tensor
     anchor: torch.Tensor
@@ -44,7 +55,10 @@ class RecurrenceRule(nn.Module):
 
     def step(self, core: Core, state: torch.Tensor, t: int, ctx: LoopContext, *,
              mask: bool = True) -> torch.Tensor:
-        """One loop step. ``mask=False`` gives the raw pre-mask map (only SCSE has a mask)."""
+        """One loop step ``state_t → state_{t+1}`` (B, L, d) at 0-based step t.
+
+        ``mask=False`` gives the raw pre-mask map b̃ (only the masked SCSE family has a mask).
+        """
         raise NotImplementedError
 
     def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
@@ -52,6 +66,16 @@ class RecurrenceRule(nn.Module):
 
     def to_state(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         return h
+
+    def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
+        """``ctx`` with the injection scaled by ``gain`` (evaluation-time dose response, SPEC §7).
+
+        gain 0 gives the injection-removed map, 1 the trained map. Rules without an injection return
+        ``ctx`` unchanged, so their dose response is zero by construction.
+        """
+        if ctx.injection is None:
+            return ctx
+        return dataclasses.replace(ctx, injection=gain * ctx.injection)
 
 
 RULES: dict[str, type[RecurrenceRule]] = {}
@@ -90,7 +114,7 @@ class Looped(RecurrenceRule):
         return e, LoopContext(e=e, anchor=e, injection=e)
 
     def step(self, core, state, t, ctx, *, mask=True):
-        return state + self.s * core.update(state + ctx.injection)
+        return state + self.s * core(state + ctx.injection)
 
 
 class _AnchoredStart(RecurrenceRule):
@@ -122,7 +146,7 @@ class Adapter(_AnchoredStart):
         return h0, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(anchor))
 
     def step(self, core, state, t, ctx, *, mask=True):
-        return state + self.s * core.update(state + ctx.injection)
+        return state + self.s * core(state + ctx.injection)
 
 
 @register_rule
@@ -138,33 +162,80 @@ class StepAdapter(Adapter):
 
     def step(self, core, state, t, ctx, *, mask=True):
         gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
-        return state + self.s * core.update(state + ctx.injection + self.tau * self.step_proj(gamma))
+        return state + self.s * core(state + ctx.injection + self.tau * self.step_proj(gamma))
 
 
 @register_rule
-class SCSE(_AnchoredStart):
-    """Source-Centered State Evolution (SCSE eq. 5; SPEC §2). The loop state is the deviation Δ.
+class StepFilm(Adapter):
+    """Step-FiLM adapter (SCSE appendix, Step-Modulated Adapter Control; SPEC §2).
 
-    ``q_t = s·G(Δ_t + κ·W_c h*)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1−λ)Δ_t + m_b·q_t``;
-    the readout state is ``h* + Δ_T``. Anchor options: learned, embedding (h* = e),
-    init (h* = h_0, so Δ_0 = 0 exactly), frozen_random (A random and not trained).
+    ``u = h + α·W_in h*``; ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)`` with (g_t, b_t) row
+    min(t, film_steps − 1) of a learned step-embedding table, σ = ``film_sigma`` (0.1, our choice).
+    The table is zeros at construction, but :meth:`LoopLM.reset_parameters` draws every matrix from
+    N(0, init_std), so a model starts with a small random table: a near-identity modulation
+    (σ·init_std = 0.002) of the tuned adapter (our choice). Parameter ``film``: (film_steps, 2, d),
+    ``film[t, 0] = g_t``, ``film[t, 1] = b_t``. s = 0.35 by default (the tuned adapter's).
     """
 
-    name = "scse"
+    name = "step_film"
 
     def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.sigma = cfg.film_sigma
+        self.film = nn.Parameter(torch.zeros(cfg.film_steps, 2, cfg.d_model))  # (n_steps, {g, b}, d)
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        g, b = self.film[min(t, self.film.shape[0] - 1)]  # (d,), (d,)
+        u = state + ctx.injection  # (B, L, d)
+        return state + self.s * core((1.0 + self.sigma * g) * u + self.sigma * b)
+
+
+@register_rule
+class NormReset(Looped):
+    """Periodic normalization reset (SCSE appendix, Stabilization and Capacity Controls; SPEC §2).
+
+    The ``looped`` step ``h ← h + s·G(h + e)``, then after every P-th step (t + 1 ≡ 0 mod P,
+    P = ``norm_reset_period``) ``h ← RMSNorm(h)`` per token. The RMSNorm is parameter-free (our
+    choice): the reset is a pure rescaling to unit RMS and the control stays parameter-matched to the
+    looped baseline. s = 1 by default (the looped baseline's).
+    """
+
+    name = "norm_reset"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.period = cfg.norm_reset_period
+        self.reset_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        h = super().step(core, state, t, ctx, mask=mask)
+        return self.reset_norm(h) if (t + 1) % self.period == 0 else h
+
+
+class _SourceCentered(_AnchoredStart):
+    """The masked source-centered recurrence shared by the SCSE family (SCSE eq. 5 and Listing 1).
+
+    Loop state: the deviation Δ = h − h*. ``q_t = s·U(Δ_t)`` with the rule's raw update U,
+    ``m_b = 1{‖Δ_t^(b)‖²_F > ε}`` per example, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``; readout state
+    ``h* + Δ_T``. The conditioning input ``c_sc = κ·W_c h*`` (learned κ, initial value ``kappa``) is
+    the rule's injection; ``kappa=None`` builds no W_c. Anchor options (``scse_anchor``): learned
+    (h* = e + c_a·A(e)), embedding (h* = e), init (h* = h_0, so Δ_0 = 0 exactly), frozen_random
+    (A random and not trained).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, kappa: float | None, leak: float):
         super().__init__(cfg)
         self.anchor_kind = cfg.scse_anchor
         self.use_mask = cfg.scse_mask
         self.eps = cfg.scse_eps
-        self.leak = cfg.scse_leak
+        self.leak = leak
         if cfg.scse_anchor in ("embedding", "init"):
             del self.anchor_proj
         elif cfg.scse_anchor == "frozen_random":
             self.anchor_proj.weight.requires_grad_(False)
-        if cfg.scse_kappa != 0.0:
+        if kappa is not None:
             self.cond_proj = _linear(cfg.d_model)  # W_c
-            self.kappa = nn.Parameter(torch.tensor(float(cfg.scse_kappa)))
+            self.kappa = nn.Parameter(torch.tensor(float(kappa)))
         else:
             self.cond_proj = None
 
@@ -179,13 +250,114 @@ class SCSE(_AnchoredStart):
         cond = self.kappa * self.cond_proj(anchor) if self.cond_proj is not None else None
         return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=cond)
 
+    def raw_update(self, core: Core, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """U(Δ) = G(Δ + c_sc) (G(Δ) without conditioning). (B, L, d) → (B, L, d)."""
+        return core(state if ctx.injection is None else state + ctx.injection)
+
     def step(self, core, state, t, ctx, *, mask=True):
-        x = state if ctx.injection is None else state + ctx.injection
-        q = self.s * core.update(x)  # (B, L, d)
+        q = self.s * self.raw_update(core, state, ctx)  # (B, L, d)
         if mask and self.use_mask:
             active = state.pow(2).sum(dim=(1, 2), keepdim=True) > self.eps  # (B, 1, 1)
             q = q * active.to(q.dtype)
         return (1.0 - self.leak) * state + q if self.leak else state + q
+
+    def hidden(self, state, ctx):
+        return ctx.anchor + state
+
+    def to_state(self, h, ctx):
+        return h - ctx.anchor
+
+
+@register_rule
+class SCSE(_SourceCentered):
+    """Source-Centered State Evolution (SCSE eq. 5; SPEC §2). The loop state is the deviation Δ.
+
+    ``q_t = s·G(Δ_t + κ·W_c h*)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1−λ)Δ_t + m_b·q_t``;
+    the readout state is ``h* + Δ_T``. Main method: κ = 0 (no W_c, ``scse_kappa``), λ = 0
+    (``scse_leak``), s = 0.5. Anchor options as in :class:`_SourceCentered`.
+    """
+
+    name = "scse"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, kappa=cfg.scse_kappa if cfg.scse_kappa != 0.0 else None, leak=cfg.scse_leak)
+
+
+@register_rule
+class SCCond(_SourceCentered):
+    """SC-Cond (SCSE appendix, Forcing-Bias Intervention Ablations; SPEC §2): the SCSE recurrence with
+    the source-conditioned input ``q = s·G(Δ + c_sc)``, ``c_sc = κ·W_c h*``, κ learned (initial
+    ``sc_kappa`` = 0.15), no leak; masked or unmasked by ``scse_mask``. s = 0.5 by default.
+
+    Masked, its realized forcing bias is b_t = 0; its raw pre-mask response b̃_t = s·G(c_sc) is not.
+    """
+
+    name = "sc_cond"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, kappa=cfg.sc_kappa, leak=0.0)
+
+
+@register_rule
+class SCSubtract(SCCond):
+    """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core
+    applications per step (FLOP proxy c_body = 2). The mask follows ``scse_mask`` (on by default, our
+    choice; the subtraction alone already gives b̃_t = 0). With dropout off the two calls cancel
+    exactly at Δ = 0; in training they draw independent dropout masks (as in the paper).
+    """
+
+    name = "sc_subtract"
+
+    def raw_update(self, core, state, ctx):
+        return core(state + ctx.injection) - core(ctx.injection)
+
+
+@register_rule
+class SCSELeak(_SourceCentered):
+    """SCSE leak diagnostic (SCSE appendix, Secondary Deviation-Leak Diagnostic; Listing 1): the masked
+    SCSE update with deviation leak λ_leak = ``sc_leak`` (0.02) and the conditioning input κ·W_c h*,
+    κ learned (initial ``sc_kappa`` = 0.15). s = 0.5 by default.
+    """
+
+    name = "scse_leak"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, kappa=cfg.sc_kappa, leak=cfg.sc_leak)
+
+
+@register_rule
+class AdditiveSubtract(_AnchoredStart):
+    """Additive forcing subtraction (SCSE eq. 22; SPEC §2). The loop state is the deviation Δ.
+
+    ``u_t = G(h* + Δ_t + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; anchor
+    and initial state as the adapters (h* = e + c_a·A(e), h_0 = e + c_0·I(e)); α learned (initial
+    ``alpha_init``); readout state h* + Δ_T. ``τ_t = τ·P_step γ_t`` with τ = ``subtract_step_tau``;
+    the paper makes τ_t optional and zero for controls without step conditioning, and lists no step
+    term among this control's differences from the tuned adapter, so τ = 0 (no P_step) by default
+    (our choice). Two core applications per step (c_body = 2); no mask; s = 0.5 by default (our
+    choice, as SCSE). The injection is α·W_in e.
+    """
+
+    name = "additive_subtract"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.in_proj = _linear(cfg.d_model)  # W_in
+        self.alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init)))
+        self.tau = cfg.subtract_step_tau
+        self.step_proj = _linear(cfg.d_model) if self.tau else None  # P_step
+
+    def start(self, e):
+        anchor, h0 = self.anchor_and_init(e)
+        return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(e))
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        base = ctx.anchor + ctx.injection  # h* + α·W_in e, (B, L, d)
+        if self.step_proj is not None:
+            gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
+            base = base + self.tau * self.step_proj(gamma)
+        # base + 0 == base exactly, so at Δ = 0 the two (dropout-free) calls cancel bit for bit
+        return state + self.s * (core(base + state) - core(base))
 
     def hidden(self, state, ctx):
         return ctx.anchor + state

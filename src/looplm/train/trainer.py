@@ -24,11 +24,22 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
-from looplm.model import LoopLM
+from looplm.model import Block, LoopLM
 from looplm.train.checkpoint import (CheckpointError, load_checkpoint, newest_valid_checkpoint,
                                      save_checkpoint)
+from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
+                               mean_across_ranks, shutdown, unwrap, wrap_model)
 from looplm.train.optim import build_optimizer, build_scheduler
 from looplm.train.samplers import build_sampler
+
+
+def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
+    """``torch.compile`` every block in place (``nn.Module.compile``: weights and state-dict keys are
+    unchanged). Each block is one graph whatever the loop depth, so changing T does not recompile."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile(backend=backend)
+    return model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,10 +103,14 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
           data: TrainData | None = None, stop_after: int | None = None) -> dict[str, Any]:
     """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
 
+    Under ``torchrun`` (WORLD_SIZE > 1) this runs data-parallel with DDP or FSDP2
+    (``train.distributed``); rank 0 writes every file.
+
     Args:
         cfg: run config; ``model.vocab_size`` is set from the tokenizer.
         out_dir: run directory.
-        resume: continue from the newest valid checkpoint in ``out_dir`` (its saved config wins).
+        resume: continue from the newest valid checkpoint in ``out_dir`` (its saved config wins; the
+            world size may differ from the one that saved it).
         data: pre-tokenized data (tests and the demo reuse it across runs).
         stop_after: stop (with a checkpoint) after this many steps of this invocation, e.g. to fit a
             time box; ``resume`` continues later exactly as if never stopped.
@@ -105,9 +120,9 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
 
     Raises:
         CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
+        ValueError: ``train.batch_size`` not divisible by the world size.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     start_step, state = 0, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
@@ -118,86 +133,114 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     tcfg = cfg.train
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
-    device = resolve_device(tcfg.device)
-    data = data or prepare_data(cfg, progress=progress)
+    env = init_distributed(resolve_device(tcfg.device))
+    device, main = env.device, env.is_main
+    rows = local_rows(tcfg.batch_size, env)
+    data = data or prepare_data(cfg, progress=progress and main)
     if cfg.model.vocab_size != data.vocab_size:
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
     if not resume:
         torch.manual_seed(tcfg.seed)
         model = LoopLM(cfg.model)
     model.to(device)
-    (out / "config.json").write_text(cfg.to_json())
-    (out / "tokenizer.json").write_text(data.tokenizer_json)
-    opt = build_optimizer(model, tcfg)
+    if tcfg.compile:
+        compile_blocks(model)
+    fsdp = env.enabled and tcfg.distributed == "fsdp"
+    wrapped = wrap_model(model, tcfg.distributed, env)
+    opt = build_optimizer(wrapped, tcfg)
     sched = build_scheduler(opt, tcfg)
     if state is not None:
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(wrapped, opt, state["optimizer"], tcfg.distributed, env)
         sched.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
     sampler = build_sampler(tcfg)
     metrics_path = out / "metrics.jsonl"
-    if resume:
-        _truncate_metrics(metrics_path, start_step)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.to_json())
+        (out / "tokenizer.json").write_text(data.tokenizer_json)
+        if resume:
+            _truncate_metrics(metrics_path, start_step)
+        elif metrics_path.exists():
+            metrics_path.unlink()
     L, B = cfg.model.seq_len, tcfg.batch_size
     eval_tokens = tcfg.eval_batches * B * L
+    eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
 
     def checkpoint(step: int) -> None:
-        train_state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                       "rng": _rng_state(), "data_position": {"seed": tcfg.seed, "step": step}}
-        save_checkpoint(out, step, model, cfg, train_state=train_state, tokenizer_json=data.tokenizer_json)
+        model_sd, opt_sd = full_state(wrapped, opt, tcfg.distributed, env)
+        if main:
+            plain = unwrap(wrapped)
+            if fsdp:
+                plain = LoopLM(cfg.model)
+                plain.load_state_dict(model_sd, strict=True)
+            train_state = {"step": step, "optimizer": opt_sd, "scheduler": sched.state_dict(),
+                           "rng": _rng_state(), "data_position": {"seed": tcfg.seed, "step": step},
+                           "world_size": env.world_size}
+            save_checkpoint(out, step, plain, cfg, train_state=train_state, tokenizer_json=data.tokenizer_json)
+        barrier(env)
 
     def validate() -> dict[str, float]:
-        res = evaluate_depths(model, data.valid, [tcfg.eval_depth], batch_size=B, max_tokens=eval_tokens,
+        res = evaluate_depths(eval_model, data.valid, [tcfg.eval_depth], batch_size=B, max_tokens=eval_tokens,
                               device=device, progress=False)[tcfg.eval_depth]
         return {"val_loss": res["nll"], "val_ppl": res["ppl"]}
 
-    model.train()
+    wrapped.train()
     t_start = time.time()
     tokens_done = 0
     last: dict[str, Any] = {}
-    bar = tqdm(total=tcfg.steps, initial=start_step, desc=cfg.name, disable=not progress, unit="step",
-               dynamic_ncols=True)
     end_step = tcfg.steps if stop_after is None else min(tcfg.steps, start_step + stop_after)
-    with metrics_path.open("a") as log:
-        for step in range(start_step, end_step):
-            t0 = time.time()
-            loss_sum, depths = 0.0, []
-            for micro in range(tcfg.grad_accum):
-                T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
-                depths.append(T)
-                x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast_context(device, tcfg.dtype):
-                    loss = model(x, depth=T, targets=y, keep_logits=False).loss
+    bar = tqdm(total=tcfg.steps, initial=start_step, desc=cfg.name, disable=not (progress and main),
+               unit="step", dynamic_ncols=True)
+    log = metrics_path.open("a") if main else None
+    for step in range(start_step, end_step):
+        t0 = time.time()
+        loss_sum, depths = 0.0, []
+        for micro in range(tcfg.grad_accum):
+            # every rank draws the same depth: a pure function of (seed, step, micro)
+            T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
+            depths.append(T)
+            x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
+            x, y = x[rows].to(device, non_blocking=True), y[rows].to(device, non_blocking=True)
+            sync = contextlib.nullcontext()
+            if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                sync = wrapped.no_sync()
+            with sync, autocast_context(device, tcfg.dtype):
+                loss = wrapped(x, depth=T, targets=y, keep_logits=False).loss
+            with sync:
                 (loss / tcfg.grad_accum).backward()
-                loss_sum += float(loss.detach())
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip or math.inf))
-            lr = sched.get_last_lr()[0]
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            dt = time.time() - t0
-            n_tok = B * L * tcfg.grad_accum
-            tokens_done += n_tok
-            done = step + 1
-            last = {"step": done, "loss": loss_sum / tcfg.grad_accum, "lr": lr, "grad_norm": grad_norm,
-                    "depths": depths, "tokens_per_s": n_tok / dt}
-            if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
-                last.update(validate())
+            loss_sum += float(loss.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.time() - t0
+        n_tok = B * L * tcfg.grad_accum
+        tokens_done += n_tok
+        done = step + 1
+        last = {"step": done, "loss": mean_across_ranks(loss_sum / tcfg.grad_accum, env), "lr": lr,
+                "grad_norm": grad_norm, "depths": depths, "tokens_per_s": n_tok / dt}
+        if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
+            last.update(validate())
+        if log is not None:
             log.write(json.dumps(last) + "\n")
             log.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}",
-                            **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
-            if tcfg.ckpt_every and done % tcfg.ckpt_every == 0 or done in (tcfg.steps, end_step):
-                checkpoint(done)
+        bar.update(1)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}",
+                        **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
+        if tcfg.ckpt_every and done % tcfg.ckpt_every == 0 or done in (tcfg.steps, end_step):
+            checkpoint(done)
     bar.close()
+    if log is not None:
+        log.close()
     wall = time.time() - t_start
-    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "params": model.num_params(), "wall_s": wall,
+    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step,
+               "params": unwrap(wrapped).num_params() if not fsdp else LoopLM(cfg.model).num_params(),
+               "world_size": env.world_size, "wall_s": wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
-    if end_step == tcfg.steps:
+    if main and end_step == tcfg.steps:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    shutdown(env)
     return summary

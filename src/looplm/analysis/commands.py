@@ -1,0 +1,100 @@
+"""Subcommands ``looplm sweep`` and ``looplm report`` (registered by :mod:`looplm.cli`).
+
+Only argument parsing lives here; the work is done by :mod:`looplm.sweep` and
+:mod:`looplm.analysis.report` (imported when the command runs, so ``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SWEEP_EXAMPLE = """\
+sweep file format (TOML):
+
+  name = "scse-vs-looped"       # optional; default: the file name
+  seeds = [0, 1, 2]             # training seeds; default [0, 1, 2]
+  baseline = "looped"           # report baseline; default: the first variant
+
+  [base]
+  preset = "cpu"                # or config = "path/config.json"
+  "train.steps" = 400           # any config field as "section.field" = value
+
+  [variants]                    # name -> config overrides on top of the base
+  looped = {"model.rule" = "looped"}
+  scse = {"model.rule" = "scse"}
+  unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
+
+  [grid]                        # optional: each combination is a separate run
+  "train.lr" = [1e-3, 2e-3]
+
+  [eval]
+  depths = [1, 2, 4, 8, 16, 32, 48]
+  datasets = ["brown", "wikitext2"]   # default: the training corpus
+  splits = ["test"]                   # default ["test"]
+  max_tokens = 16384                  # default: the whole split
+  tag = "v1"                          # default ""
+  diagnose = true                     # optional: forcing bias + gain (shared models)
+  lambada = {max_examples = 500}      # optional: LAMBADA completion (true or kwargs)
+
+The grid is variants x seeds x grid fields. Each run trains into OUT/runs/<run-id>/
+(<variant>[-<field>=<value>...]-s<seed>); evaluations go to OUT/results.db and a report
+to OUT/report/. Re-running skips finished runs (training complete, evaluations stored)
+and resumes killed ones from their newest valid checkpoint.
+"""
+
+REPORT_DESCRIPTION = """\
+Aggregate a results database (written by `looplm sweep`) into report.md, report.json and
+PNG plots in --out:
+
+  - per dataset/split and metric: rows = variants, columns = loop depths T,
+    cells "mean ± std" over seeds (sample std);
+  - paired deltas variant - baseline matched by (seed, depth), cells
+    "mean ± 95% t half-width [95% paired-bootstrap percentile interval]"
+    (10,000 resamples, fixed seed: deterministic);
+  - parameter count and FLOP proxy (SCSE eq. 20-21) per variant;
+  - PPL vs loop depth on a log2 axis per dataset/split, seed means with ±std bands.
+"""
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from looplm.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.file)
+    result = run_sweep(sweep, args.out, progress=not args.quiet)
+    print(json.dumps(result.summary(), indent=2))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from looplm.analysis.report import write_report
+
+    out = args.out if args.out is not None else args.db.parent / "report"
+    res = write_report(args.db, out, baseline=args.baseline, sweep=args.sweep)
+    print(res["markdown"].read_text())
+    print(f"wrote {res['markdown']}, {res['json']}" + "".join(f", {p}" for p in res["plots"]))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``sweep`` and ``report`` subcommands to the ``looplm`` subparsers ``sub``."""
+    p = sub.add_parser("sweep", help="train and evaluate a grid of runs from a TOML sweep file (resumable)",
+                       description="Train and evaluate every run of a sweep file, one after another,\n"
+                       "with an overall progress bar; resumable.", epilog=SWEEP_EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", type=Path, metavar="FILE.toml", help="sweep file (format below)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default results/<sweep name>): runs/, results.db, report/")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or per-run lines; print the summary")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("report", help="mean ± std tables, paired deltas and plots from a results database",
+                       description=REPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", type=Path, required=True, help="results database (e.g. results/NAME/results.db)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: report/ next to the database)")
+    p.add_argument("--baseline", default=None, metavar="VARIANT",
+                   help="variant the paired deltas compare with (default: the sweep's first variant)")
+    p.add_argument("--sweep", default=None, metavar="NAME",
+                   help="only the runs of this sweep (a database can hold several)")
+    p.set_defaults(func=cmd_report)

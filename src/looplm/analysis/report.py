@@ -1,0 +1,354 @@
+"""Seed-aggregated report of a results database (``looplm report``), in the SCSE paper's layouts.
+
+From the runs and evaluations of a :class:`~looplm.analysis.store.ResultStore` this builds:
+
+- per evaluation set (protocol, dataset, split, tag) and metric: a table with one row per variant
+  and one column per loop depth T, cells ``mean ± std`` over seeds (SCSE Tables 1/5);
+- paired deltas ``variant − baseline`` matched by (seed, depth), cells
+  ``mean ± t half-width [bootstrap lo, hi]`` (for PPL-like metrics; SCSE "Seed Protocol and
+  Aggregation");
+- a parameter count + FLOP proxy table per variant (SCSE eq. 20–21);
+- PPL against loop depth on a log2 axis per dataset/split, seed means with ±std bands.
+
+Variants come from the ``runs`` table: a variant's label is its sweep variant name, followed by its
+extra grid fields when the sweep has any (``scse (train.lr=0.001)``). Paired deltas compare each
+variant with the baseline variant at the same grid point. Outputs: ``report.md``, ``report.json``
+and ``<metric>_<dataset>_<split>.png`` in the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
+from looplm.analysis.store import ResultStore, RunRecord, record_dict
+
+#: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
+#: metric. report.json holds the same selection.
+TABLE_METRICS: dict[str, tuple[str, ...] | None] = {
+    "ppl": ("ppl",), "lambada": ("target_ppl", "target_acc", "exact_acc"),
+    "diagnose": ("forcing.ratio", "gain", "forcing.bias_energy", "forcing.raw_bias_energy",
+                 "forcing.anchor_energy")}
+#: (protocol, metric) pairs that get a paired-delta table and a depth plot.
+PAIRED_METRICS: frozenset[tuple[str, str]] = frozenset({("ppl", "ppl"), ("lambada", "target_ppl")})
+METRIC_TITLES: dict[str, str] = {
+    "ppl": "PPL", "target_ppl": "LAMBADA target-token completion PPL", "target_acc": "LAMBADA target-token "
+    "accuracy", "exact_acc": "LAMBADA exact last-word accuracy"}
+_PROTOCOL_ORDER = {"ppl": 0, "lambada": 1, "diagnose": 2}
+
+
+@dataclass
+class _Group:
+    """One variant at one grid point: its runs (one per seed)."""
+
+    variant: str
+    grid: dict[str, Any]
+    order: int
+    runs: list[RunRecord] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if not self.grid:
+            return self.variant
+        return f"{self.variant} (" + ", ".join(f"{k}={v}" for k, v in sorted(self.grid.items())) + ")"
+
+    @property
+    def grid_key(self) -> str:
+        return json.dumps(self.grid, sort_keys=True)
+
+
+def _fmt(x: float, ref: float | None = None) -> str:
+    """2 decimals when the reference magnitude ``ref`` (default ``x``) is ordinary (0 or in
+    [0.1, 1e7)), else 3 significant digits; numbers of one cell share ``ref``."""
+    if not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    r = abs(x if ref is None or not math.isfinite(ref) else ref)
+    if r == 0 or 0.1 <= r < 1e7:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def format_mean_std(mean: float, std: float) -> str:
+    """Markdown cell ``"mean ± std"``; just ``"mean"`` when std is NaN (a single seed)."""
+    if math.isnan(std):
+        return _fmt(mean)
+    ref = mean if mean != 0 else std
+    return f"{_fmt(mean, ref)} ± {_fmt(std, ref)}"
+
+
+def format_delta(s: dict[str, Any]) -> str:
+    """Markdown cell ``"mean ± t-half-width [bootstrap lo, bootstrap hi]"`` of a paired summary dict
+    (:meth:`~looplm.analysis.stats.PairedSummary.to_dict`); with one pair: ``"mean (n=1)"``."""
+    if s["n"] < 2:
+        return f"{_fmt(s['mean'])} (n=1)"
+    lo, hi = s["bootstrap"]
+    ref = max(abs(s["mean"]), abs(s["t_half_width"]))
+    return (f"{_fmt(s['mean'], ref)} ± {_fmt(s['t_half_width'], ref)} "
+            f"[{_fmt(lo, ref)}, {_fmt(hi, ref)}]")
+
+
+def _groups(runs: list[RunRecord]) -> list[_Group]:
+    groups: dict[tuple[str, str], _Group] = {}
+    for r in runs:
+        key = (r.variant, json.dumps(r.grid, sort_keys=True))
+        g = groups.setdefault(key, _Group(variant=r.variant, grid=dict(r.grid), order=r.variant_order))
+        g.order = min(g.order, r.variant_order)
+        g.runs.append(r)
+    out = sorted(groups.values(), key=lambda g: (g.order, g.variant, g.grid_key))
+    for g in out:
+        hashes = {r.config_hash for r in g.runs}
+        if len(hashes) > 1:
+            raise ValueError(f"variant {g.label!r}: runs {', '.join(sorted(r.sweep + '/' + r.run_id for r in g.runs))} "
+                             "have different configs; report one sweep at a time (--sweep NAME)")
+    return out
+
+
+def _train_range(runs: list[RunRecord]) -> tuple[int, int] | None:
+    ranges = set()
+    for r in runs:
+        if r.config["model"].get("architecture") == "unshared":
+            continue
+        t = r.config["train"]
+        ranges.add((t["depth"], t["depth"]) if t.get("depth_sampler") == "fixed" else (t["depth_lo"], t["depth_hi"]))
+    return ranges.pop() if len(ranges) == 1 else None
+
+
+def build_report(store: ResultStore, *, baseline: str | None = None, sweep: str | None = None,
+                 confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES,
+                 bootstrap_seed: int = DEFAULT_BOOTSTRAP_SEED) -> dict[str, Any]:
+    """Aggregate the store into a JSON-ready report dict.
+
+    Args:
+        store: the results database.
+        baseline: variant name the paired deltas compare against (default: the sweep's first).
+        sweep: only the runs of this sweep (default: every run in the store).
+        confidence, n_resamples, bootstrap_seed: interval settings (see :mod:`looplm.analysis.stats`).
+
+    Returns:
+        ``{"db", "sweeps", "baseline", "variants", "seeds", "confidence", "bootstrap", "train_range",
+        "models": [...], "sections": [...]}``; a section holds ``protocol``, ``protocol_hash``,
+        ``settings``, ``dataset``, ``split``, ``tag``, ``metric``, ``depth_name`` ("T", or "t" for
+        loop-step diagnostics), ``depths``, ``cells`` (label → depth → {n, mean, std, seeds, values})
+        and ``deltas`` (label → depth → paired summary; empty when not a paired metric).
+
+    Raises:
+        ValueError: no runs stored, an unknown ``baseline``, or one variant with different configs.
+    """
+    runs = store.runs(sweep)
+    if not runs:
+        where = f" of sweep {sweep!r}" if sweep else ""
+        raise ValueError(f"--db: no runs{where} stored in {store.path}; run `looplm sweep` first")
+    groups = _groups(runs)
+    variants = list(dict.fromkeys(g.variant for g in groups))
+    if baseline is None:
+        baseline = variants[0]
+    elif baseline not in variants:
+        raise ValueError(f"--baseline: unknown variant {baseline!r}; known: {', '.join(variants)}")
+
+    # (protocol, protocol_hash, tag, dataset, split, metric) → label → depth → seed → value
+    table: dict[tuple, dict[str, dict[int, dict[int, float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(dict)))
+    for g in groups:
+        seeds = {r.seed for r in g.runs}
+        for row in store.evaluations(config_hash=g.runs[0].config_hash):
+            if row["seed"] not in seeds:
+                continue
+            wanted = TABLE_METRICS.get(row["protocol"])
+            if wanted is not None and row["metric"] not in wanted:
+                continue
+            key = (row["protocol"], row["protocol_hash"], row["tag"], row["dataset"], row["split"], row["metric"])
+            table[key][g.label][row["depth"]][row["seed"]] = row["value"]
+
+    hashes_per_set = defaultdict(set)
+    for (proto, phash, tag, ds, split, _m) in table:
+        hashes_per_set[(proto, tag, ds, split)].add(phash)
+    by_label = {g.label: g for g in groups}
+    base_of = {g.grid_key: g.label for g in groups if g.variant == baseline}
+
+    def metric_order(m: str, proto: str) -> tuple:
+        wanted = TABLE_METRICS.get(proto)
+        return (wanted.index(m) if wanted else 0, m)
+
+    sections = []
+    for key in sorted(table, key=lambda k: (_PROTOCOL_ORDER.get(k[0], 9), k[0], k[3], k[4], k[2], k[1],
+                                              metric_order(k[5], k[0]))):
+        proto, phash, tag, ds, split, metric = key
+        data = table[key]
+        depths = sorted({t for per in data.values() for t in per})
+        cells: dict[str, dict[str, Any]] = {}
+        deltas: dict[str, dict[str, Any]] = {}
+        for g in groups:
+            if g.label not in data:
+                continue
+            cells[g.label] = {}
+            for t, per_seed in sorted(data[g.label].items()):
+                seeds = sorted(per_seed)
+                values = [per_seed[s] for s in seeds]
+                m, s = mean_std(values)
+                cells[g.label][str(t)] = {"n": len(values), "mean": m, "std": s, "seeds": seeds, "values": values}
+            base_label = base_of.get(g.grid_key)
+            if (proto, metric) not in PAIRED_METRICS or g.variant == baseline or base_label not in data:
+                continue
+            deltas[g.label] = {}
+            for t, per_seed in sorted(data[g.label].items()):
+                summary = summarize_paired(per_seed, data[base_label].get(t, {}), confidence=confidence,
+                                           n_resamples=n_resamples, seed=bootstrap_seed)
+                if summary is not None:
+                    deltas[g.label][str(t)] = {**summary.to_dict(), "baseline": base_label}
+        sections.append({
+            "protocol": proto, "protocol_hash": phash, "settings": store.protocol_settings(phash),
+            "ambiguous_settings": len(hashes_per_set[(proto, tag, ds, split)]) > 1,
+            "dataset": ds, "split": split, "tag": tag, "metric": metric,
+            "depth_name": "t" if proto == "diagnose" else "T", "depths": depths, "cells": cells,
+            "deltas": deltas})
+
+    models = []
+    for g in groups:
+        r = g.runs[0]
+        models.append({"label": g.label, "variant": g.variant, "grid": g.grid,
+                       "architecture": r.config["model"].get("architecture"), "rule": r.config["model"].get("rule"),
+                       "params": r.params, "flops": {str(k): v for k, v in sorted(r.flops.items())},
+                       "config_hash": r.config_hash, "config": r.config,
+                       "runs": [{k: v for k, v in record_dict(x).items() if k not in ("config", "flops")}
+                                for x in g.runs]})
+    return {"db": str(store.path), "sweeps": sorted({r.sweep for r in runs}), "baseline": baseline,
+            "variants": [g.label for g in groups], "seeds": sorted({r.seed for r in runs}),
+            "confidence": confidence, "bootstrap": {"resamples": n_resamples, "seed": bootstrap_seed},
+            "train_range": _train_range(runs), "models": models, "sections": sections}
+
+
+def _section_title(sec: dict[str, Any]) -> str:
+    metric = METRIC_TITLES.get(sec["metric"], sec["metric"])
+    where = f"{sec['dataset']} {sec['split']}"
+    if sec["protocol"] == "lambada":
+        title = metric
+    elif sec["protocol"] == "diagnose":
+        title = f"diagnose {metric} — {where}"
+    else:
+        title = f"{metric} — {where}"
+    if sec["tag"]:
+        title += f" (tag {sec['tag']})"
+    if sec["ambiguous_settings"]:
+        title += f" [settings {json.dumps(sec['settings'], sort_keys=True)}]"
+    return title
+
+
+def plot_name(sec: dict[str, Any]) -> str:
+    """File name of a section's depth plot, e.g. ``ppl_brown_test.png``."""
+    parts = [sec["metric"], sec["dataset"], sec["split"]] + ([sec["tag"]] if sec["tag"] else [])
+    if sec["ambiguous_settings"]:
+        parts.append(sec["protocol_hash"][:8])
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", "_".join(parts)) + ".png"
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _n_text(counts: list[int]) -> str:
+    if not counts:
+        return "0"
+    return str(counts[0]) if min(counts) == max(counts) else f"{min(counts)}–{max(counts)}"
+
+
+def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = None) -> str:
+    """The report as Markdown (``plots``: section index → PNG file name to embed)."""
+    plots = plots or {}
+    conf = round(100 * report["confidence"])
+    lines = ["# looplm report", "",
+             f"Database `{report['db']}` · sweeps: {', '.join(report['sweeps'])} · variants: "
+             f"{', '.join(report['variants'])} · seeds: {', '.join(map(str, report['seeds']))} · "
+             f"baseline: {report['baseline']}", "",
+             "Cells are mean ± std over seeds (sample std, ddof = 1; one seed shows the mean alone); "
+             "n = seeds per cell. Paired deltas are variant − baseline matched by (seed, depth): mean ± "
+             f"{conf}% Student-t half-width [{conf}% paired-bootstrap percentile interval, "
+             f"{report['bootstrap']['resamples']:,} resamples, seed {report['bootstrap']['seed']}].", ""]
+
+    depths = sorted({int(t) for m in report["models"] for t in m["flops"]})
+    lines += ["## Parameters and FLOP proxy", "",
+              "FLOPs per token, body + head (SCSE eq. 20–21), in millions.", ""]
+    rows = []
+    for m in report["models"]:
+        rows.append([m["label"], str(m["architecture"]), str(m["rule"]) if m["architecture"] != "unshared" else "–",
+                     f"{m['params']:,}" if m["params"] is not None else "–",
+                     *[f"{m['flops'][str(t)]['body_head'] / 1e6:.2f}" if str(t) in m["flops"] else "–"
+                       for t in depths]])
+    lines += _md_table(["variant", "architecture", "rule", "params", *[f"T={t}" for t in depths]], rows) + [""]
+
+    for i, sec in enumerate(report["sections"]):
+        dn, depths = sec["depth_name"], sec["depths"]
+        title = _section_title(sec)
+        rows = []
+        for label, per in sec["cells"].items():
+            rows.append([label, _n_text([c["n"] for c in per.values()]),
+                         *[format_mean_std(per[str(t)]["mean"], per[str(t)]["std"]) if str(t) in per else "–"
+                           for t in depths]])
+        lines += [f"## {title}", ""] + _md_table(["variant", "n", *[f"{dn}={t}" for t in depths]], rows) + [""]
+        if sec["deltas"]:
+            rows = []
+            for label, per in sec["deltas"].items():
+                rows.append([label, _n_text([d["n"] for d in per.values()]),
+                             *[format_delta(per[str(t)]) if str(t) in per else "–" for t in depths]])
+            lines += [f"### Paired deltas vs {report['baseline']}: {title}", ""]
+            lines += _md_table(["variant", "pairs", *[f"{dn}={t}" for t in depths]], rows) + [""]
+        if i in plots:
+            lines += [f"![{title}]({plots[i]})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _strict_json(obj: Any) -> Any:
+    """NaN/inf → None, so that report.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
+def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str | None = None,
+                 sweep: str | None = None, plots: bool = True) -> dict[str, Any]:
+    """Build the report of ``db`` and write ``report.md``, ``report.json`` and depth plots to ``out``.
+
+    Returns:
+        ``{"markdown": path, "json": path, "plots": [paths], "report": report dict}``.
+
+    Raises:
+        FileNotFoundError: ``db`` is a path that does not exist. ValueError: see :func:`build_report`.
+    """
+    from looplm.analysis.plots import plot_mean_std_vs_depth
+
+    if isinstance(db, ResultStore):
+        report = build_report(db, baseline=baseline, sweep=sweep)
+    else:
+        if not Path(db).is_file():
+            raise FileNotFoundError(f"--db: {db} does not exist")
+        with ResultStore(db) as store:
+            report = build_report(store, baseline=baseline, sweep=sweep)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs: dict[int, str] = {}
+    if plots:
+        for i, sec in enumerate(report["sections"]):
+            if (sec["protocol"], sec["metric"]) not in PAIRED_METRICS or not sec["cells"]:
+                continue
+            curves = {label: {int(t): (c["mean"], c["std"]) for t, c in per.items()}
+                      for label, per in sec["cells"].items()}
+            name = plot_name(sec)
+            title = _section_title(sec)
+            plot_mean_std_vs_depth(curves, out / name, title=title,
+                                   ylabel=METRIC_TITLES.get(sec["metric"], sec["metric"]),
+                                   train_range=report["train_range"])
+            pngs[i] = name
+    md_path, json_path = out / "report.md", out / "report.json"
+    md_path.write_text(render_markdown(report, plots=pngs))
+    json_path.write_text(json.dumps(_strict_json(report), indent=2, allow_nan=False) + "\n")
+    return {"markdown": md_path, "json": json_path, "plots": [out / p for p in pngs.values()], "report": report}

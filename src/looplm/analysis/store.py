@@ -1,0 +1,393 @@
+"""Results store: one embedded SQLite database of evaluations keyed by their identity (SPEC §9).
+
+An *evaluation identity* is the tuple
+
+    (config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag)
+
+- ``config_hash``: sha256 of the canonical JSON of the run config with the fields that do not change
+  the trained weights removed (:data:`NON_IDENTITY_FIELDS`: the run name, the seed — it has its own
+  column — and device, thread, logging, checkpoint and path settings). The JSON itself is kept in
+  the ``configs`` table.
+- ``protocol``: what was measured (``"ppl"``, ``"lambada"``, ``"diagnose"``, ...) and
+  ``protocol_hash``: sha256 of the protocol name plus its settings that change the numbers (e.g.
+  ``max_tokens``, ``stride``); the settings JSON is kept in the ``protocols`` table.
+- ``dataset``, ``split``: the evaluation text; ``depth``: the loop depth T (for ``diagnose``: the
+  0-based loop step t of the record); ``seed``: the training seed; ``tag``: a free label.
+
+Each identity holds one set of metrics (name → float). :meth:`ResultStore.put` replaces an
+identity's metric set in one transaction (UPSERT; stale metric names are dropped), so re-running an
+evaluation updates it and never double-counts a seed. Writers from several processes are safe: the
+database runs in WAL mode with a busy timeout and every write is one ``BEGIN IMMEDIATE``
+transaction. The ``runs`` table holds per-run metadata written by sweeps: variant, grid point, seed,
+config, parameter count, FLOP proxy per depth, run directory, weights sha256, training summary.
+
+Schema (``SCHEMA_VERSION`` 1)::
+
+    meta(key PRIMARY KEY, value)
+    configs(config_hash PRIMARY KEY, config_json)
+    protocols(protocol_hash PRIMARY KEY, protocol, settings_json)
+    evaluations(config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag, metric, value,
+                updated_at, PRIMARY KEY(config_hash, protocol, protocol_hash, dataset, split, depth,
+                seed, tag, metric))
+    runs(sweep, run_id, variant, variant_order, grid_json, seed, config_hash, config_json, params,
+         flops_json, run_dir, weights_sha256, summary_json, updated_at, PRIMARY KEY(sweep, run_id))
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+SCHEMA_VERSION = 1
+
+#: config fields left out of the evaluation identity: they do not change the trained weights (or,
+#: for ``train.seed``, are an identity column of their own).
+NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every"),
+    "data": ("data_root", "cache_dir"),
+}
+
+IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
+                                     "seed", "tag")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS configs (config_hash TEXT PRIMARY KEY, config_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS protocols (protocol_hash TEXT PRIMARY KEY, protocol TEXT NOT NULL,
+                                      settings_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS evaluations (
+    config_hash TEXT NOT NULL, protocol TEXT NOT NULL, protocol_hash TEXT NOT NULL,
+    dataset TEXT NOT NULL, split TEXT NOT NULL, depth INTEGER NOT NULL, seed INTEGER NOT NULL,
+    tag TEXT NOT NULL, metric TEXT NOT NULL, value REAL, updated_at REAL NOT NULL,
+    PRIMARY KEY (config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag, metric)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS runs (
+    sweep TEXT NOT NULL, run_id TEXT NOT NULL, variant TEXT NOT NULL, variant_order INTEGER NOT NULL,
+    grid_json TEXT NOT NULL, seed INTEGER NOT NULL, config_hash TEXT NOT NULL, config_json TEXT NOT NULL,
+    params INTEGER, flops_json TEXT NOT NULL, run_dir TEXT NOT NULL, weights_sha256 TEXT,
+    summary_json TEXT NOT NULL, updated_at REAL NOT NULL,
+    PRIMARY KEY (sweep, run_id)
+);
+"""
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise TypeError(f"config: expected a looplm Config or its dict, got {type(config).__name__}")
+
+
+def config_identity(config: Any) -> dict[str, Any]:
+    """The part of a run config (``Config`` or its dict) that defines the trained model.
+
+    Drops ``name`` and the :data:`NON_IDENTITY_FIELDS`; keeps everything else (model, data and
+    training protocol, including the format version).
+    """
+    d = _config_dict(config)
+    d.pop("name", None)
+    for section, names in NON_IDENTITY_FIELDS.items():
+        for name in names:
+            d.get(section, {}).pop(name, None)
+    return d
+
+
+def config_hash(config: Any) -> str:
+    """sha256 (64 hex chars) of the canonical JSON of :func:`config_identity`."""
+    return _sha256(_canonical(config_identity(config)))
+
+
+def protocol_hash(protocol: str, settings: Mapping[str, Any] | None = None) -> str:
+    """sha256 (64 hex chars) of the protocol name and its (JSON-serializable) settings."""
+    return _sha256(_canonical({"protocol": protocol, "settings": dict(settings or {})}))
+
+
+@dataclass(frozen=True)
+class EvalIdentity:
+    """The key of one stored evaluation (SPEC §9). Build it with :meth:`make`."""
+
+    config_hash: str
+    protocol: str
+    protocol_hash: str
+    dataset: str
+    split: str
+    depth: int
+    seed: int
+    tag: str = ""
+
+    @classmethod
+    def make(cls, config: Any, protocol: str, *, dataset: str, split: str, depth: int,
+             settings: Mapping[str, Any] | None = None, seed: int | None = None,
+             tag: str = "") -> "EvalIdentity":
+        """Identity of evaluating ``config`` (seed from ``config.train.seed`` unless given)."""
+        if seed is None:
+            seed = int(_config_dict(config)["train"]["seed"])
+        return cls(config_hash=config_hash(config), protocol=protocol,
+                   protocol_hash=protocol_hash(protocol, settings), dataset=dataset, split=split,
+                   depth=int(depth), seed=int(seed), tag=tag)
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, c) for c in IDENTITY_COLUMNS)
+
+
+@dataclass
+class RunRecord:
+    """Per-run metadata (one row of ``runs``), keyed by (sweep, run_id).
+
+    ``flops``: depth → ``{"body", "body_head"}`` FLOPs/token (SCSE eq. 20–21); ``grid``: the extra
+    grid fields of this run (``{"section.field": value}``); ``summary``: the training summary.
+    """
+
+    sweep: str
+    run_id: str
+    variant: str
+    seed: int
+    config: dict[str, Any]
+    run_dir: str
+    variant_order: int = 0
+    grid: dict[str, Any] = field(default_factory=dict)
+    params: int | None = None
+    flops: dict[int, dict[str, int]] = field(default_factory=dict)
+    weights_sha256: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+
+def _float(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+class ResultStore:
+    """The SQLite results database at ``path`` (created with its schema when missing).
+
+    Use as a context manager or call :meth:`close`. Every public write is one transaction.
+
+    Raises:
+        sqlite3.OperationalError: the database stays locked longer than ``timeout`` seconds.
+        ValueError: the file holds a different schema version.
+    """
+
+    def __init__(self, path: str | Path, *, timeout: float = 60.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        self._retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL"))
+        self._conn.execute("PRAGMA synchronous = NORMAL")
+        with self._write() as c:
+            # one statement at a time: executescript() would commit the open transaction
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                c.execute(stmt)
+            row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _retry(self, fn):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return fn()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _write(self):
+        store = self
+
+        class _Tx:
+            def __enter__(self):
+                store._retry(lambda: store._conn.execute("BEGIN IMMEDIATE"))
+                return store._conn
+
+            def __exit__(self, exc_type, exc, tb):
+                store._conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                return False
+
+        return _Tx()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "ResultStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- evaluations ------------------------------------------------------------------------------
+    def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
+            settings: Mapping[str, Any] | None = None) -> None:
+        """Store ``metrics`` as the evaluation ``identity``, replacing what it held before.
+
+        Args:
+            identity: the evaluation identity.
+            metrics: metric name → value (floats; NaN is stored as NULL and read back as NaN).
+            config: the run config (``Config`` or dict); its identity JSON goes to ``configs``.
+            settings: the protocol settings; stored in ``protocols``.
+        """
+        self.put_many([(identity, metrics)], config=config, settings=settings)
+
+    def put_many(self, items: Iterable[tuple[EvalIdentity, Mapping[str, float]]], *, config: Any = None,
+                 settings: Mapping[str, Any] | None = None) -> int:
+        """:meth:`put` for several identities in one transaction. Returns the number of identities.
+
+        Raises:
+            ValueError: ``config`` or ``settings`` does not hash to an identity's hashes, or a metric
+                set is empty.
+        """
+        items = [(ident, dict(m)) for ident, m in items]
+        now = time.time()
+        chash = config_hash(config) if config is not None else None
+        with self._write() as c:
+            if config is not None:
+                c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)",
+                          (chash, _canonical(config_identity(config))))
+            for ident, metrics in items:
+                if not metrics:
+                    raise ValueError(f"metrics: empty metric set for {ident}")
+                if chash is not None and ident.config_hash != chash:
+                    raise ValueError(f"config: hashes to {chash[:12]}, identity has {ident.config_hash[:12]}")
+                if settings is not None:
+                    phash = protocol_hash(ident.protocol, settings)
+                    if phash != ident.protocol_hash:
+                        raise ValueError(f"settings: hash to {phash[:12]} for protocol {ident.protocol!r}, "
+                                         f"identity has {ident.protocol_hash[:12]}")
+                    c.execute("INSERT OR REPLACE INTO protocols VALUES (?, ?, ?)",
+                              (phash, ident.protocol, _canonical(dict(settings))))
+                where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
+                names = sorted(metrics)
+                c.execute(f"DELETE FROM evaluations WHERE {where} AND metric NOT IN "
+                          f"({', '.join('?' * len(names))})", (*ident.as_tuple(), *names))
+                c.executemany(
+                    f"INSERT INTO evaluations ({', '.join(IDENTITY_COLUMNS)}, metric, value, updated_at) "
+                    f"VALUES ({', '.join('?' * (len(IDENTITY_COLUMNS) + 3))}) "
+                    f"ON CONFLICT ({', '.join(IDENTITY_COLUMNS)}, metric) "  # UPSERT, SQLite >= 3.24
+                    "DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+                    [(*ident.as_tuple(), name, _none_if_nan(metrics[name]), now) for name in names])
+        return len(items)
+
+    def get(self, identity: EvalIdentity) -> dict[str, float]:
+        """The metrics stored for ``identity`` (empty dict when none)."""
+        where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
+        rows = self._conn.execute(f"SELECT metric, value FROM evaluations WHERE {where}", identity.as_tuple())
+        return {m: _float(v) for m, v in rows}
+
+    def has(self, identity: EvalIdentity, metrics: Iterable[str] = ()) -> bool:
+        """Whether ``identity`` is stored (and holds every name in ``metrics``)."""
+        got = self.get(identity)
+        return bool(got) and all(m in got for m in metrics)
+
+    def _filters(self, filters: Mapping[str, Any]) -> tuple[str, list]:
+        allowed = (*IDENTITY_COLUMNS, "metric")
+        unknown = sorted(set(filters) - set(allowed))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown filter; allowed: {', '.join(allowed)}")
+        parts = [f"{k} = ?" for k in filters]
+        return (" WHERE " + " AND ".join(parts)) if parts else "", list(filters.values())
+
+    def evaluations(self, **filters: Any) -> list[dict[str, Any]]:
+        """Stored rows (one per identity × metric) matching ``column=value`` filters.
+
+        Each row: the identity columns, ``metric``, ``value`` (NaN for NULL), ``updated_at``.
+
+        Raises:
+            ValueError: a filter that is not an identity column or ``metric``.
+        """
+        where, args = self._filters(filters)
+        cur = self._conn.execute(f"SELECT {', '.join(IDENTITY_COLUMNS)}, metric, value, updated_at "
+                                 f"FROM evaluations{where} ORDER BY {', '.join(IDENTITY_COLUMNS)}, metric", args)
+        cols = [d[0] for d in cur.description]
+        return [{**dict(zip(cols, row)), "value": _float(row[cols.index("value")])} for row in cur]
+
+    def count(self, **filters: Any) -> int:
+        """Number of stored (identity, metric) rows matching the filters."""
+        where, args = self._filters(filters)
+        return int(self._conn.execute(f"SELECT COUNT(*) FROM evaluations{where}", args).fetchone()[0])
+
+    def delete(self, **filters: Any) -> int:
+        """Delete the rows matching the filters (at least one filter). Returns the rows deleted."""
+        if not filters:
+            raise ValueError("delete: give at least one filter (refusing to empty the store)")
+        where, args = self._filters(filters)
+        with self._write() as c:
+            return c.execute(f"DELETE FROM evaluations{where}", args).rowcount
+
+    def config(self, config_hash: str) -> dict[str, Any] | None:
+        """The identity JSON stored for ``config_hash`` (None when unknown)."""
+        row = self._conn.execute("SELECT config_json FROM configs WHERE config_hash = ?", (config_hash,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def protocol_settings(self, protocol_hash: str) -> dict[str, Any] | None:
+        """The settings stored for ``protocol_hash`` (None when unknown)."""
+        row = self._conn.execute("SELECT settings_json FROM protocols WHERE protocol_hash = ?",
+                                 (protocol_hash,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    # -- runs -------------------------------------------------------------------------------------
+    def put_run(self, run: RunRecord) -> None:
+        """Insert or replace the metadata of ``run`` (keyed by sweep and run id)."""
+        with self._write() as c:
+            c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)",
+                      (run.config_hash, _canonical(config_identity(run.config))))
+            c.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                      (run.sweep, run.run_id, run.variant, run.variant_order, _canonical(run.grid), run.seed,
+                       run.config_hash, _canonical(run.config), run.params,
+                       _canonical({str(k): v for k, v in run.flops.items()}), run.run_dir, run.weights_sha256,
+                       _canonical(run.summary), time.time()))
+
+    def runs(self, sweep: str | None = None) -> list[RunRecord]:
+        """Stored runs (of one sweep, or all), ordered by sweep, variant order, run id."""
+        sql = ("SELECT sweep, run_id, variant, variant_order, grid_json, seed, config_json, params, flops_json, "
+               "run_dir, weights_sha256, summary_json FROM runs")
+        args: tuple = ()
+        if sweep is not None:
+            sql, args = sql + " WHERE sweep = ?", (sweep,)
+        out = []
+        for (sw, rid, var, order, grid, seed, cfg, params, flops, run_dir, sha, summary) in self._conn.execute(
+                sql + " ORDER BY sweep, variant_order, run_id", args):
+            out.append(RunRecord(sweep=sw, run_id=rid, variant=var, variant_order=order, grid=json.loads(grid),
+                                 seed=seed, config=json.loads(cfg), params=params,
+                                 flops={int(k): v for k, v in json.loads(flops).items()}, run_dir=run_dir,
+                                 weights_sha256=sha, summary=json.loads(summary)))
+        return out
+
+    def run(self, sweep: str, run_id: str) -> RunRecord | None:
+        """One stored run (None when missing)."""
+        return next((r for r in self.runs(sweep) if r.run_id == run_id), None)
+
+
+def _none_if_nan(v: Any) -> float | None:
+    v = float(v)
+    return None if math.isnan(v) else v
+
+
+def record_dict(run: RunRecord) -> dict[str, Any]:
+    """JSON-ready dict of a :class:`RunRecord` (with its config hash)."""
+    d = asdict(run)
+    d["config_hash"] = run.config_hash
+    d["flops"] = {str(k): v for k, v in run.flops.items()}
+    return d

@@ -1,0 +1,185 @@
+"""Markdown tables and plots of the mechanism diagnostics (SCSE Tables 3 and 22, Figures 4 and 5).
+
+All functions read the JSON-ready dicts of :func:`looplm.diagnostics.runner.diagnose_model`, so a
+report can be rebuilt from saved JSON. Several models can share one table or bar plot: pass
+``{label: result}``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "–"
+    if v == 0:
+        return "0"
+    return f"{v:.4g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _by_t(records: list[dict[str, Any]], key: str) -> dict[int, float | None]:
+    return {int(r["t"]): r[key] for r in records}
+
+
+def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
+    """Three Markdown tables, one row per model: the forcing-bias diagnostic (SCSE Table 3 layout),
+    the mechanism diagnostics (Table 22 layout) and the anchor-start rollout / dose response."""
+    steps = sorted({int(r["t"]) for res in results.values() for r in res["forcing"]})
+    last = steps[-1]
+    out = ["**Anchor-response forcing-bias diagnostic** (SCSE Table 3 layout): R_t = N⁻¹‖b_t‖² / "
+           "max(N⁻¹‖Δ_{t+1} − Δ_t‖², 1e-12), anchor energy E_Δ,t = N⁻¹‖Δ_t‖², in each model's own "
+           "anchor coordinates.", ""]
+    rows = []
+    for label, res in results.items():
+        ratio, e = _by_t(res["forcing"], "ratio"), _by_t(res["forcing"], "anchor_energy")
+        rows.append([label, *(_fmt(ratio.get(t)) for t in steps), *(_fmt(e.get(t)) for t in steps)])
+    out += _table(["Model", *(f"R_{t}" for t in steps), *(f"E_Δ,{t}" for t in steps)], rows)
+    out += ["", "**Mechanism diagnostics** (SCSE Table 22 layout): pointwise forcing bias b_t, raw "
+            "pre-mask response b̃_t, random-direction gain ‖T_t(Δ+εv) − T_t(Δ)‖_F/ε (ε = 1e-3, mean of "
+            "4 directions), anchor energy at the late step.", ""]
+    rows = []
+    for label, res in results.items():
+        b, braw = _by_t(res["forcing"], "bias_energy"), _by_t(res["forcing"], "raw_bias_energy")
+        g, e = _by_t(res["gain"], "gain"), _by_t(res["forcing"], "anchor_energy")
+        rows.append([label, *(_fmt(b.get(t)) for t in steps), *(_fmt(braw.get(t)) for t in steps),
+                     *(_fmt(g.get(t)) for t in steps), _fmt(e.get(last))])
+    out += _table(["Model", *(f"N⁻¹‖b_{t}‖²" for t in steps), *(f"N⁻¹‖b̃_{t}‖²" for t in steps),
+                   *(f"gain t={t}" for t in steps), f"E_Δ,{last}"], rows)
+    gains = sorted({float(r["gain"]) for res in results.values() for r in res["dose_response"]["records"]})
+    shown = [g for g in gains if g != 0.0]
+    out += ["", "**Anchor-start rollouts and injection-gain dose response** (SCSE Figure 4): Δ_0 = 0; "
+            "cosine of Δ_T with the forcing ray T·b_0(e) (mean [min, max] over examples); push = RMS of "
+            "Δ_T; D_g = Δ_T(gain g) − Δ_T(gain 0), as RMS relative to the push and as cosine with D_1.", ""]
+    rows = []
+    for label, res in results.items():
+        fin = res["rollout"]["records"][-1]
+        dose = {float(r["gain"]): r for r in res["dose_response"]["records"]}
+        span = "–" if fin["cosine"] is None else f"{_fmt(fin['cosine'])} [{_fmt(fin['cosine_min'])}, " \
+                                                  f"{_fmt(fin['cosine_max'])}]"
+        rows.append([label, span, _fmt(res["dose_response"]["push_rms"]),
+                     *(_fmt(dose[g]["relative_to_push"]) if g in dose else "–" for g in shown),
+                     *(_fmt(dose[g]["cosine_to_unit_gain"]) if g in dose else "–" for g in shown if g != 1.0)])
+    depth = max(res["rollout"]["depth"] for res in results.values())
+    out += _table(["Model", f"cos(Δ_T, T·b_0), T={depth}", "push RMS", *(f"D_{g:g}/push" for g in shown),
+                   *(f"cos(D_{g:g}, D_1)" for g in shown if g != 1.0)], rows)
+    return "\n".join(out)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
+    """Bar plot of the forcing-bias energy ratio R_t per model (SCSE Figure 5 style): bars at the last
+    measured step, open markers at the earlier ones, a dashed unit reference. Returns the PNG path."""
+    labels = list(results)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(labels) + 2.0), 3.8))
+    x = np.arange(len(labels))
+    last = [res["forcing"][-1] for res in results.values()]
+    bars = ax.bar(x, [r["ratio"] for r in last], width=0.6, color="tab:blue", alpha=0.8,
+                  label=f"t = {last[0]['t']}" if last else None)
+    for rect, r in zip(bars, last):
+        ax.annotate(f"{r['ratio']:.2f}", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    markers = "os^Dv"
+    seen: set[int] = set()
+    for i, res in enumerate(results.values()):
+        for j, r in enumerate(res["forcing"][:-1]):
+            lab = f"t = {r['t']}" if r["t"] not in seen else None
+            seen.add(r["t"])
+            ax.plot([i], [r["ratio"]], linestyle="none", marker=markers[j % len(markers)], markersize=8,
+                    markerfacecolor="none", markeredgecolor="black", label=lab)
+    ax.axhline(1.0, linestyle="--", color="gray", linewidth=1, label="unit reference")
+    ax.set_xticks(x, labels, rotation=15, ha="right")
+    ax.set_ylabel("R_t (pointwise bias / update energy)")
+    ax.set_title("Forcing-bias energy ratio R_t")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: str = "",
+                         train_depth: int | None = None) -> Path:
+    """Two-panel 2-D PCA view of anchor-start rollouts (SCSE Figure 4 style). Returns the PNG path.
+
+    (a) sequence-mean trajectories Δ_t (gain 1) of the kept examples with the direction of their
+    forcing rays t·b_0(e) (dashed) and, when ``train_depth`` ≤ T, a dotted circle at the mean anchor
+    distance at t = train_depth (not a stability boundary). (b) the displacements from the
+    injection-removed rollout, Δ_t(g) − Δ_t(0), per gain; triangles mark the endpoints of the gains
+    other than 1. The panels use separate projections.
+    """
+    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11.0, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    view = result["rollout"]["pca"]
+    paths = np.asarray(view["paths"], dtype=float).reshape(len(view["paths"]), -1, 2)  # (k, T+1, 2)
+    ray = np.asarray(view["ray"], dtype=float).reshape(-1, 2)  # (k, 2)
+    for i in range(paths.shape[0]):
+        c = colors[i % len(colors)]
+        ax_a.plot(paths[i, :, 0], paths[i, :, 1], "-o", markersize=2, linewidth=1, color=c)
+        reach = float(np.linalg.norm(paths[i], axis=1).max())
+        norm = float(np.linalg.norm(ray[i]))
+        if norm > 0 and reach > 0:
+            end = ray[i] / norm * reach
+            ax_a.plot([0, end[0]], [0, end[1]], "--", linewidth=1, color=c, alpha=0.7,
+                      label="forcing ray t·b_0(e)" if i == 0 else None)
+    if train_depth is not None and 0 < train_depth < paths.shape[1]:
+        radius = float(np.linalg.norm(paths[:, train_depth], axis=1).mean())
+        if radius > 0:
+            ax_a.add_patch(plt.Circle((0, 0), radius, fill=False, linestyle=":", color="gray",
+                                      label=f"mean anchor distance at t={train_depth}"))
+    ax_a.plot([0], [0], marker="*", markersize=12, color="black", linestyle="none", label="anchor h*")
+    if result["rollout"]["bias0_rms"] == 0:
+        ax_a.text(0.05, 0.92, "b_t(e) = 0", transform=ax_a.transAxes, color="tab:green", fontsize=12)
+    share = view["basis_share"]
+    ax_a.set_title(f"(a) anchor-start trajectories, T={result['rollout']['depth']}")
+    ax_a.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
+    ax_a.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
+    ax_a.set_aspect("equal", adjustable="datalim")
+    ax_a.legend(fontsize=7, loc="lower right")
+    ax_a.grid(True, alpha=0.3)
+
+    view = result["dose_response"]["pca"]
+    any_motion = False
+    for j, (g, gpaths) in enumerate(sorted(view["paths"].items(), key=lambda kv: float(kv[0]))):
+        arr = np.asarray(gpaths, dtype=float).reshape(len(gpaths), -1, 2)
+        any_motion |= bool(np.any(arr))
+        c = colors[j % len(colors)]
+        for i in range(arr.shape[0]):
+            ax_b.plot(arr[i, :, 0], arr[i, :, 1], "-", linewidth=1, color=c,
+                      label=f"gain {float(g):g}" if i == 0 else None)
+            if float(g) != 1.0:
+                ax_b.plot(arr[i, -1, 0], arr[i, -1, 1], marker="^" if float(g) > 1 else "v", color=c,
+                          linestyle="none")
+    if not any_motion:
+        ax_b.text(0.05, 0.92, "no injection response: D ≡ 0", transform=ax_b.transAxes, color="tab:green",
+                  fontsize=11)
+    ax_b.plot([0], [0], marker="*", markersize=12, color="black", linestyle="none")
+    share = view["basis_share"]
+    ax_b.set_title("(b) displacement from the injection-removed rollout")
+    ax_b.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
+    ax_b.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
+    ax_b.set_aspect("equal", adjustable="datalim")
+    ax_b.legend(fontsize=7, loc="lower right")
+    ax_b.grid(True, alpha=0.3)
+    if label:
+        fig.suptitle(label)
+    return _save(fig, path)

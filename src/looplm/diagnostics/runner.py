@@ -1,0 +1,201 @@
+"""Mechanism diagnostics of a trained model (SPEC §7; SCSE Table 3, Table 22, Figures 4–5).
+
+:func:`diagnose_model` measures, on a few batches and in the model's own anchor coordinates:
+
+- forcing bias b_t, raw pre-mask response b̃_t, energy ratio R_t (eq. 9) and anchor energy E_Δ,t at
+  the chosen loop steps t of the ordinary trajectory (:mod:`looplm.diagnostics.forcing`);
+- the random-direction gain at the same steps (:mod:`looplm.diagnostics.gain`);
+- anchor-start rollouts (Δ_0 = 0) with their forcing-ray cosines, and the injection-gain dose
+  response (:mod:`looplm.diagnostics.rollout`).
+
+Batch-level values are averaged over the measured batches (R_t as the mean of batch-level ratios, as
+in the paper; max-abs entries as the max). Everything runs with dropout off, by default on a float64
+copy of the model (see :mod:`looplm.diagnostics.gain` for why). :func:`diagnose_checkpoint` loads a
+checkpoint, cuts batches from a split of its corpus, and writes Markdown and plots.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from looplm.diagnostics.forcing import check_shared, forcing_record
+from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
+from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio
+from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
+from looplm.model import LoopLM
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
+    """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min``
+    minned, lists averaged elementwise, None (undefined) ignored (None if undefined in every batch)."""
+    out: dict[str, Any] = {}
+    for key in records[0]:
+        vals = [r[key] for r in records]
+        if key in labels:
+            out[key] = vals[0]
+        elif isinstance(vals[0], list):
+            out[key] = [sum(col) / len(col) for col in zip(*vals)]
+        else:
+            nums = [float(v) for v in vals if v is not None]
+            if not nums:
+                out[key] = None
+            elif key.endswith("_max") or key.endswith("_max_abs"):
+                out[key] = max(nums)
+            elif key.endswith("_min"):
+                out[key] = min(nums)
+            else:
+                out[key] = sum(nums) / len(nums)
+    return out
+
+
+def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float], n_directions: int, eps: float) -> None:
+    if depth < 1:
+        raise ValueError(f"depth: need a rollout depth >= 1, got {depth}")
+    if not steps or min(steps) < 0 or max(steps) >= depth:
+        raise ValueError(f"steps: need loop steps t in 0..depth-1 = 0..{depth - 1}, got {list(steps)}")
+    if not gains or min(gains) < 0:
+        raise ValueError(f"gains: need injection gains >= 0, got {list(gains)}")
+    if n_directions < 1:
+        raise ValueError(f"n_directions: need >= 1, got {n_directions}")
+    if eps <= 0:
+        raise ValueError(f"eps: need > 0, got {eps}")
+
+
+@torch.no_grad()
+def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Sequence[int] = (0, 47),
+                   depth: int = 48, eps: float = FD_EPS, n_directions: int = N_DIRECTIONS, seed: int = 0,
+                   gains: Sequence[float] = DOSE_GAINS, dtype: str = "float64", label: str = "model",
+                   progress: bool = False) -> dict[str, Any]:
+    """All SPEC §7 mechanism diagnostics of ``model`` on ``batches`` of token ids (each (B, L) int64).
+
+    The model is not modified (a copy is cast to ``dtype`` and put in eval mode). Batch i uses the
+    random directions seeded ``seed + n_directions·i`` … (+ n_directions − 1).
+
+    Returns:
+        JSON-ready dict: ``steps``, ``depth``, ``eps``, ``n_directions``, ``seed``, ``gains``,
+        ``dtype``, ``batches`` (count), ``forcing`` (per step: ``t``, ``bias_energy``,
+        ``raw_bias_energy``, ``ratio``, ``anchor_energy``, ``bias_max_abs``, ``raw_bias_max_abs``),
+        ``gain`` (per step: ``t``, ``gain``), ``rollout`` (``depth``, ``bias0_rms``, ``records`` per
+        t = 0 … depth, ``pca``), ``dose_response`` (``gains``, ``push_rms``, ``records`` per gain,
+        ``pca``) — field meanings in :func:`looplm.diagnostics.rollout.anchor_rollouts` — and
+        ``markdown`` (tables in the layout of SCSE Tables 3 and 22).
+
+    Raises:
+        ValueError: unshared model, steps outside 0..depth−1, no batches, or a bad dtype/gain/eps.
+    """
+    check_shared(model, "mechanism diagnostics")
+    steps = sorted({int(t) for t in steps})
+    _check_args(steps, depth, gains, n_directions, eps)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
+    rule, core = model.rule, model.core
+    device = next(model.parameters()).device
+    forcing, gain, rollout, dose = [], [], [], []
+    views = None
+    for i, idx in enumerate(tqdm(list(batches), desc="diagnose", unit="batch", disable=not progress)):
+        idx = idx.to(device)
+        state, ctx = rule.start(model.embed(idx))
+        dirs = random_directions(state.shape, n_directions, seed=seed + n_directions * i,
+                                 dtype=state.dtype, device=device)
+        f_recs, g_recs = [], []
+        for t in range(steps[-1] + 1):
+            nxt = rule.step(core, state, t, ctx)
+            if t in steps:
+                f_recs.append(forcing_record(rule, core, state, nxt, t, ctx))
+                g_recs.append({"t": t, "gain": direction_gain(rule, core, state, t, ctx, dirs, eps=eps)})
+            state = nxt
+        forcing.append(f_recs)
+        gain.append(g_recs)
+        roll = anchor_rollouts(model, idx, depth, gains=gains)
+        rollout.append(roll["rollout"])
+        dose.append(roll["dose_response"])
+        if views is None:
+            views = pca_views(roll["paths"], gains)
+    if not forcing:
+        raise ValueError("batches: no batches to measure")
+    result = {
+        "steps": steps, "depth": depth, "eps": eps, "n_directions": n_directions, "seed": seed,
+        "gains": [float(g) for g in gains], "dtype": dtype, "batches": len(forcing),
+        "forcing": [_merge([b[j] for b in forcing]) for j in range(len(steps))],
+        "gain": [_merge([b[j] for b in gain]) for j in range(len(steps))],
+        "rollout": {"depth": depth, "start": "anchor (delta_0 = 0)",
+                    "bias0_rms": _merge([{"v": b["bias0_rms"]} for b in rollout])["v"],
+                    "records": [_merge([b["records"][j] for b in rollout]) for j in range(depth + 1)],
+                    "pca": views["trajectories"]},
+        "dose_response": {"gains": [float(g) for g in gains],
+                          "push_rms": _merge([{"v": b["push_rms"]} for b in dose])["v"],
+                          "records": [_merge([b["records"][j] for b in dose], labels=("gain",))
+                                      for j in range(len(gains))],
+                          "pca": views["displacements"]},
+    }
+    result["markdown"] = markdown_report({label: result})
+    return result
+
+
+def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None = (0, 47), depth: int = 48,
+                        dataset: str | None = None, split: str = "valid", batches: int = 4, batch_size: int = 8,
+                        out_dir: str | Path | None = None, device: str = "cpu", progress: bool = True,
+                        stem: str = "diagnose", dtype: str = "float64", seed: int = 0) -> dict[str, Any]:
+    """Mechanism diagnostics (SPEC §7) of a checkpoint on ``batches`` windows of a corpus split.
+
+    Args:
+        checkpoint: checkpoint directory or run directory (its ``latest``).
+        steps: loop steps t for the forcing bias and gain (default 0 and 47 of a T = 48 unroll);
+            None takes (0, depth − 1).
+        depth: anchor-start rollout depth T (and the unroll the steps live in).
+        dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
+        batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
+        out_dir: when given, write ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style) and
+            ``{stem}_rollouts.png`` (Figure 4 style) there.
+        dtype: float64 (default) or float32 for the diagnostic computations.
+
+    Returns:
+        :func:`diagnose_model`'s dict plus ``checkpoint``, ``name``, ``rule``, ``dataset``,
+        ``split``, ``batch_size``, ``params`` and, with ``out_dir``, ``files`` (written paths).
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
+        ValueError: unshared checkpoint, bad steps/depth, or a split too short for one window.
+    """
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import eval_windows, load_tokens
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+    steps = (0, depth - 1) if steps is None else steps
+    _check_args(sorted(steps), depth, DOSE_GAINS, N_DIRECTIONS, FD_EPS)
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    check_shared(model, "looplm diagnose")
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tok = load_tokenizer_for(ckpt)
+    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    if len(tokens) < 2:
+        raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
+    xs = [x for x, _, _ in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    label = f"{cfg.name} ({cfg.model.rule})"
+    res = diagnose_model(model, xs, steps=steps, depth=depth, seed=seed, dtype=dtype, label=label,
+                         progress=progress)
+    result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
+              "split": split, "batch_size": batch_size, "params": model.num_params(), **res}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        md = out / f"{stem}.md"
+        md.write_text(result["markdown"] + "\n")
+        files = {"markdown": str(md),
+                 "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
+                 "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
+                                                          train_depth=cfg.train.depth_hi))}
+        result["files"] = files
+    return result

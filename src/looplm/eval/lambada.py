@@ -1,0 +1,272 @@
+"""LAMBADA last-word completion at several loop depths (SPEC §6; SCSE appendix, Table 16).
+
+Data: the OpenAI LAMBADA test jsonl (detokenized; 5,153 passages, one ``{"text": ...}`` per line),
+``<data_root>/lambada/lambada_test.jsonl``.
+
+**Split (our choice where the SPEC is open).** The target is the passage's last whitespace-separated
+word. When a space precedes it, the target is ``" " + word`` (the word with its leading space, as
+GPT-2's byte-level pre-tokenizer attaches it) and the context is everything before that space; when
+a newline precedes it (7 of 5,153 passages), the newline stays in the context and the target is the
+bare word. Either way ``context + target`` is the (right-stripped) passage, and the target's tokens
+are the word's tokens as they occur in the passage (checked for GPT-2 BPE on all 5,153 passages;
+the context's tokens also match the passage's except in 3 passages whose last word follows a blank
+line, where the context, tokenized alone, ends in one ``"\\n\\n"`` token instead of two ``"\\n"``).
+
+**Scoring.** Context and target are tokenized separately with the checkpoint's tokenizer; the
+sequence ``context + target`` is left-truncated to ``seq_len + 1`` tokens (the model input is the
+sequence minus its last token, at most ``seq_len``, like a training window of L + 1 tokens), cutting
+context tokens only. Teacher-forced: every target token is predicted from the context and the true
+earlier target tokens, at every requested depth of one unroll; batches are right-padded (causal
+attention never lets a real position see the padding). Per depth:
+
+- ``target_ppl``: exp of the token-weighted mean NLL over target tokens;
+- ``target_acc``: fraction of target tokens whose greedy argmax equals the token;
+- ``exact_acc``: fraction of examples whose target tokens are all argmax-correct.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from looplm.data.paths import resolve_data_root
+from looplm.model import LoopLM
+
+LAMBADA_FILE = "lambada/lambada_test.jsonl"
+DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+
+
+@dataclass(frozen=True)
+class LambadaExample:
+    """One passage split into ``context`` and ``target`` (``context + target`` = the passage)."""
+
+    context: str
+    target: str
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    """Token ids of one example: ``ids`` = (possibly left-truncated) context + target tokens; the
+    last ``n_target`` ids are the target. ``truncated``: context tokens were dropped."""
+
+    ids: tuple[int, ...]
+    n_target: int
+    truncated: bool
+
+
+def split_passage(text: str) -> LambadaExample:
+    """Split a passage into context and last-word target (see the module docstring).
+
+    Raises:
+        ValueError: the passage has fewer than two words (no context to predict from).
+    """
+    text = text.rstrip()
+    i = len(text)
+    while i > 0 and not text[i - 1].isspace():
+        i -= 1
+    if i == 0 or not text[:i].strip():
+        raise ValueError(f"LAMBADA passage needs a context and a last word, got {text!r}")
+    if text[i - 1] == " ":
+        i -= 1
+    return LambadaExample(context=text[:i], target=text[i:])
+
+
+def lambada_path(data_root: str | Path | None = None) -> Path:
+    """``<data_root>/lambada/lambada_test.jsonl``; data_root None → :func:`resolve_data_root`."""
+    root = resolve_data_root("") if data_root is None else Path(data_root).expanduser()
+    return root / LAMBADA_FILE
+
+
+def load_lambada(path: str | Path, max_examples: int | None = None) -> list[LambadaExample]:
+    """Parse the OpenAI LAMBADA jsonl (one ``{"text": passage}`` per line) in file order.
+
+    Raises:
+        FileNotFoundError: the file is missing (the message says where to put it).
+        ValueError: a line is not JSON with a ``text`` string, or its passage cannot be split.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"LAMBADA not found: {path}. Put OpenAI's lambada_test.jsonl (detokenized, one "
+            f'{{"text": ...}} per line) there, or set LOOPLM_DATA / data_root to a directory with '
+            f"{LAMBADA_FILE}.")
+    out: list[LambadaExample] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if max_examples is not None and len(out) >= max_examples:
+                break
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+                out.append(split_passage(text))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{n}: not a LAMBADA line ({type(exc).__name__}: {exc})") from None
+    return out
+
+
+def encode_examples(examples: Sequence[LambadaExample], tok: Tokenizer, seq_len: int) -> list[EncodedExample]:
+    """Tokenize context and target separately; keep the last ``seq_len + 1`` ids (context cut only).
+
+    Raises:
+        ValueError: a target has no tokens or more than ``seq_len`` (no context would fit).
+    """
+    ctx = tok.encode_batch([e.context for e in examples], add_special_tokens=False)
+    tgt = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
+    out = []
+    for ex, c, t in zip(examples, ctx, tgt):
+        if not 1 <= len(t.ids) <= seq_len:
+            raise ValueError(f"target {ex.target!r} has {len(t.ids)} tokens; need 1 … seq_len={seq_len}")
+        keep = seq_len + 1 - len(t.ids)
+        if not c.ids:
+            raise ValueError(f"context of target {ex.target!r} has no tokens")
+        out.append(EncodedExample(ids=tuple(c.ids[-keep:]) + tuple(t.ids), n_target=len(t.ids),
+                                  truncated=len(c.ids) > keep))
+    return out
+
+
+def _batch(examples: Sequence[EncodedExample], device: torch.device):
+    """Right-padded inputs x (B, Lmax), target ids (N,), their (row, col) positions and example index."""
+    width = max(len(e.ids) for e in examples) - 1
+    x = torch.zeros(len(examples), width, dtype=torch.int64)
+    rows, cols, tgt = [], [], []
+    for b, e in enumerate(examples):
+        n = len(e.ids)
+        x[b, : n - 1] = torch.tensor(e.ids[:-1])
+        for j in range(n - 1 - e.n_target, n - 1):  # position j predicts ids[j + 1]
+            rows.append(b)
+            cols.append(j)
+            tgt.append(e.ids[j + 1])
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    return x.to(device), as_t(rows), as_t(cols), as_t(tgt)
+
+
+@torch.no_grad()
+def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Sequence[int] = DEFAULT_DEPTHS, *,
+                  batch_size: int = 32, device: str | torch.device = "cpu",
+                  progress: bool = True) -> dict[int, dict[str, float]]:
+    """Teacher-forced target-token metrics at each depth, one unroll per batch (module docstring).
+
+    Examples are batched in length order (less padding); the metrics are sums, so order-free.
+    Without a coda the readout is per token, so only the target positions are read out.
+
+    Returns:
+        ``{T: {"target_ppl", "target_acc", "exact_acc", "nll", "examples", "target_tokens"}}``,
+        ``nll`` in nats per target token, accuracies as fractions in [0, 1].
+
+    Raises:
+        ValueError: no depths, a negative depth, or no examples.
+    """
+    depths = sorted({int(t) for t in depths})
+    if not depths or depths[0] < 0:
+        raise ValueError(f"depths: need one or more loop depths >= 0, got {depths!r}")
+    if not examples:
+        raise ValueError("score_lambada: no examples")
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    token_wise_readout = not (model.shared and len(model.coda) > 0)
+    nll = {T: 0.0 for T in depths}
+    correct = {T: 0 for T in depths}
+    exact = {T: 0 for T in depths}
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+    wanted = set(depths)
+    for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
+                  unit="batch"):
+        chunk = [examples[k] for k in order[i:i + batch_size]]
+        x, rows, cols, tgt = _batch(chunk, device)
+        for T, h, _ in model.unroll(x, depths[-1]):
+            if T not in wanted:
+                continue
+            if token_wise_readout:
+                logits = model.readout(h[rows, cols].unsqueeze(0)).squeeze(0)  # (N, V)
+            else:
+                logits = model.readout(h)[rows, cols]  # (N, V)
+            logits = logits.float()
+            nll[T] += float(F.cross_entropy(logits, tgt, reduction="sum").double())
+            hit = logits.argmax(dim=-1) == tgt  # (N,)
+            misses = torch.zeros(len(chunk), device=device).index_add_(0, rows, (~hit).float())  # (B,)
+            correct[T] += int(hit.sum())
+            exact[T] += int((misses == 0).sum())
+    model.train(was_training)
+    n_tok = sum(e.n_target for e in examples)
+    return {T: {"target_ppl": math.exp(nll[T] / n_tok), "target_acc": correct[T] / n_tok,
+                "exact_acc": exact[T] / len(examples), "nll": nll[T] / n_tok, "examples": len(examples),
+                "target_tokens": n_tok} for T in depths}
+
+
+def markdown_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown in the paper's Table 16 layout, plus every depth of every result.
+
+    Table 16 columns: completion PPL (10³) and target-token accuracy (%) at T=8 (the smallest
+    evaluated depth when 8 is absent), then at the comparison depth (the deepest evaluated one).
+
+    Args:
+        results: {label: result of :func:`evaluate_lambada_checkpoint`}.
+    """
+    rows = ["| model | T | Completion PPL (10³) | Accuracy (%) | Depth | Completion PPL (10³) | Accuracy (%) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, res in results.items():
+        ds = sorted(res["depths"], key=int)
+        first = "8" if "8" in res["depths"] else ds[0]
+        a, b = res["depths"][first], res["depths"][ds[-1]]
+        rows.append(f"| {label} | T={first} | {a['target_ppl'] / 1e3:.2f} | {100 * a['target_acc']:.2f} | "
+                    f"T={ds[-1]} | {b['target_ppl'] / 1e3:.2f} | {100 * b['target_acc']:.2f} |")
+    out = ["\n".join(rows)]
+    for label, res in results.items():
+        det = [f"{label}: {res['examples']} passages, {res['target_tokens']} target tokens, "
+               f"{res['truncated']} contexts left-truncated to seq_len.", "",
+               "| T | target PPL | target acc (%) | exact acc (%) |", "|---:|---:|---:|---:|"]
+        for T in sorted(res["depths"], key=int):
+            m = res["depths"][T]
+            det.append(f"| {T} | {m['target_ppl']:.1f} | {100 * m['target_acc']:.2f} | "
+                       f"{100 * m['exact_acc']:.2f} |")
+        out.append("\n".join(det))
+    return "\n\n".join(out)
+
+
+def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
+                                max_examples: int | None = None, batch_size: int = 32,
+                                data_root: str | Path | None = None, device: str = "cpu",
+                                progress: bool = True) -> dict[str, Any]:
+    """LAMBADA completion of a checkpoint at several loop depths (SPEC §6; SCSE Table 16).
+
+    Uses the checkpoint's own tokenizer; ``data_root`` None → the checkpoint's ``data.data_root``
+    resolved by :func:`~looplm.data.paths.resolve_data_root`. ``max_examples``: the first N passages.
+
+    Returns:
+        JSON-ready dict::
+
+            checkpoint, name, rule, architecture, params, dataset ("lambada"), file, seq_len,
+            examples, target_tokens, truncated (contexts cut to fit seq_len),
+            depths: {"T": {target_ppl, target_acc, exact_acc, nll, examples, target_tokens}},
+            markdown (Table 16 layout + every depth)
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing LAMBADA file.
+        ValueError: bad depths, an unparsable line, or a target longer than seq_len.
+    """
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    path = lambada_path(resolve_data_root(cfg.data.data_root) if data_root is None else data_root)
+    examples = load_lambada(path, max_examples)
+    encoded = encode_examples(examples, load_tokenizer_for(ckpt), cfg.model.seq_len)
+    res = score_lambada(model, encoded, depths, batch_size=batch_size, device=device, progress=progress)
+    out = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+           "architecture": cfg.model.architecture, "params": model.num_params(), "dataset": "lambada",
+           "file": str(path), "seq_len": cfg.model.seq_len, "examples": len(encoded),
+           "target_tokens": sum(e.n_target for e in encoded),
+           "truncated": sum(e.truncated for e in encoded),
+           "depths": {str(T): r for T, r in res.items()}}
+    out["markdown"] = markdown_table({f"{cfg.name} (LAMBADA)": out})
+    return out

@@ -1,0 +1,609 @@
+'''Sweeps (``looplm sweep FILE.toml``): train and evaluate a grid of runs, resumably, into one results DB.
+
+A sweep file (TOML) names a base config, the variants to compare, the seeds, optional extra grid
+fields and the evaluation protocol::
+
+    # scse-vs-looped.toml
+    name = "scse-vs-looped"     # optional; default: the file name without .toml
+    seeds = [0, 1, 2]           # training seeds (train.seed); default [0, 1, 2]
+    baseline = "looped"         # variant the report's paired deltas compare with; default: the first
+
+    [base]
+    preset = "cpu"              # a preset (`looplm info --list`), or config = "path/config.json"
+    "train.steps" = 400         # any config field as "section.field" = value ...
+    model.dropout = 0.1         # ... or as a TOML dotted key
+
+    [variants]                  # name → config overrides applied on top of the base
+    looped = {"model.rule" = "looped"}
+    scse = {"model.rule" = "scse"}
+    unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
+
+    [grid]                      # optional: every combination of these values is a separate run
+    "train.lr" = [1e-3, 2e-3]
+
+    [eval]
+    depths = [1, 2, 4, 8, 16, 32, 48]    # loop depths T; default 1,2,4,8,12,16,24,32,48
+    datasets = ["brown", "wikitext2"]    # default: the training corpus
+    splits = ["test"]                    # default ["test"]; every dataset × split is evaluated
+    max_tokens = 16384                   # score the first N tokens of each split; default: all
+    tag = "v1"                           # free label stored with every evaluation; default ""
+    batch_size = 16                      # windows per forward; default 16
+    device = "auto"                      # cpu, cuda or auto; default auto
+    diagnose = true                      # forcing bias and gain; or a table of keyword arguments
+    lambada = {max_examples = 500}       # LAMBADA completion; true, or keyword arguments
+
+The grid is variants × seeds × grid fields; runs are trained and evaluated one after another, seed
+by seed (all variants of seed 0 first, so that a partial sweep already has paired comparisons), into
+``OUT/runs/<run-id>/`` with run id ``<variant>[-<field>=<value>...]-s<seed>``. Evaluations go to the
+results database ``OUT/results.db`` (:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
+
+Resumable: a run whose training is complete and whose evaluations are all stored (for the weights
+now on disk) is skipped; a run killed midway resumes from its newest valid checkpoint. Tokenized
+data is prepared once per distinct data config. A run directory whose saved config differs from the
+sweep's raises :class:`SweepError` (delete the directory or use another ``--out``).
+
+The ``diagnose`` and ``lambada`` hooks import ``looplm.diagnostics.runner.diagnose_checkpoint`` and
+``looplm.eval.lambada.evaluate_lambada_checkpoint`` only when enabled; their numbers are stored as
+protocols ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``) and
+``lambada`` (dataset ``lambada``, split ``test``). ``diagnose`` is skipped for unshared variants.
+'''
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, get_args
+
+from tqdm.auto import tqdm
+
+from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
+from looplm.config import Config, ConfigError, DatasetName, apply_overrides
+
+SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
+BASE_KEYS = ("preset", "config")
+EVAL_KEYS = ("depths", "datasets", "splits", "max_tokens", "stride", "batch_size", "tag", "device", "diagnose",
+             "lambada")
+SPLITS = ("train", "valid", "test")
+DEFAULT_SEEDS = (0, 1, 2)
+#: hook protocols: name → (module, function), imported only when the sweep file enables them.
+HOOKS: dict[str, tuple[str, str]] = {
+    "diagnose": ("looplm.diagnostics.runner", "diagnose_checkpoint"),
+    "lambada": ("looplm.eval.lambada", "evaluate_lambada_checkpoint"),
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class SweepError(ValueError):
+    """A sweep file or a sweep's run directory is not usable; the message names the key or path."""
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """The ``[eval]`` table: what every trained run is evaluated on."""
+
+    depths: tuple[int, ...]
+    datasets: tuple[str, ...] = ()  # empty: the training corpus of each run
+    splits: tuple[str, ...] = ("test",)
+    max_tokens: int | None = None
+    stride: int | None = None
+    batch_size: int = 16
+    tag: str = ""
+    device: str = "auto"
+    diagnose: dict[str, Any] | None = None  # keyword arguments of diagnose_checkpoint; None = off
+    lambada: dict[str, Any] | None = None  # keyword arguments of evaluate_lambada_checkpoint; None = off
+
+    def ppl_settings(self) -> dict[str, Any]:
+        """Settings that change a perplexity (hashed into the evaluation identity)."""
+        return {"max_tokens": self.max_tokens, "stride": self.stride}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the grid: its id, variant, seed, grid point and full config."""
+
+    run_id: str
+    variant: str
+    variant_order: int
+    seed: int
+    grid: dict[str, Any]
+    config: Config
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A parsed sweep file (see the module docstring for the format)."""
+
+    name: str
+    base: Config
+    variants: dict[str, dict[str, Any]]
+    seeds: tuple[int, ...]
+    eval: EvalProtocol
+    grid: dict[str, list] = field(default_factory=dict)
+    baseline: str = ""
+
+    def runs(self) -> list[RunSpec]:
+        """Every run, seed-major: for seed, for grid point, for variant.
+
+        Raises:
+            SweepError: an override that the config rejects (the message names the sweep key).
+        """
+        keys = list(self.grid)
+        points = [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))]
+        out = []
+        for seed in self.seeds:
+            for point in points:
+                for order, (variant, overrides) in enumerate(self.variants.items()):
+                    run_id = "-".join([variant, *(f"{k}={_value_text(v)}" for k, v in point.items()), f"s{seed}"])
+                    try:
+                        cfg = apply_overrides(self.base, {**overrides, **point})
+                    except ConfigError as exc:
+                        raise SweepError(f"variants.{variant}: {exc}") from None
+                    cfg = cfg.replace(name=run_id, train=cfg.train.replace(seed=seed))
+                    out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed,
+                                       grid=point, config=cfg))
+        return out
+
+
+def _value_text(v: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", json.dumps(v) if not isinstance(v, str) else v)
+
+
+def _flatten(d: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"rule": "x"}}`` and ``{"model.rule": "x"}`` → ``{"model.rule": "x"}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = prefix + k
+        if isinstance(v, dict):
+            out.update(_flatten(v, where, key + "."))
+        else:
+            out[key] = v
+    for key in out:
+        if key == "name" or key == "train.seed":
+            what = "run names are the run ids" if key == "name" else "list the seeds in the top-level `seeds`"
+            raise SweepError(f"{where}.{key}: not allowed here ({what})")
+        if "." not in key:
+            raise SweepError(f"{where}.{key}: expected a config field as \"section.field\" "
+                             "(sections: model, data, train)")
+    return out
+
+
+def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = [k for k in d if k not in allowed]
+    if unknown:
+        raise SweepError(f"{where}{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+
+
+def _int_list(value: Any, where: str, *, min_value: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                             and v >= min_value for v in value):
+        raise SweepError(f"{where}: expected a non-empty list of integers >= {min_value}, got {value!r}")
+    if len(set(value)) != len(value):
+        raise SweepError(f"{where}: duplicate values in {value!r}")
+    return tuple(value)
+
+
+def _str_list(value: Any, where: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise SweepError(f"{where}: expected a non-empty list of strings, got {value!r}")
+    if allowed is not None:
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            raise SweepError(f"{where}: {bad[0]!r} is not allowed; allowed: {', '.join(allowed)}")
+    return tuple(value)
+
+
+def _hook_kwargs(value: Any, where: str) -> dict[str, Any] | None:
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    if isinstance(value, dict):
+        reserved = [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]
+        if reserved:
+            raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
+        return dict(value)
+    raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SweepError(f"{where}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
+    """Parse the ``[eval]`` table. Raises :class:`SweepError` naming the bad key."""
+    from looplm.eval.perplexity import DEFAULT_DEPTHS
+
+    if not isinstance(d, dict):
+        raise SweepError(f"eval: expected a table, got {d!r}")
+    _check_keys(d, EVAL_KEYS, "eval.")
+    tag = d.get("tag", "")
+    if not isinstance(tag, str):
+        raise SweepError(f"eval.tag: expected a string, got {tag!r}")
+    device = d.get("device", "auto")
+    if device not in ("cpu", "cuda", "auto"):
+        raise SweepError(f"eval.device: {device!r} is not allowed; allowed: cpu, cuda, auto")
+    max_tokens = d.get("max_tokens")
+    return EvalProtocol(
+        depths=tuple(sorted(_int_list(d.get("depths", list(DEFAULT_DEPTHS)), "eval.depths"))),
+        datasets=_str_list(d["datasets"], "eval.datasets", get_args(DatasetName)) if "datasets" in d else (),
+        splits=_str_list(d.get("splits", ["test"]), "eval.splits", SPLITS),
+        max_tokens=None if max_tokens in (None, 0) else _positive_int(max_tokens, "eval.max_tokens"),
+        stride=_positive_int(d["stride"], "eval.stride") if "stride" in d else None,
+        batch_size=_positive_int(d.get("batch_size", 16), "eval.batch_size"),
+        tag=tag, device=device,
+        diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
+        lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"))
+
+
+def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path = ".") -> Sweep:
+    """Build a :class:`Sweep` from the parsed TOML ``d`` and validate every run's config.
+
+    Args:
+        name: default sweep name (the file stem). root: folder that ``base.config`` is relative to.
+
+    Raises:
+        SweepError: unknown keys, wrong types, unknown config fields or values (the message names the
+            key in the sweep file and what is allowed).
+    """
+    from looplm.presets import PRESETS
+
+    _check_keys(d, SWEEP_KEYS, "")
+    name = d.get("name", name)
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise SweepError(f"name: expected letters, digits, '_', '.', '-', got {name!r}")
+    base_d = d.get("base", {})
+    if not isinstance(base_d, dict):
+        raise SweepError(f"base: expected a table, got {base_d!r}")
+    if "preset" in base_d and "config" in base_d:
+        raise SweepError("base: give either preset or config, not both")
+    if "config" in base_d:
+        path = Path(root) / base_d["config"]
+        if not path.is_file():
+            raise SweepError(f"base.config: {path} does not exist")
+        try:
+            base = Config.from_json(path.read_text())
+        except (ConfigError, json.JSONDecodeError) as exc:
+            raise SweepError(f"base.config: {path}: {exc}") from None
+    else:
+        preset = base_d.get("preset", "cpu")
+        if preset not in PRESETS:
+            raise SweepError(f"base.preset: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        base = PRESETS[preset]
+    overrides = _flatten({k: v for k, v in base_d.items() if k not in BASE_KEYS}, "base")
+    try:
+        base = apply_overrides(base, overrides)
+    except ConfigError as exc:
+        raise SweepError(f"base: {exc}") from None
+
+    variants_d = d.get("variants")
+    if not isinstance(variants_d, dict) or not variants_d:
+        raise SweepError("variants: expected a table of at least one variant, e.g. "
+                         "looped = {\"model.rule\" = \"looped\"}")
+    variants = {}
+    for vname, ov in variants_d.items():
+        if not _NAME_RE.match(vname):
+            raise SweepError(f"variants.{vname}: a variant name may hold letters, digits, '_', '.', '-'")
+        if not isinstance(ov, dict):
+            raise SweepError(f"variants.{vname}: expected a table of config overrides, got {ov!r}")
+        variants[vname] = _flatten(ov, f"variants.{vname}")
+
+    grid_d = d.get("grid", {})
+    if not isinstance(grid_d, dict):
+        raise SweepError(f"grid: expected a table of \"section.field\" = [values], got {grid_d!r}")
+    grid = {}
+    for key, values in _flatten(grid_d, "grid").items():
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"grid.{key}: expected a non-empty list of values, got {values!r}")
+        grid[key] = values
+    clash = [(v, k) for v, ov in variants.items() for k in ov if k in grid]
+    if clash:
+        raise SweepError(f"grid.{clash[0][1]}: also set by variants.{clash[0][0]}; set it in one place")
+
+    seeds = _int_list(d.get("seeds", list(DEFAULT_SEEDS)), "seeds")
+    baseline = d.get("baseline", next(iter(variants)))
+    if baseline not in variants:
+        raise SweepError(f"baseline: unknown variant {baseline!r}; known: {', '.join(variants)}")
+    sweep = Sweep(name=name, base=base, variants=variants, seeds=seeds, eval=parse_eval(d.get("eval", {})),
+                  grid=grid, baseline=baseline)
+    sweep.runs()  # validate every config before anything trains
+    return sweep
+
+
+def toml_loads(text: str) -> dict[str, Any]:
+    """Parse TOML with the standard library's ``tomllib`` (Python >= 3.11; ``tomli`` before).
+
+    Raises:
+        SweepError: invalid TOML, or no TOML parser available.
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise SweepError("reading sweep files needs Python >= 3.11 (tomllib) or `pip install tomli`") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SweepError(f"not valid TOML ({exc})") from None
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and validate a sweep file.
+
+    Raises:
+        FileNotFoundError: no such file. SweepError: invalid TOML or contents (names the key).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such sweep file")
+    try:
+        data = toml_loads(path.read_text())
+        return parse_sweep(data, name=path.stem if _NAME_RE.match(path.stem) else "sweep", root=path.parent)
+    except SweepError as exc:
+        raise SweepError(f"{path}: {exc}") from None
+
+
+# -- running --------------------------------------------------------------------------------------
+
+@dataclass
+class SweepResult:
+    """What :func:`run_sweep` did: per-run status and counts, with the output paths.
+
+    Status per run: ``skipped`` (nothing to do), ``trained`` (from scratch), ``resumed`` (from a
+    checkpoint), ``evaluated`` (training was complete; evaluations were missing or stale).
+    """
+
+    out: Path
+    db: Path
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    report: dict[str, Any] | None = None
+
+    def count(self, status: str) -> int:
+        return sum(r["status"] == status for r in self.runs)
+
+    def summary(self) -> dict[str, Any]:
+        return {"out": str(self.out), "db": str(self.db), "runs": len(self.runs),
+                **{s: self.count(s) for s in ("trained", "resumed", "evaluated", "skipped")},
+                "report": str(self.report["markdown"]) if self.report else None}
+
+
+def _data_key(cfg: Config) -> str:
+    return json.dumps(cfg.data.to_dict(), sort_keys=True)
+
+
+def _weights_sha(ckpt: Path) -> str | None:
+    try:
+        return json.loads((ckpt / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+
+
+def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, prefix + k + ".")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} on disk, {vb!r} in the sweep")
+    return out
+
+
+def _hook(name: str) -> Callable[..., dict]:
+    module, fn = HOOKS[name]
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as exc:
+        raise SweepError(f"eval.{name}: needs {module}.{fn}, which is not available ({exc})") from None
+
+
+def _numeric(d: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class _Runner:
+    """Runs one sweep; holds the store, the data cache and the display."""
+
+    def __init__(self, sweep: Sweep, out: Path, store: ResultStore, data: dict[str, Any], progress: bool) -> None:
+        self.sweep, self.out, self.store, self.data, self.progress = sweep, out, store, data, progress
+        self.ev = sweep.eval
+
+    def log(self, msg: str) -> None:
+        if self.progress:
+            tqdm.write(f"[sweep {self.sweep.name} {time.strftime('%H:%M:%S')}] {msg}")
+
+    def data_for(self, cfg: Config):
+        from looplm.train.trainer import prepare_data
+
+        key = _data_key(cfg)
+        if key not in self.data:
+            self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
+            self.data[key] = prepare_data(cfg, progress=self.progress)
+        return self.data[key]
+
+    def device(self) -> str:
+        from looplm.train.trainer import resolve_device
+
+        return resolve_device(self.ev.device).type
+
+    # -- one run ----------------------------------------------------------------------------------
+    def train(self, spec: RunSpec, run_dir: Path) -> tuple[str | None, Path]:
+        """Train or resume as needed. Returns (what was done or None, newest checkpoint)."""
+        from looplm.train.checkpoint import newest_valid_checkpoint
+        from looplm.train.trainer import train
+
+        cfg = spec.config
+        ckpt = newest_valid_checkpoint(run_dir)
+        if ckpt is not None:
+            saved = Config.from_json((ckpt / "config.json").read_text())
+            wanted = cfg.replace(model=cfg.model.replace(vocab_size=saved.model.vocab_size))
+            diff = _diff(config_identity(saved), config_identity(wanted))
+            if saved.train.seed != spec.seed:
+                diff.append(f"train.seed: {saved.train.seed} on disk, {spec.seed} in the sweep")
+            if diff:
+                raise SweepError(f"{run_dir}: holds a run with a different config ({'; '.join(diff)}); "
+                                 "delete that directory or use another --out")
+            if int(json.loads((ckpt / "manifest.json").read_text())["step"]) >= cfg.train.steps:
+                return None, ckpt
+        data = self.data_for(cfg)
+        step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
+        self.log(f"{spec.run_id}: {'resuming from step ' + str(step) if ckpt else 'training'} "
+                 f"({cfg.train.steps} steps)")
+        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data)
+        return ("resumed" if ckpt is not None else "trained"), newest_valid_checkpoint(run_dir)
+
+    def record(self, spec: RunSpec, run_dir: Path, ckpt: Path, saved: Config) -> RunRecord:
+        import torch
+
+        from looplm.analysis.flops import flops_per_token
+        from looplm.model import LoopLM
+
+        with torch.device("meta"):
+            params = LoopLM(saved.model).num_params()
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        return RunRecord(sweep=self.sweep.name, run_id=spec.run_id, variant=spec.variant,
+                         variant_order=spec.variant_order, grid=spec.grid, seed=spec.seed, config=saved.to_dict(),
+                         run_dir=str(run_dir.resolve()), params=params,
+                         flops={T: flops_per_token(saved.model, T) for T in self.ev.depths},
+                         weights_sha256=_weights_sha(ckpt), summary=summary)
+
+    def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool) -> list[str]:
+        """Run every evaluation that is missing (all of them when ``force``). Returns what ran."""
+        from looplm.eval.runner import evaluate_checkpoint
+
+        done = []
+        ev, tag = self.ev, self.ev.tag
+        settings = ev.ppl_settings()
+        for dataset in ev.datasets or (saved.data.dataset,):
+            for split in ev.splits:
+                idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
+                                               settings=settings, tag=tag) for T in ev.depths}
+                if not force and all(self.store.has(i, ["ppl"]) for i in idents.values()):
+                    continue
+                res = evaluate_checkpoint(ckpt, depths=ev.depths, dataset=dataset, split=split,
+                                          batch_size=ev.batch_size, max_tokens=ev.max_tokens, stride=ev.stride,
+                                          device=self.device(), progress=self.progress)
+                self.store.put_many([(idents[T], {k: float(v) for k, v in res["depths"][str(T)].items()
+                                                  if k in ("ppl", "nll", "tokens")}) for T in ev.depths],
+                                    config=saved, settings=settings)
+                done.append(f"ppl {dataset}/{split}: " + ", ".join(
+                    f"T={T} {res['depths'][str(T)]['ppl']:.1f}" for T in ev.depths))
+        if ev.lambada is not None:
+            settings = dict(ev.lambada)
+            idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
+                                           settings=settings, tag=tag) for T in ev.depths}
+            if force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values()):
+                res = _hook("lambada")(ckpt, depths=list(ev.depths), progress=self.progress,
+                                       **{"device": self.device(), **settings})
+                items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
+                self.store.put_many(items, config=saved, settings=settings)
+                done.append("lambada")
+        if ev.diagnose is not None and saved.model.architecture == "shared":
+            settings = dict(ev.diagnose)
+            probe = EvalIdentity.make(saved, "diagnose", dataset="", split="", depth=0, settings=settings, tag=tag)
+            stored = self.store.count(config_hash=probe.config_hash, protocol="diagnose",
+                                      protocol_hash=probe.protocol_hash, seed=probe.seed, tag=tag)
+            if force or not stored:
+                res = _hook("diagnose")(ckpt, out_dir=ckpt.parent.parent / "diagnose", progress=self.progress,
+                                        **{"device": self.device(), **settings})
+                dataset = str(res.get("dataset", settings.get("dataset", saved.data.dataset)))
+                split = str(res.get("split", settings.get("split", "-")))
+                per_t: dict[int, dict[str, float]] = {}
+                for key, records in res.items():
+                    if not isinstance(records, list):
+                        continue
+                    for rec in records:
+                        if isinstance(rec, dict) and "t" in rec:
+                            for m, v in _numeric(rec).items():
+                                if m != "t":
+                                    per_t.setdefault(int(rec["t"]), {})[m if m == key else f"{key}.{m}"] = v
+                if force:
+                    self.store.delete(config_hash=probe.config_hash, protocol="diagnose",
+                                      protocol_hash=probe.protocol_hash, seed=probe.seed, tag=tag)
+                items = [(EvalIdentity.make(saved, "diagnose", dataset=dataset, split=split, depth=t,
+                                            settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
+                if not items:
+                    raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records "
+                                     "with a loop step t")
+                self.store.put_many(items, config=saved, settings=settings)
+                done.append("diagnose")
+        return done
+
+    def run_one(self, spec: RunSpec) -> dict[str, Any]:
+        t0 = time.time()
+        run_dir = self.out / "runs" / spec.run_id
+        trained, ckpt = self.train(spec, run_dir)
+        saved = Config.from_json((ckpt / "config.json").read_text())
+        record = self.record(spec, run_dir, ckpt, saved)
+        previous = self.store.run(self.sweep.name, spec.run_id)
+        # evaluations stored for other weights (a retrained run) are stale: redo them all
+        force = trained is not None or previous is None or previous.weights_sha256 != record.weights_sha256
+        self.store.put_run(record)
+        done = self.evaluate(spec, ckpt, saved, force)
+        status = trained or ("evaluated" if done else "skipped")
+        self.log(f"{spec.run_id}: {status}" + (f"; {'; '.join(done)}" if done else "")
+                 + f" ({time.time() - t0:.1f} s)")
+        return {"run_id": spec.run_id, "variant": spec.variant, "seed": spec.seed, "grid": spec.grid,
+                "status": status, "evaluations": done, "run_dir": str(run_dir), "checkpoint": str(ckpt),
+                "wall_s": time.time() - t0}
+
+
+def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progress: bool = True,
+              data: dict[str, Any] | None = None, report: bool = True) -> SweepResult:
+    """Train and evaluate every run of ``sweep`` into ``out`` (default ``results/<sweep name>``).
+
+    Args:
+        sweep: a :class:`Sweep` or the path of a sweep file.
+        out: output folder: ``runs/<run-id>/``, ``results.db``, ``sweep.json``, ``report/``.
+        progress: overall progress bar, per-run lines and the training/evaluation bars.
+        data: cache of prepared training data keyed by the data config's JSON; pass a dict to share
+            tokenized data between calls (filled as needed).
+        report: write ``out/report`` (:func:`looplm.analysis.report.write_report`) at the end.
+
+    Returns:
+        A :class:`SweepResult` (per-run status: skipped, trained, resumed or evaluated).
+
+    Raises:
+        SweepError: bad sweep file, a run directory holding a different config, or a missing hook.
+    """
+    if not isinstance(sweep, Sweep):
+        sweep = load_sweep(sweep)
+    out = Path(out) if out is not None else Path("results") / sweep.name
+    out.mkdir(parents=True, exist_ok=True)
+    specs = sweep.runs()
+    for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada)):
+        if enabled is not None:
+            _hook(name)  # fail before training anything
+    (out / "sweep.json").write_text(json.dumps(
+        {"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
+         "variants": sweep.variants, "eval": sweep.eval.__dict__,
+         "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
+                   "config": s.config.to_dict()} for s in specs]}, indent=2) + "\n")
+    result = SweepResult(out=out, db=out / "results.db")
+    with ResultStore(result.db) as store:
+        runner = _Runner(sweep, out, store, data if data is not None else {}, progress)
+        runner.log(f"{len(specs)} runs ({len(sweep.variants)} variants × {len(sweep.seeds)} seeds"
+                   + (f" × {len(specs) // (len(sweep.variants) * len(sweep.seeds))} grid points" if sweep.grid else "")
+                   + f") into {out}")
+        bar = tqdm(specs, desc=f"sweep {sweep.name}", unit="run", disable=not progress, position=0,
+                   dynamic_ncols=True)
+        for i, spec in enumerate(bar):
+            bar.set_postfix_str(spec.run_id)
+            runner.log(f"[{i + 1}/{len(specs)}] {spec.run_id}")
+            result.runs.append(runner.run_one(spec))
+        bar.close()
+        if report:
+            from looplm.analysis.report import write_report
+
+            result.report = write_report(store, out / "report", baseline=sweep.baseline, sweep=sweep.name)
+            runner.log(f"report: {result.report['markdown']}")
+    return result

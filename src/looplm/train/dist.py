@@ -1,0 +1,145 @@
+"""Distributed training at the edge: the only module of looplm that imports ``torch.distributed``.
+
+Launch with ``torchrun --nproc_per_node=N [--nnodes ...] -m looplm train ...``. ``train.distributed``
+chooses DDP (replicated weights, gradient all-reduce) or FSDP2 (``fully_shard`` on every block and on
+the root). ``train.batch_size`` is the *global* batch: every rank cuts the same global batch (a pure
+function of (seed, step, micro)) and keeps its own contiguous rows, and every rank draws the same loop
+depth, so the graph is identical on all ranks and every parameter gets a gradient by construction
+(no ``find_unused_parameters``). With equal rows per rank, the averaged gradient equals the
+single-process gradient of the global batch.
+
+Checkpoints are consolidated (full state dicts gathered to rank 0, written by rank 0), so a run saved
+under N ranks resumes under any other world size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: rank, world size, local rank, and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: torch.device) -> DistEnv:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1); otherwise a no-op.
+
+    Backend: nccl on CUDA, gloo on CPU. On CUDA each rank takes ``cuda:LOCAL_RANK``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistEnv(device=device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_rows(batch_size: int, env: DistEnv) -> slice:
+    """This rank's rows of a global batch.
+
+    Raises:
+        ValueError: ``batch_size`` not divisible by the world size.
+    """
+    if batch_size % env.world_size:
+        raise ValueError(f"train.batch_size={batch_size} must be divisible by the world size {env.world_size}")
+    per = batch_size // env.world_size
+    return slice(env.rank * per, (env.rank + 1) * per)
+
+
+def wrap_model(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
+    """DDP or FSDP2 wrapper for ``model`` (returned unchanged when not distributed).
+
+    FSDP2 shards every transformer block (prelude, core, coda or unshared layers) and the root; the
+    module is modified in place, so its parameters become DTensors.
+    """
+    if not env.enabled:
+        return model
+    if mode == "ddp":
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        from looplm.model.layers import Block
+
+        for module in model.modules():
+            if isinstance(module, Block):
+                fully_shard(module)
+        fully_shard(model)
+        return model
+    raise ValueError(f"train.distributed: unknown {mode!r}; allowed: 'ddp', 'fsdp'")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under a DDP wrapper (FSDP2 modifies modules in place)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def mean_across_ranks(value: float, env: DistEnv) -> float:
+    """Average a Python float over ranks (for logging)."""
+    if not env.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item()) / env.world_size
+
+
+def _state_dict_options(mode: str, env: DistEnv, *, saving: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    sharded = env.enabled and mode == "fsdp"
+    return StateDictOptions(full_state_dict=saving or sharded, cpu_offload=saving and sharded)
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer, mode: str, env: DistEnv) -> tuple[dict, dict]:
+    """Consolidated (unsharded) model and optimizer state dicts, keyed by parameter names (FQNs)
+    without wrapper prefixes, the same layout under every world size and wrapper.
+
+    Collective under FSDP (every rank must call it); the dicts are complete on rank 0.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    opts = _state_dict_options(mode, env, saving=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
+
+
+def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, opt_sd: dict[str, Any], mode: str,
+                         env: DistEnv) -> None:
+    """Load a consolidated optimizer state (saved under any world size) into ``opt``."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, opt_sd, options=_state_dict_options(mode, env, saving=False))
+
+
+def barrier(env: DistEnv) -> None:
+    if env.enabled:
+        dist.barrier()

@@ -1,0 +1,143 @@
+"""Adaptive depth (hidden-update rule, SPEC §6): stop rule and calibration against hand-computed and
+brute-force references, the full trace against LoopLM.forward, real early exit against the offline
+accounting for every recurrence rule, and the checkpoint report end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from looplm.config import ModelConfig
+from looplm.eval.adaptive import (adaptive_depth_checkpoint, calibrate_threshold, early_exit_eval,
+                                  stop_depths, trace_depths)
+from looplm.eval.perplexity import evaluate_depths
+from looplm.model import RULES, LoopLM
+
+CEIL = 6
+
+
+def test_stop_depths_hand_computed():
+    u = np.array([[0.5, 0.2, 0.05, 0.01],
+                  [0.1, 0.3, 0.3, 0.3],
+                  [0.9, 0.9, 0.9, 0.05],   # only the last step is small: the ceiling either way
+                  [0.0, 0.0, 0.0, 0.0]])
+    assert stop_depths(u, 0.15).tolist() == [3, 1, 4, 1]
+    assert stop_depths(u, 0.06).tolist() == [3, 4, 4, 1]
+    assert stop_depths(u, 0.0).tolist() == [4, 4, 4, 4]  # u < 0 never holds
+    assert stop_depths(u, 1.0).tolist() == [1, 1, 1, 1]
+
+
+def test_calibration_is_the_closest_attainable_mean_depth():
+    rng = np.random.default_rng(0)
+    u = np.exp(rng.normal(-2.0, 1.0, size=(37, 10))) * np.linspace(1.0, 0.2, 10)  # decaying updates
+    # brute force over every distinct mean depth τ can give
+    taus = np.concatenate([[0.0], np.unique(u) * (1 + 1e-9), [10.0]])
+    attainable = np.unique([stop_depths(u, t).mean() for t in taus])
+    for target in (1, 2.5, 4, 7, 10):
+        tau, depth = calibrate_threshold(u, target)
+        assert depth == stop_depths(u, tau).mean()
+        best = attainable[np.argmin(np.abs(attainable - target))]
+        print(target, tau, depth, best)
+        assert abs(depth - target) == pytest.approx(abs(best - target))
+    assert calibrate_threshold(u, 10)[1] == 10.0  # target = ceiling: every example at the ceiling
+    with pytest.raises(ValueError, match="outside"):
+        calibrate_threshold(u, 11)
+
+
+def _model(rule: str, vocab: int, **kw) -> LoopLM:
+    torch.manual_seed(0)
+    arch = "unshared" if rule == "unshared" else "shared"
+    cfg = ModelConfig(architecture=arch, rule="scse" if arch == "unshared" else rule, vocab_size=vocab,
+                      d_model=32, n_heads=2, d_ff=64, seq_len=32, dropout=0.0, init_std=0.1, **kw)
+    return LoopLM(cfg).eval()
+
+
+@torch.no_grad()
+def test_trace_matches_forward_states_and_nll(tiny_data):
+    """u_t from LoopLM.forward's returned states, NLL from its nll_by_depth: one window at a time."""
+    model = _model("scse", tiny_data.vocab_size, n_prelude=1, n_coda=1)
+    tokens = np.asarray(tiny_data.valid[:300])
+    tr = trace_depths(model, tokens, CEIL, batch_size=4, progress=False)
+    L = model.cfg.seq_len
+    assert tr.update.shape == tr.nll.shape == (math.ceil(299 / L), CEIL)
+    for b in range(len(tr.tokens)):
+        w = torch.from_numpy(tokens[b * L: (b + 1) * L + 1].astype(np.int64))
+        x, y = w[:-1][None], w[1:][None]
+        n = y.shape[1]
+        out = model(x[:, :n], depth=list(range(1, CEIL + 1)), targets=y, return_states=True, keep_logits=False)
+        for t in range(CEIL):
+            h, h1 = out.states[t][0, :n], out.states[t + 1][0, :n]
+            u = ((h1 - h).norm(dim=-1) / (h.norm(dim=-1) + 1e-8)).max()
+            assert tr.update[b, t] == pytest.approx(float(u), rel=1e-5)
+            assert tr.nll[b, t] == pytest.approx(float(out.nll_by_depth[t + 1].sum()), rel=1e-5)
+        assert tr.tokens[b] == n
+    assert tr.update.std() > 0
+
+
+@pytest.mark.parametrize("rule", sorted(RULES) + ["unshared"])
+def test_early_exit_equals_offline_accounting(rule, tiny_data):
+    model = _model(rule, tiny_data.vocab_size, **({"n_layers": 4} if rule == "unshared" else {}))
+    tokens = np.asarray(tiny_data.valid[:800])
+    tr = trace_depths(model, tokens, CEIL, batch_size=8, progress=False)
+    tau, _ = calibrate_threshold(tr.update, CEIL / 2)
+    offline = stop_depths(tr.update, tau)
+    ee = early_exit_eval(model, tokens, tau, CEIL, batch_size=8, progress=False)
+    print(rule, "tau", tau, "depths", np.bincount(offline, minlength=CEIL + 1)[1:],
+          "max |Δnll|", np.abs(ee.nll - tr.nll[np.arange(len(offline)), offline - 1]).max())
+    assert len(set(offline.tolist())) > 1  # the rule really halts examples at different depths
+    assert ee.depth.tolist() == offline.tolist()
+    np.testing.assert_allclose(ee.nll, tr.nll[np.arange(len(offline)), offline - 1], rtol=1e-5)
+    assert ee.tokens.tolist() == tr.tokens.tolist()
+    assert ee.row_steps == offline.sum()  # halted rows really left the batch
+    full = early_exit_eval(model, tokens, -math.inf, CEIL, batch_size=8, progress=False)
+    assert (full.depth == CEIL).all() and full.row_steps == CEIL * len(offline)
+    np.testing.assert_allclose(full.nll, tr.nll[:, -1], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_cfg, tiny_data):
+    from looplm.train.trainer import train
+
+    run = tmp_path_factory.mktemp("adaptive") / "run"
+    train(tiny_cfg, run, progress=False, data=tiny_data)
+    return run
+
+
+def test_adaptive_depth_checkpoint_report(checkpoint):
+    res = adaptive_depth_checkpoint(checkpoint, targets=(2, 3, 4), ceiling=4, max_tokens=1500, batch_size=8,
+                                    progress=False)
+    json.dumps(res)
+    print(res["markdown"])
+    assert res["examples"] == {"valid": math.ceil(1500 / 32), "test": math.ceil(1500 / 32)}
+    assert res["tokens"] == {"valid": 1500, "test": 1500}
+    # static columns agree with the multi-depth perplexity evaluator (an independent code path)
+    from looplm.data import load_tokens, resolve_cache_dir, resolve_data_root
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(checkpoint)
+    test = load_tokens(cfg.data, "test", load_tokenizer_for(ckpt), resolve_data_root(""), resolve_cache_dir(""))
+    ref = evaluate_depths(model, test, [1, 4], max_tokens=1500, progress=False)
+    for T in (1, 4):
+        assert res["static"][str(T)]["test_ppl"] == pytest.approx(ref[T]["ppl"], rel=1e-5)
+    for t in ("2", "3"):
+        e = res["targets"][t]
+        assert abs(e["valid_mean_depth"] - int(t)) < 0.5
+        assert 1 <= e["test_mean_depth"] <= 4
+        assert sum(e["test_depth_counts"].values()) == res["examples"]["test"]
+        ee = e["early_exit"]
+        assert ee["depth_agreement"] == 1.0 and ee["max_abs_nll_diff"] < 1e-3
+        assert ee["test_ppl"] == pytest.approx(e["test_ppl"], rel=1e-5)
+        assert ee["row_steps"] < ee["full_row_steps"] and ee["speedup"] > 0
+    # the target at the ceiling keeps every example there: the static ceiling PPL
+    top = res["targets"]["4"]
+    assert top["valid_mean_depth"] == top["test_mean_depth"] == 4.0
+    assert top["test_ppl"] == pytest.approx(res["static"]["4"]["test_ppl"])
+    assert "| Static T=4 | Adaptive 2 | Adaptive 3 | Adaptive 4 |" in res["markdown"].replace(
+        "| model (test PPL) ", "")
+    with pytest.raises(ValueError, match="outside"):
+        adaptive_depth_checkpoint(checkpoint, targets=(5,), ceiling=4, max_tokens=100, progress=False)

@@ -1,0 +1,63 @@
+"""Distributed training on CPU: 2 gloo ranks under torchrun against one process with the same global
+batch (DDP and FSDP2), and a checkpoint saved under 2 ranks resumed in 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from looplm.cli import main
+
+ARGS = ["--preset", "debug", "--quiet", "--train.steps", "4", "--train.batch_size", "4", "--train.ckpt_every", "2",
+        "--train.eval_every", "2", "--train.eval_batches", "1", "--train.num_threads", "1",
+        "--model.dropout", "0.0"]
+
+
+def _trace(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _torchrun(run, *extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "looplm", "train", "--out", str(run), *ARGS, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _assert_same_trace(a, b, rtol=1e-5):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        print(ra["step"], ra["loss"], rb["loss"], ra.get("val_loss"), rb.get("val_loss"))
+        assert ra["depths"] == rb["depths"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=rtol)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        if "val_loss" in ra:
+            assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=rtol)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    run = tmp_path_factory.mktemp("single")
+    assert main(["train", "--out", str(run), *ARGS]) == 0
+    return run
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_loss_trace_equals_single_process(tmp_path, single, mode):
+    run = tmp_path / mode
+    _torchrun(run, "--train.distributed", mode)
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    _assert_same_trace(_trace(single), _trace(run))
+
+
+def test_checkpoint_saved_under_two_ranks_resumes_in_one(tmp_path, single):
+    run = tmp_path / "resume"
+    _torchrun(run, "--train.distributed", "fsdp", "--stop-after", "2")
+    assert [r["step"] for r in _trace(run)] == [1, 2]
+    assert main(["train", "--out", str(run), *ARGS, "--resume"]) == 0
+    _assert_same_trace(_trace(single), _trace(run))

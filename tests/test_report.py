@@ -1,0 +1,166 @@
+"""Statistics against hand-computed values, and the report of a synthetic results DB (no training)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from looplm.analysis.report import build_report, format_delta, write_report
+from looplm.analysis.stats import bootstrap_interval, mean_std, summarize_paired, t_half_width
+from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
+from looplm.config import Config, ModelConfig
+
+T_975_2 = 4.302652729911275  # t_{0.975, 2} from tables
+
+
+def test_mean_std_and_t_half_width_by_hand():
+    assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    m, s = mean_std([5.0])
+    assert m == 5.0 and math.isnan(s)
+    hw = t_half_width([1.0, 2.0, 3.0])
+    print("t half-width", hw, "expected", T_975_2 / math.sqrt(3))
+    assert hw == pytest.approx(T_975_2 / math.sqrt(3), abs=1e-9)
+    assert round(hw, 5) == 2.48414
+    assert t_half_width([4.0, 4.0, 4.0]) == 0.0
+    assert math.isnan(t_half_width([1.0]))
+    # n = 2: t_{0.975,1} = 12.7062047; values [0, 2] → sd √2, hw = 12.7062047·√2/√2
+    assert t_half_width([0.0, 2.0]) == pytest.approx(12.706204736174698, rel=1e-9)
+    with pytest.raises(ValueError, match="values"):
+        mean_std([])
+
+
+def test_bootstrap_is_deterministic_and_degenerates_correctly():
+    assert bootstrap_interval([3.5, 3.5, 3.5, 3.5]) == (3.5, 3.5)  # constant deltas: zero width
+    assert bootstrap_interval([7.0]) == (7.0, 7.0)
+    x = [1.0, 2.0, 3.0, 10.0]
+    a, b = bootstrap_interval(x), bootstrap_interval(x)
+    assert a == b  # same call, same interval
+    y = list(np.random.default_rng(5).normal(size=7))
+    assert bootstrap_interval(y, seed=1) != bootstrap_interval(y)  # the seed is what fixes it
+    assert min(x) <= a[0] < np.mean(x) < a[1] <= max(x)
+    # two values: resample means are 0, 0.5, 1 with prob 1/4, 1/2, 1/4 → the 2.5/97.5 percentiles are 0 and 1
+    assert bootstrap_interval([0.0, 1.0]) == (0.0, 1.0)
+    # by hand with the same Generator: percentile of resample means
+    rng = np.random.default_rng(0)
+    means = np.asarray(x)[rng.integers(0, 4, size=(10_000, 4))].mean(axis=1)
+    assert a == tuple(np.percentile(means, [2.5, 97.5]))
+
+
+def test_summarize_paired_matches_keys():
+    s = summarize_paired({0: 11.0, 1: 22.0, 2: 33.0, 9: 5.0}, {0: 10.0, 1: 20.0, 2: 30.0, 7: 1.0})
+    assert s.n == 3 and s.keys == (0, 1, 2) and s.deltas == (1.0, 2.0, 3.0)
+    assert s.mean == 2.0 and s.sd == 1.0
+    assert s.t_half_width == pytest.approx(2.48414, abs=1e-5)
+    assert s.t_interval == pytest.approx((2.0 - 2.48414, 2.0 + 2.48414), abs=1e-5)
+    assert s.bootstrap == bootstrap_interval([1.0, 2.0, 3.0])
+    assert summarize_paired({0: 1.0}, {1: 1.0}) is None
+
+
+# -- a synthetic results DB -------------------------------------------------------------------------
+
+LOOPED = {0: 100.0, 1: 102.0, 2: 104.0}  # T=8: mean 102, sd 2
+SCSE = {s: v + d for (s, v), d in zip(LOOPED.items(), (1.0, 2.0, 3.0))}  # deltas [1, 2, 3]
+
+
+def _cfg(**model) -> Config:
+    return Config(model=ModelConfig(vocab_size=512, d_model=32, n_heads=2, d_ff=64, seq_len=32, **model))
+
+
+def _fill(store: ResultStore) -> None:
+    from looplm.analysis.flops import flops_per_token
+
+    variants = [("looped", _cfg(rule="looped"), LOOPED), ("scse", _cfg(rule="scse"), SCSE),
+                ("unshared", _cfg(architecture="unshared", n_layers=2), {0: 150.0})]
+    for order, (name, cfg, t8) in enumerate(variants):
+        for seed, v8 in t8.items():
+            c = cfg.replace(train=cfg.train.replace(seed=seed))
+            store.put_run(RunRecord(sweep="syn", run_id=f"{name}-s{seed}", variant=name, variant_order=order,
+                                    seed=seed, config=c.to_dict(), run_dir=f"/runs/{name}-s{seed}",
+                                    params=1_000_000 * (order + 1),
+                                    flops={T: flops_per_token(c.model, T) for T in (1, 8)}))
+            settings = {"max_tokens": 4096, "stride": None}
+            items = [(EvalIdentity.make(c, "ppl", dataset="brown", split="test", depth=T, settings=settings),
+                      {"ppl": v, "nll": math.log(v), "tokens": 4096.0}) for T, v in ((1, v8 + 50.0), (8, v8))]
+            store.put_many(items, config=c, settings=settings)
+            # a stale duplicate of the same identity must not add a seed: put replaces
+            store.put_many(items, config=c, settings=settings)
+            if name != "unshared":
+                store.put(EvalIdentity.make(c, "diagnose", dataset="brown", split="valid", depth=47),
+                          {"forcing.ratio": 0.0 if name == "scse" else 1.5 + seed, "gain": 1.1})
+
+
+def test_report_cells_on_a_synthetic_db(tmp_path):
+    db = tmp_path / "results.db"
+    with ResultStore(db) as store:
+        _fill(store)
+        rep = build_report(store)
+    assert rep["baseline"] == "looped" and rep["variants"] == ["looped", "scse", "unshared"]
+    ppl = next(s for s in rep["sections"] if s["protocol"] == "ppl")
+    assert ppl["depths"] == [1, 8]
+    assert ppl["cells"]["looped"]["8"]["n"] == 3
+    assert ppl["deltas"]["scse"]["8"]["deltas"] == [1.0, 2.0, 3.0]
+    assert "looped" not in ppl["deltas"]
+
+    res = write_report(db, tmp_path / "report")
+    md = res["markdown"].read_text()
+    print(md)
+    boot = bootstrap_interval([1.0, 2.0, 3.0])
+    assert "| variant | n | T=1 | T=8 |" in md
+    assert "| looped | 3 | 152.00 ± 2.00 | 102.00 ± 2.00 |" in md
+    assert "| scse | 3 | 154.00 ± 3.00 | 104.00 ± 3.00 |" in md
+    assert "| unshared | 1 | 200.00 | 150.00 |" in md  # one seed: the mean alone
+    cell = f"2.00 ± 2.48 [{boot[0]:.2f}, {boot[1]:.2f}]"
+    assert cell == "2.00 ± 2.48 [1.00, 3.00]"  # P(all three resampled deltas = 1) = 1/27 > 2.5%
+    assert f"| scse | 3 | {cell} | {cell} |" in md
+    assert "| unshared | 1 | 50.00 (n=1) | 50.00 (n=1) |" in md
+    assert "### Paired deltas vs looped: PPL — brown test" in md
+    # parameter + FLOP proxy table: the unshared model's body saturates at n_layers
+    from looplm.analysis.flops import flops_per_token
+
+    f8 = flops_per_token(_cfg(rule="scse").model, 8)["body_head"] / 1e6
+    assert f"| scse | shared | scse | 2,000,000 |" in md and f"{f8:.2f} |" in md
+    assert "| unshared | unshared | – | 3,000,000 |" in md
+    # diagnostics: loop-step columns, mean ± std
+    assert "| variant | n | t=47 |" in md
+    assert "| looped | 3 | 2.50 ± 1.00 |" in md and "| scse | 3 | 0.00 ± 0.00 |" in md
+    # outputs
+    assert [p.name for p in res["plots"]] == ["ppl_brown_test.png"] and res["plots"][0].stat().st_size > 0
+    assert "![PPL — brown test](ppl_brown_test.png)" in md
+    data = json.loads(res["json"].read_text())
+    assert data["sections"][0]["cells"]["unshared"]["8"]["std"] is None  # NaN → null (strict JSON)
+    assert data["models"][1]["params"] == 2_000_000
+
+
+def test_report_baseline_choice_and_errors(tmp_path):
+    db = tmp_path / "results.db"
+    with ResultStore(db) as store:
+        _fill(store)
+        rep = build_report(store, baseline="scse")
+        ppl = rep["sections"][0]
+        assert ppl["deltas"]["looped"]["8"]["mean"] == -2.0
+        with pytest.raises(ValueError, match="--baseline: unknown variant 'nope'; known: looped, scse, unshared"):
+            build_report(store, baseline="nope")
+    with ResultStore(tmp_path / "empty.db") as store, pytest.raises(ValueError, match="no runs"):
+        build_report(store)
+
+
+def test_report_cli(tmp_path, capsys):
+    from looplm.cli import main
+
+    db = tmp_path / "results.db"
+    with ResultStore(db) as store:
+        _fill(store)
+    assert main(["report", "--db", str(db), "--out", str(tmp_path / "rep"), "--baseline", "looped"]) == 0
+    out = capsys.readouterr().out
+    assert "| looped | 3 | 152.00 ± 2.00 | 102.00 ± 2.00 |" in out
+    assert (tmp_path / "rep" / "report.json").is_file()
+    assert main(["report", "--db", str(tmp_path / "missing.db")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_format_delta():
+    s = summarize_paired({0: 3.0, 1: 5.0}, {0: 1.0, 1: 1.0}).to_dict()
+    assert format_delta(s).startswith("3.00 ± 12.71 [")

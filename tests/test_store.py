@@ -1,0 +1,119 @@
+"""Results store: evaluation identity (SPEC §9), replace-not-append, concurrent writers."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+
+import pytest
+
+from looplm.analysis.store import (EvalIdentity, ResultStore, RunRecord, config_hash, config_identity,
+                                   protocol_hash)
+from looplm.config import Config
+
+
+def _ident(depth=8, seed=0, protocol="ppl", settings=None, tag="", dataset="brown", split="test"):
+    return EvalIdentity.make(Config(), protocol, dataset=dataset, split=split, depth=depth,
+                             settings=settings or {"max_tokens": None}, seed=seed, tag=tag)
+
+
+def test_config_hash_ignores_name_seed_and_device_but_not_the_model():
+    base = Config()
+    h = config_hash(base)
+    assert len(h) == 64
+    assert config_hash(base.replace(name="other")) == h
+    assert config_hash(base.replace(train=base.train.replace(seed=7, device="cuda", ckpt_every=3))) == h
+    assert config_hash(base.to_dict()) == h  # a Config and its dict hash alike
+    assert config_hash(base.replace(model=base.model.replace(rule="looped"))) != h
+    assert config_hash(base.replace(train=base.train.replace(lr=1e-3))) != h
+    assert "seed" not in config_identity(base)["train"] and "name" not in config_identity(base)
+    assert protocol_hash("ppl", {"max_tokens": 10}) != protocol_hash("ppl", {"max_tokens": 20})
+    assert protocol_hash("ppl", {"a": 1, "b": 2}) == protocol_hash("ppl", {"b": 2, "a": 1})
+    seeded = base.replace(train=base.train.replace(seed=3))
+    assert EvalIdentity.make(seeded, "ppl", dataset="brown", split="test", depth=8).seed == 3
+
+
+def test_put_replaces_and_never_double_counts(tmp_path):
+    with ResultStore(tmp_path / "r.db") as store:
+        a = _ident()
+        store.put(a, {"ppl": 100.0, "nll": math.log(100.0)}, config=Config(), settings={"max_tokens": None})
+        store.put(a, {"ppl": 90.0, "nll": math.log(90.0)})
+        assert store.count() == 2
+        assert store.get(a) == {"ppl": 90.0, "nll": math.log(90.0)}
+        # a re-run with fewer metrics replaces the whole set (stale metrics dropped)
+        store.put(a, {"ppl": 80.0})
+        assert store.get(a) == {"ppl": 80.0} and store.count() == 1
+        # every identity column separates evaluations
+        others = [_ident(depth=16), _ident(seed=1), _ident(tag="v2"), _ident(split="valid"),
+                  _ident(dataset="wikitext2"), _ident(settings={"max_tokens": 512}), _ident(protocol="lambada")]
+        for i, ident in enumerate(others):
+            store.put(ident, {"ppl": float(i)})
+        assert store.count() == 1 + len(others)
+        # a, depth 16, seed 1 and max_tokens 512 (another protocol hash)
+        assert store.count(protocol="ppl", dataset="brown", split="test", tag="") == 4
+        assert store.count(protocol="ppl", protocol_hash=a.protocol_hash, dataset="brown", split="test",
+                           tag="") == 3
+        assert store.has(a, ["ppl"]) and not store.has(a, ["nll"])
+        assert not store.has(_ident(depth=99))
+        store.put(_ident(depth=32), {"ppl": float("nan")})  # NaN round-trips through NULL
+        assert math.isnan(store.get(_ident(depth=32))["ppl"])
+        assert store.config(a.config_hash) == config_identity(Config())
+        assert store.protocol_settings(a.protocol_hash) == {"max_tokens": None}
+        assert store.delete(depth=32) == 1
+        with pytest.raises(ValueError, match="unknown filter"):
+            store.count(variant="x")
+        with pytest.raises(ValueError, match="settings"):
+            store.put(a, {"ppl": 1.0}, settings={"max_tokens": 5})
+    with ResultStore(tmp_path / "r.db") as store:  # reopen: persisted, WAL mode
+        assert store.get(a) == {"ppl": 80.0}
+        assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_runs_roundtrip(tmp_path):
+    cfg = Config()
+    rec = RunRecord(sweep="s", run_id="looped-s0", variant="looped", seed=0, config=cfg.to_dict(), run_dir="/x",
+                    variant_order=1, grid={"train.lr": 0.001}, params=123,
+                    flops={8: {"body": 1, "body_head": 2}}, weights_sha256="ab", summary={"val_ppl": 3.0})
+    with ResultStore(tmp_path / "r.db") as store:
+        store.put_run(rec)
+        store.put_run(rec)  # replace, not append
+        runs = store.runs()
+        assert len(runs) == 1 and runs[0] == rec
+        assert store.run("s", "looped-s0").config_hash == config_hash(cfg)
+        assert store.run("s", "nope") is None
+
+
+N_IDS, OVERLAP, METRICS = 60, 30, ("ppl", "nll", "tokens")
+
+
+def _writer(path: str, writer: int, barrier) -> None:
+    """Write identities [writer·(N−OVERLAP), +N) one transaction each; every metric = the writer id."""
+    store = ResultStore(path, timeout=60)
+    barrier.wait()
+    start = writer * (N_IDS - OVERLAP)
+    for i in range(start, start + N_IDS):
+        store.put(_ident(depth=i), {m: float(writer) for m in METRICS})
+    store.close()
+
+
+def test_two_processes_write_overlapping_identities(tmp_path):
+    path = str(tmp_path / "concurrent.db")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_writer, args=(path, w, barrier)) for w in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with ResultStore(path) as store:
+        n_ids = 2 * N_IDS - OVERLAP
+        assert store.count() == n_ids * len(METRICS)
+        rows = store.evaluations()
+        assert len({r["depth"] for r in rows}) == n_ids
+        by_depth: dict[int, set] = {}
+        for r in rows:
+            by_depth.setdefault(r["depth"], set()).add(r["value"])
+        # each identity's metric set comes whole from one writer (puts are atomic)
+        assert all(len(v) == 1 for v in by_depth.values())
+        assert by_depth[0] == {0.0} and by_depth[2 * N_IDS - OVERLAP - 1] == {1.0}

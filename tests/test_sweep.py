@@ -1,0 +1,236 @@
+"""Sweeps: file parsing and errors, and an end-to-end 2 variants × 2 seeds tiny sweep that is run
+again (everything skipped), then partly killed (resumed exactly) and partly un-evaluated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from looplm.analysis.store import ResultStore
+from looplm.sweep import SweepError, load_sweep, parse_sweep, run_sweep
+
+TOML = """
+name = "tiny"
+seeds = [0, 1]
+
+[base]
+config = "tiny.json"
+
+[variants]
+looped = {"model.rule" = "looped"}
+scse = {model.rule = "scse"}
+
+[eval]
+depths = [1, 2, 4]
+splits = ["valid", "test"]
+max_tokens = 256
+batch_size = 8
+device = "cpu"
+diagnose = {batches = 1}
+lambada = {max_examples = 4}
+"""
+
+
+def _write_sweep(folder: Path, tiny_cfg, text: str = TOML) -> Path:
+    (folder / "tiny.json").write_text(tiny_cfg.to_json())
+    path = folder / "tiny.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they cost 10–50×."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """Stand-ins for looplm.diagnostics.runner and looplm.eval.lambada; counts calls."""
+    calls = {"diagnose": 0, "lambada": 0}
+
+    def diagnose_checkpoint(checkpoint, *, out_dir=None, progress=True, batches=1, device="cpu"):
+        calls["diagnose"] += 1
+        return {"forcing": [{"t": t, "bias_energy": 0.0, "raw_bias_energy": 0.1 * t, "ratio": 0.5 + t,
+                             "anchor_energy": 1.0} for t in (0, 3)],
+                "gain": [{"t": t, "gain": 1.0 + t} for t in (0, 3)]}
+
+    def evaluate_lambada_checkpoint(checkpoint, *, depths, max_examples=None, progress=True, device="cpu"):
+        calls["lambada"] += 1
+        return {"depths": {str(T): {"target_ppl": 100.0 / T, "target_acc": 0.01 * T, "exact_acc": 0.0,
+                                    "examples": max_examples} for T in depths}}
+
+    for name, fn in (("looplm.diagnostics.runner", diagnose_checkpoint),
+                     ("looplm.eval.lambada", evaluate_lambada_checkpoint)):
+        mod = types.ModuleType(name)
+        setattr(mod, fn.__name__, fn)
+        monkeypatch.setitem(sys.modules, name, mod)
+    return calls
+
+
+def test_sweep_file_grid_and_ids(tmp_path, tiny_cfg):
+    sweep = load_sweep(_write_sweep(tmp_path, tiny_cfg, TOML + '\n[grid]\n"train.lr" = [1e-3, 2e-3]\n'))
+    runs = sweep.runs()
+    assert [r.run_id for r in runs][:4] == ["looped-train.lr=0.001-s0", "scse-train.lr=0.001-s0",
+                                            "looped-train.lr=0.002-s0", "scse-train.lr=0.002-s0"]
+    assert len(runs) == 8 and sweep.baseline == "looped"
+    r = runs[-1]
+    assert (r.config.model.rule, r.config.train.lr, r.config.train.seed, r.config.name) == (
+        "scse", 2e-3, 1, "scse-train.lr=0.002-s1")
+    assert r.config.model.d_model == tiny_cfg.model.d_model
+    assert sweep.eval.depths == (1, 2, 4) and sweep.eval.lambada == {"max_examples": 4}
+
+
+def test_docstring_example_parses():
+    import looplm.sweep as sweep_module
+
+    doc = sweep_module.__doc__
+    example = "\n".join(line[4:] for line in doc[doc.index("    # scse-vs-looped.toml"):
+                                                 doc.index("The grid is")].splitlines())
+    sweep = parse_sweep(sweep_module.toml_loads(example))
+    runs = sweep.runs()
+    assert len(runs) == 3 * 3 * 2 and sweep.name == "scse-vs-looped"
+    assert runs[2].config.model.architecture == "unshared" and runs[2].config.train.steps == 400
+    assert sweep.eval.diagnose == {} and sweep.eval.lambada == {"max_examples": 500}
+    assert sweep.eval.datasets == ("brown", "wikitext2") and sweep.eval.max_tokens == 16384
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"variants": {"a": {}}, "colour": 1}, r"colour: unknown key; allowed: name, seeds"),
+    ({"variants": {"a": {"model.nope": 1}}}, r"variants\.a: model\.nope: unknown field; known: "),
+    ({"variants": {"a": {"model.rule": "nope"}}}, r"variants\.a: model\.rule: got 'nope'; allowed: 'looped'"),
+    ({"variants": {"a": {}}, "base": {"preset": "huge"}}, r"base\.preset: unknown preset 'huge'; known: "),
+    ({"variants": {"a": {"train.seed": 3}}}, r"variants\.a\.train\.seed: not allowed here"),
+    ({"variants": {}}, r"variants: expected a table of at least one variant"),
+    ({"variants": {"a": {}}, "eval": {"splits": ["dev"]}}, r"eval\.splits: 'dev' is not allowed; allowed: train"),
+    ({"variants": {"a": {}}, "eval": {"depth": [1]}}, r"eval\.depth: unknown key; allowed: depths"),
+    ({"variants": {"a": {}}, "eval": {"depths": [1, "x"]}}, r"eval\.depths: expected a non-empty list"),
+    ({"variants": {"a": {}}, "seeds": []}, r"seeds: expected a non-empty list of integers"),
+    ({"variants": {"a": {}}, "baseline": "b"}, r"baseline: unknown variant 'b'; known: a"),
+    ({"variants": {"a": {"train.lr": 1.0}}, "grid": {"train.lr": [1, 2]}}, r"grid\.train\.lr: also set by"),
+    ({"variants": {"a": {}}, "eval": {"lambada": "yes"}}, r"eval\.lambada: expected true, false or a table"),
+])
+def test_sweep_file_errors_name_the_key(doc, match):
+    with pytest.raises(SweepError, match=match):
+        parse_sweep(doc)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("seeds = [0,\n")
+    with pytest.raises(SweepError, match="not valid TOML"):
+        load_sweep(bad)
+    with pytest.raises(FileNotFoundError, match="no such sweep file"):
+        load_sweep(tmp_path / "none.toml")
+
+
+def test_cli_help_shows_the_format(capsys):
+    from looplm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    out = capsys.readouterr().out
+    assert "[variants]" in out and 'looped = {"model.rule" = "looped"}' in out and "--out" in out
+
+
+def _mtimes(out: Path) -> dict[str, int]:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file()}
+
+
+def _weights(out: Path, run_id: str) -> bytes:
+    from looplm.train.checkpoint import resolve_checkpoint
+
+    return (resolve_checkpoint(out / "runs" / run_id) / "model.safetensors").read_bytes()
+
+
+def test_end_to_end_sweep_skips_and_resumes(tmp_path, tiny_cfg, hooks, capsys):
+    from looplm.cli import main
+    from looplm.eval.runner import evaluate_checkpoint
+
+    path = _write_sweep(tmp_path, tiny_cfg)
+    out = tmp_path / "out"
+    cache: dict = {}
+    first = run_sweep(path, out, progress=False, data=cache)
+    ids = ["looped-s0", "scse-s0", "looped-s1", "scse-s1"]
+    assert [r["run_id"] for r in first.runs] == ids
+    assert [r["status"] for r in first.runs] == ["trained"] * 4
+    assert len(cache) == 1  # tokenized data prepared once for the four runs
+    assert hooks == {"diagnose": 4, "lambada": 4}
+    with ResultStore(first.db) as store:
+        n_rows = store.count()
+        # ppl: 4 runs × 2 splits × 3 depths × (ppl, nll, tokens); lambada: 4 × 3 depths × 4 metrics;
+        # diagnose: 4 runs × 2 loop steps × (4 forcing metrics + gain)
+        assert store.count(protocol="ppl") == 4 * 2 * 3 * 3
+        assert store.count(protocol="lambada") == 4 * 3 * 4
+        assert store.count(protocol="diagnose") == 4 * 2 * 5
+        assert n_rows == 72 + 48 + 40
+        runs = store.runs("tiny")
+        assert [r.run_id for r in runs] == ["looped-s0", "looped-s1", "scse-s0", "scse-s1"]
+        assert all(r.params and r.flops[4]["body_head"] > r.flops[1]["body_head"] for r in runs)
+        stored = {r["depth"]: r["value"] for r in store.evaluations(protocol="ppl", split="test", seed=1,
+                                                                    metric="ppl", config_hash=runs[3].config_hash)}
+        updated = {tuple(r.values()) for r in store.evaluations()}
+    direct = evaluate_checkpoint(out / "runs" / "scse-s1", depths=[1, 2, 4], split="test", max_tokens=256,
+                                 progress=False)
+    assert stored == {T: direct["depths"][str(T)]["ppl"] for T in (1, 2, 4)}
+    md = (out / "report" / "report.md").read_text()
+    assert "## PPL — brown test" in md and "### Paired deltas vs looped: PPL — brown test" in md
+    assert "| scse | 2 |" in md and (out / "report" / "ppl_brown_valid.png").is_file()
+
+    # second run through the CLI: everything skipped, nothing retrained or re-evaluated
+    before = _mtimes(out)
+    assert main(["sweep", str(path), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["skipped"], summary["trained"], summary["resumed"], summary["evaluated"]) == (4, 0, 0, 0)
+    assert _mtimes(out) == before
+    assert hooks == {"diagnose": 4, "lambada": 4}
+    with ResultStore(first.db) as store:
+        assert {tuple(r.values()) for r in store.evaluations()} == updated
+
+    # scse-s1 killed midway through training: newest checkpoint gone, a half-written one left behind;
+    # looped-s1 killed after training, during its evaluations
+    weights = _weights(out, "scse-s1")
+    run = out / "runs" / "scse-s1"
+    shutil.rmtree(run / "checkpoints" / "step-000006")
+    (run / "summary.json").unlink()
+    (run / "latest").write_text("step-000004\n")
+    (run / "checkpoints" / ".tmp-step-000006-999").mkdir()
+    with ResultStore(first.db) as store:
+        scse1 = store.run("tiny", "scse-s1")
+        store.delete(config_hash=scse1.config_hash, seed=1)
+        looped1 = store.run("tiny", "looped-s1")
+        store.delete(config_hash=looped1.config_hash, seed=1, protocol="ppl", split="test")
+    looped_ckpts = {k: v for k, v in _mtimes(out).items() if k.startswith("looped-s1/checkpoints")}
+    third = run_sweep(path, out, progress=False, data=cache)
+    assert [r["status"] for r in third.runs] == ["skipped", "skipped", "evaluated", "resumed"]
+    assert _weights(out, "scse-s1") == weights  # exact resume: bit-identical final weights
+    assert {k: v for k, v in _mtimes(out).items() if k.startswith("looped-s1/checkpoints")} == looped_ckpts
+    assert hooks == {"diagnose": 5, "lambada": 5}  # only the resumed run ran its hooks again
+    with ResultStore(first.db) as store:
+        assert store.count() == n_rows  # replaced, never double-counted
+        again = {r["depth"]: r["value"] for r in store.evaluations(protocol="ppl", split="test", seed=1,
+                                                                   metric="ppl", config_hash=scse1.config_hash)}
+    assert again == stored
+
+    # a changed sweep file does not silently mix configs into existing run directories
+    changed = _write_sweep(tmp_path, tiny_cfg.replace(train=tiny_cfg.train.replace(lr=1e-2)))
+    with pytest.raises(SweepError, match=r"looped-s0: holds a run with a different config \(train.lr"):
+        run_sweep(changed, out, progress=False, data=cache)
+
+
+def test_missing_hook_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "looplm.eval.lambada", None)  # import fails
+    path = _write_sweep(tmp_path, tiny_cfg, TOML.replace("diagnose = {batches = 1}\n", ""))
+    with pytest.raises(SweepError, match="eval.lambada: needs looplm.eval.lambada.evaluate_lambada_checkpoint"):
+        run_sweep(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "runs").exists()
