@@ -117,6 +117,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from looplm.bench import run_bench, write_results
+
+    res = run_bench(preset=args.preset, depth=args.depth, batch_size=args.batch_size, steps=args.steps,
+                    matmul_n=args.matmul_n, device=args.device, progress=not args.quiet)
+    write_results(res, args.out)
+    print(res["markdown"])
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from looplm.demo import run_demo
 
@@ -200,6 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the presets and their model configs")
     _add_config_args(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("bench", help="throughput benchmarks with their targets (JSON + Markdown)",
+                       description="Measure, in one run: the fp32/bf16 matmul peak, training tokens/s and "
+                       "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
+                       "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
+                       "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="results JSON path")
+    p.add_argument("--preset", default="cpu", help="model shape to measure (default cpu)")
+    p.add_argument("--depth", type=int, default=8, help="loop depth T for the training measurements")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--steps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--matmul-n", type=int, default=2048, help="matmul size for the peak measurement")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_bench)
 
     import importlib
 

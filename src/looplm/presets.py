@@ -5,7 +5,9 @@
 ``unshared-4x320`` / ``unshared-6x288``: the parameter-matched unshared controls (22.7M / 22.5M);
 ``transformer-8``: the fixed-depth unshared Transformer-8 reference.
 ``cpu``: the CPU reference protocol (SPEC §11) sized so that the main job (two models trained and
-evaluated) finishes within 15 minutes on a 2-core machine. ``debug``: a tiny model on real text,
+evaluated) finishes within 15 minutes on a 2-core machine. Dropout is 0 (our choice): 400 steps is
+far from overfitting Brown, and at step 200 SCSE's validation PPL was 829 without dropout vs 876
+with the paper's 0.1. ``debug``: a tiny model on real text,
 trains in seconds.
 """
 
@@ -34,7 +36,7 @@ PRESETS: dict[str, Config] = {
     "cpu": Config(
         name="cpu",
         model=ModelConfig(rule="scse", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
-                          dropout=0.1),
+                          dropout=0.0),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
         train=TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=40, depth_sampler="uniform",
                           depth_lo=1, depth_hi=8, eval_every=200, eval_batches=4, eval_depth=8,

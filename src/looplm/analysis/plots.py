@@ -13,6 +13,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: str | Path, *,
                       train_range: tuple[int, int] | None = None,
                       baselines: Mapping[str, Mapping[str, float]] | None = None, title: str = "") -> Path:
@@ -46,12 +55,7 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]]], path: str | Path, *,
@@ -100,9 +104,4 @@ def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]
         ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -8,9 +8,8 @@ random directions, Δ_t the ordinary trajectory's deviation at step t. For an af
 
 Precision: with ε = 1e-3 spread over L·d entries, each entry moves by ~1e-3/√(L·d) (≈ 5e-6 at the
 paper's 128×384), so float32 rounding of ‖T‖ (~6e-8·‖T‖_F) is not negligible against the ε·gain
-signal. Run the model in float64 (:func:`looplm.diagnostics.runner.diagnose_model` does by default).
-Note that ``RMSNorm`` (model/layers.py) normalizes in float32 even for a float64 model, so G keeps
-a float32-level rounding of ~6e-8·‖G‖; it enters the measured gain in quadrature and is small.
+signal. Run the model in float64 (:func:`looplm.diagnostics.runner.diagnose_model` does by default;
+``RMSNorm`` keeps float64 statistics for a float64 model).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d)) if affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()  # at least fp32 statistics
+        y = F.rms_norm(xf, (x.shape[-1],), eps=self.eps).to(x.dtype)
         return y * self.weight if self.weight is not None else y
 
 

@@ -1,0 +1,67 @@
+"""Fast paths against the eager fp32 path: bf16 autocast, torch.compile per block (no recompile when
+the loop depth changes), and the bench command's output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from looplm.cli import main
+from looplm.config import ModelConfig
+from looplm.model import LoopLM
+from looplm.train.trainer import autocast_context, compile_blocks
+
+CFG = ModelConfig(rule="scse", vocab_size=97, d_model=32, n_heads=4, d_ff=64, seq_len=16, dropout=0.0)
+
+
+def _pair():
+    torch.manual_seed(0)
+    a = LoopLM(CFG).eval()
+    b = LoopLM(CFG).eval()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def test_compiled_blocks_match_eager_and_do_not_recompile_across_depths():
+    import torch._dynamo
+
+    eager, compiled = _pair()
+    compile_blocks(compiled, backend="aot_eager")
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(x, depth=2)  # first call compiles each block once
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for T in (1, 5, 9):
+                got = compiled(x, depth=T, targets=x).nll_by_depth[T]
+                ref = eager(x, depth=T, targets=x).nll_by_depth[T]
+                err = (got - ref).abs().max().item()
+                print(f"T={T}: max |nll compiled - eager| = {err:.2e}")
+                assert err < 1e-5
+    assert set(compiled.state_dict()) == set(eager.state_dict())  # no _orig_mod prefixes
+
+
+def test_bf16_autocast_agrees_with_fp32():
+    model, _ = _pair()
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(x, depth=4, targets=x).loss
+        with autocast_context(torch.device("cpu"), "bfloat16"):
+            got = model(x, depth=4, targets=x).loss
+    print(f"fp32 loss {ref.item():.5f}, bf16 autocast loss {got.item():.5f}")
+    assert got.item() == pytest.approx(ref.item(), rel=2e-2)
+
+
+def test_bench_writes_every_measurement(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "debug", "--depth", "2", "--batch-size", "2", "--steps", "1",
+                 "--matmul-n", "64", "--quiet", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("matmul_peak_gflops", "train_tokens_per_s", "mfu", "loop_overhead_ratio", "scse_vs_looped_ratio",
+                "multidepth_eval_ratio", "bf16_train_speedup"):
+        assert key in res
+    assert set(res["matmul_peak_gflops"]) == {"float32", "bfloat16"}
+    assert res["targets"]["mfu"]["met"] == (res["mfu"] >= 0.6)
+    assert out.with_suffix(".md").read_text().startswith("# looplm bench")
