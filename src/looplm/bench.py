@@ -51,16 +51,16 @@ def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.de
     return sorted(times)[len(times) // 2]
 
 
-def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5) -> float:
+def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> float:
     """GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    sec = _timeit(lambda: a @ b, warmup=2, repeat=repeat, device=device)
+    sec = _timeit(lambda: a @ b, warmup=warmup, repeat=repeat, device=device)
     return 2 * n ** 3 / sec / 1e9
 
 
 def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, device: torch.device,
-                       dtype: str = "float32") -> float:
+                       dtype: str = "float32", warmup: int = 2) -> float:
     """Training tokens/s (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
     torch.manual_seed(0)
     model = LoopLM(cfg).to(device).train()
@@ -74,7 +74,7 @@ def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sec = _timeit(step, warmup=2, repeat=steps, device=device)
+    sec = _timeit(step, warmup=warmup, repeat=steps, device=device)
     return batch_size * cfg.seq_len / sec
 
 
@@ -106,7 +106,12 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
                            "batch_size": batch_size, "seq_len": cfg.seq_len}
     peak32 = matmul_peak_gflops(torch.float32, matmul_n, dev)
-    peak16 = matmul_peak_gflops(torch.bfloat16, matmul_n, dev)
+    # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
+    # first and keep the bf16 measurements short when it is slow.
+    slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
+    peak16 = matmul_peak_gflops(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
+                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2)
+    res["bf16_native"] = not slow_bf16
     res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
     log(f"matmul peak: fp32 {peak32:.1f} GFLOP/s, bf16 {peak16:.1f} GFLOP/s")
 
@@ -115,7 +120,8 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["train_tokens_per_s"] = tps
     res["train_model_flops_per_token"] = model_flops
     res["mfu"] = tps * model_flops / (peak32 * 1e9)
-    tps16 = train_tokens_per_s(cfg, depth, batch_size=batch_size, steps=steps, device=dev, dtype="bfloat16")
+    tps16 = train_tokens_per_s(cfg, depth, batch_size=batch_size, steps=1 if slow_bf16 else steps, device=dev,
+                               dtype="bfloat16", warmup=1 if slow_bf16 else 2)
     res["train_tokens_per_s_bf16"] = tps16
     res["bf16_train_speedup"] = tps16 / tps
     log(f"train: {tps:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), {tps16:.0f} tok/s bf16")
