@@ -179,3 +179,40 @@ def test_eval_tasks_lambada_and_adaptive(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert set(res["targets"]) == {"2", "3"}
     assert abs(res["targets"]["3"]["valid_mean_depth"] - 3) <= 0.5
+
+
+def test_cli_argument_and_run_dir_errors(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--out", str(run), "--quiet", "--train.steps", "4"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # training into a finished run without --resume is refused; --resume on it keeps the summary
+    assert main(["train", "--preset", "debug", "--out", str(run), "--quiet"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--quiet", "--resume", "--train.steps", "9"]) == 0
+    assert "ignoring train.steps" in capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text()) == summary
+    # a damaged newest checkpoint: resume warns and names it
+    r2 = tmp_path / "r2"
+    assert main(["train", "--preset", "debug", "--out", str(r2), "--quiet", "--train.steps", "6",
+                 "--train.ckpt_every", "2", "--stop-after", "4"]) == 0
+    weights = r2 / "checkpoints" / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(["train", "--out", str(r2), "--quiet", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping damaged checkpoint step-000004" in err and "resuming from step-000002" in err
+    for bad in (["eval", "--checkpoint", str(run), "--batch-size", "0"],
+                ["eval", "--checkpoint", str(run), "--max-tokens", "-5"],
+                ["eval", "--checkpoint", str(run), "--depths", ""],
+                ["train", "--preset", "debug", "--out", str(tmp_path / "x"), "--stop-after", "-3"]):
+        with pytest.raises(SystemExit):
+            main(bad)
+    assert main(["eval", "--checkpoint", str(run), "--device", "tpu", "--quiet"]) == 2
+    assert "--device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["train", "--preset", "debug", "--out", str(tmp_path / "y"), "--train.device", "cuda"]) == 2
+        assert "train.device=cuda but no CUDA device" in capsys.readouterr().err
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{nope")
+    assert main(["info", "--config", str(bad_json)]) == 2
+    assert str(bad_json) in capsys.readouterr().err

@@ -20,15 +20,30 @@ from looplm.config import SECTIONS, Config, ConfigError, apply_overrides
 DEPTHS_HELP = "comma-separated loop depths, e.g. 1,2,4,8,12,16,24,32,48"
 
 
+MAX_DEPTH = 4096
+
+
 def parse_depths(text: str) -> list[int]:
     """``"1,8,48"`` → [1, 8, 48]. Raises argparse.ArgumentTypeError on anything else."""
+    parts = [s.strip() for s in text.split(",")]
     try:
-        depths = [int(s) for s in text.split(",") if s.strip()]
+        depths = [int(s) for s in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--depths: expected {DEPTHS_HELP}; got {text!r}") from None
-    if not depths or min(depths) < 0:
-        raise argparse.ArgumentTypeError(f"--depths: need loop depths >= 0; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {DEPTHS_HELP}; got {text!r}") from None
+    if min(depths) < 0 or max(depths) > MAX_DEPTH:
+        raise argparse.ArgumentTypeError(f"loop depths must be in 0..{MAX_DEPTH}; got {text!r}")
     return depths
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +63,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _config_from_args(args: argparse.Namespace) -> Config:
     from looplm.presets import get_preset
 
-    cfg = Config.from_json(args.config.read_text()) if args.config else get_preset(args.preset)
+    if args.config:
+        try:
+            cfg = Config.from_json(args.config.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
+    else:
+        cfg = get_preset(args.preset)
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
     if getattr(args, "name", None):
         overrides["name"] = args.name
@@ -77,9 +98,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from looplm.train.checkpoint import list_checkpoints
     from looplm.train.trainer import train
 
     cfg = _config_from_args(args)
+    if args.resume:
+        ignored = [k[4:] for k, v in vars(args).items() if k.startswith("cfg:") and v is not None]
+        if ignored or args.config:
+            print(f"looplm train: warning: --resume continues with the config saved in {args.out}; ignoring "
+                  f"{', '.join(ignored) or '--config'}", file=sys.stderr)
+    elif list_checkpoints(args.out):
+        raise ValueError(f"--out {args.out} already holds a run; continue it with --resume or choose another --out")
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))
@@ -155,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
                        "Re-running skips finished training and resumes interrupted runs.")
     p.add_argument("--out", type=Path, default=Path("results/demo"), help="results folder (default results/demo)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the cpu preset's)")
-    p.add_argument("--eval-tokens", type=int, default=16384,
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="training steps per model (default: the cpu preset's)")
+    p.add_argument("--eval-tokens", type=positive_int, default=16384,
                    help="score at most this many tokens per evaluation split (default 16384)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
     p.add_argument("--rules", default="looped,scse", help="comma-separated recurrence rules to train")
@@ -171,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--name", help="run name (default: the preset's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop with a checkpoint after N steps of this invocation (continue with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_args(p)
@@ -188,16 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "and a Markdown table next to it.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
     p.add_argument("--task", choices=["ppl", "lambada", "adaptive"], default="ppl", help="what to evaluate")
-    p.add_argument("--max-examples", type=int, default=None, help="lambada: score only the first N passages")
+    p.add_argument("--max-examples", type=positive_int, default=None, help="lambada: score only the first N passages")
     p.add_argument("--targets", type=parse_depths, default=[8, 16, 24],
                    help="adaptive: target mean loop budgets (default 8,16,24)")
-    p.add_argument("--ceiling", type=int, default=48, help="adaptive: loop ceiling (default 48)")
+    p.add_argument("--ceiling", type=positive_int, default=48, help="adaptive: loop ceiling (default 48)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
-    p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103 (default: the training corpus)")
+    p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103, text, openwebtext or c4 "
+                   "(the last two from the Hugging Face hub, online; default: the training corpus)")
     p.add_argument("--split", default="test", choices=["train", "valid", "test"], help="split (default test)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward (default 16)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the split")
-    p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: non-overlapping)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward (default 16)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens of the split")
+    p.add_argument("--stride", type=positive_int, default=None,
+                   help="sliding-window stride (default: non-overlapping)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--out", type=Path, help="write the JSON here (and FILE.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -219,10 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="results JSON path")
     p.add_argument("--preset", default="cpu", help="model shape to measure (default cpu)")
-    p.add_argument("--depth", type=int, default=8, help="loop depth T for the training measurements")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    p.add_argument("--steps", type=int, default=5, help="timed repetitions per measurement (median)")
-    p.add_argument("--matmul-n", type=int, default=2048, help="matmul size for the peak measurement")
+    p.add_argument("--depth", type=positive_int, default=8, help="loop depth T for the training measurements")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--matmul-n", type=positive_int, default=2048, help="matmul size for the peak measurement")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)

@@ -134,7 +134,8 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
     ray = np.asarray(view["ray"], dtype=float).reshape(-1, 2)  # (k, 2)
     for i in range(paths.shape[0]):
         c = colors[i % len(colors)]
-        ax_a.plot(paths[i, :, 0], paths[i, :, 1], "-o", markersize=2, linewidth=1, color=c)
+        ax_a.plot(paths[i, :, 0], paths[i, :, 1], "-o", markersize=2, linewidth=1, color=c,
+                  label="trajectory Δ_t (one per example)" if i == 0 else None)
         reach = float(np.linalg.norm(paths[i], axis=1).max())
         norm = float(np.linalg.norm(ray[i]))
         if norm > 0 and reach > 0:
@@ -148,7 +149,8 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
                                       label=f"mean anchor distance at t={train_depth}"))
     ax_a.plot([0], [0], marker="*", markersize=12, color="black", linestyle="none", label="anchor h*")
     if result["rollout"]["bias0_rms"] == 0:
-        ax_a.text(0.05, 0.92, "b_t(e) = 0", transform=ax_a.transAxes, color="tab:green", fontsize=12)
+        ax_a.text(0.05, 0.92, "b_t(e) = 0: an anchor start stays at the anchor", transform=ax_a.transAxes,
+                  color="tab:green", fontsize=11)
     share = view["basis_share"]
     ax_a.set_title(f"(a) anchor-start trajectories, T={result['rollout']['depth']}")
     ax_a.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")

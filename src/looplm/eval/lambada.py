@@ -207,19 +207,22 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     """Markdown in the paper's Table 16 layout, plus every depth of every result.
 
     Table 16 columns: completion PPL (10³) and target-token accuracy (%) at T=8 (the smallest
-    evaluated depth when 8 is absent), then at the comparison depth (the deepest evaluated one).
+    evaluated depth when 8 is absent), then at the comparison depth (the deepest evaluated one; a
+    dash when it is the same depth).
 
     Args:
         results: {label: result of :func:`evaluate_lambada_checkpoint`}.
     """
-    rows = ["| model | T | Completion PPL (10³) | Accuracy (%) | Depth | Completion PPL (10³) | Accuracy (%) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| model | depth | completion PPL (10³) | target-token acc. (%) | depth | completion PPL (10³) "
+            "| target-token acc. (%) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, res in results.items():
         ds = sorted(res["depths"], key=int)
         first = "8" if "8" in res["depths"] else ds[0]
-        a, b = res["depths"][first], res["depths"][ds[-1]]
-        rows.append(f"| {label} | T={first} | {a['target_ppl'] / 1e3:.2f} | {100 * a['target_acc']:.2f} | "
-                    f"T={ds[-1]} | {b['target_ppl'] / 1e3:.2f} | {100 * b['target_acc']:.2f} |")
+        last = ds[-1]
+        a, b = res["depths"][first], res["depths"][last]
+        right = (f"T={last} | {b['target_ppl'] / 1e3:.2f} | {100 * b['target_acc']:.2f}" if last != first
+                 else "– | – | –")
+        rows.append(f"| {label} | T={first} | {a['target_ppl'] / 1e3:.2f} | {100 * a['target_acc']:.2f} | {right} |")
     out = ["\n".join(rows)]
     for label, res in results.items():
         det = [f"{label}: {res['examples']} passages, {res['target_tokens']} target tokens, "

@@ -44,7 +44,8 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
     res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
                           device=torch.device(device), progress=progress,
                           desc=f"eval {data_cfg.dataset}/{split}")
-    label = f"{cfg.name} ({data_cfg.dataset} {split})"
+    kind = cfg.model.rule if cfg.model.architecture == "shared" else f"unshared-{cfg.model.n_layers}"
+    label = f"{cfg.name}: {kind} ({data_cfg.dataset} {split})"
     return {
         "checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
         "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split,

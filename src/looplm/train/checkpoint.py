@@ -158,7 +158,14 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
 
     Raises:
         CheckpointError: missing, truncated or corrupted checkpoint.
+        ValueError: unknown device, or cuda on a machine without CUDA.
     """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: got {device!r}; allowed: cpu, cuda, cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
     verify_checkpoint(ckpt)
     cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
@@ -185,3 +192,14 @@ def newest_valid_checkpoint(run_dir: str | Path) -> Path | None:
         except CheckpointError:
             continue
     return None
+
+
+def checkpoint_problems(run_dir: str | Path) -> list[tuple[Path, str]]:
+    """(checkpoint, reason) for every checkpoint of a run that fails :func:`verify_checkpoint`."""
+    problems = []
+    for ckpt in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as exc:
+            problems.append((ckpt, str(exc)))
+    return problems

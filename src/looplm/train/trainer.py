@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import math
 import time
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import Block, LoopLM
-from looplm.train.checkpoint import (CheckpointError, load_checkpoint, newest_valid_checkpoint,
-                                     save_checkpoint)
+from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, load_checkpoint,
+                                     newest_valid_checkpoint, save_checkpoint)
 from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
                                mean_across_ranks, shutdown, unwrap, wrap_model)
 from looplm.train.optim import build_optimizer, build_scheduler
@@ -42,11 +43,18 @@ def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
     return model
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, field: str = "train.device") -> torch.device:
+    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (cuda when available) as a torch device.
+
+    Raises:
+        ValueError: unknown device name, or cuda requested on a machine without CUDA.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available; use cpu or auto")
+    if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
+        raise ValueError(f"{field}: got {name!r}; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{field}={name} but no CUDA device is available; use cpu or auto")
     return torch.device(name)
 
 
@@ -127,7 +135,12 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     if resume:
         ckpt = newest_valid_checkpoint(out)
         if ckpt is None:
-            raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'}")
+            reasons = "; ".join(f"{c.name}: {e}" for c, e in checkpoint_problems(out)) or "none written yet"
+            raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'} ({reasons})")
+        for bad, err in checkpoint_problems(out):
+            if bad.name > ckpt.name:
+                print(f"looplm: warning: skipping damaged checkpoint {bad.name} ({err}); resuming from {ckpt.name}",
+                      file=sys.stderr)
         model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
         start_step = int(state["step"])
     tcfg = cfg.train
@@ -240,7 +253,9 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
                "world_size": env.world_size, "wall_s": wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
-    if main and end_step == tcfg.steps:
+    if main and end_step == tcfg.steps and end_step > start_step:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    elif (out / "summary.json").exists() and end_step == tcfg.steps:  # nothing left to train
+        summary = json.loads((out / "summary.json").read_text())
     shutdown(env)
     return summary
