@@ -181,7 +181,8 @@ class LoopLM(nn.Module):
                 out.logits_by_depth[T] = logits
             if targets is not None:
                 nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                      reduction="none").view_as(targets)  # (B, L)
+                                      reduction="none").view(targets.shape).clone()  # (B, L); returned
+                # tensors must not be views: FSDP2 hooks the root module's outputs for backward
                 out.nll_by_depth[T] = nll
         last = depths[-1]
         out.logits = out.logits_by_depth.get(last)
