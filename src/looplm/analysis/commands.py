@@ -35,6 +35,9 @@ sweep file format (TOML):
   splits = ["test"]                   # default ["test"]
   max_tokens = 16384                  # default: the whole split
   tag = "v1"                          # default ""
+  batch_size = 16                     # windows per forward; default 16
+  stride = 64                         # optional sliding-window stride; default: non-overlapping
+  device = "auto"                     # cpu, cuda or auto; default auto
   diagnose = true                     # optional: forcing bias + gain (shared models)
   lambada = {max_examples = 500}      # optional: LAMBADA completion (true or kwargs)
 
