@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from tokenizers import Tokenizer
 
 from looplm.analysis.plots import plot_ppl_vs_depth
@@ -67,7 +66,6 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
         base = base.replace(train=base.train.replace(steps=steps, ckpt_every=max(1, steps // 3),
                                                      eval_every=max(1, steps // 3),
                                                      warmup_steps=min(base.train.warmup_steps, steps // 10)))
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     _log(f"preparing data: Brown (SPEC §11 split), byte-level BPE {base.data.bpe_vocab_size}")
     data = prepare_data(base, progress=progress)
     tok = Tokenizer.from_str(data.tokenizer_json)

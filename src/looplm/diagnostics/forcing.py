@@ -26,11 +26,14 @@ def energy(x: torch.Tensor) -> float:
     return float(x.double().pow(2).mean())
 
 
-def check_shared(model: LoopLM, what: str) -> None:
-    """Raise ValueError when ``model`` has no recurrence (unshared architecture)."""
+def check_shared(model: LoopLM, what: str, steps: Sequence[int] | None = None) -> None:
+    """Raise ValueError when ``model`` has no recurrence (unshared architecture), or when ``steps``
+    (if given) is empty or holds a negative loop step."""
     if not model.shared:
         raise ValueError(f"{what} needs a shared (looped) architecture with an anchor; this model is "
                          "model.architecture=unshared")
+    if steps is not None and (not steps or min(steps) < 0):
+        raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
 
 
 def deviation_step(rule: RecurrenceRule, core: Core, delta: torch.Tensor, t: int, ctx: LoopContext, *,
@@ -83,9 +86,7 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     Raises:
         ValueError: unshared architecture (no anchor) or a negative step.
     """
-    check_shared(model, "forcing bias")
-    if not steps or min(steps) < 0:
-        raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
+    check_shared(model, "forcing bias", steps)
     was_training = model.training
     model.eval()
     rule, core = model.rule, model.core

@@ -79,9 +79,7 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     Raises:
         ValueError: unshared architecture or a negative step.
     """
-    check_shared(model, "random-direction gain")
-    if not steps or min(steps) < 0:
-        raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
+    check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()
     rule, core = model.rule, model.core

@@ -159,6 +159,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     if tcfg.compile:
         compile_blocks(model)
     fsdp = env.enabled and tcfg.distributed == "fsdp"
+    n_params = model.num_params()  # before FSDP2 turns parameters into shards
     wrapped = wrap_model(model, tcfg.distributed, env)
     opt = build_optimizer(wrapped, tcfg)
     sched = build_scheduler(opt, tcfg)
@@ -249,7 +250,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         log.close()
     wall = time.time() - t_start
     summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step,
-               "params": unwrap(wrapped).num_params() if not fsdp else LoopLM(cfg.model).num_params(),
+               "params": n_params,
                "world_size": env.world_size, "wall_s": wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
