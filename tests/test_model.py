@@ -32,6 +32,18 @@ VARIANTS = {
     "scse_leak-nomask": dict(rule="scse_leak", scse_mask=False),
     "additive_subtract-step": dict(rule="additive_subtract", subtract_step_tau=0.015),
     "looped-prelude-coda": dict(rule="looped", n_prelude=1, n_core=2, n_coda=1),
+    **{f"{rule}-huginn": dict(rule=rule, n_prelude=1, n_core=2, n_coda=1)
+       for rule in ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")},
+    "parcae-zeros": dict(rule="parcae", state_init="zeros"),
+    "orthoinj-embedding": dict(rule="orthoinj", state_init="embedding"),
+    "plain-input_norm": dict(rule="plain", input_norm=True),
+    "plain-deeploop": dict(rule="plain", residual="deeploop", residual_depth=3, n_core=2),
+    "plain-deepnorm": dict(rule="plain", residual="deepnorm", residual_depth=3),
+    "plain-post_ln": dict(rule="plain", residual="post_ln", residual_depth=3),
+    "plain-p0.4": dict(rule="plain", residual="post_ln", residual_p=0.4, residual_depth=5),
+    "looped-deeploop": dict(rule="looped", residual="deeploop", residual_depth=4),
+    "plain-inter_loop_norm": dict(rule="plain", scale_control="inter_loop_norm"),
+    "plain-spectral_damping": dict(rule="plain", scale_control="spectral_damping"),
     "unshared": dict(architecture="unshared", n_layers=3),
 }
 
@@ -43,8 +55,9 @@ def tiny(**kw) -> ModelConfig:
 
 
 def make(name: str, seed: int = 0) -> LoopLM:
+    """The variant in evaluation mode (dropout is 0; evaluation mode fixes the Huginn gaussian state)."""
     torch.manual_seed(seed)
-    return LoopLM(tiny(**VARIANTS[name]))
+    return LoopLM(tiny(**VARIANTS[name])).eval()
 
 
 def tokens(b: int = 3, seed: int = 1) -> torch.Tensor:
@@ -101,27 +114,83 @@ def test_causality(name):
 def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
     """Independent unroll written from SPEC §2 with the blocks' own forward: G(z) = Core(z) − z."""
     cfg = model.cfg
+
+    def rms(z, eps=cfg.norm_eps):
+        return z / torch.sqrt(z.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+    def post_ln_block(blk, z, alpha, qkv_inj=None):  # SPEC §3, written out
+        z1 = rms(alpha * z + blk.attn(z, qkv_inj)) * blk.norm1.weight
+        return rms(alpha * z1 + blk.mlp(z1)) * blk.norm2.weight
+
+    alpha = (2 * cfg.n_core * cfg.residual_depth) ** cfg.resolved_residual_p if cfg.residual != "pre_ln" else None
+
+    def full(blk, z, qkv_inj=None):
+        return post_ln_block(blk, z, alpha, qkv_inj) if alpha is not None else z + blk(z, qkv_inj)
+
     e = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))
+    if cfg.input_norm:
+        e = rms(e) * model.in_norm.weight
     for blk in model.prelude:
-        e = e + blk(e)
+        e = full(blk, e)
+
+    def core_full(z, qkv=None):
+        for j, blk in enumerate(model.core.blocks):
+            z = full(blk, z, None if qkv is None else qkv[j])
+        return z
 
     def G(z):
-        y = z
-        for blk in model.core.blocks:
-            y = y + blk(y)
-        return y - z
+        return core_full(z) - z
 
     def lin(z, module):
-        return z @ module.weight.T
+        return z @ module.weight.T + (module.bias if module.bias is not None else 0.0)
+
+    def between(h):  # SPEC §4 scale controls
+        if cfg.scale_control == "inter_loop_norm":
+            return rms(h) * model.loop_norm.weight
+        if cfg.scale_control == "spectral_damping":
+            return torch.sigmoid(model.damping_raw) * h
+        return h
 
     s = cfg.resolved_step_scale
     r = model.rule
+    if cfg.rule == "plain":
+        h = e
+        for _ in range(T):
+            h = between(core_full(h))
+        return h
+    if cfg.rule in ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv"):
+        table = torch.randn(cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(cfg.state_init_seed))
+        h = {"zeros": torch.zeros_like(e), "embedding": e,
+             "gaussian": cfg.state_init_std * table[: x.shape[1]].expand_as(e)}[cfg.state_init]
+        if cfg.rule != "huginn_linear" and cfg.rule != "deq_qkv":
+            delta = torch.log1p(torch.exp(r.delta_raw))
+            lam = torch.exp(-delta * torch.exp(r.alpha_raw))
+        for _ in range(T):
+            qkv = None
+            if cfg.rule == "huginn_linear":
+                z = torch.cat([h, e], -1) @ r.adapter.weight.T + r.adapter.bias
+            elif cfg.rule == "parcae_decay":
+                z = lam * h + delta * lin(rms(e), r.in_proj)
+            elif cfg.rule == "parcae":
+                z = lam * h + delta * lin(e, r.in_proj)
+            elif cfg.rule == "orthoinj":
+                q = delta * lin(e, r.in_proj)
+                v = lam * h
+                z = v - q * (q * v).sum(-1, keepdim=True) / (q.pow(2).sum(-1, keepdim=True) + 1e-6) + q
+            else:
+                z, qkv = h, [lin(e, w) for w in r.qkv_proj]
+            h = core_full(z, qkv)
+            if cfg.rule == "huginn_linear":
+                h = rms(h)
+            h = between(h)
+        return h
     if cfg.rule in ("looped", "norm_reset"):
         h = e
         for t in range(T):
             h = h + s * G(h + e)
             if cfg.rule == "norm_reset" and (t + 1) % cfg.norm_reset_period == 0:
                 h = h / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + cfg.norm_eps)  # parameter-free
+            h = between(h)
         return h
     h = e + cfg.init_scale * lin(e, r.init_proj)
     learned_anchor = e + cfg.anchor_scale * lin(e, r.anchor_proj) if hasattr(r, "anchor_proj") else None

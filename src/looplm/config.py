@@ -19,11 +19,24 @@ from typing import Any, Literal, get_args
 FORMAT_VERSION = 1
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
-                   "sc_subtract", "additive_subtract", "scse_leak"]
+                   "sc_subtract", "additive_subtract", "scse_leak", "plain", "huginn_linear", "parcae_decay",
+                   "parcae", "orthoinj", "deq_qkv"]
 RULE_NAMES: tuple[str, ...] = get_args(RuleName)
 Architecture = Literal["shared", "unshared"]
 AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
-SamplerName = Literal["fixed", "uniform"]
+SamplerName = Literal["fixed", "uniform", "pln", "learned"]
+StateInit = Literal["zeros", "embedding", "gaussian"]
+Residual = Literal["pre_ln", "post_ln", "deepnorm", "deeploop"]
+ReadoutName = Literal["rmsnorm", "raw", "final_only_norm"]
+ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping"]
+Supervision = Literal["terminal", "per_loop", "exit_weighted"]
+PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
+
+#: rules of the Huginn family (SPEC §2): injection at the core entrance, full-block core
+#: ``H^{r+1} = Core(ζ^r)``, initial state from ``state_init``.
+HUGINN_RULES: tuple[str, ...] = ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")
+#: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
+RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
 DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4"]
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
@@ -38,6 +51,8 @@ DEFAULT_STEP_SCALE: dict[str, float] = {
     "looped": 1.0, "norm_reset": 1.0,
     "adapter": 0.35, "step_adapter": 0.35, "step_film": 0.35,
     "scse": 0.5, "sc_cond": 0.5, "sc_subtract": 0.5, "additive_subtract": 0.5, "scse_leak": 0.5,
+    # rules whose step has no residual scale (SPEC §2): s is unused
+    "plain": 1.0, "huginn_linear": 1.0, "parcae_decay": 1.0, "parcae": 1.0, "orthoinj": 1.0, "deq_qkv": 1.0,
 }
 
 
@@ -145,6 +160,29 @@ class ModelConfig(_Base):
     sc_leak: float = _f(0.02, "scse_leak: deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
     subtract_step_tau: float = _f(0.0, "additive_subtract: scale τ of the optional step term "
                                   "τ_t = τ·P_step γ_t of SCSE eq. 22 (0 = none, the paper's control)")
+    state_init: StateInit = _f("gaussian", "Huginn-family rules: initial loop state h_0: zeros, embedding "
+                               "(the prelude output e) or gaussian (std state_init_std)")
+    state_init_std: float = _f(0.02, "state_init=gaussian: std of the initial state")
+    state_init_seed: int = _f(0, "state_init=gaussian: seed of the evaluation-mode noise (a fixed (seq_len, d) "
+                              "table indexed by position, so evaluation and cached decoding are "
+                              "deterministic); -1 draws fresh noise from the global RNG in evaluation too")
+    parcae_delta_init: float = _f(0.0, "parcae, parcae_decay, orthoinj: initial Δ_raw (Δ = softplus(Δ_raw))")
+    parcae_alpha_init: float = _f(0.0, "parcae, parcae_decay, orthoinj: initial α_raw (α = exp(α_raw); "
+                                  "Λ = exp(−Δ⊙α))")
+    residual: Residual = _f("pre_ln", "block residual parameterization (SPEC §3): pre_ln, post_ln "
+                            "(α=β=1), deepnorm (p=1/4), deeploop (p=1/2): x ← RMSNorm(α·x + f(x)), "
+                            "α=(2N)^p, β=(8N)^-p, N=K·R")
+    residual_p: float = _f(-1.0, "post-LN family: exponent p of α=(2N)^p, β=(8N)^-p; -1 takes the "
+                           "family's (post_ln 0, deepnorm 0.25, deeploop 0.5)")
+    residual_depth: int = _f(0, "post-LN family: R in N = K·R (0 = the training depth sampler's maximum)")
+    input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
+    readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw "
+                              "(W_out·H_k), final_only_norm (raw at intermediate loops, RMSNorm at the last)")
+    scale_control: ScaleControl = _f("none", "between loops (SPEC §4): none, inter_loop_norm (RMSNorm "
+                                     "with learned gain), spectral_damping (learned factor in (0, 1))")
+    damping_init: float = _f(0.9, "spectral_damping: initial factor σ(ρ) in (0, 1)")
+    exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop) for "
+                         "train.supervision=exit_weighted (set automatically)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -169,6 +207,34 @@ class ModelConfig(_Base):
         _check(0.0 <= self.sc_leak < 1.0, p + "sc_leak", f"must be in [0, 1), got {self.sc_leak}")
         _check(self.subtract_step_tau >= 0, p + "subtract_step_tau",
                f"must be >= 0, got {self.subtract_step_tau}")
+        _check(self.state_init_std >= 0, p + "state_init_std", f"must be >= 0, got {self.state_init_std}")
+        _check(self.state_init_seed >= -1, p + "state_init_seed", f"must be >= -1, got {self.state_init_seed}")
+        _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",
+               f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
+        _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
+        _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
+        if self.architecture == "unshared":
+            _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
+
+    @property
+    def resolved_residual_p(self) -> float:
+        """The exponent p of α = (2N)^p, β = (8N)^-p (SPEC §3)."""
+        return RESIDUAL_P[self.residual] if self.residual_p == -1.0 else self.residual_p
+
+    @property
+    def residual_alpha_beta(self) -> tuple[float, float]:
+        """(α, β) of the post-LN family with N = n_core · residual_depth (SPEC §3); (1, 1) for pre_ln.
+
+        Raises:
+            ConfigError: a post-LN family model without a resolved ``residual_depth``.
+        """
+        if self.residual == "pre_ln":
+            return 1.0, 1.0
+        _check(self.residual_depth >= 1, self._prefix + "residual_depth",
+               "must be >= 1 for a post-LN family model (set it, or build the model from a full Config)")
+        n = self.n_core * self.residual_depth
+        p = self.resolved_residual_p
+        return (2.0 * n) ** p, (8.0 * n) ** (-p)
 
     @property
     def resolved_step_scale(self) -> float:
@@ -216,11 +282,28 @@ class TrainConfig(_Base):
     beta1: float = _f(0.9, "AdamW β1")
     beta2: float = _f(0.95, "AdamW β2")
     grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
-    depth_sampler: SamplerName = _f("uniform", "training depth sampler: fixed (depth) or uniform "
-                                    "(depth_lo..depth_hi inclusive), one draw per microbatch")
+    depth_sampler: SamplerName = _f("uniform", "training depth sampler (SPEC §5): fixed (depth), uniform "
+                                    "(depth_lo..depth_hi inclusive), pln (Poisson log-normal, mean depth_mean, "
+                                    "σ pln_sigma, capped at depth_cap) or learned (categorical prior over "
+                                    "1..depth_cap trained by REINFORCE); one draw per microbatch")
     depth: int = _f(8, "fixed sampler: loop depth T")
     depth_lo: int = _f(1, "uniform sampler: lowest depth")
     depth_hi: int = _f(8, "uniform sampler: highest depth")
+    depth_mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄")
+    pln_sigma: float = _f(0.5, "pln (and the learned prior's initialization): σ of ξ ~ N(μ, σ²)")
+    depth_cap: int = _f(64, "pln: cap on R; learned: R_max")
+    prior_lr: float = _f(1e-3, "learned: Adam learning rate of the prior logits")
+    prior_entropy: float = _f(0.01, "learned: entropy weight λ_H")
+    prior_budget: float = _f(1.0, "learned: budget weight λ_m of (E_p[R] − R̄)²")
+    prior_warmup: int = _f(32, "learned: warm-up updates that only collect the reward baseline")
+    prior_reward: PriorReward = _f("neg_ce", "learned: reward arm: neg_ce (−CE), log_ce (−log CE), "
+                                   "exp_ce (−exp(CE)), inv_ppl (exp(−CE))")
+    tbptt: int = _f(0, "truncated BPTT: back-propagate through the last b recurrences only (0 = full BPTT)")
+    supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
+                                  "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
+                                  "per-loop CE, plus an entropy term)")
+    exit_entropy: float = _f(0.05, "exit_weighted: weight of the exit-distribution entropy bonus")
+    norm_penalty: float = _f(0.0, "λ of the scale penalty λ·T⁻¹ Σ_k mean_tokens ‖H_k‖²_rms (0 = off)")
     seed: int = _f(0, "seed for initialization, data order and depth draws")
     eval_every: int = _f(500, "validate every this many steps (0 = only at the end)")
     eval_batches: int = _f(20, "validation batches per periodic validation")
@@ -241,7 +324,16 @@ class TrainConfig(_Base):
         for name in ("steps", "batch_size", "grad_accum", "depth", "depth_lo", "depth_hi", "eval_batches",
                      "eval_depth"):
             _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads"):
+        _check(self.depth_mean >= 1, p + "depth_mean", f"must be >= 1, got {self.depth_mean}")
+        _check(self.pln_sigma > 0, p + "pln_sigma", f"must be > 0, got {self.pln_sigma}")
+        _check(self.depth_cap >= 1, p + "depth_cap", f"must be >= 1, got {self.depth_cap}")
+        if self.depth_sampler in ("pln", "learned"):
+            _check(self.depth_mean < self.depth_cap, p + "depth_mean",
+                   f"must be < depth_cap={self.depth_cap}, got {self.depth_mean}")
+        _check(self.prior_lr > 0, p + "prior_lr", "must be > 0")
+        for name in ("prior_entropy", "prior_budget", "exit_entropy", "norm_penalty"):
+            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup", "tbptt"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
         _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
                f"must be >= depth_lo={self.depth_lo}, got {self.depth_hi}")
@@ -249,6 +341,11 @@ class TrainConfig(_Base):
         _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
         _check(self.grad_clip >= 0, p + "grad_clip", "must be >= 0")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
+
+    @property
+    def max_depth(self) -> int:
+        """The largest loop depth the training sampler can draw."""
+        return {"fixed": self.depth, "uniform": self.depth_hi}.get(self.depth_sampler, self.depth_cap)
 
 
 @dataclass(frozen=True)
@@ -259,6 +356,17 @@ class Config(_Base):
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
+
+    def __post_init__(self) -> None:
+        # resolve model fields that follow from training (saved into config.json, so a checkpoint
+        # rebuilds the same model): N = K·R of the post-LN family and the exit gate
+        changes: dict[str, Any] = {}
+        if self.model.residual != "pre_ln" and self.model.residual_depth == 0:
+            changes["residual_depth"] = self.train.max_depth
+        if self.train.supervision == "exit_weighted" and not self.model.exit_gate:
+            changes["exit_gate"] = True
+        if changes:
+            object.__setattr__(self, "model", self.model.replace(**changes))
 
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "name": self.name, "model": self.model.to_dict(),

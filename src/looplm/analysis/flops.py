@@ -8,6 +8,7 @@ from looplm.config import ModelConfig
 BODY_CALLS_PER_STEP: dict[str, int] = {
     "looped": 1, "adapter": 1, "step_adapter": 1, "step_film": 1, "scse": 1, "norm_reset": 1, "sc_cond": 1,
     "scse_leak": 1, "sc_subtract": 2, "additive_subtract": 2,
+    "plain": 1, "huginn_linear": 1, "parcae_decay": 1, "parcae": 1, "orthoinj": 1, "deq_qkv": 1,
 }
 
 

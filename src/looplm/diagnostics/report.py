@@ -1,4 +1,5 @@
-"""Markdown tables and plots of the mechanism diagnostics (SCSE Tables 3 and 22, Figures 4 and 5).
+"""Markdown tables and plots of the mechanism diagnostics (SCSE Tables 3 and 22, Figures 4 and 5;
+readout-blind-spot Table 3 and Appendix D; DeepLoop's κ_R; LMDR Figure 2).
 
 All functions read the JSON-ready dicts of :func:`looplm.diagnostics.runner.diagnose_model`, so a
 report can be rebuilt from saved JSON. Several models can share one table or bar plot: pass
@@ -75,7 +76,55 @@ def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
     depth = max(res["rollout"]["depth"] for res in results.values())
     out += _table(["Model", f"cos(Δ_T, T·b_0), T={depth}", "push RMS", *(f"D_{g:g}/push" for g in shown),
                    *(f"cos(D_{g:g}, D_1)" for g in shown if g != 1.0)], rows)
+    out += _scale_markdown(results)
     return "\n".join(out)
+
+
+def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The scale, visit-alignment and token-convergence sections (skipped for results without them)."""
+    out: list[str] = []
+    for label, res in results.items():
+        if "scale" not in res:
+            continue
+        sc = res["scale"]
+        out += ["", f"**Hidden-state scale, {label}** (readout blind spot, SPEC §7): per-token RMS of H_k "
+                "(mean, p50, p99, max over tokens); r_k = share of the immediate readout gradient "
+                "‖∂L_k/∂H_k‖² along each token's radial direction; ∂L_k/∂log s for H_k → s·H_k "
+                f"(g_K at k = K = {sc['K']}); a_rad,k = ⟨u_k, F(H_k) − H_k⟩/d with ‖u_k‖_rms = 1, "
+                "next to the measured RMS change.", ""]
+        rows = [[str(r["k"]), _fmt(r["rms_mean"]), _fmt(r["rms_p50"]), _fmt(r["rms_p99"]), _fmt(r["rms_max"]),
+                 _fmt(r["ce"]), _fmt(r["radial_grad_fraction"]), _fmt(r["radial_derivative"]),
+                 _fmt(r["radial_increment"]), _fmt(r["rms_increment"])] for r in sc["loops"]]
+        out += _table(["k", "RMS mean", "p50", "p99", "max", "CE_k", "r_k", "∂L_k/∂log s", "a_rad,k",
+                       "ΔRMS"], rows)
+    aligned = {label: res["visit_alignment"] for label, res in results.items() if "visit_alignment" in res}
+    if aligned:
+        out += ["", "**Visit alignment** (DeepLoop κ_R, SPEC §7): κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖² "
+                "of the visit-wise weight gradients of each core sublayer (1 = orthogonal equal-norm "
+                "visits, R = aligned), mean over batches; κ̂_R = max_j.", ""]
+        names = list(dict.fromkeys(p["name"] for va in aligned.values() for p in va["per_sublayer"]))
+        rows = []
+        for label, va in aligned.items():
+            per = {p["name"]: p for p in va["per_sublayer"]}
+            visits = sorted({p["visits"] for p in va["per_sublayer"]})
+            rows.append([label, str(va["depth"]), "/".join(map(str, visits)), va["loss"],
+                         _fmt(va["kappa_hat"]), *(_fmt(per[n]["kappa"]) if n in per else "–" for n in names)])
+        out += _table(["Model", "R", "visits", "loss", "κ̂_R", *(f"κ̂ {n.removeprefix('core.')}" for n in names)],
+                      rows)
+    conv = {label: res["convergence"] for label, res in results.items() if "convergence" in res}
+    if conv:
+        out += ["", "**Token convergence** (LMDR, SPEC §6): ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖/(‖h_t^{r−1}‖ + 1e-8); "
+                "token t converged from the smallest r with ρ < τ for all r' in [r, R]; tokens never "
+                "converged count as depth R + 1.", ""]
+        rows = []
+        for label, c in conv.items():
+            sp = "–" if c["spearman"] is None else f"{_fmt(c['spearman'])} (p = {_fmt(c['spearman_p'])})"
+            rows.append([label, _fmt(c["tau"]), str(c["depth"]), str(c["tokens"]), _fmt(c["rho_mean"][0]),
+                         _fmt(c["rho_mean"][-1]), _fmt(c["depth_mean"]), _fmt(c["depth_median"]),
+                         _fmt(c["never_fraction"]), sp])
+        out += _table(["Model", "τ", "R", "tokens", "mean ρ_1", "mean ρ_R", "depth mean", "depth median",
+                       "never", "Spearman(depth, position)"], rows)
+    return out
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -182,6 +231,40 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
     ax_b.set_aspect("equal", adjustable="datalim")
     ax_b.legend(fontsize=7, loc="lower right")
     ax_b.grid(True, alpha=0.3)
+    if label:
+        fig.suptitle(label)
+    return _save(fig, path)
+
+
+def plot_scale(result: Mapping[str, Any], path: str | Path, *, label: str = "") -> Path:
+    """Two panels: (a) per-loop hidden-state RMS H_k, token mean / p50 / p99 / max on a log axis
+    (readout-blind-spot Appendix D); (b) the mean token-convergence ρ_r per recurrence on a log axis
+    with the threshold τ (LMDR Figure 2a). Returns the PNG path."""
+    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11.0, 4.2))
+    loops = result["scale"]["loops"]
+    k = [r["k"] for r in loops]
+    for key, style, name in (("rms_mean", "-o", "mean"), ("rms_p50", "--", "p50"), ("rms_p99", "-.", "p99"),
+                             ("rms_max", ":", "max")):
+        ax_a.plot(k, [r[key] for r in loops], style, markersize=3, label=name)
+    ax_a.set_yscale("log")
+    ax_a.set_xlabel("loop k")
+    ax_a.set_ylabel("token RMS of H_k")
+    ax_a.set_title(f"(a) hidden-state scale, K={result['scale']['K']}")
+    ax_a.legend(fontsize=8)
+    ax_a.grid(True, which="both", alpha=0.3)
+    conv = result["convergence"]
+    r = np.arange(1, len(conv["rho_mean"]) + 1)
+    rho = np.asarray(conv["rho_mean"], dtype=float)
+    ax_b.plot(r, np.where(rho > 0, rho, np.nan), "-o", markersize=2, label="mean ρ_r")
+    ax_b.axhline(conv["tau"], linestyle="--", color="gray", linewidth=1, label=f"τ = {conv['tau']:g}")
+    if np.any(rho > 0):
+        ax_b.set_yscale("log")
+    ax_b.set_xlabel("recurrence r")
+    ax_b.set_ylabel("‖h^r − h^{r−1}‖ / ‖h^{r−1}‖")
+    never = conv["never_fraction"]
+    ax_b.set_title(f"(b) token convergence (never converged: {100 * (never or 0):.0f}%)")
+    ax_b.legend(fontsize=8)
+    ax_b.grid(True, which="both", alpha=0.3)
     if label:
         fig.suptitle(label)
     return _save(fig, path)

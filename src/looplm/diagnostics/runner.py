@@ -6,10 +6,17 @@
   the chosen loop steps t of the ordinary trajectory (:mod:`looplm.diagnostics.forcing`);
 - the random-direction gain at the same steps (:mod:`looplm.diagnostics.gain`);
 - anchor-start rollouts (Δ_0 = 0) with their forcing-ray cosines, and the injection-gain dose
-  response (:mod:`looplm.diagnostics.rollout`).
+  response (:mod:`looplm.diagnostics.rollout`);
+- per-loop hidden-state scale, radial-gradient fraction, final radial derivative g_K and radial
+  increment over K loops (:mod:`looplm.diagnostics.scale`);
+- the visit alignment κ̂_R of the core's weight gradients at depth R = K
+  (:mod:`looplm.diagnostics.alignment`);
+- token convergence (ρ_{r,t}, convergence depths, Spearman with position) along the T-step unroll
+  (:mod:`looplm.diagnostics.convergence`).
 
 Batch-level values are averaged over the measured batches (R_t as the mean of batch-level ratios, as
-in the paper; max-abs entries as the max). Everything runs with dropout off, by default on a float64
+in the paper; max-abs entries as the max); the scale and convergence statistics pool tokens over
+batches, and κ̂_j is averaged over batches. Everything runs with dropout off, by default on a float64
 copy of the model (see :mod:`looplm.diagnostics.gain` for why). :func:`diagnose_checkpoint` loads a
 checkpoint, cuts batches from a split of its corpus, and writes Markdown and plots.
 """
@@ -23,10 +30,13 @@ from typing import Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from looplm.diagnostics.alignment import LOSSES, merge_alignment, visit_alignment
+from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
 from looplm.diagnostics.forcing import check_shared, forcing_record
 from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
-from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio
+from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
+from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
 from looplm.model import LoopLM
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -68,15 +78,47 @@ def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float], n_dire
         raise ValueError(f"eps: need > 0, got {eps}")
 
 
+def _check_scale_args(scale_loops: int, convergence_tau: float, alignment_loss: str) -> None:
+    if scale_loops < 1:
+        raise ValueError(f"scale_loops: need a loop count K >= 1, got {scale_loops}")
+    if convergence_tau <= 0:
+        raise ValueError(f"convergence_tau: need a threshold > 0, got {convergence_tau}")
+    if alignment_loss not in LOSSES:
+        raise ValueError(f"alignment_loss: expected one of {', '.join(LOSSES)}, got {alignment_loss!r}")
+
+
+Batch = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _unpack(item: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(idx, targets, mask) from a batch: a bare (B, L) idx gets next-token targets from the window
+    itself (``targets[:, :-1] = idx[:, 1:]``, the last position ignored) and no mask; a tuple is
+    (idx, targets) or (idx, targets, mask) with mask (B, L) bool marking real tokens."""
+    if isinstance(item, torch.Tensor):
+        targets = torch.full_like(item, -100)
+        targets[:, :-1] = item[:, 1:]
+        return item, targets, None
+    idx, targets, *rest = item
+    return idx, targets, rest[0] if rest else None
+
+
 @torch.no_grad()
-def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Sequence[int] = (0, 47),
+def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[int] = (0, 47),
                    depth: int = 48, eps: float = FD_EPS, n_directions: int = N_DIRECTIONS, seed: int = 0,
                    gains: Sequence[float] = DOSE_GAINS, dtype: str = "float64", label: str = "model",
-                   progress: bool = False) -> dict[str, Any]:
-    """All SPEC §7 mechanism diagnostics of ``model`` on ``batches`` of token ids (each (B, L) int64).
+                   scale_loops: int = DEFAULT_LOOPS, convergence_tau: float = DEFAULT_TAU,
+                   alignment_loss: str = "terminal", progress: bool = False) -> dict[str, Any]:
+    """All SPEC §6–7 mechanism diagnostics of ``model`` on ``batches``.
+
+    Each batch is a (B, L) int64 tensor of token ids (next-token targets are then taken from the
+    window itself, the last position unscored) or a tuple (idx, targets[, mask]) with targets
+    (B, L) int64 (-100 ignored) and mask (B, L) bool marking real (non-padding) tokens.
 
     The model is not modified (a copy is cast to ``dtype`` and put in eval mode). Batch i uses the
-    random directions seeded ``seed + n_directions·i`` … (+ n_directions − 1).
+    random directions seeded ``seed + n_directions·i`` … (+ n_directions − 1). ``scale_loops`` is
+    the loop count K of the scale diagnostic and the depth R of the visit alignment (whose loss is
+    ``alignment_loss``: terminal or per_loop CE); token convergence runs along the ``depth``-step
+    unroll with threshold ``convergence_tau``.
 
     Returns:
         JSON-ready dict: ``steps``, ``depth``, ``eps``, ``n_directions``, ``seed``, ``gains``,
@@ -84,15 +126,22 @@ def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Seq
         ``raw_bias_energy``, ``ratio``, ``anchor_energy``, ``bias_max_abs``, ``raw_bias_max_abs``),
         ``gain`` (per step: ``t``, ``gain``), ``rollout`` (``depth``, ``bias0_rms``, ``records`` per
         t = 0 … depth, ``pca``), ``dose_response`` (``gains``, ``push_rms``, ``records`` per gain,
-        ``pca``) — field meanings in :func:`looplm.diagnostics.rollout.anchor_rollouts` — and
-        ``markdown`` (tables in the layout of SCSE Tables 3 and 22).
+        ``pca``) — field meanings in :func:`looplm.diagnostics.rollout.anchor_rollouts` —,
+        ``scale`` (:meth:`looplm.diagnostics.scale.ScaleAccumulator.result`: per-loop RMS stats,
+        radial-gradient fraction, radial derivative and increment for k = 0 … K, and ``g_K``),
+        ``visit_alignment`` (:func:`looplm.diagnostics.alignment.merge_alignment`: ``kappa_hat``,
+        ``per_sublayer``), ``convergence``
+        (:meth:`looplm.diagnostics.convergence.ConvergenceAccumulator.result`) and ``markdown``
+        (tables in the layout of SCSE Tables 3 and 22, then scale, alignment and convergence).
 
     Raises:
-        ValueError: unshared model, steps outside 0..depth−1, no batches, or a bad dtype/gain/eps.
+        ValueError: unshared model, steps outside 0..depth−1, no batches, or a bad
+        dtype/gain/eps/scale_loops/convergence_tau/alignment_loss.
     """
     check_shared(model, "mechanism diagnostics")
     steps = sorted({int(t) for t in steps})
     _check_args(steps, depth, gains, n_directions, eps)
+    _check_scale_args(scale_loops, convergence_tau, alignment_loss)
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
@@ -100,8 +149,11 @@ def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Seq
     device = next(model.parameters()).device
     forcing, gain, rollout, dose = [], [], [], []
     views = None
-    for i, idx in enumerate(tqdm(list(batches), desc="diagnose", unit="batch", disable=not progress)):
-        idx = idx.to(device)
+    scale, convergence, alignment = ScaleAccumulator(scale_loops), ConvergenceAccumulator(convergence_tau), []
+    for i, item in enumerate(tqdm(list(batches), desc="diagnose", unit="batch", disable=not progress)):
+        idx, targets, mask = _unpack(item)
+        idx, targets = idx.to(device), targets.to(device)
+        mask = None if mask is None else mask.to(device)
         state, ctx = rule.start(model.embed(idx))
         dirs = random_directions(state.shape, n_directions, seed=seed + n_directions * i,
                                  dtype=state.dtype, device=device)
@@ -119,6 +171,11 @@ def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Seq
         dose.append(roll["dose_response"])
         if views is None:
             views = pca_views(roll["paths"], gains)
+        # one unroll serves both: the scale diagnostic needs F(H_K) = H_{K+1}
+        states = model(idx, depth=max(depth, scale_loops + 1), return_states=True, keep_logits=False).states
+        scale.add(model, states[:scale_loops + 2], targets, mask)
+        convergence.add(states[:depth + 1], mask)
+        alignment.append(visit_alignment(model, idx, targets, scale_loops, loss=alignment_loss))
     if not forcing:
         raise ValueError("batches: no batches to measure")
     result = {
@@ -135,6 +192,9 @@ def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Seq
                           "records": [_merge([b["records"][j] for b in dose], labels=("gain",))
                                       for j in range(len(gains))],
                           "pca": views["displacements"]},
+        "scale": scale.result(),
+        "visit_alignment": merge_alignment(alignment),
+        "convergence": convergence.result(),
     }
     result["markdown"] = markdown_report({label: result})
     return result
@@ -143,8 +203,9 @@ def diagnose_model(model: LoopLM, batches: Iterable[torch.Tensor], *, steps: Seq
 def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None = (0, 47), depth: int = 48,
                         dataset: str | None = None, split: str = "valid", batches: int = 4, batch_size: int = 8,
                         out_dir: str | Path | None = None, device: str = "cpu", progress: bool = True,
-                        stem: str = "diagnose", dtype: str = "float64", seed: int = 0) -> dict[str, Any]:
-    """Mechanism diagnostics (SPEC §7) of a checkpoint on ``batches`` windows of a corpus split.
+                        stem: str = "diagnose", dtype: str = "float64", seed: int = 0,
+                        scale_loops: int | None = None, convergence_tau: float = DEFAULT_TAU) -> dict[str, Any]:
+    """Mechanism diagnostics (SPEC §6–7) of a checkpoint on ``batches`` windows of a corpus split.
 
     Args:
         checkpoint: checkpoint directory or run directory (its ``latest``).
@@ -153,9 +214,14 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         depth: anchor-start rollout depth T (and the unroll the steps live in).
         dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
         batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
-        out_dir: when given, write ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style) and
-            ``{stem}_rollouts.png`` (Figure 4 style) there.
+        out_dir: when given, write ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style),
+            ``{stem}_rollouts.png`` (Figure 4 style) and ``{stem}_scale.png`` (per-loop RMS and the
+            token-convergence ρ curve) there.
         dtype: float64 (default) or float32 for the diagnostic computations.
+        scale_loops: loop count K of the scale diagnostic and depth R of the visit alignment (None:
+            the checkpoint's training depth ``cfg.train.max_depth``). The alignment loss follows the
+            training supervision (per_loop CE for ``per_loop``, else the terminal CE).
+        convergence_tau: threshold τ of token convergence (default 0.02).
 
     Returns:
         :func:`diagnose_model`'s dict plus ``checkpoint``, ``name``, ``rule``, ``dataset``,
@@ -174,6 +240,10 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
     steps = (0, depth - 1) if steps is None else steps
     _check_args(sorted(steps), depth, DOSE_GAINS, N_DIRECTIONS, FD_EPS)
+    if scale_loops is not None:
+        _check_scale_args(scale_loops, convergence_tau, "terminal")
+    elif convergence_tau <= 0:
+        raise ValueError(f"convergence_tau: need a threshold > 0, got {convergence_tau}")
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     check_shared(model, "looplm diagnose")
     data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
@@ -182,9 +252,13 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
                          resolve_cache_dir(data_cfg.cache_dir))
     if len(tokens) < 2:
         raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
-    xs = [x for x, _, _ in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    xs = [(x, y.masked_fill(~m, -100), m)
+          for x, y, m in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
     label = f"{cfg.name} ({cfg.model.rule})"
+    loops = cfg.train.max_depth if scale_loops is None else scale_loops
     res = diagnose_model(model, xs, steps=steps, depth=depth, seed=seed, dtype=dtype, label=label,
+                         scale_loops=loops, convergence_tau=convergence_tau,
+                         alignment_loss="per_loop" if cfg.train.supervision == "per_loop" else "terminal",
                          progress=progress)
     result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
               "split": split, "batch_size": batch_size, "params": model.num_params(), **res}
@@ -196,6 +270,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         files = {"markdown": str(md),
                  "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
                  "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
-                                                          train_depth=cfg.train.depth_hi))}
+                                                          train_depth=cfg.train.depth_hi)),
+                 "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label))}
         result["files"] = files
     return result

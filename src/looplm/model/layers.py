@@ -38,7 +38,10 @@ class RMSNorm(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Bias-free multi-head causal self-attention through ``F.scaled_dot_product_attention``.
 
-    Shapes: (B, L, d) → (B, L, d).
+    Shapes: (B, L, d) → (B, L, d). ``qkv_inject`` (B, L, 3d), when given, is added to the Q/K/V
+    projections (the ``deq_qkv`` injection, SPEC §2). When an :class:`looplm.model.kvcache.AttentionScope`
+    is active (cached decoding, or a key-padding mask for left-padded batches), attention goes through
+    it; otherwise it is plain causal SDPA. ``layer_id`` (set by the model) names the physical layer.
     """
 
     def __init__(self, d: int, n_heads: int, dropout: float):
@@ -47,13 +50,23 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
         self.dropout = dropout
+        self.layer_id = -1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None) -> torch.Tensor:
+        from looplm.model import kvcache  # local: kvcache imports nothing from here at module level
+
         B, L, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)  # 3 × (B, L, d)
+        qkv = self.qkv(x)  # (B, L, 3d)
+        if qkv_inject is not None:
+            qkv = qkv + qkv_inject
+        q, k, v = qkv.split(d, dim=-1)  # 3 × (B, L, d)
         q, k, v = (t.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
+        scope = kvcache.active_scope()
+        if scope is not None:
+            y = scope.attend(self.layer_id, q, k, v)  # (B, H, L, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
         return self.proj(y.transpose(1, 2).reshape(B, L, d))  # (B, L, d)
 
 
@@ -71,22 +84,32 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block ``x + Attn(N(x))``, then ``+ MLP(N(·))`` (SPEC §1), returning its update.
+    """Transformer block (SPEC §1, §3), returning its residual update (full block output − x).
 
-    ``block(x)`` returns the residual branch (full block output − x) computed as the sum of the two
-    branch outputs, so that ``block(0) == 0`` holds exactly in floating point. Shapes: (B, L, d) → (B, L, d).
+    Pre-LN (``post_ln_alpha=None``): ``x + Attn(N(x))``, then ``+ MLP(N(·))``; the update is the sum of
+    the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
+    Post-LN family (``post_ln_alpha=α``, SPEC §3 / DeepNet eq. 1 / DeepLoop): ``x₁ = N₁(α·x + Attn(x))``,
+    ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so it is zero-preserving too.
+    Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, 3d) or None goes to the attention.
     """
 
-    def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float):
+    def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,
+                 post_ln_alpha: float | None = None):
         super().__init__()
         self.norm1 = RMSNorm(d, eps)
         self.attn = CausalSelfAttention(d, n_heads, dropout)
         self.norm2 = RMSNorm(d, eps)
         self.mlp = SwiGLU(d, d_ff)
         self.drop = nn.Dropout(dropout)
+        self.post_ln_alpha = post_ln_alpha
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.drop(self.attn(self.norm1(x)))  # (B, L, d)
+    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None) -> torch.Tensor:
+        if self.post_ln_alpha is not None:
+            alpha = self.post_ln_alpha
+            x1 = self.norm1(alpha * x + self.drop(self.attn(x, qkv_inject)))  # (B, L, d)
+            x2 = self.norm2(alpha * x1 + self.drop(self.mlp(x1)))  # (B, L, d)
+            return x2 - x
+        a = self.drop(self.attn(self.norm1(x), qkv_inject))  # (B, L, d)
         m = self.drop(self.mlp(self.norm2(x + a)))  # (B, L, d)
         return a + m
 
@@ -96,14 +119,17 @@ class Core(nn.Module):
     G(x) = Core_full(x) − x (SCSE eq. 1). Shapes: (B, L, d) → (B, L, d). Zero-preserving: G(0) = 0 exactly.
     """
 
-    def __init__(self, n_blocks: int, d: int, n_heads: int, d_ff: int, dropout: float, eps: float):
+    def __init__(self, n_blocks: int, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,
+                 post_ln_alpha: float | None = None):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps, post_ln_alpha) for _ in range(n_blocks))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delta = self.blocks[0](x)
-        for block in self.blocks[1:]:
-            delta = delta + block(x + delta)
+    def forward(self, x: torch.Tensor, qkv_inject: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """G(x); ``qkv_inject`` optionally gives block j's Q/K/V injection (B, L, 3d) (``deq_qkv``)."""
+        inj = qkv_inject if qkv_inject is not None else [None] * len(self.blocks)
+        delta = self.blocks[0](x, inj[0])
+        for block, q in zip(self.blocks[1:], inj[1:]):
+            delta = delta + block(x + delta, q)
         return delta
 
 

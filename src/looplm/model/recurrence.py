@@ -31,20 +31,37 @@ from looplm.model.layers import Core, RMSNorm, sinusoidal_step_embedding
 
 @dataclass
 class LoopContext:
-    """Per-sequence constants of one unroll. All tensors (B, L, d).
+    """Per-sequence constants of one unroll. Tensors (B, L, d) unless stated.
 
     ``injection`` is the input-conditioned signal the rule re-adds at every step (None for none).
+    ``qkv`` holds per-core-block Q/K/V injections (B, L, 3d) (``deq_qkv``). ``valid`` (B, L, 1) marks
+    real tokens (None = all real; set by the model for left-padded batches) and ``scope`` is the
+    attention scope of a cached forward (for per-sequence running statistics), both set by the model.
     """
 
     e: torch.Tensor
     anchor: torch.Tensor
     injection: torch.Tensor | None = None
+    qkv: list | None = None
+    valid: torch.Tensor | None = None
+    scope: object | None = None
+
+    def select(self, index: torch.Tensor) -> "LoopContext":
+        """The context restricted to the batch rows in ``index`` (LongTensor), for dynamic batching."""
+        def sel(x):
+            return None if x is None else x[index]
+
+        return dataclasses.replace(self, e=self.e[index], anchor=self.anchor[index], injection=sel(self.injection),
+                                   qkv=None if self.qkv is None else [q[index] for q in self.qkv],
+                                   valid=sel(self.valid), scope=None)
 
 
 class RecurrenceRule(nn.Module):
     """Base class. Subclasses set ``name`` and implement ``start`` and ``step``."""
 
     name = ""
+    #: whether ``start`` takes the token positions (the Huginn family's gaussian initial state)
+    uses_positions = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,9 +90,10 @@ class RecurrenceRule(nn.Module):
         gain 0 gives the injection-removed map, 1 the trained map. Rules without an injection return
         ``ctx`` unchanged, so their dose response is zero by construction.
         """
-        if ctx.injection is None:
+        if ctx.injection is None and ctx.qkv is None:
             return ctx
-        return dataclasses.replace(ctx, injection=gain * ctx.injection)
+        return dataclasses.replace(ctx, injection=None if ctx.injection is None else gain * ctx.injection,
+                                   qkv=None if ctx.qkv is None else [gain * q for q in ctx.qkv])
 
 
 RULES: dict[str, type[RecurrenceRule]] = {}
@@ -257,7 +275,11 @@ class _SourceCentered(_AnchoredStart):
     def step(self, core, state, t, ctx, *, mask=True):
         q = self.s * self.raw_update(core, state, ctx)  # (B, L, d)
         if mask and self.use_mask:
-            active = state.pow(2).sum(dim=(1, 2), keepdim=True) > self.eps  # (B, 1, 1)
+            sq = state.pow(2) if ctx.valid is None else state.pow(2) * ctx.valid  # padding excluded
+            energy = sq.sum(dim=(1, 2))  # (B,) ‖Δ_t^(b)‖²_F
+            if ctx.scope is not None:  # cached decoding: the norm runs over the whole prefix too
+                energy = ctx.scope.accumulate(("scse_energy", t), energy)
+            active = (energy > self.eps)[:, None, None]  # (B, 1, 1)
             q = q * active.to(q.dtype)
         return (1.0 - self.leak) * state + q if self.leak else state + q
 
@@ -364,6 +386,170 @@ class AdditiveSubtract(_AnchoredStart):
 
     def to_state(self, h, ctx):
         return h - ctx.anchor
+
+
+@register_rule
+class Plain(RecurrenceRule):
+    """No injection (DeepLoop baseline, readout blind spot; SPEC §2): ``h_{t+1} = Core(h_t) = h_t + G(h_t)``.
+
+    h* = h_0 = e (with ``input_norm`` the model normalizes e first). No residual scale s.
+    """
+
+    name = "plain"
+
+    def start(self, e):
+        return e, LoopContext(e=e, anchor=e, injection=None)
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        return state + core(state)
+
+
+class _Huginn(RecurrenceRule):
+    """Huginn-family rules (SPEC §2): the core input ζ is formed at the core entrance from the state h
+    and the prelude output e, then the core applies full blocks, ``h_{r+1} = Core(ζ_r) = ζ_r + G(ζ_r)``.
+
+    Initial state ``state_init``: zeros, embedding (h_0 = e) or gaussian. In training mode the
+    gaussian draw uses the global RNG, fresh per call; in evaluation mode (``state_init_seed`` ≥ 0) it
+    is a fixed (seq_len, d) table drawn from a generator seeded with ``state_init_seed`` and indexed by
+    position, so evaluation, batched and cached decoding see the same initial state (our choice).
+    The anchor is e; the injection (scaled by the dose response) is e itself.
+    """
+
+    uses_positions = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.state_init = cfg.state_init
+        self.std = cfg.state_init_std
+        self.seed = cfg.state_init_seed
+        self.seq_len = cfg.seq_len
+        self._table: torch.Tensor | None = None
+
+    def initial_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """h_0 (B, L, d) from e (B, L, d); ``positions`` (B, L) or None (0..L−1)."""
+        if self.state_init == "zeros":
+            return torch.zeros_like(e)
+        if self.state_init == "embedding":
+            return e
+        if self.training or self.seed < 0:
+            return self.std * torch.randn_like(e)
+        d = e.shape[-1]
+        if self._table is None or self._table.device != e.device or self._table.shape != (self.seq_len, d):
+            g = torch.Generator(device="cpu").manual_seed(self.seed)
+            self._table = torch.randn(self.seq_len, d, generator=g).to(e.device)
+        if positions is None:
+            positions = torch.arange(e.shape[1], device=e.device).expand(e.shape[0], -1)
+        return (self.std * self._table[positions]).to(e.dtype)  # (B, L, d)
+
+    def start(self, e, positions=None):
+        return self.initial_state(e, positions), LoopContext(e=e, anchor=e, injection=e)
+
+    def core_input(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """ζ (B, L, d)."""
+        raise NotImplementedError
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        z = self.core_input(state, ctx)
+        return z + core(z, ctx.qkv)
+
+
+@register_rule
+class HuginnLinear(_Huginn):
+    """Huginn's linear adapter: ``ζ = W_lin [h; e; 1]`` (Linear 2d→d with bias), and a parameter-free
+    RMSNorm at the core exit: ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2)."""
+
+    name = "huginn_linear"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=True)  # W_lin
+        self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
+
+    def core_input(self, state, ctx):
+        return self.adapter(torch.cat([state, ctx.injection], dim=-1))
+
+    def step(self, core, state, t, ctx, *, mask=True):
+        return self.exit_norm(super().step(core, state, t, ctx, mask=mask))
+
+
+class _Decay(_Huginn):
+    """Per-channel decay Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw) (SPEC §2, Parcae),
+    and the injection matrix W (bias-free d×d). Initial Δ_raw, α_raw: ``parcae_delta_init``,
+    ``parcae_alpha_init`` (0, 0 → Δ = log 2, Λ = 1/2; our choice)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.delta_raw = nn.Parameter(torch.full((d,), float(cfg.parcae_delta_init)))
+        self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.parcae_alpha_init)))
+        self.in_proj = _linear(d)  # W
+
+    def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Λ, Δ), each (d,)."""
+        delta = nn.functional.softplus(self.delta_raw)
+        return torch.exp(-delta * torch.exp(self.alpha_raw)), delta
+
+
+@register_rule
+class ParcaeDecay(_Decay):
+    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2); the RMSNorm is parameter-free (W absorbs a gain)."""
+
+    name = "parcae_decay"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.in_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
+
+    def core_input(self, state, ctx):
+        lam, delta = self.decay()
+        return lam * state + delta * self.in_proj(self.in_norm(ctx.injection))
+
+
+@register_rule
+class Parcae(_Decay):
+    """Parcae without the input norm: ``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
+
+    name = "parcae"
+
+    def core_input(self, state, ctx):
+        lam, delta = self.decay()
+        return lam * state + delta * self.in_proj(ctx.injection)
+
+
+@register_rule
+class OrthoInj(_Decay):
+    """Orthogonal injection (SPEC §2): ``q = Δ ⊙ W e``; ``ζ = Q_q Λ h + q`` with the per-token
+    projection ``Q_q v = v − q (qᵀv)/(‖q‖² + 1e-6)`` removing the component of the carried state along
+    the injection."""
+
+    name = "orthoinj"
+
+    def core_input(self, state, ctx):
+        lam, delta = self.decay()
+        q = delta * self.in_proj(ctx.injection)  # (B, L, d)
+        v = lam * state
+        coef = (q * v).sum(-1, keepdim=True) / (q.pow(2).sum(-1, keepdim=True) + 1e-6)  # (B, L, 1)
+        return v - q * coef + q
+
+
+@register_rule
+class DEQQKV(_Huginn):
+    """Per-layer Q/K/V injection (SPEC §2, ``deq_qkv``): no entrance injection (ζ = h); recurrent block j
+    adds ``W_e^(j) e`` (bias-free Linear d→3d) to its Q, K and V projections at every recurrence."""
+
+    name = "deq_qkv"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+                                      for _ in range(cfg.n_core))  # W_e^(j)
+
+    def start(self, e, positions=None):
+        h0, ctx = super().start(e, positions)
+        return h0, dataclasses.replace(ctx, injection=None, qkv=[w(e) for w in self.qkv_proj])
+
+    def core_input(self, state, ctx):
+        return state
 
 
 def _check_registry() -> None:

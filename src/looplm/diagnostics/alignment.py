@@ -1,0 +1,221 @@
+"""Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop §3.4,
+eq. 12).
+
+A looped model visits each physical sublayer j of its core once per loop step (twice for the
+two-call rules ``sc_subtract`` and ``additive_subtract``), so the weight gradient of j is a sum of
+visit-wise contributions G_{r,j}, r = 1 … R_j. SPEC §7 measures the alignment of these contributions
+with
+
+    κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖²,      κ̂_R = max_j κ̂_j,
+
+which is 1 for mutually orthogonal visits of equal norm and R for identical ones (0 ≤ κ̂_j ≤ R by
+Cauchy–Schwarz). This is the measurable stand-in for DeepLoop's κ_R (eq. 12), whose bound uses
+the gradients *and* sensitivities of the visits.
+
+Sublayers: for every block i of ``model.core``, ``core.blocks.i.attn`` (the weights of every
+``nn.Linear`` inside the attention, i.e. ``qkv`` and ``proj``) and ``core.blocks.i.mlp`` (``gate``,
+``up``, ``down``). G_{r,j} is the concatenation of those weights' gradients flattened; the visit index
+r is the order of the module's forward calls. Visit-wise gradients are captured without a second
+backward: a forward hook saves each call's input x (M tokens × d_in) and hooks the output's gradient
+g (M × d_out); a bias-free Linear's weight gradient from that call is gᵀx (d_out × d_in), and the sum
+over calls is exactly autograd's ``.grad`` (checked by the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from looplm.model import LoopLM
+
+LOSSES = ("terminal", "per_loop")
+
+
+def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
+    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of visit-wise gradients of one sublayer (SPEC §7).
+
+    Args:
+        visit_grads: R tensors of one shape (any), the visit-wise gradients G_1 … G_R.
+
+    Returns:
+        κ̂ in [0, R] (float64 accumulation). R identical vectors give R; mutually orthogonal vectors of
+        equal norm give 1.
+
+    Raises:
+        ValueError: no visits, mismatched shapes, or all visits zero (κ̂ undefined).
+    """
+    if not visit_grads:
+        raise ValueError("visit_grads: need at least one visit-wise gradient")
+    if any(g.shape != visit_grads[0].shape for g in visit_grads):
+        raise ValueError(f"visit_grads: shapes differ: {[tuple(g.shape) for g in visit_grads]}")
+    gs = [g.detach().double().flatten() for g in visit_grads]
+    total = torch.stack(gs).sum(0)
+    denom = sum(float(g.pow(2).sum()) for g in gs)
+    if denom == 0.0:
+        raise ValueError("visit_grads: every visit-wise gradient is zero; κ̂ is undefined")
+    return float(total.pow(2).sum()) / denom
+
+
+def core_sublayers(model: LoopLM) -> dict[str, dict[str, nn.Linear]]:
+    """The physical sublayers of the shared core: {"core.blocks.i.attn" | "core.blocks.i.mlp":
+    {module name: nn.Linear}} in block order.
+
+    Raises:
+        ValueError: unshared model (no core).
+    """
+    if not model.shared:
+        raise ValueError("visit alignment needs a shared (looped) core; this model is model.architecture=unshared")
+    out: dict[str, dict[str, nn.Linear]] = {}
+    for i, block in enumerate(model.core.blocks):
+        for part in ("attn", "mlp"):
+            name = f"core.blocks.{i}.{part}"
+            out[name] = {f"{name}.{n}" if n else name: m for n, m in getattr(block, part).named_modules()
+                         if isinstance(m, nn.Linear)}
+    return out
+
+
+class _VisitRecorder:
+    """Forward/tensor hooks that accumulate, per Linear module, Σ_r G_r and every ‖G_r‖² (float64)."""
+
+    def __init__(self, modules: dict[str, nn.Linear]):
+        self.sums: dict[str, torch.Tensor | None] = {n: None for n in modules}
+        self.sq: dict[str, dict[int, float]] = {n: {} for n in modules}
+        self.calls: dict[str, int] = {n: 0 for n in modules}
+        self.handles = [m.register_forward_hook(self._forward_hook(n)) for n, m in modules.items()]
+
+    def _forward_hook(self, name: str) -> Callable:
+        def hook(module: nn.Linear, args, output: torch.Tensor) -> None:
+            if not output.requires_grad:
+                return
+            if module.bias is not None:
+                raise ValueError(f"{name}: visit alignment assumes bias-free Linear layers")
+            r = self.calls[name]
+            self.calls[name] += 1
+            x = args[0].detach()
+
+            def grad_hook(g: torch.Tensor) -> None:
+                G = g.detach().reshape(-1, g.shape[-1]).double().T @ x.reshape(-1, x.shape[-1]).double()  # (out, in)
+                self.sq[name][r] = self.sq[name].get(r, 0.0) + float(G.pow(2).sum())
+                self.sums[name] = G if self.sums[name] is None else self.sums[name] + G
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _loss(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, loss: str) -> torch.Tensor:
+    if loss == "terminal":
+        return model(idx, depth=depth, targets=targets, keep_logits=False).loss
+    out = model(idx, depth=list(range(1, depth + 1)), targets=targets, keep_logits=False)
+    valid = (targets != -100).sum().clamp(min=1)
+    return torch.stack([out.nll_by_depth[t].sum() / valid for t in range(1, depth + 1)]).mean()
+
+
+def visit_gradients(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
+                    loss: str = "terminal") -> dict[str, dict[str, Any]]:
+    """Visit-wise weight gradients of every core sublayer for one batch (one forward, one backward).
+
+    Args:
+        model: a shared-architecture LoopLM (dropout should be off: ``model.eval()``). Its ``.grad``
+            fields are not touched (the backward uses ``torch.autograd.grad``).
+        idx, targets: (B, L) int64 token ids and next-token targets (-100 = ignored).
+        depth: loop depth R of the unroll.
+        loss: ``terminal`` (mean CE at depth R) or ``per_loop`` (mean over r = 1 … R of the mean CE
+            read out at loop r).
+
+    Returns:
+        {sublayer name: {"visits": number of visits, "sum": {module name: Σ_r G_r (out, in) float64},
+        "visit_sq": [‖G_{r,j}‖² for r = 1 … visits] (the concatenated sublayer gradient)}}.
+
+    Raises:
+        ValueError: unshared model, depth < 1, unknown ``loss``, or modules of one sublayer visited a
+        different number of times.
+    """
+    if depth < 1:
+        raise ValueError(f"depth: need R >= 1 for visit alignment, got {depth}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
+    subs = core_sublayers(model)
+    modules = {n: m for mods in subs.values() for n, m in mods.items()}
+    rec = _VisitRecorder(modules)
+    try:
+        with torch.enable_grad():
+            value = _loss(model, idx, targets, depth, loss)
+            weights = [m.weight for m in modules.values()]
+            torch.autograd.grad(value, weights, allow_unused=True)
+    finally:
+        rec.close()
+    out: dict[str, dict[str, Any]] = {}
+    for sub, mods in subs.items():
+        counts = {rec.calls[n] for n in mods}
+        if len(counts) > 1:
+            raise ValueError(f"{sub}: its Linear modules were called different numbers of times "
+                             f"({ {n: rec.calls[n] for n in mods} }); cannot pair visits")
+        visits = counts.pop() if counts else 0
+        sq = [sum(rec.sq[n].get(r, 0.0) for n in mods) for r in range(visits)]
+        sums = {n: (rec.sums[n] if rec.sums[n] is not None else torch.zeros_like(m.weight, dtype=torch.float64))
+                for n, m in mods.items()}
+        out[sub] = {"visits": visits, "sum": sums, "visit_sq": sq}
+    return out
+
+
+def _kappa_from(stats: dict[str, Any]) -> float | None:
+    denom = sum(stats["visit_sq"])
+    if stats["visits"] == 0 or denom == 0.0:
+        return None
+    return sum(float(s.pow(2).sum()) for s in stats["sum"].values()) / denom
+
+
+def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
+                    loss: str = "terminal") -> dict[str, Any]:
+    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form).
+
+    Args: as :func:`visit_gradients`.
+
+    Returns:
+        JSON-ready ``{"kappa_hat": max_j κ̂_j (None when no sublayer has a nonzero gradient),
+        "depth": R, "loss": loss, "per_sublayer": [{"name": "core.blocks.0.attn", "kappa": κ̂_j,
+        "visits": R_j, "visit_grad_norm": [‖G_{r,j}‖ for r = 1 … R_j]}, …]}``. R_j = R, or 2R for the
+        two-call rules.
+
+    Raises:
+        ValueError: as :func:`visit_gradients`.
+    """
+    stats = visit_gradients(model, idx, targets, depth, loss=loss)
+    per = [{"name": name, "kappa": _kappa_from(s), "visits": s["visits"],
+            "visit_grad_norm": [v ** 0.5 for v in s["visit_sq"]]} for name, s in stats.items()]
+    kappas = [p["kappa"] for p in per if p["kappa"] is not None]
+    return {"kappa_hat": max(kappas) if kappas else None, "depth": depth, "loss": loss, "per_sublayer": per}
+
+
+def merge_alignment(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Average per-batch :func:`visit_alignment` records: κ̂_j and visit norms are batch means (each
+    batch's κ̂_j describes one minibatch gradient, as an optimizer step sees it), and κ̂_R is the max
+    over j of the mean κ̂_j; ``kappa_hat_batch_max`` is the largest single-batch κ̂_R.
+
+    Raises:
+        ValueError: no records.
+    """
+    if not records:
+        raise ValueError("visit alignment: no batches to merge")
+    per = []
+    for j, first in enumerate(records[0]["per_sublayer"]):
+        vals = [r["per_sublayer"][j]["kappa"] for r in records if r["per_sublayer"][j]["kappa"] is not None]
+        norms = [r["per_sublayer"][j]["visit_grad_norm"] for r in records]
+        per.append({"name": first["name"], "visits": first["visits"],
+                    "kappa": sum(vals) / len(vals) if vals else None,
+                    "visit_grad_norm": [sum(c) / len(c) for c in zip(*norms)]})
+    kappas = [p["kappa"] for p in per if p["kappa"] is not None]
+    batch = [r["kappa_hat"] for r in records if r["kappa_hat"] is not None]
+    return {"kappa_hat": max(kappas) if kappas else None, "depth": records[0]["depth"],
+            "loss": records[0]["loss"], "batches": len(records),
+            "kappa_hat_batch_max": max(batch) if batch else None, "per_sublayer": per}
+
+
+__all__ = ["kappa_hat", "core_sublayers", "visit_gradients", "visit_alignment", "merge_alignment"]

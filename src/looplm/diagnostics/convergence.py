@@ -1,0 +1,147 @@
+"""Token convergence along the recurrence (SPEC §6 "Token convergence"; Looped Models Done Right §2,
+Figure 2).
+
+The tokenwise relative change between consecutive recurrences is
+
+    ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖₂ / (‖h_t^{r−1}‖₂ + 1e-8),   r = 1 … R,
+
+for the hidden states h^0 … h^R in readout coordinates. Token t is *converged from depth r* when
+ρ_{r',t} < τ for every r' in [r, R] (R = R_obs, the observation horizon); its convergence depth is
+the smallest such r. A token with ρ_{R,t} ≥ τ never converges within the horizon: it gets depth
+R + 1 **(our choice)**, so every token has a depth, the histogram has an explicit "never" bin, and
+the rank correlation with position keeps those tokens (as the latest-converging ones) instead of
+dropping them; the share of such tokens is reported separately.
+
+:class:`ConvergenceAccumulator` pools tokens over batches and reports the mean ρ per recurrence, the
+convergence-depth histogram, mean and median, and the Spearman rank correlation of depth with token
+position (``scipy.stats.spearmanr``, with its two-sided p-value), as the paper's Figure 2c.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+RHO_EPS = 1e-8  # ε of ρ (LMDR §2)
+DEFAULT_TAU = 0.02  # τ = 2% (LMDR Figure 2; SPEC §6)
+
+
+def relative_changes(states: Sequence[torch.Tensor]) -> torch.Tensor:
+    """ρ_{r,t} for r = 1 … R from states h^0 … h^R, each (B, L, d).
+
+    Returns:
+        (R, B, L) float64 tensor; row r − 1 holds ρ_r.
+
+    Raises:
+        ValueError: fewer than two states, or states of different shapes.
+    """
+    if len(states) < 2:
+        raise ValueError(f"states: need h^0 … h^R with R >= 1, got {len(states)} state(s)")
+    if any(s.shape != states[0].shape for s in states):
+        raise ValueError(f"states: all states must share one shape, got {[tuple(s.shape) for s in states]}")
+    h = torch.stack([s.detach().double() for s in states])  # (R+1, B, L, d)
+    step = (h[1:] - h[:-1]).norm(dim=-1)  # (R, B, L)
+    return step / (h[:-1].norm(dim=-1) + RHO_EPS)
+
+
+def convergence_depths(rho: torch.Tensor, tau: float = DEFAULT_TAU) -> torch.Tensor:
+    """Convergence depth of every token from ρ of shape (R, ...): the smallest r in 1 … R with
+    ρ_{r'} < τ for all r' ≥ r, or R + 1 when ρ_R ≥ τ (never converged; our choice).
+
+    Returns:
+        int64 tensor of shape ``rho.shape[1:]`` with values in 1 … R + 1.
+
+    Raises:
+        ValueError: τ <= 0 or ρ without a recurrence axis.
+    """
+    if tau <= 0:
+        raise ValueError(f"tau: need a threshold > 0, got {tau}")
+    if rho.dim() < 1 or rho.shape[0] < 1:
+        raise ValueError(f"rho: need shape (R, ...) with R >= 1, got {tuple(rho.shape)}")
+    R = rho.shape[0]
+    below = rho < tau  # (R, ...)
+    # suffix-all: tail[r] is True when every r' >= r is below τ (reverse cumulative product)
+    tail = below.flip(0).to(torch.int64).cumprod(0).flip(0).bool()  # (R, ...)
+    return R + 1 - tail.sum(0)  # the converged suffix has length tail.sum(), starting at r = R + 1 − len
+
+
+class ConvergenceAccumulator:
+    """Pools ρ and convergence depths over batches (the R of every batch must agree).
+
+    ``add(states, mask)`` takes states h^0 … h^R (each (B, L, d)) and an optional bool mask (B, L)
+    of real tokens (padding excluded). ``result()`` returns the JSON-ready summary.
+    """
+
+    def __init__(self, tau: float = DEFAULT_TAU):
+        if tau <= 0:
+            raise ValueError(f"tau: need a threshold > 0, got {tau}")
+        self.tau = float(tau)
+        self.R: int | None = None
+        self.rho_sum: torch.Tensor | None = None  # (R,) Σ over tokens
+        self.depths: list[np.ndarray] = []
+        self.positions: list[np.ndarray] = []
+
+    def add(self, states: Sequence[torch.Tensor], mask: torch.Tensor | None = None) -> None:
+        rho = relative_changes(states)  # (R, B, L)
+        R, B, L = rho.shape
+        if self.R is not None and R != self.R:
+            raise ValueError(f"states: every batch needs the same depth R={self.R}, got R={R}")
+        self.R = R
+        keep = torch.ones(B, L, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+        rho = rho.cpu()
+        depth = convergence_depths(rho, self.tau)  # (B, L)
+        pos = torch.arange(L).expand(B, L)
+        s = rho[:, keep].sum(1)  # (R,)
+        self.rho_sum = s if self.rho_sum is None else self.rho_sum + s
+        self.depths.append(depth[keep].numpy())
+        self.positions.append(pos[keep].numpy())
+
+    def result(self) -> dict[str, Any]:
+        """Summary over all pooled tokens.
+
+        Returns:
+            ``tau``, ``depth`` (R_obs), ``tokens`` (count), ``rho_mean`` (list of R mean ρ_r, r = 1 … R),
+            ``depth_hist`` (list of R + 1 counts for depths 1 … R and R + 1 = never),
+            ``depth_mean``, ``depth_median`` (never-converged tokens counted as R + 1),
+            ``never_fraction``, ``spearman`` and ``spearman_p`` (depth vs position; None when either
+            is constant).
+
+        Raises:
+            ValueError: nothing was added.
+        """
+        from scipy.stats import spearmanr
+
+        if self.R is None or not self.depths:
+            raise ValueError("convergence: no batches were added")
+        R = self.R
+        depth = np.concatenate(self.depths)
+        pos = np.concatenate(self.positions)
+        n = int(depth.size)
+        hist = np.bincount(depth, minlength=R + 2)[1:R + 2]  # depths 1 … R+1
+        rho, p = None, None
+        if n >= 2 and np.ptp(depth) > 0 and np.ptp(pos) > 0:
+            res = spearmanr(depth, pos)
+            rho, p = float(res.statistic), float(res.pvalue)
+            rho, p = (None if math.isnan(rho) else rho), (None if math.isnan(p) else p)
+        return {
+            "tau": self.tau, "depth": R, "tokens": n,
+            "rho_mean": [float(v) / max(n, 1) for v in self.rho_sum.tolist()],
+            "depth_hist": [int(c) for c in hist],
+            "depth_mean": float(depth.mean()) if n else None,
+            "depth_median": float(np.median(depth)) if n else None,
+            "never_fraction": float((depth == R + 1).mean()) if n else None,
+            "spearman": rho, "spearman_p": p,
+        }
+
+
+def token_convergence(states_by_batch: Sequence[Sequence[torch.Tensor]], tau: float = DEFAULT_TAU,
+                      masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
+    """Token convergence (SPEC §6) pooled over batches; each item holds states h^0 … h^R (B, L, d).
+    Returns :meth:`ConvergenceAccumulator.result`'s dict. Raises ValueError as it does."""
+    acc = ConvergenceAccumulator(tau)
+    for i, states in enumerate(states_by_batch):
+        acc.add(states, None if masks is None else masks[i])
+    return acc.result()

@@ -1,0 +1,165 @@
+"""Hidden-state scale along the loop (SPEC §4 and §7 "Scale"; readout-blind-spot paper §2–3, Table 3,
+Figure 3, Appendix D).
+
+For the hidden states H_0 … H_K in readout coordinates (after the between-loop scale controls, before
+the coda), per loop k = 0 … K:
+
+- **RMS**: each token's ‖H_{k,t}‖_rms = (d⁻¹ Σ_i H_{k,t,i}²)^{1/2}; reported as the token mean and the
+  token percentiles p50, p99 and the max (Appendix D's per-token statistics).
+- **Radial-gradient fraction** r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², û_t = H_t / ‖H_t‖₂, where
+  g = ∂L_k/∂H_k is the gradient of the *immediate* readout loss at loop k only:
+  L_k = mean CE of ``model.readout(H_k, final=(k == K))`` against the targets, with H_k detached
+  from the loop (future-loop losses and the recurrence are not differentiated). An RMSNorm readout
+  without a coda is scale invariant up to its epsilon, so r_k ≈ 0 there (paper Lemma 1); a raw
+  readout gives r_k clearly above 0.
+- **Radial derivative** ∂L_k/∂log s at s = 1 for H_k → s·H_k, i.e. Σ_t ⟨g_t, H_t⟩ (nats per unit
+  log-scale); at k = K this is the paper's signed final radial derivative g_K = ∂L/∂log‖H_K‖.
+- **Radial increment** a_rad,k = mean_t ⟨u_t, F(H_k)_t − H_{k,t}⟩ / d with u_t = H_t/‖H_t‖_rms
+  (unit RMS, the paper's convention, so a_rad,k is the first-order change of the token RMS per loop,
+  Lemma 2) and F one loop step: F(H_k) = H_{k+1}. At k = K one extra loop step is run to get
+  F(H_K). ``rms_increment`` is the measured mean change of the token RMS, for comparison.
+
+:class:`ScaleAccumulator` pools tokens over batches: means and percentiles over all real tokens,
+r_k as a ratio of pooled sums, the radial derivative as the mean of the per-batch derivatives (the
+derivative of the batch-mean loss).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from looplm.model import LoopLM
+
+DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
+
+
+def token_rms(h: torch.Tensor) -> torch.Tensor:
+    """Per-token RMS over the width: (B, L, d) → (B, L) float64."""
+    return h.detach().double().pow(2).mean(dim=-1).sqrt()
+
+
+def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, *,
+                               final: bool) -> tuple[float, torch.Tensor]:
+    """The immediate readout loss at one loop and its gradient with respect to that loop's state.
+
+    Args:
+        h: (B, L, d) hidden state H_k (detached here; the recurrence is not differentiated).
+        targets: (B, L) int64 next-token ids, -100 ignored.
+        final: True at the last loop K (``final_only_norm`` normalizes only there).
+
+    Returns:
+        (mean CE in nats, g = ∂L_k/∂H_k of shape (B, L, d) in h's dtype).
+    """
+    with torch.enable_grad():
+        x = h.detach().requires_grad_(True)
+        logits = model.readout(x, final=final)  # (B, L, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        (g,) = torch.autograd.grad(loss, x)
+    return float(loss.detach()), g
+
+
+class ScaleAccumulator:
+    """Pools the per-loop scale statistics over batches (see the module docstring).
+
+    ``add(model, states, targets, mask)``: states H_0 … H_{K+1} (each (B, L, d); the last one is
+    F(H_K)), targets (B, L), optional bool mask (B, L) of real tokens for the token statistics.
+    """
+
+    def __init__(self, loops: int):
+        if loops < 1:
+            raise ValueError(f"loops: need K >= 1 for the scale diagnostic, got {loops}")
+        self.K = loops
+        n = loops + 1
+        self.rms: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.rad_num = [0.0] * n
+        self.rad_den = [0.0] * n
+        self.radial_deriv: list[list[float]] = [[] for _ in range(n)]
+        self.ce: list[list[float]] = [[] for _ in range(n)]
+        self.a_rad = [0.0] * n
+        self.rms_inc = [0.0] * n
+        self.tokens = 0
+
+    def add(self, model: LoopLM, states: Sequence[torch.Tensor], targets: torch.Tensor,
+            mask: torch.Tensor | None = None) -> None:
+        K = self.K
+        if len(states) < K + 2:
+            raise ValueError(f"states: need H_0 … H_{K + 1} ({K + 2} states), got {len(states)}")
+        B, L, d = states[0].shape
+        keep = (torch.ones(B, L, dtype=torch.bool) if mask is None else mask.detach().bool()).to(states[0].device)
+        self.tokens += int(keep.sum())
+        for k in range(K + 1):
+            H = states[k].detach()
+            H64 = H.double()
+            rms = token_rms(H)  # (B, L)
+            self.rms[k].append(rms[keep].cpu().numpy())
+            ce, g = immediate_readout_gradient(model, H, targets, final=k == K)
+            g64 = g.double()
+            norm = H64.norm(dim=-1)  # (B, L)
+            radial = (g64 * H64).sum(-1)  # ⟨g_t, H_t⟩, (B, L)
+            cos_part = torch.where(norm > 0, radial / norm.clamp_min(1e-300), torch.zeros_like(radial))
+            self.rad_num[k] += float(cos_part.pow(2).sum())
+            self.rad_den[k] += float(g64.pow(2).sum())
+            self.radial_deriv[k].append(float(radial.sum()))
+            self.ce[k].append(ce)
+            step = states[k + 1].detach().double() - H64  # F(H_k) − H_k, (B, L, d)
+            # ⟨u, ΔH⟩/d with u = H/‖H‖_rms = √d·H/‖H‖₂
+            a = (H64 * step).sum(-1) / (norm.clamp_min(1e-300) * math.sqrt(d))  # (B, L)
+            self.a_rad[k] += float(a[keep].sum())
+            self.rms_inc[k] += float((token_rms(states[k + 1]) - rms)[keep].sum())
+
+    def result(self) -> dict[str, Any]:
+        """JSON-ready summary: ``{"K": K, "tokens": n, "loops": [{"k", "rms_mean", "rms_p50",
+        "rms_p99", "rms_max", "ce", "radial_grad_fraction", "radial_derivative", "radial_increment",
+        "rms_increment"} for k = 0 … K], "g_K": the radial derivative at k = K}``.
+
+        Raises:
+            ValueError: nothing was added.
+        """
+        if not self.tokens:
+            raise ValueError("scale: no batches (or no real tokens) were added")
+        loops = []
+        for k in range(self.K + 1):
+            rms = np.concatenate(self.rms[k])
+            loops.append({
+                "k": k,
+                "rms_mean": float(rms.mean()),
+                "rms_p50": float(np.percentile(rms, 50)),
+                "rms_p99": float(np.percentile(rms, 99)),
+                "rms_max": float(rms.max()),
+                "ce": float(np.mean(self.ce[k])),
+                "radial_grad_fraction": self.rad_num[k] / self.rad_den[k] if self.rad_den[k] > 0 else None,
+                "radial_derivative": float(np.mean(self.radial_deriv[k])),
+                "radial_increment": self.a_rad[k] / self.tokens,
+                "rms_increment": self.rms_inc[k] / self.tokens,
+            })
+        return {"K": self.K, "tokens": self.tokens, "loops": loops, "g_K": loops[-1]["radial_derivative"]}
+
+
+@torch.no_grad()
+def unroll_states(model: LoopLM, idx: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """Hidden states h_0 … h_depth (each (B, L, d), readout coordinates) from one unroll."""
+    return list(model(idx, depth=depth, return_states=True, keep_logits=False).states)
+
+
+def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int, *,
+                     masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
+    """Per-loop scale statistics (SPEC §7 "Scale") of ``model`` over batches of (idx, targets), each
+    (B, L) int64, for loops k = 0 … K (K = ``loops``); one unroll to K + 1 per batch.
+
+    Use the model in eval mode (dropout off). Returns :meth:`ScaleAccumulator.result`'s dict.
+
+    Raises:
+        ValueError: unshared model, loops < 1, or no batches.
+    """
+    if not model.shared:
+        raise ValueError("the scale diagnostic needs a shared (looped) architecture; this model is "
+                         "model.architecture=unshared")
+    acc = ScaleAccumulator(loops)
+    for i, (idx, targets) in enumerate(batches):
+        acc.add(model, unroll_states(model, idx, loops + 1), targets, None if masks is None else masks[i])
+    return acc.result()

@@ -1,0 +1,559 @@
+"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §5 and Appendix H).
+
+Per sequence b (one evaluation window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits
+the model reads out at loop k:
+
+    margin_k(b) = mean over the window's L tokens i of (top-1 − top-2 of z_{k,i})     [logit units]
+    halt(b)     = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max})
+
+A sequence is scored (NLL summed over its tokens) at its halting loop. The margin is taken on the raw
+logits; it equals the top-1 − top-2 log-probability gap since log-softmax shifts a row uniformly.
+
+**Protocol.**
+
+1. *Calibration* (``split_calib``, ``n_calib`` = 160 windows): one forward per batch with
+   ``depth=[1..K_max]`` gives the per-loop logits and NLL of every window (:func:`trace_margins`);
+   :func:`calibrate_tau` sweeps every threshold that gives a distinct halting pattern (the observed
+   margins of loops 1 … K_max−1, and ∞) from those cached arrays, without re-running the model, and
+   keeps the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max on the same windows.
+2. *Timed run* (``split_timed``, ``n_timed`` windows disjoint from the calibration ones): the loop is
+   run step by step; after each loop the margins of the still-active sequences are computed and the
+   halted ones leave the batch (:func:`dynamic_halting_run`; their NLL is kept). The same windows are
+   run at every fixed depth K = 1 … K_max with the model's forward (:func:`fixed_depth_run`); the
+   K_max run is the static reference. Speedup = static seconds / dynamic seconds.
+3. *Frontier*: (tokens/s, PPL) at each fixed K plus the dynamic point (``halting_frontier.png``).
+
+**Choices (ours).** Windows are full non-overlapping ``seq_len`` windows (partial tail dropped), so
+every sequence has L scored tokens and tokens/s = windows × L / seconds. When both splits are the
+same, the timed windows are the ``n_timed`` that follow the calibration windows. Intermediate loops
+are read out with ``final=False`` and K_max with ``final=True`` (what ``forward`` does for
+``depth=[1..K_max]``), so the timed run reproduces the cached calibration logits; a fixed-K run is
+``model(x, depth=K)`` (its own final readout at K). Timings: ``torch.inference_mode``, batches
+prebuilt on the device, one untimed warm-up batch per mode, CUDA synchronized around each run; no
+autocast (the model's parameter dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.tokens import eval_windows, load_tokens
+from looplm.model import LoopLM
+
+DEFAULT_N_CALIB = 160
+DEFAULT_N_TIMED = 160
+DEFAULT_TOLERANCE = 0.01  # dynamic PPL within 1% of K_max (readout blind spot, Appendix H)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
+
+
+# ------------------------------------------------------------------ the halting rule (pure numpy)
+
+
+def halting_loops(margins: np.ndarray, tau: float) -> np.ndarray:
+    """Halting loop per sequence: the first loop k < K with ``margins[:, k-1] ≥ τ``, else K.
+
+    Args:
+        margins: (N, K) mean top-1 − top-2 logit margin of each sequence at loops 1 … K (the last
+            column cannot trigger a halt: loop K is the ceiling anyway). NaN never halts.
+        tau: threshold in logit units; ``inf`` never halts early.
+
+    Returns:
+        (N,) int64 loops in [1, K].
+
+    Raises:
+        ValueError: ``margins`` is not 2-D with K ≥ 1.
+    """
+    m = np.asarray(margins, dtype=np.float64)
+    if m.ndim != 2 or m.shape[1] < 1:
+        raise ValueError(f"margins: expected shape (N, K) with K >= 1, got {m.shape}")
+    K = m.shape[1]
+    if K == 1:
+        return np.ones(len(m), dtype=np.int64)
+    hit = m[:, : K - 1] >= tau  # (N, K-1)
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, K).astype(np.int64)
+
+
+@dataclass
+class TauCalibration:
+    """Outcome of :func:`calibrate_tau` (N sequences, K loops, C candidate thresholds).
+
+    Attributes:
+        tau: the chosen threshold (logit units; ``inf`` = always run to K).
+        loops: (N,) int64 halting loops under ``tau``.
+        ppl: dynamic PPL under ``tau``; ppl_max: PPL with every sequence at loop K.
+        mean_loops: mean of ``loops``.
+        taus: (C,) candidate thresholds, ascending, the last ``inf``.
+        ppl_by_tau, mean_loops_by_tau: (C,) dynamic PPL and mean loops of each candidate.
+    """
+
+    tau: float
+    loops: np.ndarray
+    ppl: float
+    ppl_max: float
+    mean_loops: float
+    taus: np.ndarray
+    ppl_by_tau: np.ndarray
+    mean_loops_by_tau: np.ndarray
+
+
+def calibrate_tau(margins: np.ndarray, nll_sum: np.ndarray, n_tok: np.ndarray,
+                  tolerance: float = DEFAULT_TOLERANCE) -> TauCalibration:
+    """Smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL at loop K (readout blind spot, App. H).
+
+    Dynamic PPL under τ = exp(Σ_b nll_sum[b, halt_b − 1] / Σ_b n_tok[b]) with ``halt`` from
+    :func:`halting_loops`: token-weighted over sequences, each at its own halting loop. Candidates
+    are every distinct finite margin of loops 1 … K−1 (each one starts a new halting pattern; any τ
+    between two of them behaves like the larger) and ``inf`` (no early halt, which always meets the
+    budget for tolerance ≥ 0). All candidates are evaluated at once from the cached arrays: with
+    running maxima ``c[b, k] = max_{j ≤ k} margins[b, j]`` the halting loop is
+    ``1 + #{k < K : c[b, k] < τ}``.
+
+    Args:
+        margins: (N, K) float, mean top-1 − top-2 logit margin per sequence and loop.
+        nll_sum: (N, K) float, summed NLL (nats) of each sequence read out at loop k.
+        n_tok: (N,) int, scored tokens per sequence.
+        tolerance: relative PPL budget (0.01 = within 1% of loop K).
+
+    Returns:
+        :class:`TauCalibration`.
+
+    Raises:
+        ValueError: shape mismatch, no sequences or tokens, or a negative tolerance.
+    """
+    m = np.asarray(margins, dtype=np.float64)
+    nll = np.asarray(nll_sum, dtype=np.float64)
+    n_tok = np.asarray(n_tok, dtype=np.int64)
+    if m.ndim != 2 or m.shape != nll.shape or n_tok.shape != m.shape[:1]:
+        raise ValueError(f"calibrate_tau: need margins (N, K), nll_sum (N, K), n_tok (N,); got "
+                         f"{m.shape}, {nll.shape}, {n_tok.shape}")
+    N, K = m.shape
+    if N == 0 or K == 0 or n_tok.sum() <= 0:
+        raise ValueError(f"calibrate_tau: need at least one sequence, loop and token, got N={N}, K={K}, "
+                         f"tokens={int(n_tok.sum())}")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    decide = m[:, : K - 1]  # (N, K-1) margins that can trigger a halt
+    taus = np.append(np.unique(decide[np.isfinite(decide)]), np.inf)  # (C,) ascending
+    running = np.fmax.accumulate(np.where(np.isnan(decide), -np.inf, decide), axis=1)  # (N, K-1)
+    loops = np.ones((len(taus), N), dtype=np.int64)  # (C, N)
+    for k in range(K - 1):
+        loops += running[None, :, k] < taus[:, None]
+    nll_dyn = nll[np.arange(N)[None, :], loops - 1].sum(axis=1)  # (C,)
+    tokens = float(n_tok.sum())
+    ppl_by_tau = np.exp(nll_dyn / tokens)
+    ppl_max = math.exp(nll[:, K - 1].sum() / tokens)
+    # the inf candidate puts every sequence at K: its PPL is ppl_max exactly, so one always qualifies
+    best = int(np.flatnonzero(ppl_by_tau <= (1.0 + tolerance) * ppl_max)[0])
+    return TauCalibration(tau=float(taus[best]), loops=loops[best], ppl=float(ppl_by_tau[best]), ppl_max=ppl_max,
+                          mean_loops=float(loops[best].mean()), taus=taus, ppl_by_tau=ppl_by_tau,
+                          mean_loops_by_tau=loops.mean(axis=1))
+
+
+# ------------------------------------------------------------------ model runs
+
+
+def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the top-1 − top-2 logit gap. (B, L, V) → (B,) float32, logit units."""
+    top2 = logits.float().topk(2, dim=-1).values  # (B, L, 2)
+    return (top2[..., 0] - top2[..., 1]).mean(dim=1)
+
+
+def _sequence_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed NLL (nats) per sequence: logits (B, L, V), targets y (B, L) → (B,) float64."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, L)
+    return nll.double().sum(dim=1)
+
+
+def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full non-overlapping windows ``first … first + n − 1`` of a token stream.
+
+    Window i covers inputs ``tokens[i·L : (i+1)·L]`` and targets shifted by one, as in
+    :func:`~looplm.data.tokens.eval_windows`.
+
+    Returns:
+        (x, y), each (n, L) int64 on the CPU.
+
+    Raises:
+        ValueError: n < 1, or the stream holds fewer than ``first + n`` full windows.
+    """
+    available = (len(tokens) - 1) // seq_len
+    if n < 1 or first + n > available:
+        raise ValueError(f"need {n} full windows of {seq_len} tokens from window {first}, but the split holds "
+                         f"{available} (lower n_calib / n_timed)")
+    part = tokens[first * seq_len: (first + n) * seq_len + 1]
+    x, y, mask = next(eval_windows(part, seq_len, n))
+    assert x.shape == (n, seq_len) and bool(mask.all())
+    return x, y
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device) -> list[Batch]:
+    return [(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)) for i in range(0, len(x), batch_size)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def trace_margins(model: LoopLM, batches: list[Batch], k_max: int, *,
+                  progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-loop margins and NLL of every window from one ``depth=[1..k_max]`` forward per batch.
+
+    Args:
+        model: put in eval mode by the caller. batches: (x, y) pairs, (B, L) int64 each.
+
+    Returns:
+        ``(margins, nll_sum, n_tok)``: (N, K) float64 mean logit margins, (N, K) float64 summed NLL
+        (nats) per window and loop, (N,) int64 scored tokens (= L).
+    """
+    margins, nlls, counts = [], [], []
+    depths = list(range(1, k_max + 1))
+    for x, y in tqdm(batches, desc="calibration trace", disable=not progress, leave=False, unit="batch"):
+        out = model(x, depth=depths, targets=y, keep_logits=True)
+        margins.append(torch.stack([sequence_margin(out.logits_by_depth[k]) for k in depths], 1).double().cpu())
+        nlls.append(torch.stack([out.nll_by_depth[k].double().sum(1) for k in depths], 1).cpu())  # (B, K)
+        counts.append(torch.full((len(x),), y.shape[1], dtype=torch.int64))
+    return torch.cat(margins).numpy(), torch.cat(nlls).numpy(), torch.cat(counts).numpy()
+
+
+@dataclass
+class HaltingRun:
+    """Per-sequence outcome of :func:`dynamic_halting_run` (N windows, batch order).
+
+    Attributes:
+        loops: (N,) int64 halting loops. nll: (N,) float64 summed NLL (nats) at the halting loop.
+        margins: (N, K) float64 margins the run computed (NaN after a sequence halted, and at K).
+        tokens: (N,) int64 scored tokens. seconds: wall time (batches prebuilt on the device).
+        row_loops: Σ over loops of the active batch rows (N·K when nothing halts early).
+    """
+
+    loops: np.ndarray
+    nll: np.ndarray
+    margins: np.ndarray
+    tokens: np.ndarray
+    seconds: float
+    row_loops: int
+
+    def ppl(self) -> float:
+        return math.exp(self.nll.sum() / self.tokens.sum())
+
+
+@torch.inference_mode()
+def dynamic_halting_run(model: LoopLM, batches: list[Batch], tau: float, k_max: int, *,
+                        progress: bool = False) -> HaltingRun:
+    """Step-by-step loop with dynamic batching: halted sequences leave the batch.
+
+    After loop k < K_max the active rows are read out (``final=False``) and their margins computed;
+    rows with margin ≥ τ are scored at k and removed from the loop state, the loop context
+    (``ctx.select``) and the targets; the rest continue. At K_max every remaining row is read out with
+    ``final=True`` and scored. The per-sequence NLL equals :func:`trace_margins`' NLL at the same
+    loops (to float rounding of the smaller batches).
+
+    Args:
+        model: put in eval mode by the caller. batches: (x, y) pairs on the model's device.
+        tau: threshold (logit units); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
+
+    Returns:
+        :class:`HaltingRun`.
+
+    Raises:
+        ValueError: k_max < 1, or an unshared model (no loop to halt).
+    """
+    if k_max < 1:
+        raise ValueError(f"k_max must be >= 1, got {k_max}")
+    if not model.shared:
+        raise ValueError("logit-margin halting needs the shared (looped) architecture, got an unshared model")
+    device = batches[0][0].device
+    loops_all, nll_all, margin_all, counts = [], [], [], []
+    row_loops = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for x, y in tqdm(batches, desc="dynamic halting", disable=not progress, leave=False, unit="batch"):
+        B = len(x)
+        loops = torch.full((B,), k_max, dtype=torch.int64, device=device)
+        nll = torch.zeros(B, dtype=torch.float64, device=device)
+        margin = torch.full((B, k_max), math.nan, dtype=torch.float64, device=device)
+        rows = torch.arange(B, device=device)  # original row of each active row
+        state, ctx = model.start(model.embed(x))
+        for t in range(k_max):
+            k = t + 1
+            row_loops += len(rows)
+            state = model.loop_step(state, t, ctx)
+            logits = model.readout(model.rule.hidden(state, ctx), final=(k == k_max))  # (b, L, V)
+            if k == k_max:
+                loops[rows] = k
+                nll[rows] = _sequence_nll(logits, y)
+                break
+            m = sequence_margin(logits)  # (b,)
+            margin[rows, t] = m.double()
+            halt = m >= tau
+            if not bool(halt.any()):
+                continue
+            done = halt.nonzero().squeeze(1)
+            loops[rows[done]] = k
+            nll[rows[done]] = _sequence_nll(logits.index_select(0, done), y.index_select(0, done))
+            keep = (~halt).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            state, ctx = state.index_select(0, keep), ctx.select(keep)
+            y, rows = y.index_select(0, keep), rows.index_select(0, keep)
+        loops_all.append(loops)
+        nll_all.append(nll)
+        margin_all.append(margin)
+        counts.append(torch.full((B,), x.shape[1], dtype=torch.int64))
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return HaltingRun(loops=torch.cat(loops_all).cpu().numpy(), nll=torch.cat(nll_all).cpu().numpy(),
+                      margins=torch.cat(margin_all).cpu().numpy(), tokens=torch.cat(counts).numpy(),
+                      seconds=seconds, row_loops=row_loops)
+
+
+@torch.inference_mode()
+def fixed_depth_run(model: LoopLM, batches: list[Batch], depth: int, *,
+                    progress: bool = False) -> tuple[np.ndarray, float]:
+    """Every window at one fixed depth K through ``model(x, depth=K)`` (the static reference at K_max).
+
+    Returns:
+        ``(nll, seconds)``: (N,) float64 summed NLL (nats) per window and the wall time.
+    """
+    device = batches[0][0].device
+    nlls = []
+    _sync(device)
+    t0 = time.perf_counter()
+    for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
+        out = model(x, depth=depth, targets=y, keep_logits=False)
+        nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return torch.cat(nlls).cpu().numpy(), seconds
+
+
+# ------------------------------------------------------------------ protocol
+
+
+def _counts(loops: np.ndarray) -> dict[str, int]:
+    return {str(int(k)): int(n) for k, n in zip(*np.unique(loops, return_counts=True))}
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed: tuple[torch.Tensor, torch.Tensor],
+                 k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE,
+                 device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
+    """Calibrate τ on ``calib`` windows, then time dynamic halting and fixed depths on ``timed``.
+
+    Args:
+        model: the model (on ``device``; put in eval mode here, restored after).
+        calib, timed: (x, y) windows, each (N, L) int64 (see :func:`make_windows`).
+        k_max: loop ceiling K_max ≥ 1. tolerance: relative PPL budget of :func:`calibrate_tau`.
+
+    Returns:
+        JSON-ready dict (strict JSON: τ = ∞ is written as ``null``); see
+        :func:`evaluate_halting_checkpoint` for the fields.
+
+    Raises:
+        ValueError: k_max < 1, batch_size < 1, a negative tolerance, or empty windows.
+    """
+    if k_max < 1 or batch_size < 1:
+        raise ValueError(f"k_max and batch_size must be >= 1, got {k_max}, {batch_size}")
+    if len(calib[0]) == 0 or len(timed[0]) == 0:
+        raise ValueError("calibration and timed windows must be non-empty")
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    try:
+        cal_batches = _batches(*calib, batch_size, device)
+        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress)
+        cal = calibrate_tau(margins, nll_sum, n_tok, tolerance)
+        tau = cal.tau
+
+        batches = _batches(*timed, batch_size, device)
+        # warm-up (untimed): one batch through every code path timed below
+        dynamic_halting_run(model, batches[:1], tau, k_max)
+        for K in range(1, k_max + 1):
+            fixed_depth_run(model, batches[:1], K)
+        dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress)
+        frontier = []
+        n_tokens = int(dyn.tokens.sum())
+        for K in range(1, k_max + 1):
+            nll, seconds = fixed_depth_run(model, batches, K, progress=progress)
+            frontier.append({"k": K, "ppl": math.exp(nll.sum() / n_tokens), "seconds": seconds,
+                             "tokens_per_s": n_tokens / seconds})
+    finally:
+        model.train(was_training)
+    static = frontier[-1]
+    dyn_ppl = dyn.ppl()
+    N = len(timed[0])
+    return {
+        "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "device": str(device),
+        "seq_len": int(calib[0].shape[1]),
+        "calibration": {
+            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
+            "halts_early": math.isfinite(tau), "candidates": len(cal.taus),
+            "mean_loops": cal.mean_loops, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+            "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
+            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+            "loop_counts": _counts(cal.loops),
+            "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
+                      "mean_loops": cal.mean_loops_by_tau.tolist()},
+        },
+        "timed": {
+            "sequences": N, "tokens": n_tokens,
+            "dynamic": {"seconds": dyn.seconds, "tokens_per_s": n_tokens / dyn.seconds, "ppl": dyn_ppl,
+                        "mean_loops": float(dyn.loops.mean()), "row_loops": dyn.row_loops,
+                        "loop_counts": _counts(dyn.loops)},
+            "static": {"k": k_max, "seconds": static["seconds"], "tokens_per_s": static["tokens_per_s"],
+                       "ppl": static["ppl"], "mean_loops": float(k_max), "row_loops": N * k_max},
+            "speedup": static["seconds"] / dyn.seconds, "ppl_ratio": dyn_ppl / static["ppl"],
+        },
+        "frontier": frontier,
+    }
+
+
+# ------------------------------------------------------------------ report
+
+
+def markdown_report(res: dict[str, Any], label: str = "model") -> str:
+    """Markdown: calibration summary and the timed table (dynamic, then fixed K = 1 … K_max)."""
+    cal, tm = res["calibration"], res["timed"]
+    tau = "∞ (never halts early)" if cal["tau"] is None else f"{cal['tau']:.4g}"
+    dyn, static_s = tm["dynamic"], tm["static"]["seconds"]
+    lines = [
+        f"## Logit-margin halting: {label}", "",
+        f"K_max = {res['k_max']}, tolerance {100 * res['tolerance']:.3g}%, batch {res['batch_size']}, "
+        f"L = {res['seq_len']}, device {res['device']}.", "",
+        f"Calibration ({res.get('split_calib', 'calib')}, {cal['sequences']} sequences, {cal['tokens']} tokens): "
+        f"τ = {tau}; mean loops {cal['mean_loops']:.2f}; dynamic PPL {cal['ppl_dynamic']:.3f} vs "
+        f"K_max PPL {cal['ppl_kmax']:.3f} (ratio {cal['ppl_ratio']:.4f}).", "",
+        f"Timed ({res.get('split_timed', 'timed')}, {tm['sequences']} sequences, {tm['tokens']} tokens): "
+        f"speedup {tm['speedup']:.2f}× over always K_max; PPL ratio {tm['ppl_ratio']:.4f}.", "",
+        "| run | mean loops | PPL | seconds | tokens/s | speedup vs K_max |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| dynamic (τ = {tau}) | {dyn['mean_loops']:.2f} | {dyn['ppl']:.3f} | {dyn['seconds']:.3f} | "
+        f"{dyn['tokens_per_s']:.0f} | {static_s / dyn['seconds']:.2f}× |",
+    ]
+    for p in res["frontier"]:
+        lines.append(f"| fixed K = {p['k']} | {p['k']} | {p['ppl']:.3f} | {p['seconds']:.3f} | "
+                     f"{p['tokens_per_s']:.0f} | {static_s / p['seconds']:.2f}× |")
+    return "\n".join(lines)
+
+
+def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """Two panels: PPL vs measured tokens/s (fixed K = 1 … K_max, labelled, and the dynamic point),
+    and the calibration sweep (dynamic PPL vs mean loops over the τ candidates, chosen τ marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.4, 4.0))
+    fr = res["frontier"]
+    ax.plot([p["tokens_per_s"] for p in fr], [p["ppl"] for p in fr], marker="o", label="fixed K")
+    for p in fr:
+        ax.annotate(f"K={p['k']}", (p["tokens_per_s"], p["ppl"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    dyn = res["timed"]["dynamic"]
+    ax.scatter([dyn["tokens_per_s"]], [dyn["ppl"]], marker="*", s=160, color="tab:red", zorder=3,
+               label=f"dynamic (mean loops {dyn['mean_loops']:.2f})")
+    ax.set_xlabel("measured throughput (tokens/s)")
+    ax.set_ylabel("perplexity (timed slice)")
+    ax.set_title("PPL–throughput frontier")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    cal = res["calibration"]
+    ax2.plot(cal["sweep"]["mean_loops"], cal["sweep"]["ppl"], marker=".", linestyle="-", label="τ sweep")
+    ax2.axhline(cal["ppl_budget"], linestyle="--", color="gray", linewidth=1,
+                label=f"budget {1 + res['tolerance']:.3g}× PPL(K_max)")
+    ax2.scatter([cal["mean_loops"]], [cal["ppl_dynamic"]], marker="*", s=160, color="tab:red", zorder=3,
+                label="chosen τ")
+    ax2.set_xlabel("mean loops (calibration slice)")
+    ax2.set_ylabel("dynamic perplexity (calibration slice)")
+    ax2.set_title("τ calibration")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_max: int | None = None,
+                                split_calib: str = "valid", split_timed: str = "test",
+                                n_calib: int = DEFAULT_N_CALIB, n_timed: int = DEFAULT_N_TIMED,
+                                batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE,
+                                dataset: str | None = None, device: str = "cpu",
+                                progress: bool = True) -> dict[str, Any]:
+    """Logit-margin halting of a checkpoint (SPEC §6): calibrate, time, frontier; write the report.
+
+    Calibration windows are the first ``n_calib`` full windows of ``split_calib``; timed windows the
+    first ``n_timed`` of ``split_timed`` (the ``n_timed`` after the calibration ones when the splits
+    are the same). Uses the checkpoint's tokenizer and corpus (or ``dataset``).
+
+    Writes ``out_dir/halting.json``, ``halting.md`` and ``halting_frontier.png``.
+
+    Returns:
+        JSON-ready dict::
+
+            checkpoint, name, rule, architecture, readout, dataset, params, split_calib, split_timed,
+            k_max, tolerance, batch_size, device, seq_len,
+            calibration: {sequences, tokens, tau (null = ∞), halts_early, candidates, mean_loops,
+                          ppl_dynamic, ppl_kmax, ppl_ratio, ppl_budget, ppl_by_k: {"k": ppl},
+                          loop_counts: {"k": sequences}, sweep: {tau, ppl, mean_loops}}
+            timed: {sequences, tokens,
+                    dynamic: {seconds, tokens_per_s, ppl, mean_loops, row_loops, loop_counts},
+                    static: {k, seconds, tokens_per_s, ppl, mean_loops, row_loops},
+                    speedup (static s / dynamic s), ppl_ratio (dynamic / static)}
+            frontier: [{k, ppl, seconds, tokens_per_s}] for K = 1 … k_max (timed slice)
+            markdown, files: {json, markdown, plot}
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
+        ValueError: too few full windows in a split, k_max/batch_size < 1, negative tolerance.
+    """
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
+    k_max = cfg.train.max_depth if k_max is None else int(k_max)
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tok = load_tokenizer_for(ckpt)
+    root, cache = resolve_data_root(data_cfg.data_root), resolve_cache_dir(data_cfg.cache_dir)
+    L = cfg.model.seq_len
+    calib = make_windows(load_tokens(data_cfg, split_calib, tok, root, cache), L, 0, n_calib)
+    first_timed = n_calib if split_timed == split_calib else 0
+    timed = make_windows(load_tokens(data_cfg, split_timed, tok, root, cache), L, first_timed, n_timed)
+    res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, device=device,
+                       progress=progress)
+    res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+           "architecture": cfg.model.architecture, "readout": cfg.model.readout,
+           "dataset": data_cfg.dataset, "params": model.num_params(), "split_calib": split_calib,
+           "split_timed": split_timed, "first_timed_window": first_timed, **res}
+    label = f"{cfg.name} ({res['rule']}, readout {res['readout']}, {data_cfg.dataset})"
+    res["markdown"] = markdown_report(res, label)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "halting.json", "markdown": out / "halting.md", "plot": out / "halting_frontier.png"}
+    plot_frontier(res, files["plot"], title=label)
+    res["files"] = {k: str(v) for k, v in files.items()}
+    files["markdown"].write_text(res["markdown"] + "\n")
+    files["json"].write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+    return res

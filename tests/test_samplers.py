@@ -1,0 +1,219 @@
+"""Depth samplers (SPEC §5): capped Poisson log-normal and the learned depth prior (LMDR §4.1, App. B.3)."""
+
+import copy
+import io
+import typing
+
+import numpy as np
+import pytest
+import torch
+
+from looplm.config import SamplerName, TrainConfig
+from looplm.train.samplers import (REWARDS, SAMPLERS, FixedDepth, LearnedDepthPrior, PoissonLogNormalDepth,
+                                   UniformDepth, build_sampler)
+
+CAP = 64
+DEPTHS = np.arange(1, CAP + 1)
+
+
+@pytest.fixture(scope="module")
+def pln():
+    return PoissonLogNormalDepth(5.0, 0.5, CAP)
+
+
+# --- Poisson log-normal -------------------------------------------------------------------------------
+
+
+def test_pln_capped_mean_hits_target(pln):
+    pmf = pln.pmf()
+    assert pmf.shape == (CAP,) and (pmf > 0).all()
+    assert abs(pmf.sum() - 1) < 1e-12
+    assert abs(DEPTHS @ pmf - 5.0) < 1e-6  # analytic E[min(R, 64)]
+    draws = np.array([pln.sample(0, step) for step in range(100_000)])
+    assert draws.min() >= 1 and draws.max() <= CAP
+    print(f"PLN-5: mu={pln.mu:.6f}, Monte-Carlo capped mean {draws.mean():.4f} (target 5)")
+    assert abs(draws.mean() - 5.0) < 0.02 * 5.0
+
+
+def test_pln_pmf_matches_direct_numpy_monte_carlo(pln):
+    # Independent of the sampler: draw ξ, K, R directly with numpy at the recalibrated μ.
+    n = 1_000_000
+    rng = np.random.default_rng(1234)
+    k = rng.poisson(np.exp(rng.normal(pln.mu, 0.5, n)))
+    hist = np.bincount(np.minimum(k + 1, CAP), minlength=CAP + 1)[1:] / n
+    pmf = pln.pmf()
+    tol = 5 * np.sqrt(pmf * (1 - pmf) / n) + 1e-5  # 5 binomial standard errors per bin
+    print(f"max |hist - pmf| = {np.abs(hist - pmf).max():.2e}, mean = {np.abs(hist - pmf).mean():.2e}")
+    assert (np.abs(hist - pmf) < tol).all()
+
+
+def test_pln_draws_are_a_function_of_seed_step_micro(pln):
+    draws = [pln.sample(0, step, micro) for step in range(500) for micro in range(2)]
+    assert draws == [pln.sample(0, step, micro) for step in range(500) for micro in range(2)]
+    assert draws[0::2] != draws[1::2]  # micro matters
+    assert len(set(draws[0::2])) > 5  # steps differ
+    assert draws != [pln.sample(1, step, micro) for step in range(500) for micro in range(2)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(mean=1.0, sigma=0.5, cap=64), "train.depth_mean"),
+    (dict(mean=64.0, sigma=0.5, cap=64), "train.depth_mean"),
+    (dict(mean=5.0, sigma=0.0, cap=64), "train.pln_sigma"),
+    (dict(mean=1.5, sigma=0.5, cap=1), "train.depth_cap"),
+])
+def test_pln_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PoissonLogNormalDepth(**kwargs)
+
+
+# --- registry -------------------------------------------------------------------------------------------
+
+
+def test_registry_matches_config_and_builds_every_sampler():
+    assert set(SAMPLERS) == set(typing.get_args(SamplerName))
+    expected = {"fixed": (FixedDepth, 8), "uniform": (UniformDepth, 8), "pln": (PoissonLogNormalDepth, CAP),
+                "learned": (LearnedDepthPrior, CAP)}
+    for name, (cls, max_depth) in expected.items():
+        s = build_sampler(TrainConfig(depth_sampler=name))
+        assert type(s) is cls and s.name == name and s.max_depth == max_depth
+        assert 1 <= s.sample(0, 0) <= max_depth
+    fixed = FixedDepth(3)  # the trainer calls the learning hooks on any sampler
+    fixed.observe(3, 2.0, 10)
+    assert fixed.update() == {} and fixed.state_dict() == {}
+
+
+# --- learned depth prior --------------------------------------------------------------------------------
+
+
+def _train(prior, ce_of_depth, steps, *, first_step=0, micro=4, n_tokens=(1000, 600, 1400, 1000), reduce=None):
+    """Simulated trainer loop: one draw + observe per microbatch, one update per step; returns the draws."""
+    draws = []
+    for step in range(first_step, first_step + steps):
+        for m in range(micro):
+            r = prior.sample(0, step, m)
+            prior.observe(r, ce_of_depth(r), n_tokens[m])
+            draws.append(r)
+        prior.update(reduce)
+    return draws
+
+
+def test_learned_prior_starts_at_pln(pln):
+    prior = LearnedDepthPrior(5.0, 0.5, CAP)
+    np.testing.assert_allclose(prior.probs(), pln.pmf(), rtol=1e-12, atol=0)
+    assert abs(prior.mean_depth() - 5.0) < 1e-9 and prior.max_depth == CAP
+    assert prior.logits.dtype == torch.float64
+
+
+def test_learned_prior_gradient_matches_closed_form():
+    # ∂J/∂φ_r = −Σ_n w_n A_n (1[r = r_n] − p_r) + λ_H p_r (log p_r + H)
+    #           + 2 λ_m (E_p[R] − R̄) p_r (r − E_p[R])
+    # (softmax score function; LMDR App. B.3 gives ∂H/∂φ_r = −p_r (log p_r + H)).
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, entropy_weight=0.3, budget_weight=2.0, warmup=1)
+    prior.observe(4, 3.0, 100)
+    prior.update()  # warm-up: baseline = −3.0
+    p0 = prior.probs()
+    obs = [(2, 2.5, 100), (7, 3.5, 300), (2, 2.0, 100)]
+    for o in obs:
+        prior.observe(*o)
+    prior.update()
+    w = np.array([n for _, _, n in obs], float) / 500
+    adv = -np.array([ce for _, ce, _ in obs]) - (-3.0)
+    onehot = np.eye(CAP)[[r - 1 for r, _, _ in obs]]
+    H, mean = -(p0 * np.log(p0)).sum(), DEPTHS @ p0
+    grad = (-(w * adv) @ (onehot - p0) + 0.3 * p0 * (np.log(p0) + H)
+            + 2 * 2.0 * (mean - 5.0) * p0 * (DEPTHS - mean))
+    got = prior.logits.grad.numpy()
+    print(f"max |autograd - closed form| = {np.abs(got - grad).max():.2e}")
+    np.testing.assert_allclose(got, grad, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.05])  # flat CE, and CE falling 0.05 nats per extra loop step
+def test_budget_keeps_mean_depth_near_target(slope):
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, budget_weight=1.0)
+    _train(prior, lambda r: 3.0 - slope * r, 300)
+    print(f"slope {slope}: E_p[R] after 300 updates = {prior.mean_depth():.4f} (R̄ = 5)")
+    assert prior.updates == 300
+    assert abs(prior.mean_depth() - 5.0) < 1.0
+
+
+def test_strong_reward_pulls_prior_toward_rewarded_depth():
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, budget_weight=0.0, lr=1e-2)
+    before = prior.probs()[9]
+    _train(prior, lambda r: 2.0 if r == 10 else 4.0, 300)
+    after = prior.probs()
+    print(f"p(10): {before:.4f} -> {after[9]:.4f}")
+    assert after[9] > 3 * before and after.argmax() == 9
+
+
+def test_warmup_sets_baseline_without_moving_logits():
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, warmup=3, reward="log_ce")
+    logits0 = prior.logits.detach().clone()
+    mean_ce = [2.0, 4.0, 3.0]  # token-weighted mean CE of each step's two microbatches
+    for ce in mean_ce:
+        prior.observe(1, ce - 1.0, 100)
+        prior.observe(2, ce + 0.5, 200)
+        assert prior.update()["updates"] >= 1
+    # Reward is per microbatch (log_ce: −log CE), then token-weighted.
+    rewards = [(-np.log(ce - 1.0) - 2 * np.log(ce + 0.5)) / 3 for ce in mean_ce]
+    b = rewards[0]
+    for u in rewards:
+        b = 0.9 * b + 0.1 * u
+    assert torch.equal(prior.logits.detach(), logits0)
+    assert prior.baseline == pytest.approx(b, rel=1e-12)
+    prior.observe(3, 1.0, 100)
+    prior.update()  # first real update
+    assert not torch.equal(prior.logits.detach(), logits0)
+
+
+def test_reward_arms():
+    ce = torch.tensor([2.0], dtype=torch.float64)
+    got = {k: float(f(ce)) for k, f in REWARDS.items()}
+    assert got == pytest.approx({"neg_ce": -2.0, "log_ce": -np.log(2.0), "exp_ce": -np.exp(2.0),
+                                 "inv_ppl": np.exp(-2.0)}, rel=1e-15)
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    def ce(r):
+        return 3.0 + 0.1 * abs(r - 7)
+
+    cfg = dict(warmup=5, lr=1e-2)
+    a = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    _train(a, ce, 20)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)  # as the checkpoint writes train_state.pt
+    buf.seek(0)
+    b = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    draws_a = _train(a, ce, 20, first_step=20)
+    draws_b = _train(b, ce, 20, first_step=20)
+    assert draws_a == draws_b
+    assert torch.equal(a.logits.detach(), b.logits.detach()) and a.baseline == b.baseline
+    assert a.updates == b.updates == 40
+    with pytest.raises(ValueError, match="train.depth_cap"):
+        LearnedDepthPrior(5.0, 0.5, 32).load_state_dict(a.state_dict())
+
+
+def test_reduce_hook_two_identical_ranks_equals_single_process():
+    def ce(r):
+        return 3.0 - 0.05 * r
+
+    single = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2)
+    ranks = copy.deepcopy(single)
+    d1 = _train(single, ce, 10)
+    d2 = _train(ranks, ce, 10, reduce=lambda t: 2 * t)  # fake all-reduce over 2 ranks with equal stats
+    assert d1 == d2 and single.baseline == ranks.baseline
+    assert torch.equal(single.logits.detach(), ranks.logits.detach())
+
+    # A rank that drew a different depth for a microbatch is caught.
+    ranks.observe(3, 3.0, 10)
+    with pytest.raises(RuntimeError, match="different depths"):
+        ranks.update(lambda t: t + torch.tensor([30.0, 10.0, 4.0, 1.0], dtype=torch.float64))
+
+
+def test_learned_prior_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="train.prior_reward"):
+        LearnedDepthPrior(5.0, 0.5, CAP, reward="bogus")
+    with pytest.raises(ValueError, match="train.depth_mean"):
+        LearnedDepthPrior(70.0, 0.5, CAP)
+    with pytest.raises(ValueError, match="learned prior: depth"):
+        LearnedDepthPrior(5.0, 0.5, CAP).observe(65, 3.0, 10)
