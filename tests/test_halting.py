@@ -149,7 +149,7 @@ def checkpoint(tmp_path_factory, tiny_cfg, tiny_data):
 
 def test_halting_checkpoint_report(checkpoint, tmp_path):
     out = tmp_path / "halting"
-    res = evaluate_halting_checkpoint(checkpoint, out, n_calib=160, n_timed=48, batch_size=16,
+    res = evaluate_halting_checkpoint(checkpoint, out, n_calib=160, n_timed=48, batch_size=16, repeats=2,
                                       split_timed="valid", progress=False)
     print(res["markdown"])
     on_disk = json.loads((out / "halting.json").read_text())
@@ -163,7 +163,7 @@ def test_halting_checkpoint_report(checkpoint, tmp_path):
         assert key in cal
     for key in ("seconds", "tokens_per_s", "ppl", "mean_loops"):
         assert key in tm["dynamic"] and key in tm["static"]
-    assert cal["sequences"] == 160 and cal["tokens"] == 160 * 32
+    assert res["repeats"] == 2 and cal["sequences"] == 160 and cal["tokens"] == 160 * 32
     assert res["first_timed_window"] == 160 and tm["sequences"] == 48  # disjoint slice of the same split
     assert cal["ppl_dynamic"] <= 1.01 * cal["ppl_kmax"]
     assert cal["ppl_kmax"] == pytest.approx(cal["ppl_by_k"][str(K)])

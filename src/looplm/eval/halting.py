@@ -29,8 +29,8 @@ same, the timed windows are the ``n_timed`` that follow the calibration windows.
 are read out with ``final=False`` and K_max with ``final=True`` (what ``forward`` does for
 ``depth=[1..K_max]``), so the timed run reproduces the cached calibration logits; a fixed-K run is
 ``model(x, depth=K)`` (its own final readout at K). Timings: ``torch.inference_mode``, batches
-prebuilt on the device, one untimed warm-up batch per mode, CUDA synchronized around each run; no
-autocast (the model's parameter dtype).
+prebuilt on the device, one untimed warm-up batch per mode, CUDA synchronized around each run, the
+median of ``repeats`` interleaved passes; no autocast (the model's parameter dtype).
 """
 
 from __future__ import annotations
@@ -212,6 +212,9 @@ def trace_margins(model: LoopLM, batches: list[Batch], k_max: int, *,
                   progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-loop margins and NLL of every window from one ``depth=[1..k_max]`` forward per batch.
 
+    Holds the K (B, L, V) logits of one batch at a time (GPT-2 vocabulary, B=16, L=256, K=4: ~3.3 GB
+    in float32); lower ``batch_size`` if that does not fit.
+
     Args:
         model: put in eval mode by the caller. batches: (x, y) pairs, (B, L) int64 each.
 
@@ -353,7 +356,7 @@ def _finite(v: float) -> float | None:
 
 
 def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed: tuple[torch.Tensor, torch.Tensor],
-                 k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE,
+                 k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                  device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
     """Calibrate τ on ``calib`` windows, then time dynamic halting and fixed depths on ``timed``.
 
@@ -361,16 +364,17 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
         model: the model (on ``device``; put in eval mode here, restored after).
         calib, timed: (x, y) windows, each (N, L) int64 (see :func:`make_windows`).
         k_max: loop ceiling K_max ≥ 1. tolerance: relative PPL budget of :func:`calibrate_tau`.
+        repeats: timed passes over the timed windows per mode (interleaved); seconds are their median.
 
     Returns:
         JSON-ready dict (strict JSON: τ = ∞ is written as ``null``); see
         :func:`evaluate_halting_checkpoint` for the fields.
 
     Raises:
-        ValueError: k_max < 1, batch_size < 1, a negative tolerance, or empty windows.
+        ValueError: k_max, batch_size or repeats < 1, a negative tolerance, or empty windows.
     """
-    if k_max < 1 or batch_size < 1:
-        raise ValueError(f"k_max and batch_size must be >= 1, got {k_max}, {batch_size}")
+    if k_max < 1 or batch_size < 1 or repeats < 1:
+        raise ValueError(f"k_max, batch_size and repeats must be >= 1, got {k_max}, {batch_size}, {repeats}")
     if len(calib[0]) == 0 or len(timed[0]) == 0:
         raise ValueError("calibration and timed windows must be non-empty")
     device = torch.device(device)
@@ -387,20 +391,30 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
         dynamic_halting_run(model, batches[:1], tau, k_max)
         for K in range(1, k_max + 1):
             fixed_depth_run(model, batches[:1], K)
-        dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress)
-        frontier = []
-        n_tokens = int(dyn.tokens.sum())
-        for K in range(1, k_max + 1):
-            nll, seconds = fixed_depth_run(model, batches, K, progress=progress)
-            frontier.append({"k": K, "ppl": math.exp(nll.sum() / n_tokens), "seconds": seconds,
-                             "tokens_per_s": n_tokens / seconds})
+        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+        dyn_s: list[float] = []
+        fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
+        fixed_nll: dict[int, np.ndarray] = {}
+        for r in range(repeats):
+            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0)
+            dyn_s.append(dyn.seconds)
+            for K in range(1, k_max + 1):
+                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0)
+                fixed_s[K].append(seconds)
     finally:
         model.train(was_training)
+    n_tokens = int(dyn.tokens.sum())
+    dyn_seconds = float(np.median(dyn_s))
+    frontier = []
+    for K in range(1, k_max + 1):
+        seconds = float(np.median(fixed_s[K]))
+        frontier.append({"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": seconds,
+                         "tokens_per_s": n_tokens / seconds})
     static = frontier[-1]
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
     return {
-        "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "device": str(device),
+        "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats, "device": str(device),
         "seq_len": int(calib[0].shape[1]),
         "calibration": {
             "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
@@ -414,12 +428,12 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
         },
         "timed": {
             "sequences": N, "tokens": n_tokens,
-            "dynamic": {"seconds": dyn.seconds, "tokens_per_s": n_tokens / dyn.seconds, "ppl": dyn_ppl,
+            "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
                         "mean_loops": float(dyn.loops.mean()), "row_loops": dyn.row_loops,
                         "loop_counts": _counts(dyn.loops)},
             "static": {"k": k_max, "seconds": static["seconds"], "tokens_per_s": static["tokens_per_s"],
                        "ppl": static["ppl"], "mean_loops": float(k_max), "row_loops": N * k_max},
-            "speedup": static["seconds"] / dyn.seconds, "ppl_ratio": dyn_ppl / static["ppl"],
+            "speedup": static["seconds"] / dyn_seconds, "ppl_ratio": dyn_ppl / static["ppl"],
         },
         "frontier": frontier,
     }
@@ -436,7 +450,7 @@ def markdown_report(res: dict[str, Any], label: str = "model") -> str:
     lines = [
         f"## Logit-margin halting: {label}", "",
         f"K_max = {res['k_max']}, tolerance {100 * res['tolerance']:.3g}%, batch {res['batch_size']}, "
-        f"L = {res['seq_len']}, device {res['device']}.", "",
+        f"L = {res['seq_len']}, device {res['device']}, median of {res['repeats']} timed passes.", "",
         f"Calibration ({res.get('split_calib', 'calib')}, {cal['sequences']} sequences, {cal['tokens']} tokens): "
         f"τ = {tau}; mean loops {cal['mean_loops']:.2f}; dynamic PPL {cal['ppl_dynamic']:.3f} vs "
         f"K_max PPL {cal['ppl_kmax']:.3f} (ratio {cal['ppl_ratio']:.4f}).", "",
@@ -499,7 +513,7 @@ def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Pat
 def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_max: int | None = None,
                                 split_calib: str = "valid", split_timed: str = "test",
                                 n_calib: int = DEFAULT_N_CALIB, n_timed: int = DEFAULT_N_TIMED,
-                                batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE,
+                                batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                                 dataset: str | None = None, device: str = "cpu",
                                 progress: bool = True) -> dict[str, Any]:
     """Logit-margin halting of a checkpoint (SPEC §6): calibrate, time, frontier; write the report.
@@ -514,7 +528,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
         JSON-ready dict::
 
             checkpoint, name, rule, architecture, readout, dataset, params, split_calib, split_timed,
-            k_max, tolerance, batch_size, device, seq_len,
+            k_max, tolerance, batch_size, repeats, device, seq_len,
             calibration: {sequences, tokens, tau (null = ∞), halts_early, candidates, mean_loops,
                           ppl_dynamic, ppl_kmax, ppl_ratio, ppl_budget, ppl_by_k: {"k": ppl},
                           loop_counts: {"k": sequences}, sweep: {tau, ppl, mean_loops}}
@@ -541,8 +555,8 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
     calib = make_windows(load_tokens(data_cfg, split_calib, tok, root, cache), L, 0, n_calib)
     first_timed = n_calib if split_timed == split_calib else 0
     timed = make_windows(load_tokens(data_cfg, split_timed, tok, root, cache), L, first_timed, n_timed)
-    res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, device=device,
-                       progress=progress)
+    res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, repeats=repeats,
+                       device=device, progress=progress)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "readout": cfg.model.readout,
            "dataset": data_cfg.dataset, "params": model.num_params(), "split_calib": split_calib,

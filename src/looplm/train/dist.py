@@ -113,6 +113,15 @@ def mean_across_ranks(value: float, env: DistEnv) -> float:
     return float(t.item()) / env.world_size
 
 
+def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum of a tensor over ranks (a copy; the input is unchanged). Identity without distribution."""
+    if not env.enabled:
+        return t
+    out = t.detach().clone().to(env.device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device, t.dtype)
+
+
 def _state_dict_options(mode: str, env: DistEnv, *, saving: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

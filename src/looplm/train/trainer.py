@@ -29,8 +29,9 @@ from looplm.model import Block, LoopLM
 from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, load_checkpoint,
                                      newest_valid_checkpoint, save_checkpoint)
 from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
-                               mean_across_ranks, shutdown, unwrap, wrap_model)
+                               mean_across_ranks, shutdown, unwrap, wrap_model, all_reduce_sum)
 from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.train.losses import training_loss
 from looplm.train.samplers import build_sampler
 
 
@@ -168,6 +169,8 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         sched.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
     sampler = build_sampler(tcfg)
+    if state is not None and state.get("depth_prior"):
+        sampler.load_state_dict(state["depth_prior"])
     metrics_path = out / "metrics.jsonl"
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +193,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
                 plain.load_state_dict(model_sd, strict=True)
             train_state = {"step": step, "optimizer": opt_sd, "scheduler": sched.state_dict(),
                            "rng": _rng_state(), "data_position": {"seed": tcfg.seed, "step": step},
-                           "world_size": env.world_size}
+                           "world_size": env.world_size, "depth_prior": sampler.state_dict()}
             save_checkpoint(out, step, plain, cfg, train_state=train_state, tokenizer_json=data.tokenizer_json)
         barrier(env)
 
@@ -209,7 +212,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     log = metrics_path.open("a") if main else None
     for step in range(start_step, end_step):
         t0 = time.time()
-        loss_sum, depths = 0.0, []
+        loss_sum, depths, extras = 0.0, [], {}
         for micro in range(tcfg.grad_accum):
             # every rank draws the same depth: a pure function of (seed, step, micro)
             T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
@@ -220,21 +223,26 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
                 sync = wrapped.no_sync()
             with sync, autocast_context(device, tcfg.dtype):
-                loss = wrapped(x, depth=T, targets=y, keep_logits=False).loss
+                res = training_loss(wrapped, x, y, T, tcfg)
             with sync:
-                (loss / tcfg.grad_accum).backward()
-            loss_sum += float(loss.detach())
+                (res.loss / tcfg.grad_accum).backward()
+            loss_sum += res.ce
+            sampler.observe(T, res.ce, res.n_tokens)
+            for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
+                extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
         dt = time.time() - t0
         n_tok = B * L * tcfg.grad_accum
         tokens_done += n_tok
         done = step + 1
         last = {"step": done, "loss": mean_across_ranks(loss_sum / tcfg.grad_accum, env), "lr": lr,
-                "grad_norm": grad_norm, "depths": depths, "tokens_per_s": n_tok / dt}
+                "grad_norm": grad_norm, "depths": depths, "tokens_per_s": n_tok / dt, **extras,
+                **{f"prior_{k}": v for k, v in prior.items()}}
         if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
             last.update(validate())
         if log is not None:

@@ -1,0 +1,89 @@
+"""Training objectives of a looped model at one sampled depth T (SPEC §4, §5).
+
+- ``terminal``: cross-entropy at the last loop T.
+- ``per_loop``: mean cross-entropy over loops 1..T (readout-blind-spot "per-loop supervision").
+- ``exit_weighted`` (Ouro-style): a learned exit gate gives, per token, the hazard
+  λ_k = σ(gate(H_k)) of stopping at loop k < T; the exit distribution is
+  p_k = λ_k ∏_{j<k}(1 − λ_j) for k < T and p_T = ∏_{j<T}(1 − λ_j); the loss is
+  Σ_k p_k·CE_k − β·H(p), averaged over tokens, with β = ``train.exit_entropy``.
+- ``norm_penalty`` (any supervision): + λ·T⁻¹ Σ_{k=1..T} mean_tokens ‖H_k‖²_rms (SPEC §4), where
+  ‖H‖²_rms = mean over d of H².
+
+Truncated BPTT (``train.tbptt``) is passed to the model's unroll; loops outside the window contribute
+their readout losses without gradient through the recurrence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looplm.config import TrainConfig
+
+
+@dataclass
+class LossResult:
+    """``loss``: the scalar to back-propagate; ``ce``: the terminal-loop mean CE (nats, detached float);
+    ``n_tokens``: supervised tokens; ``extras``: logged scalars (floats)."""
+
+    loss: torch.Tensor
+    ce: float
+    n_tokens: int
+    extras: dict
+
+
+def exit_distribution(exit_logits: list[torch.Tensor]) -> torch.Tensor:
+    """Exit probabilities over loops 1..T from per-loop gate logits.
+
+    Args:
+        exit_logits: T tensors (B, L); the last one is unused (p_T takes the remaining mass).
+    Returns:
+        (T, B, L) probabilities summing to 1 over the first axis.
+    """
+    T = len(exit_logits)
+    survive = torch.ones_like(exit_logits[0])
+    probs = []
+    for k in range(T - 1):
+        lam = torch.sigmoid(exit_logits[k].float())
+        probs.append(survive * lam)
+        survive = survive * (1.0 - lam)
+    probs.append(survive)
+    return torch.stack(probs)
+
+
+def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: TrainConfig) -> LossResult:
+    """The training loss of ``model`` (LoopLM, possibly DDP/FSDP-wrapped) on one microbatch at loop depth T.
+
+    Args:
+        x, y: (B, L) int64 inputs and next-token targets (-100 = ignored).
+        depth: the sampled loop depth T ≥ 1.
+    """
+    sup, lam = tcfg.supervision, tcfg.norm_penalty
+    depths = list(range(1, depth + 1)) if sup != "terminal" else depth
+    out = model(x, depth=depths, targets=y, keep_logits=False, tbptt=tcfg.tbptt, return_states=lam > 0)
+    valid = (y != -100)
+    n = valid.sum().clamp(min=1)
+    ce_T = out.nll_by_depth[depth].sum() / n
+    extras: dict = {}
+    if sup == "terminal":
+        loss = ce_T
+    elif sup == "per_loop":
+        loss = torch.stack([out.nll_by_depth[k].sum() / n for k in range(1, depth + 1)]).mean()
+    else:
+        logits = [out.exit_logits_by_depth[k] for k in range(1, depth + 1)]
+        p = exit_distribution(logits)  # (T, B, L)
+        nll = torch.stack([out.nll_by_depth[k] for k in range(1, depth + 1)])  # (T, B, L)
+        m = valid.to(p.dtype)
+        expected = (p * nll).sum(0)  # (B, L)
+        entropy = -(p * torch.log(p.clamp(min=1e-12))).sum(0)  # (B, L)
+        loss = ((expected - tcfg.exit_entropy * entropy) * m).sum() / n
+        loss = loss + 0.0 * logits[-1].sum()  # keeps the last gate call in the graph (DDP)
+        mean_exit = (p * torch.arange(1, depth + 1, dtype=p.dtype, device=p.device)[:, None, None]).sum(0)
+        extras.update(exit_entropy=float((entropy * m).sum().detach() / n), mean_exit_loop=float((mean_exit * m).sum().detach() / n))
+    if lam > 0:
+        sq = torch.stack([h.float().pow(2).mean(-1).mean() for h in out.states[1:depth + 1]])  # (T,)
+        penalty = lam * sq.mean()
+        loss = loss + penalty
+        extras["norm_penalty"] = float(penalty.detach())
+    return LossResult(loss=loss, ce=float(ce_T.detach()), n_tokens=int(n), extras=extras)
