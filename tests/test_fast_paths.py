@@ -60,8 +60,13 @@ def test_bench_writes_every_measurement(tmp_path):
                  "--matmul-n", "64", "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     for key in ("matmul_peak_gflops", "train_tokens_per_s", "mfu", "loop_overhead_ratio", "scse_vs_looped_ratio",
-                "multidepth_eval_ratio", "bf16_train_speedup"):
+                "multidepth_eval_ratio", "bf16_train_speedup", "tbptt_peak_mem_ratio", "decode_cache_speedup",
+                "terminal_kv_bytes_ratio"):
         assert key in res
+    # the debug preset has one core block and no prelude/coda: terminal sharing keeps exactly 1/T of the bytes
+    assert res["terminal_kv_bytes_ratio"] == 1 / 2 and res["targets"]["terminal_kv_bytes_ratio"]["met"]
+    # truncated BPTT at T=32, b=4 saves about as much as full BPTT at T=4; full BPTT at T=32 far more
+    assert res["tbptt_mem_bytes_full_deep"] > 4 * res["tbptt_mem_bytes_truncated"]
     assert set(res["matmul_peak_gflops"]) == {"float32", "bfloat16"}
     assert res["targets"]["mfu"]["met"] == (res["mfu"] >= 0.6)
     assert out.with_suffix(".md").read_text().startswith("# looplm bench")

@@ -11,7 +11,11 @@ Every figure is a ratio taken within the same run, so the machine's speed cancel
   width (training tokens/s); ``scse_vs_looped_ratio``: SCSE against the ``looped`` baseline;
 - ``multidepth_eval_ratio``: evaluation at the default depth list over one evaluation at its largest
   depth (one unroll reads out at every depth on the way);
-- entries for truncated BPTT and KV-cache decoding appear once those parts exist.
+- ``tbptt_peak_mem_ratio``: activation memory of truncated BPTT (T = 32, b = 4) over full BPTT at T = 4
+  (CUDA: peak allocated bytes; CPU: bytes autograd saves for backward);
+- ``decode_cache_speedup``: greedy decoding at a 512-token context with the ``per_visit`` KV cache over
+  re-running the full forward on the growing sequence; ``terminal_kv_bytes_ratio``: KV bytes of the
+  terminal cache over the per-visit cache (1/T for a model without prelude and coda).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context
 
 TARGETS = {"mfu": (">=", 0.60), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
-           "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1)}
+           "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
+           "tbptt_peak_mem_ratio": ("<=", 1.3), "decode_cache_speedup": (">=", 10.0),
+           "terminal_kv_bytes_ratio": ("==", None)}  # None: 1/T of the run, set in run_bench
 
 
 def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> float:
@@ -86,6 +92,83 @@ def eval_seconds(model: LoopLM, depths: list[int], *, batch_size: int, repeat: i
     x = torch.randint(0, model.cfg.vocab_size, (batch_size, model.cfg.seq_len), device=device)
     return _timeit(lambda: model(x, depth=depths, targets=x, keep_logits=False), warmup=1, repeat=repeat,
                    device=device)
+
+
+def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int) -> int:
+    """Activation memory of one training step: on CUDA the peak allocated bytes above the model's
+    resting memory; elsewhere the bytes of the tensors autograd saves for backward (unique storages,
+    counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x, depth=depth, targets=x, keep_logits=False, tbptt=tbptt).loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        model.zero_grad(set_to_none=True)
+        return peak
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, depth=depth, targets=x, keep_logits=False, tbptt=tbptt).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.device, depth: int = 32,
+                       window: int = 4, short: int = 4) -> dict[str, float]:
+    """Truncated BPTT (b = ``window``) at T = ``depth`` against full BPTT at T = ``short`` (issue 6:
+    ``tbptt_peak_mem_ratio`` ≤ 1.3)."""
+    torch.manual_seed(0)
+    model = LoopLM(cfg).to(device).train()
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+    trunc = training_memory_bytes(model, x, depth, window)
+    full_short = training_memory_bytes(model, x, short, 0)
+    full_deep = training_memory_bytes(model, x, depth, 0)
+    return {"tbptt_depth": depth, "tbptt_window": window, "tbptt_short_depth": short,
+            "tbptt_mem_bytes_truncated": trunc, "tbptt_mem_bytes_full_short": full_short,
+            "tbptt_mem_bytes_full_deep": full_deep, "tbptt_peak_mem_ratio": trunc / full_short}
+
+
+@torch.no_grad()
+def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new_tokens: int = 32,
+                        device: torch.device) -> dict[str, float]:
+    """Greedy decoding of ``new_tokens`` after a prompt that fills a ``context``-token window, with the
+    per_visit and terminal KV caches and without a cache (re-running the full forward on the growing
+    sequence). Issue 6: ``decode_cache_speedup`` ≥ 10, ``terminal_kv_bytes_ratio`` = 1/T."""
+    from looplm.model.kvcache import KVCache
+
+    long = cfg.replace(seq_len=max(cfg.seq_len, context))
+    torch.manual_seed(0)
+    model = LoopLM(long).to(device).eval()
+    prompt = torch.randint(0, long.vocab_size, (1, context - new_tokens), device=device)
+    res: dict[str, float] = {"decode_depth": depth, "decode_context": context, "decode_new_tokens": new_tokens}
+
+    def cached(mode: str) -> Callable[[], None]:
+        def run() -> None:
+            cache = KVCache(mode)
+            nxt = model(prompt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+            for _ in range(new_tokens - 1):
+                nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+            res[f"kv_bytes_{mode}"] = cache.nbytes()
+        return run
+
+    def uncached() -> None:
+        seq = prompt
+        for _ in range(new_tokens):
+            seq = torch.cat([seq, model(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
+
+    for mode in ("per_visit", "terminal"):
+        res[f"decode_tokens_per_s_{mode}"] = new_tokens / _timeit(cached(mode), warmup=1, repeat=1, device=device)
+    res["decode_tokens_per_s_uncached"] = new_tokens / _timeit(uncached, warmup=0, repeat=1, device=device)
+    res["decode_cache_speedup"] = res["decode_tokens_per_s_per_visit"] / res["decode_tokens_per_s_uncached"]
+    res["terminal_kv_bytes_ratio"] = res["kv_bytes_terminal"] / res["kv_bytes_per_visit"]
+    return res
 
 
 def machine() -> dict[str, Any]:
@@ -146,8 +229,26 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["multidepth_vs_separate_speedup"] = separate / multi
     log(f"multi-depth eval {multi:.3f}s vs deepest only {single:.3f}s vs separate {separate:.3f}s per batch")
 
-    res["targets"] = {k: {"op": op, "target": v, "value": res[k],
-                          "met": res[k] >= v if op == ">=" else res[k] <= v} for k, (op, v) in TARGETS.items()}
+    res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
+    log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
+        f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
+    res.update(decode_measurements(cfg, depth=depth, device=dev))
+    log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
+        f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
+        f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
+
+    expected = {"terminal_kv_bytes_ratio": 1.0 / depth if cfg.n_prelude == cfg.n_coda == 0 else None}
+
+    def met(k: str, op: str, v: float) -> bool:
+        if op == "==":
+            return abs(res[k] - v) <= 1e-9 * max(1.0, abs(v))
+        return res[k] >= v if op == ">=" else res[k] <= v
+
+    res["targets"] = {}
+    for k, (op, v) in TARGETS.items():
+        v = expected.get(k, v)
+        if v is not None:
+            res["targets"][k] = {"op": op, "target": v, "value": res[k], "met": met(k, op, v)}
     res["markdown"] = markdown(res)
     return res
 
@@ -164,6 +265,13 @@ def markdown(res: dict[str, Any]) -> str:
              f"| training tokens/s (fp32) | {res['train_tokens_per_s']:.0f} |",
              f"| training tokens/s (bf16 autocast) | {res['train_tokens_per_s_bf16']:.0f} |",
              f"| multi-depth eval vs separate runs | {res['multidepth_vs_separate_speedup']:.2f}× faster |",
+             f"| activation bytes: TBPTT T={res['tbptt_depth']} b={res['tbptt_window']} / full T="
+             f"{res['tbptt_short_depth']} / full T={res['tbptt_depth']} | {res['tbptt_mem_bytes_truncated']:,} / "
+             f"{res['tbptt_mem_bytes_full_short']:,} / {res['tbptt_mem_bytes_full_deep']:,} |",
+             f"| decoding tokens/s at T={res['decode_depth']}, {res['decode_context']}-token context: per_visit / "
+             f"terminal / uncached | {res['decode_tokens_per_s_per_visit']:.1f} / "
+             f"{res['decode_tokens_per_s_terminal']:.1f} / {res['decode_tokens_per_s_uncached']:.1f} |",
+             f"| KV bytes per_visit / terminal | {res['kv_bytes_per_visit']:,} / {res['kv_bytes_terminal']:,} |",
              "", "| target | value | target | met |", "|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
         lines.append(f"| `{k}` | {t['value']:.3f} | {t['op']} {t['target']} | {'yes' if t['met'] else 'no'} |")

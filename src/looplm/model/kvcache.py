@@ -150,6 +150,8 @@ class AttentionScope:
         past_pad = self.cache is not None and self.cache.valid is not None and not bool(self.cache.valid.all())
         if Lp == 0 and not has_pad:
             return None
+        if Lq == 1 and not has_pad and not past_pad:
+            return torch.ones(1, 1, 1, Lp + 1, dtype=torch.bool, device=device)  # one query sees everything
         causal = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril()  # (Lq, Lq)
         cur = causal.expand(B, Lq, Lq)
         if has_pad:
@@ -190,6 +192,8 @@ class AttentionScope:
             k_all, v_all = k, v
         B, _, Lq, _ = q.shape
         mask = self._mask(B, Lq, k_all.shape[2] - Lq, q.device)
+        if mask is not None and mask.shape[0] == 1 and bool(mask.all()):
+            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)
         if mask is None:
             return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, dropout_p=dropout_p)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
