@@ -12,8 +12,16 @@ Glossary (one word per idea, used everywhere in the code):
 - **deviation Δ_t = h_t − h\***: the state SCSE evolves.
 - **injection**: the input-conditioned signal added at each loop step by additive rules.
 - **forcing bias b_t(e) = T_t(0; e)**: the next deviation produced from the anchor itself.
-- **readout**: ``logits = W_out · RMSNorm(h)``.
-- **depth sampler / depth prior**: the distribution of training loop depths.
+- **readout**: ``logits = W_out · RMSNorm(h)`` (``rmsnorm``), ``W_out · h`` (``raw``), or raw at
+  intermediate loops and normalized at the last (``final_only_norm``).
+- **depth sampler / depth prior**: the distribution of training loop depths (fixed, uniform, Poisson
+  log-normal ``pln``, or a ``learned`` categorical prior).
+- **truncated BPTT (b)**: back-propagation through the last b loop steps only.
+- **KV cache per_visit / terminal KV sharing**: K/V kept per (layer, visit), or only each token's
+  last-visit K/V per physical layer.
+- **residual parameterization**: pre-LN, or the post-LN family ``x ← RMSNorm(α·x + f(x))`` with
+  α = (2N)^p and initialization gain β = (8N)^−p (DeepNorm p = 1/4, DeepLoop p = 1/2).
+- **visit alignment κ̂_R**: how aligned a shared sublayer's per-visit weight gradients are (1 … R).
 
 Sources: SCSE (Source-Centered State Evolution), Looped Models Done Right, DeepLoop, and the readout
 blind-spot paper; ``SPEC.md`` pins every equation this package implements.

@@ -7,7 +7,8 @@
 ``cpu``: the CPU reference protocol (SPEC §11) sized so that the main job (two models trained and
 evaluated) finishes within 15 minutes on a 2-core machine. Dropout is 0 (our choice): 400 steps is
 far from overfitting Brown, and at step 200 SCSE's validation PPL was 829 without dropout vs 876
-with the paper's 0.1. ``debug``: a tiny model on real text,
+with the paper's 0.1. ``huginn-cpu``: the CPU protocol with the Huginn-style 1 + 2×R + 1 layout (huginn_linear injection,
+PLN-5 depths, truncated BPTT b = 2). ``debug``: a tiny model on real text,
 trains in seconds.
 """
 
@@ -41,6 +42,16 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=40, depth_sampler="uniform",
                           depth_lo=1, depth_hi=8, eval_every=200, eval_batches=4, eval_depth=8,
                           ckpt_every=100, device="cpu"),
+    ),
+    # the CPU reference protocol with a Huginn-style 1 + 2×R + 1 layout (experiments/huginn-cpu)
+    "huginn-cpu": Config(
+        name="huginn-cpu",
+        model=ModelConfig(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
+                          dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
+        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
+        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=30, depth_sampler="pln", depth_mean=5.0,
+                          depth_cap=64, tbptt=2, eval_every=150, eval_batches=4, eval_depth=5, ckpt_every=100,
+                          device="cpu"),
     ),
     "debug": Config(
         name="debug",
