@@ -117,7 +117,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     progress = not args.quiet
-    if args.task == "ppl":
+    if args.kv_sharing != "none" and args.task != "ppl":
+        raise ValueError(f"--kv-sharing {args.kv_sharing} is its own perplexity protocol; use it with --task ppl, "
+                         f"not --task {args.task}")
+    if args.kv_sharing == "terminal":
+        from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+
+        result = evaluate_kv_sharing_checkpoint(args.checkpoint, args.depths, None, split=args.split,
+                                                max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                                dataset=args.dataset, device=args.device, progress=progress)
+    elif args.task == "ppl":
         from looplm.eval.runner import evaluate_checkpoint
 
         result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
@@ -128,12 +137,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         result = evaluate_lambada_checkpoint(args.checkpoint, depths=args.depths, max_examples=args.max_examples,
                                              batch_size=args.batch_size, device=args.device, progress=progress)
-    else:
-        from looplm.eval.adaptive import adaptive_depth_checkpoint
+    elif args.task == "halting":
+        from looplm.eval.halting import evaluate_halting_checkpoint
 
-        result = adaptive_depth_checkpoint(args.checkpoint, targets=args.targets, ceiling=args.ceiling,
-                                           dataset=args.dataset, max_tokens=args.max_tokens,
-                                           batch_size=args.batch_size, device=args.device, progress=progress)
+        out_dir = args.out.parent if args.out else Path("results") / "halting"
+        n = args.max_examples or 160
+        result = evaluate_halting_checkpoint(args.checkpoint, out_dir, k_max=args.ceiling, split_calib="valid",
+                                             split_timed=args.split, n_calib=n, n_timed=n,
+                                             batch_size=args.batch_size, tolerance=args.tolerance,
+                                             device=args.device, progress=progress,
+                                             **({"dataset": args.dataset} if args.dataset else {}))
+    else:
+        from looplm.eval.adaptive import DEFAULT_CEILING, adaptive_depth_checkpoint
+
+        result = adaptive_depth_checkpoint(args.checkpoint, targets=args.targets,
+                                           ceiling=args.ceiling or DEFAULT_CEILING, dataset=args.dataset,
+                                           max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                           device=args.device, progress=progress)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +163,60 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     else:
         print(text)
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then the non-empty lines of --prompts-file (trailing newline dropped)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        lines = args.prompts_file.read_text().splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or a --prompts-file with one prompt per line")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from looplm.data.tokenizer import eot_id
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.generate import build_exit_criterion, generate
+    from looplm.train.checkpoint import load_checkpoint
+
+    prompts = _read_prompts(args)
+    model, cfg, _, ckpt = load_checkpoint(args.checkpoint, device=args.device)
+    tok = load_tokenizer_for(ckpt)
+    try:
+        eos = eot_id(tok)
+    except ValueError:
+        eos = None
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    for p, i in zip(prompts, ids):
+        if not i:
+            raise ValueError(f"prompt {p!r} encodes to no tokens")
+    depth = args.depth or cfg.train.eval_depth
+    criterion = None if args.exit == "none" else build_exit_criterion(args.exit, args.exit_tau)
+    gen = generate(model, ids, args.max_new_tokens, depth, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, cache_mode=args.kv_cache, exit_criterion=criterion,
+                   max_depth=args.max_depth, eos_id=eos)
+    results = []
+    for n, (p, i, toks, depths) in enumerate(zip(prompts, ids, gen.tokens, gen.depths), 1):
+        text = tok.decode(toks)
+        mean = sum(depths) / len(depths) if depths else 0.0
+        results.append({"prompt": p, "prompt_tokens": i, "continuation": text, "tokens": toks, "depths": depths,
+                        "mean_depth": mean})
+        print(f"=== [{n}/{len(prompts)}] {len(i)} prompt tokens -> {len(toks)} new tokens, "
+              f"loops per token: mean {mean:.2f}")
+        print(f"{p}\033[1m{text}\033[0m" if sys.stdout.isatty() else p + text)
+    if args.json:
+        settings = {"depth": depth, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                    "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "kv_cache": args.kv_cache,
+                    "exit": args.exit, "exit_tau": None if criterion is None else criterion.tau,
+                    "max_depth": (args.max_depth or depth) if criterion is not None else None, "eos_id": eos}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+                                         "settings": settings, "results": results}, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -207,25 +281,46 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="multi-depth perplexity, LAMBADA, or adaptive depth of a checkpoint",
+    p = sub.add_parser("eval", help="perplexity, terminal KV sharing, LAMBADA, adaptive depth or halting of a "
+                       "checkpoint",
                        description="--task ppl (default): perplexity at every requested loop depth from one "
                        "unroll per batch (SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens. "
+                       "--kv-sharing terminal (with --task ppl): the continuation protocol of terminal KV "
+                       "sharing: prefill the first half of each full window into a terminal KV cache, score the "
+                       "second half in one pass, and compare with the full forward on the same tokens; JSON has "
+                       "per-depth ppl_full, ppl_terminal, sharing_penalty_pct = 100(PPL_terminal/PPL_full - 1), "
+                       "kv_bytes_full and kv_bytes_terminal (per sequence prefix). "
                        "--task lambada: OpenAI LAMBADA target-token completion PPL, target-token accuracy "
                        "and exact last-word accuracy per depth (target_ppl, target_acc, exact_acc). "
                        "--task adaptive: the hidden-update stopping rule (max-token relative update < tau, "
                        "ceiling --ceiling), tau calibrated on the valid split per target mean depth, test PPL "
-                       "and achieved depth, plus a real early-exit run with its speedup. Writes JSON (--out) "
-                       "and a Markdown table next to it.")
+                       "and achieved depth, plus a real early-exit run with its speedup. "
+                       "--task halting: logit-margin halting (smallest margin threshold keeping PPL within "
+                       "--tolerance of the K_max PPL on valid windows, then a timed dynamic-batching run on "
+                       "--split and the fixed-depth frontier); writes halting.json, halting.md and "
+                       "halting_frontier.png into the folder of --out (default results/halting). "
+                       "Writes JSON (--out) and a Markdown table next to it.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
-    p.add_argument("--task", choices=["ppl", "lambada", "adaptive"], default="ppl", help="what to evaluate")
-    p.add_argument("--max-examples", type=positive_int, default=None, help="lambada: score only the first N passages")
+    p.add_argument("--task", choices=["ppl", "lambada", "adaptive", "halting"], default="ppl",
+                   help="what to evaluate")
+    p.add_argument("--kv-sharing", choices=["none", "terminal"], default="none",
+                   help="ppl: none (default) = the ordinary forward; terminal = the terminal KV sharing "
+                   "continuation protocol at each of --depths")
+    p.add_argument("--max-examples", type=positive_int, default=None,
+                   help="lambada: score only the first N passages; halting: N calibration and N timed windows "
+                   "(default 160)")
     p.add_argument("--targets", type=parse_depths, default=[8, 16, 24],
                    help="adaptive: target mean loop budgets (default 8,16,24)")
-    p.add_argument("--ceiling", type=positive_int, default=48, help="adaptive: loop ceiling (default 48)")
+    p.add_argument("--ceiling", type=positive_int, default=None,
+                   help="adaptive: loop ceiling (default 48); halting: K_max (default the checkpoint's largest "
+                   "training depth)")
+    p.add_argument("--tolerance", type=float, default=0.01,
+                   help="halting: allowed relative PPL increase over K_max (default 0.01 = 1%%)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
     p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103, text, openwebtext or c4 "
                    "(the last two from the Hugging Face hub, online; default: the training corpus)")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test"], help="split (default test)")
+    p.add_argument("--split", default="test", choices=["train", "valid", "test"],
+                   help="split (default test; halting: the timed split)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward (default 16)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens of the split")
     p.add_argument("--stride", type=positive_int, default=None,
@@ -234,6 +329,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the JSON here (and FILE.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="continue text prompts with a checkpoint (KV cache, sampling, adaptive "
+                       "depth)",
+                       description="Encode each prompt with the checkpoint's tokenizer, left-pad them into one "
+                       "batch, prefill it through a KV cache and decode one token per step; print each prompt "
+                       "followed by its continuation. Rows stop at <|endoftext|>. Prompt plus continuation must "
+                       "fit the model's context (len(prompt) + max_new_tokens - 1 <= seq_len); longer prompts are "
+                       "an error, never truncated silently.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", type=Path, metavar="F", help="a text file with one prompt per line "
+                   "(blank lines skipped), added after the --prompt values")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
+                   help="new tokens per prompt (default 32)")
+    p.add_argument("--depth", type=positive_int, default=None, metavar="R",
+                   help="loop depth of every forward (default: the checkpoint's train.eval_depth)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (default) = greedy argmax")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="sample only from the K most likely tokens (with --temperature > 0)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="nucleus sampling: sample from the smallest set of most likely tokens whose "
+                   "probability reaches P, in (0, 1] (with --temperature > 0; applied after --top-k)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
+                   help="per_visit (default): K/V of every loop visit, exact; terminal: terminal KV sharing, "
+                   "one bank per physical layer holding each prefix token's last-visit K/V")
+    p.add_argument("--exit", choices=["none", "relative", "kl", "entropy"], default="none",
+                   help="per-token adaptive depth: each new token loops until the criterion holds or "
+                   "--max-depth; relative = ||h_r - h_r-1|| / ||h_r-1|| < tau, kl = KL(p_r || p_r-1) < tau "
+                   "(nats), entropy = |H(p_r) - H(p_r-1)| < tau (nats); none (default) = fixed --depth")
+    p.add_argument("--exit-tau", type=float, default=None, metavar="TAU",
+                   help="threshold of --exit (default: relative 0.02, kl 5e-4, entropy 1e-3)")
+    p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
+                   help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write prompts, token ids, continuations and "
+                   "loops per token as JSON")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="parameter count and FLOP proxy of a config, as JSON",
                        description="Print JSON with `params` (trainable, tied embeddings once) and "

@@ -29,6 +29,7 @@ The scope registry is a module-level stack: one forward at a time per process (n
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -59,7 +60,10 @@ class KVCache:
 
     Attributes:
         banks: {key: (K, V)}, each (B, H, L_past, head_dim); key = (layer_id, visit) for ``per_visit``,
-            layer_id for ``terminal``.
+            (layer_id, visit mod calls_per_step) for ``terminal``.
+        calls_per_step: core calls per loop step of the model's rule (2 for ``sc_subtract`` and
+            ``additive_subtract``; set by the model): terminal sharing keeps the last recurrence's K/V of
+            each call, so such rules hold 2 banks per core layer.
         valid: (B, L_past) bool — which cached positions are real tokens (False = left padding).
         n_valid: (B,) int64 — real tokens cached per row (the next token's position id).
         stats: per-sequence running sums used by rules whose step depends on the whole prefix
@@ -77,6 +81,7 @@ class KVCache:
         self.valid: torch.Tensor | None = None
         self.n_valid: torch.Tensor | None = None
         self.stats: dict = {}
+        self.calls_per_step = 1
 
     @property
     def length(self) -> int:
@@ -102,7 +107,7 @@ class KVCache:
         if not self.banks:
             return None
         if self.mode == "terminal":
-            return self.banks.get(layer_id)
+            return self.banks.get((layer_id, visit % self.calls_per_step))
         visits = [v for (lid, v) in self.banks if lid == layer_id]
         if not visits:
             return None
@@ -128,6 +133,17 @@ class AttentionScope:
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_stats: dict = {}
         self.frozen: torch.Tensor | None = None
+        self.record = True
+
+    @contextlib.contextmanager
+    def peek(self):
+        """Attention inside this block reads the cache but records nothing (no visit is counted and
+        nothing is committed): for extra readouts, such as intermediate-depth codas."""
+        self.record = False
+        try:
+            yield self
+        finally:
+            self.record = True
 
     # ------------------------------------------------------------------ context management
     def __enter__(self) -> "AttentionScope":
@@ -175,6 +191,9 @@ class AttentionScope:
             (B, H, L_chunk, head_dim).
         """
         visit = self.visits.get(layer_id, 0)
+        if not self.record:
+            prefix = self.cache._prefix(layer_id, visit) if self.cache is not None else None
+            return self._sdpa(q, k, v, prefix, dropout_p)
         self.visits[layer_id] = visit + 1
         if self.frozen is not None and layer_id in self.last:
             fz = self.frozen[:, None, None, None]
@@ -184,8 +203,12 @@ class AttentionScope:
             k_w, v_w = k, v
         self.last[layer_id] = (k_w, v_w)
         if self.cache is not None:
-            self.pending[(layer_id, visit) if self.cache.mode == "per_visit" else layer_id] = (k_w, v_w)
+            key = (layer_id, visit if self.cache.mode == "per_visit" else visit % self.cache.calls_per_step)
+            self.pending[key] = (k_w, v_w)
         prefix = self.cache._prefix(layer_id, visit) if self.cache is not None else None
+        return self._sdpa(q, k, v, prefix, dropout_p)
+
+    def _sdpa(self, q, k, v, prefix, dropout_p):
         if prefix is not None:
             k_all, v_all = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)
         else:
@@ -213,7 +236,7 @@ class AttentionScope:
         cache = self.cache
         B, Lc = next(iter(self.pending.values()))[0].shape[0], next(iter(self.pending.values()))[0].shape[2]
         if cache.mode == "terminal":
-            for lid, (k, v) in self.pending.items():
+            for lid, (k, v) in self.pending.items():  # lid: (layer_id, call slot)
                 old = cache.banks.get(lid)
                 cache.banks[lid] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
         else:

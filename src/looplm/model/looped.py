@@ -266,7 +266,9 @@ class LoopLM(nn.Module):
             tbptt: truncated BPTT window b (0 = full BPTT), see :meth:`unroll`.
             scale_clamp: the evaluation-time scale clamp (SPEC §4).
             cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
-                positions continue the cache's, and the chunk is appended to the cache (SPEC §6).
+                positions continue the cache's, and the chunk is appended to the cache (SPEC §6). With
+                several depths only the last readout's coda enters the cache; the coda of an
+                intermediate readout attends to the prefix's last-depth coda K/V.
             attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
                 position ids count real tokens only.
 
@@ -282,6 +284,8 @@ class LoopLM(nn.Module):
             raise ValueError("cache: KV caches need the shared architecture")
         valid = (attention_mask.bool() if attention_mask is not None
                  else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
+        if cache is not None:
+            cache.calls_per_step = self.rule.core_calls_per_step
         start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
         positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
         with AttentionScope(cache, valid if attention_mask is not None else None) as scope:
@@ -303,7 +307,12 @@ class LoopLM(nn.Module):
                 continue
             if self.exit_gate is not None and T >= 1:
                 out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
-            logits = self.readout(h, final=T == last)  # (B, L, V)
+            scope = unroll_kw.get("scope")
+            if scope is not None and T != last and self.coda:
+                with scope.peek():  # only the last readout's coda enters the KV cache
+                    logits = self.readout(h, final=False)
+            else:
+                logits = self.readout(h, final=T == last)  # (B, L, V)
             if keep_logits:
                 out.logits_by_depth[T] = logits
             if targets is not None:

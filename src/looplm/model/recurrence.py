@@ -62,6 +62,8 @@ class RecurrenceRule(nn.Module):
     name = ""
     #: whether ``start`` takes the token positions (the Huginn family's gaussian initial state)
     uses_positions = False
+    #: core applications per loop step (2 for the subtractive controls)
+    core_calls_per_step = 1
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -329,6 +331,7 @@ class SCSubtract(SCCond):
     """
 
     name = "sc_subtract"
+    core_calls_per_step = 2
 
     def raw_update(self, core, state, ctx):
         return core(state + ctx.injection) - core(ctx.injection)
@@ -361,6 +364,7 @@ class AdditiveSubtract(_AnchoredStart):
     """
 
     name = "additive_subtract"
+    core_calls_per_step = 2
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

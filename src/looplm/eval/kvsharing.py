@@ -1,0 +1,178 @@
+"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6).
+
+Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only
+its last-recurrence K/V per physical attention layer, and every recurrence of later tokens attends
+to those terminal K/V.
+
+**Continuation protocol.** Every full, non-overlapping window of L = ``seq_len`` tokens of a split
+(``eval_windows``; a partial last window is dropped) is cut at P = L // 2:
+
+1. *full*: one uncached forward over the whole window at depth R (what training sees); its NLL on
+   the targets of positions P … L−1.
+2. *terminal*: prefill positions 0 … P−1 at depth R into a ``terminal`` :class:`KVCache`, then score
+   positions P … L−1 in **one** parallel forward at depth R: the second-half tokens read the prefix
+   through its terminal banks, and each other as in training (visit r of the chunk sees visit r of
+   earlier chunk tokens).
+3. *per_visit* (control): the same two passes with a ``per_visit`` cache; this reproduces the full
+   forward exactly, so ``ppl_per_visit == ppl_full`` up to float rounding.
+
+PPL = exp(token-weighted mean NLL) over the same second-half targets for all three. Sharing penalty
+``100 · (PPL_terminal / PPL_full − 1)`` (percent). Memory: the bytes of the prefix's K/V banks per
+sequence (``KVCache.nbytes() / B``), for per_visit (K·R core banks plus one per prelude/coda layer)
+and terminal (one bank per physical layer) caches, in the model's parameter dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from looplm.data.tokens import eval_windows
+from looplm.model import LoopLM
+from looplm.model.kvcache import KVCache
+
+
+def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int,
+                      mode: str) -> tuple[torch.Tensor, int, int]:
+    """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass. Returns (NLL sum over the
+    second-half targets (float64 scalar), prefix cache bytes, prefix cache banks)."""
+    cache = KVCache(mode)
+    model(x[:, :P], depth=depth, cache=cache, keep_logits=False)
+    nbytes, banks = cache.nbytes(), cache.n_banks()
+    out = model(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False)
+    return out.nll_by_depth[depth].double().sum(), nbytes, banks
+
+
+@torch.no_grad()
+def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *, batch_size: int = 16,
+                    max_tokens: int | None = None, device: str | torch.device = "cpu",
+                    progress: bool = True) -> dict[int, dict[str, float]]:
+    """The continuation protocol (module docstring) on a token stream, at each depth R.
+
+    Args:
+        model: a shared-architecture model (put in eval mode here, restored after).
+        tokens: 1-D token stream of the split.
+        depths: loop depths R ≥ 1.
+        batch_size: windows per forward.
+        max_tokens: use only the first ``max_tokens + 1`` tokens of the stream (None = all).
+
+    Returns:
+        ``{R: {ppl_full, ppl_terminal, ppl_per_visit, sharing_penalty_pct, nll_full, nll_terminal,
+        tokens, sequences, prefix_tokens, kv_bytes_full, kv_bytes_terminal, kv_banks_full,
+        kv_banks_terminal, kv_ratio}}``; nll in nats per token, kv_bytes per sequence (prefix of
+        ``prefix_tokens`` tokens), kv_ratio = kv_bytes_full / kv_bytes_terminal.
+
+    Raises:
+        ValueError: unshared architecture (no KV cache), a depth < 1, an empty depth list, or no full
+            window in the (truncated) stream.
+    """
+    depths = sorted({int(R) for R in depths})
+    if not depths or depths[0] < 1:
+        raise ValueError(f"depths: need loop depths >= 1, got {list(depths)}")
+    if not model.shared:
+        raise ValueError("kv sharing: needs the shared (looped) architecture; an unshared model has no KV cache")
+    if max_tokens is not None:
+        tokens = tokens[: max_tokens + 1]
+    L = model.cfg.seq_len
+    P = L // 2
+    n_full = (len(tokens) - 1) // L
+    if n_full < 1:
+        raise ValueError(f"kv sharing: need at least one full window of {L} tokens (+1 target), "
+                         f"got {len(tokens)} tokens")
+    was_training = model.training
+    model.eval()
+    sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}
+    mem: dict[int, dict[str, int]] = {}
+    count = n_seq = 0
+    bar = tqdm(total=math.ceil(n_full / batch_size), desc="kv sharing", disable=not progress, leave=False,
+               unit="batch")
+    for x, y, mask in eval_windows(tokens, L, batch_size):
+        full = mask.all(1)  # only full windows: both halves have real tokens
+        if not bool(full.any()):
+            continue
+        x, y = x[full].to(device), y[full].to(device)
+        out = model(x, depth=depths, targets=y, keep_logits=False)
+        for R in depths:
+            sums[R]["full"] += float(out.nll_by_depth[R][:, P:].double().sum())
+            for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
+                nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode)
+                sums[R][key] += float(nll)
+                mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
+        count += x.shape[0] * (L - P)
+        n_seq += x.shape[0]
+        bar.update(1)
+    bar.close()
+    model.train(was_training)
+    res = {}
+    for R in depths:
+        nll = {k: v / count for k, v in sums[R].items()}
+        ppl = {k: math.exp(v) for k, v in nll.items()}
+        full_b, full_n = mem[R]["per_visit"]
+        term_b, term_n = mem[R]["terminal"]
+        res[R] = {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
+                  "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
+                  "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
+                  "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
+                  "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
+    return res
+
+
+def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:
+    """One row per depth: PPL full / terminal, sharing penalty, KV bytes per sequence and banks."""
+    rows = [f"**{label}**", "",
+            "| R | PPL full | PPL terminal | sharing penalty (%) | KV bytes per_visit | KV bytes terminal "
+            "| banks per_visit / terminal |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
+    for R, r in sorted(res.items()):
+        rows.append(f"| {R} | {r['ppl_full']:.3f} | {r['ppl_terminal']:.3f} | {r['sharing_penalty_pct']:+.2f} "
+                    f"| {r['kv_bytes_full']:,} | {r['kv_bytes_terminal']:,} "
+                    f"| {r['kv_banks_full']} / {r['kv_banks_terminal']} |")
+    return "\n".join(rows)
+
+
+def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], out_json: str | Path | None = None,
+                                   *, split: str = "test", max_tokens: int | None = None, batch_size: int = 16,
+                                   dataset: str | None = None, device: str = "cpu",
+                                   progress: bool = True) -> dict[str, Any]:
+    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (SPEC §6 continuation protocol).
+
+    Writes ``out_json`` and a Markdown table next to it (``.md``) when ``out_json`` is given.
+
+    Returns:
+        JSON-ready dict: ``checkpoint``, ``name``, ``rule``, ``dataset``, ``split``, ``seq_len``,
+        ``prefix_tokens``, ``max_tokens``, ``depths`` → ``{"R": {ppl_full, ppl_terminal,
+        sharing_penalty_pct, kv_bytes_full, kv_bytes_terminal, …}}`` (see :func:`kv_sharing_eval`)
+        and ``markdown``.
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
+        ValueError: see :func:`kv_sharing_eval`.
+    """
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import load_tokens
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tokens = load_tokens(data_cfg, split, load_tokenizer_for(ckpt), resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    res = kv_sharing_eval(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens,
+                          device=torch.device(device), progress=progress)
+    label = f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"
+    result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
+              "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
+              "max_tokens": max_tokens, "params": model.num_params(),
+              "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label)}
+    if out_json is not None:
+        out = Path(out_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(result["markdown"] + "\n")
+    return result

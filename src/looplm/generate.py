@@ -1,0 +1,344 @@
+"""Autoregressive generation with a KV cache: fixed depth or per-token adaptive depth (SPEC §6).
+
+``generate(model, prompts, max_new_tokens, depth)`` left-pads a batch of prompts, prefills them in one
+cached forward (padded keys masked, position ids counting real tokens only), then feeds one token per
+step through the cache (:class:`looplm.model.kvcache.KVCache`, ``per_visit`` or ``terminal``).
+
+**Decoding.** ``temperature=0`` is greedy (argmax; ``top_k``/``top_p`` ignored). Otherwise the logits
+are divided by the temperature, filtered by top-k then top-p (:func:`filter_logits`) and sampled with
+a ``torch.Generator`` seeded with ``seed``, so a (prompts, seed) pair always gives the same tokens.
+Rows that emit ``eos_id`` stop (the EOS token is kept) and leave the batch (``cache.select``).
+
+**Context length (our choice).** The model has learned absolute positions, so every position id must
+stay below ``model.cfg.seq_len``: ``len(prompt) + max_new_tokens − 1 ≤ seq_len`` (the last new token
+is never fed back). A prompt that does not fit raises ``ValueError``; nothing is truncated silently.
+
+**Per-token adaptive depth** (Huginn-style exit criteria; "Looped Models Done Right"): with an
+``exit_criterion`` the prompt is prefilled at ``max_depth`` loops, and every later token runs loop
+steps r = 1 … max_depth until ``criterion.should_exit`` fires for it (comparing loop r with loop r−1;
+loop 0 is the rule's initial state) or ``max_depth`` is reached. A row that exits is *frozen*: its
+state is kept, and :meth:`AttentionScope.freeze` makes its later visits write its exit visit's K/V
+(**copy-forward**: in a ``per_visit`` cache the banks of visits r+1 … max_depth hold the K/V of the
+exit visit r; in a ``terminal`` cache its terminal K/V is that of the exit visit). Frozen rows stay
+in the batch until every row has exited (the loop then stops early). Criteria that read logits get
+them from the final readout (coda included, ``final=True``) through a read-only view of the cache
+(:class:`_PeekScope`), so those readouts leave no trace in the cache.
+
+**Depths reported.** ``Generation.depths[i][j]`` is the number of loop steps of the forward that
+produced the distribution of new token j: the prefill depth for j = 0, the step's (adaptive) depth
+after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
+
+# ---------------------------------------------------------------------------------------------- exit criteria
+
+
+class ExitCriterion:
+    """Per-token stop test of adaptive-depth decoding (one registry: :data:`EXIT_CRITERIA`).
+
+    ``should_exit(prev_h, h, prev_logits, logits)`` compares loop r with loop r−1 for a batch of
+    tokens: ``prev_h``, ``h`` (N, d) hidden states in readout coordinates; ``prev_logits``, ``logits``
+    (N, V) final readouts (None unless ``needs_logits``). Returns (N,) bool, True = stop now.
+
+    Args:
+        tau: threshold (> 0 is typical; the test is a strict ``<``).
+    """
+
+    name = ""
+    needs_logits = False
+    #: the threshold used when none is given (``looplm generate --exit-tau``)
+    default_tau = 0.0
+
+    def __init__(self, tau: float):
+        self.tau = float(tau)
+
+    def score(self, prev_h, h, prev_logits, logits) -> torch.Tensor:
+        """The (N,) float32 statistic compared with τ."""
+        raise NotImplementedError
+
+    def should_exit(self, prev_h: torch.Tensor, h: torch.Tensor, prev_logits: torch.Tensor | None = None,
+                    logits: torch.Tensor | None = None) -> torch.Tensor:
+        return self.score(prev_h, h, prev_logits, logits) < self.tau
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tau={self.tau})"
+
+
+class RelativeChange(ExitCriterion):
+    """``‖h_r − h_{r−1}‖₂ / (‖h_{r−1}‖₂ + 1e-8) < τ`` per token (SPEC §6 ρ; Huginn's latent-diff rule)."""
+
+    name = "relative"
+    default_tau = 0.02  # the token-convergence threshold of SPEC §6 (our choice here)
+
+    def score(self, prev_h, h, prev_logits=None, logits=None):
+        prev_h, h = prev_h.float(), h.float()
+        return (h - prev_h).norm(dim=-1) / (prev_h.norm(dim=-1) + 1e-8)
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+class KLDivergence(ExitCriterion):
+    """``KL(p_r ‖ p_{r−1}) = Σ_v p_r(v) (log p_r(v) − log p_{r−1}(v)) < τ`` (nats), p = softmax of the
+    final readout at loop r (Huginn's KL exit criterion)."""
+
+    name = "kl"
+    needs_logits = True
+    default_tau = 5e-4  # our choice
+
+    def score(self, prev_h, h, prev_logits, logits):
+        lp, lq = _log_probs(logits), _log_probs(prev_logits)
+        return (lp.exp() * (lp - lq)).sum(-1)
+
+
+class EntropyChange(ExitCriterion):
+    """``|H(p_r) − H(p_{r−1})| < τ`` (nats), H the entropy of the final readout's distribution."""
+
+    name = "entropy"
+    needs_logits = True
+    default_tau = 1e-3  # our choice
+
+    def score(self, prev_h, h, prev_logits, logits):
+        def entropy(z):
+            lp = _log_probs(z)
+            return -(lp.exp() * lp).sum(-1)
+
+        return (entropy(logits) - entropy(prev_logits)).abs()
+
+
+EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (RelativeChange, KLDivergence, EntropyChange)}
+
+
+def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
+    """The registered criterion ``name`` with threshold ``tau`` (None = its ``default_tau``).
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+    """
+    if name not in EXIT_CRITERIA:
+        raise KeyError(f"exit criterion: unknown {name!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
+    cls = EXIT_CRITERIA[name]
+    return cls(cls.default_tau if tau is None else tau)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) filtering: removed entries become −inf. (B, V) → (B, V).
+
+    top-k keeps the k largest logits (ties at the k-th value are all kept). top-p keeps the smallest
+    set of most probable tokens whose probability sums to ≥ p (a token is dropped when the tokens
+    ranked above it already reach p; the top-1 is always kept) — Holtzman et al. 2020.
+
+    Raises:
+        ValueError: top_k < 1 or top_p outside (0, 1].
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        k = min(top_k, logits.shape[-1])
+        kth = logits.topk(k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.float().softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass ranked above each token
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from (B, V) logits: argmax when ``temperature == 0``, else a draw from
+    softmax(filter_logits(logits / temperature)). Returns (B,) int64.
+
+    Raises:
+        ValueError: negative temperature.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns, one entry per prompt (input order).
+
+    Attributes:
+        tokens: the new token ids (the prompt excluded; ends with ``eos_id`` when it was emitted).
+        depths: loop steps used for each new token (see the module docstring).
+    """
+
+    tokens: list[list[int]] = field(default_factory=list)
+    depths: list[list[int]] = field(default_factory=list)
+
+
+class _PeekScope(AttentionScope):
+    """An attention scope that reads the cache but never writes it (readouts for exit criteria)."""
+
+    def commit(self) -> None:
+        pass
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) int64 ids (pad id 0) and (B, P) int64 attention mask (0 = left padding)."""
+    P = max(len(p) for p in prompts)
+    idx = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        idx[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return idx.to(device), mask.to(device)
+
+
+def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: int,
+                         criterion: ExitCriterion) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed one new token per row through ``cache`` with per-token early exit (module docstring).
+
+    Args:
+        model: a shared-architecture LoopLM in eval mode.
+        idx: (B, 1) int64, the token following each row's cached tokens.
+        cache: a KVCache holding the rows' prefixes; the token is appended to it.
+        max_depth: loop ceiling.
+        criterion: the :class:`ExitCriterion`.
+
+    Returns:
+        (logits (B, V) of the final readout at each row's exit state, depth (B,) int64 loop steps run).
+    """
+    B = idx.shape[0]
+    positions = cache.n_valid[:, None]  # (B, 1): the next position of each row
+    exited = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    depth = torch.full((B,), max_depth, dtype=torch.long, device=idx.device)
+
+    def peek(h):
+        with _PeekScope(cache, None):
+            return model.readout(h, final=True)[:, -1]  # (B, V)
+
+    with AttentionScope(cache, None) as scope:
+        e = model.embed(idx, positions)  # (B, 1, d)
+        state, ctx = model.start(e, positions)
+        ctx = dataclasses.replace(ctx, scope=scope)
+        h = model.rule.hidden(state, ctx)  # (B, 1, d)
+        logits = peek(h) if criterion.needs_logits else None
+        for t in range(max_depth):
+            new_state = model.loop_step(state, t, ctx)
+            state = torch.where(exited[:, None, None], state, new_state)  # exited rows keep their state
+            prev_h, h = h, model.rule.hidden(state, ctx)
+            prev_logits, logits = logits, (peek(h) if criterion.needs_logits else None)
+            fire = criterion.should_exit(prev_h[:, -1], h[:, -1], prev_logits, logits) & ~exited  # (B,)
+            depth = torch.where(fire, t + 1, depth)
+            exited = exited | fire
+            scope.freeze(exited)  # later visits of exited rows write their exit visit's K/V
+            if bool(exited.all()):
+                break
+        out = model.readout(h, final=True)[:, -1]  # (B, V), each row at its own exit state
+    return out, depth
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
+             max_depth: int | None = None, eos_id: int | None = None) -> Generation:
+    """Generate continuations of a batch of prompts (see the module docstring for the policies).
+
+    Args:
+        model: a shared-architecture :class:`looplm.model.LoopLM` (put in eval mode here, restored after).
+        prompts: B non-empty lists of token ids.
+        max_new_tokens: new tokens per prompt (fewer when ``eos_id`` is emitted).
+        depth: loop depth T of every forward (fixed-depth decoding).
+        temperature, top_k, top_p: sampling (temperature 0 = greedy), see :func:`next_tokens`.
+        seed: seed of the sampling generator.
+        cache_mode: ``per_visit`` (exact) or ``terminal`` (terminal KV sharing).
+        exit_criterion: an :class:`ExitCriterion` for per-token adaptive depth (None = fixed depth).
+        max_depth: adaptive depth ceiling (default ``depth``); the prompt is prefilled at it.
+        eos_id: stop a row after it emits this id.
+
+    Returns:
+        :class:`Generation` (tokens and per-token depths, one list per prompt).
+
+    Raises:
+        ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
+            the unshared architecture (no KV cache), or a prompt + continuation longer than seq_len.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: need at least one prompt, each with at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    if cache_mode not in CACHE_MODES:
+        raise ValueError(f"cache_mode: unknown {cache_mode!r}; allowed: {', '.join(CACHE_MODES)}")
+    if not getattr(model, "shared", False):
+        raise ValueError("generate: needs the shared (looped) architecture; KV caches do not cover unshared models")
+    seq_len = model.cfg.seq_len
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens - 1 > seq_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{len(p) + max_new_tokens - 1} positions but the model's seq_len is {seq_len}: "
+                             "shorten the prompt or ask for fewer tokens")
+    adaptive = exit_criterion is not None
+    ceiling = depth if max_depth is None else int(max_depth)
+    if adaptive and ceiling < 1:
+        raise ValueError(f"max_depth must be >= 1, got {ceiling}")
+    result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
+    if max_new_tokens == 0:
+        return result
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    was_training = model.training
+    model.eval()
+    try:
+        idx, mask = _left_pad(prompts, device)
+        cache = KVCache(cache_mode)
+        prefill_depth = ceiling if adaptive else depth
+        logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask).logits[:, -1]  # (B, V)
+        step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
+        active = list(range(len(prompts)))  # original row of each batch row
+        for n in range(max_new_tokens):
+            tok = next_tokens(logits, temperature, top_k, top_p, gen)  # (B,)
+            for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
+                result.tokens[row].append(t)
+                result.depths[row].append(d)
+            if n == max_new_tokens - 1:
+                break
+            if eos_id is not None:
+                keep = (tok != eos_id).nonzero().squeeze(-1)  # (B_keep,)
+                if len(keep) == 0:
+                    break
+                if len(keep) < len(active):
+                    cache.select(keep)
+                    active = [active[i] for i in keep.tolist()]
+                    tok = tok[keep]
+            if adaptive:
+                logits, step_depth = adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
+            else:
+                logits = model(tok[:, None], depth=depth, cache=cache).logits[:, -1]
+                step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
+    finally:
+        model.train(was_training)
+    return result

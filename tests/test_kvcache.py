@@ -1,0 +1,294 @@
+"""KV caches (SPEC §6): per_visit incremental decoding against the full forward for every variant,
+left-padded batches against unpadded sequences, terminal-bank counts and bytes, terminal == per_visit
+at depth 1, terminal KV sharing against an explicit attention over hooked terminal K/V, and the
+continuation protocol (``looplm eval --kv-sharing terminal``) end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from looplm.analysis.flops import BODY_CALLS_PER_STEP
+from looplm.eval.kvsharing import kv_sharing_eval
+from looplm.model import LoopLM
+from looplm.model.kvcache import KVCache
+from looplm.model.layers import CausalSelfAttention
+from test_model import VARIANTS, L, make, tokens  # noqa: E402 (tests/ is on sys.path under pytest)
+
+SHARED = [name for name in VARIANTS if name != "unshared"]
+DEPTHS = (1, 3, 5)
+
+
+def _incremental(model: LoopLM, x: torch.Tensor, depth: int, prompt: int, mode: str = "per_visit") -> torch.Tensor:
+    """Prefill x[:, :prompt], then one token at a time; the logits of every position (B, L, V)."""
+    cache = KVCache(mode)
+    outs = [model(x[:, :prompt], depth=depth, cache=cache).logits]
+    for j in range(prompt, x.shape[1]):
+        outs.append(model(x[:, j:j + 1], depth=depth, cache=cache).logits)
+    return torch.cat(outs, dim=1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", SHARED)
+def test_per_visit_incremental_equals_full_forward(name):
+    model = make(name)
+    x = tokens(b=2)
+    full = model(x, depth=list(DEPTHS)).logits_by_depth
+    worst = 0.0
+    for R in DEPTHS:
+        for prompt in (1, 4, L - 1):
+            err = (_incremental(model, x, R, prompt) - full[R]).abs().max().item()
+            worst = max(worst, err)
+            assert err < 1e-4, f"{name} R={R} prompt={prompt}: max |Δlogits| {err:.2e}"
+    print(f"{name}: max |Δlogits| {worst:.2e}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", SHARED)
+def test_left_padded_batch_equals_unpadded_sequences(name):
+    """A left-padded batch, prefilled then decoded with a cache, equals each sequence alone."""
+    model = make(name)
+    x = tokens(b=3)
+    lengths = [L, 7, 3]
+    pad = torch.zeros_like(x)
+    mask = torch.zeros_like(x)
+    for i, n in enumerate(lengths):
+        pad[i, L - n:], mask[i, L - n:] = x[i, :n], 1
+    R, split = 3, L - 2  # prefill the first L−2 columns (padding included), then 2 single tokens
+    cache = KVCache("per_visit")
+    batched = [model(pad[:, :split], depth=R, cache=cache, attention_mask=mask[:, :split]).logits]
+    for j in range(split, L):
+        batched.append(model(pad[:, j:j + 1], depth=R, cache=cache).logits)
+    batched = torch.cat(batched, dim=1)  # (3, L, V)
+    # uncached masked forward of the whole padded batch
+    masked = model(pad, depth=R, attention_mask=mask).logits
+    for i, n in enumerate(lengths):
+        ref = model(x[i:i + 1, :n], depth=R).logits[0]  # (n, V)
+        err = max((batched[i, L - n:] - ref).abs().max().item(), (masked[i, L - n:] - ref).abs().max().item())
+        print(f"{name} row {i} (len {n}): max |Δlogits| {err:.2e}")
+        assert err < 1e-4
+
+
+def _core_visits_per_step(model: LoopLM) -> int:
+    return BODY_CALLS_PER_STEP.get(model.cfg.rule, 1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["looped", "scse", "sc_subtract", "huginn_linear-huginn", "deq_qkv-huginn",
+                                  "looped-prelude-coda"])
+def test_terminal_bank_count_and_bytes(name):
+    model = make(name)
+    cfg = model.cfg
+    x = tokens(b=2)
+    R, n = 5, 6
+    caches = {mode: KVCache(mode) for mode in ("per_visit", "terminal")}
+    for c in caches.values():
+        model(x[:, :n], depth=R, cache=c)
+    pv, term = caches["per_visit"], caches["terminal"]
+    calls = _core_visits_per_step(model)
+    physical = cfg.n_prelude + cfg.n_core * calls + cfg.n_coda  # terminal: one bank per core call of a step
+    per_visit = cfg.n_prelude + cfg.n_coda + cfg.n_core * R * calls
+    assert term.n_banks() == physical
+    assert pv.n_banks() == per_visit
+    bank_bytes = 2 * 2 * n * cfg.d_model * 4  # K and V, B=2, (H · head_dim) = d, float32
+    assert term.nbytes() == physical * bank_bytes
+    assert pv.nbytes() / term.nbytes() == pytest.approx(per_visit / physical)
+    assert pv.length == term.length == n and pv.n_valid.tolist() == [n, n]
+    print(f"{name}: banks per_visit {pv.n_banks()} vs terminal {term.n_banks()}, "
+          f"bytes {pv.nbytes()} vs {term.nbytes()}")
+
+
+ONE_CALL = list(SHARED)  # terminal keeps one bank per core call of a step, so two-call rules qualify too
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ONE_CALL)
+def test_terminal_equals_per_visit_at_depth_one(name):
+    """At R = 1 every visit is the terminal one, so the two layouts decode identically (rules with two
+    core calls per step keep one terminal bank per call, so they qualify too)."""
+    model = make(name)
+    x = tokens(b=2)
+    a = _incremental(model, x, 1, 4, "per_visit")
+    b = _incremental(model, x, 1, 4, "terminal")
+    assert torch.equal(a, b)
+
+
+def test_unknown_cache_mode_and_unshared():
+    with pytest.raises(ValueError, match="allowed"):
+        KVCache("nope")
+    with pytest.raises(ValueError, match="shared"):
+        make("unshared")(tokens(b=1), depth=2, cache=KVCache())
+
+
+# --- an independent reference for terminal sharing -------------------------------------------------
+
+
+def _hooked_terminal_kv(model: LoopLM, x: torch.Tensor, R: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Uncached forward of the prefix; the K/V of each attention layer's *last* call, from a hook on its
+    qkv projection: {layer_id: (K, V)}, each (B, H, n, head_dim)."""
+    last: dict[int, torch.Tensor] = {}
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            hooks.append(m.qkv.register_forward_hook(
+                lambda mod, inp, out, lid=m.layer_id: last.__setitem__(lid, out.detach())))
+    model(x, depth=R)
+    for h in hooks:
+        h.remove()
+    H = model.cfg.n_heads
+    out = {}
+    for lid, qkv in last.items():
+        B, n, three_d = qkv.shape
+        d = three_d // 3
+        _, k, v = (t.view(B, n, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
+        out[lid] = (k, v)
+    return out
+
+
+def _reference_terminal_logits(model: LoopLM, prefix_kv, chunk: torch.Tensor, start: int, R: int) -> torch.Tensor:
+    """Run ``chunk`` (B, c) at positions start … start+c−1 with every attention replaced by an explicit
+    softmax over [terminal prefix K/V ; the chunk's own K/V of the same visit] (causal inside the chunk).
+    Uses the model's step API with no attention scope, so kvcache is not involved."""
+    originals = {}
+
+    def explicit(self, x, qkv_inject=None):
+        B, c, d = x.shape
+        H = self.n_heads
+        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject
+        q, k, v = (t.view(B, c, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))  # (B, H, c, hd)
+        pk, pv = prefix_kv[self.layer_id]
+        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)  # (B, H, n + c, hd)
+        scores = q @ k_all.transpose(-1, -2) / math.sqrt(d // H)  # (B, H, c, n + c)
+        n = pk.shape[2]
+        allowed = torch.ones(c, n + c, dtype=torch.bool).tril(diagonal=n)
+        w = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+        y = w @ v_all  # (B, H, c, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, c, d))
+
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            originals[m] = m.forward
+            m.forward = explicit.__get__(m)
+    try:
+        B, c = chunk.shape
+        positions = torch.arange(start, start + c).expand(B, c)
+        e = model.embed(chunk, positions)
+        state, ctx = model.start(e, positions)
+        for t in range(R):
+            state = model.loop_step(state, t, ctx)
+        return model.readout(model.rule.hidden(state, ctx), final=True)
+    finally:
+        for m, f in originals.items():
+            m.forward = f
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["looped", "huginn_linear-huginn", "orthoinj-huginn", "adapter"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_terminal_sharing_matches_explicit_reference(name, chunk):
+    model = make(name)
+    x = tokens(b=2)
+    R, n = 4, 6
+    cache = KVCache("terminal")
+    model(x[:, :n], depth=R, cache=cache)
+    got = model(x[:, n:n + chunk], depth=R, cache=cache).logits
+    kv = _hooked_terminal_kv(model, x[:, :n], R)
+    for lid, (k, v) in kv.items():  # the terminal banks are the last visit's K/V
+        assert torch.allclose(cache.banks[(lid, 0)][0][:, :, :n], k, atol=1e-6)
+        assert torch.allclose(cache.banks[(lid, 0)][1][:, :, :n], v, atol=1e-6)
+    ref = _reference_terminal_logits(model, kv, x[:, n:n + chunk], n, R)
+    full = model(x[:, :n + chunk], depth=R).logits[:, n:]
+    err = (got - ref).abs().max().item()
+    gap = (got - full).abs().max().item()
+    print(f"{name} chunk={chunk}: |terminal − reference| {err:.2e}; |terminal − full forward| {gap:.2e}")
+    assert err < 1e-5
+    assert gap > 1e-4  # sharing really changes the computation at R > 1
+
+
+# --- the continuation protocol ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_kv_sharing_eval_matches_hand_protocol():
+    torch.manual_seed(0)
+    model = make("huginn_linear-huginn")
+    g = np.random.default_rng(0)
+    stream = g.integers(0, 97, size=3 * L + 5)  # three full windows and a partial one (dropped)
+    res = kv_sharing_eval(model, stream, [1, 3], batch_size=2, progress=False)
+    P = L // 2
+    for R in (1, 3):
+        full = term = 0.0
+        for w in range(3):
+            x = torch.from_numpy(stream[w * L: (w + 1) * L + 1].astype(np.int64))[None]
+            xi, y = x[:, :-1], x[:, 1:]
+            full += float(model(xi, depth=R, targets=y).nll_by_depth[R][:, P:].sum())
+            cache = KVCache("terminal")
+            model(xi[:, :P], depth=R, cache=cache)
+            term += float(model(xi[:, P:], depth=R, cache=cache, targets=y[:, P:]).nll_by_depth[R].sum())
+        r = res[R]
+        n = 3 * (L - P)
+        assert r["tokens"] == n and r["sequences"] == 3 and r["prefix_tokens"] == P
+        assert r["ppl_full"] == pytest.approx(math.exp(full / n), rel=1e-6)
+        assert r["ppl_terminal"] == pytest.approx(math.exp(term / n), rel=1e-6)
+        assert r["ppl_per_visit"] == pytest.approx(r["ppl_full"], rel=1e-5)
+        assert r["sharing_penalty_pct"] == pytest.approx(100 * (r["ppl_terminal"] / r["ppl_full"] - 1))
+        assert r["kv_banks_terminal"] == 4 and r["kv_banks_full"] == 2 + 2 * R
+        assert r["kv_bytes_full"] / r["kv_bytes_terminal"] == pytest.approx((2 + 2 * R) / 4)
+        assert r["kv_bytes_terminal"] == 4 * 2 * P * model.cfg.d_model * 4
+    assert res[1]["sharing_penalty_pct"] == pytest.approx(0.0, abs=1e-4)
+    assert abs(res[3]["sharing_penalty_pct"]) > 1e-3
+    with pytest.raises(ValueError, match="full window"):
+        kv_sharing_eval(model, stream[:L], [3], progress=False)
+    with pytest.raises(ValueError, match="shared"):
+        kv_sharing_eval(make("unshared"), stream, [3], progress=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_cfg, tiny_data):
+    from looplm.train.trainer import train
+
+    run = tmp_path_factory.mktemp("kvsharing") / "run"
+    train(tiny_cfg, run, progress=False, data=tiny_data)
+    return run
+
+
+def test_cli_eval_kv_sharing(checkpoint, tmp_path, capsys):
+    from looplm.cli import main
+
+    out = tmp_path / "kv.json"
+    rc = main(["eval", "--checkpoint", str(checkpoint), "--kv-sharing", "terminal", "--depths", "1,4",
+               "--max-tokens", "300", "--batch-size", "4", "--out", str(out), "--quiet"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["depths"]) == {"1", "4"}
+    for key in ("ppl_full", "ppl_terminal", "sharing_penalty_pct", "kv_bytes_full", "kv_bytes_terminal"):
+        assert key in res["depths"]["4"]
+    assert res["depths"]["1"]["sharing_penalty_pct"] == pytest.approx(0.0, abs=1e-4)
+    assert res["depths"]["4"]["kv_bytes_full"] == 4 * res["depths"]["4"]["kv_bytes_terminal"]  # K=1 core block
+    assert res["depths"]["4"]["sequences"] == 300 // 32
+    assert "sharing penalty" in out.with_suffix(".md").read_text()
+    assert "PPL terminal" in capsys.readouterr().out
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["looped-prelude-coda", "huginn_linear-huginn"])
+def test_multi_depth_prefill_commits_only_the_last_readouts_coda(name):
+    """Reading out at several depths while filling a cache must leave the same cache as one depth: the
+    intermediate readouts' coda attention reads the cache but is not recorded."""
+    model = make(name)
+    x = tokens(b=2)
+    a, b = KVCache("per_visit"), KVCache("per_visit")
+    out_multi = model(x[:, :5], depth=[1, 4], cache=a)
+    model(x[:, :5], depth=4, cache=b)
+    assert set(a.banks) == set(b.banks)
+    for key in a.banks:
+        assert torch.equal(a.banks[key][0], b.banks[key][0])
+    nxt = model(x[:, 5:7], depth=[2, 4], cache=a).logits_by_depth
+    full = model(x[:, :7], depth=[2, 4]).logits_by_depth
+    # the last depth is exact; an intermediate readout's coda sees the prefix's last-depth coda K/V
+    assert torch.allclose(nxt[4], full[4][:, 5:], atol=1e-5)
+    assert torch.allclose(out_multi.logits_by_depth[1], model(x[:, :5], depth=1).logits, atol=1e-5)
