@@ -146,3 +146,17 @@ def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg,
         assert ra["loss"] == rb["loss"]
         assert ra["prior_mean_depth"] == rb["prior_mean_depth"]
     assert a[-1]["prior_updates"] == 6 and a[-1]["prior_mean_depth"] != pytest.approx(3.0, abs=1e-9)
+
+
+def test_scale_clamp_keeps_every_loop_at_the_loop_one_rms():
+    x, _ = batch()
+    m = tiny(rule="plain", readout="raw")
+    with torch.no_grad():
+        m.core.blocks[0].mlp.down.weight.mul_(50.0)  # make the hidden norm drift
+        free = m(x, depth=4, return_states=True).states
+        clamped = m(x, depth=4, return_states=True, scale_clamp=True).states
+    rms = [h.pow(2).mean(-1).sqrt() for h in clamped[1:]]
+    for r in rms[1:]:
+        assert torch.allclose(r, rms[0], rtol=1e-5)
+    assert not torch.allclose(free[4].pow(2).mean(-1).sqrt(), rms[0], rtol=1e-2)
+    assert torch.equal(clamped[1], free[1])  # loop 1 is untouched

@@ -131,7 +131,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
                                      batch_size=args.batch_size, max_tokens=args.max_tokens, stride=args.stride,
-                                     device=args.device, progress=progress)
+                                     device=args.device, progress=progress, scale_clamp=args.scale_clamp)
     elif args.task == "lambada":
         from looplm.eval.lambada import evaluate_lambada_checkpoint
 
@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens of the split")
     p.add_argument("--stride", type=positive_int, default=None,
                    help="sliding-window stride (default: non-overlapping)")
+    p.add_argument("--scale-clamp", action="store_true",
+                   help="--task ppl: rescale each token's state after every loop to its loop-1 RMS before "
+                        "readout and recurrence (the readout-blind-spot diagnostic, SPEC §4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--out", type=Path, help="write the JSON here (and FILE.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -24,7 +24,7 @@ DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = DEFAULT_DEPTHS, *,
                     batch_size: int = 16, max_tokens: int | None = None, stride: int | None = None,
                     device: str | torch.device = "cpu", progress: bool = True,
-                    desc: str = "eval") -> dict[int, dict[str, float]]:
+                    desc: str = "eval", scale_clamp: bool = False) -> dict[int, dict[str, float]]:
     """Token-weighted NLL and perplexity at each loop depth, from one unroll per batch.
 
     Args:
@@ -34,6 +34,8 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         batch_size: windows per forward.
         max_tokens: score only the first ``max_tokens + 1`` tokens of the stream (None = all).
         stride: sliding-window stride (None = non-overlapping windows of ``seq_len``).
+        scale_clamp: the evaluation-time scale clamp (SPEC §4; each token's state rescaled after every
+            loop to its loop-1 RMS).
 
     Returns:
         ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``.
@@ -59,7 +61,7 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
     for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
         x, y, mask = x.to(device), y.to(device), mask.to(device)
         y = y.masked_fill(~mask, -100)
-        out = model(x, depth=depths, targets=y, keep_logits=False)
+        out = model(x, depth=depths, targets=y, keep_logits=False, **({"scale_clamp": True} if scale_clamp else {}))
         for T in depths:
             total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
         count += int(mask.sum())

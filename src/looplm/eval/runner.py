@@ -26,7 +26,7 @@ def load_tokenizer_for(ckpt: Path) -> Tokenizer:
 def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
                         dataset: str | None = None, split: str = "test", batch_size: int = 16,
                         max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
-                        progress: bool = True) -> dict[str, Any]:
+                        progress: bool = True, scale_clamp: bool = False) -> dict[str, Any]:
     """Multi-depth perplexity of a checkpoint on ``dataset``/``split``.
 
     Returns:
@@ -43,13 +43,13 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
                          resolve_cache_dir(data_cfg.cache_dir))
     res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
                           device=torch.device(device), progress=progress,
-                          desc=f"eval {data_cfg.dataset}/{split}")
+                          desc=f"eval {data_cfg.dataset}/{split}", scale_clamp=scale_clamp)
     kind = cfg.model.rule if cfg.model.architecture == "shared" else f"unshared-{cfg.model.n_layers}"
     label = f"{cfg.name}: {kind} ({data_cfg.dataset} {split})"
     return {
         "checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
         "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split,
-        "params": model.num_params(), "max_tokens": max_tokens, "stride": stride,
+        "params": model.num_params(), "max_tokens": max_tokens, "stride": stride, "scale_clamp": scale_clamp,
         "depths": {str(T): {**r, "flops_per_token": flops_per_token(cfg.model, T)} for T, r in res.items()},
         "markdown": markdown_table({label: res}, sorted(res)),
     }
