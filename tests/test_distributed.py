@@ -61,3 +61,23 @@ def test_checkpoint_saved_under_two_ranks_resumes_in_one(tmp_path, single):
     assert [r["step"] for r in _trace(run)] == [1, 2]
     assert main(["train", "--out", str(run), *ARGS, "--resume"]) == 0
     _assert_same_trace(_trace(single), _trace(run))
+
+
+LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n_coda", "1", "--model.state_init", "zeros",
+           "--train.depth_sampler", "learned", "--train.depth_cap", "6", "--train.depth_mean", "3",
+           "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.tbptt", "2",
+           "--train.supervision", "exit_weighted"]
+
+
+def test_learned_prior_tbptt_exit_gate_under_ddp_equals_single_process(tmp_path):
+    """Every rank draws the same depths from the learned prior (its update is summed over ranks), and
+    DDP needs no unused-parameter search with truncated BPTT and the exit gate. (The initial state is
+    zeros: a gaussian one, like dropout, draws different noise for a batch split over ranks.)"""
+    single = tmp_path / "single"
+    assert main(["train", "--out", str(single), *ARGS, *LEARNED]) == 0
+    run = tmp_path / "ddp"
+    _torchrun(run, "--train.distributed", "ddp", *LEARNED)
+    a, b = _trace(single), _trace(run)
+    _assert_same_trace(a, b)
+    for ra, rb in zip(a, b):
+        assert rb["prior_mean_depth"] == pytest.approx(ra["prior_mean_depth"], rel=1e-5)
