@@ -218,7 +218,10 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
             depths.append(T)
             x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
-            x, y = x[rows].to(device, non_blocking=True), y[rows].to(device, non_blocking=True)
+            x, y = x[rows], y[rows]
+            if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
+                x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             sync = contextlib.nullcontext()
             if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
                 sync = wrapped.no_sync()
