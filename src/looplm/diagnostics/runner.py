@@ -24,6 +24,7 @@ checkpoint, cuts batches from a split of its corpus, and writes Markdown and plo
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -37,6 +38,7 @@ from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random
 from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
 from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
+from looplm.data.paths import atomic_write
 from looplm.model import LoopLM
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -214,7 +216,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         depth: anchor-start rollout depth T (and the unroll the steps live in).
         dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
         batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
-        out_dir: when given, write ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style),
+        out_dir: when given, write ``{stem}.json`` (the result without the Markdown), ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style),
             ``{stem}_rollouts.png`` (Figure 4 style) and ``{stem}_scale.png`` (per-loop RMS and the
             token-convergence ρ curve) there.
         dtype: float64 (default) or float32 for the diagnostic computations.
@@ -270,7 +272,11 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         files = {"markdown": str(md),
                  "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
                  "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
-                                                          train_depth=cfg.train.depth_hi)),
-                 "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label))}
+                                                          train_depth=cfg.train.max_depth)),
+                 "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
+                 "json": str(out / f"{stem}.json")}
         result["files"] = files
+        with atomic_write(out / f"{stem}.json") as fh:
+            fh.write(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2,
+                                default=float).encode())
     return result

@@ -1,0 +1,235 @@
+"""Summaries of the CPU-scale experiments of issues 4 and 5 (tables + plots from the sweeps' outputs).
+
+    python experiments/summarize.py huginn    # experiments/huginn-cpu: extrapolation, sharing penalty, convergence
+    python experiments/summarize.py deeploop  # experiments/deeploop-cpu: p-sweep and R comparison vs the unigram floor
+    python experiments/summarize.py readout   # experiments/readout-cpu: per-loop norms and PPL
+
+Each reads the sweep's ``results.db`` (``looplm sweep``), the runs' ``summary.json`` / ``metrics.jsonl`` and
+the ``diagnose`` / ``sharing`` JSON files written next to the runs, and writes ``results.md`` (+ PNG) into
+the experiment folder. Means are over the seeds present; every number comes from a stored evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def ppl_table(db: Path, sweep: str, split: str = "test", dataset: str = "brown") -> dict[str, dict[int, dict[int, float]]]:
+    """{variant: {depth: {seed: ppl}}} of the sweep's perplexity evaluations."""
+    con = sqlite3.connect(db)
+    rows = con.execute(
+        "SELECT r.variant, e.depth, e.seed, e.value FROM runs r JOIN evaluations e ON e.config_hash = r.config_hash "
+        "AND e.seed = r.seed WHERE r.sweep = ? AND e.protocol = 'ppl' AND e.metric = 'ppl' AND e.split = ? "
+        "AND e.dataset = ?", (sweep, split, dataset)).fetchall()
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for variant, depth, seed, value in rows:
+        out[variant][depth][seed] = value
+    return out
+
+
+def mean_std(values) -> str:
+    v = np.asarray(list(values), dtype=float)
+    if len(v) == 1:
+        return f"{v[0]:.1f}"
+    return f"{v.mean():.1f} ± {v.std(ddof=1):.1f}"
+
+
+def runs(exp: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted((exp / "runs").iterdir()) if (p / "summary.json").exists()}
+
+
+# ---------------------------------------------------------------------------------------------- huginn
+def huginn() -> None:
+    exp = HERE / "huginn-cpu"
+    tab = ppl_table(exp / "results.db", "huginn-cpu")
+    lines = ["# Looped Models Done Right at CPU scale (issue 4 §4)", "",
+             "Command: `looplm sweep experiments/huginn-cpu/sweep.toml --out experiments/huginn-cpu`, then per run "
+             "`looplm eval --checkpoint experiments/huginn-cpu/runs/RUN --kv-sharing terminal --depths 5 --max-tokens 8192 "
+             "--out experiments/huginn-cpu/runs/RUN/sharing.json`, then `python experiments/summarize.py huginn`.", "",
+             "Brown test PPL (first 8,192 tokens), mean ± std over seeds:", "",
+             "| variant | seeds | R=1 | R=3 | R=5 | R=8 | R=16 | R=32 | R=64 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    depths = [1, 3, 5, 8, 16, 32, 64]
+    for v in sorted(tab):
+        seeds = sorted(tab[v][5])
+        lines.append(f"| `{v}` | {len(seeds)} | " + " | ".join(mean_std(tab[v][d].values()) for d in depths) + " |")
+    lines += ["", "Extrapolation: PPL at R / PPL at the training mean R = 5, minus 1 (mean over seeds):", "",
+              "| variant | R=8 | R=16 | R=32 | R=64 |", "|---|---:|---:|---:|---:|"]
+    degr: dict[str, dict[int, float]] = {}
+    for v in sorted(tab):
+        degr[v] = {d: float(np.mean([tab[v][d][s] / tab[v][5][s] - 1 for s in tab[v][5]])) for d in (8, 16, 32, 64)}
+        lines.append(f"| `{v}` | " + " | ".join(f"{100 * degr[v][d]:+.1f}%" for d in (8, 16, 32, 64)) + " |")
+    share = defaultdict(list)
+    conv = defaultdict(list)
+    for name, run in runs(exp).items():
+        variant = name.rsplit("-s", 1)[0]
+        f = run / "sharing.json"
+        if f.exists():
+            share[variant].append(json.loads(f.read_text()))
+        d = run / "diagnose" / "diagnose.json"
+        if d.exists():
+            c = json.loads(d.read_text()).get("convergence")
+            if c:
+                conv[variant].append(c)
+    if share:
+        lines += ["", "Terminal KV sharing at R = 5 (continuation protocol: prefill the first 64 tokens of each "
+                  "128-token window into a terminal cache, score the last 64 in one pass):", "",
+                  "| variant | seeds | PPL full | PPL terminal | sharing penalty | KV bytes per_visit / terminal |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for v, items in sorted(share.items()):
+            r = [it["depths"]["5"] for it in items]
+            lines.append(f"| `{v}` | {len(r)} | {mean_std(x['ppl_full'] for x in r)} | "
+                         f"{mean_std(x['ppl_terminal'] for x in r)} | "
+                         f"{np.mean([x['sharing_penalty_pct'] for x in r]):+.1f}% | "
+                         f"{r[0]['kv_bytes_full']:,} / {r[0]['kv_bytes_terminal']:,} |")
+    if conv:
+        lines += ["", "Token convergence (`looplm diagnose`, valid split, 2 × 8 windows, R_obs = 64, τ = 2%):", "",
+                  "| variant | mean convergence depth | never converged | Spearman(depth, position) |",
+                  "|---|---:|---:|---:|"]
+        for v, items in sorted(conv.items()):
+            lines.append(f"| `{v}` | {np.mean([c['depth_mean'] for c in items]):.1f} | "
+                         f"{100 * np.mean([c['never_fraction'] for c in items]):.1f}% | "
+                         f"{np.mean([c['spearman'] for c in items if c['spearman'] is not None]):+.3f} |")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v in sorted(tab):
+        ds = sorted(tab[v])
+        ax.plot(ds, [np.mean(list(tab[v][d].values())) for d in ds], marker="o", label=v)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.axvline(5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("recurrences R at evaluation")
+    ax.set_ylabel("Brown test PPL")
+    ax.set_title("Huginn-style 1+2×R+1 models: extrapolation")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(exp / "ppl_vs_recurrence.png", dpi=120)
+    lines += ["", "![PPL vs recurrences](ppl_vs_recurrence.png)"]
+    (exp / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+# -------------------------------------------------------------------------------------------- deeploop
+def unigram_floor(cfg_json: dict, split: str) -> float:
+    from looplm.config import Config
+    from looplm.data.tokens import unigram_ppl
+    from looplm.train.trainer import prepare_data
+
+    cfg = Config.from_dict(cfg_json)
+    data = prepare_data(cfg, progress=False)
+    return unigram_ppl(data.train, data.valid if split == "valid" else data.test, data.vocab_size)
+
+
+def deeploop() -> None:
+    exp = HERE / "deeploop-cpu"
+    results = {}
+    for sweep, folder in (("deeploop-cpu", exp), ("deeploop-depth", exp / "depth")):
+        if (folder / "results.db").exists():
+            for name, run in runs(folder).items():
+                summ = json.loads((run / "summary.json").read_text())
+                cfg = json.loads((run / "config.json").read_text())
+                results[name] = {"val_ppl": summ["val_ppl"], "val_loss": summ["val_loss"], "cfg": cfg,
+                                 "test": ppl_table(folder / "results.db", sweep)}
+    any_cfg = next(iter(results.values()))["cfg"]
+    floor = unigram_floor(any_cfg, "valid")
+    lines = ["# DeepLoop at CPU scale (issue 5 §5)", "",
+             "Commands: `looplm sweep experiments/deeploop-cpu/sweep.toml --out experiments/deeploop-cpu`, "
+             "`looplm sweep experiments/deeploop-cpu/depth.toml --out experiments/deeploop-cpu/depth`, then "
+             "`python experiments/summarize.py deeploop`.", "",
+             f"Unigram floor (add-one, Brown train → Brown valid, same BPE): PPL {floor:.1f} "
+             f"(loss {math.log(floor):.3f}). A run *trains* when its final validation PPL is below 0.8 × the floor "
+             "(our threshold); otherwise it stays at the unigram floor.", "",
+             "## p-sweep at R = 3 (K = 2 core blocks, N = 6)", "",
+             "| p | α = (2N)^p | β = (8N)^-p | final val loss per seed | trains |", "|---:|---:|---:|---|---:|"]
+    by_variant = defaultdict(dict)
+    for name, r in results.items():
+        variant, seed = name.rsplit("-s", 1)
+        by_variant[variant][int(seed)] = r
+    order = ["post_ln-R3", "p0.25-R3", "p0.40-R3", "p0.45-R3", "deeploop-R3", "p0.60-R3"]
+    ps = {"post_ln-R3": 0.0, "p0.25-R3": 0.25, "p0.40-R3": 0.40, "p0.45-R3": 0.45, "deeploop-R3": 0.5, "p0.60-R3": 0.6}
+    pts = []
+    for v in order:
+        if v not in by_variant:
+            continue
+        p = ps[v]
+        n = 6
+        seeds = by_variant[v]
+        losses = [seeds[s]["val_loss"] for s in sorted(seeds)]
+        trains = sum(seeds[s]["val_ppl"] < 0.8 * floor for s in seeds)
+        pts += [(p, x) for x in losses]
+        lines.append(f"| {p:.2f} | {(2 * n) ** p:.3f} | {(8 * n) ** -p:.3f} | " + ", ".join(f"{x:.3f}" for x in losses)
+                     + f" | {trains}/{len(seeds)} |")
+    lines += ["", "## DeepLoop (p = 1/2) vs α = β = 1 (post_ln) at R = 1, 3, 5", "",
+              "| R | post_ln val loss | deeploop val loss | seeds |", "|---:|---:|---:|---:|"]
+    for R in (1, 3, 5):
+        a, b = by_variant.get(f"post_ln-R{R}", {}), by_variant.get(f"deeploop-R{R}", {})
+        common = sorted(set(a) & set(b))
+        if common:
+            lines.append(f"| {R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
+                         f"{np.mean([b[s]['val_loss'] for s in common]):.3f} | {len(common)} |")
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    if pts:
+        ax.scatter([p for p, _ in pts], [x for _, x in pts])
+    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
+    ax.set_xlabel("exponent p (α = (2N)^p, β = (8N)^-p)")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title("Post-LN looped GPT, R = 3, K = 2")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(exp / "p_sweep.png", dpi=120)
+    lines += ["", "![p-sweep](p_sweep.png)"]
+    (exp / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------- readout
+def readout() -> None:
+    exp = HERE / "readout-cpu"
+    tab = ppl_table(exp / "results.db", "readout-cpu")
+    lines = ["# The readout blind spot at CPU scale (issue 5 §5)", "",
+             "Command: `looplm sweep experiments/readout-cpu/sweep.toml --out experiments/readout-cpu`, then "
+             "`python experiments/summarize.py readout`.", "",
+             "Final-loop hidden-state RMS (per token, `looplm diagnose` scale section, valid split, 2 × 8 windows) "
+             "and Brown test PPL per loop (first 8,192 tokens):", "",
+             "| variant | RMS loop 1 | RMS loop 4 (mean / p99 / max) | radial grad. fraction r_4 | PPL k=1 | k=2 | k=3 | k=4 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    norms = {}
+    for name, run in runs(exp).items():
+        variant = name.rsplit("-s", 1)[0]
+        d = run / "diagnose" / "diagnose.json"
+        if not d.exists():
+            continue
+        sc = json.loads(d.read_text())["scale"]["loops"]
+        by_k = {x["k"]: x for x in sc}
+        norms[variant] = [by_k[k]["rms_mean"] for k in sorted(by_k)]
+        ppl = tab.get(variant, {})
+        lines.append(f"| `{variant}` | {by_k[1]['rms_mean']:.2f} | {by_k[4]['rms_mean']:.2f} / {by_k[4]['rms_p99']:.2f} / "
+                     f"{by_k[4]['rms_max']:.2f} | {by_k[4]['radial_grad_fraction']:.2e} | "
+                     + " | ".join(mean_std(ppl[k].values()) if k in ppl else "–" for k in (1, 2, 3, 4)) + " |")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v, ys in sorted(norms.items()):
+        ax.plot(range(len(ys)), ys, marker="o", label=v)
+    ax.set_yscale("log")
+    ax.set_xlabel("loop k (0 = embedding)")
+    ax.set_ylabel("mean per-token hidden RMS")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(exp / "norms_per_loop.png", dpi=120)
+    lines += ["", "![norms per loop](norms_per_loop.png)"]
+    (exp / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    {"huginn": huginn, "deeploop": deeploop, "readout": readout}[sys.argv[1]]()
