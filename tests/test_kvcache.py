@@ -36,6 +36,7 @@ def _incremental(model: LoopLM, x: torch.Tensor, depth: int, prompt: int, mode: 
 @pytest.mark.parametrize("name", SHARED)
 def test_per_visit_incremental_equals_full_forward(name):
     model = make(name)
+    model.final_depth = DEPTHS[-1]  # final_only_norm: one threshold for both paths (LoopLM.forward)
     x = tokens(b=2)
     full = model(x, depth=list(DEPTHS)).logits_by_depth
     worst = 0.0
@@ -122,6 +123,8 @@ def test_unknown_cache_mode_and_unshared():
         KVCache("nope")
     with pytest.raises(ValueError, match="shared"):
         make("unshared")(tokens(b=1), depth=2, cache=KVCache())
+    with pytest.raises(ValueError, match="depth"):
+        make("scse")(tokens(b=1), depth=0, cache=KVCache())
 
 
 # --- an independent reference for terminal sharing -------------------------------------------------
@@ -245,6 +248,18 @@ def test_kv_sharing_eval_matches_hand_protocol():
         kv_sharing_eval(model, stream[:L], [3], progress=False)
     with pytest.raises(ValueError, match="shared"):
         kv_sharing_eval(make("unshared"), stream, [3], progress=False)
+
+
+@torch.no_grad()
+def test_kv_sharing_eval_final_only_norm_full_equals_per_visit():
+    """The full forward and the cached continuations use one final_only_norm threshold, so the
+    per_visit continuation reproduces the full PPL at every depth (not only the largest)."""
+    model = make("looped-final_only_norm")
+    stream = np.random.default_rng(0).integers(0, 97, size=2 * L + 1)
+    res = kv_sharing_eval(model, stream, [1, 3], batch_size=2, progress=False)
+    for R in (1, 3):
+        assert res[R]["ppl_per_visit"] == pytest.approx(res[R]["ppl_full"], rel=1e-5), R
+    assert not model.training
 
 
 @pytest.fixture(scope="module")

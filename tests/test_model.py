@@ -44,6 +44,7 @@ VARIANTS = {
     "looped-deeploop": dict(rule="looped", residual="deeploop", residual_depth=4),
     "plain-inter_loop_norm": dict(rule="plain", scale_control="inter_loop_norm"),
     "plain-spectral_damping": dict(rule="plain", scale_control="spectral_damping"),
+    "looped-final_only_norm": dict(rule="looped", readout="final_only_norm", n_prelude=1, n_coda=1),
     "unshared": dict(architecture="unshared", n_layers=3),
 }
 
@@ -401,6 +402,36 @@ def test_multi_depth_equals_separate_runs(name):
         worst = max(worst, rel)
     print(f"{name}: max relative difference multi vs separate = {worst:.2e}")
     assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("final_depth", [4, None])
+def test_final_only_norm_readout_does_not_depend_on_the_requested_depths(final_depth):
+    """With ``final_depth`` set (argument or attribute), depth T reads out raw for T < final_depth and
+    normalized from there, in a multi-depth forward and in a fixed-depth forward alike."""
+    model = make("looped-final_only_norm")
+    x = tokens()
+    if final_depth is None:
+        model.final_depth = 4  # what load_checkpoint sets from train.eval_depth
+    kw = {} if final_depth is None else {"final_depth": final_depth}
+    multi = model(x, depth=[1, 2, 4, 6], targets=x, return_states=True, **kw)
+    for T in (1, 2, 4, 6):
+        single = model(x, depth=T, targets=x, **kw)
+        assert torch.allclose(multi.logits_by_depth[T], single.logits, atol=1e-5, rtol=1e-5), T
+        h = multi.states[T]
+        for block in model.coda:
+            h = h + block(h)
+        ref = model.lm_head(model.norm_f(h) if T >= 4 else h)
+        assert torch.allclose(single.logits, ref, atol=1e-5, rtol=1e-5), T
+
+
+def test_unshared_multi_depth_with_attention_mask():
+    model = make("unshared")
+    x = tokens()
+    mask = torch.ones_like(x)
+    out = model(x, depth=[1, 3], attention_mask=mask, targets=x)
+    ref = model(x, depth=[1, 3], targets=x)
+    for T in (1, 3):
+        assert torch.allclose(out.nll_by_depth[T], ref.nll_by_depth[T], atol=1e-5), T
 
 
 def test_depth_zero_and_bad_depth():

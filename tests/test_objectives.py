@@ -74,6 +74,31 @@ def test_tbptt_matches_explicit_detach_reference_and_reaches_prelude():
     assert got["prelude.0.mlp.down.weight"].abs().sum() > 0 and got["tok_emb.weight"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kw", [dict(rule="plain", n_prelude=1), dict(rule="scse"), dict(rule="plain", input_norm=True)])
+def test_tbptt_gives_every_parameter_a_gradient_and_matches_detach_reference(kw):
+    """b < T with rules whose initial state holds parameters the truncated steps do not reach (the
+    prelude of ``plain``, SCSE's anchor projection): every trainable parameter gets a gradient (zero
+    where only the detached steps used it, so DDP needs no unused-parameter search), and the values
+    equal an explicit detach reference."""
+    x, y = batch()
+    T, b = 5, 2
+    m = tiny(**kw)
+    m(x, depth=T, targets=y, tbptt=b).loss.backward()
+    got = grads(m)
+    assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
+    m.zero_grad()
+    state, ctx = m.start(m.embed(x))
+    for t in range(T):
+        if t == T - b:
+            state = state.detach()
+        state = m.loop_step(state, t, ctx)
+    logits = m.readout(m.rule.hidden(state, ctx))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    ref = grads(m)
+    for n, g in got.items():
+        assert torch.allclose(g, ref.get(n, torch.zeros_like(g)), atol=1e-6, rtol=1e-5), n
+
+
 def _saved_activation_bytes(model, x, y, T, b):
     total = 0
 

@@ -39,13 +39,13 @@ from looplm.model.kvcache import KVCache
 
 
 def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int,
-                      mode: str) -> tuple[torch.Tensor, int, int]:
+                      mode: str, final_depth: int | None = None) -> tuple[torch.Tensor, int, int]:
     """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass. Returns (NLL sum over the
     second-half targets (float64 scalar), prefix cache bytes, prefix cache banks)."""
     cache = KVCache(mode)
-    model(x[:, :P], depth=depth, cache=cache, keep_logits=False)
+    model(x[:, :P], depth=depth, cache=cache, keep_logits=False, final_depth=final_depth)
     nbytes, banks = cache.nbytes(), cache.n_banks()
-    out = model(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False)
+    out = model(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False, final_depth=final_depth)
     return out.nll_by_depth[depth].double().sum(), nbytes, banks
 
 
@@ -85,6 +85,8 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     if n_full < 1:
         raise ValueError(f"kv sharing: need at least one full window of {L} tokens (+1 target), "
                          f"got {len(tokens)} tokens")
+    # one final_only_norm threshold for the full forward and every continuation (see LoopLM.forward)
+    final_depth = model.final_depth if model.final_depth is not None else depths[-1]
     was_training = model.training
     model.eval()
     sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}
@@ -92,23 +94,25 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     count = n_seq = 0
     bar = tqdm(total=math.ceil(n_full / batch_size), desc="kv sharing", disable=not progress, leave=False,
                unit="batch")
-    for x, y, mask in eval_windows(tokens, L, batch_size):
-        full = mask.all(1)  # only full windows: both halves have real tokens
-        if not bool(full.any()):
-            continue
-        x, y = x[full].to(device), y[full].to(device)
-        out = model(x, depth=depths, targets=y, keep_logits=False)
-        for R in depths:
-            sums[R]["full"] += float(out.nll_by_depth[R][:, P:].double().sum())
-            for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
-                nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode)
-                sums[R][key] += float(nll)
-                mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
-        count += x.shape[0] * (L - P)
-        n_seq += x.shape[0]
-        bar.update(1)
-    bar.close()
-    model.train(was_training)
+    try:
+        for x, y, mask in eval_windows(tokens, L, batch_size):
+            full = mask.all(1)  # only full windows: both halves have real tokens
+            if not bool(full.any()):
+                continue
+            x, y = x[full].to(device), y[full].to(device)
+            out = model(x, depth=depths, targets=y, keep_logits=False, final_depth=final_depth)
+            for R in depths:
+                sums[R]["full"] += float(out.nll_by_depth[R][:, P:].double().sum())
+                for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
+                    nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode, final_depth)
+                    sums[R][key] += float(nll)
+                    mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
+            count += x.shape[0] * (L - P)
+            n_seq += x.shape[0]
+            bar.update(1)
+    finally:
+        bar.close()
+        model.train(was_training)
     res = {}
     for R in depths:
         nll = {k: v / count for k, v in sums[R].items()}

@@ -63,7 +63,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
         scope = kvcache.active_scope()
         if scope is not None:
-            y = scope.attend(self.layer_id, q, k, v)  # (B, H, L, hd)
+            y = scope.attend(self.layer_id, q, k, v,
+                             dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)

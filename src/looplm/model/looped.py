@@ -74,6 +74,9 @@ class LoopLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # the depth from which a final_only_norm readout normalizes (see forward); None = the largest
+        # requested depth. Loading a checkpoint sets it to train.eval_depth.
+        self.final_depth: int | None = None
         d = cfg.d_model
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
         self.pos_emb = nn.Embedding(cfg.seq_len, d)
@@ -222,7 +225,11 @@ class LoopLM(nn.Module):
             tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first max_depth − b steps run without
                 autograd and the state is detached before the last b steps (so activation memory
                 scales with b). Gradients still reach e and the prelude through the context
-                (anchor, injection) at every back-propagated step. 0 = full BPTT.
+                (anchor, injection) at every back-propagated step; a rule without injection
+                (``plain``) trains its prelude only through the untruncated steps, and parameters
+                used only in the initial state (e.g. an anchor projection) get a zero gradient
+                rather than none (the detached state carries ``0·Σ state_0``, so DDP needs no
+                ``find_unused_parameters``). 0 = full BPTT.
             scale_clamp: rescale each token's state after every loop to its loop-1 RMS (SPEC §4).
             positions, valid: (B, L) position ids and real-token mask (left padding / cached decoding).
             scope: the attention scope of a cached forward (for per-sequence running statistics).
@@ -241,10 +248,12 @@ class LoopLM(nn.Module):
             ctx = dataclasses.replace(ctx, valid=None if valid is None else valid[..., None].to(e.dtype), scope=scope)
         yield 0, self.rule.hidden(state, ctx), ctx
         no_grad_steps = max_depth - tbptt if tbptt and torch.is_grad_enabled() else 0
+        state0 = state
         ref = None
         for t in range(max_depth):
             if no_grad_steps and t == no_grad_steps:
-                state = state.detach()
+                # exact zero that keeps the initial state's parameters in the graph (DDP)
+                state = state.detach() + 0.0 * state0.sum()
             with torch.set_grad_enabled(torch.is_grad_enabled() and t >= no_grad_steps):
                 state = self.loop_step(state, t, ctx, clamp_rms=ref)
             h = self.rule.hidden(state, ctx)
@@ -254,7 +263,8 @@ class LoopLM(nn.Module):
 
     def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
                 return_states: bool = False, keep_logits: bool = True, tbptt: int = 0, scale_clamp: bool = False,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> LoopOutput:
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                final_depth: int | None = None) -> LoopOutput:
         """Run the model at one or several loop depths in a single unroll.
 
         Args:
@@ -271,17 +281,24 @@ class LoopLM(nn.Module):
                 intermediate readout attends to the prefix's last-depth coda K/V.
             attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
                 position ids count real tokens only.
+            final_depth: for ``readout="final_only_norm"`` (SPEC §4), a readout at depth T applies
+                the final RMSNorm iff T ≥ final_depth, so each depth's logits do not depend on which
+                other depths are requested. None: ``self.final_depth`` (set from the checkpoint's
+                ``train.eval_depth`` when loaded), else the largest requested depth (training).
 
         Raises:
-            ValueError: a depth is negative, or no depth is given.
+            ValueError: a depth is negative, no depth is given, or a cache is given with depth 0.
         """
         depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
         if not depths or depths[0] < 0:
             raise ValueError(f"depth: need one or more loop depths >= 0, got {depth!r}")
         if cache is None and attention_mask is None:
-            return self._forward(idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp)
+            return self._forward(idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp,
+                                 final_depth=final_depth)
         if not self.shared and cache is not None:
             raise ValueError("cache: KV caches need the shared architecture")
+        if cache is not None and depths[-1] < 1:
+            raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
         valid = (attention_mask.bool() if attention_mask is not None
                  else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
         if cache is not None:
@@ -290,14 +307,15 @@ class LoopLM(nn.Module):
         positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
         with AttentionScope(cache, valid if attention_mask is not None else None) as scope:
             return self._forward(idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp,
-                                 positions=positions, valid=valid if attention_mask is not None else None,
+                                 final_depth=final_depth, positions=positions, valid=valid if attention_mask is not None else None,
                                  scope=scope)
 
-    def _forward(self, idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp, **unroll_kw
-                 ) -> LoopOutput:
+    def _forward(self, idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp, *,
+                 final_depth=None, **unroll_kw) -> LoopOutput:
         out = LoopOutput(states=[] if return_states else None)
         wanted = set(depths)
         last = depths[-1]
+        final_from = next(f for f in (final_depth, self.final_depth, last) if f is not None)
         for T, h, ctx in self.unroll(idx, last, tbptt=tbptt, scale_clamp=scale_clamp, **unroll_kw):
             if return_states:
                 out.states.append(h)
@@ -308,11 +326,11 @@ class LoopLM(nn.Module):
             if self.exit_gate is not None and T >= 1:
                 out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
             scope = unroll_kw.get("scope")
-            if scope is not None and T != last and self.coda:
+            if scope is not None and T != last and self.shared and self.coda:
                 with scope.peek():  # only the last readout's coda enters the KV cache
-                    logits = self.readout(h, final=False)
+                    logits = self.readout(h, final=T >= final_from)
             else:
-                logits = self.readout(h, final=T == last)  # (B, L, V)
+                logits = self.readout(h, final=T >= final_from)  # (B, L, V)
             if keep_logits:
                 out.logits_by_depth[T] = logits
             if targets is not None:

@@ -61,7 +61,8 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
     """
     sup, lam = tcfg.supervision, tcfg.norm_penalty
     depths = list(range(1, depth + 1)) if sup != "terminal" else depth
-    out = model(x, depth=depths, targets=y, keep_logits=False, tbptt=tcfg.tbptt, return_states=lam > 0)
+    out = model(x, depth=depths, targets=y, keep_logits=False, tbptt=tcfg.tbptt, return_states=lam > 0,
+                final_depth=depth)
     valid = (y != -100)
     n = valid.sum().clamp(min=1)
     ce_T = out.nll_by_depth[depth].sum() / n
@@ -82,7 +83,8 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
         mean_exit = (p * torch.arange(1, depth + 1, dtype=p.dtype, device=p.device)[:, None, None]).sum(0)
         extras.update(exit_entropy=float((entropy * m).sum().detach() / n), mean_exit_loop=float((mean_exit * m).sum().detach() / n))
     if lam > 0:
-        sq = torch.stack([h.float().pow(2).mean(-1).mean() for h in out.states[1:depth + 1]])  # (T,)
+        m = valid.float()  # (B, L): mean over the scored tokens (SPEC §4 mean_tokens)
+        sq = torch.stack([(h.float().pow(2).mean(-1) * m).sum() / n for h in out.states[1:depth + 1]])  # (T,)
         penalty = lam * sq.mean()
         loss = loss + penalty
         extras["norm_penalty"] = float(penalty.detach())
