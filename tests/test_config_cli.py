@@ -45,6 +45,8 @@ def test_error_lists_allowed_values():
         DataConfig(dataset="pile")
     with pytest.raises(ConfigError, match="data.text_files"):
         DataConfig(dataset="text")
+    with pytest.raises(ConfigError, match="train.checkpoint_format: got 'shards'; allowed: 'consolidated', 'sharded'"):
+        TrainConfig(checkpoint_format="shards")
 
 
 def test_json_round_trip_and_format_version():
@@ -216,3 +218,21 @@ def test_cli_argument_and_run_dir_errors(tmp_path, capsys):
     bad_json.write_text("{nope")
     assert main(["info", "--config", str(bad_json)]) == 2
     assert str(bad_json) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(model=dict(architecture="unshared"), train=dict(supervision="exit_weighted")), "train.supervision"),
+    (dict(model=dict(architecture="unshared", scale_control="inter_loop_norm")), "model.scale_control"),
+    (dict(model=dict(architecture="unshared", exit_gate=True)), "model.exit_gate"),
+])
+def test_unshared_rejects_loop_only_options(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        Config.from_dict(overrides)
+
+
+@pytest.mark.parametrize("train, nominal", [
+    (dict(depth_sampler="fixed", depth=5), 5), (dict(depth_sampler="uniform", depth_lo=1, depth_hi=8), 8),
+    (dict(depth_sampler="pln", depth_mean=5.0, depth_cap=64), 5), (dict(depth_sampler="learned", depth_mean=4.5), 5),
+])
+def test_nominal_depth(train, nominal):
+    assert Config.from_dict({"train": train}).train.nominal_depth == nominal

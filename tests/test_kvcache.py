@@ -289,6 +289,13 @@ def test_cli_eval_kv_sharing(checkpoint, tmp_path, capsys):
     assert "PPL terminal" in capsys.readouterr().out
 
 
+def test_loaded_checkpoint_sets_the_final_only_norm_threshold(checkpoint):
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, _ = load_checkpoint(checkpoint)
+    assert model.final_depth == cfg.train.nominal_depth
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["looped-prelude-coda", "huginn_linear-huginn"])
 def test_multi_depth_prefill_commits_only_the_last_readouts_coda(name):

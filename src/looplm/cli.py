@@ -220,6 +220,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from looplm.train.checkpoint import consolidate_checkpoint
+
+    print(consolidate_checkpoint(args.checkpoint))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from looplm.bench import run_bench, write_results
 
@@ -312,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", type=parse_depths, default=[8, 16, 24],
                    help="adaptive: target mean loop budgets (default 8,16,24)")
     p.add_argument("--ceiling", type=positive_int, default=None,
-                   help="adaptive: loop ceiling (default 48); halting: K_max (default the checkpoint's largest "
-                   "training depth)")
+                   help="adaptive: loop ceiling (default 48); halting: K_max (default the checkpoint's nominal "
+                   "training depth: train.depth, depth_hi, or depth_mean rounded up for pln/learned)")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="halting: allowed relative PPL increase over K_max (default 0.01 = 1%%)")
     p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
@@ -371,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, metavar="OUT", help="also write prompts, token ids, continuations and "
                    "loops per token as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("consolidate", help="add the full weights (model.safetensors) to a sharded checkpoint",
+                       description="Read the sharded (torch.distributed.checkpoint) weights of a checkpoint, "
+                       "written under any number of ranks, and add them to it as model.safetensors (also "
+                       "listed in its manifest), so the folder is a plain config.json + model.safetensors "
+                       "model. Prints the file's path; does nothing when the checkpoint already has one. "
+                       "Eval, diagnose and generate read sharded checkpoints without this step.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    p.set_defaults(func=cmd_consolidate)
 
     p = sub.add_parser("info", help="parameter count and FLOP proxy of a config, as JSON",
                        description="Print JSON with `params` (trainable, tied embeddings once) and "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -42,6 +43,7 @@ TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]
 DType = Literal["float32", "bfloat16"]
+CheckpointFormat = Literal["consolidated", "sharded"]
 
 
 #: residual step scale s per rule when ``step_scale == -1`` (SPEC §2; for the controls the paper gives
@@ -215,6 +217,9 @@ class ModelConfig(_Base):
         _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
         if self.architecture == "unshared":
             _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
+            _check(self.scale_control == "none", p + "scale_control",
+                   "the unshared reference has no loop to control; allowed: none")
+            _check(not self.exit_gate, p + "exit_gate", "exit gates need the shared architecture; allowed: false")
 
     @property
     def resolved_residual_p(self) -> float:
@@ -309,6 +314,11 @@ class TrainConfig(_Base):
     eval_batches: int = _f(20, "validation batches per periodic validation")
     eval_depth: int = _f(8, "loop depth used for periodic validation")
     ckpt_every: int = _f(500, "write a checkpoint every this many steps (0 = only at the end)")
+    checkpoint_format: CheckpointFormat = _f("consolidated", "consolidated (full weights gathered to rank 0, "
+                                             "written as model.safetensors + train_state.pt) or sharded "
+                                             "(every rank writes its own shards with torch.distributed."
+                                             "checkpoint; needs a filesystem all ranks see); both resume under "
+                                             "any world size")
     device: Device = _f("auto", "cpu, cuda, or auto (cuda when available)")
     dtype: DType = _f("float32", "autocast dtype for forward/backward (bfloat16 on GPU)")
     num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
@@ -347,6 +357,15 @@ class TrainConfig(_Base):
         """The largest loop depth the training sampler can draw."""
         return {"fixed": self.depth, "uniform": self.depth_hi}.get(self.depth_sampler, self.depth_cap)
 
+    @property
+    def nominal_depth(self) -> int:
+        """The loop depth a trained model stands for: ``depth`` (fixed), ``depth_hi`` (uniform), or
+        ``depth_mean`` rounded up (pln, learned). The default K_max of halting and of the scale
+        diagnostics, and the depth from which a ``final_only_norm`` readout normalizes."""
+        if self.depth_sampler in ("fixed", "uniform"):
+            return self.max_depth
+        return int(math.ceil(self.depth_mean))
+
 
 @dataclass(frozen=True)
 class Config(_Base):
@@ -363,6 +382,10 @@ class Config(_Base):
         changes: dict[str, Any] = {}
         if self.model.residual != "pre_ln" and self.model.residual_depth == 0:
             changes["residual_depth"] = self.train.max_depth
+        if self.model.architecture == "unshared":
+            _check(self.train.supervision != "exit_weighted", "train.supervision",
+                   "exit_weighted needs learned exit gates, which only the shared architecture has; "
+                   "allowed for model.architecture=unshared: terminal, per_loop")
         if self.train.supervision == "exit_weighted" and not self.model.exit_gate:
             changes["exit_gate"] = True
         if changes:

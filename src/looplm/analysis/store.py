@@ -50,7 +50,8 @@ SCHEMA_VERSION = 1
 #: config fields left out of the evaluation identity: they do not change the trained weights (or,
 #: for ``train.seed``, are an identity column of their own).
 NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
-    "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every"),
+    "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every",
+              "checkpoint_format"),
     "data": ("data_root", "cache_dir"),
 }
 

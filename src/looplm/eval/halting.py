@@ -547,7 +547,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
     from looplm.train.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
-    k_max = cfg.train.max_depth if k_max is None else int(k_max)
+    k_max = cfg.train.nominal_depth if k_max is None else int(k_max)
     data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
     tok = load_tokenizer_for(ckpt)
     root, cache = resolve_data_root(data_cfg.data_root), resolve_cache_dir(data_cfg.cache_dir)

@@ -1,15 +1,21 @@
-"""Atomic checkpoints: ``model.safetensors`` + ``config.json`` + ``train_state.pt`` (+ tokenizer).
+"""Atomic checkpoints, consolidated or sharded, each with ``config.json``, train state and tokenizer.
 
 Layout of a run directory::
 
     RUN/latest                       name of the newest complete checkpoint (replaced atomically)
-    RUN/checkpoints/step-000600/     model.safetensors, config.json, train_state.pt,
+    RUN/checkpoints/step-000600/     consolidated: model.safetensors, config.json, train_state.pt,
                                      tokenizer.json, manifest.json (sizes + sha256 of each file)
+    RUN/checkpoints/step-000600/     sharded: sharded/ (torch.distributed.checkpoint: one .distcp file
+                                     per writing rank + .metadata; model and optimizer), config.json,
+                                     train_state.pt (everything else), tokenizer.json, manifest.json
 
 A checkpoint is written into a hidden temporary directory and renamed into place only when every
-file is complete, then ``latest`` is replaced with ``os.replace``; a crash or kill at any moment
-leaves the previous checkpoint intact and ``latest`` pointing at it. Loading verifies the manifest,
-so a truncated or corrupted file gives :class:`CheckpointError` naming the file.
+file is complete (for a sharded one: after every rank has written its shards), then ``latest`` is
+replaced with ``os.replace``; a crash or kill at any moment leaves the previous checkpoint intact and
+``latest`` pointing at it. Loading verifies the manifest, so a truncated or corrupted file gives
+:class:`CheckpointError` naming the file. A sharded checkpoint loads under any world size (DCP
+reshards); for inference it is consolidated on load, and :func:`consolidate_checkpoint` adds a
+``model.safetensors`` to it.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from safetensors.torch import load_model, save_model
 
 from looplm.config import Config
 from looplm.model import LoopLM
+from looplm.train.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
     "model.safetensors", "config.json", "train_state.pt", "tokenizer.json", "manifest.json")
+SHARDED_DIR = "sharded"
 KEEP_LAST = 2
 
 
@@ -52,33 +60,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, *,
-                    train_state: dict[str, Any] | None = None, tokenizer_json: str | None = None) -> Path:
-    """Write checkpoint ``step`` of ``model`` atomically under ``run_dir`` and point ``latest`` at it.
+def _files(root: Path) -> list[str]:
+    """Every file under ``root`` (recursive, hidden ones too) as sorted POSIX paths relative to it."""
+    return sorted(str((Path(d) / f).relative_to(root).as_posix()) for d, _, fs in os.walk(root) for f in fs)
 
-    Weights are saved from the unwrapped, uncompiled module (no ``module.``/``_orig_mod.`` prefixes).
-    Keeps the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory.
-    """
-    run_dir = Path(run_dir)
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    tmp = ckpts / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
+
+def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_state: dict[str, Any] | None,
+            tokenizer_json: str | None) -> Path:
+    """Add config, train state, tokenizer and manifest to ``tmp``, fsync, rename it to ``name`` and point
+    ``latest`` at it; keep the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory."""
+    ckpts = tmp.parent
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     if train_state is not None:
         torch.save(train_state, tmp / STATE_FILE)
     if tokenizer_json is not None:
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
-    files = sorted(p.name for p in tmp.iterdir())
+    files = _files(tmp)
     manifest = {"step": step, "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
                                         for f in files}}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
+    for f in _files(tmp):
+        with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     final = ckpts / name
     if final.exists():
@@ -92,6 +94,97 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
     for old in sorted(p for p in ckpts.iterdir() if p.name.startswith("step-"))[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, *,
+                    train_state: dict[str, Any] | None = None, tokenizer_json: str | None = None) -> Path:
+    """Write consolidated checkpoint ``step`` of ``model`` atomically under ``run_dir`` and point
+    ``latest`` at it (one process: rank 0 under torchrun).
+
+    Weights are saved from the unwrapped, uncompiled module (no ``module.``/``_orig_mod.`` prefixes).
+    Keeps the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory.
+    """
+    run_dir = Path(run_dir)
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = ckpts / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / MODEL_FILE))
+    return _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json)
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], cfg: Config,
+                            env: DistEnv, *, train_state: dict[str, Any] | None = None,
+                            tokenizer_json: str | None = None) -> Path:
+    """Write sharded checkpoint ``step`` atomically under ``run_dir``; every rank must call it.
+
+    Every rank writes its shards of ``state_dict`` (e.g. ``{"model": ..., "optimizer": ...}`` from
+    :func:`looplm.train.dist.sharded_state`; DTensors under FSDP2) with ``dcp.save`` into
+    ``sharded/`` of a hidden temporary directory that all ranks see; after a barrier rank 0 adds
+    ``config.json``, ``train_state`` (only rank 0's), the tokenizer and the manifest, renames the
+    directory into place and updates ``latest``. Returns the checkpoint directory (on every rank, once
+    it is in place).
+    """
+    run_dir = Path(run_dir)
+    ckpts = run_dir / "checkpoints"
+    name = f"step-{step:06d}"
+    tmp = ckpts / f".tmp-{name}-sharded"  # one name for all ranks (their pids differ)
+    if env.is_main:
+        ckpts.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier(env)
+    save_shards(state_dict, tmp / SHARDED_DIR, env)
+    barrier(env)  # every rank's shards are on disk before rank 0 hashes and renames
+    if env.is_main:
+        _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json)
+    barrier(env)
+    return ckpts / name
+
+
+def is_sharded(ckpt: str | Path) -> bool:
+    """Whether a checkpoint directory holds a sharded (DCP) model and optimizer state."""
+    return (Path(ckpt) / SHARDED_DIR).is_dir()
+
+
+def load_sharded(ckpt: str | Path, state_dict: dict[str, Any], *, distributed: bool = False) -> None:
+    """Fill ``state_dict`` in place from the ``sharded/`` state of checkpoint ``ckpt`` with ``dcp.load``.
+
+    ``state_dict`` has the layout that was saved (e.g. ``{"model": ..., "optimizer": ...}``); its
+    tensors are allocated with the shapes and placements wanted now (DTensor shards of any world size,
+    or full tensors), and DCP reads just those pieces. ``distributed=False`` reads in this process
+    alone, without collectives.
+
+    Raises:
+        CheckpointError: not a sharded checkpoint, or a requested key or shard is missing or unreadable.
+    """
+    path = Path(ckpt) / SHARDED_DIR
+    if not path.is_dir():
+        raise CheckpointError(f"{ckpt}: no {SHARDED_DIR}/ directory (not a sharded checkpoint)")
+    try:
+        load_shards(state_dict, path, distributed=distributed)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: cannot load sharded state ({exc})") from exc
+
+
+def _load_sharded_model(ckpt: Path, model: LoopLM) -> None:
+    """Consolidate the sharded weights of ``ckpt`` into the plain ``model`` (strict: same key set)."""
+    expected = set(model.state_dict())
+    try:
+        saved = {k[len("model."):] for k in shard_keys(ckpt / SHARDED_DIR) if k.startswith("model.")}
+    except RuntimeError as exc:
+        raise CheckpointError(f"{ckpt / SHARDED_DIR}: cannot read the DCP metadata ({exc})") from exc
+    if saved != expected:
+        missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+        raise CheckpointError(f"{ckpt / SHARDED_DIR}: weights do not match the model of config.json "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    sd = {"model": model.state_dict()}
+    load_sharded(ckpt, sd)
+    model.load_state_dict(sd["model"], strict=True)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -117,7 +210,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if target.is_dir():
             return target
         raise CheckpointError(f"{latest} names {target}, which does not exist")
-    raise CheckpointError(f"{path}: no checkpoint here (expected {MODEL_FILE} or a run directory with 'latest')")
+    raise CheckpointError(f"{path}: no checkpoint here (expected {MANIFEST_FILE}, {MODEL_FILE} or a run directory "
+                          "with 'latest')")
 
 
 def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
@@ -148,13 +242,31 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
 
 
 def load_config(ckpt: str | Path) -> Config:
+    """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
     return Config.from_json((ckpt / CONFIG_FILE).read_text())
+
+
+def load_train_state(ckpt: str | Path) -> dict[str, Any]:
+    """The training state of a checkpoint: step, scheduler, RNG, depth prior, and (consolidated only)
+    the optimizer; a sharded checkpoint keeps the optimizer in ``sharded/``.
+
+    Raises:
+        CheckpointError: the checkpoint has no train state (weights only).
+    """
+    path = resolve_checkpoint(ckpt) / STATE_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     with_state: bool = False) -> tuple[LoopLM, Config, dict[str, Any] | None, Path]:
     """Load ``(model, config, train_state or None, checkpoint_dir)``; weights loaded with strict=True.
+
+    A consolidated checkpoint (or a sharded one with a ``model.safetensors`` from
+    :func:`consolidate_checkpoint`) loads from safetensors; a sharded one is consolidated on load
+    into the plain model in this process (whatever world size wrote it).
 
     Raises:
         CheckpointError: missing, truncated or corrupted checkpoint.
@@ -167,20 +279,56 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
-    verify_checkpoint(ckpt)
+    manifest = verify_checkpoint(ckpt)
     cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
     model = LoopLM(cfg.model)
-    try:
-        load_model(model, str(ckpt / MODEL_FILE), strict=True, device=str(device))
-    except Exception as exc:  # safetensors raises several types for damaged files
-        raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
+    if MODEL_FILE not in manifest["files"] and is_sharded(ckpt):
+        _load_sharded_model(ckpt, model)
+    else:
+        try:
+            load_model(model, str(ckpt / MODEL_FILE), strict=True, device=str(device))
+        except Exception as exc:  # safetensors raises several types for damaged files
+            raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
     model.to(device)
-    state = None
-    if with_state:
-        if not (ckpt / STATE_FILE).exists():
-            raise CheckpointError(f"{ckpt / STATE_FILE}: missing (weights-only checkpoint cannot resume)")
-        state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+    model.final_depth = cfg.train.nominal_depth  # where a final_only_norm readout normalizes
+    state = load_train_state(ckpt) if with_state else None
     return model, cfg, state, ckpt
+
+
+def consolidate_checkpoint(path: str | Path) -> Path:
+    """Add the full weights of a sharded checkpoint to it as ``model.safetensors`` (and to its manifest),
+    so the directory is also a plain ``config.json`` + ``model.safetensors`` model. A no-op when the
+    checkpoint already has one. Returns the ``model.safetensors`` path.
+
+    The file and the new manifest are each written to a temporary name and renamed into place, so an
+    interrupted call leaves the checkpoint as it was.
+
+    Raises:
+        CheckpointError: the checkpoint is damaged, or holds no weights to consolidate.
+    """
+    ckpt = resolve_checkpoint(path)
+    manifest = verify_checkpoint(ckpt)
+    target = ckpt / MODEL_FILE
+    if MODEL_FILE in manifest["files"]:
+        return target
+    if not is_sharded(ckpt):
+        raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
+    model = LoopLM(Config.from_json((ckpt / CONFIG_FILE).read_text()).model)
+    _load_sharded_model(ckpt, model)
+    tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
+    save_model(model, str(tmp))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    manifest["files"][MODEL_FILE] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    tmp = ckpt / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, ckpt / MANIFEST_FILE)
+    _fsync_dir(ckpt)
+    return target
 
 
 def newest_valid_checkpoint(run_dir: str | Path) -> Path | None:

@@ -8,15 +8,19 @@ depth, so the graph is identical on all ranks and every parameter gets a gradien
 (no ``find_unused_parameters``). With equal rows per rank, the averaged gradient equals the
 single-process gradient of the global batch.
 
-Checkpoints are consolidated (full state dicts gathered to rank 0, written by rank 0), so a run saved
-under N ranks resumes under any other world size.
+Checkpoints (``train.checkpoint_format``) are either consolidated (full state dicts gathered to rank 0,
+written by rank 0) or sharded (each rank hands its own shards to torch.distributed.checkpoint, which
+reshards on load); either way a run saved under N ranks resumes under any other world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -147,6 +151,81 @@ def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, opt_sd: d
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(model, opt, opt_sd, options=_state_dict_options(mode, env, saving=False))
+
+
+def sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state dicts as this rank holds them, for a sharded (DCP) checkpoint.
+
+    Keys are parameter names (FQNs) without wrapper prefixes. Under FSDP2 every parameter and optimizer
+    moment is a DTensor shard; under DDP or in one process they are plain tensors (DCP writes each
+    replicated tensor once). An optimizer that has not stepped yet gets its state allocated (zero
+    moments, one step with lr 0), so the dicts can be filled by :func:`dcp.load` on resume.
+    Collective under FSDP (every rank must call it).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, opt)
+
+
+def set_sharded_state(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict[str, Any],
+                      opt_sd: dict[str, Any]) -> None:
+    """Load the dicts of :func:`sharded_state` (filled from a checkpoint) into ``model`` and ``opt``
+    (strict: every parameter must be present). Collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+
+
+@contextlib.contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """DCP warns on every call without a process group; reading or writing alone is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def save_shards(state_dict: dict[str, Any], path: Path, env: DistEnv) -> None:
+    """``dcp.save`` of this rank's part of ``state_dict`` into the directory ``path`` (one ``.distcp``
+    file per writing rank, plus ``.metadata`` from rank 0). Collective when distributed: it returns
+    on every rank once every rank's data is written."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_no_dist():
+        dcp.save(state_dict, checkpoint_id=path, no_dist=not env.enabled)
+
+
+def load_shards(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
+    """``dcp.load`` from the directory ``path`` into ``state_dict`` in place: each tensor (plain, or a
+    DTensor shard of any world size) gets exactly its piece. ``distributed=False`` reads in this
+    process alone; otherwise collective.
+
+    Raises:
+        RuntimeError: a requested key is not in the checkpoint, or its data cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_no_dist():
+            dcp.load(state_dict, checkpoint_id=path, no_dist=not distributed)
+    except CheckpointException as exc:  # a BaseException carrying each failed rank's error and traceback
+        reasons = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
+        raise RuntimeError(reasons) from exc
+
+
+def shard_keys(path: Path) -> set[str]:
+    """Flattened keys (``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ...) saved in the DCP
+    directory ``path``, read from its ``.metadata`` alone.
+
+    Raises:
+        RuntimeError: the metadata cannot be read.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as exc:  # a missing or unpicklable .metadata raises several types
+        raise RuntimeError(f"cannot read {path / '.metadata'} ({exc})") from exc
 
 
 def barrier(env: DistEnv) -> None:

@@ -26,10 +26,12 @@ from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import Block, LoopLM
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, load_checkpoint,
-                                     newest_valid_checkpoint, save_checkpoint)
+from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, load_checkpoint,
+                                     load_config, load_sharded, load_train_state, newest_valid_checkpoint,
+                                     save_checkpoint, save_sharded_checkpoint)
 from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
-                               mean_across_ranks, shutdown, unwrap, wrap_model, all_reduce_sum)
+                               mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
+                               wrap_model, all_reduce_sum)
 from looplm.train.optim import build_optimizer, build_scheduler
 from looplm.train.losses import training_loss
 from looplm.train.samplers import build_sampler
@@ -132,7 +134,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         ValueError: ``train.batch_size`` not divisible by the world size.
     """
     out = Path(out_dir)
-    start_step, state = 0, None
+    start_step, state, ckpt = 0, None, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
         if ckpt is None:
@@ -142,7 +144,12 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             if bad.name > ckpt.name:
                 print(f"looplm: warning: skipping damaged checkpoint {bad.name} ({err}); resuming from {ckpt.name}",
                       file=sys.stderr)
-        model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
+        if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
+            cfg, state = load_config(ckpt), load_train_state(ckpt)
+            model = LoopLM(cfg.model)
+        else:
+            model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
+            model.final_depth = None  # as built fresh: training sets the readout per forward
         start_step = int(state["step"])
     tcfg = cfg.train
     if tcfg.num_threads:
@@ -164,8 +171,14 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     wrapped = wrap_model(model, tcfg.distributed, env)
     opt = build_optimizer(wrapped, tcfg)
     sched = build_scheduler(opt, tcfg)
-    if state is not None:
+    if ckpt is not None and is_sharded(ckpt):
+        model_sd, opt_sd = sharded_state(wrapped, opt)
+        loaded = {"model": model_sd, "optimizer": opt_sd}
+        load_sharded(ckpt, loaded, distributed=env.enabled)  # DCP reshards to this world size
+        set_sharded_state(wrapped, opt, loaded["model"], loaded["optimizer"])
+    elif state is not None:
         load_optimizer_state(wrapped, opt, state["optimizer"], tcfg.distributed, env)
+    if state is not None:
         sched.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
     sampler = build_sampler(tcfg)
@@ -185,16 +198,22 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
 
     def checkpoint(step: int) -> None:
+        train_state = {"step": step, "scheduler": sched.state_dict(), "rng": _rng_state(),
+                       "data_position": {"seed": tcfg.seed, "step": step}, "world_size": env.world_size,
+                       "depth_prior": sampler.state_dict()}
+        if tcfg.checkpoint_format == "sharded":
+            model_sd, opt_sd = sharded_state(wrapped, opt)
+            save_sharded_checkpoint(out, step, {"model": model_sd, "optimizer": opt_sd}, cfg, env,
+                                    train_state=train_state, tokenizer_json=data.tokenizer_json)
+            return
         model_sd, opt_sd = full_state(wrapped, opt, tcfg.distributed, env)
         if main:
             plain = unwrap(wrapped)
             if fsdp:
                 plain = LoopLM(cfg.model)
                 plain.load_state_dict(model_sd, strict=True)
-            train_state = {"step": step, "optimizer": opt_sd, "scheduler": sched.state_dict(),
-                           "rng": _rng_state(), "data_position": {"seed": tcfg.seed, "step": step},
-                           "world_size": env.world_size, "depth_prior": sampler.state_dict()}
-            save_checkpoint(out, step, plain, cfg, train_state=train_state, tokenizer_json=data.tokenizer_json)
+            save_checkpoint(out, step, plain, cfg, train_state={**train_state, "optimizer": opt_sd},
+                            tokenizer_json=data.tokenizer_json)
         barrier(env)
 
     def validate() -> dict[str, float]:
