@@ -139,7 +139,7 @@ def deeploop() -> None:
             for name, run in runs(folder).items():
                 summ = json.loads((run / "summary.json").read_text())
                 cfg = json.loads((run / "config.json").read_text())
-                results[name] = {"val_ppl": summ["val_ppl"], "val_loss": summ["val_loss"], "cfg": cfg,
+                results[name] = {"val_ppl": summ["val_ppl"], "val_loss": summ["val_loss"], "cfg": cfg, "cfg_dir": str(run),
                                  "test": ppl_table(folder / "results.db", sweep)}
     any_cfg = next(iter(results.values()))["cfg"]
     floor = unigram_floor(any_cfg, "valid")
@@ -178,7 +178,11 @@ def deeploop() -> None:
         if common:
             lines.append(f"| {R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
                          f"{np.mean([b[s]['val_loss'] for s in common]):.3f} | {len(common)} |")
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    if "pre_ln-R3" in by_variant:
+        ref = by_variant["pre_ln-R3"]
+        lines += ["", f"Pre-norm reference (rule plain, pre_ln, R = 3, same steps): val loss "
+                  + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     if pts:
         ax.scatter([p for p, _ in pts], [x for _, x in pts])
     ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
@@ -186,6 +190,23 @@ def deeploop() -> None:
     ax.set_ylabel("final validation loss (nats)")
     ax.set_title("Post-LN looped GPT, R = 3, K = 2")
     ax.legend()
+    cmap = plt.get_cmap("viridis")
+    for v in order + ["pre_ln-R3"]:
+        for seed, r in sorted(by_variant.get(v, {}).items()):
+            rows = [json.loads(x) for x in (Path(r["cfg_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            pts_ = [(x["step"], x["loss"]) for x in rows if "loss" in x and "step" in x]
+            if not pts_:
+                continue
+            steps_, loss_ = np.array(pts_).T
+            k = 10
+            smooth = np.convolve(loss_, np.ones(k) / k, mode="valid")
+            colour = "black" if v == "pre_ln-R3" else cmap(ps[v] / 0.6)
+            ax2.plot(steps_[k - 1:], smooth, color=colour, lw=1, label=v if seed == min(by_variant[v]) else None)
+    ax2.axhline(math.log(floor), color="grey", ls=":")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("train loss (10-step mean)")
+    ax2.set_title("training curves (R = 3)")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(exp / "p_sweep.png", dpi=120)
     lines += ["", "![p-sweep](p_sweep.png)"]

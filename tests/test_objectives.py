@@ -50,6 +50,19 @@ def test_tbptt_with_window_at_least_depth_equals_full_bptt(kw):
             assert torch.equal(g, full[n]), n
 
 
+def _detach_reference_grads(m, x, y, T, b):
+    """Gradients of an unroll written by hand that detaches the state before the last b steps."""
+    m.zero_grad()
+    state, ctx = m.start(m.embed(x))
+    for t in range(T):
+        if t == T - b:
+            state = state.detach()
+        state = m.loop_step(state, t, ctx)
+    logits = m.readout(m.rule.hidden(state, ctx))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    return grads(m)
+
+
 def test_tbptt_matches_explicit_detach_reference_and_reaches_prelude():
     """b < T: gradients equal an unroll written by hand that detaches the state before the last b
     steps; the prelude and embedding still get gradient through the injection."""
@@ -58,16 +71,7 @@ def test_tbptt_matches_explicit_detach_reference_and_reaches_prelude():
     m = tiny(**HUGINN)
     m(x, depth=T, targets=y, tbptt=b).loss.backward()
     got = grads(m)
-    m.zero_grad()
-    e = m.embed(x)
-    state, ctx = m.start(e)
-    for t in range(T):
-        if t == T - b:
-            state = state.detach()
-        state = m.loop_step(state, t, ctx)
-    logits = m.readout(m.rule.hidden(state, ctx))
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    ref = grads(m)
+    ref = _detach_reference_grads(m, x, y, T, b)
     assert set(got) == set(ref)
     for n in ref:
         assert torch.allclose(got[n], ref[n], atol=1e-6, rtol=1e-5), n
@@ -86,15 +90,7 @@ def test_tbptt_gives_every_parameter_a_gradient_and_matches_detach_reference(kw)
     m(x, depth=T, targets=y, tbptt=b).loss.backward()
     got = grads(m)
     assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
-    m.zero_grad()
-    state, ctx = m.start(m.embed(x))
-    for t in range(T):
-        if t == T - b:
-            state = state.detach()
-        state = m.loop_step(state, t, ctx)
-    logits = m.readout(m.rule.hidden(state, ctx))
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    ref = grads(m)
+    ref = _detach_reference_grads(m, x, y, T, b)
     for n, g in got.items():
         assert torch.allclose(g, ref.get(n, torch.zeros_like(g)), atol=1e-6, rtol=1e-5), n
 
