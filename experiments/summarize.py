@@ -131,82 +131,106 @@ def unigram_floor(cfg_json: dict, split: str) -> float:
     return unigram_ppl(data.train, data.valid if split == "valid" else data.test, data.vocab_size)
 
 
-def deeploop() -> None:
-    exp = HERE / "deeploop-cpu"
-    results = {}
-    for sweep, folder in (("deeploop-cpu", exp), ("deeploop-depth", exp / "depth")):
-        if (folder / "results.db").exists():
-            for name, run in runs(folder).items():
-                summ = json.loads((run / "summary.json").read_text())
-                cfg = json.loads((run / "config.json").read_text())
-                results[name] = {"val_ppl": summ["val_ppl"], "val_loss": summ["val_loss"], "cfg": cfg, "cfg_dir": str(run),
-                                 "test": ppl_table(folder / "results.db", sweep)}
-    any_cfg = next(iter(results.values()))["cfg"]
-    floor = unigram_floor(any_cfg, "valid")
-    lines = ["# DeepLoop at CPU scale (issue 5 §5)", "",
-             "Commands: `looplm sweep experiments/deeploop-cpu/sweep.toml --out experiments/deeploop-cpu`, "
-             "`looplm sweep experiments/deeploop-cpu/depth.toml --out experiments/deeploop-cpu/depth`, then "
-             "`python experiments/summarize.py deeploop`.", "",
-             f"Unigram floor (add-one, Brown train → Brown valid, same BPE): PPL {floor:.1f} "
-             f"(loss {math.log(floor):.3f}). A run *trains* when its final validation PPL is below 0.8 × the floor "
-             "(our threshold); otherwise it stays at the unigram floor.", "",
-             "## p-sweep at R = 3 (K = 2 core blocks, N = 6)", "",
-             "| p | α = (2N)^p | β = (8N)^-p | final val loss per seed | trains |", "|---:|---:|---:|---|---:|"]
-    by_variant = defaultdict(dict)
-    for name, r in results.items():
+P_OF = {"post_ln-R3": 0.0, "p0.25-R3": 0.25, "p0.40-R3": 0.40, "p0.45-R3": 0.45, "deeploop-R3": 0.5, "p0.60-R3": 0.6}
+
+
+def _sweep_runs(folder: Path) -> dict[str, dict[int, dict]]:
+    """{variant: {seed: {val_loss, val_ppl, run}}} of the finished runs under ``folder/runs``."""
+    out: dict = defaultdict(dict)
+    if not (folder / "runs").is_dir():
+        return out
+    for name, run in runs(folder).items():
         variant, seed = name.rsplit("-s", 1)
-        by_variant[variant][int(seed)] = r
-    order = ["post_ln-R3", "p0.25-R3", "p0.40-R3", "p0.45-R3", "deeploop-R3", "p0.60-R3"]
-    ps = {"post_ln-R3": 0.0, "p0.25-R3": 0.25, "p0.40-R3": 0.40, "p0.45-R3": 0.45, "deeploop-R3": 0.5, "p0.60-R3": 0.6}
-    pts = []
-    for v in order:
-        if v not in by_variant:
+        summ = json.loads((run / "summary.json").read_text())
+        if summ.get("completed_steps") != summ.get("steps"):
             continue
-        p = ps[v]
-        n = 6
-        seeds = by_variant[v]
+        out[variant][int(seed)] = {"val_loss": summ["val_loss"], "val_ppl": summ["val_ppl"], "run": run}
+    return out
+
+
+def _p_table(by_variant, floor: float) -> tuple[list[str], list[tuple[float, float, bool]]]:
+    lines = ["| p | α = (2N)^p | β = (8N)^-p | final val loss per seed | trains |", "|---:|---:|---:|---|---:|"]
+    pts = []
+    n = 6
+    for v, p in P_OF.items():
+        seeds = by_variant.get(v)
+        if not seeds:
+            continue
         losses = [seeds[s]["val_loss"] for s in sorted(seeds)]
-        trains = sum(seeds[s]["val_ppl"] < 0.8 * floor for s in seeds)
-        pts += [(p, x) for x in losses]
-        lines.append(f"| {p:.2f} | {(2 * n) ** p:.3f} | {(8 * n) ** -p:.3f} | " + ", ".join(f"{x:.3f}" for x in losses)
-                     + f" | {trains}/{len(seeds)} |")
-    lines += ["", "## DeepLoop (p = 1/2) vs α = β = 1 (post_ln) at R = 1, 3, 5", "",
-              "| R | post_ln val loss | deeploop val loss | seeds |", "|---:|---:|---:|---:|"]
-    for R in (1, 3, 5):
-        a, b = by_variant.get(f"post_ln-R{R}", {}), by_variant.get(f"deeploop-R{R}", {})
-        common = sorted(set(a) & set(b))
-        if common:
-            lines.append(f"| {R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
-                         f"{np.mean([b[s]['val_loss'] for s in common]):.3f} | {len(common)} |")
-    if "pre_ln-R3" in by_variant:
-        ref = by_variant["pre_ln-R3"]
-        lines += ["", f"Pre-norm reference (rule plain, pre_ln, R = 3, same steps): val loss "
-                  + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if pts:
-        ax.scatter([p for p, _ in pts], [x for _, x in pts])
-    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
-    ax.set_xlabel("exponent p (α = (2N)^p, β = (8N)^-p)")
-    ax.set_ylabel("final validation loss (nats)")
-    ax.set_title("Post-LN looped GPT, R = 3, K = 2")
-    ax.legend()
+        ok = [seeds[s]["val_ppl"] < 0.8 * floor for s in sorted(seeds)]
+        pts += [(p, x, t) for x, t in zip(losses, ok)]
+        lines.append(f"| {p:.2f}{' (post_ln)' if p == 0 else ' (deeploop)' if p == 0.5 else ''} | "
+                     f"{(2 * n) ** p:.3f} | {(8 * n) ** -p:.3f} | " + ", ".join(f"{x:.3f}" for x in losses)
+                     + f" | {sum(ok)}/{len(ok)} |")
+    return lines, pts
+
+
+def _curves(ax, by_variant, floor: float, title: str) -> None:
     cmap = plt.get_cmap("viridis")
-    for v in order + ["pre_ln-R3"]:
+    for v in [*P_OF, "pre_ln-R3"]:
         for seed, r in sorted(by_variant.get(v, {}).items()):
-            rows = [json.loads(x) for x in (Path(r["cfg_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            rows = [json.loads(x) for x in (r["run"] / "metrics.jsonl").read_text().splitlines()]
             pts_ = [(x["step"], x["loss"]) for x in rows if "loss" in x and "step" in x]
-            if not pts_:
-                continue
             steps_, loss_ = np.array(pts_).T
             k = 10
             smooth = np.convolve(loss_, np.ones(k) / k, mode="valid")
-            colour = "black" if v == "pre_ln-R3" else cmap(ps[v] / 0.6)
-            ax2.plot(steps_[k - 1:], smooth, color=colour, lw=1, label=v if seed == min(by_variant[v]) else None)
-    ax2.axhline(math.log(floor), color="grey", ls=":")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("train loss (10-step mean)")
-    ax2.set_title("training curves (R = 3)")
-    ax2.legend(fontsize=7)
+            colour = "black" if v == "pre_ln-R3" else cmap(P_OF[v] / 0.6)
+            ax.plot(steps_[k - 1:], smooth, color=colour, lw=1, label=v if seed == min(by_variant[v]) else None)
+    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (10-step mean)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=6)
+
+
+def deeploop() -> None:
+    exp = HERE / "deeploop-cpu"
+    tied, untied, depth = (_sweep_runs(f) for f in (exp, exp / "untied", exp / "depth"))
+    any_run = next(r for d in (untied, tied) for v in d.values() for r in v.values())
+    floor = unigram_floor(json.loads((any_run["run"] / "config.json").read_text()), "valid")
+    lines = ["# DeepLoop at CPU scale (issue 5 §5)", "",
+             "Commands (each sweep is resumable):", "", "```bash",
+             "looplm sweep experiments/deeploop-cpu/sweep.toml --out experiments/deeploop-cpu          # tied, 300 steps",
+             "looplm sweep experiments/deeploop-cpu/untied.toml --out experiments/deeploop-cpu/untied  # untied, 150 steps",
+             "looplm sweep experiments/deeploop-cpu/depth.toml --out experiments/deeploop-cpu/depth    # R = 1, 5",
+             "python experiments/summarize.py deeploop", "```", "",
+             f"Unigram floor (add-one unigram of Brown train → Brown valid, same BPE): PPL {floor:.1f} "
+             f"(loss {math.log(floor):.3f}). A run *trains* when its final validation PPL is below 0.8 × the floor "
+             "(our threshold), i.e. loss below "
+             f"{math.log(0.8 * floor):.3f}; otherwise it stays at the unigram floor.", "",
+             "Post-LN looped GPT (rule plain, input-embedding RMSNorm), K = 2 core blocks, R = 3, so N = 6.", "",
+             "## p-sweep, the paper's recipe (tied embeddings), 300 steps, seed 0", ""]
+    t_lines, t_pts = _p_table(tied, floor)
+    lines += t_lines
+    lines += ["", "## p-sweep with untied embeddings, 150 steps, seeds 0–2", ""]
+    u_lines, u_pts = _p_table(untied, floor)
+    lines += u_lines
+    lines += ["", "## DeepLoop (p = 1/2) vs α = β = 1 (post_ln) at R = 1, 3, 5 (untied, 150 steps)", "",
+              "| R | N = 2R | post_ln val loss | deeploop val loss | seeds |", "|---:|---:|---:|---:|---:|"]
+    for R in (1, 3, 5):
+        src = untied if R == 3 else depth
+        a, b = src.get(f"post_ln-R{R}", {}), src.get(f"deeploop-R{R}", {})
+        common = sorted(set(a) & set(b))
+        if common:
+            lines.append(f"| {R} | {2 * R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
+                         f"{np.mean([b[s]['val_loss'] for s in common]):.3f} | {len(common)} |")
+    if "pre_ln-R3" in depth:
+        ref = depth["pre_ln-R3"]
+        lines += ["", "Pre-norm reference (rule plain, pre_ln, untied, R = 3, 150 steps): val loss "
+                  + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    ax = axes[0]
+    for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (u_pts, "o", "untied, 150 steps")):
+        if pts:
+            ax.scatter([p for p, _, _ in pts], [x for _, x, _ in pts], marker=marker, label=label)
+    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
+    ax.set_xlabel("exponent p (α = (2N)^p, β = (8N)^-p)")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title("Post-LN looped GPT, R = 3, K = 2", fontsize=9)
+    ax.legend(fontsize=7)
+    _curves(axes[1], tied, floor, "training curves, tied (seed 0)")
+    _curves(axes[2], {**untied, **({"pre_ln-R3": depth["pre_ln-R3"]} if "pre_ln-R3" in depth else {})}, floor,
+            "training curves, untied (all seeds; black: pre-LN)")
     fig.tight_layout()
     fig.savefig(exp / "p_sweep.png", dpi=120)
     lines += ["", "![p-sweep](p_sweep.png)"]
