@@ -310,3 +310,55 @@ def test_cli_generate_help(capsys):
     for opt in ("--prompt", "--prompts-file", "--max-new-tokens", "--depth", "--temperature", "--top-k",
                 "--top-p", "--seed", "--kv-cache", "--exit", "--exit-tau", "--max-depth", "--json"):
         assert opt in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-k", "5"], "--temperature"),
+    (["--max-depth", "8"], "--exit"),
+    (["--exit", "kl", "--exit-tau", "-1"], "exit-tau"),
+])
+def test_cli_generate_rejects_options_it_would_ignore(checkpoint, capsys, args, message):
+    from looplm.cli import main
+
+    rc = main(["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--max-new-tokens", "2", *args])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_cli_output_paths_and_plain_export(checkpoint, tmp_path, capsys):
+    """A directory given as an output file (or a file as a run directory) fails before any work; an
+    option the task would ignore is refused; a plain export (config + weights + tokenizer, no
+    manifest or train state) loads for inference."""
+    import shutil
+
+    from looplm.cli import main
+    from looplm.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, message in ((["eval", "--checkpoint", str(checkpoint), "--out", str(tmp_path)], "is a directory"),
+                          (["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--json", str(tmp_path)],
+                           "is a directory"),
+                          (["train", "--preset", "debug", "--out", str(afile)], "is a file")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+    rc = main(["eval", "--checkpoint", str(checkpoint), "--task", "lambada", "--scale-clamp"])
+    assert rc == 2 and "--scale-clamp" in capsys.readouterr().err
+    ckpt = resolve_checkpoint(checkpoint)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(ckpt / name, plain / name)
+    model, _, _, _ = load_checkpoint(plain)
+    ref, _, _, _ = load_checkpoint(checkpoint)
+    assert not model.training
+    for (n, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(p, q), n
+    with pytest.raises(CheckpointError, match="manifest"):
+        load_checkpoint(plain, with_state=True)
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    (copy / "train_state.pt").unlink()
+    load_checkpoint(copy)  # inference does not need the training state
+    with pytest.raises(CheckpointError, match="train_state"):
+        load_checkpoint(copy, with_state=True)

@@ -34,7 +34,7 @@ from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
 from looplm.model import LoopLM
 from looplm.presets import get_preset
-from looplm.train.trainer import autocast_context
+from looplm.train.trainer import autocast_context, resolve_device
 
 TARGETS = {"mfu": (">=", 0.60), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
@@ -183,8 +183,7 @@ def machine() -> dict[str, Any]:
 def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, steps: int = 5, matmul_n: int = 2048,
               device: str = "auto", progress: bool = True) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``)."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device, "--device")
     cfg = get_preset(preset).model.replace(dropout=0.0)
     log = print if progress else (lambda *a, **k: None)
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,

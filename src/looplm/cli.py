@@ -46,6 +46,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def out_file(text: str) -> Path:
+    """A file path to write (argparse type): not an existing directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path such as {path / 'result.json'}")
+    return path
+
+
+def out_dir(text: str) -> Path:
+    """A directory to write into (argparse type): not an existing file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory path")
+    return path
+
+
+def in_file(text: str) -> Path:
+    """An existing readable file (argparse type)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file" + (" (it is a directory)" if path.is_dir() else ""))
+    return path
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="cpu", help="named config to start from (see `looplm info --list`); "
                    "default: cpu")
@@ -120,6 +144,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.kv_sharing != "none" and args.task != "ppl":
         raise ValueError(f"--kv-sharing {args.kv_sharing} is its own perplexity protocol; use it with --task ppl, "
                          f"not --task {args.task}")
+    ignored = [flag for flag, used, ok in (
+        ("--scale-clamp", args.scale_clamp, args.task == "ppl" and args.kv_sharing == "none"),
+        ("--stride", args.stride is not None, args.task == "ppl" and args.kv_sharing == "none"))
+        if used and not ok]
+    if ignored:
+        raise ValueError(f"{ignored[0]} applies to --task ppl without --kv-sharing only (got --task {args.task}"
+                         f"{', --kv-sharing ' + args.kv_sharing if args.kv_sharing != 'none' else ''})")
     if args.kv_sharing == "terminal":
         from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
 
@@ -195,6 +226,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not i:
             raise ValueError(f"prompt {p!r} encodes to no tokens")
     depth = args.depth or cfg.train.eval_depth
+    if args.temperature <= 0 and (args.top_k is not None or args.top_p is not None):
+        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
+    if args.exit == "none" and (args.max_depth is not None or args.exit_tau is not None):
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit relative|kl|entropy")
+    if args.exit_tau is not None and args.exit_tau <= 0:
+        raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
     criterion = None if args.exit == "none" else build_exit_criterion(args.exit, args.exit_tau)
     gen = generate(model, ids, args.max_new_tokens, depth, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, cache_mode=args.kv_cache, exit_criterion=criterion,
@@ -264,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "train split (SPEC §11), evaluate both at every depth on Brown test and on held-out "
                        "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
                        "Re-running skips finished training and resumes interrupted runs.")
-    p.add_argument("--out", type=Path, default=Path("results/demo"), help="results folder (default results/demo)")
+    p.add_argument("--out", type=out_dir, default=Path("results/demo"), help="results folder (default results/demo)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="training steps per model (default: the cpu preset's)")
     p.add_argument("--eval-tokens", type=positive_int, default=16384,
@@ -279,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "OUT/latest names the newest), metrics appended to OUT/metrics.jsonl, "
                        "OUT/summary.json at the end. --resume continues exactly from the newest valid "
                        "checkpoint.")
-    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("--out", type=out_dir, required=True, help="run directory")
     p.add_argument("--name", help="run name (default: the preset's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
@@ -336,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--task ppl: rescale each token's state after every loop to its loop-1 RMS before "
                         "readout and recurrence (the readout-blind-spot diagnostic, SPEC §4)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--out", type=Path, help="write the JSON here (and FILE.md)")
+    p.add_argument("--out", type=out_file, help="write the JSON here (and FILE.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
@@ -349,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "an error, never truncated silently.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--prompts-file", type=Path, metavar="F", help="a text file with one prompt per line "
+    p.add_argument("--prompts-file", type=in_file, metavar="F", help="a text file with one prompt per line "
                    "(blank lines skipped), added after the --prompt values")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                    help="new tokens per prompt (default 32)")
@@ -375,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
                    help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--json", type=Path, metavar="OUT", help="also write prompts, token ids, continuations and "
+    p.add_argument("--json", type=out_file, metavar="OUT", help="also write prompts, token ids, continuations and "
                    "loops per token as JSON")
     p.set_defaults(func=cmd_generate)
 
@@ -402,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
                        "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
                        "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="results JSON path")
+    p.add_argument("--out", type=out_file, default=Path("benchmarks/results/bench.json"), help="results JSON path")
     p.add_argument("--preset", default="cpu", help="model shape to measure (default cpu)")
     p.add_argument("--depth", type=positive_int, default=8, help="loop depth T for the training measurements")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")

@@ -41,6 +41,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add the ``diagnose`` subparser to the ``looplm`` subparsers object ``sub``."""
+    from looplm.cli import out_file  # the CLI module imports this one at call time, not at import
     p = sub.add_parser(
         "diagnose", help="mechanism diagnostics of a checkpoint: forcing bias, gain, anchor-start rollouts, "
         "hidden-state scale, visit alignment, token convergence",
@@ -58,7 +59,7 @@ def register(sub) -> None:
         "style; 2-D PCA of rollouts, Figure 4 style; per-loop RMS and the convergence curve) to "
         "--plots-dir.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
-    p.add_argument("--out", type=Path, help="write the JSON here (FILE.json); Markdown and plots go next "
+    p.add_argument("--out", type=out_file, help="write the JSON here (FILE.json); Markdown and plots go next "
                    "to it as FILE.md, FILE_forcing_ratio.png, FILE_rollouts.png, FILE_scale.png")
     p.add_argument("--steps", type=parse_steps, default=None,
                    help="loop steps t for forcing bias and gain (default 0,DEPTH-1, i.e. 0,47)")

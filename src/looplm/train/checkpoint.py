@@ -214,8 +214,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           "with 'latest')")
 
 
-def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
-    """Check every file against the manifest. Returns the manifest.
+def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Check every file against the manifest (except those named in ``skip``). Returns the manifest.
 
     Raises:
         CheckpointError: a file is missing, truncated or has a different sha256.
@@ -228,6 +228,8 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{mpath}: not valid JSON ({exc})") from None
     for name, meta in manifest["files"].items():
+        if name in skip:
+            continue
         f = ckpt / name
         if not f.exists():
             raise CheckpointError(f"{f}: missing from checkpoint")
@@ -267,6 +269,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     A consolidated checkpoint (or a sharded one with a ``model.safetensors`` from
     :func:`consolidate_checkpoint`) loads from safetensors; a sharded one is consolidated on load
     into the plain model in this process (whatever world size wrote it).
+    Without ``with_state`` the training state is not needed (nor verified), and a plain export (a
+    folder with ``config.json`` and ``model.safetensors``, no manifest) loads unverified. The model
+    comes back in eval mode (dropout off) with ``final_depth`` set to the nominal training depth.
 
     Raises:
         CheckpointError: missing, truncated or corrupted checkpoint.
@@ -279,7 +284,11 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
-    manifest = verify_checkpoint(ckpt)
+    if not (ckpt / MANIFEST_FILE).exists() and not with_state and (ckpt / CONFIG_FILE).exists() \
+            and (ckpt / MODEL_FILE).exists():
+        manifest = {"files": {MODEL_FILE: {}}}  # a plain export: config.json + model.safetensors (+ tokenizer)
+    else:  # inference does not need the training state
+        manifest = verify_checkpoint(ckpt, skip=frozenset() if with_state else frozenset({STATE_FILE}))
     cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
     model = LoopLM(cfg.model)
     if MODEL_FILE not in manifest["files"] and is_sharded(ckpt):
@@ -291,6 +300,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
     model.to(device)
     model.final_depth = cfg.train.nominal_depth  # where a final_only_norm readout normalizes
+    model.eval()  # inference by default (dropout off); the trainer switches to train mode
     state = load_train_state(ckpt) if with_state else None
     return model, cfg, state, ckpt
 
