@@ -262,6 +262,21 @@ def readout() -> None:
         lines.append(f"| `{variant}` | {by_k[1]['rms_mean']:.2f} | {by_k[4]['rms_mean']:.2f} / {by_k[4]['rms_p99']:.2f} / "
                      f"{by_k[4]['rms_max']:.2f} | {by_k[4]['radial_grad_fraction']:.2e} | "
                      + " | ".join(mean_std(ppl[k].values()) if k in ppl else "–" for k in (1, 2, 3, 4)) + " |")
+    halt = []
+    for name, run in runs(exp).items():
+        f = run / "halting" / "halting.json"
+        if f.exists():
+            h = json.loads(f.read_text())
+            c, t = h["calibration"], h["timed"]
+            tau = "∞" if c["tau"] is None else f"{c['tau']:.2f}"
+            halt.append(f"| `{name.rsplit('-s', 1)[0]}` | {h['k_max']} | {tau} | {c['mean_loops']:.2f} | "
+                        f"{t['dynamic']['mean_loops']:.2f} | {t['speedup']:.2f}× | {100 * (t['ppl_ratio'] - 1):+.2f}% | "
+                        + " / ".join(f"{c['ppl_by_k'][str(k)]:.0f}" for k in range(1, h["k_max"] + 1)) + " |")
+    if halt:
+        lines += ["", "Logit-margin halting (`looplm eval --task halting`: τ calibrated on 160 Brown-valid windows to keep "
+                  "PPL within 1% of K_max = 4; timed dynamic-batching run on Brown test):", "",
+                  "| variant | K_max | τ | mean loops (calib.) | mean loops (timed) | speedup | PPL vs K_max (timed) | "
+                  "calib. PPL at K = 1 / 2 / 3 / 4 |", "|---|---:|---:|---:|---:|---:|---:|---|"] + halt
     fig, ax = plt.subplots(figsize=(6, 4))
     for v, ys in sorted(norms.items()):
         ax.plot(range(len(ys)), ys, marker="o", label=v)
