@@ -70,3 +70,6 @@ def test_bench_writes_every_measurement(tmp_path):
     assert set(res["matmul_peak_gflops"]) == {"float32", "bfloat16"}
     assert res["targets"]["mfu"]["met"] == (res["mfu"] >= 0.6)
     assert out.with_suffix(".md").read_text().startswith("# looplm bench")
+    # the decode phase excludes the prompt's prefill; the with-prefill rate is the slower of the two
+    assert res["decode_tokens_per_s_per_visit"] > res["decode_tokens_per_s_with_prefill_per_visit"] > 0
+    assert res["decode_cache_speedup_with_prefill"] < res["decode_cache_speedup"]
