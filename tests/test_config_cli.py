@@ -236,3 +236,11 @@ def test_unshared_rejects_loop_only_options(overrides, field):
 ])
 def test_nominal_depth(train, nominal):
     assert Config.from_dict({"train": train}).train.nominal_depth == nominal
+
+
+def test_closed_stdout_is_not_an_error():
+    """`looplm info --list | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} -m looplm info --list | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip() == "{"
+    assert "Error" not in proc.stderr
