@@ -53,12 +53,10 @@ def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.de
         fn()
     times = []
     for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 

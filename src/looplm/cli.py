@@ -144,13 +144,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.kv_sharing != "none" and args.task != "ppl":
         raise ValueError(f"--kv-sharing {args.kv_sharing} is its own perplexity protocol; use it with --task ppl, "
                          f"not --task {args.task}")
-    ignored = [flag for flag, used, ok in (
-        ("--scale-clamp", args.scale_clamp, args.task == "ppl" and args.kv_sharing == "none"),
-        ("--stride", args.stride is not None, args.task == "ppl" and args.kv_sharing == "none"))
-        if used and not ok]
-    if ignored:
-        raise ValueError(f"{ignored[0]} applies to --task ppl without --kv-sharing only (got --task {args.task}"
-                         f"{', --kv-sharing ' + args.kv_sharing if args.kv_sharing != 'none' else ''})")
+    if args.task != "ppl" or args.kv_sharing != "none":
+        for flag, used in (("--scale-clamp", args.scale_clamp), ("--stride", args.stride is not None)):
+            if used:
+                raise ValueError(f"{flag} applies to --task ppl without --kv-sharing only (got --task {args.task}, "
+                                 f"--kv-sharing {args.kv_sharing})")
     if args.kv_sharing == "terminal":
         from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
 

@@ -86,7 +86,7 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
         raise ValueError(f"kv sharing: need at least one full window of {L} tokens (+1 target), "
                          f"got {len(tokens)} tokens")
     # one final_only_norm threshold for the full forward and every continuation (see LoopLM.forward)
-    final_depth = model.final_depth if model.final_depth is not None else depths[-1]
+    final_depth = model.resolve_final_depth(None, depths[-1])
     was_training = model.training
     model.eval()
     sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}

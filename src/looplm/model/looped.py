@@ -189,6 +189,11 @@ class LoopLM(nn.Module):
             h = self.norm_f(h)
         return self.lm_head(h)
 
+    def resolve_final_depth(self, final_depth: int | None, largest: int) -> int:
+        """The depth from which a ``final_only_norm`` readout normalizes: ``final_depth`` if given, else
+        ``self.final_depth``, else ``largest`` (the largest depth of the forward)."""
+        return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
+
     def start(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LoopContext]:
         """Initial loop state and per-sequence context (anchor, injection) of the recurrence rule."""
         if self.rule.uses_positions:
@@ -315,7 +320,7 @@ class LoopLM(nn.Module):
         out = LoopOutput(states=[] if return_states else None)
         wanted = set(depths)
         last = depths[-1]
-        final_from = next(f for f in (final_depth, self.final_depth, last) if f is not None)
+        final_from = self.resolve_final_depth(final_depth, last)
         for T, h, ctx in self.unroll(idx, last, tbptt=tbptt, scale_clamp=scale_clamp, **unroll_kw):
             if return_states:
                 out.states.append(h)

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from looplm.config import Config
+from looplm.data.paths import atomic_write
 from looplm.model import LoopLM
 from looplm.train.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
 
@@ -332,11 +333,8 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     os.replace(tmp, target)
     manifest["files"][MODEL_FILE] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
     manifest["files"] = dict(sorted(manifest["files"].items()))
-    tmp = ckpt / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, ckpt / MANIFEST_FILE)
+    with atomic_write(ckpt / MANIFEST_FILE) as fh:
+        fh.write(json.dumps(manifest, indent=2).encode())
     _fsync_dir(ckpt)
     return target
 

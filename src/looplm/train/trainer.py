@@ -134,7 +134,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         ValueError: ``train.batch_size`` not divisible by the world size.
     """
     out = Path(out_dir)
-    start_step, state, ckpt = 0, None, None
+    start_step, state, sharded_ckpt = 0, None, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
         if ckpt is None:
@@ -145,6 +145,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
                 print(f"looplm: warning: skipping damaged checkpoint {bad.name} ({err}); resuming from {ckpt.name}",
                       file=sys.stderr)
         if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
+            sharded_ckpt = ckpt
             cfg, state = load_config(ckpt), load_train_state(ckpt)
             model = LoopLM(cfg.model)
         else:
@@ -171,10 +172,10 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     wrapped = wrap_model(model, tcfg.distributed, env)
     opt = build_optimizer(wrapped, tcfg)
     sched = build_scheduler(opt, tcfg)
-    if ckpt is not None and is_sharded(ckpt):
+    if sharded_ckpt is not None:
         model_sd, opt_sd = sharded_state(wrapped, opt)
         loaded = {"model": model_sd, "optimizer": opt_sd}
-        load_sharded(ckpt, loaded, distributed=env.enabled)  # DCP reshards to this world size
+        load_sharded(sharded_ckpt, loaded, distributed=env.enabled)  # DCP reshards to this world size
         set_sharded_state(wrapped, opt, loaded["model"], loaded["optimizer"])
     elif state is not None:
         load_optimizer_state(wrapped, opt, state["optimizer"], tcfg.distributed, env)
