@@ -159,7 +159,7 @@ def test_debug_train_then_eval_end_to_end(tmp_path, capsys):
     # held-out corpus with the checkpoint's own tokenizer
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--dataset", "wikitext2", "--depths", "4", "--quiet",
-                 "--max-tokens", "500"]) == 0
+                 "--max-tokens", "500", "--json"]) == 0
     held_out = json.loads(capsys.readouterr().out)
     assert held_out["dataset"] == "wikitext2" and held_out["depths"]["4"]["tokens"] == 500
 
@@ -168,14 +168,14 @@ def test_eval_tasks_lambada_and_adaptive(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--preset", "debug", "--out", str(run), "--quiet", "--train.steps", "10"]) == 0
     out = tmp_path / "lambada.json"
-    assert main(["eval", "--checkpoint", str(run), "--task", "lambada", "--depths", "1,4", "--max-examples", "20",
+    assert main(["eval", "lambada", "--checkpoint", str(run), "--depths", "1,4", "--max-examples", "20",
                  "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["depths"]) == {"1", "4"}
     for r in res["depths"].values():
         assert r["examples"] == 20 and 0.0 <= r["exact_acc"] <= 1.0 and 0.0 <= r["target_acc"] <= 1.0
         assert r["target_ppl"] > 1
-    out = tmp_path / "adaptive.json"
+    out = tmp_path / "adaptive.json"  # the older --task form still selects the protocol
     assert main(["eval", "--checkpoint", str(run), "--task", "adaptive", "--targets", "2,3", "--ceiling", "4",
                  "--max-tokens", "2000", "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())

@@ -111,7 +111,8 @@ def test_sharded_checkpoint_loads_for_eval_like_the_consolidated_one(single, sha
     scores = []
     for path in (ref, ckpt):
         capsys.readouterr()
-        assert main(["eval", "--checkpoint", str(path), "--depths", "1,4", "--max-tokens", "512", "--quiet"]) == 0
+        assert main(["eval", "--checkpoint", str(path), "--depths", "1,4", "--max-tokens", "512", "--quiet",
+                     "--json"]) == 0
         scores.append(json.loads(capsys.readouterr().out)["depths"])
     print(scores)
     assert scores[0] == scores[1]

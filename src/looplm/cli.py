@@ -1,21 +1,28 @@
 """The ``looplm`` command line: one console script dispatching subcommands.
 
-All argument parsing lives here. Every config field can be overridden as ``--SECTION.FIELD VALUE``
-(for example ``--model.rule looped --train.steps 200``); the field help texts come from the config
-dataclasses, so ``looplm train --help`` lists them all.
+All argument parsing lives in this layer (this module, :mod:`looplm.cliutil` and the ``commands``
+modules), on stdlib argparse with abbreviations refused. A command's options are generated from the
+library function it drives (:func:`looplm.cliutil.add_function_options`: name, default and docstring
+help per parameter), so ``looplm eval lambada`` offers exactly the options of
+:func:`~looplm.eval.lambada.evaluate_lambada_checkpoint`. Config fields are never listed here: every
+``--SECTION.FIELD[.SUB] VALUE`` pair goes as a string to :func:`looplm.config.apply_overrides`, which
+parses and validates it; ``looplm train --help`` lists the fields walked from the config dataclasses.
+Output paths are checked (and their folders created) before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from looplm.config import SECTIONS, Config, ConfigError, apply_overrides
+from looplm.cliutil import (CliError, Opt, Parser, add_function_options, call_with_options, config_help,
+                            config_keys, option_strings, prepare_out_dir, prepare_out_file,
+                            split_config_overrides, suggest)
+from looplm.config import Config, ConfigError, apply_overrides
 
 DEPTHS_HELP = "comma-separated loop depths, e.g. 1,2,4,8,12,16,24,32,48"
 
@@ -70,18 +77,77 @@ def in_file(text: str) -> Path:
     return path
 
 
+SPLITS = ("train", "valid", "test")
+DATASET_HELP = ("brown, wikitext2, wikitext103, text, openwebtext or c4 (the last two from the Hugging Face hub, "
+                "online; default: the checkpoint's training corpus)")
+DEVICE_HELP = "cpu, cuda or cuda:N"
+
+
+def common_opts() -> dict[str, Opt]:
+    """Option specs shared by the evaluation protocols (help where the function's docstring has none)."""
+    return {
+        "depths": Opt(type=parse_depths, help=DEPTHS_HELP, metavar="T,T,..."),
+        "dataset": Opt(help=DATASET_HELP),
+        "split": Opt(choices=SPLITS, help="split"),
+        "batch_size": Opt(type=positive_int, metavar="N", help="windows per forward"),
+        "max_tokens": Opt(type=positive_int, metavar="N", help="score only the first N tokens of the split "
+                          "(default: all)"),
+        "device": Opt(help=DEVICE_HELP),
+    }
+
+
+def _pick(specs: dict[str, Opt], *names: str) -> dict[str, Opt]:
+    return {n: specs[n] for n in names}
+
+
+def _add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+
+
+def _add_report_output(p: argparse.ArgumentParser, out_help: str = "write the JSON here and the Markdown "
+                       "table next to it as FILE.md") -> None:
+    p.add_argument("--out", type=out_file, metavar="FILE.json", help=out_help)
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown report)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def emit_report(args: argparse.Namespace, result: dict[str, Any], written: Sequence[Path] = ()) -> None:
+    """Print ``result`` (Markdown for people; JSON with --json) and the files written."""
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    else:
+        print(result["markdown"])
+    if written:
+        print("wrote " + ", ".join(map(str, written)), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
+
+
+def write_report_files(out: Path | None, result: dict[str, Any]) -> list[Path]:
+    """``out`` ← the result as JSON, ``out.md`` ← its Markdown; returns the paths (none without ``out``)."""
+    if out is None:
+        return []
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    md = out.with_suffix(".md")
+    md.write_text(result["markdown"] + "\n")
+    return [out, md]
+
+
+def check_report_out(args: argparse.Namespace) -> None:
+    """Before the work: --out FILE and FILE.md must be writable (their folder is created)."""
+    if args.out is not None:
+        prepare_out_file(args.out, "--out", companions=[args.out.with_suffix(".md")])
+
+
+# ---------------------------------------------------------------- config-driven commands
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="cpu", help="named config to start from (see `looplm info --list`); "
                    "default: cpu")
-    p.add_argument("--config", type=Path, help="a config.json to start from instead of a preset")
-    for section, cls in SECTIONS.items():
-        g = p.add_argument_group(f"{section} config (override any field)")
-        for f in dataclasses.fields(cls):
-            if f.name.startswith("_"):
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            g.add_argument(f"--{section}.{f.name}", dest=f"cfg:{section}.{f.name}", metavar="V",
-                           help=f"{f.metadata.get('help', '')} [preset value; base default {default!r}]")
+    p.add_argument("--config", type=in_file, metavar="FILE.json",
+                   help="a config file (JSON, as written into every checkpoint) to start from instead of a preset")
+    p.add_argument("--print_config", "--print-config", action="store_true",
+                   help="print the resolved config (preset or --config, then overrides) as JSON and exit")
+    p.set_defaults(_takes_config=True)
+    if isinstance(p, Parser):
+        p.config_help = config_help
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -94,10 +160,19 @@ def _config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--config {args.config}: {exc}") from None
     else:
         cfg = get_preset(args.preset)
-    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    overrides: dict[str, Any] = dict(getattr(args, "config_overrides", {}))
     if getattr(args, "name", None):
         overrides["name"] = args.name
-    return apply_overrides(cfg, overrides)
+    try:
+        return apply_overrides(cfg, overrides)
+    except ConfigError as exc:
+        msg = str(exc)
+        key = msg.split(":", 1)[0]
+        if "unknown" in msg and "did you mean" not in msg and f"{key}" in overrides:
+            hint = suggest("--" + key, config_keys())
+            if hint:
+                raise ConfigError(f"--{key}: unknown config field{hint} ({msg})") from None
+        raise
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -111,6 +186,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps({name: cfg.to_dict()["model"] for name, cfg in PRESETS.items()}, indent=2))
         return 0
     cfg = _config_from_args(args)
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
     with torch.device("meta"):
         model = LoopLM(cfg.model)
     info = {"preset": args.preset if not args.config else str(args.config), "name": cfg.name,
@@ -122,12 +200,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config_from_args(args)
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    prepare_out_dir(args.out, "--out")
+
     from looplm.train.checkpoint import list_checkpoints
     from looplm.train.trainer import train
 
-    cfg = _config_from_args(args)
     if args.resume:
-        ignored = [k[4:] for k, v in vars(args).items() if k.startswith("cfg:") and v is not None]
+        ignored = list(args.config_overrides)
         if ignored or args.config:
             print(f"looplm train: warning: --resume continues with the config saved in {args.out}; ignoring "
                   f"{', '.join(ignored) or '--config'}", file=sys.stderr)
@@ -139,62 +222,206 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    progress = not args.quiet
-    if args.kv_sharing != "none" and args.task != "ppl":
-        raise ValueError(f"--kv-sharing {args.kv_sharing} is its own perplexity protocol; use it with --task ppl, "
-                         f"not --task {args.task}")
-    if args.task != "ppl" or args.kv_sharing != "none":
-        for flag, used in (("--scale-clamp", args.scale_clamp), ("--stride", args.stride is not None)):
-            if used:
-                raise ValueError(f"{flag} applies to --task ppl without --kv-sharing only (got --task {args.task}, "
-                                 f"--kv-sharing {args.kv_sharing})")
-    if args.kv_sharing == "terminal":
-        from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+# ---------------------------------------------------------------- eval: one subcommand per protocol
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    check_report_out(args)
+    from looplm.eval.runner import evaluate_checkpoint
 
-        result = evaluate_kv_sharing_checkpoint(args.checkpoint, args.depths, None, split=args.split,
-                                                max_tokens=args.max_tokens, batch_size=args.batch_size,
-                                                dataset=args.dataset, device=args.device, progress=progress)
-    elif args.task == "ppl":
-        from looplm.eval.runner import evaluate_checkpoint
-
-        result = evaluate_checkpoint(args.checkpoint, depths=args.depths, dataset=args.dataset, split=args.split,
-                                     batch_size=args.batch_size, max_tokens=args.max_tokens, stride=args.stride,
-                                     device=args.device, progress=progress, scale_clamp=args.scale_clamp)
-    elif args.task == "lambada":
-        from looplm.eval.lambada import evaluate_lambada_checkpoint
-
-        result = evaluate_lambada_checkpoint(args.checkpoint, depths=args.depths, max_examples=args.max_examples,
-                                             batch_size=args.batch_size, device=args.device, progress=progress)
-    elif args.task == "halting":
-        from looplm.eval.halting import evaluate_halting_checkpoint
-
-        out_dir = args.out.parent if args.out else Path("results") / "halting"
-        n = args.max_examples or 160
-        result = evaluate_halting_checkpoint(args.checkpoint, out_dir, k_max=args.ceiling, split_calib="valid",
-                                             split_timed=args.split, n_calib=n, n_timed=n,
-                                             batch_size=args.batch_size, tolerance=args.tolerance,
-                                             device=args.device, progress=progress,
-                                             **({"dataset": args.dataset} if args.dataset else {}))
-    else:
-        from looplm.eval.adaptive import DEFAULT_CEILING, adaptive_depth_checkpoint
-
-        result = adaptive_depth_checkpoint(args.checkpoint, targets=args.targets,
-                                           ceiling=args.ceiling or DEFAULT_CEILING, dataset=args.dataset,
-                                           max_tokens=args.max_tokens, batch_size=args.batch_size,
-                                           device=args.device, progress=progress)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        args.out.with_suffix(".md").write_text(result["markdown"] + "\n")
-        print(result["markdown"])
-        print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
-    else:
-        print(text)
+    result = call_with_options(evaluate_checkpoint, args, args.checkpoint, progress=not args.quiet)
+    emit_report(args, result, write_report_files(args.out, result))
     return 0
 
 
+def cmd_eval_kv_sharing(args: argparse.Namespace) -> int:
+    check_report_out(args)
+    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+
+    result = call_with_options(evaluate_kv_sharing_checkpoint, args, args.checkpoint, progress=not args.quiet)
+    emit_report(args, result, write_report_files(args.out, result))
+    return 0
+
+
+def cmd_eval_lambada(args: argparse.Namespace) -> int:
+    check_report_out(args)
+    from looplm.eval.lambada import evaluate_lambada_checkpoint
+
+    result = call_with_options(evaluate_lambada_checkpoint, args, args.checkpoint, progress=not args.quiet)
+    emit_report(args, result, write_report_files(args.out, result))
+    return 0
+
+
+def cmd_eval_adaptive(args: argparse.Namespace) -> int:
+    check_report_out(args)
+    from looplm.eval.adaptive import adaptive_depth_checkpoint
+
+    result = call_with_options(adaptive_depth_checkpoint, args, args.checkpoint, progress=not args.quiet)
+    emit_report(args, result, write_report_files(args.out, result))
+    return 0
+
+
+def cmd_eval_halting(args: argparse.Namespace) -> int:
+    folder = args.out.parent if args.out else Path("results") / "halting"
+    prepare_out_dir(folder, "--out", shown=args.out)
+    check_report_out(args)
+    from looplm.eval.halting import evaluate_halting_checkpoint
+
+    if args.max_examples is not None:
+        args.n_calib = args.n_timed = args.max_examples
+    result = call_with_options(evaluate_halting_checkpoint, args, args.checkpoint, folder, progress=not args.quiet)
+    written = [Path(p) for p in result.get("files", {}).values()]
+    written += [p for p in write_report_files(args.out, result) if p not in written]
+    emit_report(args, result, written)
+    return 0
+
+
+EVAL_PROTOCOLS: dict[str, str] = {
+    "ppl": "perplexity at every requested loop depth (the default protocol)",
+    "kv-sharing": "terminal KV sharing: continuation PPL with a terminal KV cache vs the full forward",
+    "lambada": "LAMBADA target-token completion PPL and accuracies per depth",
+    "adaptive": "adaptive depth (hidden-update stopping rule) with a real early-exit run",
+    "halting": "logit-margin halting: calibrated threshold, timed dynamic batching, fixed-depth frontier",
+}
+
+
+def _register_eval(sub: argparse._SubParsersAction) -> None:
+    from looplm.eval.adaptive import adaptive_depth_checkpoint
+    from looplm.eval.halting import evaluate_halting_checkpoint
+    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+    from looplm.eval.lambada import evaluate_lambada_checkpoint
+    from looplm.eval.perplexity import DEFAULT_DEPTHS
+    from looplm.eval.runner import evaluate_checkpoint
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: " + ", ".join(EVAL_PROTOCOLS) + " (one subcommand each)",
+                        description="Evaluate a checkpoint with one protocol; each protocol is its own subcommand "
+                        "with only its own options (`looplm eval PROTOCOL --help`). Without a protocol, "
+                        "`looplm eval --checkpoint DIR ...` means `looplm eval ppl`; the older `--task NAME` and "
+                        "`--kv-sharing terminal` forms still select a protocol. Prints the Markdown report "
+                        "(--json: the JSON); --out FILE.json also writes the JSON and FILE.md.")
+    protocols = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
+    o = common_opts()
+
+    p = protocols.add_parser("ppl", help=EVAL_PROTOCOLS["ppl"],
+                             description="Perplexity at every requested loop depth from one unroll per batch "
+                             "(SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens, flops_per_token.")
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_checkpoint, {
+        **_pick(o, "depths", "dataset", "split", "batch_size", "max_tokens"),
+        "stride": Opt(type=positive_int, metavar="S", help="sliding-window stride (default: non-overlapping)"),
+        "scale_clamp": Opt(help="rescale each token's state after every loop to its loop-1 RMS before readout "
+                           "and recurrence (the readout-blind-spot diagnostic, SPEC §4)"),
+        "device": o["device"]})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_ppl, _family="eval")
+
+    p = protocols.add_parser("kv-sharing", help=EVAL_PROTOCOLS["kv-sharing"],
+                             description="The continuation protocol of terminal KV sharing (SPEC §6): prefill the "
+                             "first half of each full window into a terminal KV cache, score the second half in "
+                             "one pass, and compare with the full forward on the same tokens. JSON has per-depth "
+                             "ppl_full, ppl_terminal, sharing_penalty_pct = 100(PPL_terminal/PPL_full - 1), "
+                             "kv_bytes_full and kv_bytes_terminal (per sequence prefix).")
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_kv_sharing_checkpoint, {
+        "depths": Opt(type=parse_depths, help=DEPTHS_HELP, metavar="R,R,...", default=list(DEFAULT_DEPTHS)),
+        **_pick(o, "dataset", "split", "batch_size", "max_tokens", "device")})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_kv_sharing, _family="eval")
+
+    p = protocols.add_parser("lambada", help=EVAL_PROTOCOLS["lambada"],
+                             description="OpenAI LAMBADA completion with the checkpoint's tokenizer: target-token "
+                             "PPL, target-token accuracy and exact last-word accuracy per depth (target_ppl, "
+                             "target_acc, exact_acc; SCSE Table 16 layout).")
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_lambada_checkpoint, {
+        "depths": o["depths"],
+        "max_examples": Opt(type=positive_int, metavar="N", help="score only the first N passages (default: all)"),
+        **_pick(o, "batch_size", "device")})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_lambada, _family="eval")
+
+    p = protocols.add_parser("adaptive", help=EVAL_PROTOCOLS["adaptive"],
+                             description="The hidden-update stopping rule (stop when the max-token relative update "
+                             "< tau, at most --ceiling loops): tau calibrated on the valid split per target mean "
+                             "depth, test PPL and achieved depth (Table 9/10 layout), plus a real early-exit run "
+                             "with its speedup.")
+    _add_checkpoint(p)
+    add_function_options(p, adaptive_depth_checkpoint, {
+        "targets": Opt(type=parse_depths, metavar="D,D,...", help="target mean loop budgets"),
+        "ceiling": Opt(type=positive_int, metavar="R", help="loop ceiling"),
+        **_pick(o, "dataset", "max_tokens", "batch_size", "device")})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_adaptive, _family="eval")
+
+    p = protocols.add_parser("halting", help=EVAL_PROTOCOLS["halting"],
+                             description="Logit-margin halting: the smallest margin threshold keeping PPL within "
+                             "--tolerance of the K_max PPL on calibration windows, then a timed dynamic-batching "
+                             "run and the fixed-depth frontier. Writes halting.json, halting.md and "
+                             "halting_frontier.png into the folder of --out (default results/halting).")
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_halting_checkpoint, {
+        "k_max": Opt(type=positive_int, metavar="K", aliases=("--ceiling",),
+                     help="K_max, the loop ceiling (default: the checkpoint's nominal training depth: train.depth, "
+                     "depth_hi, or depth_mean rounded up for pln/learned)"),
+        "tolerance": Opt(type=float, help="allowed relative PPL increase over K_max"),
+        "split_calib": Opt(choices=SPLITS, help="split of the calibration windows"),
+        "split_timed": Opt(choices=SPLITS, aliases=("--split",), help="split of the timed windows"),
+        "n_calib": Opt(type=positive_int, metavar="N", help="calibration windows"),
+        "n_timed": Opt(type=positive_int, metavar="N", help="timed windows"),
+        "repeats": Opt(type=positive_int, metavar="N", help="timed passes per mode (interleaved; seconds are "
+                       "their median)"),
+        **_pick(o, "batch_size", "dataset", "device")})
+    p.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
+                   help="shorthand for --n-calib N --n-timed N")
+    _add_report_output(p, "write the JSON here and FILE.md; halting.json, halting.md and halting_frontier.png "
+                       "go into its folder (default folder results/halting)")
+    p.set_defaults(func=cmd_eval_halting, _family="eval")
+
+
+def eval_compat(argv: list[str]) -> list[str]:
+    """``looplm eval [--task NAME] [--kv-sharing terminal] ...`` → ``looplm eval PROTOCOL ...``.
+
+    The form without a protocol means ``ppl``; ``--task``/``--kv-sharing`` select one (with a note on
+    stderr naming the new form). Raises CliError for a task that is not a protocol.
+    """
+    if len(argv) < 2 or argv[0] != "eval" or argv[1] in EVAL_PROTOCOLS or argv[1] in ("-h", "--help"):
+        return argv
+    task = kv = None
+    rest: list[str] = []
+    i = 1
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, val = tok.partition("=")
+        if name in ("--task", "--kv-sharing"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise CliError(f"{name}: expected a value")
+                val = argv[i + 1]
+                i += 1
+            if name == "--task":
+                task = val
+            else:
+                kv = val
+        else:
+            rest.append(tok)
+        i += 1
+    if kv not in (None, "none", "terminal"):
+        raise CliError(f"--kv-sharing: got {kv!r}; allowed: none, terminal (now `looplm eval kv-sharing`)")
+    if task is not None and task not in EVAL_PROTOCOLS:
+        raise CliError(f"--task: got {task!r}; the protocols are subcommands: "
+                       + ", ".join(f"looplm eval {p}" for p in EVAL_PROTOCOLS))
+    if kv == "terminal":
+        if task not in (None, "ppl", "kv-sharing"):
+            raise CliError(f"--kv-sharing terminal is its own protocol (`looplm eval kv-sharing`); it does not "
+                           f"combine with --task {task}")
+        proto = "kv-sharing"
+    else:
+        proto = task or "ppl"
+    if task is not None or kv is not None:
+        print(f"looplm eval: note: this is `looplm eval {proto} ...` (the protocol is a subcommand now)",
+              file=sys.stderr)
+    return ["eval", proto, *rest]
+
+
+# ---------------------------------------------------------------- generate and the rest
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     """--prompt values, then the non-empty lines of --prompts-file (trailing newline dropped)."""
     prompts = list(args.prompt or [])
@@ -207,12 +434,21 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
+    if args.temperature <= 0 and (args.top_k is not None or args.top_p is not None):
+        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
+    if args.exit == "none" and (args.max_depth is not None or args.exit_tau is not None):
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit relative|kl|entropy")
+    if args.exit_tau is not None and args.exit_tau <= 0:
+        raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
+    if args.out is not None:
+        prepare_out_file(args.out, "--out")
+
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.generate import build_exit_criterion, generate
     from looplm.train.checkpoint import load_checkpoint
 
-    prompts = _read_prompts(args)
     model, cfg, _, ckpt = load_checkpoint(args.checkpoint, device=args.device)
     tok = load_tokenizer_for(ckpt)
     try:
@@ -224,12 +460,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not i:
             raise ValueError(f"prompt {p!r} encodes to no tokens")
     depth = args.depth or cfg.train.eval_depth
-    if args.temperature <= 0 and (args.top_k is not None or args.top_p is not None):
-        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
-    if args.exit == "none" and (args.max_depth is not None or args.exit_tau is not None):
-        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit relative|kl|entropy")
-    if args.exit_tau is not None and args.exit_tau <= 0:
-        raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
     criterion = None if args.exit == "none" else build_exit_criterion(args.exit, args.exit_tau)
     gen = generate(model, ids, args.max_new_tokens, depth, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, cache_mode=args.kv_cache, exit_criterion=criterion,
@@ -243,15 +473,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"=== [{n}/{len(prompts)}] {len(i)} prompt tokens -> {len(toks)} new tokens, "
               f"loops per token: mean {mean:.2f}")
         print(f"{p}\033[1m{text}\033[0m" if sys.stdout.isatty() else p + text)
-    if args.json:
+    if args.out is not None:
         settings = {"depth": depth, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "kv_cache": args.kv_cache,
                     "exit": args.exit, "exit_tau": None if criterion is None else criterion.tau,
                     "max_depth": (args.max_depth or depth) if criterion is not None else None, "eos_id": eos}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
-                                         "settings": settings, "results": results}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        args.out.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+                                        "settings": settings, "results": results}, indent=2) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -263,10 +492,10 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    prepare_out_file(args.out, "--out", companions=[args.out.with_suffix(".md")])
     from looplm.bench import run_bench, write_results
 
-    res = run_bench(preset=args.preset, depth=args.depth, batch_size=args.batch_size, steps=args.steps,
-                    matmul_n=args.matmul_n, device=args.device, progress=not args.quiet)
+    res = call_with_options(run_bench, args, progress=not args.quiet)
     write_results(res, args.out)
     print(res["markdown"])
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
@@ -274,10 +503,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    prepare_out_dir(args.out, "--out")
     from looplm.demo import run_demo
 
-    run_demo(args.out, steps=args.steps, eval_tokens=args.eval_tokens, depths=args.depths,
-             rules=args.rules, progress=not args.quiet)
+    call_with_options(run_demo, args, args.out, progress=not args.quiet)
     return 0
 
 
@@ -285,11 +514,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from looplm.eval.perplexity import DEFAULT_DEPTHS
+def build_parser() -> Parser:
+    from looplm.bench import run_bench
+    from looplm.demo import run_demo
 
-    default_depths = ",".join(map(str, DEFAULT_DEPTHS))
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
         "depth-recurrent) transformer language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -300,21 +529,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
                        "Re-running skips finished training and resumes interrupted runs.")
     p.add_argument("--out", type=out_dir, default=Path("results/demo"), help="results folder (default results/demo)")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="training steps per model (default: the cpu preset's)")
-    p.add_argument("--eval-tokens", type=positive_int, default=16384,
-                   help="score at most this many tokens per evaluation split (default 16384)")
-    p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
-    p.add_argument("--rules", default="looped,scse", help="comma-separated recurrence rules to train")
+    add_function_options(p, run_demo, {
+        "steps": Opt(type=positive_int, metavar="N", help="training steps per model (default: the cpu preset's)"),
+        "eval_tokens": Opt(type=positive_int, metavar="N", help="score at most this many tokens per evaluation split"),
+        "depths": Opt(type=parse_depths, metavar="T,T,...", help=DEPTHS_HELP),
+        "rules": Opt(help="comma-separated recurrence rules to train")})
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", help="train a model (any config field overridable)",
+    p = sub.add_parser("train", help="train a model (any config field overridable as --SECTION.FIELD VALUE)",
                        description="Train a model into --out: checkpoints under OUT/checkpoints (atomic; "
                        "OUT/latest names the newest), metrics appended to OUT/metrics.jsonl, "
                        "OUT/summary.json at the end. --resume continues exactly from the newest valid "
-                       "checkpoint.")
-    p.add_argument("--out", type=out_dir, required=True, help="run directory")
+                       "checkpoint. The config is the preset (or --config FILE) with every --SECTION.FIELD "
+                       "VALUE override applied; --print_config shows it.")
+    p.add_argument("--out", type=out_dir, help="run directory (required unless --print_config)")
     p.add_argument("--name", help="run name (default: the preset's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
@@ -323,57 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="perplexity, terminal KV sharing, LAMBADA, adaptive depth or halting of a "
-                       "checkpoint",
-                       description="--task ppl (default): perplexity at every requested loop depth from one "
-                       "unroll per batch (SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens. "
-                       "--kv-sharing terminal (with --task ppl): the continuation protocol of terminal KV "
-                       "sharing: prefill the first half of each full window into a terminal KV cache, score the "
-                       "second half in one pass, and compare with the full forward on the same tokens; JSON has "
-                       "per-depth ppl_full, ppl_terminal, sharing_penalty_pct = 100(PPL_terminal/PPL_full - 1), "
-                       "kv_bytes_full and kv_bytes_terminal (per sequence prefix). "
-                       "--task lambada: OpenAI LAMBADA target-token completion PPL, target-token accuracy "
-                       "and exact last-word accuracy per depth (target_ppl, target_acc, exact_acc). "
-                       "--task adaptive: the hidden-update stopping rule (max-token relative update < tau, "
-                       "ceiling --ceiling), tau calibrated on the valid split per target mean depth, test PPL "
-                       "and achieved depth, plus a real early-exit run with its speedup. "
-                       "--task halting: logit-margin halting (smallest margin threshold keeping PPL within "
-                       "--tolerance of the K_max PPL on valid windows, then a timed dynamic-batching run on "
-                       "--split and the fixed-depth frontier); writes halting.json, halting.md and "
-                       "halting_frontier.png into the folder of --out (default results/halting). "
-                       "Writes JSON (--out) and a Markdown table next to it.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
-    p.add_argument("--task", choices=["ppl", "lambada", "adaptive", "halting"], default="ppl",
-                   help="what to evaluate")
-    p.add_argument("--kv-sharing", choices=["none", "terminal"], default="none",
-                   help="ppl: none (default) = the ordinary forward; terminal = the terminal KV sharing "
-                   "continuation protocol at each of --depths")
-    p.add_argument("--max-examples", type=positive_int, default=None,
-                   help="lambada: score only the first N passages; halting: N calibration and N timed windows "
-                   "(default 160)")
-    p.add_argument("--targets", type=parse_depths, default=[8, 16, 24],
-                   help="adaptive: target mean loop budgets (default 8,16,24)")
-    p.add_argument("--ceiling", type=positive_int, default=None,
-                   help="adaptive: loop ceiling (default 48); halting: K_max (default the checkpoint's nominal "
-                   "training depth: train.depth, depth_hi, or depth_mean rounded up for pln/learned)")
-    p.add_argument("--tolerance", type=float, default=0.01,
-                   help="halting: allowed relative PPL increase over K_max (default 0.01 = 1%%)")
-    p.add_argument("--depths", type=parse_depths, default=list(DEFAULT_DEPTHS), help=DEPTHS_HELP)
-    p.add_argument("--dataset", default=None, help="brown, wikitext2, wikitext103, text, openwebtext or c4 "
-                   "(the last two from the Hugging Face hub, online; default: the training corpus)")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test"],
-                   help="split (default test; halting: the timed split)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward (default 16)")
-    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens of the split")
-    p.add_argument("--stride", type=positive_int, default=None,
-                   help="sliding-window stride (default: non-overlapping)")
-    p.add_argument("--scale-clamp", action="store_true",
-                   help="--task ppl: rescale each token's state after every loop to its loop-1 RMS before "
-                        "readout and recurrence (the readout-blind-spot diagnostic, SPEC §4)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--out", type=out_file, help="write the JSON here (and FILE.md)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_eval)
+    _register_eval(sub)
 
     p = sub.add_parser("generate", help="continue text prompts with a checkpoint (KV cache, sampling, adaptive "
                        "depth)",
@@ -382,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "followed by its continuation. Rows stop at <|endoftext|>. Prompt plus continuation must "
                        "fit the model's context (len(prompt) + max_new_tokens - 1 <= seq_len); longer prompts are "
                        "an error, never truncated silently.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    _add_checkpoint(p)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", type=in_file, metavar="F", help="a text file with one prompt per line "
                    "(blank lines skipped), added after the --prompt values")
@@ -410,8 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
                    help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--json", type=out_file, metavar="OUT", help="also write prompts, token ids, continuations and "
-                   "loops per token as JSON")
+    p.add_argument("--out", "--json", dest="out", type=out_file, metavar="FILE.json",
+                   help="also write prompts, token ids, continuations and loops per token as JSON (--json FILE "
+                   "is the older name)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("consolidate", help="add the full weights (model.safetensors) to a sharded checkpoint",
@@ -420,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "listed in its manifest), so the folder is a plain config.json + model.safetensors "
                        "model. Prints the file's path; does nothing when the checkpoint already has one. "
                        "Eval, diagnose and generate read sharded checkpoints without this step.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    _add_checkpoint(p)
     p.set_defaults(func=cmd_consolidate)
 
     p = sub.add_parser("info", help="parameter count and FLOP proxy of a config, as JSON",
@@ -437,13 +617,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
                        "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
                        "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
-    p.add_argument("--out", type=out_file, default=Path("benchmarks/results/bench.json"), help="results JSON path")
-    p.add_argument("--preset", default="cpu", help="model shape to measure (default cpu)")
-    p.add_argument("--depth", type=positive_int, default=8, help="loop depth T for the training measurements")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
-    p.add_argument("--steps", type=positive_int, default=5, help="timed repetitions per measurement (median)")
-    p.add_argument("--matmul-n", type=positive_int, default=2048, help="matmul size for the peak measurement")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--out", type=out_file, default=Path("benchmarks/results/bench.json"), metavar="FILE.json",
+                   help="results JSON path; the Markdown goes to FILE.md (default benchmarks/results/bench.json)")
+    add_function_options(p, run_bench, {
+        "preset": Opt(help="model shape to measure"),
+        "depth": Opt(type=positive_int, metavar="T", help="loop depth T for the training measurements"),
+        "batch_size": Opt(type=positive_int, metavar="N", help="sequences per step"),
+        "steps": Opt(type=positive_int, metavar="N", help="timed repetitions per measurement (median)"),
+        "matmul_n": Opt(type=positive_int, metavar="N", help="matmul size for the peak measurement"),
+        "device": Opt(help="cpu, cuda or auto")})
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)
 
@@ -451,12 +633,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _mark_leaves(parser)
     return parser
+
+
+def _mark_leaves(parser: argparse.ArgumentParser) -> None:
+    """Record on every leaf parser's defaults which parser it is (for error messages on unknown options)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if child.get_default("func") is not None:
+                    child.set_defaults(_parser=child)
+                _mark_leaves(child)
+
+
+def _leaf_family(parser: argparse.ArgumentParser, family: str) -> list[argparse.ArgumentParser]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if child.get_default("_family") == family:
+                    out.append(child)
+                out += _leaf_family(child, family)
+    return out
+
+
+def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit 2 naming the unknown options, the closest valid option and the commands that do take it."""
+    leaf = getattr(args, "_parser", parser)
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
+    msg = f"unrecognized arguments: {' '.join(extras)}"
+    if flags:
+        candidates = option_strings(leaf) + (config_keys() if getattr(args, "_takes_config", False) else [])
+        msg += suggest(flags[0], candidates)
+        family = getattr(args, "_family", None)
+        if family:
+            owners = [p.prog for p in _leaf_family(parser, family) if p is not leaf and flags[0] in option_strings(p)]
+            if owners:
+                msg += f" ({flags[0]} is an option of {', '.join(owners)})"
+    leaf.error(msg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = eval_compat(argv)
+        argv, overrides = split_config_overrides(argv)
+    except CliError as exc:
+        parser.error(str(exc))
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_options_error(parser, args, extras)
+    if overrides and not getattr(args, "_takes_config", False):
+        leaf = getattr(args, "_parser", parser)
+        key = "--" + next(iter(overrides))
+        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train` and "
+                   f"`looplm info`){suggest(key, option_strings(leaf))}")
+    args.config_overrides = overrides
+    if args.command == "train" and args.out is None and not args.print_config:
+        args._parser.error("the following arguments are required: --out")
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # e.g. `looplm info --list | head`: the reader left; not an error
@@ -465,13 +701,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"looplm {args.command}: error: {msg}", file=sys.stderr)
+        print(f"{args._parser.prog}: error: {msg}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - surface checkpoint errors without a traceback
         from looplm.train.checkpoint import CheckpointError
 
         if isinstance(exc, CheckpointError):
-            print(f"looplm {args.command}: error: {exc}", file=sys.stderr)
+            print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
             return 2
         raise
-

@@ -62,10 +62,13 @@ PNG plots in --out:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from looplm.cliutil import prepare_out_dir
     from looplm.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.file)
-    result = run_sweep(sweep, args.out, progress=not args.quiet)
+    out = args.out if args.out is not None else Path("results") / sweep.name
+    prepare_out_dir(out, "--out")
+    result = run_sweep(sweep, out, progress=not args.quiet)
     print(json.dumps(result.summary(), indent=2))
     return 0
 
@@ -73,8 +76,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from looplm.analysis.report import write_report
 
+    from looplm.cliutil import call_with_options, prepare_out_dir
+
+    if not args.db.is_file():
+        raise FileNotFoundError(f"--db {args.db}: the results database does not exist")
     out = args.out if args.out is not None else args.db.parent / "report"
-    res = write_report(args.db, out, baseline=args.baseline, sweep=args.sweep)
+    prepare_out_dir(out, "--out")
+    res = call_with_options(write_report, args, args.db, out)
     print(res["markdown"].read_text())
     print(f"wrote {res['markdown']}, {res['json']}" + "".join(f", {p}" for p in res["plots"]))
     return 0
@@ -86,18 +94,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Train and evaluate every run of a sweep file, one after another,\n"
                        "with an overall progress bar; resumable.", epilog=SWEEP_EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from looplm.cli import out_dir
+
     p.add_argument("file", type=Path, metavar="FILE.toml", help="sweep file (format below)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=out_dir, default=None,
                    help="output folder (default results/<sweep name>): runs/, results.db, report/")
     p.add_argument("--quiet", action="store_true", help="no progress bars or per-run lines; print the summary")
     p.set_defaults(func=cmd_sweep)
 
+    from looplm.analysis.report import write_report
+    from looplm.cliutil import Opt, add_function_options  # noqa: E401
+
     p = sub.add_parser("report", help="mean ± std tables, paired deltas and plots from a results database",
                        description=REPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--db", type=Path, required=True, help="results database (e.g. results/NAME/results.db)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: report/ next to the database)")
-    p.add_argument("--baseline", default=None, metavar="VARIANT",
-                   help="variant the paired deltas compare with (default: the sweep's first variant)")
-    p.add_argument("--sweep", default=None, metavar="NAME",
-                   help="only the runs of this sweep (a database can hold several)")
+    p.add_argument("--out", type=out_dir, default=None, help="output folder (default: report/ next to the database)")
+    add_function_options(p, write_report, {
+        "baseline": Opt(metavar="VARIANT", help="variant the paired deltas compare with (default: the sweep's "
+                        "first variant)"),
+        "sweep": Opt(metavar="NAME", help="only the runs of this sweep (a database can hold several)")})
     p.set_defaults(func=cmd_report)

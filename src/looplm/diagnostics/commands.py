@@ -1,4 +1,8 @@
-"""The ``looplm diagnose`` subcommand (mechanism diagnostics, SPEC §6–7); registered by ``looplm.cli``."""
+"""The ``looplm diagnose`` subcommand (mechanism diagnostics, SPEC §6–7); registered by ``looplm.cli``.
+
+Its options are generated from :func:`looplm.diagnostics.runner.diagnose_checkpoint` (names, defaults
+and the docstring's ``Args:`` help).
+"""
 
 from __future__ import annotations
 
@@ -20,28 +24,34 @@ def parse_steps(text: str) -> list[int]:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from looplm.diagnostics.runner import diagnose_checkpoint
+    from looplm.cli import emit_report
+    from looplm.cliutil import call_with_options, prepare_out_dir, prepare_out_file
 
     plots_dir = args.plots_dir or (args.out.parent if args.out else None)
+    if args.out is not None:
+        prepare_out_file(args.out, "--out")
+    if plots_dir is not None:
+        prepare_out_dir(plots_dir, "--plots-dir" if args.plots_dir else "--out", shown=args.plots_dir or args.out)
     stem = args.out.stem if args.out else "diagnose"
-    result = diagnose_checkpoint(args.checkpoint, steps=args.steps, depth=args.depth, dataset=args.dataset,
-                                 split=args.split, batches=args.batches, batch_size=args.batch_size,
-                                 out_dir=plots_dir, device=args.device, progress=not args.quiet, stem=stem,
-                                 scale_loops=args.scale_loops, convergence_tau=args.convergence_tau)
-    print(result["markdown"])
-    text = json.dumps(result, indent=2)
+
+    from looplm.diagnostics.runner import diagnose_checkpoint
+
+    result = call_with_options(diagnose_checkpoint, args, args.checkpoint, out_dir=plots_dir,
+                               progress=not args.quiet, stem=stem)
+    written = []
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        print(f"wrote {args.out}" + "".join(f", {p}" for p in result.get("files", {}).values()))
-    else:
-        print(text)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        written = [args.out, *map(Path, result.get("files", {}).values())]
+    emit_report(args, result, written)
     return 0
 
 
 def register(sub) -> None:
     """Add the ``diagnose`` subparser to the ``looplm`` subparsers object ``sub``."""
-    from looplm.cli import out_file  # the CLI module imports this one at call time, not at import
+    from looplm.cli import out_file, positive_int  # the CLI module imports this one at call time
+    from looplm.cliutil import Opt, add_function_options
+    from looplm.diagnostics.runner import diagnose_checkpoint
+
     p = sub.add_parser(
         "diagnose", help="mechanism diagnostics of a checkpoint: forcing bias, gain, anchor-start rollouts, "
         "hidden-state scale, visit alignment, token convergence",
@@ -54,28 +64,33 @@ def register(sub) -> None:
         "scale (token RMS percentiles, radial-gradient fraction of the immediate readout loss, final "
         "radial derivative g_K, radial increment) over --scale-loops loops; the visit alignment "
         "kappa_R of the core's weight gradients at that depth; and token convergence along the --depth "
-        "unroll. Prints Markdown tables (SCSE Tables 3 and 22 layout, then scale, alignment and "
-        "convergence), writes the JSON to --out and the Markdown and three plots (R_t bars, Figure 5 "
-        "style; 2-D PCA of rollouts, Figure 4 style; per-loop RMS and the convergence curve) to "
-        "--plots-dir.")
+        "unroll. Prints the Markdown tables (SCSE Tables 3 and 22 layout, then scale, alignment and "
+        "convergence; --json: the JSON), writes the JSON to --out and the Markdown and three plots (R_t "
+        "bars, Figure 5 style; 2-D PCA of rollouts, Figure 4 style; per-loop RMS and the convergence "
+        "curve) to --plots-dir.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
-    p.add_argument("--out", type=out_file, help="write the JSON here (FILE.json); Markdown and plots go next "
-                   "to it as FILE.md, FILE_forcing_ratio.png, FILE_rollouts.png, FILE_scale.png")
-    p.add_argument("--steps", type=parse_steps, default=None,
-                   help="loop steps t for forcing bias and gain (default 0,DEPTH-1, i.e. 0,47)")
-    p.add_argument("--depth", type=int, default=48,
-                   help="unroll / rollout depth T, also the token-convergence horizon R_obs (default 48)")
-    p.add_argument("--scale-loops", type=int, default=None, metavar="K",
-                   help="loop count K of the scale diagnostic and depth R of the visit alignment "
-                   "(default: the checkpoint's training depth, the sampler's maximum)")
-    p.add_argument("--convergence-tau", type=float, default=0.02, metavar="TAU",
-                   help="token-convergence threshold tau on the relative change rho (default 0.02)")
-    p.add_argument("--dataset", default=None, help="corpus (default: the checkpoint's training corpus)")
-    p.add_argument("--split", default="valid", choices=["train", "valid", "test"], help="split (default valid)")
-    p.add_argument("--batches", type=int, default=4, help="measured batches (default 4)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per batch (default 8)")
+    p.add_argument("--out", type=out_file, metavar="FILE.json",
+                   help="write the JSON here; Markdown and plots go next to it as FILE.md, "
+                   "FILE_forcing_ratio.png, FILE_rollouts.png, FILE_scale.png")
+    add_function_options(p, diagnose_checkpoint, {
+        "steps": Opt(type=parse_steps, default=None, metavar="T,T",
+                     help="loop steps t for forcing bias and gain (default 0,DEPTH-1, i.e. 0,47)"),
+        "depth": Opt(type=positive_int, metavar="T",
+                     help="unroll / rollout depth T, also the token-convergence horizon R_obs"),
+        "scale_loops": Opt(type=positive_int, metavar="K",
+                           help="loop count K of the scale diagnostic and depth R of the visit alignment "
+                           "(default: the checkpoint's nominal training depth)"),
+        "convergence_tau": Opt(type=float, metavar="TAU"),
+        "dataset": Opt(help="corpus (default: the checkpoint's training corpus)"),
+        "split": Opt(choices=("train", "valid", "test"), help="split"),
+        "batches": Opt(type=positive_int, metavar="N", help="measured batches"),
+        "batch_size": Opt(type=positive_int, metavar="N", help="windows per batch"),
+        "dtype": Opt(choices=("float64", "float32")),
+        "seed": Opt(type=int, help="seed of the random gain directions and rollouts"),
+        "device": Opt(help="cpu, cuda or cuda:N"),
+    })
     p.add_argument("--plots-dir", type=Path, default=None,
                    help="folder for the Markdown and plots (default: next to --out; none without --out)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown report)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_diagnose)

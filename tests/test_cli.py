@@ -1,0 +1,177 @@
+"""The command line's structure: one eval subcommand per protocol with only its own options, output
+paths checked before any work, no abbreviations, "did you mean" on misspellings, Markdown by default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from looplm.cli import build_parser, eval_compat, main
+from looplm.cliutil import CliError, doc_args, split_config_overrides
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny trained run (debug preset, 2 steps) shared by the tests of this module."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", "--preset", "debug", "--out", str(run), "--quiet", "--train.steps", "2",
+                 "--train.eval_every", "0"]) == 0
+    return run
+
+
+@pytest.fixture
+def afile(tmp_path):
+    """A regular file: ``afile/x.json`` cannot be written."""
+    f = tmp_path / "afile"
+    f.write_text("not a folder\n")
+    return f
+
+
+# ---------------------------------------------------------------- output paths before any work
+@pytest.mark.parametrize("argv", [
+    ["eval", "ppl", "--depths", "1", "--max-tokens", "200"],
+    ["eval", "--depths", "1", "--max-tokens", "200"],                       # no protocol = ppl
+    ["eval", "kv-sharing", "--depths", "1", "--max-tokens", "200"],
+    ["eval", "lambada", "--depths", "1", "--max-examples", "2"],
+    ["eval", "adaptive", "--targets", "2", "--ceiling", "3", "--max-tokens", "300"],
+    ["eval", "halting", "--k-max", "2", "--n-calib", "2", "--n-timed", "2"],
+    ["diagnose", "--depth", "3", "--batches", "1", "--batch-size", "1"],
+    ["generate", "--prompt", "The jury", "--max-new-tokens", "2", "--depth", "1"],
+], ids=["eval-ppl", "eval-default", "eval-kv-sharing", "eval-lambada", "eval-adaptive", "eval-halting",
+        "diagnose", "generate"])
+def test_unwritable_out_is_refused_before_the_work(ckpt, afile, argv, capsys):
+    out = afile / "x.json"
+    flag = "--json" if argv[0] == "generate" else "--out"  # generate: the older name of its --out
+    rc = main([*argv, "--checkpoint", str(ckpt), flag, str(out)] + (["--quiet"] if argv[0] != "generate" else []))
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert str(out) in err and "afile is a file, not a folder" in err and "Traceback" not in err
+
+
+def test_bench_sweep_report_train_refuse_unwritable_out(afile, tmp_path, capsys):
+    out = afile / "x.json"
+    assert main(["bench", "--preset", "debug", "--steps", "1", "--matmul-n", "64", "--batch-size", "1",
+                 "--depth", "1", "--quiet", "--out", str(out)]) == 2
+    assert f"--out {out}: cannot be written: {afile} is a file, not a folder" in capsys.readouterr().err
+    sweep = tmp_path / "s.toml"
+    sweep.write_text('[base]\npreset = "debug"\n"train.steps" = 2\n\n[variants]\nlooped = {"model.rule" = "looped"}\n')
+    assert main(["sweep", str(sweep), "--out", str(afile / "sweep"), "--quiet"]) == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+    from looplm.analysis.store import ResultStore
+
+    ResultStore(tmp_path / "results.db").close()
+    assert main(["report", "--db", str(tmp_path / "results.db"), "--out", str(afile / "report")]) == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+    assert main(["train", "--preset", "debug", "--quiet", "--out", str(afile / "sub")]) == 2
+    assert f"--out {afile / 'sub'}: cannot be written" in capsys.readouterr().err
+    assert main(["demo", "--out", str(afile / "demo"), "--quiet"]) == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+
+
+def test_out_parents_are_created_first(ckpt, tmp_path, capsys):
+    out = tmp_path / "deep" / "er" / "ppl.json"
+    assert main(["eval", "ppl", "--checkpoint", str(ckpt), "--depths", "1,2", "--max-tokens", "200", "--quiet",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["depths"].keys() == {"1", "2"}
+    assert out.with_suffix(".md").read_text().startswith("| model |")
+
+
+# ---------------------------------------------------------------- human vs machine output
+def test_eval_prints_markdown_by_default_and_json_on_request(ckpt, capsys):
+    base = ["eval", "ppl", "--checkpoint", str(ckpt), "--depths", "1", "--max-tokens", "200", "--quiet"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| model |") and '"markdown"' not in out
+    assert main([*base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["depths"]["1"]["tokens"] == 200
+
+
+# ---------------------------------------------------------------- abbreviations and misspellings
+def test_abbreviations_are_refused(capsys):
+    assert main(["info", "--preset", "debug", "--train.step", "5", "--print_config"]) == 2
+    assert "did you mean --train.steps?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "--preset", "debug", "--dep", "8"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --dep 8; did you mean --depths?" in capsys.readouterr().err
+
+
+def test_misspelled_config_field_and_option_get_a_suggestion(capsys):
+    assert main(["train", "--preset", "debug", "--out", "unused", "--model.d_modle", "5"]) == 2
+    assert "did you mean --model.d_model?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "ppl", "--checkpoint", "x", "--max-tokes", "5"])
+    assert "did you mean --max-tokens?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # config overrides belong to train and info
+        main(["eval", "ppl", "--checkpoint", "x", "--model.rule", "looped"])
+    assert "takes no config overrides" in capsys.readouterr().err
+
+
+def test_print_config_applies_overrides(capsys):
+    assert main(["train", "--preset", "debug", "--train.steps=7", "--model.rule", "looped", "--print_config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["train"]["steps"] == 7 and cfg["model"]["rule"] == "looped"
+
+
+# ---------------------------------------------------------------- eval protocols
+@pytest.mark.parametrize("protocol, foreign", [
+    ("lambada", ["--stride", "4"]), ("lambada", ["--max-tokens", "4"]), ("adaptive", ["--scale-clamp"]),
+    ("halting", ["--targets", "2"]), ("kv-sharing", ["--scale-clamp"]), ("ppl", ["--tolerance", "0.1"]),
+    ("ppl", ["--max-examples", "3"]),
+])
+def test_eval_protocols_refuse_each_others_options(protocol, foreign, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", protocol, "--checkpoint", "x", *foreign])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"looplm eval {protocol}: error: unrecognized arguments: {foreign[0]}" in err
+    assert f"{foreign[0]} is an option of looplm eval" in err
+
+
+def test_old_eval_forms_map_to_protocols(capsys):
+    assert eval_compat(["eval", "--checkpoint", "c"]) == ["eval", "ppl", "--checkpoint", "c"]
+    assert eval_compat(["eval", "--task", "lambada", "--checkpoint", "c"]) == ["eval", "lambada", "--checkpoint", "c"]
+    assert eval_compat(["eval", "--checkpoint", "c", "--kv-sharing", "terminal"]) == \
+        ["eval", "kv-sharing", "--checkpoint", "c"]
+    assert eval_compat(["eval", "--task=halting", "--kv-sharing", "none"]) == ["eval", "halting"]
+    assert "looplm eval halting" in capsys.readouterr().err
+    assert eval_compat(["eval", "adaptive", "--checkpoint", "c"]) == ["eval", "adaptive", "--checkpoint", "c"]
+    with pytest.raises(CliError, match="protocols are subcommands: looplm eval ppl"):
+        eval_compat(["eval", "--task", "perplexity"])
+    with pytest.raises(CliError, match="does not combine with --task lambada"):
+        eval_compat(["eval", "--task", "lambada", "--kv-sharing", "terminal"])
+
+
+def test_eval_options_come_from_the_driven_functions():
+    """Defaults are the functions' own (lambada batches 32 windows, halting 160 calibration windows)."""
+    parser = build_parser()
+    lam = parser.parse_args(["eval", "lambada", "--checkpoint", "c"])
+    assert lam.batch_size == 32 and lam._params == ("depths", "max_examples", "batch_size", "device")
+    halt = parser.parse_args(["eval", "halting", "--checkpoint", "c", "--ceiling", "5", "--split", "valid"])
+    assert (halt.k_max, halt.split_timed, halt.n_calib, halt.tolerance) == (5, "valid", 160, 0.01)
+
+
+# ---------------------------------------------------------------- helpers
+def test_split_config_overrides():
+    rest, ov = split_config_overrides(["--out", "d", "--train.lr", "-1e-3", "--model.rule=scse", "--quiet",
+                                       "--model.options.kappa", "0.1", "--", "--x.y", "1"])
+    assert rest == ["--out", "d", "--quiet", "--", "--x.y", "1"]
+    assert ov == {"train.lr": "-1e-3", "model.rule": "scse", "model.options.kappa": "0.1"}
+    with pytest.raises(CliError, match="--train.steps: expected a value"):
+        split_config_overrides(["--train.steps", "--quiet"])
+
+
+def test_doc_args_reads_google_style_args():
+    def f(a, b, c):
+        """Do it.
+
+        Args:
+            a: the first
+                continued.
+            b, c: both.
+
+        Returns:
+            nothing: really.
+        """
+    assert doc_args(f) == {"a": "the first continued.", "b": "both.", "c": "both."}
