@@ -144,8 +144,21 @@ def test_old_eval_forms_map_to_protocols(capsys):
 
 
 def test_eval_options_come_from_the_driven_functions():
-    """Defaults are the functions' own (lambada batches 32 windows, halting 160 calibration windows)."""
+    """Defaults are the functions' own (lambada batches 32 windows, halting 160 calibration windows),
+    and every generated option is a parameter with a default of the function its command calls."""
+    import inspect
+
+    from looplm.cliutil import DRIVEN
+
+    DRIVEN.clear()
     parser = build_parser()
+    assert {prog for prog, _, _ in DRIVEN} >= {"looplm eval ppl", "looplm eval kv-sharing", "looplm eval lambada",
+                                                "looplm eval adaptive", "looplm eval halting", "looplm diagnose",
+                                                "looplm bench", "looplm demo", "looplm report"}
+    for prog, func, names in DRIVEN:
+        params = inspect.signature(func).parameters
+        for name in names:
+            assert name in params, f"{prog}: {func.__name__} has no parameter {name}"
     lam = parser.parse_args(["eval", "lambada", "--checkpoint", "c"])
     assert lam.batch_size == 32 and lam._params == ("depths", "max_examples", "batch_size", "device")
     halt = parser.parse_args(["eval", "halting", "--checkpoint", "c", "--ceiling", "5", "--split", "valid"])
