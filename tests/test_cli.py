@@ -81,8 +81,9 @@ def test_out_parents_are_created_first(ckpt, tmp_path, capsys):
 def test_eval_prints_markdown_by_default_and_json_on_request(ckpt, capsys):
     base = ["eval", "ppl", "--checkpoint", str(ckpt), "--depths", "1", "--max-tokens", "200", "--quiet"]
     assert main(base) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.startswith("| model |") and '"markdown"' not in out
+    assert err == ""  # --quiet: no progress bars
     assert main([*base, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["depths"]["1"]["tokens"] == 200
 
