@@ -49,24 +49,33 @@ def test_unwritable_out_is_refused_before_the_work(ckpt, afile, argv, capsys):
     assert str(out) in err and "afile is a file, not a folder" in err and "Traceback" not in err
 
 
-def test_bench_sweep_report_train_refuse_unwritable_out(afile, tmp_path, capsys):
-    out = afile / "x.json"
-    assert main(["bench", "--preset", "debug", "--steps", "1", "--matmul-n", "64", "--batch-size", "1",
-                 "--depth", "1", "--quiet", "--out", str(out)]) == 2
-    assert f"--out {out}: cannot be written: {afile} is a file, not a folder" in capsys.readouterr().err
+def _sweep_file(tmp_path):
     sweep = tmp_path / "s.toml"
     sweep.write_text('[base]\npreset = "debug"\n"train.steps" = 2\n\n[variants]\nlooped = {"model.rule" = "looped"}\n')
-    assert main(["sweep", str(sweep), "--out", str(afile / "sweep"), "--quiet"]) == 2
-    assert "afile is a file, not a folder" in capsys.readouterr().err
+    return str(sweep)
+
+
+def _results_db(tmp_path):
     from looplm.analysis.store import ResultStore
 
     ResultStore(tmp_path / "results.db").close()
-    assert main(["report", "--db", str(tmp_path / "results.db"), "--out", str(afile / "report")]) == 2
-    assert "afile is a file, not a folder" in capsys.readouterr().err
-    assert main(["train", "--preset", "debug", "--quiet", "--out", str(afile / "sub")]) == 2
-    assert f"--out {afile / 'sub'}: cannot be written" in capsys.readouterr().err
-    assert main(["demo", "--out", str(afile / "demo"), "--quiet"]) == 2
-    assert "afile is a file, not a folder" in capsys.readouterr().err
+    return str(tmp_path / "results.db")
+
+
+@pytest.mark.parametrize("make_argv", [
+    lambda tmp, out: ["bench", "--preset", "debug", "--steps", "1", "--matmul-n", "64", "--batch-size", "1",
+                      "--depth", "1", "--quiet", "--out", str(out)],
+    lambda tmp, out: ["sweep", _sweep_file(tmp), "--out", str(out), "--quiet"],
+    lambda tmp, out: ["report", "--db", _results_db(tmp), "--out", str(out)],
+    lambda tmp, out: ["train", "--preset", "debug", "--quiet", "--train.steps", "2", "--out", str(out)],
+    lambda tmp, out: ["demo", "--steps", "1", "--eval-tokens", "100", "--depths", "1", "--rules", "looped",
+                      "--quiet", "--out", str(out)],
+], ids=["bench", "sweep", "report", "train", "demo"])
+def test_unwritable_out_folder_is_refused_before_the_work(make_argv, afile, tmp_path, capsys):
+    out = afile / "sub"
+    assert main(make_argv(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot be written: {afile} is a file, not a folder" in err and "Traceback" not in err
 
 
 def test_out_parents_are_created_first(ckpt, tmp_path, capsys):
