@@ -8,7 +8,7 @@ import json
 import pytest
 
 from looplm.cli import build_parser, eval_compat, main
-from looplm.cliutil import CliError, doc_args, split_config_overrides
+from looplm.cliutil import CliError, build_all, doc_args, split_config_overrides
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_eval_options_come_from_the_driven_functions():
     from looplm.cliutil import DRIVEN
 
     DRIVEN.clear()
-    parser = build_parser()
+    parser = build_all(build_parser())
     assert {prog for prog, _, _ in DRIVEN} >= {"looplm eval ppl", "looplm eval kv-sharing", "looplm eval lambada",
                                                 "looplm eval adaptive", "looplm eval halting", "looplm diagnose",
                                                 "looplm bench", "looplm demo", "looplm report"}

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from looplm.cliutil import (CliError, Opt, Parser, add_function_options, call_with_options, config_help,
-                            config_keys, option_strings, prepare_out_dir, prepare_out_file,
-                            split_config_overrides, suggest)
+from looplm.cliutil import (CliError, Opt, Parser, add_command, add_function_options, call_with_options,
+                            config_help, config_keys, lazy_subparsers, option_strings, prepare_out_dir,
+                            prepare_out_file, split_config_overrides, subcommands, suggest)
 from looplm.config import Config, ConfigError, apply_overrides
 
 DEPTHS_HELP = "comma-separated loop depths, e.g. 1,2,4,8,12,16,24,32,48"
@@ -284,25 +284,46 @@ EVAL_PROTOCOLS: dict[str, str] = {
 
 
 def _register_eval(sub: argparse._SubParsersAction) -> None:
-    from looplm.eval.adaptive import adaptive_depth_checkpoint
-    from looplm.eval.halting import evaluate_halting_checkpoint
-    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
-    from looplm.eval.lambada import evaluate_lambada_checkpoint
-    from looplm.eval.perplexity import DEFAULT_DEPTHS
+    add_command(sub, "eval", _build_eval,
+                help="evaluate a checkpoint: " + ", ".join(EVAL_PROTOCOLS) + " (one subcommand each)",
+                description="Evaluate a checkpoint with one protocol; each protocol is its own subcommand "
+                "with only its own options (`looplm eval PROTOCOL --help`). Without a protocol, "
+                "`looplm eval --checkpoint DIR ...` means `looplm eval ppl`; the older `--task NAME` and "
+                "`--kv-sharing terminal` forms still select a protocol. Prints the Markdown report "
+                "(--json: the JSON); --out FILE.json also writes the JSON and FILE.md.")
+
+
+def _build_eval(ev: argparse.ArgumentParser) -> None:
+    protocols = lazy_subparsers(ev, dest="protocol", required=True, metavar="PROTOCOL")
+    add_command(protocols, "ppl", _build_eval_ppl, help=EVAL_PROTOCOLS["ppl"],
+                description="Perplexity at every requested loop depth from one unroll per batch "
+                "(SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens, flops_per_token.")
+    add_command(protocols, "kv-sharing", _build_eval_kv_sharing, help=EVAL_PROTOCOLS["kv-sharing"],
+                description="The continuation protocol of terminal KV sharing (SPEC §6): prefill the "
+                "first half of each full window into a terminal KV cache, score the second half in "
+                "one pass, and compare with the full forward on the same tokens. JSON has per-depth "
+                "ppl_full, ppl_terminal, sharing_penalty_pct = 100(PPL_terminal/PPL_full - 1), "
+                "kv_bytes_full and kv_bytes_terminal (per sequence prefix).")
+    add_command(protocols, "lambada", _build_eval_lambada, help=EVAL_PROTOCOLS["lambada"],
+                description="OpenAI LAMBADA completion with the checkpoint's tokenizer: target-token "
+                "PPL, target-token accuracy and exact last-word accuracy per depth (target_ppl, "
+                "target_acc, exact_acc; SCSE Table 16 layout).")
+    add_command(protocols, "adaptive", _build_eval_adaptive, help=EVAL_PROTOCOLS["adaptive"],
+                description="The hidden-update stopping rule (stop when the max-token relative update "
+                "< tau, at most --ceiling loops): tau calibrated on the valid split per target mean "
+                "depth, test PPL and achieved depth (Table 9/10 layout), plus a real early-exit run "
+                "with its speedup.")
+    add_command(protocols, "halting", _build_eval_halting, help=EVAL_PROTOCOLS["halting"],
+                description="Logit-margin halting: the smallest margin threshold keeping PPL within "
+                "--tolerance of the K_max PPL on calibration windows, then a timed dynamic-batching "
+                "run and the fixed-depth frontier. Writes halting.json, halting.md and "
+                "halting_frontier.png into the folder of --out (default results/halting).")
+
+
+def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
     from looplm.eval.runner import evaluate_checkpoint
 
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: " + ", ".join(EVAL_PROTOCOLS) + " (one subcommand each)",
-                        description="Evaluate a checkpoint with one protocol; each protocol is its own subcommand "
-                        "with only its own options (`looplm eval PROTOCOL --help`). Without a protocol, "
-                        "`looplm eval --checkpoint DIR ...` means `looplm eval ppl`; the older `--task NAME` and "
-                        "`--kv-sharing terminal` forms still select a protocol. Prints the Markdown report "
-                        "(--json: the JSON); --out FILE.json also writes the JSON and FILE.md.")
-    protocols = ev.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
     o = common_opts()
-
-    p = protocols.add_parser("ppl", help=EVAL_PROTOCOLS["ppl"],
-                             description="Perplexity at every requested loop depth from one unroll per batch "
-                             "(SPEC §6), token-weighted; JSON has per-depth ppl, nll, tokens, flops_per_token.")
     _add_checkpoint(p)
     add_function_options(p, evaluate_checkpoint, {
         **_pick(o, "depths", "dataset", "split", "batch_size", "max_tokens"),
@@ -313,12 +334,12 @@ def _register_eval(sub: argparse._SubParsersAction) -> None:
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_ppl, _family="eval")
 
-    p = protocols.add_parser("kv-sharing", help=EVAL_PROTOCOLS["kv-sharing"],
-                             description="The continuation protocol of terminal KV sharing (SPEC §6): prefill the "
-                             "first half of each full window into a terminal KV cache, score the second half in "
-                             "one pass, and compare with the full forward on the same tokens. JSON has per-depth "
-                             "ppl_full, ppl_terminal, sharing_penalty_pct = 100(PPL_terminal/PPL_full - 1), "
-                             "kv_bytes_full and kv_bytes_terminal (per sequence prefix).")
+
+def _build_eval_kv_sharing(p: argparse.ArgumentParser) -> None:
+    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+    from looplm.eval.perplexity import DEFAULT_DEPTHS
+
+    o = common_opts()
     _add_checkpoint(p)
     add_function_options(p, evaluate_kv_sharing_checkpoint, {
         "depths": Opt(type=parse_depths, help=DEPTHS_HELP, metavar="R,R,...", default=list(DEFAULT_DEPTHS)),
@@ -326,10 +347,11 @@ def _register_eval(sub: argparse._SubParsersAction) -> None:
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_kv_sharing, _family="eval")
 
-    p = protocols.add_parser("lambada", help=EVAL_PROTOCOLS["lambada"],
-                             description="OpenAI LAMBADA completion with the checkpoint's tokenizer: target-token "
-                             "PPL, target-token accuracy and exact last-word accuracy per depth (target_ppl, "
-                             "target_acc, exact_acc; SCSE Table 16 layout).")
+
+def _build_eval_lambada(p: argparse.ArgumentParser) -> None:
+    from looplm.eval.lambada import evaluate_lambada_checkpoint
+
+    o = common_opts()
     _add_checkpoint(p)
     add_function_options(p, evaluate_lambada_checkpoint, {
         "depths": o["depths"],
@@ -338,11 +360,11 @@ def _register_eval(sub: argparse._SubParsersAction) -> None:
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_lambada, _family="eval")
 
-    p = protocols.add_parser("adaptive", help=EVAL_PROTOCOLS["adaptive"],
-                             description="The hidden-update stopping rule (stop when the max-token relative update "
-                             "< tau, at most --ceiling loops): tau calibrated on the valid split per target mean "
-                             "depth, test PPL and achieved depth (Table 9/10 layout), plus a real early-exit run "
-                             "with its speedup.")
+
+def _build_eval_adaptive(p: argparse.ArgumentParser) -> None:
+    from looplm.eval.adaptive import adaptive_depth_checkpoint
+
+    o = common_opts()
     _add_checkpoint(p)
     add_function_options(p, adaptive_depth_checkpoint, {
         "targets": Opt(type=parse_depths, metavar="D,D,...", help="target mean loop budgets"),
@@ -351,11 +373,11 @@ def _register_eval(sub: argparse._SubParsersAction) -> None:
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_adaptive, _family="eval")
 
-    p = protocols.add_parser("halting", help=EVAL_PROTOCOLS["halting"],
-                             description="Logit-margin halting: the smallest margin threshold keeping PPL within "
-                             "--tolerance of the K_max PPL on calibration windows, then a timed dynamic-batching "
-                             "run and the fixed-depth frontier. Writes halting.json, halting.md and "
-                             "halting_frontier.png into the folder of --out (default results/halting).")
+
+def _build_eval_halting(p: argparse.ArgumentParser) -> None:
+    from looplm.eval.halting import evaluate_halting_checkpoint
+
+    o = common_opts()
     _add_checkpoint(p)
     add_function_options(p, evaluate_halting_checkpoint, {
         "k_max": Opt(type=positive_int, metavar="K", aliases=("--ceiling",),
@@ -514,20 +536,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands")
 
 
-def build_parser() -> Parser:
-    from looplm.bench import run_bench
+def _build_demo(p: argparse.ArgumentParser) -> None:
     from looplm.demo import run_demo
 
-    parser = Parser(
-        prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
-        "depth-recurrent) transformer language models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("demo", help="the main job: train looped and scse on Brown, compare PPL across depths",
-                       description="Train the `looped` baseline and `scse` with the cpu preset on the Brown "
-                       "train split (SPEC §11), evaluate both at every depth on Brown test and on held-out "
-                       "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
-                       "Re-running skips finished training and resumes interrupted runs.")
     p.add_argument("--out", type=out_dir, default=Path("results/demo"), help="results folder (default results/demo)")
     add_function_options(p, run_demo, {
         "steps": Opt(type=positive_int, metavar="N", help="training steps per model (default: the cpu preset's)"),
@@ -537,12 +548,8 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", help="train a model (any config field overridable as --SECTION.FIELD VALUE)",
-                       description="Train a model into --out: checkpoints under OUT/checkpoints (atomic; "
-                       "OUT/latest names the newest), metrics appended to OUT/metrics.jsonl, "
-                       "OUT/summary.json at the end. --resume continues exactly from the newest valid "
-                       "checkpoint. The config is the preset (or --config FILE) with every --SECTION.FIELD "
-                       "VALUE override applied; --print_config shows it.")
+
+def _build_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=out_dir, help="run directory (required unless --print_config)")
     p.add_argument("--name", help="run name (default: the preset's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
@@ -552,15 +559,8 @@ def build_parser() -> Parser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    _register_eval(sub)
 
-    p = sub.add_parser("generate", help="continue text prompts with a checkpoint (KV cache, sampling, adaptive "
-                       "depth)",
-                       description="Encode each prompt with the checkpoint's tokenizer, left-pad them into one "
-                       "batch, prefill it through a KV cache and decode one token per step; print each prompt "
-                       "followed by its continuation. Rows stop at <|endoftext|>. Prompt plus continuation must "
-                       "fit the model's context (len(prompt) + max_new_tokens - 1 <= seq_len); longer prompts are "
-                       "an error, never truncated silently.")
+def _build_generate(p: argparse.ArgumentParser) -> None:
     _add_checkpoint(p)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", type=in_file, metavar="F", help="a text file with one prompt per line "
@@ -594,29 +594,22 @@ def build_parser() -> Parser:
                    "is the older name)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("consolidate", help="add the full weights (model.safetensors) to a sharded checkpoint",
-                       description="Read the sharded (torch.distributed.checkpoint) weights of a checkpoint, "
-                       "written under any number of ranks, and add them to it as model.safetensors (also "
-                       "listed in its manifest), so the folder is a plain config.json + model.safetensors "
-                       "model. Prints the file's path; does nothing when the checkpoint already has one. "
-                       "Eval, diagnose and generate read sharded checkpoints without this step.")
+
+def _build_consolidate(p: argparse.ArgumentParser) -> None:
     _add_checkpoint(p)
     p.set_defaults(func=cmd_consolidate)
 
-    p = sub.add_parser("info", help="parameter count and FLOP proxy of a config, as JSON",
-                       description="Print JSON with `params` (trainable, tied embeddings once) and "
-                       "`flops_per_token` → depth → {body, body_head} (SCSE eq. 20–21). Builds the "
-                       "model on the meta device, so paper-size presets cost no memory.")
+
+def _build_info(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=parse_depths, default=[8, 48], help=DEPTHS_HELP + " (default 8,48)")
     p.add_argument("--list", action="store_true", help="list the presets and their model configs")
     _add_config_args(p)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("bench", help="throughput benchmarks with their targets (JSON + Markdown)",
-                       description="Measure, in one run: the fp32/bf16 matmul peak, training tokens/s and "
-                       "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
-                       "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
-                       "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
+
+def _build_bench(p: argparse.ArgumentParser) -> None:
+    from looplm.bench import run_bench
+
     p.add_argument("--out", type=out_file, default=Path("benchmarks/results/bench.json"), metavar="FILE.json",
                    help="results JSON path; the Markdown goes to FILE.md (default benchmarks/results/bench.json)")
     add_function_options(p, run_bench, {
@@ -629,32 +622,71 @@ def build_parser() -> Parser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)
 
+
+def build_parser() -> Parser:
+    """The ``looplm`` parser. Each command's options are added when the command is first looked up
+    (:func:`looplm.cliutil.add_command`), so a run imports only the modules its command drives;
+    :func:`looplm.cliutil.build_all` adds them all."""
+    parser = Parser(
+        prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
+        "depth-recurrent) transformer language models.")
+    sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
+
+    add_command(sub, "demo", _build_demo,
+                help="the main job: train looped and scse on Brown, compare PPL across depths",
+                description="Train the `looped` baseline and `scse` with the cpu preset on the Brown "
+                "train split (SPEC §11), evaluate both at every depth on Brown test and on held-out "
+                "WikiText-2 raw test, and write results.json, results.md and ppl_vs_depth.png. "
+                "Re-running skips finished training and resumes interrupted runs.")
+    add_command(sub, "train", _build_train,
+                help="train a model (any config field overridable as --SECTION.FIELD VALUE)",
+                description="Train a model into --out: checkpoints under OUT/checkpoints (atomic; "
+                "OUT/latest names the newest), metrics appended to OUT/metrics.jsonl, "
+                "OUT/summary.json at the end. --resume continues exactly from the newest valid "
+                "checkpoint. The config is the preset (or --config FILE) with every --SECTION.FIELD "
+                "VALUE override applied; --print_config shows it.")
+    _register_eval(sub)
+    add_command(sub, "generate", _build_generate,
+                help="continue text prompts with a checkpoint (KV cache, sampling, adaptive "
+                "depth)",
+                description="Encode each prompt with the checkpoint's tokenizer, left-pad them into one "
+                "batch, prefill it through a KV cache and decode one token per step; print each prompt "
+                "followed by its continuation. Rows stop at <|endoftext|>. Prompt plus continuation must "
+                "fit the model's context (len(prompt) + max_new_tokens - 1 <= seq_len); longer prompts are "
+                "an error, never truncated silently.")
+    add_command(sub, "consolidate", _build_consolidate,
+                help="add the full weights (model.safetensors) to a sharded checkpoint",
+                description="Read the sharded (torch.distributed.checkpoint) weights of a checkpoint, "
+                "written under any number of ranks, and add them to it as model.safetensors (also "
+                "listed in its manifest), so the folder is a plain config.json + model.safetensors "
+                "model. Prints the file's path; does nothing when the checkpoint already has one. "
+                "Eval, diagnose and generate read sharded checkpoints without this step.")
+    add_command(sub, "info", _build_info,
+                help="parameter count and FLOP proxy of a config, as JSON",
+                description="Print JSON with `params` (trainable, tied embeddings once) and "
+                "`flops_per_token` → depth → {body, body_head} (SCSE eq. 20–21). Builds the "
+                "model on the meta device, so paper-size presets cost no memory.")
+    add_command(sub, "bench", _build_bench,
+                help="throughput benchmarks with their targets (JSON + Markdown)",
+                description="Measure, in one run: the fp32/bf16 matmul peak, training tokens/s and "
+                "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
+                "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
+                "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
+
     import importlib
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
-    _mark_leaves(parser)
     return parser
 
 
-def _mark_leaves(parser: argparse.ArgumentParser) -> None:
-    """Record on every leaf parser's defaults which parser it is (for error messages on unknown options)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                if child.get_default("func") is not None:
-                    child.set_defaults(_parser=child)
-                _mark_leaves(child)
-
-
 def _leaf_family(parser: argparse.ArgumentParser, family: str) -> list[argparse.ArgumentParser]:
+    """Every leaf parser below ``parser`` whose ``_family`` is ``family`` (built as needed)."""
     out = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                if child.get_default("_family") == family:
-                    out.append(child)
-                out += _leaf_family(child, family)
+    for child in subcommands(parser):
+        if child.get_default("_family") == family:
+            out.append(child)
+        out += _leaf_family(child, family)
     return out
 
 
@@ -664,13 +696,16 @@ def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Names
     flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
     msg = f"unrecognized arguments: {' '.join(extras)}"
     if flags:
-        candidates = option_strings(leaf) + (config_keys() if getattr(args, "_takes_config", False) else [])
-        msg += suggest(flags[0], candidates)
+        owners: list[str] = []
         family = getattr(args, "_family", None)
-        if family:
-            owners = [p.prog for p in _leaf_family(parser, family) if p is not leaf and flags[0] in option_strings(p)]
-            if owners:
-                msg += f" ({flags[0]} is an option of {', '.join(owners)})"
+        if family:  # e.g. an option of another eval protocol
+            top = next(a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            owners = [p.prog for p in _leaf_family(top, family) if p is not leaf and flags[0] in option_strings(p)]
+        if owners:
+            msg += f" ({flags[0]} is an option of {', '.join(owners)})"
+        else:
+            msg += suggest(flags[0], option_strings(leaf) + (config_keys() if getattr(args, "_takes_config", False)
+                                                              else []))
     leaf.error(msg)
 
 

@@ -50,6 +50,67 @@ class Parser(argparse.ArgumentParser):
         return text
 
 
+class LazyParsers(dict):
+    """The name → parser map of a subparsers action, adding a parser's options on its first lookup.
+
+    argparse looks a command's parser up only when that command is on the command line, and the
+    top-level ``--help`` lists commands from their help strings alone; so ``looplm eval ppl`` imports
+    the evaluation code but not the trainer or the benchmarks, and ``looplm --help`` imports neither.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.builders: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def __getitem__(self, name: str) -> argparse.ArgumentParser:
+        parser = super().__getitem__(name)
+        build = self.builders.pop(name, None)
+        if build is not None:
+            build(parser)
+        return parser
+
+
+def lazy_subparsers(parser: argparse.ArgumentParser, **kwargs: Any) -> argparse._SubParsersAction:
+    """``parser.add_subparsers(**kwargs)`` whose commands (added with :func:`add_command`) build lazily."""
+    sub = parser.add_subparsers(**kwargs)
+    sub._name_parser_map = sub.choices = LazyParsers()  # type: ignore[assignment]
+    return sub
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, build: Callable[[argparse.ArgumentParser], None],
+                **kwargs: Any) -> argparse.ArgumentParser:
+    """Add command ``name`` (``kwargs`` as for ``add_parser``: help, description); ``build(parser)`` adds
+    its options on first use. A command with a ``func`` default also records its parser (``_parser``)."""
+    parser = sub.add_parser(name, **kwargs)
+
+    def run(p: argparse.ArgumentParser) -> None:
+        build(p)
+        if p.get_default("func") is not None:
+            p.set_defaults(_parser=p)
+
+    if isinstance(sub.choices, LazyParsers):
+        sub.choices.builders[name] = run
+    else:
+        run(parser)
+    return parser
+
+
+def subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The (built) parsers of ``parser``'s subcommands."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            out += [action.choices[name] for name in list(action.choices)]
+    return out
+
+
+def build_all(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Build every lazily added command below ``parser`` (for tests and documentation); returns it."""
+    for child in subcommands(parser):
+        build_all(child)
+    return parser
+
+
 def suggest(word: str, candidates: Iterable[str]) -> str:
     """``"; did you mean --x?"`` for the closest candidate to ``word``, or ``""``."""
     match = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)

@@ -89,11 +89,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``sweep`` and ``report`` subcommands to the ``looplm`` subparsers ``sub``."""
-    p = sub.add_parser("sweep", help="train and evaluate a grid of runs from a TOML sweep file (resumable)",
-                       description="Train and evaluate every run of a sweep file, one after another,\n"
-                       "with an overall progress bar; resumable.", epilog=SWEEP_EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Add the ``sweep`` and ``report`` commands to the ``looplm`` subparsers ``sub`` (options built on use)."""
+    from looplm.cliutil import add_command
+
+    add_command(sub, "sweep", _build_sweep,
+                help="train and evaluate a grid of runs from a TOML sweep file (resumable)",
+                description="Train and evaluate every run of a sweep file, one after another,\n"
+                "with an overall progress bar; resumable.", epilog=SWEEP_EXAMPLE,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_command(sub, "report", _build_report,
+                help="mean ± std tables, paired deltas and plots from a results database",
+                description=REPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _build_sweep(p: argparse.ArgumentParser) -> None:
     from looplm.cli import out_dir
 
     p.add_argument("file", type=Path, metavar="FILE.toml", help="sweep file (format below)")
@@ -102,11 +111,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars or per-run lines; print the summary")
     p.set_defaults(func=cmd_sweep)
 
-    from looplm.analysis.report import write_report
-    from looplm.cliutil import Opt, add_function_options  # noqa: E401
 
-    p = sub.add_parser("report", help="mean ± std tables, paired deltas and plots from a results database",
-                       description=REPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _build_report(p: argparse.ArgumentParser) -> None:
+    from looplm.analysis.report import write_report
+    from looplm.cli import out_dir
+    from looplm.cliutil import Opt, add_function_options
+
     p.add_argument("--db", type=Path, required=True, help="results database (e.g. results/NAME/results.db)")
     p.add_argument("--out", type=out_dir, default=None, help="output folder (default: report/ next to the database)")
     add_function_options(p, write_report, {

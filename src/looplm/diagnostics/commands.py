@@ -47,13 +47,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    """Add the ``diagnose`` subparser to the ``looplm`` subparsers object ``sub``."""
-    from looplm.cli import out_file, positive_int  # the CLI module imports this one at call time
-    from looplm.cliutil import Opt, add_function_options
-    from looplm.diagnostics.runner import diagnose_checkpoint
+    """Add the ``diagnose`` command to the ``looplm`` subparsers object ``sub`` (options built on first use)."""
+    from looplm.cliutil import add_command
 
-    p = sub.add_parser(
-        "diagnose", help="mechanism diagnostics of a checkpoint: forcing bias, gain, anchor-start rollouts, "
+    add_command(
+        sub, "diagnose", _build,
+        help="mechanism diagnostics of a checkpoint: forcing bias, gain, anchor-start rollouts, "
         "hidden-state scale, visit alignment, token convergence",
         description="Mechanism diagnostics (SPEC §7) of a looped checkpoint, in the model's own anchor "
         "coordinates, averaged over the first --batches windows of a split (dropout off, float64): "
@@ -68,6 +67,13 @@ def register(sub) -> None:
         "convergence; --json: the JSON), writes the JSON to --out and the Markdown and three plots (R_t "
         "bars, Figure 5 style; 2-D PCA of rollouts, Figure 4 style; per-loop RMS and the convergence "
         "curve) to --plots-dir.")
+
+
+def _build(p: argparse.ArgumentParser) -> None:
+    from looplm.cli import out_file, positive_int  # the CLI module imports this one at call time
+    from looplm.cliutil import Opt, add_function_options
+    from looplm.diagnostics.runner import diagnose_checkpoint
+
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
     p.add_argument("--out", type=out_file, metavar="FILE.json",
                    help="write the JSON here; Markdown and plots go next to it as FILE.md, "
