@@ -15,7 +15,7 @@ from looplm.config import ModelConfig
 from looplm.eval.adaptive import (adaptive_depth_checkpoint, calibrate_threshold, early_exit_eval,
                                   stop_depths, trace_depths)
 from looplm.eval.perplexity import evaluate_depths
-from looplm.model import RULES, LoopLM
+from looplm.model import RULES, LoopLM, build_model
 
 CEIL = 6
 
@@ -53,7 +53,7 @@ def _model(rule: str, vocab: int, **kw) -> LoopLM:
     arch = "unshared" if rule == "unshared" else "shared"
     cfg = ModelConfig(architecture=arch, rule="scse" if arch == "unshared" else rule, vocab_size=vocab,
                       d_model=32, n_heads=2, d_ff=64, seq_len=32, dropout=0.0, init_std=0.1, **kw)
-    return LoopLM(cfg).eval()
+    return build_model(cfg).eval()
 
 
 @torch.no_grad()

@@ -12,13 +12,13 @@ import torch
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
 from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, apply_overrides
-from looplm.model import LoopLM
+from looplm.model import build_model
 from looplm.presets import PRESETS, get_preset
 
 
 def n_params(cfg: ModelConfig) -> int:
     with torch.device("meta"):
-        return LoopLM(cfg).num_params()
+        return build_model(cfg).num_params()
 
 
 # ---------------------------------------------------------------- validation

@@ -13,7 +13,7 @@ import torch
 from looplm.config import ModelConfig
 from looplm.diagnostics.gain import random_directions
 from looplm.diagnostics.runner import diagnose_model
-from looplm.model import LoopContext, LoopLM, RecurrenceRule
+from looplm.model import LoopContext, LoopLM, build_model, RecurrenceRule
 
 V, D, L = 97, 16, 8
 
@@ -22,7 +22,7 @@ def tiny(**kw) -> LoopLM:
     torch.manual_seed(0)
     base = dict(vocab_size=V, d_model=D, n_heads=2, d_ff=32, seq_len=L, dropout=0.1)
     base.update(kw)
-    return LoopLM(ModelConfig(**base))
+    return build_model(ModelConfig(**base))
 
 
 def batches(n: int = 2, b: int = 3) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 from looplm.cli import main
 from looplm.config import ModelConfig
-from looplm.model import LoopLM
+from looplm.model import build_model
 from looplm.train.trainer import autocast_context, compile_blocks
 
 CFG = ModelConfig(rule="scse", vocab_size=97, d_model=32, n_heads=4, d_ff=64, seq_len=16, dropout=0.0)
@@ -18,8 +18,8 @@ CFG = ModelConfig(rule="scse", vocab_size=97, d_model=32, n_heads=4, d_ff=64, se
 
 def _pair():
     torch.manual_seed(0)
-    a = LoopLM(CFG).eval()
-    b = LoopLM(CFG).eval()
+    a = build_model(CFG).eval()
+    b = build_model(CFG).eval()
     b.load_state_dict(a.state_dict())
     return a, b
 

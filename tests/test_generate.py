@@ -13,7 +13,7 @@ import torch
 
 from looplm.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDivergence, RelativeChange,
                              adaptive_decode_step, build_exit_criterion, filter_logits, generate, next_tokens)
-from looplm.model import LoopLM
+from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
 from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
 
@@ -25,7 +25,7 @@ RULES = ["scse", "looped-prelude-coda", "huginn_linear-huginn", "deq_qkv-huginn"
 def model_for(name: str, seed: int = 0) -> LoopLM:
     """A tiny variant with sharper logits (init_std 0.1) and a 20-token context, in eval mode."""
     torch.manual_seed(seed)
-    return LoopLM(tiny(**VARIANTS[name], seq_len=SEQ, init_std=0.1)).eval()
+    return build_model(tiny(**VARIANTS[name], seq_len=SEQ, init_std=0.1)).eval()
 
 
 @torch.no_grad()
@@ -138,9 +138,10 @@ def test_exit_criteria_hand_computed():
     dh = abs(ent([0.5, 0.5]) - ent([0.25, 0.75]))
     assert EntropyChange(1.0).score(None, None, q.log(), p.log()).tolist() == pytest.approx([dh, 0.0], abs=1e-6)
     assert EntropyChange(dh / 2).should_exit(None, None, q.log(), p.log()).tolist() == [False, True]
-    assert set(EXIT_CRITERIA) == {"relative", "kl", "entropy"}
+    # one registry for generation, adaptive depth and halting (issue 10 §3)
+    assert set(EXIT_CRITERIA) == {"relative", "kl", "entropy", "hidden_update", "margin", "exit_gate"}
     assert isinstance(build_exit_criterion("kl", 0.1), KLDivergence)
-    with pytest.raises(KeyError, match="known: entropy, kl, relative"):
+    with pytest.raises(KeyError, match="known: entropy, exit_gate, hidden_update, kl, margin, relative"):
         build_exit_criterion("nope", 0.1)
 
 
@@ -177,16 +178,18 @@ def test_adaptive_huge_tau_exits_after_one_loop(name):
 
 
 class FireAt(ExitCriterion):
-    """Test criterion: row ``row`` exits after loop ``loop``; no other row ever exits."""
+    """Test criterion: row ``row`` exits after loop ``loop``; no other row ever exits (statistic 0 for
+    that row at that loop, 1 otherwise; fires below τ = 0.5)."""
 
     def __init__(self, row: int, loop: int):
-        super().__init__(0.0)
+        super().__init__(0.5)
         self.row, self.loop, self.calls = row, loop, 0
 
-    def should_exit(self, prev_h, h, prev_logits=None, logits=None):
+    def score(self, prev_h, h, prev_logits=None, logits=None, gate=None):
         self.calls += 1
-        out = torch.zeros(h.shape[0], dtype=torch.bool)
-        out[self.row] = self.calls == self.loop
+        out = torch.ones(h.shape[:-1])
+        if self.calls == self.loop:
+            out[self.row] = 0.0
         return out
 
 

@@ -15,7 +15,7 @@ from looplm.config import ModelConfig
 from looplm.eval.halting import (calibrate_tau, dynamic_halting_run, evaluate_halting_checkpoint,
                                  fixed_depth_run, halting_loops, make_windows, trace_margins)
 from looplm.eval.perplexity import evaluate_depths
-from looplm.model import RULES, LoopLM
+from looplm.model import RULES, LoopLM, build_model
 
 K_MAX = 4
 
@@ -92,7 +92,7 @@ def _tiny_model(rule: str, **kw) -> LoopLM:
     torch.manual_seed(0)
     cfg = ModelConfig(rule=rule, vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=16, dropout=0.0,
                       init_std=0.1, **kw)
-    return LoopLM(cfg).eval()
+    return build_model(cfg).eval()
 
 
 def _cases():

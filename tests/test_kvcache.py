@@ -158,7 +158,7 @@ def _reference_terminal_logits(model: LoopLM, prefix_kv, chunk: torch.Tensor, st
     Uses the model's step API with no attention scope, so kvcache is not involved."""
     originals = {}
 
-    def explicit(self, x, qkv_inject=None):
+    def explicit(self, x, qkv_inject=None, kv=None):
         B, c, d = x.shape
         H = self.n_heads
         qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject
@@ -182,8 +182,8 @@ def _reference_terminal_logits(model: LoopLM, prefix_kv, chunk: torch.Tensor, st
         e = model.embed(chunk, positions)
         state, ctx = model.start(e, positions)
         for t in range(R):
-            state = model.loop_step(state, t, ctx)
-        return model.readout(model.rule.hidden(state, ctx), final=True)
+            state = model.step(state, t, ctx)
+        return model.readout(model.hidden(state, ctx), final=True)
     finally:
         for m, f in originals.items():
             m.forward = f

@@ -21,7 +21,7 @@ from looplm.config import DataConfig, ModelConfig
 from looplm.data import load_split_documents, load_tokens, resolve_data_root, source_fingerprint
 from looplm.eval.lambada import (EncodedExample, encode_examples, evaluate_lambada_checkpoint, lambada_path,
                                  load_lambada, score_lambada, split_passage)
-from looplm.model import LoopLM
+from looplm.model import build_model
 
 PATH = lambada_path(resolve_data_root(""))
 
@@ -134,7 +134,7 @@ def test_batched_scores_equal_unbatched_reference(layout, lambada, bpe):
     torch.manual_seed(0)
     cfg = ModelConfig(rule="scse", vocab_size=bpe.get_vocab_size(), d_model=32, n_heads=2, d_ff=64, seq_len=32,
                       dropout=0.0, init_std=0.2, **layout)
-    model = LoopLM(cfg).eval()
+    model = build_model(cfg).eval()
     encoded = encode_examples(lambada[:30], bpe, cfg.seq_len)
     encoded.append(encode_examples([split_passage("the cat sat on the mat")], bpe, cfg.seq_len)[0])  # short
     depths = (0, 1, 3)

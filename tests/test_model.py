@@ -13,7 +13,7 @@ import torch
 from looplm.analysis.flops import BODY_CALLS_PER_STEP, body_applications
 from looplm.config import DEFAULT_STEP_SCALE, RULE_NAMES, ModelConfig
 from looplm.diagnostics.forcing import forcing_profile
-from looplm.model import RULES, LoopLM
+from looplm.model import RULES, LoopLM, build_model
 from looplm.model.layers import sinusoidal_step_embedding
 
 V, D, L = 97, 32, 12
@@ -58,7 +58,7 @@ def tiny(**kw) -> ModelConfig:
 def make(name: str, seed: int = 0) -> LoopLM:
     """The variant in evaluation mode (dropout is 0; evaluation mode fixes the Huginn gaussian state)."""
     torch.manual_seed(seed)
-    return LoopLM(tiny(**VARIANTS[name])).eval()
+    return build_model(tiny(**VARIANTS[name])).eval()
 
 
 def tokens(b: int = 3, seed: int = 1) -> torch.Tensor:
@@ -333,10 +333,9 @@ def test_subtractive_controls_have_exactly_zero_forcing_bias_in_eval(name):
 def test_subtractive_controls_do_not_cancel_under_training_dropout(name):
     """Independent dropout draws in the two calls (the paper's training map) leave b_t ≠ 0."""
     torch.manual_seed(0)
-    model = LoopLM(tiny(**VARIANTS[name], **{"dropout": 0.1})).train()
-    state, ctx = model.rule.start(model.embed(tokens()))
-    b = model.rule.hidden(model.rule.step(model.core, model.rule.to_state(ctx.anchor, ctx), 0, ctx, mask=False),
-                          ctx) - ctx.anchor
+    model = build_model(tiny(**VARIANTS[name], **{"dropout": 0.1})).train()
+    state, ctx = model.start(model.embed(tokens()))
+    b = model.hidden(model.step(model.to_state(ctx.anchor, ctx), 0, ctx, mask=False), ctx) - ctx.anchor
     assert b.abs().max() > 0
 
 
@@ -367,7 +366,7 @@ def test_scse_unmasked_zero_core_still_zero_raw_response():
 
 def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
     torch.manual_seed(0)
-    model = LoopLM(tiny(rule="scse", scse_anchor="init")).eval()
+    model = build_model(tiny(rule="scse", scse_anchor="init")).eval()
     x = tokens()
     out = model(x, depth=[0, 1, 8, 24], targets=x, return_states=True)
     for s in out.states:
@@ -379,12 +378,12 @@ def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
 def test_mask_is_per_example():
     """An example whose Δ_0 is zero stays put while its batch neighbour moves."""
     torch.manual_seed(0)
-    model = LoopLM(tiny(rule="scse")).eval()
+    model = build_model(tiny(rule="scse")).eval()
     e = torch.randn(2, L, D)
-    state, ctx = model.rule.start(e)
+    state, ctx = model.start(e)
     state = state.clone()
     state[0] = 0.0
-    nxt = model.rule.step(model.core, state, 0, ctx)
+    nxt = model.step(state, 0, ctx)
     assert torch.equal(nxt[0], torch.zeros_like(nxt[0]))
     assert nxt[1].abs().max() > 0
 

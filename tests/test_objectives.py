@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig, TrainConfig
-from looplm.model import LoopLM
+from looplm.model import LoopLM, build_model
 from looplm.train.losses import exit_distribution, training_loss
 from looplm.train.trainer import train
 
@@ -21,7 +21,7 @@ def tiny(**kw) -> LoopLM:
     torch.manual_seed(0)
     base = dict(vocab_size=V, d_model=32, n_heads=4, d_ff=64, seq_len=L, dropout=0.0)
     base.update(kw)
-    return LoopLM(ModelConfig(**base)).eval()
+    return build_model(ModelConfig(**base)).eval()
 
 
 def batch(seed=1):
@@ -57,8 +57,8 @@ def _detach_reference_grads(m, x, y, T, b):
     for t in range(T):
         if t == T - b:
             state = state.detach()
-        state = m.loop_step(state, t, ctx)
-    logits = m.readout(m.rule.hidden(state, ctx))
+        state = m.step(state, t, ctx)
+    logits = m.readout(m.hidden(state, ctx))
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     return grads(m)
 

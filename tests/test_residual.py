@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from looplm.config import Config, ConfigError, ModelConfig, TrainConfig
-from looplm.model import LoopLM
+from looplm.model import build_model
 
 
 def cfg(**kw) -> ModelConfig:
@@ -57,7 +57,7 @@ def test_initialized_standard_deviations():
     torch.manual_seed(0)
     c = cfg(residual="deeploop", residual_depth=3, n_core=2)
     _, beta = c.residual_alpha_beta
-    m = LoopLM(c)
+    m = build_model(c)
     d, s = c.d_model, c.init_std
     for blk in m.core.blocks:
         w = blk.attn.qkv.weight
@@ -69,7 +69,7 @@ def test_initialized_standard_deviations():
     assert m.tok_emb.weight.std().item() == pytest.approx(s, rel=0.03)
     # pre-LN keeps GPT-2's 1/sqrt(2·blocks) on the output projections and no β
     torch.manual_seed(0)
-    pre = LoopLM(cfg(n_core=2))
+    pre = build_model(cfg(n_core=2))
     blk = pre.core.blocks[0]
     assert blk.attn.qkv.weight[2 * d:].std().item() == pytest.approx(s, rel=0.03)
     assert blk.attn.proj.weight.std().item() == pytest.approx(s / math.sqrt(4), rel=0.03)
@@ -78,7 +78,7 @@ def test_initialized_standard_deviations():
 def test_post_ln_block_matches_hand_written_formula():
     torch.manual_seed(0)
     c = cfg(residual="deepnorm", residual_depth=2, d_model=32, n_heads=2, d_ff=64)
-    m = LoopLM(c).eval()
+    m = build_model(c).eval()
     alpha, _ = c.residual_alpha_beta
     blk = m.core.blocks[0]
     x = torch.randn(2, 8, 32)
@@ -94,7 +94,7 @@ def test_post_ln_block_matches_hand_written_formula():
 
 def test_plain_rule_with_input_norm_normalizes_the_embedding():
     torch.manual_seed(0)
-    m = LoopLM(cfg(input_norm=True, d_model=32, n_heads=2, d_ff=64)).eval()
+    m = build_model(cfg(input_norm=True, d_model=32, n_heads=2, d_ff=64)).eval()
     x = torch.randint(0, 64, (2, 8))
     e = m.embed(x)
     assert torch.allclose(e.pow(2).mean(-1), torch.ones(2, 8), atol=5e-3)  # eps = 1e-6 vs mean(e²) ≈ 8e-4
@@ -108,6 +108,6 @@ def test_bad_residual_config_names_the_field():
     with pytest.raises(ConfigError, match="model.residual_p"):
         ModelConfig(residual="post_ln", residual_p=3.0)
     with pytest.raises(ConfigError, match="model.residual_depth"):
-        LoopLM(cfg(residual="deeploop"))  # no R: built without a training config
+        build_model(cfg(residual="deeploop"))  # no R: built without a training config
     with pytest.raises(ConfigError, match="model.residual"):
         ModelConfig(architecture="unshared", residual="deeploop")

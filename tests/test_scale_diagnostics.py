@@ -17,7 +17,7 @@ from looplm.config import ModelConfig
 from looplm.diagnostics.alignment import core_sublayers, kappa_hat, visit_alignment, visit_gradients
 from looplm.diagnostics.convergence import ConvergenceAccumulator, convergence_depths, relative_changes
 from looplm.diagnostics.scale import scale_diagnostic, unroll_states
-from looplm.model import LoopLM
+from looplm.model import LoopLM, build_model
 
 V, D, L = 64, 32, 16
 
@@ -26,7 +26,7 @@ def tiny(**kw) -> LoopLM:
     torch.manual_seed(0)
     base = dict(rule="looped", vocab_size=V, d_model=D, n_heads=2, d_ff=64, seq_len=L, dropout=0.0)
     base.update(kw)
-    return LoopLM(ModelConfig(**base)).double().eval()
+    return build_model(ModelConfig(**base)).double().eval()
 
 
 def batch(seed: int = 1, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from looplm.config import TrainConfig
-from looplm.model import LoopLM
+from looplm.model import build_model
 from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                      newest_valid_checkpoint, save_checkpoint)
 from looplm.train.optim import build_optimizer, lr_factor
@@ -63,7 +63,7 @@ def test_truncated_checkpoint_gives_clear_error_and_previous_still_loads(tmp_pat
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, tiny_cfg):
     torch.manual_seed(0)
     cfg = tiny_cfg.replace(model=tiny_cfg.model.replace(vocab_size=64))
-    model = LoopLM(cfg.model)
+    model = build_model(cfg.model)
     save_checkpoint(tmp_path, 1, model, cfg)
     # a save killed midway leaves only a hidden temp dir; 'latest' still names step 1
     (tmp_path / "checkpoints" / ".tmp-step-000002-999").mkdir()
@@ -102,7 +102,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_weight_decay_on_matrices_only(tiny_cfg):
-    model = LoopLM(tiny_cfg.model.replace(vocab_size=64, rule="adapter"))
+    model = build_model(tiny_cfg.model.replace(vocab_size=64, rule="adapter"))
     opt = build_optimizer(model, TrainConfig())
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

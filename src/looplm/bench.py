@@ -32,7 +32,7 @@ import torch
 from looplm.analysis.flops import flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
-from looplm.model import LoopLM
+from looplm.model import LoopLM, build_model
 from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context, resolve_device
 
@@ -73,7 +73,7 @@ def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: 
                        dtype: str = "float32", warmup: int = 2) -> float:
     """Training tokens/s (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
     torch.manual_seed(0)
-    model = LoopLM(cfg).to(device).train()
+    model = build_model(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
 
@@ -128,7 +128,7 @@ def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.devic
     """Truncated BPTT (b = ``window``) at T = ``depth`` against full BPTT at T = ``short`` (issue 6:
     ``tbptt_peak_mem_ratio`` ≤ 1.3)."""
     torch.manual_seed(0)
-    model = LoopLM(cfg).to(device).train()
+    model = build_model(cfg).to(device).train()
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
     trunc = training_memory_bytes(model, x, depth, window)
     full_short = training_memory_bytes(model, x, short, 0)
@@ -151,7 +151,7 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
 
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
     torch.manual_seed(0)
-    model = LoopLM(long).to(device).eval()
+    model = build_model(long).to(device).eval()
     prompt = torch.randint(0, long.vocab_size, (1, context - new_tokens), device=device)
     res: dict[str, float] = {"decode_depth": depth, "decode_context": context, "decode_new_tokens": new_tokens}
 
@@ -236,7 +236,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     log(f"looped {t_looped:.0f} vs unshared-{depth} {t_unshared:.0f} tok/s; scse/looped {res['scse_vs_looped_ratio']:.3f}")
 
     torch.manual_seed(0)
-    model = LoopLM(cfg).to(dev)
+    model = build_model(cfg).to(dev)
     depths = list(DEFAULT_DEPTHS)
     multi = eval_seconds(model, depths, batch_size=batch_size, repeat=steps, device=dev)
     single = eval_seconds(model, [max(depths)], batch_size=batch_size, repeat=steps, device=dev)

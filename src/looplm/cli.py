@@ -179,7 +179,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from looplm.analysis.flops import flops_per_token
-    from looplm.model import LoopLM
+    from looplm.model import build_model
     from looplm.presets import PRESETS
 
     if args.list:
@@ -190,7 +190,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(cfg.to_json())
         return 0
     with torch.device("meta"):
-        model = LoopLM(cfg.model)
+        model = build_model(cfg.model)
     info = {"preset": args.preset if not args.config else str(args.config), "name": cfg.name,
             "params": model.num_params(), "params_millions": round(model.num_params() / 1e6, 2),
             "flops_per_token": {str(T): flops_per_token(cfg.model, T) for T in args.depths},

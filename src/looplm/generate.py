@@ -15,14 +15,15 @@ is never fed back). A prompt that does not fit raises ``ValueError``; nothing is
 
 **Per-token adaptive depth** (Huginn-style exit criteria; "Looped Models Done Right"): with an
 ``exit_criterion`` the prompt is prefilled at ``max_depth`` loops, and every later token runs loop
-steps r = 1 … max_depth until ``criterion.should_exit`` fires for it (comparing loop r with loop r−1;
-loop 0 is the rule's initial state) or ``max_depth`` is reached. A row that exits is *frozen*: its
+steps r = 1 … max_depth until its criterion fires (any criterion of :mod:`looplm.eval.exits`;
+comparing loop r with loop r−1, loop 0 being the rule's initial state) or ``max_depth`` is reached.
+The loop is the one early-exit runner :func:`looplm.eval.exits.exit_loop`. A row that exits is *frozen*: its
 state is kept, and :meth:`AttentionScope.freeze` makes its later visits write its exit visit's K/V
 (**copy-forward**: in a ``per_visit`` cache the banks of visits r+1 … max_depth hold the K/V of the
 exit visit r; in a ``terminal`` cache its terminal K/V is that of the exit visit). Frozen rows stay
 in the batch until every row has exited (the loop then stops early). Criteria that read logits get
-them from the final readout (coda included, ``final=True``) through a read-only view of the cache
-(:class:`_PeekScope`), so those readouts leave no trace in the cache.
+them from the readout of loop r (coda included; the final norm iff r ≥ the model's final depth), which
+reads the cache and writes nothing (``record=False``), so those readouts leave no trace in it.
 
 **Depths reported.** ``Generation.depths[i][j]`` is the number of loop steps of the forward that
 produced the distribution of new token j: the prefill depth for j = 0, the step's (adaptive) depth
@@ -31,107 +32,19 @@ after that.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from looplm.eval.exits import (EXIT_CRITERIA, EntropyChange, ExitCriterion, ExitGate, HiddenUpdate, KLDivergence,
+                               LogitMargin, RelativeChange, build_exit_criterion, check_criterion, exit_loop)
 from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
 
-# ---------------------------------------------------------------------------------------------- exit criteria
-
-
-class ExitCriterion:
-    """Per-token stop test of adaptive-depth decoding (one registry: :data:`EXIT_CRITERIA`).
-
-    ``should_exit(prev_h, h, prev_logits, logits)`` compares loop r with loop r−1 for a batch of
-    tokens: ``prev_h``, ``h`` (N, d) hidden states in readout coordinates; ``prev_logits``, ``logits``
-    (N, V) final readouts (None unless ``needs_logits``). Returns (N,) bool, True = stop now.
-
-    Args:
-        tau: threshold (> 0 is typical; the test is a strict ``<``).
-    """
-
-    name = ""
-    needs_logits = False
-    #: the threshold used when none is given (``looplm generate --exit-tau``)
-    default_tau = 0.0
-
-    def __init__(self, tau: float):
-        self.tau = float(tau)
-
-    def score(self, prev_h, h, prev_logits, logits) -> torch.Tensor:
-        """The (N,) float32 statistic compared with τ."""
-        raise NotImplementedError
-
-    def should_exit(self, prev_h: torch.Tensor, h: torch.Tensor, prev_logits: torch.Tensor | None = None,
-                    logits: torch.Tensor | None = None) -> torch.Tensor:
-        return self.score(prev_h, h, prev_logits, logits) < self.tau
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(tau={self.tau})"
-
-
-class RelativeChange(ExitCriterion):
-    """``‖h_r − h_{r−1}‖₂ / (‖h_{r−1}‖₂ + 1e-8) < τ`` per token (SPEC §6 ρ; Huginn's latent-diff rule)."""
-
-    name = "relative"
-    default_tau = 0.02  # the token-convergence threshold of SPEC §6 (our choice here)
-
-    def score(self, prev_h, h, prev_logits=None, logits=None):
-        prev_h, h = prev_h.float(), h.float()
-        return (h - prev_h).norm(dim=-1) / (prev_h.norm(dim=-1) + 1e-8)
-
-
-def _log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(logits.float(), dim=-1)
-
-
-class KLDivergence(ExitCriterion):
-    """``KL(p_r ‖ p_{r−1}) = Σ_v p_r(v) (log p_r(v) − log p_{r−1}(v)) < τ`` (nats), p = softmax of the
-    final readout at loop r (Huginn's KL exit criterion)."""
-
-    name = "kl"
-    needs_logits = True
-    default_tau = 5e-4  # our choice
-
-    def score(self, prev_h, h, prev_logits, logits):
-        lp, lq = _log_probs(logits), _log_probs(prev_logits)
-        return (lp.exp() * (lp - lq)).sum(-1)
-
-
-class EntropyChange(ExitCriterion):
-    """``|H(p_r) − H(p_{r−1})| < τ`` (nats), H the entropy of the final readout's distribution."""
-
-    name = "entropy"
-    needs_logits = True
-    default_tau = 1e-3  # our choice
-
-    def score(self, prev_h, h, prev_logits, logits):
-        def entropy(z):
-            lp = _log_probs(z)
-            return -(lp.exp() * lp).sum(-1)
-
-        return (entropy(logits) - entropy(prev_logits)).abs()
-
-
-EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (RelativeChange, KLDivergence, EntropyChange)}
-
-
-def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
-    """The registered criterion ``name`` with threshold ``tau`` (None = its ``default_tau``).
-
-    Raises:
-        KeyError: unknown name (the message lists the known ones).
-    """
-    if name not in EXIT_CRITERIA:
-        raise KeyError(f"exit criterion: unknown {name!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
-    cls = EXIT_CRITERIA[name]
-    return cls(cls.default_tau if tau is None else tau)
-
+__all__ = ["EXIT_CRITERIA", "EntropyChange", "ExitCriterion", "ExitGate", "HiddenUpdate", "KLDivergence",
+           "LogitMargin", "RelativeChange", "build_exit_criterion", "Generation", "adaptive_decode_step",
+           "filter_logits", "generate", "next_tokens"]
 
 # ---------------------------------------------------------------------------------------------- sampling
 
@@ -197,13 +110,6 @@ class Generation:
     depths: list[list[int]] = field(default_factory=list)
 
 
-class _PeekScope(AttentionScope):
-    """An attention scope that reads the cache but never writes it (readouts for exit criteria)."""
-
-    def commit(self) -> None:
-        pass
-
-
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, P) int64 ids (pad id 0) and (B, P) int64 attention mask (0 = left padding)."""
     P = max(len(p) for p in prompts)
@@ -217,7 +123,8 @@ def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, t
 
 def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: int,
                          criterion: ExitCriterion) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed one new token per row through ``cache`` with per-token early exit (module docstring).
+    """Feed one new token per row through ``cache`` with per-token early exit (module docstring): the
+    early-exit runner :func:`looplm.eval.exits.exit_loop` with ``drop=False`` (exited rows frozen).
 
     Args:
         model: a shared-architecture LoopLM in eval mode.
@@ -229,34 +136,14 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
     Returns:
         (logits (B, V) of the final readout at each row's exit state, depth (B,) int64 loop steps run).
     """
-    B = idx.shape[0]
     positions = cache.n_valid[:, None]  # (B, 1): the next position of each row
-    exited = torch.zeros(B, dtype=torch.bool, device=idx.device)
-    depth = torch.full((B,), max_depth, dtype=torch.long, device=idx.device)
-
-    def peek(h):
-        with _PeekScope(cache, None):
-            return model.readout(h, final=True)[:, -1]  # (B, V)
-
-    with AttentionScope(cache, None) as scope:
-        e = model.embed(idx, positions)  # (B, 1, d)
-        state, ctx = model.start(e, positions)
-        ctx = dataclasses.replace(ctx, scope=scope)
-        h = model.rule.hidden(state, ctx)  # (B, 1, d)
-        logits = peek(h) if criterion.needs_logits else None
-        for t in range(max_depth):
-            new_state = model.loop_step(state, t, ctx)
-            state = torch.where(exited[:, None, None], state, new_state)  # exited rows keep their state
-            prev_h, h = h, model.rule.hidden(state, ctx)
-            prev_logits, logits = logits, (peek(h) if criterion.needs_logits else None)
-            fire = criterion.should_exit(prev_h[:, -1], h[:, -1], prev_logits, logits) & ~exited  # (B,)
-            depth = torch.where(fire, t + 1, depth)
-            exited = exited | fire
-            scope.freeze(exited)  # later visits of exited rows write their exit visit's K/V
-            if bool(exited.all()):
-                break
-        out = model.readout(h, final=True)[:, -1]  # (B, V), each row at its own exit state
-    return out, depth
+    scope = AttentionScope(cache, None)
+    cache.calls_per_step = model.calls_per_step
+    state, ctx = model.start(model.embed(idx, positions, scope=scope), positions, scope=scope)
+    res = exit_loop(model, state, ctx, criterion, max_depth, drop=False)
+    out = model.readout(res.h, final=True, scope=scope)[:, -1]  # (B, V), each row at its own exit state
+    scope.commit()
+    return out, res.depth
 
 
 @torch.no_grad()
@@ -305,6 +192,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     ceiling = depth if max_depth is None else int(max_depth)
     if adaptive and ceiling < 1:
         raise ValueError(f"max_depth must be >= 1, got {ceiling}")
+    if adaptive:
+        check_criterion(model, exit_criterion)
     result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
     if max_new_tokens == 0:
         return result

@@ -464,10 +464,10 @@ class _Runner:
         import torch
 
         from looplm.analysis.flops import flops_per_token
-        from looplm.model import LoopLM
+        from looplm.model import build_model
 
         with torch.device("meta"):
-            params = LoopLM(saved.model).num_params()
+            params = build_model(saved.model).num_params()
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return RunRecord(sweep=self.sweep.name, run_id=spec.run_id, variant=spec.variant,

@@ -1,7 +1,7 @@
 """Zero-deviation forcing bias (SCSE §2–3, eq. 7–9; SPEC §7), in each model's own anchor coordinates.
 
 The one-step deviation map of a rule at loop step t is ``T_t(Δ; e) = h_{t+1} − h*`` for
-``h_t = h* + Δ`` (the realized step, dropout off). ``b_t(e) = T_t(0; e)``: run the realized step from
+``h_t = h* + Δ`` (the realized step :meth:`LoopLM.step`, scale control and all; dropout off). ``b_t(e) = T_t(0; e)``: run the realized step from
 the anchor (h = h*, i.e. Δ = 0) and subtract h*. ``b̃_t`` is the same with the zero-deviation mask
 of the SCSE family disabled (raw pre-mask response). Along the ordinary trajectory,
 ``R_t = (N⁻¹‖b_t‖²) / max(N⁻¹‖Δ_{t+1} − Δ_t‖², 1e-12)`` (eq. 9) and the anchor energy
@@ -15,8 +15,7 @@ from typing import Sequence
 import torch
 
 from looplm.model import LoopLM
-from looplm.model.layers import Core
-from looplm.model.recurrence import LoopContext, RecurrenceRule
+from looplm.model.recurrence import LoopContext
 
 RATIO_FLOOR = 1e-12  # the numerical floor of eq. 9
 
@@ -36,9 +35,9 @@ def check_shared(model: LoopLM, what: str, steps: Sequence[int] | None = None) -
         raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
 
 
-def deviation_step(rule: RecurrenceRule, core: Core, delta: torch.Tensor, t: int, ctx: LoopContext, *,
+def deviation_step(model: LoopLM, delta: torch.Tensor, t: int, ctx: LoopContext, *,
                    mask: bool = True) -> torch.Tensor:
-    """``T_t(Δ; e)``: the rule's realized step t applied at ``h = h* + Δ``, minus h*.
+    """``T_t(Δ; e)``: the model's realized step t (:meth:`LoopLM.step`) applied at ``h = h* + Δ``, minus h*.
 
     Args:
         delta: Δ (B, L, d) in anchor coordinates. For Δ = 0, h* + 0 == h* exactly and ``to_state(h*)``
@@ -48,11 +47,11 @@ def deviation_step(rule: RecurrenceRule, core: Core, delta: torch.Tensor, t: int
     Returns:
         (B, L, d) next deviation Δ_{t+1}.
     """
-    state = rule.to_state(ctx.anchor + delta, ctx)
-    return rule.hidden(rule.step(core, state, t, ctx, mask=mask), ctx) - ctx.anchor
+    state = model.to_state(ctx.anchor + delta, ctx)
+    return model.hidden(model.step(state, t, ctx, mask=mask), ctx) - ctx.anchor
 
 
-def forcing_record(rule: RecurrenceRule, core: Core, state: torch.Tensor, nxt: torch.Tensor, t: int,
+def forcing_record(model: LoopLM, state: torch.Tensor, nxt: torch.Tensor, t: int,
                    ctx: LoopContext) -> dict[str, float]:
     """Forcing-bias record at step t of one batch, given the ordinary trajectory's state_t and state_{t+1}.
 
@@ -62,10 +61,10 @@ def forcing_record(rule: RecurrenceRule, core: Core, state: torch.Tensor, nxt: t
         (exact-zero checks).
     """
     zero = torch.zeros_like(ctx.anchor)
-    b = deviation_step(rule, core, zero, t, ctx)  # (B, L, d)
-    b_raw = deviation_step(rule, core, zero, t, ctx, mask=False)
-    delta_t = rule.hidden(state, ctx) - ctx.anchor
-    motion = rule.hidden(nxt, ctx) - rule.hidden(state, ctx)  # Δ_{t+1} − Δ_t
+    b = deviation_step(model, zero, t, ctx)  # (B, L, d)
+    b_raw = deviation_step(model, zero, t, ctx, mask=False)
+    delta_t = model.hidden(state, ctx) - ctx.anchor
+    motion = model.hidden(nxt, ctx) - model.hidden(state, ctx)  # Δ_{t+1} − Δ_t
     return {"t": t, "bias_energy": energy(b), "raw_bias_energy": energy(b_raw),
             "ratio": energy(b) / max(energy(motion), RATIO_FLOOR), "anchor_energy": energy(delta_t),
             "bias_max_abs": float(b.abs().max()), "raw_bias_max_abs": float(b_raw.abs().max())}
@@ -89,14 +88,13 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     check_shared(model, "forcing bias", steps)
     was_training = model.training
     model.eval()
-    rule, core = model.rule, model.core
-    state, ctx = rule.start(model.embed(idx))
+    state, ctx = model.start(model.embed(idx))
     wanted = set(steps)
     records = []
     for t in range(max(steps) + 1):
-        nxt = rule.step(core, state, t, ctx)
+        nxt = model.step(state, t, ctx)
         if t in wanted:
-            records.append(forcing_record(rule, core, state, nxt, t, ctx))
+            records.append(forcing_record(model, state, nxt, t, ctx))
         state = nxt
     model.train(was_training)
     return records

@@ -20,8 +20,7 @@ import torch
 
 from looplm.diagnostics.forcing import check_shared
 from looplm.model import LoopLM
-from looplm.model.layers import Core
-from looplm.model.recurrence import LoopContext, RecurrenceRule
+from looplm.model.recurrence import LoopContext
 
 FD_EPS = 1e-3
 N_DIRECTIONS = 4
@@ -43,7 +42,7 @@ def random_directions(shape: Sequence[int], n: int = N_DIRECTIONS, *, seed: int 
     return out
 
 
-def direction_gain(rule: RecurrenceRule, core: Core, state: torch.Tensor, t: int, ctx: LoopContext,
+def direction_gain(model: LoopLM, state: torch.Tensor, t: int, ctx: LoopContext,
                    directions: Sequence[torch.Tensor], *, eps: float = FD_EPS) -> float:
     """Mean over ``directions`` and examples of ‖T_t(Δ + ε·v) − T_t(Δ)‖_F / ε at the rule state ``state``.
 
@@ -57,11 +56,11 @@ def direction_gain(rule: RecurrenceRule, core: Core, state: torch.Tensor, t: int
     """
     if eps <= 0 or not directions:
         raise ValueError(f"eps must be > 0 and directions non-empty, got eps={eps}, {len(directions)} directions")
-    h = rule.hidden(state, ctx)
-    base = rule.hidden(rule.step(core, state, t, ctx), ctx)  # h* + T_t(Δ)
+    h = model.hidden(state, ctx)
+    base = model.hidden(model.step(state, t, ctx), ctx)  # h* + T_t(Δ)
     gains = []
     for v in directions:
-        moved = rule.hidden(rule.step(core, rule.to_state(h + eps * v, ctx), t, ctx), ctx)
+        moved = model.hidden(model.step(model.to_state(h + eps * v, ctx), t, ctx), ctx)
         gains.append((moved - base).flatten(1).norm(dim=1) / eps)  # (B,)
     return float(torch.stack(gains).double().mean())
 
@@ -82,13 +81,12 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()
-    rule, core = model.rule, model.core
-    state, ctx = rule.start(model.embed(idx))
+    state, ctx = model.start(model.embed(idx))
     dirs = random_directions(state.shape, n_directions, seed=seed, dtype=state.dtype, device=state.device)
     records, wanted = [], set(steps)
     for t in range(max(steps) + 1):
         if t in wanted:
-            records.append({"t": t, "gain": direction_gain(rule, core, state, t, ctx, dirs, eps=eps)})
-        state = rule.step(core, state, t, ctx)
+            records.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
+        state = model.step(state, t, ctx)
     model.train(was_training)
     return records

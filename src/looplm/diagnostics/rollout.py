@@ -7,7 +7,7 @@ and runs the realized map (dropout off) for ``depth`` steps:
   t·b_0^(b)(e) (b_0 = T_0(0; e), the forcing bias at t = 0), as the Frobenius inner product over the
   example's (L, d) slice; undefined (None) where either is zero, e.g. for every example of SCSE.
 - **dose response**: the same rollout with the rule's injection scaled by a gain g at evaluation
-  (:meth:`RecurrenceRule.with_injection_gain`; g = 0 is the injection-removed rollout, g = 1 the
+  (``LoopLM.step(..., injection_gain=g)``; g = 0 is the injection-removed rollout, g = 1 the
   trained map). The displacement D_{g,t} = Δ_t^(g) − Δ_t^(0) is reported as its RMS per step, at the
   last step relative to the anchor push ‖Δ_T^(1)‖ (RMS ratio), and by its per-example cosine with
   D_{1,T} (collinearity). A rule without an injection (main SCSE) has D ≡ 0 by construction.
@@ -81,12 +81,10 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
         raise ValueError(f"gains: injection gains must be >= 0, got {list(gains)}")
     was_training = model.training
     model.eval()
-    rule, core = model.rule, model.core
-    _, ctx = rule.start(model.embed(idx))
+    _, ctx = model.start(model.embed(idx))
     run_gains = sorted({float(g) for g in gains} | {0.0, 1.0})
-    ctxs = {g: rule.with_injection_gain(ctx, g) for g in run_gains}
-    states = {g: rule.to_state(ctx.anchor, ctx) for g in run_gains}  # Δ_0 = 0
-    b0 = deviation_step(rule, core, torch.zeros_like(ctx.anchor), 0, ctx)  # (B, L, d)
+    states = {g: model.to_state(ctx.anchor, ctx) for g in run_gains}  # Δ_0 = 0
+    b0 = deviation_step(model, torch.zeros_like(ctx.anchor), 0, ctx)  # (B, L, d)
     k = min(keep_examples, idx.shape[0])
 
     def seq_mean(x: torch.Tensor) -> np.ndarray:
@@ -99,8 +97,8 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
     deltas = {g: zero for g in run_gains}
     for t in range(depth):
         for g in run_gains:
-            states[g] = rule.step(core, states[g], t, ctxs[g])
-            deltas[g] = rule.hidden(states[g], ctxs[g]) - ctx.anchor  # (B, L, d)
+            states[g] = model.step(states[g], t, ctx, injection_gain=g)
+            deltas[g] = model.hidden(states[g], ctx) - ctx.anchor  # (B, L, d)
             disp_by_t[g].append(_rms(deltas[g] - deltas[0.0]))
             paths[g].append(seq_mean(deltas[g]))
         records.append({"t": t + 1, **_cos_summary(_cosines(deltas[1.0], b0)), "delta_rms": _rms(deltas[1.0]),

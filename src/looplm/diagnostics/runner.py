@@ -147,7 +147,6 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
-    rule, core = model.rule, model.core
     device = next(model.parameters()).device
     forcing, gain, rollout, dose = [], [], [], []
     views = None
@@ -156,15 +155,15 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
         idx, targets, mask = _unpack(item)
         idx, targets = idx.to(device), targets.to(device)
         mask = None if mask is None else mask.to(device)
-        state, ctx = rule.start(model.embed(idx))
+        state, ctx = model.start(model.embed(idx))
         dirs = random_directions(state.shape, n_directions, seed=seed + n_directions * i,
                                  dtype=state.dtype, device=device)
         f_recs, g_recs = [], []
         for t in range(steps[-1] + 1):
-            nxt = rule.step(core, state, t, ctx)
+            nxt = model.step(state, t, ctx)
             if t in steps:
-                f_recs.append(forcing_record(rule, core, state, nxt, t, ctx))
-                g_recs.append({"t": t, "gain": direction_gain(rule, core, state, t, ctx, dirs, eps=eps)})
+                f_recs.append(forcing_record(model, state, nxt, t, ctx))
+                g_recs.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
             state = nxt
         forcing.append(f_recs)
         gain.append(g_recs)

@@ -4,7 +4,8 @@ Per example b (one evaluation window of L tokens) and loop step t = 0 … C−1 
 
     u_t(b) = max over the window's scored tokens i of ‖h_{t+1,i} − h_{t,i}‖₂ / (‖h_{t,i}‖₂ + 1e-8)
 
-with h in readout coordinates (what :meth:`LoopLM.unroll` yields; h = h* + Δ for SCSE).
+with h in readout coordinates (h = h* + Δ for SCSE). Every other registered exit criterion
+(:mod:`looplm.eval.exits`) runs through the same protocol with ``criterion=``.
 
 **Depth convention (our choice).** Step t maps h_t to h_{t+1}, so u_t is known once h_{t+1} has
 been computed. The example stops at the first t with ``u_t < τ`` and is read out at the state it
@@ -27,70 +28,36 @@ ceiling is the reported speedup.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import eval_windows, load_tokens
-from looplm.model import LoopLM
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, HiddenUpdate, Trace, build_exit_criterion,
+                               calibrate, halting_depths, run, trace)
+from looplm.model import DepthLM
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
-UPDATE_EPS = 1e-8  # the denominator guard of u_t (SPEC §6)
 
 
-@dataclass
-class DepthTrace:
-    """Full trace of one split to the ceiling C (N examples = evaluation windows, file order).
-
-    Attributes:
-        update: (N, C) float64, column t = u_t (step t → t+1), dimensionless.
-        nll: (N, C) float64, column T−1 = the example's summed NLL (nats) read out at depth T.
-        tokens: (N,) int64, scored targets per example (the same at every depth).
-    """
-
-    update: np.ndarray
-    nll: np.ndarray
-    tokens: np.ndarray
+class DepthTrace(Trace):
+    """Full trace of one split to the ceiling C (N examples = evaluation windows, file order): an
+    :class:`~looplm.eval.exits.Trace` whose ``scores`` (alias ``update``) are the criterion's
+    statistic (u_t for the hidden-update rule: column t = step t → t+1, dimensionless)."""
 
     @property
-    def ceiling(self) -> int:
-        return self.update.shape[1]
-
-    def ppl_at(self, depths: np.ndarray | int) -> float:
-        """Token-weighted PPL with example b read out at ``depths[b]`` (or one depth for all)."""
-        d = np.broadcast_to(np.asarray(depths, dtype=np.int64), self.tokens.shape)
-        nll = self.nll[np.arange(len(d)), d - 1].sum()
-        return math.exp(nll / self.tokens.sum())
+    def update(self) -> np.ndarray:
+        return self.scores
 
 
-@dataclass
-class EarlyExitResult:
-    """Per-example outcome of :func:`early_exit_eval` (same order as :class:`DepthTrace`).
-
-    Attributes:
-        depth: (N,) int64 active depth D_b. nll: (N,) float64 summed NLL (nats) at D_b.
-        tokens: (N,) int64 scored targets. seconds: wall time of the compute (batches prebuilt).
-        row_steps: total rows × loop steps processed (N·C when nothing halts).
-    """
-
-    depth: np.ndarray
-    nll: np.ndarray
-    tokens: np.ndarray
-    seconds: float
-    row_steps: int
-
-    def ppl(self) -> float:
-        return math.exp(self.nll.sum() / self.tokens.sum())
+#: per-example outcome of :func:`early_exit_eval` (``depth``, ``nll``, ``tokens``, ``seconds``,
+#: ``row_steps``; see :class:`~looplm.eval.exits.ExitRun`)
+EarlyExitResult = ExitRun
 
 
 # ------------------------------------------------------------------ the stop rule
@@ -106,9 +73,7 @@ def hidden_update(h_next: torch.Tensor, h: torch.Tensor, valid: torch.Tensor) ->
     Returns:
         (B,) float32; 0 for an example without valid tokens.
     """
-    h_next, h = h_next.float(), h.float()
-    rel = (h_next - h).norm(dim=-1) / (h.norm(dim=-1) + UPDATE_EPS)  # (B, L)
-    return rel.masked_fill(~valid, 0.0).amax(dim=1)
+    return HiddenUpdate(0.0).sequence_score(h, h_next, valid=valid)
 
 
 def stop_depths(update: np.ndarray, tau: float) -> np.ndarray:
@@ -120,24 +85,16 @@ def stop_depths(update: np.ndarray, tau: float) -> np.ndarray:
     Returns:
         (N,) int64 depths in [1, C].
     """
-    update = np.asarray(update)
-    C = update.shape[1]
-    below = update < tau  # (N, C)
-    first = below.argmax(axis=1) + 1
-    return np.where(below.any(axis=1), first, C).astype(np.int64)
+    return halting_depths(update, tau, "below")
 
 
-def calibrate_threshold(update: np.ndarray, target: float) -> tuple[float, float]:
-    """The τ whose mean active depth on ``update`` is closest to ``target`` (SCSE adaptive depth).
-
-    The mean depth is a non-increasing step function of τ that changes only where τ crosses an
-    observed u_t. Candidates are the smallest observed value (every example at the ceiling), the
-    midpoints between consecutive distinct observed values, and one value above the largest (every
-    example at depth 1); a bisection over them finds the first candidate with mean depth ≤ target,
-    and the closer of it and its predecessor wins (ties go to the one not above the target).
+def calibrate_threshold(update: np.ndarray, target: float, direction: str = "below") -> tuple[float, float]:
+    """The τ whose mean active depth on ``update`` is closest to ``target`` (SCSE adaptive depth):
+    :func:`looplm.eval.exits.calibrate` with ``target_depth``.
 
     Args:
-        update: (N, C) validation traces. target: mean depth wanted, in [1, C].
+        update: (N, C) validation traces of a criterion. target: mean depth wanted, in [1, C].
+        direction: the criterion's direction ("below" for the hidden-update rule).
 
     Returns:
         ``(tau, mean_depth)`` with the achieved mean depth on ``update``.
@@ -145,43 +102,11 @@ def calibrate_threshold(update: np.ndarray, target: float) -> tuple[float, float
     Raises:
         ValueError: empty trace or target outside [1, C].
     """
-    update = np.asarray(update, dtype=np.float64)
-    N, C = update.shape
-    if N == 0:
-        raise ValueError("calibrate_threshold: empty trace")
-    if not 1 <= target <= C:
-        raise ValueError(f"target mean depth {target} outside [1, ceiling={C}]")
-    # u_{C-1} cannot change a depth (stopping after the last step is the ceiling anyway)
-    v = np.unique(update[:, : C - 1]) if C > 1 else np.zeros(1)
-    cands = np.concatenate([v[:1], (v[:-1] + v[1:]) / 2, [2 * abs(v[-1]) + 1.0]])
-
-    def mean_depth(i: int) -> float:
-        return float(stop_depths(update, cands[i]).mean())
-
-    lo, hi = 0, len(cands) - 1  # mean_depth(hi) == 1 <= target
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if mean_depth(mid) <= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    best, best_depth = lo, mean_depth(lo)
-    if lo > 0:
-        prev = mean_depth(lo - 1)
-        if abs(prev - target) < abs(best_depth - target):
-            best, best_depth = lo - 1, prev
-    return float(cands[best]), best_depth
+    cal = calibrate(update, direction, target_depth=target)
+    return cal.tau, cal.mean_depth
 
 
-# ------------------------------------------------------------------ full trace (offline accounting)
-
-
-def _example_nll(model: LoopLM, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Readout of h (B, L, d) → summed NLL per example (B,) float64 over targets y != -100."""
-    logits = model.readout(h)  # (B, L, V)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                          reduction="none").view_as(y)  # (B, L)
-    return nll.double().sum(dim=1)
+# ------------------------------------------------------------------ full trace and real early exit
 
 
 def _batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None,
@@ -197,18 +122,23 @@ def _batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int 
     return out
 
 
-@torch.no_grad()
-def trace_depths(model: LoopLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
+def _criterion(criterion: str | ExitCriterion, tau: float = 0.0) -> ExitCriterion:
+    return build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
+
+
+def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
-                 desc: str = "trace") -> DepthTrace:
-    """One unroll to ``ceiling`` per batch of windows, recording u_t and the NLL at every depth.
+                 desc: str = "trace", criterion: str | ExitCriterion = "hidden_update") -> DepthTrace:
+    """One unroll to ``ceiling`` per batch of windows, recording the criterion's statistic (u_t for
+    ``hidden_update``) and the NLL at every depth (:func:`looplm.eval.exits.trace`).
 
     Windows are the non-overlapping ``seq_len`` windows of :func:`~looplm.data.tokens.eval_windows`
-    (the last may be partial); u_t is the max over each window's scored positions.
+    (the last may be partial); a sequence statistic aggregates over each window's scored positions.
 
     Args:
         model: put in eval mode here (dropout off). tokens: 1-D token stream.
         ceiling: C ≥ 1 loop steps. max_tokens: use only ``tokens[: max_tokens + 1]``.
+        criterion: a registered exit-criterion name or an :class:`ExitCriterion`.
 
     Returns:
         :class:`DepthTrace` with N = number of windows.
@@ -220,74 +150,25 @@ def trace_depths(model: LoopLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILI
         raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     was_training = model.training
     model.eval()
-    batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
-    updates, nlls, counts = [], [], []
-    for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
-        u = torch.zeros(len(x), ceiling, dtype=torch.float64)
-        nll = torch.zeros(len(x), ceiling, dtype=torch.float64)
-        prev = None
-        for T, h, _ in model.unroll(x, ceiling):
-            if T > 0:
-                u[:, T - 1] = hidden_update(h, prev, mask).double().cpu()
-                nll[:, T - 1] = _example_nll(model, h, y).cpu()
-            prev = h
-        updates.append(u)
-        nlls.append(nll)
-        counts.append(mask.sum(dim=1).cpu())
-    model.train(was_training)
-    return DepthTrace(update=torch.cat(updates).numpy(), nll=torch.cat(nlls).numpy(),
-                      tokens=torch.cat(counts).numpy().astype(np.int64))
+    try:
+        batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
+        tr = trace(model, batches, _criterion(criterion), ceiling, progress=progress, desc=desc)
+    finally:
+        model.train(was_training)
+    return DepthTrace(scores=tr.scores, nll=tr.nll, tokens=tr.tokens)
 
 
-# ------------------------------------------------------------------ real early exit
-
-
-def _select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
-    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list,
-    dataclass such as :class:`~looplm.model.LoopContext`, or None); other values pass through."""
-    if isinstance(obj, torch.Tensor):
-        return obj.index_select(0, keep) if obj.dim() > 0 and obj.shape[0] == batch else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_select_rows(o, keep, batch) for o in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _select_rows(getattr(obj, f.name), keep, batch)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def _start(model: LoopLM, x: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
-    """(loop state, context, h_0) for the shared and the unshared architecture."""
-    e = model.embed(x)
-    if not model.shared:
-        return e, None, e
-    state, ctx = model.start(e)
-    return state, ctx, model.rule.hidden(state, ctx)
-
-
-def _step(model: LoopLM, state: Any, t: int, ctx: Any) -> tuple[Any, torch.Tensor]:
-    """One loop step t → t+1; returns (state, h_{t+1}) as :meth:`LoopLM.unroll` computes them."""
-    if not model.shared:
-        h = state + model.layers[t](state) if t < len(model.layers) else state
-        return h, h
-    state = model.rule.step(model.core, state, t, ctx)
-    return state, model.rule.hidden(state, ctx)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def early_exit_eval(model: LoopLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
+def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
-                    progress: bool = True, desc: str = "early exit") -> EarlyExitResult:
-    """Per-example early exit under the hidden-update rule, halted examples leaving the batch.
+                    progress: bool = True, desc: str = "early exit",
+                    criterion: str | ExitCriterion = "hidden_update") -> EarlyExitResult:
+    """Per-example early exit under a criterion (default: the hidden-update rule), halted examples
+    leaving the batch (:func:`looplm.eval.exits.run`).
 
-    At each step the rows still running are advanced; rows with ``u_t < τ`` (all rows at the last
-    step) are read out at depth t + 1 and removed with ``index_select`` from the state, the loop
-    context, the targets and the masks, so later steps process fewer rows. ``tau=-inf`` never
-    halts: every example runs to the ceiling and is read out once (the reference for the speedup).
+    At each step the rows still running are advanced with :meth:`LoopLM.step`; rows whose criterion
+    fires (all rows at the last step) are read out at depth t + 1 and removed from the batch, so later
+    steps process fewer rows. A τ that can never fire (``-inf`` for the hidden-update rule) makes
+    every example run to the ceiling and be read out once (the reference for the speedup).
 
     Same windows, depths and NLL as :func:`trace_depths` + :func:`stop_depths` (the offline
     accounting), up to float rounding from the smaller batches.
@@ -300,49 +181,14 @@ def early_exit_eval(model: LoopLM, tokens: np.ndarray, tau: float, ceiling: int 
     """
     if ceiling < 1:
         raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    device = torch.device(device)
+    crit = build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
     was_training = model.training
     model.eval()
-    batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, device)
-    depths, nlls, counts = [], [], []
-    row_steps = 0
-    _sync(device)
-    t0 = time.perf_counter()
-    for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
-        B = len(x)
-        depth = torch.zeros(B, dtype=torch.int64, device=device)
-        nll = torch.zeros(B, dtype=torch.float64, device=device)
-        counts.append(mask.sum(dim=1))
-        rows = torch.arange(B, device=device)  # original row of each running row
-        state, ctx, h = _start(model, x)
-        for t in range(ceiling):
-            row_steps += len(rows)
-            state, h_next = _step(model, state, t, ctx)
-            if t + 1 == ceiling:
-                halt = torch.ones(len(rows), dtype=torch.bool, device=device)
-            elif tau == -math.inf:  # the no-halting reference skips the u_t it would never use
-                halt = torch.zeros(len(rows), dtype=torch.bool, device=device)
-            else:
-                halt = hidden_update(h_next, h, mask) < tau  # (b,)
-            if bool(halt.any()):
-                done = halt.nonzero().squeeze(1)
-                depth[rows[done]] = t + 1
-                nll[rows[done]] = _example_nll(model, h_next.index_select(0, done), y.index_select(0, done))
-                keep = (~halt).nonzero().squeeze(1)
-                if len(keep) == 0:
-                    break
-                b = len(rows)
-                state, ctx, h_next, y, mask, rows = (_select_rows(o, keep, b)
-                                                     for o in (state, ctx, h_next, y, mask, rows))
-            h = h_next
-        depths.append(depth)
-        nlls.append(nll)
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    model.train(was_training)
-    return EarlyExitResult(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
-                           tokens=torch.cat(counts).cpu().numpy().astype(np.int64), seconds=seconds,
-                           row_steps=row_steps)
+    try:
+        batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
+        return run(model, batches, crit, ceiling, progress=progress, desc=desc)
+    finally:
+        model.train(was_training)
 
 
 # ------------------------------------------------------------------ protocol and report
@@ -353,14 +199,16 @@ def _static_depths(ceiling: int) -> list[int]:
     return sorted({min(8, ceiling), ceiling})
 
 
-def adaptive_depth(model: LoopLM, valid: np.ndarray, test: np.ndarray, *,
+def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
                    targets: Sequence[float] = DEFAULT_TARGETS, ceiling: int = DEFAULT_CEILING,
                    max_tokens: int | None = None, batch_size: int = 16, device: str | torch.device = "cpu",
-                   progress: bool = True, timed: bool = True) -> dict[str, Any]:
+                   progress: bool = True, timed: bool = True, criterion: str = "hidden_update") -> dict[str, Any]:
     """Validation-calibrated adaptive depth on token streams (SPEC §6; SCSE Tables 9–10).
 
     Traces both splits to the ceiling, calibrates τ per target mean depth on valid, applies it to
     test; with ``timed``, also runs the real early exit on test per target and once without halting.
+    ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
+    paper's protocol is ``hidden_update``.
 
     Returns:
         JSON-ready dict (see :func:`adaptive_depth_checkpoint`, without the checkpoint fields).
@@ -376,12 +224,17 @@ def adaptive_depth(model: LoopLM, valid: np.ndarray, test: np.ndarray, *,
     for target in targets:
         if not 1 <= target <= ceiling:
             raise ValueError(f"target mean depth {target} outside [1, ceiling={ceiling}]")
+    if criterion not in EXIT_CRITERIA:
+        raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
+    direction = EXIT_CRITERIA[criterion].direction
+    never = -math.inf if direction == "below" else math.inf
     kw = dict(batch_size=batch_size, max_tokens=max_tokens, device=device, progress=progress)
-    tr_valid = trace_depths(model, valid, ceiling, desc="trace valid", **kw)
-    tr_test = trace_depths(model, test, ceiling, desc="trace test", **kw)
-    full = early_exit_eval(model, test, -math.inf, ceiling, desc="full depth", **kw) if timed else None
+    tr_valid = trace_depths(model, valid, ceiling, desc="trace valid", criterion=criterion, **kw)
+    tr_test = trace_depths(model, test, ceiling, desc="trace test", criterion=criterion, **kw)
+    full = (early_exit_eval(model, test, never, ceiling, desc="full depth", criterion=criterion, **kw)
+            if timed else None)
     res: dict[str, Any] = {
-        "ceiling": ceiling, "max_tokens": max_tokens, "batch_size": batch_size,
+        "criterion": criterion, "ceiling": ceiling, "max_tokens": max_tokens, "batch_size": batch_size,
         "examples": {"valid": len(tr_valid.tokens), "test": len(tr_test.tokens)},
         "tokens": {"valid": int(tr_valid.tokens.sum()), "test": int(tr_test.tokens.sum())},
         "static": {str(T): {"valid_ppl": tr_valid.ppl_at(T), "test_ppl": tr_test.ppl_at(T)}
@@ -390,8 +243,8 @@ def adaptive_depth(model: LoopLM, valid: np.ndarray, test: np.ndarray, *,
         "targets": {},
     }
     for target in targets:
-        tau, valid_depth = calibrate_threshold(tr_valid.update, target)
-        d_valid, d_test = stop_depths(tr_valid.update, tau), stop_depths(tr_test.update, tau)
+        tau, valid_depth = calibrate_threshold(tr_valid.update, target, direction)
+        d_valid, d_test = (halting_depths(tr.update, tau, direction) for tr in (tr_valid, tr_test))
         entry: dict[str, Any] = {
             "target": target, "tau": tau,
             "valid_mean_depth": float(d_valid.mean()), "test_mean_depth": float(d_test.mean()),
@@ -400,7 +253,7 @@ def adaptive_depth(model: LoopLM, valid: np.ndarray, test: np.ndarray, *,
             "early_exit": None,
         }
         if timed:
-            ee = early_exit_eval(model, test, tau, ceiling, desc=f"early exit {target}", **kw)
+            ee = early_exit_eval(model, test, tau, ceiling, desc=f"early exit {target}", criterion=criterion, **kw)
             same = ee.depth == d_test
             ref = tr_test.nll[np.arange(len(d_test)), d_test - 1]
             entry["early_exit"] = {
@@ -433,7 +286,8 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     out = ["\n".join(rows)]
     for label, res in results.items():
-        det = [f"{label}: τ calibrated on valid ({res['examples']['valid']} windows), applied to test "
+        det = [f"{label}: criterion {res.get('criterion', 'hidden_update')}, τ calibrated on valid "
+               f"({res['examples']['valid']} windows), applied to test "
                f"({res['examples']['test']} windows), ceiling {res['ceiling']}.", "",
                "| target | τ | valid mean depth | test mean depth | valid PPL | test PPL | early-exit s | speedup |",
                "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -451,7 +305,8 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
 def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float] = DEFAULT_TARGETS,
                               ceiling: int = DEFAULT_CEILING, dataset: str | None = None,
                               max_tokens: int | None = None, batch_size: int = 16, device: str = "cpu",
-                              progress: bool = True, timed: bool = True) -> dict[str, Any]:
+                              progress: bool = True, timed: bool = True,
+                              criterion: str = "hidden_update") -> dict[str, Any]:
     """Adaptive depth of a checkpoint: τ calibrated on valid, test PPL and mean depths (SPEC §6).
 
     Uses the checkpoint's own tokenizer and the valid/test splits of its corpus (or ``dataset``),
@@ -485,7 +340,8 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
     valid = load_tokens(data_cfg, "valid", tok, root, cache)
     test = load_tokens(data_cfg, "test", tok, root, cache)
     res = adaptive_depth(model, valid, test, targets=targets, ceiling=ceiling, max_tokens=max_tokens,
-                         batch_size=batch_size, device=device, progress=progress, timed=timed)
+                         batch_size=batch_size, device=device, progress=progress, timed=timed,
+                         criterion=criterion)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "params": model.num_params(),
            **res}

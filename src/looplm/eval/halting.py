@@ -44,12 +44,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import eval_windows, load_tokens
-from looplm.model import LoopLM
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, LogitMargin, _sync, build_exit_criterion, calibrate, halting_depths,
+                               run, trace)
+from looplm.model import DepthLM
 
 DEFAULT_N_CALIB = 160
 DEFAULT_N_TIMED = 160
@@ -62,7 +63,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
 def halting_loops(margins: np.ndarray, tau: float) -> np.ndarray:
-    """Halting loop per sequence: the first loop k < K with ``margins[:, k-1] ≥ τ``, else K.
+    """Halting loop per sequence: the first loop k < K with ``margins[:, k-1] ≥ τ``, else K
+    (:func:`looplm.eval.exits.halting_depths` with direction "above").
 
     Args:
         margins: (N, K) mean top-1 − top-2 logit margin of each sequence at loops 1 … K (the last
@@ -75,14 +77,7 @@ def halting_loops(margins: np.ndarray, tau: float) -> np.ndarray:
     Raises:
         ValueError: ``margins`` is not 2-D with K ≥ 1.
     """
-    m = np.asarray(margins, dtype=np.float64)
-    if m.ndim != 2 or m.shape[1] < 1:
-        raise ValueError(f"margins: expected shape (N, K) with K >= 1, got {m.shape}")
-    K = m.shape[1]
-    if K == 1:
-        return np.ones(len(m), dtype=np.int64)
-    hit = m[:, : K - 1] >= tau  # (N, K-1)
-    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, K).astype(np.int64)
+    return halting_depths(margins, tau, "above")
 
 
 @dataclass
@@ -109,19 +104,17 @@ class TauCalibration:
 
 
 def calibrate_tau(margins: np.ndarray, nll_sum: np.ndarray, n_tok: np.ndarray,
-                  tolerance: float = DEFAULT_TOLERANCE) -> TauCalibration:
-    """Smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL at loop K (readout blind spot, App. H).
+                  tolerance: float = DEFAULT_TOLERANCE, direction: str = "above") -> TauCalibration:
+    """Smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL at loop K (readout blind spot, App. H):
+    :func:`looplm.eval.exits.calibrate` with ``tolerance`` (for a "below" criterion: the largest τ).
 
     Dynamic PPL under τ = exp(Σ_b nll_sum[b, halt_b − 1] / Σ_b n_tok[b]) with ``halt`` from
     :func:`halting_loops`: token-weighted over sequences, each at its own halting loop. Candidates
-    are every distinct finite margin of loops 1 … K−1 (each one starts a new halting pattern; any τ
-    between two of them behaves like the larger) and ``inf`` (no early halt, which always meets the
-    budget for tolerance ≥ 0). All candidates are evaluated at once from the cached arrays: with
-    running maxima ``c[b, k] = max_{j ≤ k} margins[b, j]`` the halting loop is
-    ``1 + #{k < K : c[b, k] < τ}``.
+    are every distinct finite margin of loops 1 … K−1 and ``inf`` (no early halt, which always meets
+    the budget for tolerance ≥ 0), all evaluated at once from the cached arrays.
 
     Args:
-        margins: (N, K) float, mean top-1 − top-2 logit margin per sequence and loop.
+        margins: (N, K) float, the criterion's statistic per sequence and loop (mean logit margin).
         nll_sum: (N, K) float, summed NLL (nats) of each sequence read out at loop k.
         n_tok: (N,) int, scored tokens per sequence.
         tolerance: relative PPL budget (0.01 = within 1% of loop K).
@@ -132,33 +125,9 @@ def calibrate_tau(margins: np.ndarray, nll_sum: np.ndarray, n_tok: np.ndarray,
     Raises:
         ValueError: shape mismatch, no sequences or tokens, or a negative tolerance.
     """
-    m = np.asarray(margins, dtype=np.float64)
-    nll = np.asarray(nll_sum, dtype=np.float64)
-    n_tok = np.asarray(n_tok, dtype=np.int64)
-    if m.ndim != 2 or m.shape != nll.shape or n_tok.shape != m.shape[:1]:
-        raise ValueError(f"calibrate_tau: need margins (N, K), nll_sum (N, K), n_tok (N,); got "
-                         f"{m.shape}, {nll.shape}, {n_tok.shape}")
-    N, K = m.shape
-    if N == 0 or K == 0 or n_tok.sum() <= 0:
-        raise ValueError(f"calibrate_tau: need at least one sequence, loop and token, got N={N}, K={K}, "
-                         f"tokens={int(n_tok.sum())}")
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
-    decide = m[:, : K - 1]  # (N, K-1) margins that can trigger a halt
-    taus = np.append(np.unique(decide[np.isfinite(decide)]), np.inf)  # (C,) ascending
-    running = np.fmax.accumulate(np.where(np.isnan(decide), -np.inf, decide), axis=1)  # (N, K-1)
-    loops = np.ones((len(taus), N), dtype=np.int64)  # (C, N)
-    for k in range(K - 1):
-        loops += running[None, :, k] < taus[:, None]
-    nll_dyn = nll[np.arange(N)[None, :], loops - 1].sum(axis=1)  # (C,)
-    tokens = float(n_tok.sum())
-    ppl_by_tau = np.exp(nll_dyn / tokens)
-    ppl_max = math.exp(nll[:, K - 1].sum() / tokens)
-    # the inf candidate puts every sequence at K: its PPL is ppl_max exactly, so one always qualifies
-    best = int(np.flatnonzero(ppl_by_tau <= (1.0 + tolerance) * ppl_max)[0])
-    return TauCalibration(tau=float(taus[best]), loops=loops[best], ppl=float(ppl_by_tau[best]), ppl_max=ppl_max,
-                          mean_loops=float(loops[best].mean()), taus=taus, ppl_by_tau=ppl_by_tau,
-                          mean_loops_by_tau=loops.mean(axis=1))
+    cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
+    return TauCalibration(tau=cal.tau, loops=cal.depths, ppl=cal.ppl, ppl_max=cal.ppl_max, mean_loops=cal.mean_depth,
+                          taus=cal.taus, ppl_by_tau=cal.ppl_by_tau, mean_loops_by_tau=cal.mean_depth_by_tau)
 
 
 # ------------------------------------------------------------------ model runs
@@ -166,14 +135,7 @@ def calibrate_tau(margins: np.ndarray, nll_sum: np.ndarray, n_tok: np.ndarray,
 
 def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the top-1 − top-2 logit gap. (B, L, V) → (B,) float32, logit units."""
-    top2 = logits.float().topk(2, dim=-1).values  # (B, L, 2)
-    return (top2[..., 0] - top2[..., 1]).mean(dim=1)
-
-
-def _sequence_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed NLL (nats) per sequence: logits (B, L, V), targets y (B, L) → (B,) float64."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, L)
-    return nll.double().sum(dim=1)
+    return LogitMargin(0.0).sequence_score(None, None, None, logits)
 
 
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,34 +164,29 @@ def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.de
     return [(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)) for i in range(0, len(x), batch_size)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _with_masks(batches: list[Batch]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return [(x, y, torch.ones_like(y, dtype=torch.bool)) for x, y in batches]
 
 
-@torch.inference_mode()
-def trace_margins(model: LoopLM, batches: list[Batch], k_max: int, *,
-                  progress: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-loop margins and NLL of every window from one ``depth=[1..k_max]`` forward per batch.
+def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
+    return build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
 
-    Holds the K (B, L, V) logits of one batch at a time (GPT-2 vocabulary, B=16, L=256, K=4: ~3.3 GB
-    in float32); lower ``batch_size`` if that does not fit.
+
+def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
+                  criterion: str | ExitCriterion = "margin") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-loop criterion statistic (the mean logit margin by default) and NLL of every window from one
+    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`; only (N, K) arrays kept).
 
     Args:
         model: put in eval mode by the caller. batches: (x, y) pairs, (B, L) int64 each.
 
     Returns:
-        ``(margins, nll_sum, n_tok)``: (N, K) float64 mean logit margins, (N, K) float64 summed NLL
-        (nats) per window and loop, (N,) int64 scored tokens (= L).
+        ``(margins, nll_sum, n_tok)``: (N, K) float64 statistic, (N, K) float64 summed NLL (nats) per
+        window and loop, (N,) int64 scored tokens (= L).
     """
-    margins, nlls, counts = [], [], []
-    depths = list(range(1, k_max + 1))
-    for x, y in tqdm(batches, desc="calibration trace", disable=not progress, leave=False, unit="batch"):
-        out = model(x, depth=depths, targets=y, keep_logits=True)
-        margins.append(torch.stack([sequence_margin(out.logits_by_depth[k]) for k in depths], 1).double().cpu())
-        nlls.append(torch.stack([out.nll_by_depth[k].double().sum(1) for k in depths], 1).cpu())  # (B, K)
-        counts.append(torch.full((len(x),), y.shape[1], dtype=torch.int64))
-    return torch.cat(margins).numpy(), torch.cat(nlls).numpy(), torch.cat(counts).numpy()
+    tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
+               desc="calibration trace")
+    return tr.scores, tr.nll, tr.tokens
 
 
 @dataclass
@@ -238,7 +195,7 @@ class HaltingRun:
 
     Attributes:
         loops: (N,) int64 halting loops. nll: (N,) float64 summed NLL (nats) at the halting loop.
-        margins: (N, K) float64 margins the run computed (NaN after a sequence halted, and at K).
+        margins: (N, K) float64 statistics the run computed (NaN after a sequence halted, and at K).
         tokens: (N,) int64 scored tokens. seconds: wall time (batches prebuilt on the device).
         row_loops: Σ over loops of the active batch rows (N·K when nothing halts early).
     """
@@ -254,78 +211,37 @@ class HaltingRun:
         return math.exp(self.nll.sum() / self.tokens.sum())
 
 
-@torch.inference_mode()
-def dynamic_halting_run(model: LoopLM, batches: list[Batch], tau: float, k_max: int, *,
-                        progress: bool = False) -> HaltingRun:
-    """Step-by-step loop with dynamic batching: halted sequences leave the batch.
+def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
+                        progress: bool = False, criterion: str | ExitCriterion = "margin") -> HaltingRun:
+    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): halted sequences leave
+    the batch.
 
-    After loop k < K_max the active rows are read out (``final=False``) and their margins computed;
-    rows with margin ≥ τ are scored at k and removed from the loop state, the loop context
-    (``ctx.select``) and the targets; the rest continue. At K_max every remaining row is read out with
-    ``final=True`` and scored. The per-sequence NLL equals :func:`trace_margins`' NLL at the same
-    loops (to float rounding of the smaller batches).
+    After loop k < K_max the criterion (by default the mean logit margin of the active rows' readout,
+    ``final=False`` below the model's final depth) is tested; rows that halt are scored at k and
+    removed from the loop state, the loop context and the targets; the rest continue. At K_max every
+    remaining row is read out and scored. The per-sequence NLL equals :func:`trace_margins`' NLL at
+    the same loops (to float rounding of the smaller batches).
 
     Args:
         model: put in eval mode by the caller. batches: (x, y) pairs on the model's device.
-        tau: threshold (logit units); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
+        tau: threshold (logit units for the margin); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
 
     Returns:
         :class:`HaltingRun`.
 
     Raises:
-        ValueError: k_max < 1, or an unshared model (no loop to halt).
+        ValueError: k_max < 1.
     """
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
-    if not model.shared:
-        raise ValueError("logit-margin halting needs the shared (looped) architecture, got an unshared model")
-    device = batches[0][0].device
-    loops_all, nll_all, margin_all, counts = [], [], [], []
-    row_loops = 0
-    _sync(device)
-    t0 = time.perf_counter()
-    for x, y in tqdm(batches, desc="dynamic halting", disable=not progress, leave=False, unit="batch"):
-        B = len(x)
-        loops = torch.full((B,), k_max, dtype=torch.int64, device=device)
-        nll = torch.zeros(B, dtype=torch.float64, device=device)
-        margin = torch.full((B, k_max), math.nan, dtype=torch.float64, device=device)
-        rows = torch.arange(B, device=device)  # original row of each active row
-        state, ctx = model.start(model.embed(x))
-        for t in range(k_max):
-            k = t + 1
-            row_loops += len(rows)
-            state = model.loop_step(state, t, ctx)
-            logits = model.readout(model.rule.hidden(state, ctx), final=(k == k_max))  # (b, L, V)
-            if k == k_max:
-                loops[rows] = k
-                nll[rows] = _sequence_nll(logits, y)
-                break
-            m = sequence_margin(logits)  # (b,)
-            margin[rows, t] = m.double()
-            halt = m >= tau
-            if not bool(halt.any()):
-                continue
-            done = halt.nonzero().squeeze(1)
-            loops[rows[done]] = k
-            nll[rows[done]] = _sequence_nll(logits.index_select(0, done), y.index_select(0, done))
-            keep = (~halt).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            state, ctx = state.index_select(0, keep), ctx.select(keep)
-            y, rows = y.index_select(0, keep), rows.index_select(0, keep)
-        loops_all.append(loops)
-        nll_all.append(nll)
-        margin_all.append(margin)
-        counts.append(torch.full((B,), x.shape[1], dtype=torch.int64))
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    return HaltingRun(loops=torch.cat(loops_all).cpu().numpy(), nll=torch.cat(nll_all).cpu().numpy(),
-                      margins=torch.cat(margin_all).cpu().numpy(), tokens=torch.cat(counts).numpy(),
-                      seconds=seconds, row_loops=row_loops)
+    res = run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
+              desc="dynamic halting")
+    return HaltingRun(loops=res.depth, nll=res.nll, margins=res.scores, tokens=res.tokens, seconds=res.seconds,
+                      row_loops=res.row_steps)
 
 
 @torch.inference_mode()
-def fixed_depth_run(model: LoopLM, batches: list[Batch], depth: int, *,
+def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
                     progress: bool = False) -> tuple[np.ndarray, float]:
     """Every window at one fixed depth K through ``model(x, depth=K)`` (the static reference at K_max).
 
@@ -355,10 +271,14 @@ def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed: tuple[torch.Tensor, torch.Tensor],
+def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed: tuple[torch.Tensor, torch.Tensor],
                  k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
-                 device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
+                 device: str | torch.device = "cpu", progress: bool = True,
+                 criterion: str = "margin") -> dict[str, Any]:
     """Calibrate τ on ``calib`` windows, then time dynamic halting and fixed depths on ``timed``.
+
+    ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
+    paper's protocol is ``margin`` (the logit margin).
 
     Args:
         model: the model (on ``device``; put in eval mode here, restored after).
@@ -377,18 +297,21 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
         raise ValueError(f"k_max, batch_size and repeats must be >= 1, got {k_max}, {batch_size}, {repeats}")
     if len(calib[0]) == 0 or len(timed[0]) == 0:
         raise ValueError("calibration and timed windows must be non-empty")
+    if criterion not in EXIT_CRITERIA:
+        raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
+    direction = EXIT_CRITERIA[criterion].direction
     device = torch.device(device)
     was_training = model.training
     model.eval()
     try:
         cal_batches = _batches(*calib, batch_size, device)
-        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress)
-        cal = calibrate_tau(margins, nll_sum, n_tok, tolerance)
+        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion)
+        cal = calibrate_tau(margins, nll_sum, n_tok, tolerance, direction)
         tau = cal.tau
 
         batches = _batches(*timed, batch_size, device)
         # warm-up (untimed): one batch through every code path timed below
-        dynamic_halting_run(model, batches[:1], tau, k_max)
+        dynamic_halting_run(model, batches[:1], tau, k_max, criterion=criterion)
         for K in range(1, k_max + 1):
             fixed_depth_run(model, batches[:1], K)
         # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
@@ -396,7 +319,7 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
         fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
         fixed_nll: dict[int, np.ndarray] = {}
         for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0)
+            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, criterion=criterion)
             dyn_s.append(dyn.seconds)
             for K in range(1, k_max + 1):
                 fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0)
@@ -414,7 +337,8 @@ def halting_eval(model: LoopLM, calib: tuple[torch.Tensor, torch.Tensor], timed:
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
     return {
-        "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats, "device": str(device),
+        "criterion": criterion, "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats,
+        "device": str(device),
         "seq_len": int(calib[0].shape[1]),
         "calibration": {
             "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
@@ -448,7 +372,8 @@ def markdown_report(res: dict[str, Any], label: str = "model") -> str:
     tau = "∞ (never halts early)" if cal["tau"] is None else f"{cal['tau']:.4g}"
     dyn, static_s = tm["dynamic"], tm["static"]["seconds"]
     lines = [
-        f"## Logit-margin halting: {label}", "",
+        ("## Logit-margin halting" if res.get("criterion", "margin") == "margin"
+         else f"## Halting ({res['criterion']} criterion)") + f": {label}", "",
         f"K_max = {res['k_max']}, tolerance {100 * res['tolerance']:.3g}%, batch {res['batch_size']}, "
         f"L = {res['seq_len']}, device {res['device']}, median of {res['repeats']} timed passes.", "",
         f"Calibration ({res.get('split_calib', 'calib')}, {cal['sequences']} sequences, {cal['tokens']} tokens): "
@@ -515,8 +440,9 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
                                 n_calib: int = DEFAULT_N_CALIB, n_timed: int = DEFAULT_N_TIMED,
                                 batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                                 dataset: str | None = None, device: str = "cpu",
-                                progress: bool = True) -> dict[str, Any]:
-    """Logit-margin halting of a checkpoint (SPEC §6): calibrate, time, frontier; write the report.
+                                progress: bool = True, criterion: str = "margin") -> dict[str, Any]:
+    """Halting of a checkpoint (SPEC §6; the logit margin by default, any registered exit criterion
+    with ``criterion``): calibrate, time, frontier; write the report.
 
     Calibration windows are the first ``n_calib`` full windows of ``split_calib``; timed windows the
     first ``n_timed`` of ``split_timed`` (the ``n_timed`` after the calibration ones when the splits
@@ -556,7 +482,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
     first_timed = n_calib if split_timed == split_calib else 0
     timed = make_windows(load_tokens(data_cfg, split_timed, tok, root, cache), L, first_timed, n_timed)
     res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, repeats=repeats,
-                       device=device, progress=progress)
+                       device=device, progress=progress, criterion=criterion)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "readout": cfg.model.readout,
            "dataset": data_cfg.dataset, "params": model.num_params(), "split_calib": split_calib,

@@ -156,7 +156,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
     """Teacher-forced target-token metrics at each depth, one unroll per batch (module docstring).
 
     Examples are batched in length order (less padding); the metrics are sums, so order-free.
-    Without a coda the readout is per token, so only the target positions are read out.
+    Only the target positions are read out (``readout_tokens``; the coda still sees every token).
 
     Returns:
         ``{T: {"target_ppl", "target_acc", "exact_acc", "nll", "examples", "target_tokens"}}``,
@@ -173,23 +173,17 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    token_wise_readout = not (model.shared and len(model.coda) > 0)
     nll = {T: 0.0 for T in depths}
     correct = {T: 0 for T in depths}
     exact = {T: 0 for T in depths}
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-    wanted = set(depths)
     for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
                   unit="batch"):
         chunk = [examples[k] for k in order[i:i + batch_size]]
         x, rows, cols, tgt = _batch(chunk, device)
-        for T, h, _ in model.unroll(x, depths[-1]):
-            if T not in wanted:
-                continue
-            if token_wise_readout:
-                logits = model.readout(h[rows, cols].unsqueeze(0)).squeeze(0)  # (N, V)
-            else:
-                logits = model.readout(h)[rows, cols]  # (N, V)
+        out = model(x, depth=depths, readout_tokens=(rows, cols))  # logits (N, V) per depth
+        for T in depths:
+            logits = out.logits_by_depth[T]
             logits = logits.float()
             nll[T] += float(F.cross_entropy(logits, tgt, reduction="sum").double())
             hit = logits.argmax(dim=-1) == tgt  # (N,)

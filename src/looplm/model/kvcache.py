@@ -10,11 +10,13 @@ A looped model visits each physical attention layer once per recurrence, so a KV
   terminal K/V (and, within the chunk being processed, to the chunk's own K/V of the same visit, as in
   training). Memory: K banks instead of K·R.
 
-A forward pass opens an :class:`AttentionScope` (``with scope:``); the model's attention layers look it
-up with :func:`active_scope` and call :meth:`AttentionScope.attend`. Visits are counted per physical
-layer in call order, so the i-th call of a layer within a chunk is visit i (prelude and coda layers
-have one visit; rules with two core calls per step, such as ``sc_subtract``, have two visits per
-step). The scope also carries a key-padding mask for left-padded batches.
+A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask and the
+chunk's pending writes) and passes it down explicitly, as HF passes ``layer_idx``: each attention call
+receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
+have visit 0; core application ``call`` of loop step t has visit ``t · calls_per_step + call``
+(``calls_per_step`` = 2 for ``sc_subtract`` and ``additive_subtract``), the index Ouro writes as
+``step·L + layer``. Nothing is found through global state, so scopes are re-entrant and thread-safe
+(one scope per forward). The scope also carries a key-padding mask for left-padded batches.
 
 **Early-exit policy** (per-token adaptive depth, our choice): a row frozen by
 :meth:`AttentionScope.freeze` after exiting at visit r keeps writing its visit-r K/V into every later
@@ -23,28 +25,17 @@ Likewise, when a later chunk runs more visits than the cache holds for its prefi
 from the deepest stored visit at or below the requested one (``latest available``), and when it runs
 fewer, the chunk's deepest visit is copied forward into the missing slots, so every bank always
 covers every cached token.
-
-The scope registry is a module-level stack: one forward at a time per process (not thread-safe).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
-
-_SCOPES: list["AttentionScope"] = []
-
-
-def active_scope() -> "AttentionScope | None":
-    """The innermost open :class:`AttentionScope`, or None (plain causal attention)."""
-    return _SCOPES[-1] if _SCOPES else None
-
 
 def _nearest(keys: list[int], v: int) -> int:
     """The largest key ≤ v, else the smallest key (``keys`` non-empty)."""
@@ -114,6 +105,23 @@ class KVCache:
         return self.banks[(layer_id, _nearest(visits, visit))]
 
 
+class KVVisit(NamedTuple):
+    """What an attention layer receives for one visit: the forward's scope and the visit index.
+
+    ``record=False`` reads the cache but writes nothing (extra readouts, such as intermediate-depth
+    codas or the readouts of logit-based exit criteria, leave no trace in the cache).
+    """
+
+    scope: "AttentionScope"
+    visit: int
+    record: bool = True
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout_p: float = 0.0) -> torch.Tensor:
+        """See :meth:`AttentionScope.attend`. (B, H, L, hd) each → (B, H, L, hd)."""
+        return self.scope.attend(layer_id, self.visit, q, k, v, dropout_p, record=self.record)
+
+
 class AttentionScope:
     """The attention context of one forward pass over a chunk of B × L_chunk tokens.
 
@@ -121,39 +129,21 @@ class AttentionScope:
         cache: the :class:`KVCache` to read the prefix from and append this chunk to (None: no cache).
         key_valid: (B, L_chunk) bool — False marks left padding (None: every token is real).
 
-    Use as a context manager around the forward; on a clean exit with a cache the chunk is committed
-    to it (its K/V appended, per visit or terminal per layer).
+    The model passes ``scope.at(visit)`` to every attention call of the forward and calls
+    :meth:`commit` once the chunk is done, which appends its K/V to the cache.
     """
 
     def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None):
         self.cache = cache
         self.key_valid = key_valid.bool() if key_valid is not None else None
-        self.visits: dict[int, int] = {}
         self.pending: dict = {}
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_stats: dict = {}
         self.frozen: torch.Tensor | None = None
-        self.record = True
 
-    @contextlib.contextmanager
-    def peek(self):
-        """Attention inside this block reads the cache but records nothing (no visit is counted and
-        nothing is committed): for extra readouts, such as intermediate-depth codas."""
-        self.record = False
-        try:
-            yield self
-        finally:
-            self.record = True
-
-    # ------------------------------------------------------------------ context management
-    def __enter__(self) -> "AttentionScope":
-        _SCOPES.append(self)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        _SCOPES.remove(self)
-        if exc_type is None and self.cache is not None:
-            self.commit()
+    def at(self, visit: int, record: bool = True) -> KVVisit:
+        """The handle attention layers receive for virtual-layer visit ``visit`` (module docstring)."""
+        return KVVisit(self, visit, record)
 
     def freeze(self, rows: torch.Tensor | None) -> None:
         """Mark batch rows (B,) bool as exited: their later visits write their last visit's K/V."""
@@ -180,32 +170,30 @@ class AttentionScope:
             cur = torch.cat([past, cur], dim=-1)
         return cur[:, None]  # (B, 1, Lq, Lp + Lq)
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               dropout_p: float = 0.0) -> torch.Tensor:
+    def attend(self, layer_id: int, visit: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout_p: float = 0.0, *, record: bool = True) -> torch.Tensor:
         """Attention of this chunk's queries over the cached prefix and the chunk itself.
 
         Args:
-            layer_id: the physical attention layer.
+            layer_id: the physical attention layer. visit: the virtual-layer visit (module docstring).
             q, k, v: (B, H, L_chunk, head_dim) of the current visit.
+            record: False reads the cache and writes nothing.
         Returns:
             (B, H, L_chunk, head_dim).
         """
-        visit = self.visits.get(layer_id, 0)
-        if not self.record:
-            prefix = self.cache._prefix(layer_id, visit) if self.cache is not None else None
-            return self._sdpa(q, k, v, prefix, dropout_p)
-        self.visits[layer_id] = visit + 1
-        if self.frozen is not None and layer_id in self.last:
-            fz = self.frozen[:, None, None, None]
-            lk, lv = self.last[layer_id]
-            k_w, v_w = torch.where(fz, lk, k), torch.where(fz, lv, v)
-        else:
-            k_w, v_w = k, v
-        self.last[layer_id] = (k_w, v_w)
-        if self.cache is not None:
-            key = (layer_id, visit if self.cache.mode == "per_visit" else visit % self.cache.calls_per_step)
-            self.pending[key] = (k_w, v_w)
-        prefix = self.cache._prefix(layer_id, visit) if self.cache is not None else None
+        cache = self.cache
+        if record:
+            if self.frozen is not None and layer_id in self.last:
+                fz = self.frozen[:, None, None, None]
+                lk, lv = self.last[layer_id]
+                k_w, v_w = torch.where(fz, lk, k), torch.where(fz, lv, v)
+            else:
+                k_w, v_w = k, v
+            self.last[layer_id] = (k_w, v_w)
+            if cache is not None:
+                key = (layer_id, visit if cache.mode == "per_visit" else visit % cache.calls_per_step)
+                self.pending[key] = (k_w, v_w)
+        prefix = cache._prefix(layer_id, visit) if cache is not None else None
         return self._sdpa(q, k, v, prefix, dropout_p)
 
     def _sdpa(self, q, k, v, prefix, dropout_p):

@@ -39,9 +39,11 @@ class CausalSelfAttention(nn.Module):
     """Bias-free multi-head causal self-attention through ``F.scaled_dot_product_attention``.
 
     Shapes: (B, L, d) → (B, L, d). ``qkv_inject`` (B, L, 3d), when given, is added to the Q/K/V
-    projections (the ``deq_qkv`` injection, SPEC §2). When an :class:`looplm.model.kvcache.AttentionScope`
-    is active (cached decoding, or a key-padding mask for left-padded batches), attention goes through
-    it; otherwise it is plain causal SDPA. ``layer_id`` (set by the model) names the physical layer.
+    projections (the ``deq_qkv`` injection, SPEC §2). ``kv`` (a :class:`looplm.model.kvcache.KVVisit`:
+    the attention scope of the forward and the virtual-layer visit index, passed down explicitly as
+    HF passes ``layer_idx``), when given, routes attention through the KV cache and/or key-padding
+    mask of that scope; without it attention is plain causal SDPA. ``layer_id`` (set by the model)
+    names the physical layer.
     """
 
     def __init__(self, d: int, n_heads: int, dropout: float):
@@ -52,19 +54,15 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.layer_id = -1
 
-    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None) -> torch.Tensor:
-        from looplm.model import kvcache  # local: kvcache imports nothing from here at module level
-
+    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         B, L, d = x.shape
         qkv = self.qkv(x)  # (B, L, 3d)
         if qkv_inject is not None:
             qkv = qkv + qkv_inject
         q, k, v = qkv.split(d, dim=-1)  # 3 × (B, L, d)
         q, k, v = (t.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
-        scope = kvcache.active_scope()
-        if scope is not None:
-            y = scope.attend(self.layer_id, q, k, v,
-                             dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
+        if kv is not None:
+            y = kv.attend(self.layer_id, q, k, v, dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
@@ -91,7 +89,8 @@ class Block(nn.Module):
     the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
     Post-LN family (``post_ln_alpha=α``, SPEC §3 / DeepNet eq. 1 / DeepLoop): ``x₁ = N₁(α·x + Attn(x))``,
     ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so it is zero-preserving too.
-    Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, 3d) or None goes to the attention.
+    Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, 3d) or None and ``kv`` (the KV visit, or
+    None) go to the attention.
     """
 
     def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,
@@ -104,13 +103,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.post_ln_alpha = post_ln_alpha
 
-    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         if self.post_ln_alpha is not None:
             alpha = self.post_ln_alpha
-            x1 = self.norm1(alpha * x + self.drop(self.attn(x, qkv_inject)))  # (B, L, d)
+            x1 = self.norm1(alpha * x + self.drop(self.attn(x, qkv_inject, kv)))  # (B, L, d)
             x2 = self.norm2(alpha * x1 + self.drop(self.mlp(x1)))  # (B, L, d)
             return x2 - x
-        a = self.drop(self.attn(self.norm1(x), qkv_inject))  # (B, L, d)
+        a = self.drop(self.attn(self.norm1(x), qkv_inject, kv))  # (B, L, d)
         m = self.drop(self.mlp(self.norm2(x + a)))  # (B, L, d)
         return a + m
 
@@ -125,12 +124,14 @@ class Core(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps, post_ln_alpha) for _ in range(n_blocks))
 
-    def forward(self, x: torch.Tensor, qkv_inject: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """G(x); ``qkv_inject`` optionally gives block j's Q/K/V injection (B, L, 3d) (``deq_qkv``)."""
+    def forward(self, x: torch.Tensor, qkv_inject: list[torch.Tensor] | None = None, kv=None) -> torch.Tensor:
+        """G(x); ``qkv_inject`` optionally gives block j's Q/K/V injection (B, L, 3d) (``deq_qkv``);
+        ``kv`` is the KV visit of this core application (every block of the core shares it: the
+        blocks are distinct physical layers)."""
         inj = qkv_inject if qkv_inject is not None else [None] * len(self.blocks)
-        delta = self.blocks[0](x, inj[0])
+        delta = self.blocks[0](x, inj[0], kv)
         for block, q in zip(self.blocks[1:], inj[1:]):
-            delta = delta + block(x + delta, q)
+            delta = delta + block(x + delta, q, kv)
         return delta
 
 

@@ -1,8 +1,16 @@
 """LoopLM: embed → prelude → loop (core × T under a recurrence rule) → coda → readout (SPEC §1).
 
-The same class builds the unshared Transformer reference (``architecture="unshared"``): N distinct
+The recurrence exists once: :meth:`LoopLM.step` is the whole realized loop step (the rule's update,
+the SCSE zero-deviation mask, the between-loop scale control and the evaluation-time scale clamp).
+:meth:`DepthLM.forward` (training, multi-depth evaluation, cached decoding) and every other consumer —
+the early-exit runner of adaptive depth, halting and generation (:mod:`looplm.eval.exits`), KV-sharing
+evaluation and every diagnostic — call it and nothing else; a diagnostic that needs a different map
+asks for it through a named argument of that method (``mask``, ``injection_gain``).
+
+:class:`TransformerLM` is the unshared Transformer reference (``architecture="unshared"``): N distinct
 blocks, no recurrence, where depth T runs the first ``min(T, N)`` blocks (its active depth saturates
-at N, matching the FLOP proxy of SCSE eq. 20).
+at N, matching the FLOP proxy of SCSE eq. 20, arXiv:2607.27656). Both share :class:`DepthLM`'s
+forward; build either from a config with :func:`build_model`.
 """
 
 from __future__ import annotations
@@ -10,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig
-from looplm.model.kvcache import AttentionScope, KVCache
+from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
 from looplm.model.recurrence import LoopContext, build_rule
 
@@ -34,7 +42,7 @@ class LoopOutput:
         nll_by_depth: {T: (B, L)} per-token negative log-likelihood in nats (with targets).
         states: hidden states h_0 … h_T, each (B, L, d), in readout coordinates (h = h* + Δ for SCSE),
             before the coda (``return_states=True``).
-        anchor: the anchor h* (B, L, d) (shared architecture only).
+        anchor: the anchor h* (B, L, d) (looped models only).
         exit_logits_by_depth: {T: (B, L)} exit-gate logits at each requested depth T ≥ 1 (models with
             ``exit_gate``; SPEC §4 exit_weighted supervision).
     """
@@ -61,43 +69,35 @@ def token_rms(h: torch.Tensor) -> torch.Tensor:
     return h.float().pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
 
 
-class LoopLM(nn.Module):
-    """A looped (or unshared reference) causal language model.
+class DepthLM(nn.Module):
+    """What a looped model and its unshared reference share: embeddings, final norm, readout, the
+    initialization and :meth:`forward` — the recurrence on one screen.
 
-    Args:
-        cfg: the model config (SPEC §1–2).
-
-    ``model(idx, depth=T)`` returns a :class:`LoopOutput`; ``depth`` may be an int or a sequence of
-    depths, all read out from one unroll to the largest.
+    Subclasses define the loop: :meth:`start` (initial state and context), :meth:`step` (one realized
+    step), :meth:`hidden` / :meth:`to_state` (readout coordinates ↔ loop state) and the ``blocks_before``
+    / ``blocks_after`` run by :meth:`embed` and :meth:`readout` (prelude and coda).
     """
+
+    #: whether the model has a shared, depth-recurrent core (False for the unshared reference)
+    shared = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         # the depth from which a final_only_norm readout normalizes (see forward); None = the largest
-        # requested depth. Loading a checkpoint sets it to train.eval_depth.
+        # requested depth. Loading a checkpoint sets it to the nominal training depth.
         self.final_depth: int | None = None
         d = cfg.d_model
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
         self.pos_emb = nn.Embedding(cfg.seq_len, d)
         self.drop = nn.Dropout(cfg.dropout)
         self.in_norm = RMSNorm(d, cfg.norm_eps) if cfg.input_norm else None
-        self.shared = cfg.architecture == "shared"
-        if self.shared:
-            self.prelude = nn.ModuleList(_block(cfg) for _ in range(cfg.n_prelude))
-            self.core = Core(cfg.n_core, d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
-            self.rule = build_rule(cfg)
-            self.coda = nn.ModuleList(_block(cfg) for _ in range(cfg.n_coda))
-            self.loop_norm = RMSNorm(d, cfg.norm_eps) if cfg.scale_control == "inter_loop_norm" else None
-            self.damping_raw = (nn.Parameter(torch.tensor(math.log(cfg.damping_init / (1 - cfg.damping_init))))
-                                if cfg.scale_control == "spectral_damping" else None)
-            self.exit_gate = nn.Linear(d, 1) if cfg.exit_gate else None
-        else:
-            self.layers = nn.ModuleList(_block(cfg) for _ in range(cfg.n_layers))
-            self.loop_norm = self.damping_raw = self.exit_gate = None
-        self.norm_f = RMSNorm(d, cfg.norm_eps)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+
+    def _finish_init(self) -> None:
+        d = self.cfg.d_model
+        self.norm_f = RMSNorm(d, self.cfg.norm_eps)
+        self.lm_head = nn.Linear(d, self.cfg.vocab_size, bias=False)
+        if self.cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         for i, m in enumerate(m for m in self.modules() if isinstance(m, CausalSelfAttention)):
             m.layer_id = i  # physical layer index for KV caches
@@ -105,9 +105,7 @@ class LoopLM(nn.Module):
 
     # ------------------------------------------------------------------ init and accounting
     def n_physical_blocks(self) -> int:
-        if self.shared:
-            return self.cfg.n_prelude + self.cfg.n_core + self.cfg.n_coda
-        return self.cfg.n_layers
+        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         """Initialization (our choice unless stated).
@@ -140,19 +138,29 @@ class LoopLM(nn.Module):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.n_physical_blocks()))
             else:
                 nn.init.normal_(p, 0.0, std)
-        if self.shared and getattr(self.rule, "anchor_proj", None) is not None:
-            nn.init.normal_(self.rule.anchor_proj.weight, 0.0, std)  # frozen_random keeps this draw
 
     def num_params(self, trainable_only: bool = True) -> int:
         """Number of (unique) parameters; tied embeddings count once."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
-    # ------------------------------------------------------------------ forward pieces
-    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    # ------------------------------------------------------------------ the pieces of the loop
+    @property
+    def blocks_before(self) -> Sequence[nn.Module]:
+        """Blocks :meth:`embed` runs after the embedding (the prelude)."""
+        return ()
+
+    @property
+    def blocks_after(self) -> Sequence[nn.Module]:
+        """Blocks :meth:`readout` runs before the final norm (the coda)."""
+        return ()
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None, *,
+              scope: AttentionScope | None = None) -> torch.Tensor:
         """Token + learned position embedding (+ input RMSNorm), then the prelude. (B, L) int64 → (B, L, d).
 
         ``positions`` (B, L) int64 are the position ids (default 0 … L−1; left-padded batches and
-        cached decoding pass their own).
+        cached decoding pass their own). ``scope``: the forward's attention scope (KV cache,
+        key-padding mask); prelude layers attend at visit 0.
 
         Raises:
             ValueError: a position reaches ``seq_len``.
@@ -170,20 +178,29 @@ class LoopLM(nn.Module):
         x = self.drop(self.tok_emb(idx) + pos_e)  # (B, L, d)
         if self.in_norm is not None:
             x = self.in_norm(x)
-        if self.shared:
-            for block in self.prelude:
-                x = x + block(x)
+        kv = None if scope is None else scope.at(0)
+        for block in self.blocks_before:
+            x = x + block(x, None, kv)
         return x
 
-    def readout(self, h: torch.Tensor, final: bool = True) -> torch.Tensor:
-        """Coda, then the readout (SPEC §4). (B, L, d) → (B, L, V) logits.
+    def readout(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
+                record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Coda, then the readout (SPEC §4). (B, L, d) → (B, L, V) logits, or (N, V) with ``tokens``.
 
         ``readout="rmsnorm"``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw
         when ``final=False`` (an intermediate loop), RMSNorm at the last loop.
+
+        Args:
+            scope: the forward's attention scope; coda layers attend at visit 0. ``record=False``
+                reads the KV cache without writing it (extra readouts leave no trace).
+            tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda,
+                which sees the whole sequence), so the (B, L, V) logits are never formed.
         """
-        if self.shared:
-            for block in self.coda:
-                h = h + block(h)
+        kv = None if scope is None else scope.at(0, record)
+        for block in self.blocks_after:
+            h = h + block(h, None, kv)
+        if tokens is not None:
+            h = h[tokens[0], tokens[1]]  # (N, d)
         mode = self.cfg.readout
         if mode == "rmsnorm" or (mode == "final_only_norm" and final):
             h = self.norm_f(h)
@@ -194,19 +211,228 @@ class LoopLM(nn.Module):
         ``self.final_depth``, else ``largest`` (the largest depth of the forward)."""
         return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
 
-    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LoopContext]:
-        """Initial loop state and per-sequence context (anchor, injection) of the recurrence rule."""
-        if self.rule.uses_positions:
-            return self.rule.start(e, positions)
-        return self.rule.start(e)
+    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None, *,
+              scope: AttentionScope | None = None, valid: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, LoopContext]:
+        """Initial loop state (B, L, d) and the per-sequence :class:`LoopContext` from the prelude output
+        e (B, L, d). ``positions`` (B, L) position ids; ``scope`` the forward's attention scope;
+        ``valid`` (B, L) bool real-token mask (left padding), all stored in the context."""
+        raise NotImplementedError
 
-    def loop_step(self, state: torch.Tensor, t: int, ctx: LoopContext, *,
-                  clamp_rms: torch.Tensor | None = None) -> torch.Tensor:
-        """One loop step of the rule (0-based t), then the between-loop scale control (SPEC §4):
-        ``inter_loop_norm`` (h ← RMSNorm(h), learned gain) or ``spectral_damping`` (h ← σ(ρ)·h), applied
-        to the hidden state h = hidden(state). ``clamp_rms`` (B, L, 1), when given, rescales each
-        token's h to that RMS (the evaluation-time ``scale_clamp``). (B, L, d) → (B, L, d)."""
-        state = self.rule.step(self.core, state, t, ctx)
+    def step(self, state: torch.Tensor, t: int, ctx: LoopContext, **kw) -> torch.Tensor:
+        """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d)."""
+        raise NotImplementedError
+
+    def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """The hidden state h (readout coordinates) of a loop state. (B, L, d) → (B, L, d)."""
+        return state
+
+    def to_state(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """The loop state whose hidden state is h (inverse of :meth:`hidden`)."""
+        return h
+
+    # ------------------------------------------------------------------ forward: the recurrence
+    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
+                return_states: bool = False, keep_logits: bool = True, tbptt: int = 0, scale_clamp: bool = False,
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                final_depth: int | None = None,
+                readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
+        """Run the model at one or several loop depths in a single unroll.
+
+        Args:
+            idx: (B, L) int64 token ids, L ≤ seq_len.
+            depth: loop depth T ≥ 0, or a sequence of depths (read out on the way to the largest).
+            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout_tokens``); -100
+                marks positions to ignore.
+            return_states: also return every hidden state h_0 … h_T (readout coordinates).
+            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory).
+            tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first T − b steps run without autograd
+                and the state is detached before the last b steps (so activation memory scales with
+                b). Gradients still reach e and the prelude through the context (anchor, injection)
+                at every back-propagated step; a rule without injection (``plain``) trains its
+                prelude only through the untruncated steps, and parameters used only in the initial
+                state (e.g. an anchor projection) get a zero gradient rather than none (the detached
+                state carries ``0·Σ state_0``, so DDP needs no ``find_unused_parameters``).
+                0 = full BPTT.
+            scale_clamp: the evaluation-time scale clamp (SPEC §4): after every loop each token's
+                state is rescaled to its loop-1 RMS.
+            cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
+                positions continue the cache's, and the chunk is appended to the cache (SPEC §6). With
+                several depths only the last readout's coda enters the cache; the coda of an
+                intermediate readout attends to the prefix's last-depth coda K/V.
+            attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
+                position ids count real tokens only.
+            final_depth: for ``readout="final_only_norm"`` (SPEC §4), a readout at depth T applies
+                the final RMSNorm iff T ≥ final_depth, so each depth's logits do not depend on which
+                other depths are requested. None: ``self.final_depth`` (set from the checkpoint's
+                nominal depth when loaded), else the largest requested depth (training).
+            readout_tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens; logits
+                are then (N, V) and ``targets`` (N,).
+            on_depth: called as ``on_depth(T, h_T, logits_T)`` at every depth T = 0 … max(depth),
+                with the logits when T is a requested depth (else None): lets a consumer reduce each
+                depth's state and logits to statistics without keeping them (early-exit traces).
+
+        Raises:
+            ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
+                the unshared reference, or ``tbptt`` is given to the unshared reference.
+        """
+        depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
+        if not depths or depths[0] < 0:
+            raise ValueError(f"depth: need one or more loop depths >= 0, got {depth!r}")
+        if cache is not None and not self.shared:
+            raise ValueError("cache: KV caches need the shared architecture")
+        if cache is not None and depths[-1] < 1:
+            raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
+        if tbptt and not self.shared:
+            raise ValueError(f"tbptt: the unshared reference has no recurrence to truncate, got {tbptt}")
+        scope, positions, valid = self._attention(idx, cache, attention_mask)
+        last, wanted = depths[-1], set(depths)
+        final_from = self.resolve_final_depth(final_depth, last)
+        out = LoopOutput(states=[] if return_states else None)
+
+        def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
+            if self.exit_gate is not None and T >= 1:
+                out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
+            # only the last readout's coda enters the KV cache
+            logits = self.readout(h, final=T >= final_from, scope=scope, record=T == last, tokens=readout_tokens)
+            if keep_logits:
+                out.logits_by_depth[T] = logits
+            if targets is not None:
+                nll = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100,
+                                      reduction="none").view(targets.shape).clone()  # returned tensors
+                # must not be views: FSDP2 hooks the root module's outputs for backward
+                out.nll_by_depth[T] = nll
+            return logits
+
+        state, ctx = self.start(self.embed(idx, positions, scope=scope), positions, scope=scope, valid=valid)
+        out.anchor = ctx.anchor if self.shared else None
+        h = self.hidden(state, ctx)
+        no_grad_steps = last - tbptt if tbptt and torch.is_grad_enabled() else 0
+        state0, clamp_rms = state, None
+        for T in range(last + 1):
+            if T > 0:  # loop step t = T − 1
+                if no_grad_steps and T - 1 == no_grad_steps:
+                    # exact zero that keeps the initial state's parameters in the graph (DDP)
+                    state = state.detach() + 0.0 * state0.sum()
+                with torch.set_grad_enabled(torch.is_grad_enabled() and T - 1 >= no_grad_steps):
+                    state = self.step(state, T - 1, ctx, clamp_rms=clamp_rms)
+                h = self.hidden(state, ctx)
+                if scale_clamp and clamp_rms is None:
+                    clamp_rms = token_rms(h).detach()
+            if return_states:
+                out.states.append(h)
+            logits = read(T, h) if T in wanted else None
+            if on_depth is not None:
+                on_depth(T, h, logits)
+        if cache is not None:
+            scope.commit()
+        out.logits = out.logits_by_depth.get(last)
+        if targets is not None:
+            n_valid = (targets != -100).sum().clamp(min=1)
+            out.loss = out.nll_by_depth[last].sum() / n_valid
+        return out
+
+    def _attention(self, idx: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None
+                   ) -> tuple[AttentionScope | None, torch.Tensor | None, torch.Tensor | None]:
+        """(scope, positions (B, L), valid (B, L) bool) of a forward; all None without cache or mask."""
+        if cache is None and attention_mask is None:
+            return None, None, None
+        valid = (attention_mask.bool() if attention_mask is not None
+                 else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
+        if cache is not None:
+            cache.calls_per_step = self.calls_per_step
+        start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
+        positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
+        key_valid = valid if attention_mask is not None else None
+        return AttentionScope(cache, key_valid), positions, key_valid
+
+    calls_per_step = 1
+
+
+class LoopLM(DepthLM):
+    """A looped causal language model: embed → prelude → T × (recurrence rule over a shared core) →
+    coda → readout (SPEC §1–2).
+
+    Args:
+        cfg: the model config (SPEC §1–2), ``architecture="shared"``.
+
+    ``model(idx, depth=T)`` returns a :class:`LoopOutput`; ``depth`` may be an int or a sequence of
+    depths, all read out from one unroll to the largest.
+
+    Raises:
+        ValueError: ``cfg.architecture`` is not ``shared`` (use :func:`build_model`).
+    """
+
+    shared = True
+
+    def __init__(self, cfg: ModelConfig):
+        if cfg.architecture != "shared":
+            raise ValueError(f"model.architecture: LoopLM builds shared models, got {cfg.architecture!r}; "
+                             "use looplm.model.build_model (TransformerLM for the unshared reference)")
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.prelude = nn.ModuleList(_block(cfg) for _ in range(cfg.n_prelude))
+        self.core = Core(cfg.n_core, d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
+        self.rule = build_rule(cfg)
+        self.coda = nn.ModuleList(_block(cfg) for _ in range(cfg.n_coda))
+        self.loop_norm = RMSNorm(d, cfg.norm_eps) if cfg.scale_control == "inter_loop_norm" else None
+        self.damping_raw = (nn.Parameter(torch.tensor(math.log(cfg.damping_init / (1 - cfg.damping_init))))
+                            if cfg.scale_control == "spectral_damping" else None)
+        self.exit_gate = nn.Linear(d, 1) if cfg.exit_gate else None
+        self.calls_per_step = self.rule.core_calls_per_step
+        self._finish_init()
+
+    @property
+    def blocks_before(self):
+        return self.prelude
+
+    @property
+    def blocks_after(self):
+        return self.coda
+
+    def n_physical_blocks(self) -> int:
+        return self.cfg.n_prelude + self.cfg.n_core + self.cfg.n_coda
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self.rule, "anchor_proj", None) is not None:
+            nn.init.normal_(self.rule.anchor_proj.weight, 0.0, self.cfg.init_std)  # frozen_random keeps this draw
+
+    def start(self, e, positions=None, *, scope=None, valid=None):
+        state, ctx = self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)
+        if valid is not None or scope is not None:
+            ctx = dataclasses.replace(ctx, valid=None if valid is None else valid[..., None].to(e.dtype), scope=scope)
+        return state, ctx
+
+    def step(self, state: torch.Tensor, t: int, ctx: LoopContext, *, mask: bool = True,
+             injection_gain: float = 1.0, clamp_rms: torch.Tensor | None = None) -> torch.Tensor:
+        """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d).
+
+        The rule's update (SPEC §2, with the SCSE zero-deviation mask), then the between-loop scale
+        control (SPEC §4): ``inter_loop_norm`` (h ← RMSNorm(h), learned gain) or ``spectral_damping``
+        (h ← σ(ρ)·h), applied to the hidden state h = hidden(state), then the scale clamp. The core
+        attends through ``ctx.scope`` (KV cache, padding) at visit ``t · calls_per_step + call``.
+
+        Args:
+            state: the loop state (the deviation Δ for the SCSE family, else h).
+            t: 0-based loop step. ctx: the :class:`LoopContext` of :meth:`start`.
+            mask: False gives the SCSE family's raw pre-mask map b̃_t (SCSE eq. 8, arXiv:2607.27656;
+                the forcing-bias diagnostic); other rules have no mask.
+            injection_gain: g scales the rule's injection (the evaluation-time dose response of
+                SPEC §7: g = 0 removes it, 1 is the trained map; see
+                :meth:`~looplm.model.recurrence.RecurrenceRule.with_injection_gain`).
+            clamp_rms: (B, L, 1) per-token target RMS of the evaluation-time scale clamp (SPEC §4),
+                or None.
+        """
+        if injection_gain != 1.0:
+            ctx = self.rule.with_injection_gain(ctx, injection_gain)
+        scope, base = ctx.scope, t * self.calls_per_step
+
+        def core(x: torch.Tensor, qkv_inject=None, *, call: int = 0) -> torch.Tensor:
+            return self.core(x, qkv_inject, None if scope is None else scope.at(base + call))
+
+        state = self.rule.step(core, state, t, ctx, mask=mask)
         if self.loop_norm is None and self.damping_raw is None and clamp_rms is None:
             return state
         h = self.rule.hidden(state, ctx)
@@ -218,133 +444,48 @@ class LoopLM(nn.Module):
             h = h * (clamp_rms / token_rms(h).clamp(min=1e-12))
         return self.rule.to_state(h, ctx)
 
-    def unroll(self, idx: torch.Tensor, max_depth: int, *, tbptt: int = 0, scale_clamp: bool = False,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-               scope: AttentionScope | None = None
-               ) -> Iterator[tuple[int, torch.Tensor, LoopContext | None]]:
-        """Yield ``(T, h_T, ctx)`` for T = 0 … max_depth: the hidden state after T loop steps, in
-        readout coordinates. For the unshared architecture h_T is the output of block
-        min(T, n_layers) and ctx is None.
+    def hidden(self, state, ctx):
+        return self.rule.hidden(state, ctx)
 
-        Args:
-            tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first max_depth − b steps run without
-                autograd and the state is detached before the last b steps (so activation memory
-                scales with b). Gradients still reach e and the prelude through the context
-                (anchor, injection) at every back-propagated step; a rule without injection
-                (``plain``) trains its prelude only through the untruncated steps, and parameters
-                used only in the initial state (e.g. an anchor projection) get a zero gradient
-                rather than none (the detached state carries ``0·Σ state_0``, so DDP needs no
-                ``find_unused_parameters``). 0 = full BPTT.
-            scale_clamp: rescale each token's state after every loop to its loop-1 RMS (SPEC §4).
-            positions, valid: (B, L) position ids and real-token mask (left padding / cached decoding).
-            scope: the attention scope of a cached forward (for per-sequence running statistics).
-        """
-        e = self.embed(idx, positions)
-        if not self.shared:
-            h = e
-            yield 0, h, None
-            for T in range(1, max_depth + 1):
-                if T <= len(self.layers):
-                    h = h + self.layers[T - 1](h)
-                yield T, h, None
-            return
-        state, ctx = self.start(e, positions)
-        if valid is not None or scope is not None:
-            ctx = dataclasses.replace(ctx, valid=None if valid is None else valid[..., None].to(e.dtype), scope=scope)
-        yield 0, self.rule.hidden(state, ctx), ctx
-        no_grad_steps = max_depth - tbptt if tbptt and torch.is_grad_enabled() else 0
-        state0 = state
-        ref = None
-        for t in range(max_depth):
-            if no_grad_steps and t == no_grad_steps:
-                # exact zero that keeps the initial state's parameters in the graph (DDP)
-                state = state.detach() + 0.0 * state0.sum()
-            with torch.set_grad_enabled(torch.is_grad_enabled() and t >= no_grad_steps):
-                state = self.loop_step(state, t, ctx, clamp_rms=ref)
-            h = self.rule.hidden(state, ctx)
-            if scale_clamp and ref is None:
-                ref = token_rms(h).detach()
-            yield t + 1, h, ctx
+    def to_state(self, h, ctx):
+        return self.rule.to_state(h, ctx)
 
-    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
-                return_states: bool = False, keep_logits: bool = True, tbptt: int = 0, scale_clamp: bool = False,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                final_depth: int | None = None) -> LoopOutput:
-        """Run the model at one or several loop depths in a single unroll.
 
-        Args:
-            idx: (B, L) int64 token ids, L ≤ seq_len.
-            depth: loop depth T ≥ 0, or a sequence of depths (read out on the way to the largest).
-            targets: optional (B, L) int64 next-token ids; -100 marks positions to ignore.
-            return_states: also return every hidden state h_0 … h_T.
-            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory).
-            tbptt: truncated BPTT window b (0 = full BPTT), see :meth:`unroll`.
-            scale_clamp: the evaluation-time scale clamp (SPEC §4).
-            cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
-                positions continue the cache's, and the chunk is appended to the cache (SPEC §6). With
-                several depths only the last readout's coda enters the cache; the coda of an
-                intermediate readout attends to the prefix's last-depth coda K/V.
-            attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
-                position ids count real tokens only.
-            final_depth: for ``readout="final_only_norm"`` (SPEC §4), a readout at depth T applies
-                the final RMSNorm iff T ≥ final_depth, so each depth's logits do not depend on which
-                other depths are requested. None: ``self.final_depth`` (set from the checkpoint's
-                ``train.eval_depth`` when loaded), else the largest requested depth (training).
+class TransformerLM(DepthLM):
+    """The unshared Transformer reference (``architecture="unshared"``): ``n_layers`` distinct blocks.
 
-        Raises:
-            ValueError: a depth is negative, no depth is given, or a cache is given with depth 0.
-        """
-        depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
-        if not depths or depths[0] < 0:
-            raise ValueError(f"depth: need one or more loop depths >= 0, got {depth!r}")
-        if cache is None and attention_mask is None:
-            return self._forward(idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp,
-                                 final_depth=final_depth)
-        if not self.shared and cache is not None:
-            raise ValueError("cache: KV caches need the shared architecture")
-        if cache is not None and depths[-1] < 1:
-            raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
-        valid = (attention_mask.bool() if attention_mask is not None
-                 else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
-        if cache is not None:
-            cache.calls_per_step = self.rule.core_calls_per_step
-        start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
-        positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
-        with AttentionScope(cache, valid if attention_mask is not None else None) as scope:
-            return self._forward(idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp,
-                                 final_depth=final_depth, positions=positions, valid=valid if attention_mask is not None else None,
-                                 scope=scope)
+    Its "loop step" t applies block t (the identity past ``n_layers``), so depth T runs the first
+    ``min(T, n_layers)`` blocks and the same :meth:`forward`, runners and evaluations apply.
 
-    def _forward(self, idx, depths, targets, return_states, keep_logits, tbptt, scale_clamp, *,
-                 final_depth=None, **unroll_kw) -> LoopOutput:
-        out = LoopOutput(states=[] if return_states else None)
-        wanted = set(depths)
-        last = depths[-1]
-        final_from = self.resolve_final_depth(final_depth, last)
-        for T, h, ctx in self.unroll(idx, last, tbptt=tbptt, scale_clamp=scale_clamp, **unroll_kw):
-            if return_states:
-                out.states.append(h)
-            if ctx is not None:
-                out.anchor = ctx.anchor
-            if T not in wanted:
-                continue
-            if self.exit_gate is not None and T >= 1:
-                out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
-            scope = unroll_kw.get("scope")
-            if scope is not None and T != last and self.shared and self.coda:
-                with scope.peek():  # only the last readout's coda enters the KV cache
-                    logits = self.readout(h, final=T >= final_from)
-            else:
-                logits = self.readout(h, final=T >= final_from)  # (B, L, V)
-            if keep_logits:
-                out.logits_by_depth[T] = logits
-            if targets is not None:
-                nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                      reduction="none").view(targets.shape).clone()  # (B, L); returned
-                # tensors must not be views: FSDP2 hooks the root module's outputs for backward
-                out.nll_by_depth[T] = nll
-        out.logits = out.logits_by_depth.get(last)
-        if targets is not None:
-            valid = (targets != -100).sum().clamp(min=1)
-            out.loss = out.nll_by_depth[last].sum() / valid
-        return out
+    Raises:
+        ValueError: ``cfg.architecture`` is not ``unshared``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        if cfg.architecture != "unshared":
+            raise ValueError(f"model.architecture: TransformerLM builds the unshared reference, got "
+                             f"{cfg.architecture!r}")
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(_block(cfg) for _ in range(cfg.n_layers))
+        self.exit_gate = None
+        self._finish_init()
+
+    def n_physical_blocks(self) -> int:
+        return self.cfg.n_layers
+
+    def start(self, e, positions=None, *, scope=None, valid=None):
+        return e, LoopContext(e=e, anchor=e, valid=None if valid is None else valid[..., None].to(e.dtype),
+                              scope=scope)
+
+    def step(self, state, t, ctx, *, clamp_rms=None):
+        """Block t+1 of the stack (identity past ``n_layers``): h ← h + Block_t(h). (B, L, d) → (B, L, d)."""
+        if clamp_rms is not None:
+            raise ValueError("scale_clamp: the unshared reference has no loop to clamp")
+        if t >= len(self.layers):
+            return state
+        return state + self.layers[t](state, None, None if ctx.scope is None else ctx.scope.at(0))
+
+
+def build_model(cfg: ModelConfig) -> DepthLM:
+    """The model a config describes: :class:`LoopLM` (shared) or :class:`TransformerLM` (unshared)."""
+    return LoopLM(cfg) if cfg.architecture == "shared" else TransformerLM(cfg)

@@ -4,7 +4,13 @@ A rule defines, from the embedding ``e`` (B, L, d):
 
 - ``start(e)``: the anchor ``h*`` (computed once per sequence), the initial loop state and any
   per-sequence constants (the injection), packed in a :class:`LoopContext`;
-- ``step(core, state, t, ctx)``: one loop step ``state_t → state_{t+1}``;
+- ``step(core, state, t, ctx)``: the rule's update ``state_t → state_{t+1}``. This is *not* the
+  realized step: :meth:`looplm.model.LoopLM.step` wraps it with the between-loop scale control and
+  the scale clamp, and every consumer (training, evaluation, generation, adaptive depth, diagnostics)
+  calls that one method. ``core`` is the shared core bound to loop step t by the model: a callable
+  ``core(x, qkv_inject=None, *, call=0)`` returning G(x), where ``call`` numbers the core
+  applications within the step (0, or 1 for the second call of the two-call rules) and so names the
+  KV-cache visit ``t · core_calls_per_step + call``;
 - ``hidden(state, ctx)`` / ``to_state(h, ctx)``: the map between a rule's loop state and the hidden
   state ``h`` that is read out (identity for the additive rules; the deviation Δ = h − h* for the
   SCSE family and additive_subtract);
@@ -26,7 +32,7 @@ import torch
 from torch import nn
 
 from looplm.config import RULE_NAMES, ModelConfig
-from looplm.model.layers import Core, RMSNorm, sinusoidal_step_embedding
+from looplm.model.layers import RMSNorm, sinusoidal_step_embedding
 
 
 @dataclass
@@ -72,11 +78,13 @@ class RecurrenceRule(nn.Module):
     def start(self, e: torch.Tensor) -> tuple[torch.Tensor, LoopContext]:
         raise NotImplementedError
 
-    def step(self, core: Core, state: torch.Tensor, t: int, ctx: LoopContext, *,
+    def step(self, core, state: torch.Tensor, t: int, ctx: LoopContext, *,
              mask: bool = True) -> torch.Tensor:
-        """One loop step ``state_t → state_{t+1}`` (B, L, d) at 0-based step t.
+        """The rule's update ``state_t → state_{t+1}`` (B, L, d) at 0-based step t (module docstring;
+        call it through :meth:`looplm.model.LoopLM.step`).
 
-        ``mask=False`` gives the raw pre-mask map b̃ (only the masked SCSE family has a mask).
+        ``core`` is the bound core ``core(x, qkv_inject=None, *, call=0)``. ``mask=False`` gives the
+        raw pre-mask map b̃ (only the masked SCSE family has a mask).
         """
         raise NotImplementedError
 
@@ -270,7 +278,7 @@ class _SourceCentered(_AnchoredStart):
         cond = self.kappa * self.cond_proj(anchor) if self.cond_proj is not None else None
         return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=cond)
 
-    def raw_update(self, core: Core, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+    def raw_update(self, core, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """U(Δ) = G(Δ + c_sc) (G(Δ) without conditioning). (B, L, d) → (B, L, d)."""
         return core(state if ctx.injection is None else state + ctx.injection)
 
@@ -334,7 +342,7 @@ class SCSubtract(SCCond):
     core_calls_per_step = 2
 
     def raw_update(self, core, state, ctx):
-        return core(state + ctx.injection) - core(ctx.injection)
+        return core(state + ctx.injection) - core(ctx.injection, call=1)
 
 
 @register_rule
@@ -383,7 +391,7 @@ class AdditiveSubtract(_AnchoredStart):
             gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
             base = base + self.tau * self.step_proj(gamma)
         # base + 0 == base exactly, so at Δ = 0 the two (dropout-free) calls cancel bit for bit
-        return state + self.s * (core(base + state) - core(base))
+        return state + self.s * (core(base + state) - core(base, call=1))
 
     def hidden(self, state, ctx):
         return ctx.anchor + state

@@ -32,7 +32,7 @@ from safetensors.torch import load_model, save_model
 
 from looplm.config import Config
 from looplm.data.paths import atomic_write
-from looplm.model import LoopLM
+from looplm.model import LoopLM, build_model
 from looplm.train.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
@@ -291,7 +291,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     else:  # inference does not need the training state
         manifest = verify_checkpoint(ckpt, skip=frozenset() if with_state else frozenset({STATE_FILE}))
     cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
-    model = LoopLM(cfg.model)
+    model = build_model(cfg.model)
     if MODEL_FILE not in manifest["files"] and is_sharded(ckpt):
         _load_sharded_model(ckpt, model)
     else:
@@ -324,7 +324,7 @@ def consolidate_checkpoint(path: str | Path) -> Path:
         return target
     if not is_sharded(ckpt):
         raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
-    model = LoopLM(Config.from_json((ckpt / CONFIG_FILE).read_text()).model)
+    model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()).model)
     _load_sharded_model(ckpt, model)
     tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
     save_model(model, str(tmp))

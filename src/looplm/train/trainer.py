@@ -25,7 +25,7 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
-from looplm.model import Block, LoopLM
+from looplm.model import Block, LoopLM, build_model
 from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, load_checkpoint,
                                      load_config, load_sharded, load_train_state, newest_valid_checkpoint,
                                      save_checkpoint, save_sharded_checkpoint)
@@ -147,7 +147,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
             sharded_ckpt = ckpt
             cfg, state = load_config(ckpt), load_train_state(ckpt)
-            model = LoopLM(cfg.model)
+            model = build_model(cfg.model)
         else:
             model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
             model.final_depth = None  # as built fresh: training sets the readout per forward
@@ -163,7 +163,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
     if not resume:
         torch.manual_seed(tcfg.seed)
-        model = LoopLM(cfg.model)
+        model = build_model(cfg.model)
     model.to(device)
     if tcfg.compile:
         compile_blocks(model)
@@ -211,7 +211,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         if main:
             plain = unwrap(wrapped)
             if fsdp:
-                plain = LoopLM(cfg.model)
+                plain = build_model(cfg.model)
                 plain.load_state_dict(model_sd, strict=True)
             save_checkpoint(out, step, plain, cfg, train_state={**train_state, "optimizer": opt_sd},
                             tokenizer_json=data.tokenizer_json)

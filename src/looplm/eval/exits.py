@@ -1,0 +1,652 @@
+"""One exit-criterion system: criteria, calibration, offline traces and the early-exit runner (SPEC §6).
+
+Every per-example or per-token adaptive-depth method in looplm is built from the four pieces here:
+
+- **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (comparing it with loop k − 1), its
+  aggregation over a sequence's tokens and its direction. ``hidden_update`` is the SCSE stopping rule
+  (arXiv:2607.27656, appendix "Adaptive Depth", Tables 9–10: u = max over tokens of
+  ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin`` is the readout blind spot's
+  logit-margin rule (the readout-blind-spot paper, §5 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
+  ≥ τ); ``relative``, ``kl`` and ``entropy`` are Huginn's exit criteria (arXiv:2502.05171 §6; latent
+  change, KL between successive readouts, entropy change; per token in decoding, mean over tokens
+  for a sequence); ``exit_gate`` reads a model's learned exit gate (Ouro-style, arXiv:2510.25741:
+  λ_k = σ(gate(h_k)), halt when λ_k ≥ τ).
+- **halting depths** (:func:`halting_depths`): ``D = min({k < C : criterion fires at k} ∪ {C})``.
+  Loop C (the ceiling) is never tested: an example still running there stops anyway.
+- **calibration** (:func:`calibrate`): τ from a trace, either to a target mean depth (the closest
+  attainable; SCSE's protocol) or to a PPL tolerance (the earliest-halting τ whose dynamic PPL stays
+  within (1 + tolerance) × the PPL at the ceiling; the blind spot's protocol).
+- **the runner** (:func:`exit_loop`): advances a batch with :meth:`looplm.model.LoopLM.step` and
+  applies the criterion after every loop. ``drop=True`` (evaluation) removes halted rows from the
+  batch, so later steps process fewer rows; ``drop=False`` (cached decoding) freezes them: they keep
+  their state and their later KV-cache visits copy their exit visit's K/V (see
+  :mod:`looplm.model.kvcache`). :func:`trace` is the offline accounting of the same criterion from one
+  multi-depth forward; :func:`run` applies the runner to evaluation batches. The two agree (tests).
+
+**Readouts.** A criterion that reads logits sees the model's readout at loop k with the final norm
+iff k ≥ the final depth (:meth:`LoopLM.resolve_final_depth`, the ceiling unless the model sets
+one), as :meth:`LoopLM.forward` reads out; the coda of such an extra readout reads the KV cache and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+UPDATE_EPS = 1e-8  # the denominator guard of the relative change (SPEC §6)
+
+Direction = Literal["below", "above"]
+#: an evaluation batch: inputs x (B, L) int64, targets y (B, L) int64 with -100 on unscored positions,
+#: and the scored-token mask (B, L) bool (the tokens a sequence statistic aggregates over)
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------- criteria
+
+
+class ExitCriterion:
+    """An exit test: a per-token statistic of loop k, aggregated over a sequence, compared with τ.
+
+    Args:
+        tau: the threshold. ``direction="below"`` criteria fire when the statistic is < τ (so τ = −∞
+            never fires); ``"above"`` criteria fire when it is ≥ τ (τ = +∞ never fires).
+
+    Subclasses set ``name``, ``direction``, ``aggregate`` ("max" or "mean" over a sequence's valid
+    tokens), ``needs_logits`` / ``needs_gate`` and ``default_tau``, and implement :meth:`score`.
+    """
+
+    name = ""
+    direction: Direction = "below"
+    aggregate = "mean"
+    needs_logits = False
+    needs_gate = False
+    #: the threshold used when none is given (``looplm generate --exit-tau``)
+    default_tau = 0.0
+
+    def __init__(self, tau: float):
+        self.tau = float(tau)
+
+    @property
+    def needs_previous(self) -> bool:
+        """Whether the statistic at loop k compares with loop k − 1 (so loop 0 is read out too)."""
+        return True
+
+    def score(self, prev_h: torch.Tensor | None, h: torch.Tensor | None, prev_logits: torch.Tensor | None = None,
+              logits: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-token statistic: inputs (..., d) hidden states, (..., V) logits, (...) gate logits
+        (None where not needed) → (...) float32."""
+        raise NotImplementedError
+
+    def sequence_score(self, prev_h, h, prev_logits=None, logits=None, gate=None,
+                       valid: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`score` aggregated over the token dimension (dim 1) when the inputs have one: (B, L, ·)
+        → (B,) with ``valid`` (B, L) bool selecting the tokens (max: 0 and mean: NaN for a row without
+        one); (N, ·) → (N,) per token."""
+        s = self.score(prev_h, h, prev_logits, logits, gate).float()
+        if s.dim() < 2:
+            return s
+        if valid is None:
+            return s.amax(dim=1) if self.aggregate == "max" else s.mean(dim=1)
+        if self.aggregate == "max":
+            return s.masked_fill(~valid, 0.0).amax(dim=1)
+        return s.masked_fill(~valid, 0.0).sum(dim=1) / valid.sum(dim=1)
+
+    def halts(self, score: torch.Tensor) -> torch.Tensor:
+        """Bool tensor: whether the criterion fires for each score (NaN never fires)."""
+        return score < self.tau if self.direction == "below" else score >= self.tau
+
+    def should_exit(self, prev_h, h, prev_logits=None, logits=None, gate=None, valid=None) -> torch.Tensor:
+        """(B,) bool: :meth:`halts` of :meth:`sequence_score`."""
+        return self.halts(self.sequence_score(prev_h, h, prev_logits, logits, gate, valid))
+
+    def never_fires(self) -> bool:
+        """True for τ = −∞ ("below") or +∞ ("above"): the runner then skips computing the statistic."""
+        return self.tau == (-math.inf if self.direction == "below" else math.inf)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tau={self.tau})"
+
+
+def relative_change(prev_h: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """‖h − h_prev‖₂ / (‖h_prev‖₂ + 1e-8) over the last dim, in float32. (..., d) → (...)."""
+    prev_h, h = prev_h.float(), h.float()
+    return (h - prev_h).norm(dim=-1) / (prev_h.norm(dim=-1) + UPDATE_EPS)
+
+
+class HiddenUpdate(ExitCriterion):
+    """SCSE's hidden-update rule (SPEC §6): u_k = max over a sequence's scored tokens of the relative
+    change ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8); halt when u_k < τ."""
+
+    name = "hidden_update"
+    aggregate = "max"
+    default_tau = 0.02  # our choice (the token-convergence threshold of SPEC §6)
+
+    def score(self, prev_h, h, prev_logits=None, logits=None, gate=None):
+        return relative_change(prev_h, h)
+
+
+class RelativeChange(HiddenUpdate):
+    """Huginn's latent-change rule: ``‖h_r − h_{r−1}‖₂ / (‖h_{r−1}‖₂ + 1e-8) < τ`` per token (SPEC §6 ρ);
+    a sequence statistic is its mean over tokens."""
+
+    name = "relative"
+    aggregate = "mean"
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+class KLDivergence(ExitCriterion):
+    """``KL(p_r ‖ p_{r−1}) = Σ_v p_r(v) (log p_r(v) − log p_{r−1}(v)) < τ`` (nats), p = softmax of the
+    readout at loop r (Huginn's KL exit criterion)."""
+
+    name = "kl"
+    needs_logits = True
+    default_tau = 5e-4  # our choice
+
+    def score(self, prev_h, h, prev_logits, logits, gate=None):
+        lp, lq = _log_probs(logits), _log_probs(prev_logits)
+        return (lp.exp() * (lp - lq)).sum(-1)
+
+
+class EntropyChange(ExitCriterion):
+    """``|H(p_r) − H(p_{r−1})| < τ`` (nats), H the entropy of the readout's distribution."""
+
+    name = "entropy"
+    needs_logits = True
+    default_tau = 1e-3  # our choice
+
+    def score(self, prev_h, h, prev_logits, logits, gate=None):
+        def entropy(z):
+            lp = _log_probs(z)
+            return -(lp.exp() * lp).sum(-1)
+
+        return (entropy(logits) - entropy(prev_logits)).abs()
+
+
+class LogitMargin(ExitCriterion):
+    """The readout blind spot's logit-margin rule (SPEC §6): top-1 − top-2 of the loop's logits (logit
+    units; equal to the log-probability gap), mean over a sequence's tokens; halt when ≥ τ."""
+
+    name = "margin"
+    direction = "above"
+    needs_logits = True
+    default_tau = 2.0  # our choice
+
+    @property
+    def needs_previous(self) -> bool:
+        return False
+
+    def score(self, prev_h, h, prev_logits, logits, gate=None):
+        top2 = logits.float().topk(2, dim=-1).values  # (..., 2)
+        return top2[..., 0] - top2[..., 1]
+
+
+class ExitGate(ExitCriterion):
+    """A learned exit gate (``model.exit_gate``; Ouro-style, SPEC §4 exit_weighted supervision): the
+    exit probability λ_k = σ(gate(h_k)) of loop k, mean over a sequence's tokens; halt when ≥ τ.
+
+    Ouro exits where the cumulative exit probability first reaches a threshold; here each loop's own
+    λ_k is compared with τ (our choice; the gate was trained as a per-loop hazard by
+    ``train.supervision=exit_weighted``)."""
+
+    name = "exit_gate"
+    direction = "above"
+    needs_gate = True
+    default_tau = 0.5  # our choice
+
+    @property
+    def needs_previous(self) -> bool:
+        return False
+
+    def score(self, prev_h, h, prev_logits, logits, gate):
+        return torch.sigmoid(gate.float())
+
+
+EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (
+    HiddenUpdate, RelativeChange, KLDivergence, EntropyChange, LogitMargin, ExitGate)}
+
+
+def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
+    """The registered criterion ``name`` with threshold ``tau`` (None = its ``default_tau``).
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+    """
+    if name not in EXIT_CRITERIA:
+        raise KeyError(f"exit criterion: unknown {name!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
+    cls = EXIT_CRITERIA[name]
+    return cls(cls.default_tau if tau is None else tau)
+
+
+def check_criterion(model, criterion: ExitCriterion) -> None:
+    """Raise ValueError when ``criterion`` needs something ``model`` lacks (an exit gate)."""
+    if criterion.needs_gate and getattr(model, "exit_gate", None) is None:
+        raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
+                         "(model.exit_gate, trained with train.supervision=exit_weighted)")
+
+
+# ---------------------------------------------------------------------------------------------- halting depths
+
+
+def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.ndarray:
+    """Halting depth per example: the first loop k < C whose score fires, else C.
+
+    Args:
+        scores: (N, C) statistic of loops 1 … C (column k − 1 = loop k; the last column cannot
+            trigger a halt: loop C is the ceiling anyway). NaN never fires.
+        tau: the threshold. direction: "below" fires on score < τ, "above" on score ≥ τ.
+
+    Returns:
+        (N,) int64 depths in [1, C].
+
+    Raises:
+        ValueError: ``scores`` is not 2-D with C ≥ 1, or an unknown direction.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 2 or s.shape[1] < 1:
+        raise ValueError(f"scores: expected shape (N, C) with C >= 1, got {s.shape}")
+    if direction not in ("below", "above"):
+        raise ValueError(f"direction: expected 'below' or 'above', got {direction!r}")
+    C = s.shape[1]
+    if C == 1:
+        return np.ones(len(s), dtype=np.int64)
+    with np.errstate(invalid="ignore"):
+        hit = s[:, : C - 1] < tau if direction == "below" else s[:, : C - 1] >= tau  # (N, C-1)
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, C).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class Calibration:
+    """Outcome of :func:`calibrate` (N examples, C loops, M candidate thresholds).
+
+    Attributes:
+        tau: the chosen threshold (±∞ = never halts early). depths: (N,) int64 halting depths under τ.
+        mean_depth: their mean. ppl: dynamic PPL under τ (None without NLL). ppl_max: PPL at the
+            ceiling (None without NLL).
+        taus: (M,) candidate thresholds, ascending. mean_depth_by_tau, ppl_by_tau: (M,) per candidate
+            (ppl_by_tau None without NLL).
+    """
+
+    tau: float
+    depths: np.ndarray
+    mean_depth: float
+    ppl: float | None
+    ppl_max: float | None
+    taus: np.ndarray
+    mean_depth_by_tau: np.ndarray
+    ppl_by_tau: np.ndarray | None
+
+
+def _candidates(scores: np.ndarray, direction: Direction) -> np.ndarray:
+    """Ascending thresholds, one per distinct halting pattern of :func:`halting_depths`.
+
+    "above" (fires on ≥): every distinct finite score of loops 1 … C−1 (a τ between two of them acts
+    like the larger) and +∞ (no early halt). "below" (fires on <): the smallest score (no halt),
+    the midpoints between consecutive distinct scores and one value above the largest (every example
+    halts at loop 1); midpoints keep τ away from observed values, so float noise cannot flip a halt.
+    """
+    C = scores.shape[1]
+    decide = scores[:, : C - 1] if C > 1 else scores[:, :0]
+    v = np.unique(decide[np.isfinite(decide)])
+    if direction == "above":
+        return np.append(v, np.inf)
+    if len(v) == 0:
+        return np.zeros(1)
+    return np.concatenate([v[:1], (v[:-1] + v[1:]) / 2, [2 * abs(v[-1]) + 1.0]])
+
+
+def _depths_all(scores: np.ndarray, taus: np.ndarray, direction: Direction) -> np.ndarray:
+    """(M, N) halting depths of every candidate at once: with running extrema of the scores
+    (max for "above", min for "below") the depth is 1 + #{k < C : the extremum up to k does not fire}."""
+    N, C = scores.shape
+    depths = np.ones((len(taus), N), dtype=np.int64)
+    if C == 1:
+        return depths
+    decide = scores[:, : C - 1]
+    if direction == "above":
+        running = np.fmax.accumulate(np.where(np.isnan(decide), -np.inf, decide), axis=1)
+        for k in range(C - 1):
+            depths += running[None, :, k] < taus[:, None]
+    else:
+        running = np.fmin.accumulate(np.where(np.isnan(decide), np.inf, decide), axis=1)
+        for k in range(C - 1):
+            depths += running[None, :, k] >= taus[:, None]
+    return depths
+
+
+def calibrate(scores: np.ndarray, direction: Direction, *, target_depth: float | None = None,
+              tolerance: float | None = None, nll: np.ndarray | None = None,
+              tokens: np.ndarray | None = None) -> Calibration:
+    """τ for an exit criterion from a trace, by one of two objectives.
+
+    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE's protocol). The
+      mean depth is monotone in τ, so a bisection over the candidates finds the first one at or below
+      the target; the closer of it and its neighbour wins (ties go to the one not above the target).
+    - ``tolerance``: the earliest-halting τ (smallest for "above", largest for "below") whose dynamic
+      PPL ≤ (1 + tolerance) × the PPL with every example at the ceiling (the blind spot's protocol,
+      Appendix H). Dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]), token-weighted. The
+      never-halting candidate always qualifies (tolerance ≥ 0).
+
+    Candidates: :func:`_candidates`. Every candidate is evaluated at once from the cached arrays.
+
+    Args:
+        scores: (N, C) criterion statistic per example and loop (see :func:`halting_depths`).
+        direction: the criterion's direction. nll: (N, C) summed NLL (nats) per example and loop;
+        tokens: (N,) scored tokens per example (both needed for ``tolerance``, optional otherwise).
+
+    Returns:
+        :class:`Calibration`.
+
+    Raises:
+        ValueError: not exactly one objective, an empty trace, a target outside [1, C], a negative
+            tolerance, or mismatched shapes.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 2 or s.shape[0] == 0 or s.shape[1] == 0:
+        raise ValueError(f"calibrate: need scores of shape (N, C) with N, C >= 1, got {s.shape}")
+    if (target_depth is None) == (tolerance is None):
+        raise ValueError("calibrate: give exactly one of target_depth and tolerance")
+    N, C = s.shape
+    if nll is not None or tokens is not None or tolerance is not None:
+        if nll is None or tokens is None:
+            raise ValueError("calibrate: need nll (N, C) and tokens (N,) for a PPL tolerance")
+        nll = np.asarray(nll, dtype=np.float64)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if nll.shape != s.shape or tokens.shape != (N,):
+            raise ValueError(f"calibrate: need scores (N, C), nll (N, C), tokens (N,); got {s.shape}, "
+                             f"{nll.shape}, {tokens.shape}")
+        if tokens.sum() <= 0:
+            raise ValueError("calibrate: need at least one scored token")
+    taus = _candidates(s, direction)
+    depths = _depths_all(s, taus, direction)  # (M, N)
+    mean_depth = depths.mean(axis=1)
+    ppl_by_tau = ppl_max = None
+    if nll is not None:
+        total = float(tokens.sum())
+        ppl_by_tau = np.exp(nll[np.arange(N)[None, :], depths - 1].sum(axis=1) / total)
+        ppl_max = math.exp(nll[:, C - 1].sum() / total)
+    if tolerance is not None:
+        if not tolerance >= 0:
+            raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+        ok = np.flatnonzero(ppl_by_tau <= (1.0 + tolerance) * ppl_max)
+        best = int(ok[0] if direction == "above" else ok[-1])
+    else:
+        if not 1 <= target_depth <= C:
+            raise ValueError(f"target mean depth {target_depth} outside [1, ceiling={C}]")
+        # order the candidates by non-increasing mean depth: ascending τ for "below", descending for "above"
+        order = np.arange(len(taus)) if direction == "below" else np.arange(len(taus))[::-1]
+        lo, hi = 0, len(order) - 1  # the last has mean depth 1 <= target (or the only candidate)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mean_depth[order[mid]] <= target_depth:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = int(order[lo])
+        if lo > 0 and abs(mean_depth[order[lo - 1]] - target_depth) < abs(mean_depth[best] - target_depth):
+            best = int(order[lo - 1])
+    return Calibration(tau=float(taus[best]), depths=depths[best], mean_depth=float(mean_depth[best]),
+                       ppl=None if ppl_by_tau is None else float(ppl_by_tau[best]), ppl_max=ppl_max,
+                       taus=taus, mean_depth_by_tau=mean_depth, ppl_by_tau=ppl_by_tau)
+
+
+# ---------------------------------------------------------------------------------------------- model runs
+
+
+def _sequence_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed NLL (nats) per sequence over targets != -100: logits (B, L, V), y (B, L) → (B,) float64."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                          reduction="none").view_as(y)  # (B, L)
+    return nll.double().sum(dim=1)
+
+
+def _gate(model, h: torch.Tensor, criterion: ExitCriterion) -> torch.Tensor | None:
+    return model.exit_gate(h).squeeze(-1) if criterion.needs_gate else None  # (B, L)
+
+
+def _select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
+    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list, dataclass
+    such as :class:`~looplm.model.LoopContext`, or None); other values pass through."""
+    if isinstance(obj, torch.Tensor):
+        return obj.index_select(0, keep) if obj.dim() > 0 and obj.shape[0] == batch else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_select_rows(o, keep, batch) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _select_rows(getattr(obj, f.name), keep, batch)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass
+class LoopExit:
+    """What :func:`exit_loop` returns for one batch of B rows.
+
+    Attributes:
+        depth: (B,) int64 loops each row ran (its halting depth). scores: (B, C) float64 statistic per
+            loop (NaN where not computed: after a row halted, at the ceiling, or when τ never fires).
+        row_steps: Σ over loops of the rows stepped (B·C when nothing halts early, for ``drop``).
+        h: (B, L, d) each row's hidden state at its exit (``drop=False`` only, else None).
+    """
+
+    depth: torch.Tensor
+    scores: torch.Tensor
+    row_steps: int
+    h: torch.Tensor | None = None
+
+
+def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling: int, *, drop: bool = True,
+              valid: torch.Tensor | None = None,
+              on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None
+              ) -> LoopExit:
+    """The early-exit runner: loop steps 1 … ``ceiling`` with :meth:`LoopLM.step`, testing ``criterion``
+    after every loop k < ceiling (module docstring).
+
+    Args:
+        model: a :class:`~looplm.model.DepthLM` in eval mode. state, ctx: from ``model.start``.
+        criterion: the exit test (its ``tau`` is the threshold). ceiling: C ≥ 1 loops at most.
+        drop: True removes halted rows from the batch (state, context, ``valid``); False freezes
+            them (state kept, ``ctx.scope.freeze`` for copy-forward K/V) and stops once all exited.
+        valid: (B, L) bool tokens a sequence statistic aggregates over (None = all).
+        on_exit: called as ``on_exit(rows, k, h, logits)`` when rows halt at loop k: ``rows`` (n,)
+            their indices in the input batch, ``h`` (n, L, d) their hidden states, ``logits`` (n, L, V)
+            their readout at k when the criterion computed it (else None).
+
+    Returns:
+        :class:`LoopExit`.
+
+    Raises:
+        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
+    """
+    if ceiling < 1:
+        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
+    check_criterion(model, criterion)
+    B = state.shape[0]
+    device = state.device
+    final_from = model.resolve_final_depth(None, ceiling)
+    scope = ctx.scope if ctx is not None else None
+
+    def read(h: torch.Tensor, k: int) -> torch.Tensor:  # an extra readout: leaves no trace in a cache
+        return model.readout(h, final=k >= final_from, scope=scope, record=False)
+
+    fires = not criterion.never_fires()
+    use_logits = fires and criterion.needs_logits
+    rows = torch.arange(B, device=device)  # input row of each running row
+    depth = torch.full((B,), ceiling, dtype=torch.int64, device=device)
+    scores = torch.full((B, ceiling), math.nan, dtype=torch.float64, device=device)
+    exited = torch.zeros(B, dtype=torch.bool, device=device)
+    h = model.hidden(state, ctx)
+    logits = read(h, 0) if use_logits and criterion.needs_previous else None
+    row_steps = 0
+    for t in range(ceiling):
+        k = t + 1
+        row_steps += len(rows)
+        new = model.step(state, t, ctx)
+        state = new if drop else torch.where(exited[:, None, None], state, new)  # exited rows keep theirs
+        prev_h, h = h, model.hidden(state, ctx)
+        prev_logits, logits = logits, (read(h, k) if use_logits and k < ceiling else None)
+        if k == ceiling:
+            halt = ~exited
+        elif not fires:
+            halt = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        else:
+            s = criterion.sequence_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), valid)
+            scores[rows, t] = s.double()
+            halt = criterion.halts(s) & ~exited
+        if bool(halt.any()):
+            done = halt.nonzero().squeeze(1)
+            depth[rows[done]] = k
+            if on_exit is not None:
+                on_exit(rows[done], k, h.index_select(0, done),
+                        None if logits is None else logits.index_select(0, done))
+            if drop:
+                keep = (~halt).nonzero().squeeze(1)
+                if len(keep) == 0:
+                    break
+                b = len(rows)
+                state, ctx, h, logits, valid, rows = (_select_rows(o, keep, b)
+                                                      for o in (state, ctx, h, logits, valid, rows))
+                exited = exited.index_select(0, keep)
+            else:
+                exited = exited | halt
+                if scope is not None:
+                    scope.freeze(exited)  # later visits of exited rows write their exit visit's K/V
+                if bool(exited.all()):
+                    break
+    return LoopExit(depth=depth, scores=scores, row_steps=row_steps, h=None if drop else h)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class ExitRun:
+    """Per-example outcome of :func:`run` (N examples, batch order).
+
+    Attributes:
+        depth: (N,) int64 halting depths. nll: (N,) float64 summed NLL (nats) at the halting depth.
+        scores: (N, C) float64 statistics the run computed (NaN after a halt, at C, or when τ never
+            fires). tokens: (N,) int64 scored tokens. seconds: wall time of the compute (batches
+            prebuilt on the device). row_steps: Σ over loops of the running rows.
+    """
+
+    depth: np.ndarray
+    nll: np.ndarray
+    scores: np.ndarray
+    tokens: np.ndarray
+    seconds: float
+    row_steps: int
+
+    def ppl(self) -> float:
+        return math.exp(self.nll.sum() / self.tokens.sum())
+
+
+@torch.inference_mode()
+def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
+        desc: str = "early exit") -> ExitRun:
+    """Real early exit over evaluation batches: :func:`exit_loop` with ``drop=True``, each example scored
+    (summed NLL over its scored targets) at its halting depth.
+
+    Equals :func:`trace` + :func:`halting_depths` (the offline accounting) in depths and NLL, up to
+    float rounding from the smaller batches. Put the model in eval mode first.
+
+    Raises:
+        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
+    """
+    device = batches[0][0].device
+    depths, nlls, all_scores, counts = [], [], [], []
+    row_steps = 0
+    final_from = model.resolve_final_depth(None, ceiling)
+    _sync(device)
+    t0 = time.perf_counter()
+    for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
+        nll = torch.zeros(len(x), dtype=torch.float64, device=device)
+
+        def score(rows, k, h, logits, y=y):
+            if logits is None:  # the criterion's own readout at k is the same (final iff k >= final_from)
+                logits = model.readout(h, final=k >= final_from)
+            nll[rows] = _sequence_nll(logits, y.index_select(0, rows))
+
+        state, ctx = model.start(model.embed(x))
+        res = exit_loop(model, state, ctx, criterion, ceiling, drop=True, valid=mask, on_exit=score)
+        row_steps += res.row_steps
+        depths.append(res.depth)
+        nlls.append(nll)
+        all_scores.append(res.scores)
+        counts.append(mask.sum(dim=1))
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return ExitRun(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
+                   scores=torch.cat(all_scores).cpu().numpy(), tokens=torch.cat(counts).cpu().numpy().astype(np.int64),
+                   seconds=seconds, row_steps=row_steps)
+
+
+@dataclass
+class Trace:
+    """Offline accounting of one split to the ceiling C (N examples).
+
+    Attributes:
+        scores: (N, C) float64 criterion statistic of loops 1 … C. nll: (N, C) float64 summed NLL
+            (nats) per example read out at each depth. tokens: (N,) int64 scored targets per example.
+    """
+
+    scores: np.ndarray
+    nll: np.ndarray
+    tokens: np.ndarray
+
+    @property
+    def ceiling(self) -> int:
+        return self.scores.shape[1]
+
+    def ppl_at(self, depths: np.ndarray | int) -> float:
+        """Token-weighted PPL with example b read out at ``depths[b]`` (or one depth for all)."""
+        d = np.broadcast_to(np.asarray(depths, dtype=np.int64), self.tokens.shape)
+        return math.exp(self.nll[np.arange(len(d)), d - 1].sum() / self.tokens.sum())
+
+
+@torch.inference_mode()
+def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
+          desc: str = "trace") -> Trace:
+    """One multi-depth forward per batch (``depth=[1..C]``, plus 0 when the criterion compares loop 1
+    with loop 0 through the logits), recording the criterion statistic and the per-example NLL at every
+    depth through ``forward``'s ``on_depth`` hook (only (N, C) arrays are kept).
+
+    Raises:
+        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
+    """
+    if ceiling < 1:
+        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
+    check_criterion(model, criterion)
+    depths = list(range(0 if criterion.needs_logits and criterion.needs_previous else 1, ceiling + 1))
+    all_scores, nlls, counts = [], [], []
+    for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
+        s = torch.zeros(len(x), ceiling, dtype=torch.float64)
+        prev: dict[str, Any] = {}
+
+        def on_depth(T, h, logits, s=s, prev=prev, mask=mask):
+            if T > 0:
+                s[:, T - 1] = criterion.sequence_score(prev.get("h"), h, prev.get("logits"), logits,
+                                                       _gate(model, h, criterion), mask).double().cpu()
+            prev["h"], prev["logits"] = h, logits
+
+        out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth)
+        all_scores.append(s)
+        nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
+        counts.append(mask.sum(dim=1).cpu())
+    return Trace(scores=torch.cat(all_scores).numpy(), nll=torch.cat(nlls).numpy(),
+                 tokens=torch.cat(counts).numpy().astype(np.int64))

@@ -1,0 +1,301 @@
+"""The loop exists once (issue 10): every consumer runs :meth:`LoopLM.step`, checked over the product
+rule × scale_control × readout × {no cache, per_visit, terminal} against a hand-unrolled reference
+loop, the early-exit runner against its offline accounting, cached decoding against recompute, and
+the diagnostics against the realized step of a model with a scale control."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from looplm.config import RULE_NAMES, ModelConfig
+from looplm.diagnostics.forcing import forcing_profile
+from looplm.diagnostics.gain import gain_profile, random_directions
+from looplm.eval.exits import build_exit_criterion, halting_depths, run, trace
+from looplm.generate import generate
+from looplm.model import LoopLM, build_model
+from looplm.model.kvcache import KVCache
+from looplm.model.layers import CausalSelfAttention
+
+RULES = sorted(RULE_NAMES)
+SCALE = ("none", "inter_loop_norm", "spectral_damping")
+READOUT = ("rmsnorm", "raw", "final_only_norm")
+V, SEQ = 61, 12
+PRODUCT = [(r, s, o) for r in RULES for s in SCALE for o in READOUT]
+
+
+def _ids(v):
+    return v if isinstance(v, str) else None
+
+
+def model_for(rule: str, scale: str, readout: str) -> LoopLM:
+    """A tiny model with a prelude and a coda (so every KV path is used), gains perturbed so that the
+    between-loop norm and the readout norm are not the identity's neighbours."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(rule=rule, scale_control=scale, readout=readout, vocab_size=V, d_model=24, n_heads=2,
+                      d_ff=48, seq_len=SEQ, dropout=0.0, init_std=0.1, n_prelude=1, n_coda=1)
+    model = build_model(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith("weight"):  # RMSNorm gains
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def tokens(b: int = 2, n: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_states(model: LoopLM, x: torch.Tensor, T: int) -> list[torch.Tensor]:
+    """h_0 … h_T written out by hand from the rule's update and the SPEC §4 scale controls (an
+    independent unroll: it calls neither ``LoopLM.step`` nor ``forward``)."""
+    rule, scale = model.rule, model.cfg.scale_control
+    state, ctx = rule.start(model.embed(x))
+
+    def core(z, qkv_inject=None, *, call=0):
+        return model.core(z, qkv_inject)
+
+    hs = [rule.hidden(state, ctx)]
+    for t in range(T):
+        state = rule.step(core, state, t, ctx)
+        if scale != "none":
+            h = rule.hidden(state, ctx)
+            h = model.loop_norm(h) if scale == "inter_loop_norm" else torch.sigmoid(model.damping_raw) * h
+            state = rule.to_state(h, ctx)
+        hs.append(rule.hidden(state, ctx))
+    return hs
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule,scale,readout", PRODUCT, ids=_ids)
+def test_forward_equals_reference_loop(rule, scale, readout):
+    model = model_for(rule, scale, readout)
+    x = tokens()
+    depths = [0, 1, 3, 5]
+    out = model(x, depth=depths, return_states=True)
+    ref = reference_states(model, x, depths[-1])
+    for T, (h, r) in enumerate(zip(out.states, ref)):
+        assert torch.equal(h, r), (T, (h - r).abs().max())
+    for T in depths:  # final_only_norm: the final norm from the largest requested depth on
+        assert torch.equal(out.logits_by_depth[T], model.readout(ref[T], final=T >= depths[-1]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule,scale,readout", PRODUCT, ids=_ids)
+@pytest.mark.parametrize("criterion", ["hidden_update", "margin"])
+def test_early_exit_equals_offline_accounting(rule, scale, readout, criterion):
+    """The runner (halted rows leave the batch) gives the depths and NLL of the trace (one forward)."""
+    model = model_for(rule, scale, readout)
+    x, y = tokens(9, seed=2), tokens(9, seed=3)
+    batches = [(x[i:i + 4], y[i:i + 4], torch.ones(len(x[i:i + 4]), SEQ, dtype=torch.bool)) for i in (0, 4, 8)]
+    C = 5
+    crit = build_exit_criterion(criterion, 0.0)
+    tr = trace(model, batches, crit, C)
+    v = np.unique(tr.scores[:, : C - 1])
+    crit.tau = float(np.median((v[:-1] + v[1:]) / 2)) if len(v) > 1 else float(v[0])  # a τ between observed values
+    ref = halting_depths(tr.scores, crit.tau, crit.direction)
+    res = run(model, batches, crit, C)
+    np.testing.assert_array_equal(res.depth, ref)
+    np.testing.assert_allclose(res.nll, tr.nll[np.arange(len(ref)), ref - 1], rtol=1e-5, atol=1e-5)
+    assert res.row_steps == ref.sum()
+
+
+def _hooked_visits(model: LoopLM, x: torch.Tensor, R: int) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every attention call's K/V (B, H, n, hd) of an uncached forward at depth R, per physical layer,
+    in call order (core layers: R · calls_per_step calls)."""
+    calls: dict[int, list] = {}
+    originals = {}
+
+    def recording(self, x, qkv_inject=None, kv=None, _orig=None):
+        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject  # K/V as attention sees them
+        calls.setdefault(self.layer_id, []).append(qkv)
+        return originals[self](x, qkv_inject, kv)
+
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            originals[m] = m.forward
+            m.forward = recording.__get__(m)
+    try:
+        model(x, depth=R)
+    finally:
+        for m, f in originals.items():
+            m.forward = f
+    H = model.cfg.n_heads
+    out = {}
+    for lid, qkvs in calls.items():
+        out[lid] = []
+        for qkv in qkvs:
+            B, n, three_d = qkv.shape
+            d = three_d // 3
+            _, k, v = (t.view(B, n, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
+            out[lid].append((k, v))
+    return out
+
+
+def _terminal_reference(model: LoopLM, visits, chunk: torch.Tensor, start: int, R: int) -> torch.Tensor:
+    """Logits of ``chunk`` (B, c) at positions start … with every attention an explicit softmax over
+    [the prefix's terminal K/V of the same call slot ; the chunk's own K/V] (terminal sharing written
+    out by hand: no KVCache, no scope)."""
+    cps, counters, originals = model.calls_per_step, {}, {}
+
+    def explicit(self, x, qkv_inject=None, kv=None):
+        i = counters.get(self.layer_id, 0)
+        counters[self.layer_id] = i + 1
+        mine = visits[self.layer_id]
+        slot = i % cps if len(mine) > 1 else 0
+        pk, pv = [kv_ for j, kv_ in enumerate(mine) if j % cps == slot][-1]  # the slot's last visit
+        B, c, d = x.shape
+        H = self.n_heads
+        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject
+        q, k, v = (t.view(B, c, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
+        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        n = pk.shape[2]
+        scores = q @ k_all.transpose(-1, -2) / math.sqrt(d // H)
+        allowed = torch.ones(c, n + c, dtype=torch.bool).tril(diagonal=n)
+        y = scores.masked_fill(~allowed, -math.inf).softmax(-1) @ v_all
+        return self.proj(y.transpose(1, 2).reshape(B, c, d))
+
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            originals[m] = m.forward
+            m.forward = explicit.__get__(m)
+    try:
+        positions = torch.arange(start, start + chunk.shape[1]).expand(chunk.shape)
+        state, ctx = model.start(model.embed(chunk, positions), positions)
+        for t in range(R):
+            state = model.step(state, t, ctx)
+        return model.readout(model.hidden(state, ctx), final=True)
+    finally:
+        for m, f in originals.items():
+            m.forward = f
+
+
+def _greedy_recompute(model: LoopLM, prompt: list[int], n: int, R: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq]), depth=R).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule,scale,readout", PRODUCT, ids=_ids)
+@pytest.mark.parametrize("mode", ["per_visit", "terminal"])
+def test_cached_decoding_equals_recompute(rule, scale, readout, mode):
+    """per_visit: chunked cached logits equal the full forward (≤ 1e-5) and cached greedy decoding
+    equals recomputing the whole prefix; terminal: cached logits equal an explicit attention over the
+    prefix's terminal K/V (≤ 1e-5)."""
+    model = model_for(rule, scale, readout)
+    R = 3
+    model.final_depth = R  # one final_only_norm threshold for every path
+    x = tokens()
+    n = 7
+    cache = KVCache(mode)
+    model(x[:, :n], depth=R, cache=cache)
+    got = torch.cat([model(x[:, j:j + 1], depth=R, cache=cache).logits for j in range(n, SEQ)], dim=1)
+    if mode == "per_visit":
+        full = model(x, depth=R).logits[:, n:]
+        assert (got - full).abs().max() <= 1e-5
+        prompt = x[0, :4].tolist()
+        assert generate(model, [prompt], 5, R).tokens[0] == _greedy_recompute(model, prompt, 5, R)
+    else:
+        cache = KVCache("terminal")
+        model(x[:, :n], depth=R, cache=cache)
+        got = model(x[:, n:n + 1], depth=R, cache=cache).logits
+        ref = _terminal_reference(model, _hooked_visits(model, x[:, :n], R), x[:, n:n + 1], n, R)
+        assert (got - ref).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scale", ["inter_loop_norm", "spectral_damping"])
+@pytest.mark.parametrize("rule", ["scse", "adapter", "looped"])
+def test_diagnostics_measure_the_realized_step(rule, scale):
+    """Forcing bias b_t = T_t(0) and the random-direction gain are computed through the model's
+    realized step, scale control included: equal to the hand-unrolled map, and different from the
+    rule's bare update (which the model never runs). (Under a between-loop norm or damping even
+    SCSE's realized bias is not zero: the control rescales h = h* + Δ, not Δ.)"""
+    model = model_for(rule, scale, "rmsnorm").double()
+    x = tokens()
+    e = model.embed(x)
+    state0, ctx = model.rule.start(e)
+
+    def core(z, qkv_inject=None, *, call=0):
+        return model.core(z, qkv_inject)
+
+    def realized(state, t):
+        h = model.rule.hidden(model.rule.step(core, state, t, ctx), ctx)
+        h = model.loop_norm(h) if scale == "inter_loop_norm" else torch.sigmoid(model.damping_raw) * h
+        return model.rule.to_state(h, ctx)
+
+    zero = model.rule.to_state(ctx.anchor, ctx)
+    b = model.rule.hidden(realized(zero, 0), ctx) - ctx.anchor
+    b_bare = model.rule.hidden(model.rule.step(core, zero, 0, ctx), ctx) - ctx.anchor
+    rec = forcing_profile(model, x, steps=[0])[0]
+    assert rec["bias_energy"] == pytest.approx(float(b.pow(2).mean()), rel=1e-9)
+    assert float((b - b_bare).abs().max()) > 1e-6
+    # gain at t = 0 of the realized map, by hand (same directions as gain_profile draws)
+    eps = 1e-4
+    dirs = random_directions(state0.shape, 2, seed=0, dtype=state0.dtype)
+    h0 = model.rule.hidden(state0, ctx)
+    base = model.rule.hidden(realized(state0, 0), ctx)
+    hand = np.mean([float(((model.rule.hidden(realized(model.rule.to_state(h0 + eps * v, ctx), 0), ctx) - base)
+                           .flatten(1).norm(dim=1) / eps).mean()) for v in dirs])
+    got = gain_profile(model, x, steps=[0], eps=eps, n_directions=2, seed=0)[0]["gain"]
+    assert got == pytest.approx(hand, rel=1e-9)
+
+
+@torch.no_grad()
+def test_adaptive_runner_applies_the_scale_control():
+    """The bug that motivated one step: the early-exit run once skipped ``inter_loop_norm``; now its
+    states at every depth equal the forward's (the runner's halted rows read out at those states)."""
+    model = model_for("scse", "inter_loop_norm", "rmsnorm")
+    x = tokens(3)
+    states = model(x, depth=4, return_states=True).states
+    seen = {}
+
+    def on_exit(rows, k, h, logits):
+        seen[k] = h
+
+    state, ctx = model.start(model.embed(x))
+    from looplm.eval.exits import exit_loop
+    crit = build_exit_criterion("hidden_update", -float("inf"))
+    exit_loop(model, state, ctx, crit, 4, on_exit=on_exit)
+    assert torch.equal(seen[4], states[4])
+
+
+def test_scopes_are_reentrant_and_thread_safe():
+    """No global scope stack: two generations in threads (and one nested inside another's forward
+    hooks) give the tokens they give alone."""
+    model = model_for("looped", "none", "rmsnorm")
+    prompts = [[[3, 4, 5]], [[7, 1, 2, 9]]]
+    alone = [generate(model, p, 6, 3, cache_mode="per_visit").tokens for p in prompts]
+    results = [None, None]
+
+    def work(i):
+        for _ in range(3):
+            results[i] = generate(model, prompts[i], 6, 3, cache_mode="per_visit").tokens
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+    # nested: a cached forward of another sequence runs inside a prelude hook of this one
+    inner, busy = [], []
+
+    def nested_call(*_):
+        if not busy:
+            busy.append(1)
+            inner.append(generate(model, prompts[1], 2, 3).tokens[0])
+
+    hook = model.prelude[0].register_forward_hook(nested_call)
+    try:
+        nested = generate(model, prompts[0], 6, 3).tokens
+    finally:
+        hook.remove()
+    assert nested == alone[0] and inner == [alone[1][0][:2]]
