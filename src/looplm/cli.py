@@ -361,6 +361,13 @@ def _build_eval_lambada(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_eval_lambada, _family="eval")
 
 
+def _criterion_opt(default_help: str) -> Opt:
+    from looplm.eval.exits import EXIT_CRITERIA
+
+    return Opt(choices=tuple(EXIT_CRITERIA), metavar="NAME",
+               help=f"exit criterion ({', '.join(EXIT_CRITERIA)}; looplm.eval.exits); default {default_help}")
+
+
 def _build_eval_adaptive(p: argparse.ArgumentParser) -> None:
     from looplm.eval.adaptive import adaptive_depth_checkpoint
 
@@ -369,6 +376,7 @@ def _build_eval_adaptive(p: argparse.ArgumentParser) -> None:
     add_function_options(p, adaptive_depth_checkpoint, {
         "targets": Opt(type=parse_depths, metavar="D,D,...", help="target mean loop budgets"),
         "ceiling": Opt(type=positive_int, metavar="R", help="loop ceiling"),
+        "criterion": _criterion_opt("hidden_update: the max-token relative hidden update"),
         **_pick(o, "dataset", "max_tokens", "batch_size", "device")})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_adaptive, _family="eval")
@@ -388,6 +396,7 @@ def _build_eval_halting(p: argparse.ArgumentParser) -> None:
         "split_timed": Opt(choices=SPLITS, aliases=("--split",), help="split of the timed windows"),
         "n_calib": Opt(type=positive_int, metavar="N", help="calibration windows"),
         "n_timed": Opt(type=positive_int, metavar="N", help="timed windows"),
+        "criterion": _criterion_opt("margin: the logit margin"),
         "repeats": Opt(type=positive_int, metavar="N", help="timed passes per mode (interleaved; seconds are "
                        "their median)"),
         **_pick(o, "batch_size", "dataset", "device")})
