@@ -249,7 +249,7 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
         if size == meta["bytes"] and sha == meta["sha256"]:
             continue
         what = (f"{size} bytes on disk, {meta['bytes']} in the manifest (truncated or overwritten)"
-                if size != meta["bytes"] else f"same size ({size} bytes), different content")
+                if size != meta["bytes"] else f"same size ({size} bytes), different content (corrupted or edited)")
         fields = _config_changes(f, manifest.get("config")) if name == CONFIG_FILE else ""
         raise CheckpointError(f"{f}: differs from {MANIFEST_FILE}: {what}; sha256 {sha[:16]}… on disk, "
                               f"{meta['sha256'][:16]}… in the manifest{fields}; load an earlier checkpoint "
