@@ -273,11 +273,13 @@ def _shape(obj):
     return "number" if isinstance(obj, (int, float)) and not isinstance(obj, bool) else type(obj).__name__
 
 
-def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_its_rules(tmp_path):
+def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_its_rules(tmp_path, capsys):
     from looplm.demo import run_demo
 
-    res = run_demo(tmp_path, steps=2, eval_tokens=64, depths=[1, 2], rules="looped", progress=False,
-                   preset="debug")
+    kwargs = dict(steps=2, eval_tokens=64, depths=[1, 2], rules="looped", progress=False, preset="debug")
+    run_demo(tmp_path, **kwargs)
+    res = run_demo(tmp_path, **kwargs)  # a rerun skips the finished training
+    assert "looped: already trained" in capsys.readouterr().out
     assert (tmp_path / "results.md").read_text().splitlines()[0] == "# looplm demo: looped baseline across loop depths"
     fresh = _strict_file(tmp_path / "results.json")
     assert fresh == json.loads(json.dumps(res))

@@ -26,13 +26,14 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer
 
 from looplm.analysis.plots import plot_ppl_vs_depth
-from looplm.config import DataConfig
+from looplm.config import Config, ConfigError, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
 from looplm.finite import dumps
 from looplm.presets import get_preset
 from looplm.train.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
+from looplm.train.runlock import RunLock
 from looplm.train.trainer import prepare_data, train
 
 EVAL_SPLITS = (("brown", "Brown test"), ("wikitext2", "WikiText-2 raw test (held out)"))
@@ -46,18 +47,27 @@ def _log(msg: str) -> None:
     print(f"[looplm demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _remove_run(run_dir: Path) -> None:
+    """Delete a run folder, but never one that another process is training into (RunLockedError)."""
+    with RunLock(run_dir):
+        shutil.rmtree(run_dir)
+
+
 def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     ckpt = newest_valid_checkpoint(run_dir)
     if ckpt is not None:
-        saved = json.loads((ckpt / "config.json").read_text())
+        try:  # through Config, so a field added since the run was saved takes its default
+            saved = Config.from_json((ckpt / "config.json").read_text()).to_dict()
+        except ConfigError:
+            saved = None
         wanted = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size)).to_dict()
         if saved != wanted:
             _log(f"{cfg.name}: saved run has a different config; starting it again")
-            shutil.rmtree(run_dir)
+            _remove_run(run_dir)
             ckpt = None
     elif list_checkpoints(run_dir):
         _log(f"{cfg.name}: no valid checkpoint in {run_dir} (all damaged); starting it again")
-        shutil.rmtree(run_dir)
+        _remove_run(run_dir)
     if ckpt is not None and int(ckpt.name.split("-")[1]) >= cfg.train.steps:
         _log(f"{cfg.name}: already trained ({ckpt}); skipping")
         return
