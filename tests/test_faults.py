@@ -234,6 +234,9 @@ def test_an_edited_config_json_is_reported_field_by_field(tmp_path, trained_run)
     with pytest.raises(CheckpointError, match=r"bytes on disk, \d+ in the manifest.*train.lr 0.003 → 0.1, "
                                               r"train.steps 6 → 60"):
         load_checkpoint(run)
+    (ckpt / "config.json").write_text(text[:100])  # cut short: says so instead of listing fields
+    with pytest.raises(CheckpointError, match=r"config.json: differs .*no longer parses as JSON"):
+        load_checkpoint(run)
 
 
 # -- 7. bench -------------------------------------------------------------------------------------

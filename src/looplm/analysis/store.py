@@ -251,7 +251,11 @@ class ResultStore:
                     except sqlite3.DatabaseError as commit_exc:
                         exc_type, exc = type(commit_exc), commit_exc
                 if store._conn.in_transaction:
-                    store._conn.execute("ROLLBACK")
+                    try:
+                        store._conn.execute("ROLLBACK")
+                    except sqlite3.Error:  # a damaged file can fail this too; report the first error
+                        if exc is None or not isinstance(exc, sqlite3.DatabaseError):
+                            raise
                 if isinstance(exc, sqlite3.DatabaseError):
                     raise store._error(exc) from exc
                 return False

@@ -276,7 +276,11 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return f"; it no longer parses as JSON ({exc})"
     a, b = _flatten(saved), _flatten(now)
-    diffs = [f"{k} {a.get(k, '(absent)')!r} → {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
+
+    def shown(d: dict[str, Any], k: str) -> str:
+        return repr(d[k]) if k in d else "(absent)"
+
+    diffs = [f"{k} {shown(a, k)} → {shown(b, k)}" for k in sorted(a.keys() | b.keys())
              if a.get(k, ...) != b.get(k, ...)]
     return f"; edited fields: {', '.join(diffs)}" if diffs else "; same fields and values (formatting only)"
 
