@@ -3,9 +3,10 @@
 The lock is ``fcntl.flock`` (exclusive, non-blocking) on an open file, so the kernel drops it when the
 process ends in any way, ``kill -9`` included: a crashed run never leaves a stale lock, and
 ``--resume`` needs no cleanup. The holder writes its pid, host and start time into the file, so a
-refused run can name it. (The ``filelock`` package truncates the file on every attempt, which would
-erase the holder's details, so the lock is taken here directly.) POSIX only; on a network file system
-it is as reliable as that file system's ``flock``.
+refused run can name it. The standard library's ``fcntl`` gives all of this; the ``filelock`` package
+is not a looplm dependency (torch brings some version of it), and its 3.x releases truncate the lock
+file on every attempt, which would erase the holder's details. POSIX only; on a network file system
+the lock is as reliable as that file system's ``flock``.
 """
 
 from __future__ import annotations
