@@ -327,6 +327,8 @@ class TrainConfig(_Base):
                                "evenly across ranks")
     compile: bool = _f(False, "torch.compile each block (compiled once; changing the loop depth does not "
                        "recompile)")
+    max_nonfinite_steps: int = _f(5, "stop with an error after this many consecutive steps with a non-finite "
+                                  "loss or gradient norm (each such step is skipped: no optimizer update)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -351,6 +353,7 @@ class TrainConfig(_Base):
         _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
         _check(self.grad_clip >= 0, p + "grad_clip", "must be >= 0")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
+        _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
 
     @property
     def max_depth(self) -> int:
