@@ -286,7 +286,8 @@ class HuginnOptions(RuleOptions):
 
 @dataclass(frozen=True)
 class DecayOptions(HuginnOptions):
-    """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw)."""
+    """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw),
+    α = exp(α_raw)."""
 
     delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))", "parcae_delta_init")
     alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))", "parcae_alpha_init")

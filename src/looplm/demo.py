@@ -23,7 +23,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from looplm.analysis.plots import plot_ppl_vs_depth
-from looplm.config import DataConfig
+from looplm.config import Config, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table
@@ -41,7 +41,7 @@ def _log(msg: str) -> None:
 def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     ckpt = newest_valid_checkpoint(run_dir)
     if ckpt is not None:
-        saved = json.loads((ckpt / "config.json").read_text())
+        saved = Config.from_json((ckpt / "config.json").read_text()).to_dict()  # format 1 migrated
         wanted = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size)).to_dict()
         if saved != wanted:
             _log(f"{cfg.name}: saved run has a different config; starting it again")
