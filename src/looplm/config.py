@@ -141,6 +141,10 @@ def _o(default: Any, help: str, v1: str) -> Any:
     return field(default=default, metadata={"help": help, "v1": v1})
 
 
+#: step_scale defaults (SPEC §2): looped 1 (our choice), adapter 0.35, SCSE 0.5; for the controls the paper
+#: gives no value: adapter-family controls take the tuned adapter's 0.35, the SCSE-family ones and
+#: additive_subtract SCSE's 0.5, norm_reset the looped baseline's 1.0 (our choice). plain and the Huginn
+#: family have no residual scale.
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
 
 
