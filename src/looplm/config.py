@@ -66,7 +66,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 def _suggest(name: str, known: Iterable[str]) -> str:
     """`` (did you mean X?)`` for the closest known name (difflib), or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1)
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
