@@ -5,6 +5,11 @@ against ``Literal`` name sets. Construction validates every field and raises :cl
 naming the field and what is allowed. Field help texts (``metadata["help"]``) become the
 ``--help`` of the CLI, which can override any field as ``--section.field VALUE``.
 
+The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
+subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
+``--model.options.FIELD VALUE``. A config file (``config.json``, format 2) gives every field; format-1
+files (flat rule fields) are migrated on load by :func:`migrate_v1`.
+
 The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
 """
 
@@ -782,16 +787,9 @@ def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"model.{old}: {value!r} is not read by {owner} (it never had an effect); only its "
                               f"default {default!r} can be migrated to format 2, where {owner} takes the options: "
                               f"{own}")
-    if arch == "shared" and rule in RULE_OPTIONS:
-        opts = dataclasses.asdict(RULE_OPTIONS[rule](**opts))  # the rule's defaults for the rest
-        m["options"] = opts
-    else:
-        m["options"] = None
+    # the rule's defaults for the options the file did not set
+    m["options"] = dataclasses.asdict(RULE_OPTIONS[rule](**opts)) if arch == "shared" else None
     return out
-
-
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
 def _field_type(section: str, name: str) -> Any:
@@ -806,9 +804,9 @@ def _field_type(section: str, name: str) -> Any:
     cls = SECTIONS[section]
     if section == "model" and name in V1_RULE_FIELDS:
         raise _moved(name)
-    if name not in cls.field_names() or (section == "model" and name == "options"):
-        if section == "model" and name == "options":
-            raise ConfigError("model.options: set options one at a time, as model.options.FIELD")
+    if section == "model" and name == "options":
+        raise ConfigError("model.options: set options one at a time, as model.options.FIELD")
+    if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
     return typing.get_type_hints(cls)[name]
 
