@@ -11,8 +11,8 @@ import torch
 
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
-from looplm.config import (Config, ConfigError, DataConfig, DecayOptions, ModelConfig, SCSELeakOptions,
-                           SCSEOptions, StepFilmOptions, TrainConfig, apply_overrides)
+from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
+                           SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig, apply_overrides)
 from looplm.model import LoopLM
 from looplm.presets import PRESETS, get_preset
 
@@ -160,8 +160,9 @@ def test_migrated_format1_model_is_identical():
 
 
 def test_format2_round_trip_is_strict(tmp_path, capsys):
+    for cfg in [*PRESETS.values(), *(Config(model=ModelConfig(rule=rule)) for rule in RULE_NAMES)]:
+        assert Config.from_json(cfg.to_json()) == cfg
     d = Config().to_dict()
-    assert Config.from_dict(d) == Config()
     for section, name in (("model", "d_model"), ("train", "lr"), ("data", "dataset")):
         broken = json.loads(json.dumps(d))
         del broken[section][name]
