@@ -137,9 +137,9 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_good_checkpoint(t
 
 def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path, tiny_cfg):
     cfg = tiny_cfg.replace(model=tiny_cfg.model.replace(vocab_size=64))
-    from looplm.model import LoopLM
+    from looplm.model import build_model
 
-    model = LoopLM(cfg.model)
+    model = build_model(cfg.model)
     save_checkpoint(tmp_path, 1, model, cfg)
     with torch.no_grad():
         next(model.parameters())[0] = math.nan

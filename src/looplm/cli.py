@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from looplm.config import SECTIONS, Config, ConfigError, apply_overrides
+from looplm.config import SECTIONS, Config, ConfigError, apply_overrides, options_help
 
 DEPTHS_HELP = "comma-separated loop depths, e.g. 1,2,4,8,12,16,24,32,48"
 
@@ -77,11 +77,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     for section, cls in SECTIONS.items():
         g = p.add_argument_group(f"{section} config (override any field)")
         for f in dataclasses.fields(cls):
-            if f.name.startswith("_"):
+            if f.name.startswith("_") or (section == "model" and f.name == "options"):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             g.add_argument(f"--{section}.{f.name}", dest=f"cfg:{section}.{f.name}", metavar="V",
                            help=f"{f.metadata.get('help', '')} [preset value; base default {default!r}]")
+        if section == "model":
+            for key, text in options_help().items():
+                g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", help=text)
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
