@@ -1,4 +1,4 @@
-"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6).
+"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6; arXiv:2610.06833).
 
 Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only
 its last-recurrence K/V per physical attention layer, and every recurrence of later tokens attends
