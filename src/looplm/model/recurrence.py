@@ -40,14 +40,15 @@ from looplm.model.layers import RMSNorm, sinusoidal_step_embedding
 class LoopContext:
     """Per-sequence constants of one unroll. Tensors (B, L, d) unless stated.
 
-    ``injection`` is the input-conditioned signal the rule re-adds at every step (None for none).
+    ``anchor`` is h* (None for the unshared reference, which has none). ``injection`` is the
+    input-conditioned signal the rule re-adds at every step (None for none).
     ``qkv`` holds per-core-block Q/K/V injections (B, L, 3d) (``deq_qkv``). ``valid`` (B, L, 1) marks
     real tokens (None = all real; set by the model for left-padded batches) and ``scope`` is the
     attention scope of a cached forward (for per-sequence running statistics), both set by the model.
     """
 
     e: torch.Tensor
-    anchor: torch.Tensor
+    anchor: torch.Tensor | None
     injection: torch.Tensor | None = None
     qkv: list | None = None
     valid: torch.Tensor | None = None
@@ -58,7 +59,7 @@ class LoopContext:
         def sel(x):
             return None if x is None else x[index]
 
-        return dataclasses.replace(self, e=self.e[index], anchor=self.anchor[index], injection=sel(self.injection),
+        return dataclasses.replace(self, e=self.e[index], anchor=sel(self.anchor), injection=sel(self.injection),
                                    qkv=None if self.qkv is None else [q[index] for q in self.qkv],
                                    valid=sel(self.valid), scope=None)
 
