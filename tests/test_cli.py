@@ -4,6 +4,7 @@ paths checked before any work, no abbreviations, "did you mean" on misspellings,
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_eval_prints_markdown_by_default_and_json_on_request(ckpt, capsys):
 # ---------------------------------------------------------------- abbreviations and misspellings
 def test_abbreviations_are_refused(capsys):
     assert main(["info", "--preset", "debug", "--train.step", "5", "--print_config"]) == 2
-    assert "did you mean --train.steps?" in capsys.readouterr().err
+    assert re.search(r"train\.step\b.*did you mean (--train\.)?steps\?", capsys.readouterr().err)
     with pytest.raises(SystemExit) as exc:
         main(["info", "--preset", "debug", "--dep", "8"])
     assert exc.value.code == 2
@@ -108,8 +109,9 @@ def test_abbreviations_are_refused(capsys):
 
 
 def test_misspelled_config_field_and_option_get_a_suggestion(capsys):
+    # the suggestion for a config field may come from the config (apply_overrides' ConfigError)
     assert main(["train", "--preset", "debug", "--out", "unused", "--model.d_modle", "5"]) == 2
-    assert "did you mean --model.d_model?" in capsys.readouterr().err
+    assert re.search(r"model\.d_modle\b.*did you mean (--model\.)?d_model\?", capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["eval", "ppl", "--checkpoint", "x", "--max-tokes", "5"])
     assert "did you mean --max-tokens?" in capsys.readouterr().err

@@ -11,8 +11,9 @@ import torch
 
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
-from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, apply_overrides
-from looplm.model import build_model
+from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
+                           SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig, apply_overrides)
+from looplm.model import LoopLM, build_model
 from looplm.presets import PRESETS, get_preset
 
 
@@ -26,9 +27,11 @@ def n_params(cfg: ModelConfig) -> int:
     (dict(rule="loopy"), "model.rule"),
     (dict(d_model=30, n_heads=4), "model.n_heads"),
     (dict(dropout=1.5), "model.dropout"),
-    (dict(scse_anchor="zero"), "model.scse_anchor"),
+    (dict(options={"anchor": "zero"}), "model.options.anchor"),
     (dict(n_core=0), "model.n_core"),
-    (dict(scse_mask="yes"), "model.scse_mask"),
+    (dict(options={"mask": "yes"}), "model.options.mask"),
+    (dict(rule="looped", options={"sigma": 0.9}), "model.options.sigma"),
+    (dict(rule="scse_leak", options={"leak": 1.5}), "model.options.leak"),
 ])
 def test_model_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:
@@ -54,25 +57,207 @@ def test_json_round_trip_and_format_version():
     again = Config.from_json(cfg.to_json())
     assert again == cfg
     d = json.loads(cfg.to_json())
-    assert d["format_version"] == 1
+    assert d["format_version"] == 2
     d["format_version"] = 99
     with pytest.raises(ConfigError, match="format_version"):
         Config.from_dict(d)
-    d["format_version"] = 1
+    d["format_version"] = 2
     d["model"]["widthh"] = 3
     with pytest.raises(ConfigError, match="model.widthh: unknown field"):
         Config.from_dict(d)
 
 
 def test_overrides_parse_types():
-    cfg = apply_overrides(get_preset("cpu"), {"model.rule": "looped", "train.lr": "1e-3",
-                                              "model.scse_mask": "false", "train.steps": "7"})
-    assert cfg.model.rule == "looped" and cfg.train.lr == 1e-3 and cfg.model.scse_mask is False
+    cfg = apply_overrides(get_preset("cpu"), {"model.rule": "sc_cond", "train.lr": "1e-3",
+                                              "model.options.mask": "false", "train.steps": "7"})
+    assert cfg.model.rule == "sc_cond" and cfg.train.lr == 1e-3 and cfg.model.options.mask is False
     assert cfg.train.steps == 7
     with pytest.raises(ConfigError, match="train.steps: cannot parse"):
         apply_overrides(cfg, {"train.steps": "many"})
     with pytest.raises(ConfigError, match="optim: unknown section"):
         apply_overrides(cfg, {"optim.lr": "1"})
+
+
+# ---------------------------------------------------------------- rule options, format 2 and its migration
+def v1_model(**changes) -> dict:
+    """A format-1 ``model`` section as looplm wrote it before rule options (flat rule fields)."""
+    d = {"architecture": "shared", "rule": "scse", "vocab_size": 50257, "d_model": 384, "n_heads": 6,
+         "d_ff": 1536, "seq_len": 128, "dropout": 0.1, "n_prelude": 0, "n_core": 1, "n_coda": 0, "n_layers": 4,
+         "tie_embeddings": True, "norm_eps": 1e-06, "init_std": 0.02, "step_scale": -1.0, "anchor_scale": 0.1,
+         "init_scale": 0.1, "alpha_init": 0.15, "step_tau": 0.015, "scse_anchor": "learned", "scse_mask": True,
+         "scse_eps": 1e-08, "scse_leak": 0.0, "scse_kappa": 0.0, "film_sigma": 0.1, "film_steps": 8,
+         "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02, "subtract_step_tau": 0.0,
+         "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0, "parcae_delta_init": 0.0,
+         "parcae_alpha_init": 0.0, "residual": "pre_ln", "residual_p": -1.0, "residual_depth": 0,
+         "input_norm": False, "readout": "rmsnorm", "scale_control": "none", "damping_init": 0.9,
+         "exit_gate": False}
+    d.update(changes)
+    return d
+
+
+def v1_config(**model) -> dict:
+    d = Config().to_dict()  # data and train sections are the same in both formats
+    return {"format_version": 1, "name": "old", "model": v1_model(**model), "data": d["data"], "train": d["train"]}
+
+
+def test_format1_config_migrates_into_rule_options():
+    old = v1_config(rule="scse_leak", d_model=64, n_heads=2, step_scale=0.3, scse_anchor="embedding",
+                    sc_leak=0.05, sc_kappa=0.2)
+    want = Config(name="old", model=ModelConfig(rule="scse_leak", d_model=64, n_heads=2, options=SCSELeakOptions(
+        step_scale=0.3, anchor="embedding", leak=0.05, kappa=0.2)))
+    got = Config.from_dict(old)
+    assert got == want
+    assert got.to_dict()["format_version"] == 2 and got.to_dict()["model"]["options"] == {
+        "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "anchor": "embedding", "mask": True,
+        "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
+    # step_scale -1 is the rule's default; fields the rule does not read are dropped at their defaults
+    assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3)
+    assert Config.from_dict(v1_config(rule="parcae", parcae_alpha_init=-1.0)).model.options == DecayOptions(
+        alpha_raw_init=-1.0)
+    assert Config.from_dict(v1_config(architecture="unshared")).model.options is None
+    # ... and refused away from them (they never had an effect)
+    with pytest.raises(ConfigError, match=r"model\.film_sigma: 0\.9 is not read by rule looped .*options: step_scale"):
+        Config.from_dict(v1_config(rule="looped", film_sigma=0.9))
+    with pytest.raises(ConfigError, match=r"model\.step_scale: 2\.0 is not read by rule plain"):
+        Config.from_dict(v1_config(rule="plain", step_scale=2.0))
+
+
+def test_format1_config_from_before_later_fields_and_todays_default():
+    """Format-1 files written before a field existed (e.g. ``residual``) take the default it came with;
+    a field of the first format-1 release missing is an error."""
+    old = v1_config()
+    for name in ("residual", "readout", "state_init", "film_sigma", "exit_gate"):
+        del old["model"][name]
+    for name in ("tbptt", "supervision", "checkpoint_format", "depth_cap"):
+        del old["train"][name]
+    assert Config.from_dict(old) == Config(name="old")
+    del old["model"]["d_model"]
+    with pytest.raises(ConfigError, match=r"model\.d_model: missing"):
+        Config.from_dict(old)
+
+
+def test_migrated_format1_model_is_identical():
+    """Same seed: a model from a format-1 config and from the equivalent format-2 one have identical
+    weights and outputs."""
+    pairs = [(dict(rule="scse", scse_leak=0.02, scse_kappa=0.15, scse_mask=False),
+              dict(rule="scse", options=SCSEOptions(leak=0.02, kappa=0.15, mask=False))),
+             (dict(rule="step_film", film_steps=2, step_scale=0.2), dict(rule="step_film", options={"steps": 2,
+                                                                                                    "step_scale": 0.2})),
+             (dict(rule="parcae_decay", state_init="zeros", parcae_delta_init=0.5),
+              dict(rule="parcae_decay", options=DecayOptions(state_init="zeros", delta_raw_init=0.5)))]
+    shape = dict(vocab_size=97, d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.0, n_prelude=1, n_coda=1)
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    for flat, new in pairs:
+        models = []
+        for cfg in (Config.from_dict(v1_config(**shape, **flat)).model, ModelConfig(**shape, **new)):
+            torch.manual_seed(0)
+            models.append(build_model(cfg).eval())
+        a, b = models
+        assert a.state_dict().keys() == b.state_dict().keys()
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+        with torch.no_grad():
+            assert torch.equal(a(x, depth=3).logits, b(x, depth=3).logits)
+
+
+def test_format2_round_trip_is_strict(tmp_path, capsys):
+    for cfg in [*PRESETS.values(), *(Config(model=ModelConfig(rule=rule)) for rule in RULE_NAMES)]:
+        assert Config.from_json(cfg.to_json()) == cfg
+    d = Config().to_dict()
+    for section, name in (("model", "d_model"), ("train", "lr"), ("data", "dataset")):
+        broken = json.loads(json.dumps(d))
+        del broken[section][name]
+        with pytest.raises(ConfigError, match=rf"^{section}\.{name}: missing"):
+            Config.from_dict(broken)
+    broken = json.loads(json.dumps(d))
+    del broken["model"]["options"]["leak"]
+    with pytest.raises(ConfigError, match=r"^model\.options\.leak: missing"):
+        Config.from_dict(broken)
+    broken = json.loads(json.dumps(d))
+    broken["model"]["scse_leak"] = 0.0  # a format-1 name in a format-2 file
+    with pytest.raises(ConfigError, match=r"model\.scse_leak: a rule option since config format 2; set "
+                                          r"model\.options\.leak \(rules scse\)"):
+        Config.from_dict(broken)
+    del d["format_version"]
+    with pytest.raises(ConfigError, match="^format_version: missing"):
+        Config.from_dict(d)
+    # --config FILE: a missing field is an error naming it, not the default (d_model 384)
+    small = Config(model=ModelConfig(d_model=64, n_heads=2)).to_dict()
+    del small["model"]["d_model"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(small))
+    assert main(["info", "--config", str(path)]) == 2
+    assert "model.d_model: missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "model.dropout", "model.options.eps",
+                                 "train.depth_mean"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_hyper_parameters_are_refused(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}: must be finite"):
+        apply_overrides(Config(), {key: value})
+
+
+def test_out_of_range_values_are_refused():
+    for key, value in (("train.lr", "0"), ("train.weight_decay", "-0.1"), ("model.options.leak", "1.5"),
+                       ("model.options.step_scale", "-1")):
+        with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}: must be"):
+            apply_overrides(Config(), {key: value})
+
+
+def test_unused_options_are_refused_naming_rule_and_options(capsys):
+    with pytest.raises(ConfigError, match=r"^model\.options\.sigma: rule looped does not use it \(an option of "
+                                          r"step_film\); options of looped: step_scale$"):
+        apply_overrides(Config(), {"model.rule": "looped", "model.options.sigma": "0.9"})
+    with pytest.raises(ConfigError, match=r"^model\.options\.sigma: rule looped does not use it"):
+        ModelConfig(rule="looped", options={"sigma": 0.9})
+    with pytest.raises(ConfigError, match=r"^model\.options: SCSEOptions holds the options of scse; rule looped "
+                                          r"takes LoopedOptions"):
+        ModelConfig(rule="looped", options=SCSEOptions())
+    with pytest.raises(ConfigError, match="the unshared architecture has no rule options"):
+        apply_overrides(Config(), {"model.architecture": "unshared", "model.options.leak": "0.1"})
+    # the CLI: the issue's example no longer trains silently
+    assert main(["info", "--preset", "debug", "--model.rule", "looped", "--model.options.sigma", "0.9"]) == 2
+    assert "model.options.sigma: rule looped does not use it" in capsys.readouterr().err
+
+
+def test_misspelled_names_get_a_suggestion():
+    for key, hint in (("model.d_modle", "d_model"), ("modle.d_model", "model"), ("train.lrr", "lr"),
+                      ("model.options.leek", "leak")):
+        with pytest.raises(ConfigError, match=rf"unknown .*\(did you mean {hint}\?\)"):
+            apply_overrides(Config(), {key: "1"})
+    d = Config().to_dict()
+    d["trian"] = d.pop("train")
+    with pytest.raises(ConfigError, match=r"^trian: unknown section \(did you mean train\?\)"):
+        Config.from_dict(d)
+
+
+def test_flat_rule_field_overrides_name_the_new_key():
+    with pytest.raises(ConfigError, match=r"^model\.scse_anchor: a rule option since config format 2; set "
+                                          r"model\.options\.anchor \(rules scse, sc_cond, sc_subtract, scse_leak\)"):
+        apply_overrides(Config(), {"model.scse_anchor": "init"})
+    with pytest.raises(ConfigError, match=r"model\.options\.film_sigma: a format-1 name; set model\.options\.sigma"):
+        apply_overrides(Config(), {"model.rule": "step_film", "model.options.film_sigma": "0.2"})
+
+
+def test_rule_change_rebuilds_options():
+    base = apply_overrides(Config(), {"model.options.anchor_scale": "0.2", "model.options.mask": "false"})
+    assert base.model.options == SCSEOptions(anchor_scale=0.2, mask=False)
+    # the new rule's defaults (s = 0.35, not SCSE's 0.5), set options it shares carried, given ones applied
+    cfg = apply_overrides(base, {"model.rule": "scse_leak", "model.options.leak": "0.1"})
+    assert cfg.model.options == SCSELeakOptions(anchor_scale=0.2, mask=False, leak=0.1)
+    with pytest.raises(ConfigError, match=r"^model\.options\.mask: False was set for rule scse, but rule adapter "
+                                          r"has no such option"):
+        apply_overrides(base, {"model.rule": "adapter"})
+    cfg = apply_overrides(Config(), {"model.rule": "adapter"})
+    assert cfg.model.options.step_scale == 0.35 and cfg.model.replace(rule="looped").options.step_scale == 1.0
+    assert apply_overrides(Config(), {"model.architecture": "unshared"}).model.options is None
+
+
+def test_info_list_shows_options(capsys):
+    assert main(["info", "--list"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["cpu"]["options"]["step_scale"] == 0.5 and listed["huginn-cpu"]["options"]["state_init"] == "gaussian"
+    assert listed["unshared-4x320"]["options"] is None
 
 
 # ---------------------------------------------------------------- paper figures (SPEC §1, §9)
@@ -224,10 +409,11 @@ def test_cli_argument_and_run_dir_errors(tmp_path, capsys):
     (dict(model=dict(architecture="unshared"), train=dict(supervision="exit_weighted")), "train.supervision"),
     (dict(model=dict(architecture="unshared", scale_control="inter_loop_norm")), "model.scale_control"),
     (dict(model=dict(architecture="unshared", exit_gate=True)), "model.exit_gate"),
+    (dict(model=dict(architecture="unshared", options={"leak": 0.0})), "model.options"),
 ])
 def test_unshared_rejects_loop_only_options(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        Config.from_dict(overrides)
+        Config(model=ModelConfig(**overrides["model"]), train=TrainConfig(**overrides.get("train", {})))
 
 
 @pytest.mark.parametrize("train, nominal", [
@@ -235,7 +421,7 @@ def test_unshared_rejects_loop_only_options(overrides, field):
     (dict(depth_sampler="pln", depth_mean=5.0, depth_cap=64), 5), (dict(depth_sampler="learned", depth_mean=4.5), 5),
 ])
 def test_nominal_depth(train, nominal):
-    assert Config.from_dict({"train": train}).train.nominal_depth == nominal
+    assert TrainConfig(**train).nominal_depth == nominal
 
 
 def test_closed_stdout_is_not_an_error():

@@ -76,7 +76,7 @@ def test_scse_forcing_ratio_is_exactly_zero_and_dose_response_vanishes():
 
 @pytest.mark.parametrize("rule", ["scse", "scse-nomask"])
 def test_injection_free_rule_has_zero_dose_response(rule):
-    model = tiny(rule="scse", scse_mask=rule == "scse")
+    model = tiny(rule="scse", options=dict(mask=rule == "scse"))
     res = diagnose_model(model, batches(1), steps=(0,), depth=5)
     assert all(max(r["displacement_rms_by_t"]) == 0.0 for r in res["dose_response"]["records"])
 

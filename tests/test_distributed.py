@@ -140,7 +140,8 @@ def test_damaged_shard_gives_checkpoint_error_naming_it(tmp_path, sharded_single
         load_checkpoint(ckpt)
 
 
-LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n_coda", "1", "--model.state_init", "zeros",
+LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n_coda", "1",
+           "--model.options.state_init", "zeros",
            "--train.depth_sampler", "learned", "--train.depth_cap", "6", "--train.depth_mean", "3",
            "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.tbptt", "2",
            "--train.supervision", "exit_weighted"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from looplm.analysis.flops import BODY_CALLS_PER_STEP, body_applications
-from looplm.config import DEFAULT_STEP_SCALE, RULE_NAMES, ModelConfig
+from looplm.config import RULE_NAMES, RULE_OPTIONS, ModelConfig
 from looplm.diagnostics.forcing import forcing_profile
 from looplm.model import RULES, LoopLM, build_model
 from looplm.model.layers import sinusoidal_step_embedding
@@ -20,22 +20,22 @@ V, D, L = 97, 32, 12
 
 VARIANTS = {
     **{rule: dict(rule=rule) for rule in RULE_NAMES},
-    "scse-embedding": dict(rule="scse", scse_anchor="embedding"),
-    "scse-frozen_random": dict(rule="scse", scse_anchor="frozen_random"),
-    "scse-nomask": dict(rule="scse", scse_mask=False),
-    "scse-leak": dict(rule="scse", scse_leak=0.02, scse_kappa=0.15),
-    "step_film-2rows": dict(rule="step_film", film_steps=2),  # T > 2 reuses the last row
-    "norm_reset-P2": dict(rule="norm_reset", norm_reset_period=2),
-    "sc_cond-nomask": dict(rule="sc_cond", scse_mask=False),
-    "sc_cond-embedding": dict(rule="sc_cond", scse_anchor="embedding"),
-    "sc_subtract-nomask": dict(rule="sc_subtract", scse_mask=False),
-    "scse_leak-nomask": dict(rule="scse_leak", scse_mask=False),
-    "additive_subtract-step": dict(rule="additive_subtract", subtract_step_tau=0.015),
+    "scse-embedding": dict(rule="scse", options=dict(anchor="embedding")),
+    "scse-frozen_random": dict(rule="scse", options=dict(anchor="frozen_random")),
+    "scse-nomask": dict(rule="scse", options=dict(mask=False)),
+    "scse-leak": dict(rule="scse", options=dict(leak=0.02, kappa=0.15)),
+    "step_film-2rows": dict(rule="step_film", options=dict(steps=2)),  # T > 2 reuses the last row
+    "norm_reset-P2": dict(rule="norm_reset", options=dict(period=2)),
+    "sc_cond-nomask": dict(rule="sc_cond", options=dict(mask=False)),
+    "sc_cond-embedding": dict(rule="sc_cond", options=dict(anchor="embedding")),
+    "sc_subtract-nomask": dict(rule="sc_subtract", options=dict(mask=False)),
+    "scse_leak-nomask": dict(rule="scse_leak", options=dict(mask=False)),
+    "additive_subtract-step": dict(rule="additive_subtract", options=dict(step_tau=0.015)),
     "looped-prelude-coda": dict(rule="looped", n_prelude=1, n_core=2, n_coda=1),
     **{f"{rule}-huginn": dict(rule=rule, n_prelude=1, n_core=2, n_coda=1)
        for rule in ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")},
-    "parcae-zeros": dict(rule="parcae", state_init="zeros"),
-    "orthoinj-embedding": dict(rule="orthoinj", state_init="embedding"),
+    "parcae-zeros": dict(rule="parcae", options=dict(state_init="zeros")),
+    "orthoinj-embedding": dict(rule="orthoinj", options=dict(state_init="embedding")),
     "plain-input_norm": dict(rule="plain", input_norm=True),
     "plain-deeploop": dict(rule="plain", residual="deeploop", residual_depth=3, n_core=2),
     "plain-deepnorm": dict(rule="plain", residual="deepnorm", residual_depth=3),
@@ -152,7 +152,8 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
             return torch.sigmoid(model.damping_raw) * h
         return h
 
-    s = cfg.resolved_step_scale
+    o = cfg.options
+    s = getattr(o, "step_scale", 1.0)
     r = model.rule
     if cfg.rule == "plain":
         h = e
@@ -160,9 +161,9 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
             h = between(core_full(h))
         return h
     if cfg.rule in ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv"):
-        table = torch.randn(cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(cfg.state_init_seed))
+        table = torch.randn(cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(o.state_init_seed))
         h = {"zeros": torch.zeros_like(e), "embedding": e,
-             "gaussian": cfg.state_init_std * table[: x.shape[1]].expand_as(e)}[cfg.state_init]
+             "gaussian": o.state_init_std * table[: x.shape[1]].expand_as(e)}[o.state_init]
         if cfg.rule != "huginn_linear" and cfg.rule != "deq_qkv":
             delta = torch.log1p(torch.exp(r.delta_raw))
             lam = torch.exp(-delta * torch.exp(r.alpha_raw))
@@ -189,20 +190,20 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
         h = e
         for t in range(T):
             h = h + s * G(h + e)
-            if cfg.rule == "norm_reset" and (t + 1) % cfg.norm_reset_period == 0:
+            if cfg.rule == "norm_reset" and (t + 1) % o.period == 0:
                 h = h / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + cfg.norm_eps)  # parameter-free
             h = between(h)
         return h
-    h = e + cfg.init_scale * lin(e, r.init_proj)
-    learned_anchor = e + cfg.anchor_scale * lin(e, r.anchor_proj) if hasattr(r, "anchor_proj") else None
+    h = e + o.init_scale * lin(e, r.init_proj)
+    learned_anchor = e + o.anchor_scale * lin(e, r.anchor_proj) if hasattr(r, "anchor_proj") else None
     if cfg.rule in ("adapter", "step_adapter", "step_film"):
         for t in range(T):
             z = h + r.alpha * lin(learned_anchor, r.in_proj)
             if cfg.rule == "step_adapter":
-                z = z + cfg.step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
+                z = z + o.step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
             if cfg.rule == "step_film":
-                g, b = r.film[min(t, cfg.film_steps - 1), 0], r.film[min(t, cfg.film_steps - 1), 1]
-                z = (1 + cfg.film_sigma * g) * z + cfg.film_sigma * b
+                g, b = r.film[min(t, o.steps - 1), 0], r.film[min(t, o.steps - 1), 1]
+                z = (1 + o.sigma * g) * z + o.sigma * b
             h = h + s * G(z)
         return h
     if cfg.rule == "additive_subtract":  # SCSE eq. 22
@@ -211,18 +212,18 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
         src = r.alpha * lin(e, r.in_proj)
         for t in range(T):
             tau_t = 0.0
-            if cfg.subtract_step_tau:
-                tau_t = cfg.subtract_step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
+            if o.step_tau:
+                tau_t = o.step_tau * lin(sinusoidal_step_embedding(t, D), r.step_proj)
             delta = delta + s * (G(anchor + delta + src + tau_t) - G(anchor + src + tau_t))
         return anchor + delta
     # SCSE family: scse, sc_cond, sc_subtract, scse_leak
-    anchor = {"embedding": e, "init": h}.get(cfg.scse_anchor, learned_anchor)
-    kappa = {"scse": cfg.scse_kappa}.get(cfg.rule, cfg.sc_kappa)  # the learned κ still holds its init
-    leak = {"scse": cfg.scse_leak, "scse_leak": cfg.sc_leak}.get(cfg.rule, 0.0)
+    anchor = {"embedding": e, "init": h}.get(o.anchor, learned_anchor)
+    kappa = o.kappa  # the learned κ still holds its init
+    leak = getattr(o, "leak", 0.0)
     c = kappa * lin(anchor, r.cond_proj) if kappa else 0.0
     delta = h - anchor
     for _ in range(T):
-        m = (delta.pow(2).sum(dim=(1, 2), keepdim=True) > cfg.scse_eps).float() if cfg.scse_mask else 1.0
+        m = (delta.pow(2).sum(dim=(1, 2), keepdim=True) > o.eps).float() if o.mask else 1.0
         q = s * (G(delta + c) - G(c)) if cfg.rule == "sc_subtract" else s * G(delta + c)
         delta = (1 - leak) * delta + m * q
     return anchor + delta
@@ -245,18 +246,19 @@ def test_rule_matches_unrolled_reference(name):
 
 def test_every_rule_has_a_reference_and_defaults():
     assert set(RULE_NAMES) <= set(REFERENCE_VARIANTS)
-    assert set(DEFAULT_STEP_SCALE) == set(RULE_NAMES) == set(BODY_CALLS_PER_STEP)
-    assert tiny(rule="step_film").resolved_step_scale == 0.35
-    assert tiny(rule="additive_subtract").resolved_step_scale == 0.5
-    assert tiny(rule="norm_reset").resolved_step_scale == 1.0
-    assert tiny(rule="sc_subtract", step_scale=0.3).resolved_step_scale == 0.3
+    assert set(RULE_OPTIONS) == set(RULE_NAMES) == set(BODY_CALLS_PER_STEP)
+    assert tiny(rule="step_film").options.step_scale == 0.35
+    assert tiny(rule="additive_subtract").options.step_scale == 0.5
+    assert tiny(rule="norm_reset").options.step_scale == 1.0
+    assert tiny(rule="sc_subtract", options=dict(step_scale=0.3)).options.step_scale == 0.3
 
 
-@pytest.mark.parametrize("field, value", [("film_steps", 0), ("norm_reset_period", 0), ("sc_leak", 1.0),
-                                          ("film_sigma", -0.1), ("subtract_step_tau", -1.0)])
-def test_new_fields_are_validated(field, value):
-    with pytest.raises(Exception, match=f"model.{field}"):
-        tiny(**{field: value})
+@pytest.mark.parametrize("rule, field, value", [("step_film", "steps", 0), ("norm_reset", "period", 0),
+                                                ("scse_leak", "leak", 1.0), ("step_film", "sigma", -0.1),
+                                                ("additive_subtract", "step_tau", -1.0), ("scse", "step_scale", 0.0)])
+def test_options_are_validated(rule, field, value):
+    with pytest.raises(Exception, match=f"model.options.{field}"):
+        tiny(rule=rule, options={field: value})
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -366,7 +368,7 @@ def test_scse_unmasked_zero_core_still_zero_raw_response():
 
 def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
     torch.manual_seed(0)
-    model = build_model(tiny(rule="scse", scse_anchor="init")).eval()
+    model = build_model(tiny(rule="scse", options=dict(anchor="init"))).eval()
     x = tokens()
     out = model(x, depth=[0, 1, 8, 24], targets=x, return_states=True)
     for s in out.states:

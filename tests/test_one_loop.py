@@ -5,7 +5,6 @@ the diagnostics against the realized step of a model with a scale control."""
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -19,7 +18,7 @@ from looplm.eval.exits import build_exit_criterion, halting_depths, run, trace
 from looplm.generate import generate
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
-from looplm.model.layers import CausalSelfAttention
+from test_kvcache import _hooked_visits, _terminal_reference  # noqa: E402 (tests/ is on sys.path)
 
 RULES = sorted(RULE_NAMES)
 SCALE = ("none", "inter_loop_norm", "spectral_damping")
@@ -103,76 +102,6 @@ def test_early_exit_equals_offline_accounting(rule, scale, readout, criterion):
     np.testing.assert_array_equal(res.depth, ref)
     np.testing.assert_allclose(res.nll, tr.nll[np.arange(len(ref)), ref - 1], rtol=1e-5, atol=1e-5)
     assert res.row_steps == ref.sum()
-
-
-def _hooked_visits(model: LoopLM, x: torch.Tensor, R: int) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every attention call's K/V (B, H, n, hd) of an uncached forward at depth R, per physical layer,
-    in call order (core layers: R · calls_per_step calls)."""
-    calls: dict[int, list] = {}
-    originals = {}
-
-    def recording(self, x, qkv_inject=None, kv=None, _orig=None):
-        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject  # K/V as attention sees them
-        calls.setdefault(self.layer_id, []).append(qkv)
-        return originals[self](x, qkv_inject, kv)
-
-    for m in model.modules():
-        if isinstance(m, CausalSelfAttention):
-            originals[m] = m.forward
-            m.forward = recording.__get__(m)
-    try:
-        model(x, depth=R)
-    finally:
-        for m, f in originals.items():
-            m.forward = f
-    H = model.cfg.n_heads
-    out = {}
-    for lid, qkvs in calls.items():
-        out[lid] = []
-        for qkv in qkvs:
-            B, n, three_d = qkv.shape
-            d = three_d // 3
-            _, k, v = (t.view(B, n, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
-            out[lid].append((k, v))
-    return out
-
-
-def _terminal_reference(model: LoopLM, visits, chunk: torch.Tensor, start: int, R: int) -> torch.Tensor:
-    """Logits of ``chunk`` (B, c) at positions start … with every attention an explicit softmax over
-    [the prefix's terminal K/V of the same call slot ; the chunk's own K/V] (terminal sharing written
-    out by hand: no KVCache, no scope)."""
-    cps, counters, originals = model.calls_per_step, {}, {}
-
-    def explicit(self, x, qkv_inject=None, kv=None):
-        i = counters.get(self.layer_id, 0)
-        counters[self.layer_id] = i + 1
-        mine = visits[self.layer_id]
-        slot = i % cps if len(mine) > 1 else 0
-        pk, pv = [kv_ for j, kv_ in enumerate(mine) if j % cps == slot][-1]  # the slot's last visit
-        B, c, d = x.shape
-        H = self.n_heads
-        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject
-        q, k, v = (t.view(B, c, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
-        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-        n = pk.shape[2]
-        scores = q @ k_all.transpose(-1, -2) / math.sqrt(d // H)
-        allowed = torch.ones(c, n + c, dtype=torch.bool).tril(diagonal=n)
-        y = scores.masked_fill(~allowed, -math.inf).softmax(-1) @ v_all
-        return self.proj(y.transpose(1, 2).reshape(B, c, d))
-
-    for m in model.modules():
-        if isinstance(m, CausalSelfAttention):
-            originals[m] = m.forward
-            m.forward = explicit.__get__(m)
-    try:
-        positions = torch.arange(start, start + chunk.shape[1]).expand(chunk.shape)
-        state, ctx = model.start(model.embed(chunk, positions), positions)
-        for t in range(R):
-            state = model.step(state, t, ctx)
-        return model.readout(model.hidden(state, ctx), final=True)
-    finally:
-        for m, f in originals.items():
-            m.forward = f
 
 
 def _greedy_recompute(model: LoopLM, prompt: list[int], n: int, R: int) -> list[int]:

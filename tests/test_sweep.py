@@ -105,6 +105,29 @@ def test_docstring_example_parses():
     assert sweep.eval.datasets == ("brown", "wikitext2") and sweep.eval.max_tokens == 16384
 
 
+def test_rule_options_in_a_sweep_file():
+    """``model.options.FIELD`` keys (dotted or as a nested table) apply to the variant's rule; a variant that
+    changes the rule gets that rule's options; an option the rule lacks names the variant."""
+    import looplm.sweep as sweep_module
+
+    sweep = parse_sweep(sweep_module.toml_loads("""
+seeds = [0]
+[base]
+preset = "cpu"
+"model.options.anchor_scale" = 0.2
+[variants]
+scse = {}
+leak = {"model.rule" = "scse_leak", "model.options.leak" = 0.05}
+film = {model = {rule = "step_film", options = {sigma = 0.3}}}
+"""))
+    opts = {r.variant: r.config.model.options for r in sweep.runs()}
+    assert opts["scse"].anchor_scale == 0.2 and opts["scse"].step_scale == 0.5
+    assert opts["leak"].leak == 0.05 and opts["leak"].anchor_scale == 0.2
+    assert opts["film"].sigma == 0.3 and opts["film"].step_scale == 0.35 and opts["film"].anchor_scale == 0.2
+    with pytest.raises(SweepError, match=r"variants\.a: model\.options\.sigma: rule looped does not use it"):
+        parse_sweep({"variants": {"a": {"model.rule": "looped", "model.options.sigma": 0.3}}})
+
+
 @pytest.mark.parametrize("doc, match", [
     ({"variants": {"a": {}}, "colour": 1}, r"colour: unknown key; allowed: name, seeds"),
     ({"variants": {"a": {"model.nope": 1}}}, r"variants\.a: model\.nope: unknown field; known: "),

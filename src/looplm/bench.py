@@ -16,11 +16,17 @@ Every figure is a ratio taken within the same run, so the machine's speed cancel
 - ``decode_cache_speedup``: greedy decoding at a 512-token context with the ``per_visit`` KV cache over
   re-running the full forward on the growing sequence; ``terminal_kv_bytes_ratio``: KV bytes of the
   terminal cache over the per-visit cache (1/T for a model without prelude and coda).
+
+Each target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met``, or ``invalid`` when the
+value is impossible (MFU above 1, or not a finite number), or ``unstable`` for the timed targets when
+the machine's speed moved during the run: the per-repeat fp32 matmul rates spread by more than
+``MAX_SPREAD`` (max − min over the median), or the peak measured again at the end differs from the
+first by more than ``MAX_SPREAD``. Load from other processes does this; rerun on a quiet machine.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import platform
 import time
@@ -32,6 +38,7 @@ import torch
 from looplm.analysis.flops import flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
+from looplm.finite import dumps
 from looplm.model import LoopLM, build_model
 from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context, resolve_device
@@ -40,6 +47,11 @@ TARGETS = {"mfu": (">=", 0.60), "bf16_train_speedup": (">=", 1.5), "loop_overhea
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
            "tbptt_peak_mem_ratio": ("<=", 1.3), "decode_cache_speedup": (">=", 10.0),
            "terminal_kv_bytes_ratio": ("==", None)}  # None: 1/T of the run, set in run_bench
+#: targets measured by timing (their status is "unstable" when the machine's speed moved during the run)
+TIMED = ("mfu", "bf16_train_speedup", "loop_overhead_ratio", "scse_vs_looped_ratio", "multidepth_eval_ratio",
+         "decode_cache_speedup")
+#: largest relative spread of the fp32 matmul rate (between repeats, and start vs end) of a stable run
+MAX_SPREAD = 0.25
 
 
 def _sync(device: torch.device) -> None:
@@ -47,8 +59,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` calls."""
+def _times(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -58,15 +70,53 @@ def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.de
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> float:
+    """Median seconds per call of ``fn`` after ``warmup`` calls."""
+    times = sorted(_times(fn, warmup=warmup, repeat=repeat, device=device))
+    return times[len(times) // 2]
+
+
+def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
+    """GFLOP/s of each repeat of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return [2 * n ** 3 / sec / 1e9 for sec in _times(lambda: a @ b, warmup=warmup, repeat=repeat, device=device)]
 
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> float:
-    """GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    sec = _timeit(lambda: a @ b, warmup=warmup, repeat=repeat, device=device)
-    return 2 * n ** 3 / sec / 1e9
+    """Median GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
+    rates = sorted(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
+    return rates[len(rates) // 2]
+
+
+def spread(rates: list[float]) -> float:
+    """(max − min) / median of a list of rates (0 for one value)."""
+    r = sorted(rates)
+    return (r[-1] - r[0]) / r[len(r) // 2] if r[len(r) // 2] > 0 else math.inf
+
+
+def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, dict[str, Any]]:
+    """Status of each target ``name → (op, target)`` against ``res[name]``: ``met``, ``not met``,
+    ``invalid`` (not finite, or an MFU above 1: more FLOPs than the measured peak allows) or
+    ``unstable`` (a timed target, :data:`TIMED`, of a run whose ``res["stability"]["stable"]`` is False).
+    Returns ``name → {"op", "target", "value", "status", "met"}`` (``met``: status == "met")."""
+    stable = res.get("stability", {}).get("stable", True)
+    out = {}
+    for k, (op, v) in targets.items():
+        x = res[k]
+        if not math.isfinite(x) or (k == "mfu" and x > 1):
+            status = "invalid"
+        elif k in TIMED and not stable:
+            status = "unstable"
+        elif op == "==":
+            status = "met" if abs(x - v) <= 1e-9 * max(1.0, abs(v)) else "not met"
+        else:
+            status = "met" if (x >= v if op == ">=" else x <= v) else "not met"
+        out[k] = {"op": op, "target": v, "value": x, "status": status, "met": status == "met"}
+    return out
 
 
 def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, device: torch.device,
@@ -206,7 +256,9 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
                            "batch_size": batch_size, "seq_len": cfg.seq_len}
     # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
-    peak32 = max(matmul_peak_gflops(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n}))
+    rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
+    peak_n = max(rates32, key=lambda n: sorted(rates32[n])[len(rates32[n]) // 2])
+    peak32 = sorted(rates32[peak_n])[len(rates32[peak_n]) // 2]
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
     slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
@@ -253,18 +305,19 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
 
+    # the machine's speed again at the end: load that came or went during the run shows up here
+    end32 = matmul_peak_gflops(torch.float32, peak_n, dev)
+    drift = abs(end32 - peak32) / max(end32, peak32)
+    res["stability"] = {"matmul_n": peak_n, "matmul_fp32_rates_gflops": rates32[peak_n],
+                        "matmul_fp32_spread": spread(rates32[peak_n]), "matmul_fp32_peak_end_gflops": end32,
+                        "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD}
+    res["stability"]["stable"] = spread(rates32[peak_n]) <= MAX_SPREAD and drift <= MAX_SPREAD
+    log(f"fp32 matmul rate: spread {res['stability']['matmul_fp32_spread']:.1%} between repeats, "
+        f"{drift:.1%} start vs end ({'stable' if res['stability']['stable'] else 'UNSTABLE'})")
+
     expected = {"terminal_kv_bytes_ratio": 1.0 / depth if cfg.n_prelude == cfg.n_coda == 0 else None}
-
-    def met(k: str, op: str, v: float) -> bool:
-        if op == "==":
-            return abs(res[k] - v) <= 1e-9 * max(1.0, abs(v))
-        return res[k] >= v if op == ">=" else res[k] <= v
-
-    res["targets"] = {}
-    for k, (op, v) in TARGETS.items():
-        v = expected.get(k, v)
-        if v is not None:
-            res["targets"][k] = {"op": op, "target": v, "value": res[k], "met": met(k, op, v)}
+    wanted = {k: (op, expected.get(k, v)) for k, (op, v) in TARGETS.items()}
+    res["targets"] = judge_targets(res, {k: t for k, t in wanted.items() if t[1] is not None})
     res["markdown"] = markdown(res)
     return res
 
@@ -292,15 +345,23 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['decode_tokens_per_s_with_prefill_terminal']:.1f}; "
              f"{res['decode_cache_speedup_with_prefill']:.2f}× |",
              f"| KV bytes per_visit / terminal | {res['kv_bytes_per_visit']:,} / {res['kv_bytes_terminal']:,} |",
-             "", "| target | value | target | met |", "|---|---:|---:|:---:|"]
+             "", "| target | value | target | status |", "|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
-        lines.append(f"| `{k}` | {t['value']:.3f} | {t['op']} {t['target']} | {'yes' if t['met'] else 'no'} |")
+        status = t.get("status", "met" if t["met"] else "not met")
+        lines.append(f"| `{k}` | {t['value']:.3f} | {t['op']} {t['target']} | {status} |")
+    st = res.get("stability")
+    if st is not None:
+        lines += ["", f"Status rule: `invalid` = impossible value (MFU > 1, or not finite); `unstable` = a timed "
+                  f"target of a run whose fp32 matmul rate moved by more than {st['max_spread']:.0%} (max − min "
+                  f"over the median of the {len(st['matmul_fp32_rates_gflops'])} repeats: "
+                  f"{st['matmul_fp32_spread']:.1%}; peak at the end vs the start: {st['matmul_fp32_drift']:.1%}) — "
+                  f"rerun on a quiet machine. This run: {'stable' if st['stable'] else 'unstable'}."]
     return "\n".join(lines)
 
 
 def write_results(res: dict[str, Any], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    out.write_text(dumps(res, indent=2) + "\n")
     out.with_suffix(".md").write_text(res["markdown"] + "\n")
     return out

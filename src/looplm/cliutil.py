@@ -302,6 +302,12 @@ def config_fields(root: type | None = None, prefix: str = "") -> list[tuple[str,
         if f.name.startswith("_"):
             continue
         key = prefix + f.name
+        if key == "model.options":  # per-rule options: the config lists them with the rules that read each
+            from looplm import config
+
+            if hasattr(config, "options_help"):
+                out += [(k, text, dataclasses.MISSING) for k, text in config.options_help().items()]
+                continue
         tp = _field_type(root, f)
         default = _default_of(f)
         members = [t for t in (typing.get_args(tp) or (tp,)) if isinstance(t, type) and dataclasses.is_dataclass(t)]

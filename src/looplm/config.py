@@ -5,19 +5,27 @@ against ``Literal`` name sets. Construction validates every field and raises :cl
 naming the field and what is allowed. Field help texts (``metadata["help"]``) become the
 ``--help`` of the CLI, which can override any field as ``--section.field VALUE``.
 
+The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
+subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
+``--model.options.FIELD VALUE``. A config file (``config.json``, format 2) gives every field; format-1
+files (flat rule fields) are migrated on load by :func:`migrate_v1`.
+
 The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Iterable, Literal, get_args
 
-FORMAT_VERSION = 1
+#: config.json layout: 2 keeps rule options under ``model.options``; 1 (flat rule fields) is migrated on
+#: load (:func:`migrate_v1`)
+FORMAT_VERSION = 2
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
                    "sc_subtract", "additive_subtract", "scse_leak", "plain", "huginn_linear", "parcae_decay",
@@ -46,18 +54,6 @@ DType = Literal["float32", "bfloat16"]
 CheckpointFormat = Literal["consolidated", "sharded"]
 
 
-#: residual step scale s per rule when ``step_scale == -1`` (SPEC §2; for the controls the paper gives
-#: no value: adapter-family controls take the tuned adapter's 0.35, the SCSE-family ones SCSE's 0.5,
-#: norm_reset the looped baseline's 1.0 — our choice).
-DEFAULT_STEP_SCALE: dict[str, float] = {
-    "looped": 1.0, "norm_reset": 1.0,
-    "adapter": 0.35, "step_adapter": 0.35, "step_film": 0.35,
-    "scse": 0.5, "sc_cond": 0.5, "sc_subtract": 0.5, "additive_subtract": 0.5, "scse_leak": 0.5,
-    # rules whose step has no residual scale (SPEC §2): s is unused
-    "plain": 1.0, "huginn_linear": 1.0, "parcae_decay": 1.0, "parcae": 1.0, "orthoinj": 1.0, "deq_qkv": 1.0,
-}
-
-
 class ConfigError(ValueError):
     """A config field has a value that is not allowed; the message names the field."""
 
@@ -73,7 +69,20 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+def _suggest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest known name (difflib), or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
+    known = list(known)
+    return ConfigError(f"{where}: unknown {kind}{_suggest(where.rsplit('.', 1)[-1], known)}; "
+                       f"known: {', '.join(known)}")
+
+
 def _check_literal(obj: Any, prefix: str) -> None:
+    """Type-check every field of ``obj``: Literal names, bools, ints, finite floats."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         tp = hints[f.name]
@@ -90,6 +99,7 @@ def _check_literal(obj: Any, prefix: str) -> None:
         elif tp is float:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool),
                    f"{prefix}{f.name}", f"must be a number, got {value!r}")
+            _check(math.isfinite(value), f"{prefix}{f.name}", f"must be finite, got {value!r}")
 
 
 class _Base:
@@ -101,15 +111,302 @@ class _Base:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
 
     @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def _check_keys(cls, d: dict[str, Any]) -> None:
+        """A complete dict (as read from a file): no unknown and no missing field."""
+        names = cls.field_names()
+        for key in d:
+            if key not in names:
+                raise _unknown(f"{cls._prefix}{key}", "field", names)
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise ConfigError(f"{cls._prefix}{missing[0]}: missing; a config file gives every field "
+                              f"(missing: {', '.join(missing)})")
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]):
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"{cls._prefix}{unknown[0]}: unknown field; known: {', '.join(sorted(names))}")
+        """Build from a complete dict (every field present, as ``to_dict`` writes it).
+
+        Raises:
+            ConfigError: an unknown field (with the closest known name), a missing field, or a bad value.
+        """
+        cls._check_keys(d)
         return cls(**d)
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+# ---------------------------------------------------------------- per-rule options (SPEC §2)
+def _o(default: Any, help: str, v1: str) -> Any:
+    """An option field; ``v1`` is its flat ``ModelConfig`` name in format-1 config files."""
+    return field(default=default, metadata={"help": help, "v1": v1})
+
+
+#: step_scale defaults (SPEC §2): looped 1 (our choice), adapter 0.35, SCSE 0.5; for the controls the paper
+#: gives no value: adapter-family controls take the tuned adapter's 0.35, the SCSE-family ones and
+#: additive_subtract SCSE's 0.5, norm_reset the looped baseline's 1.0 (our choice). plain and the Huginn
+#: family have no residual scale.
+_STEP_SCALE_HELP = "residual step scale s of the rule's update"
+
+
+@dataclass(frozen=True)
+class RuleOptions(_Base):
+    """Options of one recurrence rule (``ModelConfig.options``); a subclass per rule or family holds
+    exactly the fields its rules read, with the rule's defaults."""
+
+    _prefix = "model.options."
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks (every float is already checked to be finite)."""
+        p = self._prefix
+        for name, lo, strict in (("step_scale", 0.0, True), ("anchor_scale", 0.0, False),
+                                 ("init_scale", 0.0, False), ("step_tau", 0.0, False), ("eps", 0.0, False),
+                                 ("sigma", 0.0, False), ("state_init_std", 0.0, False)):
+            if hasattr(self, name):
+                v = getattr(self, name)
+                _check(v > lo if strict else v >= lo, p + name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
+        for name in ("steps", "period"):
+            if hasattr(self, name):
+                _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
+        if hasattr(self, "leak"):
+            _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
+        if hasattr(self, "state_init_seed"):
+            _check(self.state_init_seed >= -1, p + "state_init_seed", f"must be >= -1, got {self.state_init_seed}")
+
+
+@dataclass(frozen=True)
+class PlainOptions(RuleOptions):
+    """``plain``: no options (no injection, no residual scale)."""
+
+
+@dataclass(frozen=True)
+class LoopedOptions(RuleOptions):
+    """``looped``: h + s·G(h + e)."""
+
+    step_scale: float = _o(1.0, _STEP_SCALE_HELP, "step_scale")
+
+
+@dataclass(frozen=True)
+class NormResetOptions(LoopedOptions):
+    """``norm_reset``: the looped step, then h ← RMSNorm(h) every ``period`` steps."""
+
+    period: int = _o(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step",
+                     "norm_reset_period")
+
+
+@dataclass(frozen=True)
+class _AnchoredOptions(RuleOptions):
+    """The learned anchor h* = e + c_a·A(e) and initial state h_0 = e + c_0·I(e) (SCSE eq. 3–4)."""
+
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
+    anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)", "anchor_scale")
+    init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)", "init_scale")
+
+
+@dataclass(frozen=True)
+class AdapterOptions(_AnchoredOptions):
+    """``adapter`` (tuned adapter): h + s·G(h + α·W_in h*)."""
+
+    step_scale: float = _o(0.35, _STEP_SCALE_HELP, "step_scale")
+    alpha_init: float = _o(0.15, "initial value of the learned source gain α", "alpha_init")
+
+
+@dataclass(frozen=True)
+class StepAdapterOptions(AdapterOptions):
+    """``step_adapter``: the adapter plus τ·P_step γ_t in the core input."""
+
+    step_tau: float = _o(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t", "step_tau")
+
+
+@dataclass(frozen=True)
+class StepFilmOptions(AdapterOptions):
+    """``step_film``: h + s·G((1 + σ·g_t)⊙u + σ·b_t), u = h + α·W_in h*."""
+
+    sigma: float = _o(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t", "film_sigma")
+    steps: int = _o(8, "rows of the learned step-embedding table (g_t, b_t); steps t >= steps reuse the "
+                    "last row", "film_steps")
+
+
+@dataclass(frozen=True)
+class _SourceCenteredOptions(_AnchoredOptions):
+    """The masked source-centered recurrence of the SCSE family (SCSE eq. 5)."""
+
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
+    anchor: AnchorName = _o("learned", "anchor h*: learned (e + c_a·A(e)), embedding (h*=e), init (h*=h_0, "
+                            "Δ stays 0), frozen_random (A random, not trained)", "scse_anchor")
+    mask: bool = _o(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}", "scse_mask")
+    eps: float = _o(1e-8, "mask threshold ε on the per-example squared Frobenius norm", "scse_eps")
+
+
+@dataclass(frozen=True)
+class SCSEOptions(_SourceCenteredOptions):
+    """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
+
+    leak: float = _o(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)",
+                     "scse_leak")
+    kappa: float = _o(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main "
+                      "method); 0.15 in the leak diagnostic", "scse_kappa")
+
+
+@dataclass(frozen=True)
+class SCCondOptions(_SourceCenteredOptions):
+    """``sc_cond``, ``sc_subtract``: the SCSE recurrence with the source conditioning c_sc = κ·W_c h*."""
+
+    kappa: float = _o(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*", "sc_kappa")
+
+
+@dataclass(frozen=True)
+class SCSELeakOptions(SCCondOptions):
+    """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
+
+    leak: float = _o(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t", "sc_leak")
+
+
+@dataclass(frozen=True)
+class AdditiveSubtractOptions(_AnchoredOptions):
+    """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
+
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
+    alpha_init: float = _o(0.15, "initial value of the learned source gain α", "alpha_init")
+    step_tau: float = _o(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's "
+                         "control)", "subtract_step_tau")
+
+
+@dataclass(frozen=True)
+class HuginnOptions(RuleOptions):
+    """``huginn_linear``, ``deq_qkv``: the initial loop state of the Huginn family."""
+
+    state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (the prelude output e) "
+                               "or gaussian (std state_init_std)", "state_init")
+    state_init_std: float = _o(0.02, "state_init=gaussian: std of the initial state", "state_init_std")
+    state_init_seed: int = _o(0, "state_init=gaussian: seed of the evaluation-mode noise (a fixed (seq_len, d) "
+                              "table indexed by position, so evaluation and cached decoding are "
+                              "deterministic); -1 draws fresh noise from the global RNG in evaluation too",
+                              "state_init_seed")
+
+
+@dataclass(frozen=True)
+class DecayOptions(HuginnOptions):
+    """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw),
+    α = exp(α_raw)."""
+
+    delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))", "parcae_delta_init")
+    alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))", "parcae_alpha_init")
+
+
+#: the options class of every rule
+RULE_OPTIONS: dict[str, type[RuleOptions]] = {
+    "looped": LoopedOptions, "norm_reset": NormResetOptions,
+    "adapter": AdapterOptions, "step_adapter": StepAdapterOptions, "step_film": StepFilmOptions,
+    "scse": SCSEOptions, "sc_cond": SCCondOptions, "sc_subtract": SCCondOptions, "scse_leak": SCSELeakOptions,
+    "additive_subtract": AdditiveSubtractOptions, "plain": PlainOptions,
+    "huginn_linear": HuginnOptions, "deq_qkv": HuginnOptions,
+    "parcae_decay": DecayOptions, "parcae": DecayOptions, "orthoinj": DecayOptions,
+}
+
+#: the flat rule fields of format-1 ``ModelConfig`` and their (never changed) defaults
+V1_RULE_FIELDS: dict[str, Any] = {
+    "step_scale": -1.0, "anchor_scale": 0.1, "init_scale": 0.1, "alpha_init": 0.15, "step_tau": 0.015,
+    "scse_anchor": "learned", "scse_mask": True, "scse_eps": 1e-8, "scse_leak": 0.0, "scse_kappa": 0.0,
+    "film_sigma": 0.1, "film_steps": 8, "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02,
+    "subtract_step_tau": 0.0, "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0,
+    "parcae_delta_init": 0.0, "parcae_alpha_init": 0.0,
+}
+
+
+def _rules_of(cls: type[RuleOptions]) -> list[str]:
+    return [r for r, c in RULE_OPTIONS.items() if c is cls]
+
+
+def options_class(rule: str) -> type[RuleOptions]:
+    """The options class of ``rule``.
+
+    Raises:
+        ConfigError: an unknown rule (the message lists the known ones).
+    """
+    if rule not in RULE_OPTIONS:
+        raise ConfigError(f"model.rule: got {rule!r}; allowed: {', '.join(map(repr, RULE_NAMES))}")
+    return RULE_OPTIONS[rule]
+
+
+def _v1_names(cls: type[RuleOptions]) -> dict[str, str]:
+    """{format-1 flat name: option name} of ``cls``."""
+    return {f.metadata["v1"]: f.name for f in dataclasses.fields(cls)}
+
+
+def _moved(old: str) -> ConfigError:
+    """The error for a format-1 flat rule field used where format 2 expects ``model.options.*``."""
+    uses = {}
+    for rule, cls in RULE_OPTIONS.items():
+        new = _v1_names(cls).get(old)
+        if new is not None:
+            uses.setdefault(new, []).append(rule)
+    where = "; ".join(f"model.options.{new} (rules {', '.join(rules)})" for new, rules in uses.items())
+    return ConfigError(f"model.{old}: a rule option since config format 2; set {where or 'nothing (unused)'}")
+
+
+def _not_an_option(name: str, rule: str, cls: type[RuleOptions]) -> ConfigError:
+    """``name`` is not an option of ``rule``: name it, say which rules have it, list the rule's options."""
+    owners = [r for r, c in RULE_OPTIONS.items() if name in c.field_names()]
+    own = cls.field_names()
+    if owners:
+        what = f"rule {rule} does not use it (an option of {', '.join(owners)})"
+    elif name in V1_RULE_FIELDS:
+        what = f"a format-1 name; {str(_moved(name)).split('; ', 1)[1]}"
+    else:
+        every = dict.fromkeys(n for c in RULE_OPTIONS.values() for n in c.field_names())
+        what = f"unknown option{_suggest(name, every)}"
+    return ConfigError(f"model.options.{name}: {what}; options of {rule}: {', '.join(own) or 'none'}")
+
+
+def _options_from_dict(rule: str, d: dict[str, Any], *, complete: bool) -> RuleOptions:
+    cls = options_class(rule)
+    for key in d:
+        if key not in cls.field_names():
+            raise _not_an_option(key, rule, cls)
+    if complete:
+        cls._check_keys(d)
+    return cls(**d)
+
+
+def _changed_options(opts: RuleOptions | None) -> dict[str, Any]:
+    """The option values that differ from their class defaults."""
+    if opts is None:
+        return {}
+    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if getattr(opts, f.name) != f.default}
+
+
+def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[str, Any] | None:
+    """Options for ``model`` switched to ``rule`` / ``architecture``: the new rule's defaults, plus every
+    option of the old rule set away from its default that the new rule also has.
+
+    Raises:
+        ConfigError: an option set away from its default that the new rule (or the unshared
+            architecture) does not have: it would otherwise be dropped silently.
+    """
+    changed = _changed_options(model.options)
+    if architecture == "unshared":
+        for name, value in changed.items():
+            raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}; the unshared "
+                              "architecture has no rule options")
+        return None
+    if rule not in RULE_OPTIONS:
+        return None  # ModelConfig names the bad rule
+    cls = RULE_OPTIONS[rule]
+    for name, value in changed.items():
+        if name not in cls.field_names():
+            raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}, but rule {rule} "
+                              f"has no such option (options of {rule}: {', '.join(cls.field_names()) or 'none'}); "
+                              "set rule-specific options together with model.rule")
+    return changed
 
 
 @dataclass(frozen=True)
@@ -120,6 +417,9 @@ class ModelConfig(_Base):
     architecture: Architecture = _f("shared", "shared: prelude + core×T + coda with a recurrence rule; "
                                     "unshared: n_layers distinct blocks, no recurrence (reference)")
     rule: RuleName = _f("scse", "recurrence rule (SPEC §2): " + ", ".join(RULE_NAMES))
+    options: RuleOptions | None = _f(None, "the rule's options (model.options.FIELD; see RULE_OPTIONS): "
+                                     "an options object or a dict of its fields, defaults for the rest; "
+                                     "None for the unshared architecture")
     vocab_size: int = _f(50257, "vocabulary size V (set from the tokenizer when training)")
     d_model: int = _f(384, "model width d")
     n_heads: int = _f(6, "attention heads (d_model must be divisible by it)")
@@ -133,44 +433,6 @@ class ModelConfig(_Base):
     tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
     norm_eps: float = _f(1e-6, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
-    step_scale: float = _f(-1.0, "residual step scale s; -1 takes the rule's default "
-                           "(looped, norm_reset 1.0; adapter, step_adapter, step_film 0.35; scse, sc_cond, "
-                           "sc_subtract, additive_subtract, scse_leak 0.5)")
-    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e) (every rule except looped, norm_reset)")
-    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e) (every rule except looped, "
-                           "norm_reset)")
-    alpha_init: float = _f(0.15, "adapter, step_adapter, step_film, additive_subtract: initial value of "
-                           "the learned source gain α")
-    step_tau: float = _f(0.015, "step_adapter: scale τ of the projected sinusoidal step embedding")
-    scse_anchor: AnchorName = _f("learned", "scse, sc_cond, sc_subtract, scse_leak anchor: learned "
-                                 "(e + c_a·A(e)), embedding (h*=e), "
-                                 "init (h*=h_0, Δ stays 0), frozen_random (A random, not trained)")
-    scse_mask: bool = _f(True, "scse, sc_cond, sc_subtract, scse_leak: apply the zero-deviation mask "
-                         "m = 1{‖Δ‖²_F > ε}")
-    scse_eps: float = _f(1e-8, "scse family: mask threshold ε on the per-example squared Frobenius norm")
-    scse_leak: float = _f(0.0, "scse: deviation leak λ_leak (0 in the main method; 0.02 in the "
-                          "leak diagnostic)")
-    scse_kappa: float = _f(0.0, "scse: initial learned gain κ of the conditioning input κ·W_c h*; "
-                           "0 = no W_c (main method); 0.15 in the leak diagnostic")
-    film_sigma: float = _f(0.1, "step_film: modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
-    film_steps: int = _f(8, "step_film: rows of the learned step-embedding table (g_t, b_t); steps "
-                         "t >= film_steps reuse the last row")
-    norm_reset_period: int = _f(4, "norm_reset: P, apply the parameter-free h ← RMSNorm(h) after every "
-                                "P-th loop step")
-    sc_kappa: float = _f(0.15, "sc_cond, sc_subtract, scse_leak: initial learned gain κ of the source "
-                         "conditioning c_sc = κ·W_c h*")
-    sc_leak: float = _f(0.02, "scse_leak: deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
-    subtract_step_tau: float = _f(0.0, "additive_subtract: scale τ of the optional step term "
-                                  "τ_t = τ·P_step γ_t of SCSE eq. 22 (0 = none, the paper's control)")
-    state_init: StateInit = _f("gaussian", "Huginn-family rules: initial loop state h_0: zeros, embedding "
-                               "(the prelude output e) or gaussian (std state_init_std)")
-    state_init_std: float = _f(0.02, "state_init=gaussian: std of the initial state")
-    state_init_seed: int = _f(0, "state_init=gaussian: seed of the evaluation-mode noise (a fixed (seq_len, d) "
-                              "table indexed by position, so evaluation and cached decoding are "
-                              "deterministic); -1 draws fresh noise from the global RNG in evaluation too")
-    parcae_delta_init: float = _f(0.0, "parcae, parcae_decay, orthoinj: initial Δ_raw (Δ = softplus(Δ_raw))")
-    parcae_alpha_init: float = _f(0.0, "parcae, parcae_decay, orthoinj: initial α_raw (α = exp(α_raw); "
-                                  "Λ = exp(−Δ⊙α))")
     residual: Residual = _f("pre_ln", "block residual parameterization (SPEC §3): pre_ln, post_ln "
                             "(α=β=1), deepnorm (p=1/4), deeploop (p=1/2): x ← RMSNorm(α·x + f(x)), "
                             "α=(2N)^p, β=(8N)^-p, N=K·R")
@@ -198,23 +460,11 @@ class ModelConfig(_Base):
         _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
         _check(self.norm_eps > 0, p + "norm_eps", "must be > 0")
         _check(self.init_std > 0, p + "init_std", "must be > 0")
-        _check(self.step_scale == -1.0 or self.step_scale > 0, p + "step_scale",
-               f"must be > 0 or -1 (rule default), got {self.step_scale}")
-        _check(0.0 <= self.scse_leak < 1.0, p + "scse_leak", f"must be in [0, 1), got {self.scse_leak}")
-        _check(self.scse_eps >= 0, p + "scse_eps", "must be >= 0")
-        _check(self.film_sigma >= 0, p + "film_sigma", f"must be >= 0, got {self.film_sigma}")
-        _check(self.film_steps >= 1, p + "film_steps", f"must be >= 1, got {self.film_steps}")
-        _check(self.norm_reset_period >= 1, p + "norm_reset_period",
-               f"must be >= 1, got {self.norm_reset_period}")
-        _check(0.0 <= self.sc_leak < 1.0, p + "sc_leak", f"must be in [0, 1), got {self.sc_leak}")
-        _check(self.subtract_step_tau >= 0, p + "subtract_step_tau",
-               f"must be >= 0, got {self.subtract_step_tau}")
-        _check(self.state_init_std >= 0, p + "state_init_std", f"must be >= 0, got {self.state_init_std}")
-        _check(self.state_init_seed >= -1, p + "state_init_seed", f"must be >= -1, got {self.state_init_seed}")
         _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",
                f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
         _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
         _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
+        self._resolve_options()
         if self.architecture == "unshared":
             _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
             _check(self.scale_control == "none", p + "scale_control",
@@ -241,12 +491,52 @@ class ModelConfig(_Base):
         p = self.resolved_residual_p
         return (2.0 * n) ** p, (8.0 * n) ** (-p)
 
-    @property
-    def resolved_step_scale(self) -> float:
-        """The residual step scale s actually used (SPEC §2 defaults per rule)."""
-        if self.step_scale != -1.0:
-            return self.step_scale
-        return DEFAULT_STEP_SCALE[self.rule]
+    def _resolve_options(self) -> None:
+        """Turn ``options`` into the rule's options object (None → defaults, dict → fields)."""
+        opts = self.options
+        if self.architecture == "unshared":
+            _check(opts is None or opts == {}, self._prefix + "options",
+                   f"the unshared architecture has no rule options; got {opts!r}")
+            object.__setattr__(self, "options", None)
+            return
+        cls = RULE_OPTIONS[self.rule]
+        if opts is None:
+            opts = cls()
+        elif isinstance(opts, dict):
+            opts = _options_from_dict(self.rule, opts, complete=False)
+        elif type(opts) is not cls:
+            raise ConfigError(f"{self._prefix}options: {type(opts).__name__} holds the options of "
+                              f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
+        object.__setattr__(self, "options", opts)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a complete format-2 ``model`` dict (every field, and every option of the rule).
+
+        Raises:
+            ConfigError: an unknown or missing field or option (a format-1 flat rule field names its
+                ``model.options`` key), or a bad value.
+        """
+        for key in d:
+            if key in V1_RULE_FIELDS:
+                raise _moved(key)
+        cls._check_keys(d)
+        d = dict(d)
+        opts = d.pop("options")
+        if d["architecture"] == "shared" and d["rule"] in RULE_OPTIONS:
+            if not isinstance(opts, dict):
+                raise ConfigError(f"model.options: must be a JSON object of the options of rule {d['rule']}, "
+                                  f"got {opts!r}")
+            opts = _options_from_dict(d["rule"], opts, complete=True)
+        return cls(**d, options=opts)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """``dataclasses.replace``; a new ``rule`` or ``architecture`` without new ``options`` carries the
+        options over (:func:`carry_options`)."""
+        if ("rule" in changes or "architecture" in changes) and "options" not in changes:
+            changes["options"] = carry_options(self, changes.get("rule", self.rule),
+                                               changes.get("architecture", self.architecture))
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -327,6 +617,8 @@ class TrainConfig(_Base):
                                "evenly across ranks")
     compile: bool = _f(False, "torch.compile each block (compiled once; changing the loop depth does not "
                        "recompile)")
+    max_nonfinite_steps: int = _f(5, "stop with an error after this many consecutive steps with a non-finite "
+                                  "loss or gradient norm (each such step is skipped: no optimizer update)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -350,7 +642,9 @@ class TrainConfig(_Base):
         _check(self.lr > 0, p + "lr", "must be > 0")
         _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
         _check(self.grad_clip >= 0, p + "grad_clip", "must be >= 0")
+        _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
+        _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
 
     @property
     def max_depth(self) -> int:
@@ -397,20 +691,37 @@ class Config(_Base):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """Build from a complete config dict, as ``to_dict`` writes it (a ``config.json``).
+
+        Format 2 must give every field; format 1 is migrated first (:func:`migrate_v1`).
+
+        Raises:
+            ConfigError: an unknown format, section, field or option (with the closest known name), a
+                missing one, or a bad value; the message names it.
+        """
         d = dict(d)
-        version = d.pop("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise ConfigError(f"format_version: this looplm reads version {FORMAT_VERSION}, got {version}")
-        unknown = sorted(set(d) - {"model", "data", "train", "name"})
-        if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown section; known: model, data, train, name")
-        for key in ("model", "data", "train"):
-            if key in d and not isinstance(d[key], dict):
+        if "format_version" not in d:
+            raise ConfigError(f"format_version: missing; a config file states its format ({FORMAT_VERSION}, or "
+                              "1 for files written before rule options)")
+        version = d.pop("format_version")
+        if version == 1:
+            d = migrate_v1(d)
+        elif version != FORMAT_VERSION:
+            raise ConfigError(f"format_version: this looplm reads versions 1 and {FORMAT_VERSION}, got {version!r}")
+        sections = ["name", *SECTIONS]
+        for key in d:
+            if key not in sections:
+                raise _unknown(key, "section", sections)
+        for key in sections:
+            if key not in d:
+                raise ConfigError(f"{key}: missing; a config file gives every section ({', '.join(sections)})")
+        for key in SECTIONS:
+            if not isinstance(d[key], dict):
                 raise ConfigError(f"{key}: must be a JSON object")
-        return cls(model=ModelConfig.from_dict(d.get("model", {})),
-                   data=DataConfig.from_dict(d.get("data", {})),
-                   train=TrainConfig.from_dict(d.get("train", {})),
-                   name=str(d.get("name", "run")))
+        if not isinstance(d["name"], str):
+            raise ConfigError(f"name: must be a string, got {d['name']!r}")
+        return cls(model=ModelConfig.from_dict(d["model"]), data=DataConfig.from_dict(d["data"]),
+                   train=TrainConfig.from_dict(d["train"]), name=d["name"])
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -421,22 +732,90 @@ class Config(_Base):
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
-def parse_field_value(section: str, name: str, text: str) -> Any:
-    """Parse a command-line string for ``section.name`` into the field's type.
+#: fields that format 1 gained after its first release, with the defaults that reproduce the versions
+#: before them; a format-1 file may lack these (and only these)
+V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"film_sigma": 0.1, "film_steps": 8, "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02,
+              "subtract_step_tau": 0.0, "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0,
+              "parcae_delta_init": 0.0, "parcae_alpha_init": 0.0, "residual": "pre_ln", "residual_p": -1.0,
+              "residual_depth": 0, "input_norm": False, "readout": "rmsnorm", "scale_control": "none",
+              "damping_init": 0.9, "exit_gate": False},
+    "data": {},
+    "train": {"distributed": "ddp", "compile": False, "depth_mean": 5.0, "pln_sigma": 0.5, "depth_cap": 64,
+              "prior_lr": 1e-3, "prior_entropy": 0.01, "prior_budget": 1.0, "prior_warmup": 32,
+              "prior_reward": "neg_ce", "tbptt": 0, "supervision": "terminal", "exit_entropy": 0.05,
+              "norm_penalty": 0.0, "checkpoint_format": "consolidated"},
+}
+
+
+def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 config dict (without its ``format_version``) as a complete format-2 one.
+
+    Format 1 kept every rule's fields flat in ``model``. Each one the rule reads moves into
+    ``model.options`` under its new name (``step_scale = -1``, "the rule's default", becomes that
+    default); one the rule does not read is dropped if it holds its format-1 default. Fields that format
+    1 gained after its first release (:data:`V1_LATE_FIELDS`) take the default they were introduced
+    with when absent; any other missing field is an error.
 
     Raises:
-        ConfigError: unknown section/field, or text that does not parse as the field's type.
+        ConfigError: a missing field, or a flat field the rule does not read set away from its default
+            (it never had an effect; the message names it and the rule's options).
+    """
+    out: dict[str, Any] = {k: v for k, v in d.items() if k not in SECTIONS}
+    for section in SECTIONS:
+        sec = d.get(section)
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{section}: missing or not a JSON object (format 1)")
+        out[section] = {**V1_LATE_FIELDS[section], **sec}
+    m = out["model"]
+    for key in ("rule", "architecture"):
+        if key not in m:
+            raise ConfigError(f"model.{key}: missing (format 1)")
+    rule, arch = m["rule"], m["architecture"]
+    names = _v1_names(options_class(rule)) if arch == "shared" else {}
+    opts: dict[str, Any] = {}
+    for old, default in V1_RULE_FIELDS.items():
+        if old not in m:
+            raise ConfigError(f"model.{old}: missing (format 1)")
+        value = m.pop(old)
+        if old in names:
+            if not (old == "step_scale" and value == -1.0):  # -1: the rule's default
+                opts[names[old]] = value
+        elif value != default:
+            owner = f"rule {rule}" if arch == "shared" else "the unshared architecture"
+            own = ", ".join(names.values()) or "none"
+            raise ConfigError(f"model.{old}: {value!r} is not read by {owner} (it never had an effect); only its "
+                              f"default {default!r} can be migrated to format 2, where {owner} takes the options: "
+                              f"{own}")
+    # the rule's defaults for the options the file did not set
+    m["options"] = dataclasses.asdict(RULE_OPTIONS[rule](**opts)) if arch == "shared" else None
+    return out
+
+
+def _field_type(section: str, name: str) -> Any:
+    """The type of config field ``section.name``.
+
+    Raises:
+        ConfigError: an unknown section or field (with the closest known name); a format-1 rule field
+            names its ``model.options`` key.
     """
     if section not in SECTIONS:
-        raise ConfigError(f"{section}: unknown section; known: {', '.join(SECTIONS)}")
+        raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    hints = typing.get_type_hints(cls)
-    if name not in {f.name for f in dataclasses.fields(cls)}:
-        known = ", ".join(f.name for f in dataclasses.fields(cls))
-        raise ConfigError(f"{section}.{name}: unknown field; known: {known}")
-    tp = hints[name]
+    if section == "model" and name in V1_RULE_FIELDS:
+        raise _moved(name)
+    if section == "model" and name == "options":
+        raise ConfigError("model.options: set options one at a time, as model.options.FIELD")
+    if name not in cls.field_names():
+        raise _unknown(f"{section}.{name}", "field", cls.field_names())
+    return typing.get_type_hints(cls)[name]
+
+
+def _parse(tp: Any, key: str, text: str) -> Any:
+    """Parse a command-line string as type ``tp`` (bool, int, float, list, or a string name)."""
     try:
         if tp is bool:
             low = text.lower()
@@ -451,25 +830,67 @@ def parse_field_value(section: str, name: str, text: str) -> Any:
             return [s for s in text.split(",") if s] if not text.startswith("[") else json.loads(text)
         return text
     except ValueError:
-        raise ConfigError(f"{section}.{name}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
+        raise ConfigError(f"{key}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
+
+
+def parse_field_value(section: str, name: str, text: str) -> Any:
+    """Parse a command-line string for ``section.name`` into the field's type.
+
+    Raises:
+        ConfigError: unknown section/field, or text that does not parse as the field's type.
+    """
+    return _parse(_field_type(section, name), f"{section}.{name}", text)
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated)."""
-    per: dict[str, dict[str, Any]] = {}
-    name = cfg.name
+    """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
+
+    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule) or ``name``;
+    string values are parsed to the field's type. A new ``model.rule`` (or ``model.architecture``)
+    rebuilds the options for it (:func:`carry_options`), then the given options apply.
+
+    Raises:
+        ConfigError: an unknown key (with the closest known name), an option the rule does not have
+            (naming the rule and its options), a format-1 flat rule field (naming its new key), or a bad
+            value.
+    """
+    d = cfg.to_dict()
+    options: dict[str, Any] = {}
     for key, value in overrides.items():
         if key == "name":
-            name = str(value)
+            d["name"] = str(value)
             continue
         section, _, fname = key.partition(".")
-        if isinstance(value, str):
-            value = parse_field_value(section, fname, value)
-        elif section not in SECTIONS:
-            raise ConfigError(f"{section}: unknown section; known: {', '.join(SECTIONS)}")
-        per.setdefault(section, {})[fname] = value
-    d = cfg.to_dict()
-    for section, changes in per.items():
-        d[section].update(changes)
-    d["name"] = name
+        if section == "model" and fname.startswith("options."):
+            options[fname[len("options."):]] = value
+            continue
+        tp = _field_type(section, fname)
+        d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
+    m = d["model"]
+    if (m["rule"], m["architecture"]) != (cfg.model.rule, cfg.model.architecture):
+        carried = carry_options(cfg.model, m["rule"], m["architecture"])
+        m["options"] = None if carried is None else dataclasses.asdict(RULE_OPTIONS[m["rule"]](**carried))
+    if options:
+        if m["architecture"] == "unshared":
+            raise ConfigError(f"model.options.{next(iter(options))}: the unshared architecture has no rule options")
+        cls = options_class(m["rule"])
+        hints = typing.get_type_hints(cls)
+        merged = dict(m["options"] or {})
+        for name, value in options.items():
+            if name not in hints:
+                raise _not_an_option(name, m["rule"], cls)
+            merged[name] = _parse(hints[name], f"model.options.{name}", value) if isinstance(value, str) else value
+        m["options"] = dataclasses.asdict(cls(**merged))
     return Config.from_dict(d)
+
+
+def options_help() -> dict[str, str]:
+    """``{"model.options.FIELD": help}`` over every rule, each with the rules that read it and their
+    defaults (for the command line's ``--help``)."""
+    out: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for cls in dict.fromkeys(RULE_OPTIONS.values()):
+        for f in dataclasses.fields(cls):
+            helps.setdefault(f.name, f.metadata["help"])
+            out.setdefault(f.name, []).append(f"{'/'.join(_rules_of(cls))} {f.default!r}")
+    return {f"model.options.{name}": f"{helps[name]} [rule default: {'; '.join(rules)}]" for name, rules in out.items()}

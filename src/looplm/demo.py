@@ -10,43 +10,64 @@ on it), and writes to OUT:
     runs/<rule>/        the training runs (checkpoints, metrics.jsonl, summary.json)
 
 Re-running skips finished training and resumes an interrupted training run (evaluation is rerun).
+:func:`readme_table` renders the README's "Measured results" table from a results.json
+(``python experiments/demo/readme_table.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer
 
 from looplm.analysis.plots import plot_ppl_vs_depth
-from looplm.config import DataConfig
+from looplm.config import Config, ConfigError, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
-from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table
+from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
+from looplm.finite import dumps
 from looplm.presets import get_preset
-from looplm.train.checkpoint import load_checkpoint, newest_valid_checkpoint
+from looplm.train.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
+from looplm.train.runlock import RunLock
 from looplm.train.trainer import prepare_data, train
 
 EVAL_SPLITS = (("brown", "Brown test"), ("wikitext2", "WikiText-2 raw test (held out)"))
+#: the README's "Measured results" table: (split title, column label, depths shown)
+README_COLUMNS = (("Brown test", "Brown test PPL", (1, 4, 8, 16, 48)),
+                  ("WikiText-2 raw test (held out)", "WikiText-2 raw test PPL (held out)", (1, 8, 16, 48)))
+RULE_TITLES = {"looped": "looped baseline", "scse": "SCSE"}
 
 
 def _log(msg: str) -> None:
     print(f"[looplm demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _remove_run(run_dir: Path) -> None:
+    """Delete a run folder, but never one that another process is training into (RunLockedError)."""
+    with RunLock(run_dir):
+        shutil.rmtree(run_dir)
+
+
 def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     ckpt = newest_valid_checkpoint(run_dir)
     if ckpt is not None:
-        saved = json.loads((ckpt / "config.json").read_text())
+        try:  # through Config: format 1 is migrated, a field added since the run was saved takes its default
+            saved = Config.from_json((ckpt / "config.json").read_text()).to_dict()
+        except ConfigError:
+            saved = None
         wanted = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size)).to_dict()
         if saved != wanted:
             _log(f"{cfg.name}: saved run has a different config; starting it again")
-            shutil.rmtree(run_dir)
+            _remove_run(run_dir)
             ckpt = None
+    elif list_checkpoints(run_dir):
+        _log(f"{cfg.name}: no valid checkpoint in {run_dir} (all damaged); starting it again")
+        _remove_run(run_dir)
     if ckpt is not None and int(ckpt.name.split("-")[1]) >= cfg.train.steps:
         _log(f"{cfg.name}: already trained ({ckpt}); skipping")
         return
@@ -55,13 +76,22 @@ def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     train(cfg, run_dir, resume=ckpt is not None, progress=progress, data=data)
 
 
+def demo_title(rules: Sequence[str]) -> str:
+    """``looped baseline vs SCSE across loop depths`` for rules ``["looped", "scse"]``."""
+    return " vs ".join(RULE_TITLES.get(r, r) for r in rules) + " across loop depths"
+
+
 def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | None = 16384,
-             depths: Sequence[int] = DEFAULT_DEPTHS, rules: str = "looped,scse", progress: bool = True) -> dict:
-    """Run the main job into ``out`` and return the results dict (also written to results.json)."""
+             depths: Sequence[int] = DEFAULT_DEPTHS, rules: str = "looped,scse", progress: bool = True,
+             preset: str = "cpu") -> dict:
+    """Run the main job into ``out`` and return the results dict (also written to results.json, strict
+    JSON: a non-finite PPL is null and listed under ``"nonfinite"``). ``preset``: the model and training
+    config (``cpu``; tests use ``debug``)."""
     t0 = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    base = get_preset("cpu")
+    rule_list = [r.strip() for r in rules.split(",") if r.strip()]
+    base = get_preset(preset)
     if steps is not None:
         base = base.replace(train=base.train.replace(steps=steps, ckpt_every=max(1, steps // 3),
                                                      eval_every=max(1, steps // 3),
@@ -82,7 +112,7 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
 
     results: dict = {"preset": base.to_dict(), "depths": list(depths), "eval_tokens": eval_tokens,
                      "unigram_ppl": unigram, "models": {}}
-    for rule in [r.strip() for r in rules.split(",") if r.strip()]:
+    for rule in rule_list:
         cfg = base.replace(name=rule, model=base.model.replace(rule=rule))
         run_dir = out / "runs" / rule
         _train_or_resume(cfg, run_dir, data, progress)
@@ -93,12 +123,14 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
             t1 = time.time()
             res = evaluate_depths(model, toks, depths, batch_size=32, progress=progress, desc=f"{rule} {title}")
             entry["eval"][title] = {str(T): r for T, r in res.items()}
+            if nonfinite_depths(res):
+                _log(f"WARNING: {rule} on {title}: NLL not finite at T={nonfinite_depths(res)} (null in results.json)")
             _log(f"{rule} on {title}: " + ", ".join(f"T={T}: {r['ppl']:.1f}" for T, r in res.items())
                  + f" ({time.time() - t1:.0f}s)")
         results["models"][rule] = entry
 
-    md = ["# looplm demo: looped baseline vs SCSE across loop depths", "",
-          f"Preset `cpu` ({base.model.d_model}-wide, 1 core block, {base.train.steps} steps, batch "
+    md = [f"# looplm demo: {demo_title(rule_list)}", "",
+          f"Preset `{preset}` ({base.model.d_model}-wide, 1 core block, {base.train.steps} steps, batch "
           f"{base.train.batch_size}×{base.model.seq_len}, uniform training depth "
           f"{base.train.depth_lo}..{base.train.depth_hi}), trained on Brown train; byte-level BPE "
           f"{data.vocab_size} trained on Brown train. Evaluation on the first {eval_tokens} tokens of each "
@@ -116,9 +148,29 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
                       title="looplm demo: PPL vs loop depth")
     results["wall_s"] = time.time() - t0
     md += ["![PPL vs depth](ppl_vs_depth.png)", "", f"Total wall time: {results['wall_s']:.0f} s."]
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(dumps(results, indent=2))
     (out / "results.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     _log(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'ppl_vs_depth.png'} "
          f"in {results['wall_s']:.0f} s")
     return results
+
+
+def _ppl(x: Any) -> str:
+    return f"{x:.1f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def readme_table(results: dict[str, Any]) -> str:
+    """The README's "Measured results" table from a demo ``results.json`` dict: one row for the unigram
+    baseline and one per model (parameters, then PPL at the :data:`README_COLUMNS` depths that were
+    evaluated; ``n/a`` where the PPL is null)."""
+    evaluated = {int(T) for T in results["depths"]}
+    cols = [(title, label, [T for T in shown if T in evaluated]) for title, label, shown in README_COLUMNS]
+    lines = ["| model | params | " + " | ".join(f"{label}, T={' / '.join(map(str, ds))}" for _, label, ds in cols)
+             + " |", "|---|---:|" + "---|" * len(cols),
+             "| unigram (add-one, Brown train) | – | "
+             + " | ".join(_ppl(results["unigram_ppl"][title]) for title, _, _ in cols) + " |"]
+    for rule, entry in results["models"].items():
+        cells = [" / ".join(_ppl(entry["eval"][title][str(T)]["ppl"]) for T in ds) for title, _, ds in cols]
+        lines.append(f"| `{rule}` | {entry['params']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

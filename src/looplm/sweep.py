@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
+from looplm.finite import dumps
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
@@ -583,7 +584,7 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada)):
         if enabled is not None:
             _hook(name)  # fail before training anything
-    (out / "sweep.json").write_text(json.dumps(
+    (out / "sweep.json").write_text(dumps(
         {"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
          "variants": sweep.variants, "eval": sweep.eval.__dict__,
          "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,

@@ -1,4 +1,4 @@
-"""FLOP proxy per token and parameter accounting (SCSE eq. 20–21; SPEC §9)."""
+"""FLOP proxy per token and parameter accounting (SCSE, arXiv:2607.27656, eq. 20–21; SPEC §9)."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ SCHEMA_VERSION = 1
 #: for ``train.seed``, are an identity column of their own).
 NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every",
-              "checkpoint_format"),
+              "checkpoint_format", "max_nonfinite_steps"),
     "data": ("data_root", "cache_dir"),
 }
 
@@ -173,6 +173,11 @@ class RunRecord:
         return config_hash(self.config)
 
 
+class ResultStoreError(ValueError):
+    """The results database cannot be used (not a SQLite file, damaged, or locked too long); the message
+    names the file."""
+
+
 def _float(v: Any) -> float:
     return math.nan if v is None else float(v)
 
@@ -180,10 +185,12 @@ def _float(v: Any) -> float:
 class ResultStore:
     """The SQLite results database at ``path`` (created with its schema when missing).
 
-    Use as a context manager or call :meth:`close`. Every public write is one transaction.
+    Use as a context manager or call :meth:`close`. Every public write is one transaction: a write that
+    fails midway (an exception, or the process killed) leaves the database as it was before it.
 
     Raises:
-        sqlite3.OperationalError: the database stays locked longer than ``timeout`` seconds.
+        ResultStoreError: the file is not a SQLite database or is damaged, or the database stays locked
+            longer than ``timeout`` seconds (opening or writing).
         ValueError: the file holds a different schema version.
     """
 
@@ -192,18 +199,25 @@ class ResultStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
         self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
-        self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        self._retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL"))
-        self._conn.execute("PRAGMA synchronous = NORMAL")
-        with self._write() as c:
-            # one statement at a time: executescript() would commit the open transaction
-            for stmt in filter(str.strip, _SCHEMA.split(";")):
-                c.execute(stmt)
-            row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None:
-                c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+        try:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            self._retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL"))
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            with self._write() as c:
+                # one statement at a time: executescript() would commit the open transaction
+                for stmt in filter(str.strip, _SCHEMA.split(";")):
+                    c.execute(stmt)
+                row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                if row is None:
+                    c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                elif int(row[0]) != SCHEMA_VERSION:
+                    raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            self._conn.close()
+            raise self._error(exc) from None
+        except BaseException:
+            self._conn.close()
+            raise
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _retry(self, fn):
@@ -217,18 +231,44 @@ class ResultStore:
                 time.sleep(0.05)
 
     def _write(self):
+        """One ``BEGIN IMMEDIATE`` … ``COMMIT`` transaction, rolled back on any exception (KeyboardInterrupt
+        too); SQLite errors leave as :class:`ResultStoreError` naming the file."""
         store = self
 
         class _Tx:
             def __enter__(self):
-                store._retry(lambda: store._conn.execute("BEGIN IMMEDIATE"))
+                try:
+                    store._retry(lambda: store._conn.execute("BEGIN IMMEDIATE"))
+                except sqlite3.DatabaseError as exc:
+                    raise store._error(exc) from exc
                 return store._conn
 
             def __exit__(self, exc_type, exc, tb):
-                store._conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                if exc_type is None:
+                    try:
+                        store._conn.execute("COMMIT")
+                        return False
+                    except sqlite3.DatabaseError as commit_exc:
+                        exc_type, exc = type(commit_exc), commit_exc
+                if store._conn.in_transaction:
+                    try:
+                        store._conn.execute("ROLLBACK")
+                    except sqlite3.Error:  # a damaged file can fail this too; report the first error
+                        if exc is None or not isinstance(exc, sqlite3.DatabaseError):
+                            raise
+                if isinstance(exc, sqlite3.DatabaseError):
+                    raise store._error(exc) from exc
                 return False
 
         return _Tx()
+
+    def _error(self, exc: sqlite3.DatabaseError) -> ResultStoreError:
+        msg = str(exc)
+        if "locked" in msg or "busy" in msg:
+            return ResultStoreError(f"{self.path}: the results database stayed locked for more than "
+                                    f"{self.timeout:g} s ({msg}); another process is writing it")
+        return ResultStoreError(f"{self.path}: not a usable looplm results database ({msg}); give the path of "
+                                "a results.db written by `looplm sweep`, or move the damaged file aside")
 
     def close(self) -> None:
         self._conn.close()

@@ -1,5 +1,5 @@
-"""Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop §3.4,
-eq. 12).
+"""Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop,
+arXiv:2607.13491, §3.4, eq. 12).
 
 A looped model visits each physical sublayer j of its core once per loop step (twice for the
 two-call rules ``sc_subtract`` and ``additive_subtract``), so the weight gradient of j is a sum of

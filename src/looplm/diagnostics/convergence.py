@@ -1,5 +1,5 @@
-"""Token convergence along the recurrence (SPEC §6 "Token convergence"; Looped Models Done Right §2,
-Figure 2).
+"""Token convergence along the recurrence (SPEC §6 "Token convergence"; Looped Models Done Right,
+arXiv:2610.06833, §2, Figure 2).
 
 The tokenwise relative change between consecutive recurrences is
 

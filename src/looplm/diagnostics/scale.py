@@ -1,5 +1,5 @@
 """Hidden-state scale along the loop (SPEC §4 and §7 "Scale"; readout-blind-spot paper §2–3, Table 3,
-Figure 3, Appendix D).
+Figure 3, Appendix D; our copy of that paper carries no arXiv id).
 
 For the hidden states H_0 … H_K in readout coordinates (after the between-loop scale controls, before
 the coda), per loop k = 0 … K:

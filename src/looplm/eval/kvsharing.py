@@ -1,4 +1,4 @@
-"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6).
+"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6; arXiv:2610.06833).
 
 Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only
 its last-recurrence K/V per physical attention layer, and every recurrence of later tokens attends
@@ -24,7 +24,6 @@ and terminal (one bank per physical layer) caches, in the model's parameter dtyp
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
+from looplm.finite import dumps
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
 
@@ -177,6 +177,6 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
     if out_json is not None:
         out = Path(out_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.write_text(dumps(result, indent=2) + "\n")
         out.with_suffix(".md").write_text(result["markdown"] + "\n")
     return result

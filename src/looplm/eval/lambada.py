@@ -1,4 +1,4 @@
-"""LAMBADA last-word completion at several loop depths (SPEC §6; SCSE appendix, Table 16).
+"""LAMBADA last-word completion at several loop depths (SPEC §6; SCSE, arXiv:2607.27656, Table 16).
 
 Data: the OpenAI LAMBADA test jsonl (detokenized; 5,153 passages, one ``{"text": ...}`` per line),
 ``<data_root>/lambada/lambada_test.jsonl``.

@@ -38,7 +38,8 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
             loop to its loop-1 RMS).
 
     Returns:
-        ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``.
+        ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``; NaN/inf are returned
+        as they are (see :func:`nonfinite_depths`); ``ppl`` is inf where exp(nll) overflows.
 
     Raises:
         ValueError: empty depth list or fewer than two tokens.
@@ -68,8 +69,21 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         bar.update(1)
     bar.close()
     model.train(was_training)
-    return {T: {"nll": total_nll[T] / count, "ppl": math.exp(total_nll[T] / count), "tokens": count}
+    return {T: {"nll": total_nll[T] / count, "ppl": _exp(total_nll[T] / count), "tokens": count}
             for T in depths}
+
+
+def _exp(nll: float) -> float:
+    """exp(nll), inf past float range (math.exp raises OverflowError there)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
+
+
+def nonfinite_depths(results: dict[int, dict[str, float]]) -> list[int]:
+    """Depths of :func:`evaluate_depths` results whose NLL is NaN or ±inf."""
+    return [T for T, r in results.items() if not math.isfinite(r["nll"])]
 
 
 def markdown_table(results: dict[str, dict[int, dict[str, float]]], depths: Sequence[int]) -> str:

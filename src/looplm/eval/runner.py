@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 from looplm.analysis.flops import flops_per_token
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens
-from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table
+from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
+from looplm.finite import NonFiniteError, clean
 from looplm.train.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
 
 
@@ -35,6 +36,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
 
     Raises:
         CheckpointError: damaged or missing checkpoint; FileNotFoundError: missing data split.
+        NonFiniteError: the weights hold NaN/inf, or the NLL is NaN/inf at some depth.
     """
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
@@ -44,12 +46,17 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
     res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
                           device=torch.device(device), progress=progress,
                           desc=f"eval {data_cfg.dataset}/{split}", scale_clamp=scale_clamp)
+    bad = nonfinite_depths(res)
+    if bad:
+        raise NonFiniteError(f"{ckpt}: the NLL on {data_cfg.dataset}/{split} is not finite at loop depth(s) "
+                             f"{', '.join(map(str, bad))} ({', '.join(str(res[T]['nll']) for T in bad)}); the "
+                             "model's activations overflow there, so no perplexity is reported")
     kind = cfg.model.rule if cfg.model.architecture == "shared" else f"unshared-{cfg.model.n_layers}"
     label = f"{cfg.name}: {kind} ({data_cfg.dataset} {split})"
-    return {
+    return clean({  # strict JSON: a PPL past float range (inf) becomes null, listed in "nonfinite"
         "checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
         "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split,
         "params": model.num_params(), "max_tokens": max_tokens, "stride": stride, "scale_clamp": scale_clamp,
         "depths": {str(T): {**r, "flops_per_token": flops_per_token(cfg.model, T)} for T, r in res.items()},
         "markdown": markdown_table({label: res}, sorted(res)),
-    }
+    })

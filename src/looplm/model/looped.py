@@ -306,7 +306,7 @@ class DepthLM(nn.Module):
             return logits
 
         state, ctx = self.start(self.embed(idx, positions, scope=scope), positions, scope=scope, valid=valid)
-        out.anchor = ctx.anchor if self.shared else None
+        out.anchor = ctx.anchor
         h = self.hidden(state, ctx)
         no_grad_steps = last - tbptt if tbptt and torch.is_grad_enabled() else 0
         state0, clamp_rms = state, None
@@ -474,7 +474,7 @@ class TransformerLM(DepthLM):
         return self.cfg.n_layers
 
     def start(self, e, positions=None, *, scope=None, valid=None):
-        return e, LoopContext(e=e, anchor=e, valid=None if valid is None else valid[..., None].to(e.dtype),
+        return e, LoopContext(e=e, anchor=None, valid=None if valid is None else valid[..., None].to(e.dtype),
                               scope=scope)
 
     def step(self, state, t, ctx, *, clamp_rms=None):

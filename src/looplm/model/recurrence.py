@@ -17,10 +17,11 @@ A rule defines, from the embedding ``e`` (B, L, d):
 - ``with_injection_gain(ctx, g)``: the context with the rule's injection ``ctx.injection`` scaled by g
   (the evaluation-time dose response of SPEC §7). What the injection is, per rule: ``e`` (looped,
   norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
-  scse_leak, and scse when ``scse_kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none —
+  scse_leak, and scse when its option ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none —
   its anchor is the origin of the coordinates, not a re-added source.
 
-Register a new rule with :func:`register_rule`; ``ModelConfig.rule`` must name a registered rule.
+Register a new rule with :func:`register_rule`; ``ModelConfig.rule`` must name a registered rule, and
+``config.RULE_OPTIONS`` its options class. A rule reads its options from ``cfg.options``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ from looplm.model.layers import RMSNorm, sinusoidal_step_embedding
 class LoopContext:
     """Per-sequence constants of one unroll. Tensors (B, L, d) unless stated.
 
-    ``injection`` is the input-conditioned signal the rule re-adds at every step (None for none).
+    ``anchor`` is h* (None for the unshared reference, which has none). ``injection`` is the
+    input-conditioned signal the rule re-adds at every step (None for none).
     ``qkv`` holds per-core-block Q/K/V injections (B, L, 3d) (``deq_qkv``). ``valid`` (B, L, 1) marks
     real tokens (None = all real; set by the model for left-padded batches) and ``scope`` is the
     attention scope of a cached forward (for per-sequence running statistics), both set by the model.
     """
 
     e: torch.Tensor
-    anchor: torch.Tensor
+    anchor: torch.Tensor | None
     injection: torch.Tensor | None = None
     qkv: list | None = None
     valid: torch.Tensor | None = None
@@ -57,7 +59,7 @@ class LoopContext:
         def sel(x):
             return None if x is None else x[index]
 
-        return dataclasses.replace(self, e=self.e[index], anchor=self.anchor[index], injection=sel(self.injection),
+        return dataclasses.replace(self, e=self.e[index], anchor=sel(self.anchor), injection=sel(self.injection),
                                    qkv=None if self.qkv is None else [q[index] for q in self.qkv],
                                    valid=sel(self.valid), scope=None)
 
@@ -73,7 +75,8 @@ class RecurrenceRule(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.s = cfg.resolved_step_scale
+        #: residual step scale s (plain and the Huginn family have none)
+        self.s = getattr(cfg.options, "step_scale", 1.0)
 
     def start(self, e: torch.Tensor) -> tuple[torch.Tensor, LoopContext]:
         raise NotImplementedError
@@ -150,7 +153,7 @@ class _AnchoredStart(RecurrenceRule):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.c_a, self.c_0 = cfg.anchor_scale, cfg.init_scale
+        self.c_a, self.c_0 = cfg.options.anchor_scale, cfg.options.init_scale
         self.anchor_proj = _linear(cfg.d_model)  # A
         self.init_proj = _linear(cfg.d_model)  # I
 
@@ -167,7 +170,7 @@ class Adapter(_AnchoredStart):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.in_proj = _linear(cfg.d_model)  # W_in
-        self.alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init)))
+        self.alpha = nn.Parameter(torch.tensor(float(cfg.options.alpha_init)))
 
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
@@ -185,7 +188,7 @@ class StepAdapter(Adapter):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.tau = cfg.step_tau
+        self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model)  # P_step
 
     def step(self, core, state, t, ctx, *, mask=True):
@@ -198,10 +201,10 @@ class StepFilm(Adapter):
     """Step-FiLM adapter (SCSE appendix, Step-Modulated Adapter Control; SPEC §2).
 
     ``u = h + α·W_in h*``; ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)`` with (g_t, b_t) row
-    min(t, film_steps − 1) of a learned step-embedding table, σ = ``film_sigma`` (0.1, our choice).
+    min(t, steps − 1) of a learned step-embedding table, σ = option ``sigma`` (0.1, our choice).
     The table is zeros at construction, but :meth:`LoopLM.reset_parameters` draws every matrix from
     N(0, init_std), so a model starts with a small random table: a near-identity modulation
-    (σ·init_std = 0.002) of the tuned adapter (our choice). Parameter ``film``: (film_steps, 2, d),
+    (σ·init_std = 0.002) of the tuned adapter (our choice). Parameter ``film``: (steps, 2, d),
     ``film[t, 0] = g_t``, ``film[t, 1] = b_t``. s = 0.35 by default (the tuned adapter's).
     """
 
@@ -209,8 +212,8 @@ class StepFilm(Adapter):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.sigma = cfg.film_sigma
-        self.film = nn.Parameter(torch.zeros(cfg.film_steps, 2, cfg.d_model))  # (n_steps, {g, b}, d)
+        self.sigma = cfg.options.sigma
+        self.film = nn.Parameter(torch.zeros(cfg.options.steps, 2, cfg.d_model))  # (n_steps, {g, b}, d)
 
     def step(self, core, state, t, ctx, *, mask=True):
         g, b = self.film[min(t, self.film.shape[0] - 1)]  # (d,), (d,)
@@ -223,7 +226,7 @@ class NormReset(Looped):
     """Periodic normalization reset (SCSE appendix, Stabilization and Capacity Controls; SPEC §2).
 
     The ``looped`` step ``h ← h + s·G(h + e)``, then after every P-th step (t + 1 ≡ 0 mod P,
-    P = ``norm_reset_period``) ``h ← RMSNorm(h)`` per token. The RMSNorm is parameter-free (our
+    P = option ``period``) ``h ← RMSNorm(h)`` per token. The RMSNorm is parameter-free (our
     choice): the reset is a pure rescaling to unit RMS and the control stays parameter-matched to the
     looped baseline. s = 1 by default (the looped baseline's).
     """
@@ -232,7 +235,7 @@ class NormReset(Looped):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.period = cfg.norm_reset_period
+        self.period = cfg.options.period
         self.reset_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
 
     def step(self, core, state, t, ctx, *, mask=True):
@@ -246,20 +249,20 @@ class _SourceCentered(_AnchoredStart):
     Loop state: the deviation Δ = h − h*. ``q_t = s·U(Δ_t)`` with the rule's raw update U,
     ``m_b = 1{‖Δ_t^(b)‖²_F > ε}`` per example, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``; readout state
     ``h* + Δ_T``. The conditioning input ``c_sc = κ·W_c h*`` (learned κ, initial value ``kappa``) is
-    the rule's injection; ``kappa=None`` builds no W_c. Anchor options (``scse_anchor``): learned
+    the rule's injection; ``kappa=None`` builds no W_c. Anchor options (option ``anchor``): learned
     (h* = e + c_a·A(e)), embedding (h* = e), init (h* = h_0, so Δ_0 = 0 exactly), frozen_random
     (A random and not trained).
     """
 
     def __init__(self, cfg: ModelConfig, *, kappa: float | None, leak: float):
         super().__init__(cfg)
-        self.anchor_kind = cfg.scse_anchor
-        self.use_mask = cfg.scse_mask
-        self.eps = cfg.scse_eps
+        self.anchor_kind = cfg.options.anchor
+        self.use_mask = cfg.options.mask
+        self.eps = cfg.options.eps
         self.leak = leak
-        if cfg.scse_anchor in ("embedding", "init"):
+        if self.anchor_kind in ("embedding", "init"):
             del self.anchor_proj
-        elif cfg.scse_anchor == "frozen_random":
+        elif self.anchor_kind == "frozen_random":
             self.anchor_proj.weight.requires_grad_(False)
         if kappa is not None:
             self.cond_proj = _linear(cfg.d_model)  # W_c
@@ -305,21 +308,22 @@ class SCSE(_SourceCentered):
     """Source-Centered State Evolution (SCSE eq. 5; SPEC §2). The loop state is the deviation Δ.
 
     ``q_t = s·G(Δ_t + κ·W_c h*)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1−λ)Δ_t + m_b·q_t``;
-    the readout state is ``h* + Δ_T``. Main method: κ = 0 (no W_c, ``scse_kappa``), λ = 0
-    (``scse_leak``), s = 0.5. Anchor options as in :class:`_SourceCentered`.
+    the readout state is ``h* + Δ_T``. Main method: κ = 0 (no W_c, option ``kappa``), λ = 0
+    (option ``leak``), s = 0.5. Anchor options as in :class:`_SourceCentered`.
     """
 
     name = "scse"
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.scse_kappa if cfg.scse_kappa != 0.0 else None, leak=cfg.scse_leak)
+        kappa = cfg.options.kappa
+        super().__init__(cfg, kappa=kappa if kappa != 0.0 else None, leak=cfg.options.leak)
 
 
 @register_rule
 class SCCond(_SourceCentered):
     """SC-Cond (SCSE appendix, Forcing-Bias Intervention Ablations; SPEC §2): the SCSE recurrence with
     the source-conditioned input ``q = s·G(Δ + c_sc)``, ``c_sc = κ·W_c h*``, κ learned (initial
-    ``sc_kappa`` = 0.15), no leak; masked or unmasked by ``scse_mask``. s = 0.5 by default.
+    ``kappa`` = 0.15), no leak; masked or unmasked by option ``mask``. s = 0.5 by default.
 
     Masked, its realized forcing bias is b_t = 0; its raw pre-mask response b̃_t = s·G(c_sc) is not.
     """
@@ -327,13 +331,13 @@ class SCCond(_SourceCentered):
     name = "sc_cond"
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.sc_kappa, leak=0.0)
+        super().__init__(cfg, kappa=cfg.options.kappa, leak=0.0)
 
 
 @register_rule
 class SCSubtract(SCCond):
     """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core
-    applications per step (FLOP proxy c_body = 2). The mask follows ``scse_mask`` (on by default, our
+    applications per step (FLOP proxy c_body = 2). The mask follows option ``mask`` (on by default, our
     choice; the subtraction alone already gives b̃_t = 0). With dropout off the two calls cancel
     exactly at Δ = 0; in training they draw independent dropout masks (as in the paper).
     """
@@ -348,14 +352,14 @@ class SCSubtract(SCCond):
 @register_rule
 class SCSELeak(_SourceCentered):
     """SCSE leak diagnostic (SCSE appendix, Secondary Deviation-Leak Diagnostic; Listing 1): the masked
-    SCSE update with deviation leak λ_leak = ``sc_leak`` (0.02) and the conditioning input κ·W_c h*,
-    κ learned (initial ``sc_kappa`` = 0.15). s = 0.5 by default.
+    SCSE update with deviation leak λ_leak = option ``leak`` (0.02) and the conditioning input κ·W_c h*,
+    κ learned (initial option ``kappa`` = 0.15). s = 0.5 by default.
     """
 
     name = "scse_leak"
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.sc_kappa, leak=cfg.sc_leak)
+        super().__init__(cfg, kappa=cfg.options.kappa, leak=cfg.options.leak)
 
 
 @register_rule
@@ -364,7 +368,7 @@ class AdditiveSubtract(_AnchoredStart):
 
     ``u_t = G(h* + Δ_t + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; anchor
     and initial state as the adapters (h* = e + c_a·A(e), h_0 = e + c_0·I(e)); α learned (initial
-    ``alpha_init``); readout state h* + Δ_T. ``τ_t = τ·P_step γ_t`` with τ = ``subtract_step_tau``;
+    option ``alpha_init``); readout state h* + Δ_T. ``τ_t = τ·P_step γ_t`` with τ = option ``step_tau``;
     the paper makes τ_t optional and zero for controls without step conditioning, and lists no step
     term among this control's differences from the tuned adapter, so τ = 0 (no P_step) by default
     (our choice). Two core applications per step (c_body = 2); no mask; s = 0.5 by default (our
@@ -377,8 +381,8 @@ class AdditiveSubtract(_AnchoredStart):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.in_proj = _linear(cfg.d_model)  # W_in
-        self.alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init)))
-        self.tau = cfg.subtract_step_tau
+        self.alpha = nn.Parameter(torch.tensor(float(cfg.options.alpha_init)))
+        self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model) if self.tau else None  # P_step
 
     def start(self, e):
@@ -420,7 +424,7 @@ class _Huginn(RecurrenceRule):
     """Huginn-family rules (SPEC §2): the core input ζ is formed at the core entrance from the state h
     and the prelude output e, then the core applies full blocks, ``h_{r+1} = Core(ζ_r) = ζ_r + G(ζ_r)``.
 
-    Initial state ``state_init``: zeros, embedding (h_0 = e) or gaussian. In training mode the
+    Initial state (option ``state_init``): zeros, embedding (h_0 = e) or gaussian. In training mode the
     gaussian draw uses the global RNG, fresh per call; in evaluation mode (``state_init_seed`` ≥ 0) it
     is a fixed (seq_len, d) table drawn from a generator seeded with ``state_init_seed`` and indexed by
     position, so evaluation, batched and cached decoding see the same initial state (our choice).
@@ -431,9 +435,9 @@ class _Huginn(RecurrenceRule):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.state_init = cfg.state_init
-        self.std = cfg.state_init_std
-        self.seed = cfg.state_init_seed
+        self.state_init = cfg.options.state_init
+        self.std = cfg.options.state_init_std
+        self.seed = cfg.options.state_init_seed
         self.seq_len = cfg.seq_len
         self._table: torch.Tensor | None = None
 
@@ -486,14 +490,14 @@ class HuginnLinear(_Huginn):
 
 class _Decay(_Huginn):
     """Per-channel decay Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw) (SPEC §2, Parcae),
-    and the injection matrix W (bias-free d×d). Initial Δ_raw, α_raw: ``parcae_delta_init``,
-    ``parcae_alpha_init`` (0, 0 → Δ = log 2, Λ = 1/2; our choice)."""
+    and the injection matrix W (bias-free d×d). Initial Δ_raw, α_raw: options ``delta_raw_init``,
+    ``alpha_raw_init`` (0, 0 → Δ = log 2, Λ = 1/2; our choice)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         d = cfg.d_model
-        self.delta_raw = nn.Parameter(torch.full((d,), float(cfg.parcae_delta_init)))
-        self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.parcae_alpha_init)))
+        self.delta_raw = nn.Parameter(torch.full((d,), float(cfg.options.delta_raw_init)))
+        self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.options.alpha_raw_init)))
         self.in_proj = _linear(d)  # W
 
     def decay(self) -> tuple[torch.Tensor, torch.Tensor]:

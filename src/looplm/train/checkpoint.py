@@ -32,6 +32,7 @@ from safetensors.torch import load_model, save_model
 
 from looplm.config import Config
 from looplm.data.paths import atomic_write
+from looplm.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
 from looplm.train.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
 
@@ -77,8 +78,9 @@ def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_s
     if tokenizer_json is not None:
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
     files = _files(tmp)
+    # the config is kept in the manifest too, so an edited config.json can be reported field by field
     manifest = {"step": step, "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
-                                        for f in files}}
+                                        for f in files}, "config": cfg.to_dict()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     for f in _files(tmp):
         with open(tmp / f, "rb") as fh:
@@ -104,8 +106,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
 
     Weights are saved from the unwrapped, uncompiled module (no ``module.``/``_orig_mod.`` prefixes).
     Keeps the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory.
+
+    Raises:
+        NonFiniteError: a weight holds NaN/inf; nothing is written (the previous checkpoint stays).
     """
     run_dir = Path(run_dir)
+    bad = nonfinite_tensors(model.state_dict().items())
+    if bad:
+        raise NonFiniteError(f"{run_dir}: refusing to write checkpoint step {step}: non-finite weights in "
+                             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -219,7 +228,9 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
     """Check every file against the manifest (except those named in ``skip``). Returns the manifest.
 
     Raises:
-        CheckpointError: a file is missing, truncated or has a different sha256.
+        CheckpointError: a file is missing, truncated or has a different sha256; the message names the
+            file, its size and sha256 against the manifest's, and for an edited ``config.json`` the
+            fields that differ from the config recorded in the manifest.
     """
     mpath = ckpt / MANIFEST_FILE
     if not mpath.exists():
@@ -234,14 +245,44 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
         f = ckpt / name
         if not f.exists():
             raise CheckpointError(f"{f}: missing from checkpoint")
-        size = f.stat().st_size
-        if size != meta["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes on disk, {meta['bytes']} expected (truncated or "
-                                  "overwritten); load an earlier checkpoint from "
-                                  f"{ckpt.parent} instead")
-        if _sha256(f) != meta["sha256"]:
-            raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+        size, sha = f.stat().st_size, _sha256(f)
+        if size == meta["bytes"] and sha == meta["sha256"]:
+            continue
+        what = (f"{size} bytes on disk, {meta['bytes']} in the manifest (truncated or overwritten)"
+                if size != meta["bytes"] else f"same size ({size} bytes), different content (corrupted or edited)")
+        fields = _config_changes(f, manifest.get("config")) if name == CONFIG_FILE else ""
+        raise CheckpointError(f"{f}: differs from {MANIFEST_FILE}: {what}; sha256 {sha[:16]}… on disk, "
+                              f"{meta['sha256'][:16]}… in the manifest{fields}; load an earlier checkpoint "
+                              f"from {ckpt.parent} instead")
     return manifest
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
+    """``"; edited fields: train.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
+    (empty when the manifest has none, e.g. an older checkpoint; a note when the file is not JSON)."""
+    if saved is None:
+        return ""
+    try:
+        now = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"; it no longer parses as JSON ({exc})"
+    a, b = _flatten(saved), _flatten(now)
+
+    def shown(d: dict[str, Any], k: str) -> str:
+        return repr(d[k]) if k in d else "(absent)"
+
+    diffs = [f"{k} {shown(a, k)} → {shown(b, k)}" for k in sorted(a.keys() | b.keys())
+             if a.get(k, ...) != b.get(k, ...)]
+    return f"; edited fields: {', '.join(diffs)}" if diffs else "; same fields and values (formatting only)"
 
 
 def load_config(ckpt: str | Path) -> Config:
@@ -276,6 +317,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
 
     Raises:
         CheckpointError: missing, truncated or corrupted checkpoint.
+        NonFiniteError: the weights hold NaN or ±inf (a diverged run).
         ValueError: unknown device, or cuda on a machine without CUDA.
     """
     try:
@@ -299,6 +341,11 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
             load_model(model, str(ckpt / MODEL_FILE), strict=True, device=str(device))
         except Exception as exc:  # safetensors raises several types for damaged files
             raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
+    bad = nonfinite_tensors(model.state_dict().items())
+    if bad:  # evaluating, generating or resuming from it would only propagate NaN
+        raise NonFiniteError(f"{ckpt}: the weights hold NaN/inf values (in {', '.join(bad[:5])}"
+                             f"{', ...' if len(bad) > 5 else ''}): the run diverged before this checkpoint was "
+                             "written; use an earlier checkpoint")
     model.to(device)
     model.final_depth = cfg.train.nominal_depth  # where a final_only_norm readout normalizes
     model.eval()  # inference by default (dropout off); the trainer switches to train mode

@@ -1,4 +1,5 @@
-"""Training objectives of a looped model at one sampled depth T (SPEC §4, §5).
+"""Training objectives of a looped model at one sampled depth T (SPEC §4, §5; readout blind spot,
+no arXiv id in our copy; exit_weighted after Ouro, arXiv:2510.25741; TBPTT: arXiv:2610.06833 §3.1).
 
 - ``terminal``: cross-entropy at the last loop T.
 - ``per_loop``: mean cross-entropy over loops 1..T (readout-blind-spot "per-loop supervision").

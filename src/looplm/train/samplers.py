@@ -1,4 +1,6 @@
-"""Depth samplers (SPEC §5): one loop depth per microbatch, a pure function of (seed, step, micro).
+"""Depth samplers (SPEC §5; PLN from Huginn, arXiv:2502.05171; the learned prior from "Towards Looped
+Models Done Right", arXiv:2610.06833, eq. 5–6): one loop depth per microbatch, a pure function of
+(seed, step, micro).
 
 Because a draw depends only on (seed, step, micro) — and, for the learned depth prior, on logits that
 every rank updates identically — every distributed rank draws the same depth and a resumed run draws

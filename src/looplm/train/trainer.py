@@ -3,14 +3,22 @@
 Exact resume: batches and depth draws are pure functions of (seed, step, micro); the checkpoint keeps
 weights, optimizer, scheduler and the torch RNG (dropout) state, so a run resumed from step k
 reproduces the loss trace of the uninterrupted run bit for bit on CPU.
+
+Faults: the run folder is locked while a process trains into it (:mod:`looplm.train.runlock`). A step
+whose loss or gradient norm is NaN/inf is skipped (no optimizer update, no depth-prior update; its batch
+is not retried and the schedule advances, so resume stays exact) and logged with ``"skipped": true``;
+``train.max_nonfinite_steps`` such steps in a row stop the run with :class:`DivergenceError`. A
+checkpoint is never written from non-finite weights, and every JSON file is strict (NaN → null, listed
+under ``"nonfinite"``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +33,23 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
+from looplm.finite import NonFiniteError, clean, dumps, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, load_checkpoint,
-                                     load_config, load_sharded, load_train_state, newest_valid_checkpoint,
-                                     save_checkpoint, save_sharded_checkpoint)
+from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, list_checkpoints,
+                                     load_checkpoint, load_config, load_sharded, load_train_state,
+                                     newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint)
 from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
                                mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
                                wrap_model, all_reduce_sum)
 from looplm.train.optim import build_optimizer, build_scheduler
 from looplm.train.losses import training_loss
+from looplm.train.runlock import RunLock
 from looplm.train.samplers import build_sampler
+
+
+class DivergenceError(NonFiniteError):
+    """Training stopped: ``train.max_nonfinite_steps`` consecutive steps had a non-finite loss or
+    gradient norm. The message names the steps and the newest checkpoint (whose weights are finite)."""
 
 
 def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
@@ -106,7 +121,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip()
-            and json.loads(line).get("step", 0) <= last_step]
+            and (json.loads(line).get("step") or 0) <= last_step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
@@ -131,9 +146,26 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
 
     Raises:
         CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
-        ValueError: ``train.batch_size`` not divisible by the world size.
+        RunLockedError: another process is training into ``out_dir``.
+        DivergenceError: ``train.max_nonfinite_steps`` consecutive non-finite steps.
+        NonFiniteError: the weights became non-finite (no checkpoint is written from them).
+        ValueError: ``train.batch_size`` not divisible by the world size; a fresh run (no ``resume``)
+            into a folder that already holds checkpoints.
     """
     out = Path(out_dir)
+    # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
+    lock = RunLock(out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        if not resume and list_checkpoints(out):
+            raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
+        return _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
+           stop_after: int | None) -> dict[str, Any]:
     start_step, state, sharded_ckpt = 0, None, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
@@ -198,10 +230,19 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     eval_tokens = tcfg.eval_batches * B * L
     eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
 
+    guard = dict(state.get("nonfinite", {})) if state is not None else {}
+    skipped, streak = int(guard.get("skipped_steps", 0)), int(guard.get("streak", 0))
+
     def checkpoint(step: int) -> None:
+        plain = unwrap(wrapped)
+        bad = nonfinite_tensors([*plain.named_parameters(), *plain.named_buffers()])
+        if mean_across_ranks(float(len(bad)), env) > 0:  # every rank agrees, so all raise together
+            raise NonFiniteError(f"step {step}: refusing to write a checkpoint: non-finite weights"
+                                 f"{' in ' + ', '.join(bad[:5]) if bad else ' on another rank'}; the newest "
+                                 f"checkpoint under {out / 'checkpoints'} is left as it was")
         train_state = {"step": step, "scheduler": sched.state_dict(), "rng": _rng_state(),
                        "data_position": {"seed": tcfg.seed, "step": step}, "world_size": env.world_size,
-                       "depth_prior": sampler.state_dict()}
+                       "depth_prior": sampler.state_dict(), "nonfinite": {"skipped_steps": skipped, "streak": streak}}
         if tcfg.checkpoint_format == "sharded":
             model_sd, opt_sd = sharded_state(wrapped, opt)
             save_sharded_checkpoint(out, step, {"model": model_sd, "optimizer": opt_sd}, cfg, env,
@@ -232,7 +273,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     log = metrics_path.open("a") if main else None
     for step in range(start_step, end_step):
         t0 = time.time()
-        loss_sum, depths, extras = 0.0, [], {}
+        loss_sum, depths, extras, observed = 0.0, [], {}, []
         for micro in range(tcfg.grad_accum):
             # every rank draws the same depth: a pure function of (seed, step, micro)
             T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
@@ -250,29 +291,49 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             with sync:
                 (res.loss / tcfg.grad_accum).backward()
             loss_sum += res.ce
-            sampler.observe(T, res.ce, res.n_tokens)
+            observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
             for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
                 extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
         lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
+        loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
+        keep = math.isfinite(loss) and math.isfinite(grad_norm)
+        prior: dict[str, float] = {}
+        if keep:
+            opt.step()
+            for obs in observed:
+                sampler.observe(*obs)
+            prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
+            streak = 0
+        else:  # skip the update (as large-scale trainers do); the batch is not retried
+            skipped, streak = skipped + 1, streak + 1
+        sched.step()  # the schedule is a function of the step, kept or skipped
         opt.zero_grad(set_to_none=True)
-        prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
         dt = time.time() - t0
         n_tok = B * L * tcfg.grad_accum
         tokens_done += n_tok
         done = step + 1
-        last = {"step": done, "loss": mean_across_ranks(loss_sum / tcfg.grad_accum, env), "lr": lr,
-                "grad_norm": grad_norm, "depths": depths, "tokens_per_s": n_tok / dt, **extras,
-                **{f"prior_{k}": v for k, v in prior.items()}}
+        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "depths": depths,
+                "tokens_per_s": n_tok / dt, **extras, **{f"prior_{k}": v for k, v in prior.items()},
+                "skipped_steps": skipped, **({} if keep else {"skipped": True})}
         if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
             last.update(validate())
         if log is not None:
-            log.write(json.dumps(last) + "\n")
+            log.write(dumps(last) + "\n")
             log.flush()
+        if streak >= tcfg.max_nonfinite_steps:
+            bar.close()
+            if log is not None:
+                log.close()
+            newest = newest_valid_checkpoint(out) if main else None
+            shutdown(env)
+            raise DivergenceError(
+                f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
+                f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm}); each was skipped, and "
+                f"train.max_nonfinite_steps={tcfg.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
+                f"weights): {newest or 'none'}. Lower train.lr, raise train.warmup_steps or set train.grad_clip")
         bar.update(1)
-        bar.set_postfix(loss=f"{last['loss']:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}",
+        bar.set_postfix(loss=f"{loss:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}", skipped=skipped,
                         **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
         if tcfg.ckpt_every and done % tcfg.ckpt_every == 0 or done in (tcfg.steps, end_step):
             checkpoint(done)
@@ -280,13 +341,14 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     if log is not None:
         log.close()
     wall = time.time() - t_start
-    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step,
+    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "skipped_steps": skipped,
                "params": n_params,
                "world_size": env.world_size, "wall_s": wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
+    summary = clean(summary)  # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
     if main and end_step == tcfg.steps and end_step > start_step:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        (out / "summary.json").write_text(dumps(summary, indent=2))
     elif (out / "summary.json").exists() and end_step == tcfg.steps:  # nothing left to train
         summary = json.loads((out / "summary.json").read_text())
     shutdown(env)

@@ -1,0 +1,68 @@
+"""Non-finite numbers: one error type, a weight check, and strict JSON for every file looplm writes.
+
+Python's ``json`` writes NaN and ±inf as the bare words ``NaN``/``Infinity``, which are not JSON
+(RFC 8259) and break other readers (``jq``, JavaScript, most JSON libraries). Every JSON file looplm
+writes goes through :func:`dumps`: a non-finite float becomes ``null`` and the top-level object lists
+where that happened in ``"nonfinite"`` (dotted paths), so a missing value is never silent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable
+
+NONFINITE_KEY = "nonfinite"
+
+
+class NonFiniteError(ValueError):
+    """A loss, gradient, weight or metric that must be finite is NaN or ±inf; the message names it."""
+
+
+def strict(obj: Any, _path: str = "", _found: list[str] | None = None) -> tuple[Any, list[str]]:
+    """``obj`` with every non-finite float replaced by ``None``, and the dotted paths replaced.
+
+    Dicts, lists and tuples are walked (tuples come back as lists); other values pass unchanged.
+    """
+    found = [] if _found is None else _found
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj, found
+        found.append(_path or "<value>")
+        return None, found
+    if isinstance(obj, dict):
+        return {k: strict(v, f"{_path}.{k}" if _path else str(k), found)[0] for k, v in obj.items()}, found
+    if isinstance(obj, (list, tuple)):
+        return [strict(v, f"{_path}.{i}" if _path else str(i), found)[0] for i, v in enumerate(obj)], found
+    return obj, found
+
+
+def clean(obj: Any) -> Any:
+    """:func:`strict` of ``obj``; a dict gains ``"nonfinite"``, the sorted dotted paths of the values
+    replaced (merged with any list it already has), when there are any."""
+    out, found = strict(obj)
+    if found and isinstance(out, dict):
+        out[NONFINITE_KEY] = sorted(set(out.get(NONFINITE_KEY) or []) | set(found))
+    return out
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> str:
+    """Strict JSON text of :func:`clean` ``(obj)``: non-finite floats as ``null``, listed in ``"nonfinite"``.
+
+    Raises:
+        TypeError: a value JSON cannot represent.
+    """
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
+
+
+def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """Names of the tensors in ``(name, tensor)`` pairs that hold a NaN or ±inf (floating tensors only;
+    a sharded DTensor is checked on this rank's local shard)."""
+    import torch
+
+    bad = []
+    for name, t in named:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad

@@ -1,0 +1,81 @@
+"""One writer per run folder: an OS-level lock on ``RUN/.lock`` held while a process trains into it.
+
+The lock is ``fcntl.flock`` (exclusive, non-blocking) on an open file, so the kernel drops it when the
+process ends in any way, ``kill -9`` included: a crashed run never leaves a stale lock, and
+``--resume`` needs no cleanup. The holder writes its pid, host and start time into the file, so a
+refused run can name it. The standard library's ``fcntl`` gives all of this; the ``filelock`` package
+is not a looplm dependency (torch brings some version of it), and its 3.x releases truncate the lock
+file on every attempt, which would erase the holder's details. POSIX only; on a network file system
+the lock is as reliable as that file system's ``flock``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class RunLockedError(ValueError):
+    """Another process holds the run folder's lock; the message names it (pid, host, start time)."""
+
+
+class RunLock:
+    """Exclusive lock of a run folder; use as a context manager or call :meth:`acquire`/:meth:`release`.
+
+    Raises:
+        RunLockedError: (on acquire) another process holds the lock.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's details stay
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise RunLockedError(f"{self.path.parent} is in use by another training process "
+                                 f"({describe_holder(holder)}); wait for it to finish, stop it, or choose "
+                                 "another --out") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        os.ftruncate(self._fd, 0)  # the file stays (unlinking a lock file races with a new holder)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def describe_holder(text: str) -> str:
+    """``pid 123 on host h, started 2026-...`` from the lock file's JSON (or a fallback)."""
+    try:
+        info = json.loads(text)
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown: it has not written its details yet"
