@@ -124,6 +124,9 @@ def test_print_config_applies_overrides(capsys):
     assert main(["train", "--preset", "debug", "--train.steps=7", "--model.rule", "looped", "--print_config"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["train"]["steps"] == 7 and cfg["model"]["rule"] == "looped"
+    # a per-rule option (three dotted parts) goes through the same generic path
+    assert main(["info", "--preset", "debug", "--model.options.anchor_scale", "0.25", "--print_config"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["options"]["anchor_scale"] == 0.25
 
 
 # ---------------------------------------------------------------- eval protocols
