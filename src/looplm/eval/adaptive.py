@@ -1,4 +1,5 @@
 """Adaptive depth with the hidden-update stopping rule (SPEC §6; SCSE appendix, Tables 9–10).
+Source: SCSE, arXiv:2607.27656 (appendix Adaptive-Depth Evaluation, Tables 9–10).
 
 Per example b (one evaluation window of L tokens) and loop step t = 0 … C−1 (C = the ceiling, 48):
 

@@ -4,9 +4,9 @@ Every per-example or per-token adaptive-depth method in looplm is built from the
 
 - **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (comparing it with loop k − 1), its
   aggregation over a sequence's tokens and its direction. ``hidden_update`` is the SCSE stopping rule
-  (arXiv:2607.27656, appendix "Adaptive Depth", Tables 9–10: u = max over tokens of
+  (arXiv:2607.27656, appendix "Adaptive-Depth Evaluation", Tables 9–10: u = max over tokens of
   ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin`` is the readout blind spot's
-  logit-margin rule (the readout-blind-spot paper, §5 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
+  logit-margin rule (the readout-blind-spot paper, §6 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
   ≥ τ); ``relative``, ``kl`` and ``entropy`` are Huginn's exit criteria (arXiv:2502.05171 §6; latent
   change, KL between successive readouts, entropy change; per token in decoding, mean over tokens
   for a sequence); ``exit_gate`` reads a model's learned exit gate (Ouro-style, arXiv:2510.25741:

@@ -1,4 +1,5 @@
-"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §5 and Appendix H).
+"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §6 and Appendix H).
+Source: the readout-blind-spot paper (§6, Appendix H); our copy of it has no arXiv id.
 
 Per sequence b (one evaluation window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits
 the model reads out at loop k:

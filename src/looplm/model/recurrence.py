@@ -1,4 +1,5 @@
 """Recurrence rules: one registry, one name each (SPEC §2).
+Sources: SCSE arXiv:2607.27656 (eq. 2–6, 22); Huginn-family injections arXiv:2610.06833 (eq. 8, Table 7).
 
 A rule defines, from the embedding ``e`` (B, L, d):
 
