@@ -417,7 +417,8 @@ class LoopLM(DepthLM):
         Args:
             state: the loop state (the deviation Δ for the SCSE family, else h).
             t: 0-based loop step. ctx: the :class:`LoopContext` of :meth:`start`.
-            mask: False gives the SCSE family's raw pre-mask map b̃_t (SCSE eq. 8, arXiv:2607.27656;
+            mask: False gives the SCSE family's raw pre-mask response b̃_t (SCSE §2, defined after eq. 5,
+                arXiv:2607.27656; b_t itself is eq. 8;
                 the forcing-bias diagnostic); other rules have no mask.
             injection_gain: g scales the rule's injection (the evaluation-time dose response of
                 SPEC §7: g = 0 removes it, 1 is the trained map; see

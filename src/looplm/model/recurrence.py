@@ -55,15 +55,6 @@ class LoopContext:
     valid: torch.Tensor | None = None
     scope: object | None = None
 
-    def select(self, index: torch.Tensor) -> "LoopContext":
-        """The context restricted to the batch rows in ``index`` (LongTensor), for dynamic batching."""
-        def sel(x):
-            return None if x is None else x[index]
-
-        return dataclasses.replace(self, e=self.e[index], anchor=sel(self.anchor), injection=sel(self.injection),
-                                   qkv=None if self.qkv is None else [q[index] for q in self.qkv],
-                                   valid=sel(self.valid), scope=None)
-
 
 class RecurrenceRule(nn.Module):
     """Base class. Subclasses set ``name`` and implement ``start`` and ``step``."""
