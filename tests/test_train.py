@@ -115,6 +115,19 @@ def test_lr_schedule_wsd_by_hand():
         TrainConfig(schedule="linear")
 
 
+def test_huginn_cpu_preset_has_lmdr_optimization():
+    """LMDR §5.1 / App. B.3 in the Huginn-family preset; every other preset keeps cosine, (0.9, 0.95), neg_ce."""
+    from looplm.presets import PRESETS
+
+    t = PRESETS["huginn-cpu"].train
+    assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2) == ("wsd", 0.05, 0.9, 0.98)
+    assert (t.prior_reward, t.prior_scale) == ("inv_ppl", True)
+    for name, cfg in PRESETS.items():
+        if name != "huginn-cpu":
+            assert (cfg.train.schedule, cfg.train.beta2, cfg.train.prior_reward, cfg.train.prior_scale) == \
+                ("cosine", 0.95, "neg_ce", False), name
+
+
 def test_weight_decay_on_matrices_only(tiny_cfg):
     model = build_model(tiny_cfg.model.replace(vocab_size=64, rule="adapter"))
     opt = build_optimizer(model, TrainConfig())
