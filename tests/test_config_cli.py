@@ -12,7 +12,8 @@ import torch
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
 from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
-                           ParcaeDecayOptions, SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig, apply_overrides)
+                           ParcaeDecayOptions, SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig,
+                           apply_overrides)
 from looplm.model import LoopLM, build_model
 from looplm.presets import PRESETS, get_preset
 
