@@ -228,8 +228,8 @@ class _AnchoredOptions(RuleOptions):
     init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)", "init_scale")
     source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
         "A, I, and W_in, W_c, P_step where the rule has them",
-        "A, I ~ N(0, 1/(d·(c_0² + c_a²))) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
-        "N(0, 1/fan_in), output RMS = input RMS"))
+        "A, I ~ N(0, 1/√(d·(c_0² + c_a²))) (std) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
+        "N(0, 1/√fan_in), output RMS = input RMS"))
     source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
 
 
@@ -315,7 +315,7 @@ class HuginnOptions(RuleOptions):
                               "state_init_seed")
     source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",
-        "N(0, 1/fan_in): the injected term has the RMS of its input"))
+        "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
     source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
 
 
