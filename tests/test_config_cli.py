@@ -12,7 +12,8 @@ import torch
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
 from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
-                           SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig, apply_overrides)
+                           ParcaeDecayOptions, SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig,
+                           apply_overrides)
 from looplm.model import LoopLM, build_model
 from looplm.presets import PRESETS, get_preset
 
@@ -108,8 +109,8 @@ def test_format1_config_migrates_into_rule_options():
     got = Config.from_dict(old)
     assert got == want
     assert got.to_dict()["format_version"] == 2 and got.to_dict()["model"]["options"] == {
-        "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "anchor": "embedding", "mask": True,
-        "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
+        "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "source_init": "gpt2", "source_init_std": 0.0,
+        "anchor": "embedding", "mask": True, "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
     # step_scale -1 is the rule's default; fields the rule does not read are dropped at their defaults
     assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3)
     assert Config.from_dict(v1_config(rule="parcae", parcae_alpha_init=-1.0)).model.options == DecayOptions(
@@ -144,7 +145,8 @@ def test_migrated_format1_model_is_identical():
              (dict(rule="step_film", film_steps=2, step_scale=0.2), dict(rule="step_film", options={"steps": 2,
                                                                                                     "step_scale": 0.2})),
              (dict(rule="parcae_decay", state_init="zeros", parcae_delta_init=0.5),
-              dict(rule="parcae_decay", options=DecayOptions(state_init="zeros", delta_raw_init=0.5)))]
+              dict(rule="parcae_decay", options=ParcaeDecayOptions(state_init="zeros", delta_raw_init=0.5,
+                                                                   input_norm_affine=False)))]
     shape = dict(vocab_size=97, d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.0, n_prelude=1, n_coda=1)
     x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     for flat, new in pairs:

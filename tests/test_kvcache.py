@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from looplm.analysis.flops import BODY_CALLS_PER_STEP
-from looplm.eval.kvsharing import kv_sharing_eval
+from looplm.eval.kvsharing import continuation_mask, kv_sharing_eval
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
 from looplm.model.layers import CausalSelfAttention
@@ -260,6 +260,42 @@ def test_kv_sharing_eval_matches_hand_protocol():
         kv_sharing_eval(model, stream[:L], [3], progress=False)
     with pytest.raises(ValueError, match="shared"):
         kv_sharing_eval(make("unshared"), stream, [3], progress=False)
+
+
+@torch.no_grad()
+def test_kv_sharing_doc_aware_scores_only_the_prompts_document():
+    """LMDR's continuation scoring on a hand-built stream (L = 12, P = 6, <|endoftext|> = id 0): a target
+    x_{j+1}, j ≥ P, counts iff no end-of-text lies in x_{P−1} … x_j."""
+    assert L == 12
+    P, EOT = L // 2, 0
+    stream = np.random.default_rng(1).integers(1, 97, size=3 * L + 1)  # no EOT except where placed
+    stream[3] = EOT  # window 0: a document begins inside the prompt, runs to the end: all 6 targets count
+    stream[L + 8] = EOT  # window 1: targets x_7, x_8 (= EOT, closing the document) count; x_9 … x_12 do not
+    stream[2 * L + 5] = EOT  # window 2: the prompt's last token ends its document: nothing counts
+    want = [[True] * 6, [True, True, False, False, False, False], [False] * 6]
+    windows = torch.from_numpy(np.stack([stream[w * L: w * L + L] for w in range(3)]).astype(np.int64))
+    assert continuation_mask(windows, P, EOT).tolist() == want
+    assert continuation_mask(windows, P, None).all()
+
+    model = make("huginn_linear-huginn")
+    res = kv_sharing_eval(model, stream, [1, 3], batch_size=2, progress=False, eot_id=EOT)
+    for R in (1, 3):
+        full = term = 0.0
+        for w in range(3):
+            x = torch.from_numpy(stream[w * L: (w + 1) * L + 1].astype(np.int64))[None]
+            xi, y = x[:, :-1], x[:, 1:]
+            keep = torch.tensor(want[w], dtype=torch.float64)
+            full += float((model(xi, depth=R, targets=y).nll_by_depth[R][0, P:].double() * keep).sum())
+            cache = KVCache("terminal")
+            model(xi[:, :P], depth=R, cache=cache)
+            term += float((model(xi[:, P:], depth=R, cache=cache, targets=y[:, P:]).nll_by_depth[R][0].double()
+                           * keep).sum())
+        assert res[R]["tokens"] == 8 and res[R]["sequences"] == 3
+        assert res[R]["ppl_full"] == pytest.approx(math.exp(full / 8), rel=1e-6)
+        assert res[R]["ppl_terminal"] == pytest.approx(math.exp(term / 8), rel=1e-6)
+        assert res[R]["ppl_per_visit"] == pytest.approx(res[R]["ppl_full"], rel=1e-5)
+    with pytest.raises(ValueError, match="no second-half target continues"):
+        kv_sharing_eval(model, stream[2 * L:], [1], progress=False, eot_id=EOT)
 
 
 @torch.no_grad()

@@ -150,11 +150,14 @@ def _trace(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg, tiny_data):
+@pytest.mark.parametrize("lmdr", [False, True])  # True: inv_ppl with the advantage scale s, wsd, 2 microbatches
+def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg, tiny_data, lmdr):
+    extra = dict(prior_reward="inv_ppl", prior_scale=True, prior_scale_window=2, schedule="wsd", grad_accum=2,
+                 batch_size=2) if lmdr else {}
     cfg = tiny_cfg.replace(
         model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_core=1, n_coda=1, dropout=0.0),
         train=tiny_cfg.train.replace(depth_sampler="learned", depth_cap=6, depth_mean=3.0, prior_warmup=1,
-                                     prior_lr=0.05, tbptt=2))
+                                     prior_lr=0.05, tbptt=2, **extra))
     full = tmp_path / "full"
     train(cfg, full, progress=False, data=tiny_data)
     part = tmp_path / "part"
@@ -166,7 +169,10 @@ def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg,
         assert ra["depths"] == rb["depths"]
         assert ra["loss"] == rb["loss"]
         assert ra["prior_mean_depth"] == rb["prior_mean_depth"]
+        assert ra.get("prior_advantage_scale") == rb.get("prior_advantage_scale") and ra["lr"] == rb["lr"]
     assert a[-1]["prior_updates"] == 6 and a[-1]["prior_mean_depth"] != pytest.approx(3.0, abs=1e-9)
+    if lmdr:  # s = 1 at the first update, then the CE/reward std ratio (≈ e^CE ≫ 1 for exp(−CE))
+        assert a[0]["prior_advantage_scale"] == 1.0 and a[-1]["prior_advantage_scale"] > 10
 
 
 def test_scale_clamp_keeps_every_loop_at_the_loop_one_rms():

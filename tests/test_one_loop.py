@@ -228,3 +228,75 @@ def test_scopes_are_reentrant_and_thread_safe():
     finally:
         hook.remove()
     assert nested == alone[0] and inner == [alone[1][0][:2]]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule", ["scse", "looped", "huginn_linear"])
+def test_early_exit_with_scale_clamp_equals_offline_accounting(rule):
+    """The evaluation-time scale clamp reaches the runner too: the same depths and NLL as the trace of
+    ``forward(scale_clamp=True)``, and other states than the unclamped run (barely, for huginn_linear,
+    whose exit norm already fixes the RMS)."""
+    model = model_for(rule, "none", "rmsnorm")
+    x, y = tokens(8, seed=4), tokens(8, seed=5)
+    batches = [(x[i:i + 4], y[i:i + 4], torch.ones(4, SEQ, dtype=torch.bool)) for i in (0, 4)]
+    crit = build_exit_criterion("hidden_update", 0.0)
+    tr = trace(model, batches, crit, 5, scale_clamp=True)
+    assert np.abs(tr.nll - trace(model, batches, crit, 5).nll).max() > 0  # the clamp really acts
+    v = np.unique(tr.scores[:, :4])
+    crit.tau = float(np.median((v[:-1] + v[1:]) / 2))
+    ref = halting_depths(tr.scores, crit.tau, "below")
+    res = run(model, batches, crit, 5, scale_clamp=True)
+    np.testing.assert_array_equal(res.depth, ref)
+    np.testing.assert_allclose(res.nll, tr.nll[np.arange(len(ref)), ref - 1], rtol=1e-5, atol=1e-5)
+
+
+def _gated_model() -> LoopLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(rule="looped", exit_gate=True, vocab_size=V, d_model=24, n_heads=2, d_ff=48, seq_len=SEQ,
+                      dropout=0.0, init_std=0.1)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        model.exit_gate.weight.normal_(0.0, 1.0)
+    return model
+
+
+@torch.no_grad()
+def test_exit_gate_criterion_reads_the_learned_gate():
+    """λ_k = σ(gate(h_k)), mean over a sequence's tokens, fires at ≥ τ: by hand from the forward's exit
+    logits, and the runner equals the trace; a model without a gate is refused."""
+    model = _gated_model()
+    x, y = tokens(6, seed=6), tokens(6, seed=7)
+    out = model(x, depth=[1, 2, 3, 4], targets=y)
+    hand = torch.stack([torch.sigmoid(out.exit_logits_by_depth[k]).mean(1) for k in (1, 2, 3, 4)], 1)
+    batches = [(x, y, torch.ones_like(y, dtype=torch.bool))]
+    crit = build_exit_criterion("exit_gate")
+    tr = trace(model, batches, crit, 4)
+    np.testing.assert_allclose(tr.scores, hand.double().numpy(), rtol=1e-6)
+    crit.tau = float(np.median(tr.scores[:, :3]))
+    ref = halting_depths(tr.scores, crit.tau, "above")
+    assert len(set(ref.tolist())) > 1
+    res = run(model, batches, crit, 4)
+    np.testing.assert_array_equal(res.depth, ref)
+    with pytest.raises(ValueError, match="exit gate"):
+        run(model_for("looped", "none", "rmsnorm"), batches, crit, 4)
+
+
+@pytest.mark.parametrize("criterion", ["hidden_update", "relative", "kl", "entropy", "margin", "exit_gate"])
+def test_every_criterion_in_every_place(criterion, tiny_data):
+    """One registry: each criterion runs in adaptive depth (target mean depth), halting (PPL tolerance)
+    and cached generation."""
+    from looplm.eval.adaptive import adaptive_depth
+    from looplm.eval.halting import halting_eval
+
+    model = _gated_model() if criterion == "exit_gate" else model_for("scse", "none", "rmsnorm")
+    stream = np.random.default_rng(0).integers(0, V, 8 * SEQ + 1)
+    res = adaptive_depth(model, stream, stream, targets=[2], ceiling=4, batch_size=4, progress=False,
+                         criterion=criterion)
+    assert res["criterion"] == criterion and 1 <= res["targets"]["2"]["test_mean_depth"] <= 4
+    assert res["targets"]["2"]["early_exit"]["depth_agreement"] == 1.0
+    xw = torch.from_numpy(stream[:8 * SEQ].reshape(8, SEQ))
+    yw = torch.from_numpy(stream[1:8 * SEQ + 1].reshape(8, SEQ))
+    h = halting_eval(model, (xw, yw), (xw, yw), 4, batch_size=4, repeats=1, progress=False, criterion=criterion)
+    assert h["criterion"] == criterion and h["timed"]["dynamic"]["ppl"] > 0
+    g = generate(model, [[1, 2, 3]], 4, 2, max_depth=4, exit_criterion=build_exit_criterion(criterion))
+    assert len(g.tokens[0]) == 4 and all(1 <= d <= 4 for d in g.depths[0])

@@ -2,13 +2,14 @@
 
 import copy
 import io
+import math
 import typing
 
 import numpy as np
 import pytest
 import torch
 
-from looplm.config import SamplerName, TrainConfig
+from looplm.config import ConfigError, SamplerName, TrainConfig
 from looplm.train.samplers import (REWARDS, SAMPLERS, FixedDepth, LearnedDepthPrior, PoissonLogNormalDepth,
                                    UniformDepth, build_sampler)
 
@@ -170,6 +171,82 @@ def test_reward_arms():
     got = {k: float(f(ce)) for k, f in REWARDS.items()}
     assert got == pytest.approx({"neg_ce": -2.0, "log_ce": -np.log(2.0), "exp_ce": -np.exp(2.0),
                                  "inv_ppl": np.exp(-2.0)}, rel=1e-15)
+
+
+def _wstd(x, n):
+    """Token-weighted population std, by hand."""
+    w = [k / sum(n) for k in n]
+    m = sum(wi * xi for wi, xi in zip(w, x))
+    return math.sqrt(sum(wi * (xi - m) ** 2 for wi, xi in zip(w, x)))
+
+
+def test_advantage_scale_by_hand():
+    """inv_ppl with s (LMDR App. B.3): update n uses s_{n−1} = std(CE)/std(u) of update n−1's microbatches
+    (token-weighted), s_0 = 1; the prior loss of update 2 is −Σ w_n s_1 (u_n − b_1) log p(r_n)."""
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, entropy_weight=0.0, budget_weight=0.0, warmup=0, reward="inv_ppl",
+                              scale=True)
+    obs1 = [(2, 2.0, 100), (6, 3.0, 300)]
+    for o in obs1:
+        prior.observe(*o)
+    m1 = prior.update()
+    assert m1["advantage_scale"] == 1.0  # s starts at one
+    ce1, n1 = [c for _, c, _ in obs1], [n for _, _, n in obs1]
+    u1 = [math.exp(-c) for c in ce1]
+    s1 = _wstd(ce1, n1) / _wstd(u1, n1)
+    assert prior.advantage_scale == pytest.approx(s1, rel=1e-12)
+    # two microbatches: s = |ΔCE|/|Δu| = 1/(e^−2 − e^−3) ≈ 11.69, the reward's slope in CE units
+    assert s1 == pytest.approx(1 / (math.exp(-2) - math.exp(-3)), rel=1e-12)
+    b1 = sum(n * u for n, u in zip(n1, u1)) / sum(n1)  # b_0 = mean u_1, then 0.9·b_0 + 0.1·mean u_1
+    logp = torch.log_softmax(prior.logits.detach(), 0).numpy()
+    obs2 = [(3, 2.5, 200), (9, 4.0, 200)]
+    for o in obs2:
+        prior.observe(*o)
+    m2 = prior.update()
+    want = -sum(0.5 * s1 * (math.exp(-c) - b1) * logp[r - 1] for r, c, _ in obs2)
+    assert m2["advantage_scale"] == pytest.approx(s1, rel=1e-12)
+    assert m2["loss"] == pytest.approx(want, rel=1e-10)
+    # window 2 pools both updates' microbatches
+    ce12, n12 = ce1 + [2.5, 4.0], n1 + [200, 200]
+    wide = LearnedDepthPrior(5.0, 0.5, CAP, reward="inv_ppl", scale=True, scale_window=2)
+    for obs in (obs1, obs2):
+        for o in obs:
+            wide.observe(*o)
+        wide.update()
+    assert wide.advantage_scale == pytest.approx(_wstd(ce12, n12) / _wstd([math.exp(-c) for c in ce12], n12),
+                                                 rel=1e-12)
+
+
+def test_advantage_scale_is_one_for_neg_ce_and_single_microbatches():
+    """neg_ce: std(CE) = std(−CE), so s = 1 exactly and the run is identical to the unscaled one; one
+    microbatch per update (window 1): both stds are 0, floored at 1e-12, s = 1."""
+    a = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2, scale=True)
+    b = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2)
+    assert _train(a, lambda r: 3.0 - 0.05 * r, 10) == _train(b, lambda r: 3.0 - 0.05 * r, 10)
+    assert a.advantage_scale == 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
+    one = LearnedDepthPrior(5.0, 0.5, CAP, reward="inv_ppl", scale=True)
+    _train(one, lambda r: 3.0 - 0.05 * r, 5, micro=1)
+    assert one.advantage_scale == 1.0
+
+
+def test_advantage_scale_resumes_exactly():
+    cfg = dict(warmup=2, lr=1e-2, reward="inv_ppl", scale=True, scale_window=3)
+    a = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    _train(a, lambda r: 3.0 + 0.1 * abs(r - 7), 6)
+    b = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert _train(a, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6) == \
+        _train(b, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6)
+    assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
+    old = a.state_dict()
+    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before prior_scale
+    c = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    c.load_state_dict(old)
+    assert c.advantage_scale == 1.0
+    t = TrainConfig(depth_sampler="learned", prior_reward="inv_ppl", prior_scale=True, prior_scale_window=4)
+    built = build_sampler(t)
+    assert built.scale and built.scale_window == 4 and built.reward == "inv_ppl"
+    with pytest.raises(ConfigError, match="train.prior_scale_window: must be >= 1"):
+        TrainConfig(prior_scale_window=0)
 
 
 def test_state_dict_round_trip_resumes_exactly():

@@ -16,7 +16,7 @@ from scipy.stats import spearmanr
 from looplm.config import ModelConfig
 from looplm.diagnostics.alignment import core_sublayers, kappa_hat, visit_alignment, visit_gradients
 from looplm.diagnostics.convergence import ConvergenceAccumulator, convergence_depths, relative_changes
-from looplm.diagnostics.scale import scale_diagnostic, unroll_states
+from looplm.diagnostics.scale import ScaleAccumulator, scale_diagnostic, unroll_states
 from looplm.model import LoopLM, build_model
 
 V, D, L = 64, 32, 16
@@ -148,6 +148,25 @@ def test_scale_statistics_against_direct_computation():
         assert r["radial_derivative"] == pytest.approx(fd, rel=1e-5, abs=1e-10)
         assert r["ce"] == pytest.approx(_ce(model, H, targets, final), rel=1e-12)
     assert res["g_K"] == res["loops"][-1]["radial_derivative"]
+
+
+@torch.no_grad()
+def test_scale_l2_norms_are_sqrt_d_times_rms():
+    """L2 next to RMS (the readout-blind-spot paper's norms may be L2): by hand on a state whose tokens
+    have known norms, then L2 = √d·RMS per statistic on a real unroll."""
+    acc = ScaleAccumulator(1)
+    model = tiny(rule="plain", readout="raw")
+    H = torch.zeros(1, 2, D, dtype=next(model.parameters()).dtype)
+    H[0, 0, 0], H[0, 1, :4] = 3.0, 2.0  # token norms: L2 3 and 4; RMS 3/√D and 4/√D
+    acc.add(model, [H, H, H], torch.zeros(1, 2, dtype=torch.long))
+    r = acc.result()
+    k0 = r["loops"][0]
+    assert r["d"] == D and k0["l2_mean"] == pytest.approx(3.5) and k0["l2_max"] == pytest.approx(4.0)
+    assert k0["rms_mean"] == pytest.approx(3.5 / math.sqrt(D)) and r["final_l2_mean"] == pytest.approx(3.5)
+    res = scale_diagnostic(model, [batch()], 3)
+    for loop in res["loops"]:
+        for stat in ("mean", "p50", "p99", "max"):
+            assert loop[f"l2_{stat}"] == pytest.approx(math.sqrt(D) * loop[f"rms_{stat}"], rel=1e-10), stat
 
 
 def test_rmsnorm_readout_hides_the_radial_gradient_and_raw_readout_shows_it():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from looplm.config import TrainConfig
+from looplm.config import ConfigError, TrainConfig
 from looplm.model import build_model
 from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                      newest_valid_checkpoint, save_checkpoint)
@@ -99,6 +99,33 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_factor(10, cfg) == pytest.approx(1.0)
     assert lr_factor(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_factor(100, cfg) == pytest.approx(0.1)
+
+
+def test_lr_schedule_wsd_by_hand():
+    """Warm-up–stable–decay (LMDR §5.1): 5 warm-up steps of 100, flat, cosine to 0.1 over the last 10."""
+    cfg = TrainConfig(steps=100, warmup_steps=5, min_lr_ratio=0.1, schedule="wsd")
+    want = {0: 0.2, 4: 1.0, 5: 1.0, 50: 1.0, 89: 1.0, 90: 1.0, 95: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)),
+            99: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)), 100: 0.1, 120: 0.1}
+    for step, f in want.items():
+        assert lr_factor(step, cfg) == pytest.approx(f, abs=1e-15), step
+    # decay longer than what the warm-up leaves: the decay starts at the end of the warm-up
+    short = TrainConfig(steps=10, warmup_steps=9, min_lr_ratio=0.1, schedule="wsd")
+    assert lr_factor(9, short) == pytest.approx(1.0) and lr_factor(10, short) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match=r"train.schedule: got 'linear'; allowed: 'cosine', 'wsd'"):
+        TrainConfig(schedule="linear")
+
+
+def test_huginn_cpu_preset_has_lmdr_optimization():
+    """LMDR §5.1 / App. B.3 in the Huginn-family preset; every other preset keeps cosine, (0.9, 0.95), neg_ce."""
+    from looplm.presets import PRESETS
+
+    t = PRESETS["huginn-cpu"].train
+    assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2) == ("wsd", 0.05, 0.9, 0.98)
+    assert (t.prior_reward, t.prior_scale) == ("inv_ppl", True)
+    for name, cfg in PRESETS.items():
+        if name != "huginn-cpu":
+            assert (cfg.train.schedule, cfg.train.beta2, cfg.train.prior_reward, cfg.train.prior_scale) == \
+                ("cosine", 0.95, "neg_ce", False), name
 
 
 def test_weight_decay_on_matrices_only(tiny_cfg):

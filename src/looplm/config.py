@@ -40,6 +40,8 @@ ReadoutName = Literal["rmsnorm", "raw", "final_only_norm"]
 ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping"]
 Supervision = Literal["terminal", "per_loop", "exit_weighted"]
 PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
+Schedule = Literal["cosine", "wsd"]
+SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 
 #: rules of the Huginn family (SPEC §2): injection at the core entrance, full-block core
 #: ``H^{r+1} = Core(ζ^r)``, initial state from ``state_init``.
@@ -141,8 +143,9 @@ class _Base:
 
 
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
-def _o(default: Any, help: str, v1: str) -> Any:
-    """An option field; ``v1`` is its flat ``ModelConfig`` name in format-1 config files."""
+def _o(default: Any, help: str, v1: str | None = None) -> Any:
+    """An option field; ``v1`` is its flat ``ModelConfig`` name in format-1 config files (None: an option
+    added after format 1, see :data:`LATE_OPTIONS`)."""
     return field(default=default, metadata={"help": help, "v1": v1})
 
 
@@ -151,6 +154,12 @@ def _o(default: Any, help: str, v1: str) -> Any:
 #: additive_subtract SCSE's 0.5, norm_reset the looped baseline's 1.0 (our choice). plain and the Huginn
 #: family have no residual scale.
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
+_SOURCE_INIT_HELP = ("initialization of the rule's source modules ({}): gpt2 (N(0, model.init_std), as every "
+                     "matrix; the default), torch (nn.Linear's default: U(±1/√fan_in), bias too), matched ({}; "
+                     "derivation in looplm.model.recurrence.init_source_modules), normal (N(0, source_init_std)). "
+                     "The blocks keep the GPT-2 init; every other parameter draws the same values under every "
+                     "scheme")
+_SOURCE_INIT_STD_HELP = "source_init=normal: std of the source modules' weights (0 for the other schemes)"
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,14 @@ class RuleOptions(_Base):
             _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "state_init_seed"):
             _check(self.state_init_seed >= -1, p + "state_init_seed", f"must be >= -1, got {self.state_init_seed}")
+        if hasattr(self, "source_init"):
+            if self.source_init == "normal":
+                _check(self.source_init_std > 0, p + "source_init_std",
+                       f"must be > 0 with source_init=normal, got {self.source_init_std}")
+            else:
+                _check(self.source_init_std == 0.0, p + "source_init_std",
+                       f"read only by source_init=normal (got source_init={self.source_init!r}); leave it at 0, "
+                       f"got {self.source_init_std}")
 
 
 @dataclass(frozen=True)
@@ -209,6 +226,11 @@ class _AnchoredOptions(RuleOptions):
     step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
     anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)", "anchor_scale")
     init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)", "init_scale")
+    source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
+        "A, I, and W_in, W_c, P_step where the rule has them",
+        "A, I ~ N(0, 1/√(d·(c_0² + c_a²))) (std) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
+        "N(0, 1/√fan_in), output RMS = input RMS"))
+    source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
 
 
 @dataclass(frozen=True)
@@ -291,6 +313,10 @@ class HuginnOptions(RuleOptions):
                               "table indexed by position, so evaluation and cached decoding are "
                               "deterministic); -1 draws fresh noise from the global RNG in evaluation too",
                               "state_init_seed")
+    source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
+        "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",
+        "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
+    source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
 
 
 @dataclass(frozen=True)
@@ -302,6 +328,14 @@ class DecayOptions(HuginnOptions):
     alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))", "parcae_alpha_init")
 
 
+@dataclass(frozen=True)
+class ParcaeDecayOptions(DecayOptions):
+    """``parcae_decay``: ζ = Λh + Δ ⊙ W·RMSNorm(e)."""
+
+    input_norm_affine: bool = _o(True, "learned gains in the RMSNorm of e (LMDR Table 7, the paper's Parcae-Decay); "
+                                 "false: parameter-free (W absorbs a gain; configs written before this option)")
+
+
 #: the options class of every rule
 RULE_OPTIONS: dict[str, type[RuleOptions]] = {
     "looped": LoopedOptions, "norm_reset": NormResetOptions,
@@ -309,8 +343,12 @@ RULE_OPTIONS: dict[str, type[RuleOptions]] = {
     "scse": SCSEOptions, "sc_cond": SCCondOptions, "sc_subtract": SCCondOptions, "scse_leak": SCSELeakOptions,
     "additive_subtract": AdditiveSubtractOptions, "plain": PlainOptions,
     "huginn_linear": HuginnOptions, "deq_qkv": HuginnOptions,
-    "parcae_decay": DecayOptions, "parcae": DecayOptions, "orthoinj": DecayOptions,
+    "parcae_decay": ParcaeDecayOptions, "parcae": DecayOptions, "orthoinj": DecayOptions,
 }
+
+#: options added after format 2's first release, with the values that rebuild the models of config files
+#: written before them (which may lack these options, and only these)
+LATE_OPTIONS: dict[str, Any] = {"source_init": "gpt2", "source_init_std": 0.0, "input_norm_affine": False}
 
 #: the flat rule fields of format-1 ``ModelConfig`` and their (never changed) defaults
 V1_RULE_FIELDS: dict[str, Any] = {
@@ -339,7 +377,7 @@ def options_class(rule: str) -> type[RuleOptions]:
 
 def _v1_names(cls: type[RuleOptions]) -> dict[str, str]:
     """{format-1 flat name: option name} of ``cls``."""
-    return {f.metadata["v1"]: f.name for f in dataclasses.fields(cls)}
+    return {f.metadata["v1"]: f.name for f in dataclasses.fields(cls) if f.metadata["v1"] is not None}
 
 
 def _moved(old: str) -> ConfigError:
@@ -433,6 +471,9 @@ class ModelConfig(_Base):
     tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
     norm_eps: float = _f(1e-6, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
+    embed_init_std: float = _f(-1.0, "std of the normal initialization of the token and position embeddings "
+                               "(the tied readout too); -1 = init_std (GPT-2). The rule's source modules: "
+                               "model.options.source_init")
     residual: Residual = _f("pre_ln", "block residual parameterization (SPEC §3): pre_ln, post_ln "
                             "(α=β=1), deepnorm (p=1/4), deeploop (p=1/2): x ← RMSNorm(α·x + f(x)), "
                             "α=(2N)^p, β=(8N)^-p, N=K·R")
@@ -460,6 +501,8 @@ class ModelConfig(_Base):
         _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
         _check(self.norm_eps > 0, p + "norm_eps", "must be > 0")
         _check(self.init_std > 0, p + "init_std", "must be > 0")
+        _check(self.embed_init_std == -1.0 or self.embed_init_std > 0, p + "embed_init_std",
+               f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
         _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",
                f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
         _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
@@ -573,6 +616,10 @@ class TrainConfig(_Base):
     lr: float = _f(3e-4, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine floor)")
     warmup_steps: int = _f(500, "linear warm-up steps")
+    schedule: Schedule = _f("cosine", "learning-rate schedule after the warm-up (SPEC §5): cosine (decay from lr to "
+                            "min_lr_ratio·lr over the remaining steps) or wsd (warm-up–stable–decay, LMDR: constant "
+                            "lr, then cosine to min_lr_ratio·lr over the last tenth of the steps; LMDR warms up "
+                            "over the first twentieth)")
     weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
     beta1: float = _f(0.9, "AdamW β1")
     beta2: float = _f(0.95, "AdamW β2")
@@ -592,7 +639,13 @@ class TrainConfig(_Base):
     prior_budget: float = _f(1.0, "learned: budget weight λ_m of (E_p[R] − R̄)²")
     prior_warmup: int = _f(32, "learned: warm-up updates that only collect the reward baseline")
     prior_reward: PriorReward = _f("neg_ce", "learned: reward arm: neg_ce (−CE), log_ce (−log CE), "
-                                   "exp_ce (−exp(CE)), inv_ppl (exp(−CE))")
+                                   "exp_ce (−exp(CE)), inv_ppl (exp(−CE); LMDR's main setting, with prior_scale)")
+    prior_scale: bool = _f(False, "learned: multiply the advantage by s = std(CE)/std(reward) of the previous "
+                           "updates' microbatches (LMDR App. B.3; each std floored at 1e-12; s = 1 until then; "
+                           "exactly 1 for neg_ce)")
+    prior_scale_window: int = _f(1, "learned, prior_scale: the stds of s pool the microbatches of the last W "
+                                 "updates (1 = the previous update, the paper, which has several microbatches "
+                                 "per update; with one, W >= 2 is needed for s to differ from 1)")
     tbptt: int = _f(0, "truncated BPTT: back-propagate through the last b recurrences only (0 = full BPTT)")
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
@@ -635,6 +688,7 @@ class TrainConfig(_Base):
         _check(self.prior_lr > 0, p + "prior_lr", "must be > 0")
         for name in ("prior_entropy", "prior_budget", "exit_entropy", "norm_penalty"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.prior_scale_window >= 1, p + "prior_scale_window", f"must be >= 1, got {self.prior_scale_window}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup", "tbptt"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
         _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
@@ -693,7 +747,9 @@ class Config(_Base):
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """Build from a complete config dict, as ``to_dict`` writes it (a ``config.json``).
 
-        Format 2 must give every field; format 1 is migrated first (:func:`migrate_v1`).
+        Format 2 must give every field (except those added since, :data:`V2_LATE_FIELDS` and
+        :data:`LATE_OPTIONS`, which take the values that rebuild the older model); format 1 is migrated
+        first (:func:`migrate_v1`).
 
         Raises:
             ConfigError: an unknown format, section, field or option (with the closest known name), a
@@ -706,7 +762,9 @@ class Config(_Base):
         version = d.pop("format_version")
         if version == 1:
             d = migrate_v1(d)
-        elif version != FORMAT_VERSION:
+        elif version == FORMAT_VERSION:
+            d = _fill_late(d)
+        else:
             raise ConfigError(f"format_version: this looplm reads versions 1 and {FORMAT_VERSION}, got {version!r}")
         sections = ["name", *SECTIONS]
         for key in d:
@@ -751,6 +809,29 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+#: fields that format 2 gained after its first release, with the defaults that reproduce the versions before
+#: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
+V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"embed_init_std": -1.0},
+    "data": {},
+    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1},
+}
+
+
+def _fill_late(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` (a format-2 config dict) with the fields and options of :data:`V2_LATE_FIELDS` and
+    :data:`LATE_OPTIONS` it lacks set to the values that reproduce the files written before them."""
+    d = dict(d)
+    for section, late in V2_LATE_FIELDS.items():
+        if isinstance(d.get(section), dict):
+            d[section] = {**late, **d[section]}
+    m = d.get("model")
+    if isinstance(m, dict) and isinstance(m.get("options"), dict) and m.get("rule") in RULE_OPTIONS:
+        names = RULE_OPTIONS[m["rule"]].field_names()
+        m["options"] = {**{k: v for k, v in LATE_OPTIONS.items() if k in names}, **m["options"]}
+    return d
+
+
 def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
     """A format-1 config dict (without its ``format_version``) as a complete format-2 one.
 
@@ -790,9 +871,14 @@ def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"model.{old}: {value!r} is not read by {owner} (it never had an effect); only its "
                               f"default {default!r} can be migrated to format 2, where {owner} takes the options: "
                               f"{own}")
-    # the rule's defaults for the options the file did not set
-    m["options"] = dataclasses.asdict(RULE_OPTIONS[rule](**opts)) if arch == "shared" else None
-    return out
+    # the rule's defaults for the options the file did not set (an option added later: the value that
+    # rebuilds the format-1 model)
+    if arch == "shared":
+        late = {k: v for k, v in LATE_OPTIONS.items() if k in options_class(rule).field_names()}
+        m["options"] = dataclasses.asdict(RULE_OPTIONS[rule](**{**late, **opts}))
+    else:
+        m["options"] = None
+    return _fill_late(out)
 
 
 def _field_type(section: str, name: str) -> Any:

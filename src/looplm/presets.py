@@ -8,7 +8,11 @@
 evaluated) finishes within 15 minutes on a 2-core machine. Dropout is 0 (our choice): 400 steps is
 far from overfitting Brown, and at step 200 SCSE's validation PPL was 829 without dropout vs 876
 with the paper's 0.1. ``huginn-cpu``: the CPU protocol with the Huginn-style 1 + 2×R + 1 layout (huginn_linear injection,
-PLN-5 depths, truncated BPTT b = 2). ``debug``: a tiny model on real text,
+PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): warm-up–stable–decay over
+5% / last 10% of the steps, AdamW betas (0.9, 0.98), and for ``--train.depth_sampler learned`` the
+inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
+the preset has one microbatch per update, where the paper's one-update window leaves s = 1). No committed
+result uses this preset (experiments/huginn-cpu starts from ``cpu``). ``debug``: a tiny model on real text,
 trains in seconds.
 """
 
@@ -49,9 +53,10 @@ PRESETS: dict[str, Config] = {
         model=ModelConfig(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
                           dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=30, depth_sampler="pln", depth_mean=5.0,
-                          depth_cap=64, tbptt=2, eval_every=150, eval_batches=4, eval_depth=5, ckpt_every=100,
-                          device="cpu"),
+        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98,
+                          depth_sampler="pln", depth_mean=5.0, depth_cap=64, tbptt=2, prior_reward="inv_ppl",
+                          prior_scale=True, prior_scale_window=8, eval_every=150, eval_batches=4, eval_depth=5,
+                          ckpt_every=100, device="cpu"),
     ),
     "debug": Config(
         name="debug",

@@ -1,4 +1,5 @@
 """Zero-deviation forcing bias (SCSE §2–3, eq. 7–9; SPEC §7), in each model's own anchor coordinates.
+Source: SCSE, arXiv:2607.27656 (eq. 7–9, Table 3, Figure 5).
 
 The one-step deviation map of a rule at loop step t is ``T_t(Δ; e) = h_{t+1} − h*`` for
 ``h_t = h* + Δ`` (the realized step :meth:`LoopLM.step`, scale control and all; dropout off). ``b_t(e) = T_t(0; e)``: run the realized step from

@@ -1,4 +1,5 @@
 """Random-direction gain of the one-step deviation map (SCSE appendix, Beyond Pointwise Bias; SPEC §7).
+Source: SCSE, arXiv:2607.27656 (appendix Beyond Pointwise Bias, Table 22).
 
     gain_t = mean over directions v and examples b of ‖T_t(Δ_t + ε·v) − T_t(Δ_t)‖_F / ε,
 

@@ -88,15 +88,17 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             continue
         sc = res["scale"]
         out += ["", f"**Hidden-state scale, {label}** (readout blind spot, SPEC §7): per-token RMS of H_k "
-                "(mean, p50, p99, max over tokens); r_k = share of the immediate readout gradient "
+                "(mean, p50, p99, max over tokens) and L2 norm (mean, max; L2 = √d·RMS, d = "
+                f"{sc.get('d', '?')}); r_k = share of the immediate readout gradient "
                 "‖∂L_k/∂H_k‖² along each token's radial direction; ∂L_k/∂log s for H_k → s·H_k "
                 f"(g_K at k = K = {sc['K']}); a_rad,k = ⟨u_k, F(H_k) − H_k⟩/d with ‖u_k‖_rms = 1, "
                 "next to the measured RMS change.", ""]
         rows = [[str(r["k"]), _fmt(r["rms_mean"]), _fmt(r["rms_p50"]), _fmt(r["rms_p99"]), _fmt(r["rms_max"]),
-                 _fmt(r["ce"]), _fmt(r["radial_grad_fraction"]), _fmt(r["radial_derivative"]),
-                 _fmt(r["radial_increment"]), _fmt(r["rms_increment"])] for r in sc["loops"]]
-        out += _table(["k", "RMS mean", "p50", "p99", "max", "CE_k", "r_k", "∂L_k/∂log s", "a_rad,k",
-                       "ΔRMS"], rows)
+                 _fmt(r.get("l2_mean")), _fmt(r.get("l2_max")), _fmt(r["ce"]), _fmt(r["radial_grad_fraction"]),
+                 _fmt(r["radial_derivative"]), _fmt(r["radial_increment"]), _fmt(r["rms_increment"])]
+                for r in sc["loops"]]
+        out += _table(["k", "RMS mean", "p50", "p99", "max", "L2 mean", "L2 max", "CE_k", "r_k", "∂L_k/∂log s",
+                       "a_rad,k", "ΔRMS"], rows)
     aligned = {label: res["visit_alignment"] for label, res in results.items() if "visit_alignment" in res}
     if aligned:
         out += ["", "**Visit alignment** (DeepLoop κ_R, SPEC §7): κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖² "

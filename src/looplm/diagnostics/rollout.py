@@ -1,4 +1,5 @@
 """Anchor-start rollouts and the injection-gain dose response (SCSE Figure 4; SPEC §7).
+Source: SCSE, arXiv:2607.27656 (Figure 4).
 
 Every rollout starts at the anchor, Δ_0 = 0 (h_0 = h*), instead of the model's own initial state,
 and runs the realized map (dropout off) for ``depth`` steps:

@@ -6,6 +6,8 @@ the coda), per loop k = 0 … K:
 
 - **RMS**: each token's ‖H_{k,t}‖_rms = (d⁻¹ Σ_i H_{k,t,i}²)^{1/2}; reported as the token mean and the
   token percentiles p50, p99 and the max (Appendix D's per-token statistics).
+- **L2**: the same statistics of each token's ‖H_{k,t}‖₂ = √d·‖H_{k,t}‖_rms, next to the RMS: the paper's
+  final-loop norms (4×10⁴–6×10⁴ for per-loop + RMSNorm readouts) may be L2 norms (SPEC §10).
 - **Radial-gradient fraction** r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², û_t = H_t / ‖H_t‖₂, where
   g = ∂L_k/∂H_k is the gradient of the *immediate* readout loss at loop k only:
   L_k = mean CE of ``model.readout(H_k, final=(k == K))`` against the targets, with H_k detached
@@ -76,6 +78,8 @@ class ScaleAccumulator:
         self.K = loops
         n = loops + 1
         self.rms: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.l2: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.d = 0
         self.rad_num = [0.0] * n
         self.rad_den = [0.0] * n
         self.radial_deriv: list[list[float]] = [[] for _ in range(n)]
@@ -90,6 +94,7 @@ class ScaleAccumulator:
         if len(states) < K + 2:
             raise ValueError(f"states: need H_0 … H_{K + 1} ({K + 2} states), got {len(states)}")
         B, L, d = states[0].shape
+        self.d = d
         keep = (torch.ones(B, L, dtype=torch.bool) if mask is None else mask.detach().bool()).to(states[0].device)
         self.tokens += int(keep.sum())
         for k in range(K + 1):
@@ -99,7 +104,8 @@ class ScaleAccumulator:
             self.rms[k].append(rms[keep].cpu().numpy())
             ce, g = immediate_readout_gradient(model, H, targets, final=k == K)
             g64 = g.double()
-            norm = H64.norm(dim=-1)  # (B, L)
+            norm = H64.norm(dim=-1)  # (B, L) per-token L2 norm
+            self.l2[k].append(norm[keep].cpu().numpy())
             radial = (g64 * H64).sum(-1)  # ⟨g_t, H_t⟩, (B, L)
             cos_part = torch.where(norm > 0, radial / norm.clamp_min(1e-300), torch.zeros_like(radial))
             self.rad_num[k] += float(cos_part.pow(2).sum())
@@ -113,9 +119,10 @@ class ScaleAccumulator:
             self.rms_inc[k] += float((token_rms(states[k + 1]) - rms)[keep].sum())
 
     def result(self) -> dict[str, Any]:
-        """JSON-ready summary: ``{"K": K, "tokens": n, "loops": [{"k", "rms_mean", "rms_p50",
-        "rms_p99", "rms_max", "ce", "radial_grad_fraction", "radial_derivative", "radial_increment",
-        "rms_increment"} for k = 0 … K], "g_K": the radial derivative at k = K}``.
+        """JSON-ready summary: ``{"K": K, "d": width, "tokens": n, "loops": [{"k", "rms_mean", "rms_p50",
+        "rms_p99", "rms_max", "l2_mean", "l2_p50", "l2_p99", "l2_max", "ce", "radial_grad_fraction",
+        "radial_derivative", "radial_increment", "rms_increment"} for k = 0 … K], "g_K": the radial
+        derivative at k = K, "final_rms_mean", "final_l2_mean": the token means at k = K}``.
 
         Raises:
             ValueError: nothing was added.
@@ -125,19 +132,26 @@ class ScaleAccumulator:
         loops = []
         for k in range(self.K + 1):
             rms = np.concatenate(self.rms[k])
+            l2 = np.concatenate(self.l2[k])
             loops.append({
                 "k": k,
                 "rms_mean": float(rms.mean()),
                 "rms_p50": float(np.percentile(rms, 50)),
                 "rms_p99": float(np.percentile(rms, 99)),
                 "rms_max": float(rms.max()),
+                "l2_mean": float(l2.mean()),
+                "l2_p50": float(np.percentile(l2, 50)),
+                "l2_p99": float(np.percentile(l2, 99)),
+                "l2_max": float(l2.max()),
                 "ce": float(np.mean(self.ce[k])),
                 "radial_grad_fraction": self.rad_num[k] / self.rad_den[k] if self.rad_den[k] > 0 else None,
                 "radial_derivative": float(np.mean(self.radial_deriv[k])),
                 "radial_increment": self.a_rad[k] / self.tokens,
                 "rms_increment": self.rms_inc[k] / self.tokens,
             })
-        return {"K": self.K, "tokens": self.tokens, "loops": loops, "g_K": loops[-1]["radial_derivative"]}
+        return {"K": self.K, "d": self.d, "tokens": self.tokens, "loops": loops,
+                "g_K": loops[-1]["radial_derivative"], "final_rms_mean": loops[-1]["rms_mean"],
+                "final_l2_mean": loops[-1]["l2_mean"]}
 
 
 @torch.no_grad()

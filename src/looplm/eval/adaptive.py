@@ -1,4 +1,5 @@
 """Adaptive depth with the hidden-update stopping rule (SPEC §6; SCSE appendix, Tables 9–10).
+Source: SCSE, arXiv:2607.27656 (appendix Adaptive-Depth Evaluation, Tables 9–10).
 
 Per example b (one evaluation window of L tokens) and loop step t = 0 … C−1 (C = the ceiling, 48):
 
@@ -128,7 +129,8 @@ def _criterion(criterion: str | ExitCriterion, tau: float = 0.0) -> ExitCriterio
 
 def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
-                 desc: str = "trace", criterion: str | ExitCriterion = "hidden_update") -> DepthTrace:
+                 desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
+                 scale_clamp: bool = False) -> DepthTrace:
     """One unroll to ``ceiling`` per batch of windows, recording the criterion's statistic (u_t for
     ``hidden_update``) and the NLL at every depth (:func:`looplm.eval.exits.trace`).
 
@@ -139,6 +141,7 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
         model: put in eval mode here (dropout off). tokens: 1-D token stream.
         ceiling: C ≥ 1 loop steps. max_tokens: use only ``tokens[: max_tokens + 1]``.
         criterion: a registered exit-criterion name or an :class:`ExitCriterion`.
+        scale_clamp: the evaluation-time scale clamp (SPEC §4) on every unroll.
 
     Returns:
         :class:`DepthTrace` with N = number of windows.
@@ -152,7 +155,8 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
     model.eval()
     try:
         batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
-        tr = trace(model, batches, _criterion(criterion), ceiling, progress=progress, desc=desc)
+        tr = trace(model, batches, _criterion(criterion), ceiling, progress=progress, desc=desc,
+                   scale_clamp=scale_clamp)
     finally:
         model.train(was_training)
     return DepthTrace(scores=tr.scores, nll=tr.nll, tokens=tr.tokens)
@@ -161,7 +165,7 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
 def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, desc: str = "early exit",
-                    criterion: str | ExitCriterion = "hidden_update") -> EarlyExitResult:
+                    criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> EarlyExitResult:
     """Per-example early exit under a criterion (default: the hidden-update rule), halted examples
     leaving the batch (:func:`looplm.eval.exits.run`).
 
@@ -186,7 +190,7 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
     model.eval()
     try:
         batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
-        return run(model, batches, crit, ceiling, progress=progress, desc=desc)
+        return run(model, batches, crit, ceiling, progress=progress, desc=desc, scale_clamp=scale_clamp)
     finally:
         model.train(was_training)
 
@@ -202,13 +206,15 @@ def _static_depths(ceiling: int) -> list[int]:
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
                    targets: Sequence[float] = DEFAULT_TARGETS, ceiling: int = DEFAULT_CEILING,
                    max_tokens: int | None = None, batch_size: int = 16, device: str | torch.device = "cpu",
-                   progress: bool = True, timed: bool = True, criterion: str = "hidden_update") -> dict[str, Any]:
+                   progress: bool = True, timed: bool = True, criterion: str = "hidden_update",
+                   scale_clamp: bool = False) -> dict[str, Any]:
     """Validation-calibrated adaptive depth on token streams (SPEC §6; SCSE Tables 9–10).
 
     Traces both splits to the ceiling, calibrates τ per target mean depth on valid, applies it to
     test; with ``timed``, also runs the real early exit on test per target and once without halting.
     ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
-    paper's protocol is ``hidden_update``.
+    paper's protocol is ``hidden_update``. ``scale_clamp`` applies the evaluation-time scale clamp
+    (SPEC §4) to every trace and run.
 
     Returns:
         JSON-ready dict (see :func:`adaptive_depth_checkpoint`, without the checkpoint fields).
@@ -228,13 +234,14 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
         raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
     direction = EXIT_CRITERIA[criterion].direction
     never = -math.inf if direction == "below" else math.inf
-    kw = dict(batch_size=batch_size, max_tokens=max_tokens, device=device, progress=progress)
+    kw = dict(batch_size=batch_size, max_tokens=max_tokens, device=device, progress=progress,
+              scale_clamp=scale_clamp)
     tr_valid = trace_depths(model, valid, ceiling, desc="trace valid", criterion=criterion, **kw)
     tr_test = trace_depths(model, test, ceiling, desc="trace test", criterion=criterion, **kw)
     full = (early_exit_eval(model, test, never, ceiling, desc="full depth", criterion=criterion, **kw)
             if timed else None)
     res: dict[str, Any] = {
-        "criterion": criterion, "ceiling": ceiling, "max_tokens": max_tokens, "batch_size": batch_size,
+        "criterion": criterion, "scale_clamp": scale_clamp, "ceiling": ceiling, "max_tokens": max_tokens, "batch_size": batch_size,
         "examples": {"valid": len(tr_valid.tokens), "test": len(tr_test.tokens)},
         "tokens": {"valid": int(tr_valid.tokens.sum()), "test": int(tr_test.tokens.sum())},
         "static": {str(T): {"valid_ppl": tr_valid.ppl_at(T), "test_ppl": tr_test.ppl_at(T)}
@@ -306,7 +313,7 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
                               ceiling: int = DEFAULT_CEILING, dataset: str | None = None,
                               max_tokens: int | None = None, batch_size: int = 16, device: str = "cpu",
                               progress: bool = True, timed: bool = True,
-                              criterion: str = "hidden_update") -> dict[str, Any]:
+                              criterion: str = "hidden_update", scale_clamp: bool = False) -> dict[str, Any]:
     """Adaptive depth of a checkpoint: τ calibrated on valid, test PPL and mean depths (SPEC §6).
 
     Uses the checkpoint's own tokenizer and the valid/test splits of its corpus (or ``dataset``),
@@ -341,7 +348,7 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
     test = load_tokens(data_cfg, "test", tok, root, cache)
     res = adaptive_depth(model, valid, test, targets=targets, ceiling=ceiling, max_tokens=max_tokens,
                          batch_size=batch_size, device=device, progress=progress, timed=timed,
-                         criterion=criterion)
+                         criterion=criterion, scale_clamp=scale_clamp)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "params": model.num_params(),
            **res}

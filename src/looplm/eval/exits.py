@@ -4,9 +4,9 @@ Every per-example or per-token adaptive-depth method in looplm is built from the
 
 - **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (comparing it with loop k − 1), its
   aggregation over a sequence's tokens and its direction. ``hidden_update`` is the SCSE stopping rule
-  (arXiv:2607.27656, appendix "Adaptive Depth", Tables 9–10: u = max over tokens of
+  (arXiv:2607.27656, appendix "Adaptive-Depth Evaluation", Tables 9–10: u = max over tokens of
   ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin`` is the readout blind spot's
-  logit-margin rule (the readout-blind-spot paper, §5 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
+  logit-margin rule (the readout-blind-spot paper, §6 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
   ≥ τ); ``relative``, ``kl`` and ``entropy`` are Huginn's exit criteria (arXiv:2502.05171 §6; latent
   change, KL between successive readouts, entropy change; per token in decoding, mean over tokens
   for a sequence); ``exit_gate`` reads a model's learned exit gate (Ouro-style, arXiv:2510.25741:
@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from looplm.model.looped import token_rms
 
 UPDATE_EPS = 1e-8  # the denominator guard of the relative change (SPEC §6)
 
@@ -450,8 +452,8 @@ class LoopExit:
 
 def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling: int, *, drop: bool = True,
               valid: torch.Tensor | None = None,
-              on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None
-              ) -> LoopExit:
+              on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None,
+              scale_clamp: bool = False) -> LoopExit:
     """The early-exit runner: loop steps 1 … ``ceiling`` with :meth:`LoopLM.step`, testing ``criterion``
     after every loop k < ceiling (module docstring).
 
@@ -464,6 +466,8 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
         on_exit: called as ``on_exit(rows, k, h, logits)`` when rows halt at loop k: ``rows`` (n,)
             their indices in the input batch, ``h`` (n, L, d) their hidden states, ``logits`` (n, L, V)
             their readout at k when the criterion computed it (else None).
+        scale_clamp: the evaluation-time scale clamp (SPEC §4), as ``forward(scale_clamp=True)``:
+            from loop 2 on each token's state is rescaled to its loop-1 RMS.
 
     Returns:
         :class:`LoopExit`.
@@ -490,13 +494,16 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
     exited = torch.zeros(B, dtype=torch.bool, device=device)
     h = model.hidden(state, ctx)
     logits = read(h, 0) if use_logits and criterion.needs_previous else None
+    clamp_rms = None
     row_steps = 0
     for t in range(ceiling):
         k = t + 1
         row_steps += len(rows)
-        new = model.step(state, t, ctx)
+        new = model.step(state, t, ctx, **({} if clamp_rms is None else {"clamp_rms": clamp_rms}))
         state = new if drop else torch.where(exited[:, None, None], state, new)  # exited rows keep theirs
         prev_h, h = h, model.hidden(state, ctx)
+        if scale_clamp and clamp_rms is None:
+            clamp_rms = token_rms(h)
         prev_logits, logits = logits, (read(h, k) if use_logits and k < ceiling else None)
         if k == ceiling:
             halt = ~exited
@@ -517,8 +524,8 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
                 if len(keep) == 0:
                     break
                 b = len(rows)
-                state, ctx, h, logits, valid, rows = (_select_rows(o, keep, b)
-                                                      for o in (state, ctx, h, logits, valid, rows))
+                state, ctx, h, logits, valid, rows, clamp_rms = (
+                    _select_rows(o, keep, b) for o in (state, ctx, h, logits, valid, rows, clamp_rms))
                 exited = exited.index_select(0, keep)
             else:
                 exited = exited | halt
@@ -558,7 +565,7 @@ class ExitRun:
 
 @torch.inference_mode()
 def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
-        desc: str = "early exit") -> ExitRun:
+        desc: str = "early exit", scale_clamp: bool = False) -> ExitRun:
     """Real early exit over evaluation batches: :func:`exit_loop` with ``drop=True``, each example scored
     (summed NLL over its scored targets) at its halting depth.
 
@@ -583,7 +590,8 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
             nll[rows] = _sequence_nll(logits, y.index_select(0, rows))
 
         state, ctx = model.start(model.embed(x))
-        res = exit_loop(model, state, ctx, criterion, ceiling, drop=True, valid=mask, on_exit=score)
+        res = exit_loop(model, state, ctx, criterion, ceiling, drop=True, valid=mask, on_exit=score,
+                        scale_clamp=scale_clamp)
         row_steps += res.row_steps
         depths.append(res.depth)
         nlls.append(nll)
@@ -621,7 +629,7 @@ class Trace:
 
 @torch.inference_mode()
 def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
-          desc: str = "trace") -> Trace:
+          desc: str = "trace", scale_clamp: bool = False) -> Trace:
     """One multi-depth forward per batch (``depth=[1..C]``, plus 0 when the criterion compares loop 1
     with loop 0 through the logits), recording the criterion statistic and the per-example NLL at every
     depth through ``forward``'s ``on_depth`` hook (only (N, C) arrays are kept).
@@ -644,7 +652,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
                                                        _gate(model, h, criterion), mask).double().cpu()
             prev["h"], prev["logits"] = h, logits
 
-        out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth)
+        out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth, scale_clamp=scale_clamp)
         all_scores.append(s)
         nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
         counts.append(mask.sum(dim=1).cpu())

@@ -1,4 +1,5 @@
-"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §5 and Appendix H).
+"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §6 and Appendix H).
+Source: the readout-blind-spot paper (§6, Appendix H); our copy of it has no arXiv id.
 
 Per sequence b (one evaluation window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits
 the model reads out at loop k:
@@ -173,7 +174,8 @@ def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
 
 
 def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
-                  criterion: str | ExitCriterion = "margin") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  criterion: str | ExitCriterion = "margin",
+                  scale_clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-loop criterion statistic (the mean logit margin by default) and NLL of every window from one
     ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`; only (N, K) arrays kept).
 
@@ -185,7 +187,7 @@ def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress:
         window and loop, (N,) int64 scored tokens (= L).
     """
     tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
-               desc="calibration trace")
+               desc="calibration trace", scale_clamp=scale_clamp)
     return tr.scores, tr.nll, tr.tokens
 
 
@@ -212,7 +214,8 @@ class HaltingRun:
 
 
 def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
-                        progress: bool = False, criterion: str | ExitCriterion = "margin") -> HaltingRun:
+                        progress: bool = False, criterion: str | ExitCriterion = "margin",
+                        scale_clamp: bool = False) -> HaltingRun:
     """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): halted sequences leave
     the batch.
 
@@ -235,14 +238,14 @@ def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max:
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
     res = run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
-              desc="dynamic halting")
+              desc="dynamic halting", scale_clamp=scale_clamp)
     return HaltingRun(loops=res.depth, nll=res.nll, margins=res.scores, tokens=res.tokens, seconds=res.seconds,
                       row_loops=res.row_steps)
 
 
 @torch.inference_mode()
 def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
-                    progress: bool = False) -> tuple[np.ndarray, float]:
+                    progress: bool = False, scale_clamp: bool = False) -> tuple[np.ndarray, float]:
     """Every window at one fixed depth K through ``model(x, depth=K)`` (the static reference at K_max).
 
     Returns:
@@ -253,7 +256,7 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     _sync(device)
     t0 = time.perf_counter()
     for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
-        out = model(x, depth=depth, targets=y, keep_logits=False)
+        out = model(x, depth=depth, targets=y, keep_logits=False, scale_clamp=scale_clamp)
         nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
     _sync(device)
     seconds = time.perf_counter() - t0
@@ -274,11 +277,12 @@ def _finite(v: float) -> float | None:
 def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed: tuple[torch.Tensor, torch.Tensor],
                  k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                  device: str | torch.device = "cpu", progress: bool = True,
-                 criterion: str = "margin") -> dict[str, Any]:
+                 criterion: str = "margin", scale_clamp: bool = False) -> dict[str, Any]:
     """Calibrate τ on ``calib`` windows, then time dynamic halting and fixed depths on ``timed``.
 
     ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
-    paper's protocol is ``margin`` (the logit margin).
+    paper's protocol is ``margin`` (the logit margin). ``scale_clamp``: the evaluation-time scale clamp
+    (SPEC §4) in every run.
 
     Args:
         model: the model (on ``device``; put in eval mode here, restored after).
@@ -305,24 +309,27 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     model.eval()
     try:
         cal_batches = _batches(*calib, batch_size, device)
-        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion)
+        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
+                                                scale_clamp=scale_clamp)
         cal = calibrate_tau(margins, nll_sum, n_tok, tolerance, direction)
         tau = cal.tau
 
         batches = _batches(*timed, batch_size, device)
         # warm-up (untimed): one batch through every code path timed below
-        dynamic_halting_run(model, batches[:1], tau, k_max, criterion=criterion)
+        dynamic_halting_run(model, batches[:1], tau, k_max, criterion=criterion, scale_clamp=scale_clamp)
         for K in range(1, k_max + 1):
-            fixed_depth_run(model, batches[:1], K)
+            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
         # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
         dyn_s: list[float] = []
         fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
         fixed_nll: dict[int, np.ndarray] = {}
         for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, criterion=criterion)
+            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, criterion=criterion,
+                                      scale_clamp=scale_clamp)
             dyn_s.append(dyn.seconds)
             for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0)
+                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                                                        scale_clamp=scale_clamp)
                 fixed_s[K].append(seconds)
     finally:
         model.train(was_training)
@@ -337,7 +344,7 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
     return {
-        "criterion": criterion, "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats,
+        "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats,
         "device": str(device),
         "seq_len": int(calib[0].shape[1]),
         "calibration": {
@@ -440,7 +447,8 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
                                 n_calib: int = DEFAULT_N_CALIB, n_timed: int = DEFAULT_N_TIMED,
                                 batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                                 dataset: str | None = None, device: str = "cpu",
-                                progress: bool = True, criterion: str = "margin") -> dict[str, Any]:
+                                progress: bool = True, criterion: str = "margin",
+                                scale_clamp: bool = False) -> dict[str, Any]:
     """Halting of a checkpoint (SPEC §6; the logit margin by default, any registered exit criterion
     with ``criterion``): calibrate, time, frontier; write the report.
 
@@ -482,7 +490,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
     first_timed = n_calib if split_timed == split_calib else 0
     timed = make_windows(load_tokens(data_cfg, split_timed, tok, root, cache), L, first_timed, n_timed)
     res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, repeats=repeats,
-                       device=device, progress=progress, criterion=criterion)
+                       device=device, progress=progress, criterion=criterion, scale_clamp=scale_clamp)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "readout": cfg.model.readout,
            "dataset": data_cfg.dataset, "params": model.num_params(), "split_calib": split_calib,

@@ -16,7 +16,13 @@ to those terminal K/V.
 3. *per_visit* (control): the same two passes with a ``per_visit`` cache; this reproduces the full
    forward exactly, so ``ppl_per_visit == ppl_full`` up to float rounding.
 
-PPL = exp(token-weighted mean NLL) over the same second-half targets for all three. Sharing penalty
+PPL = exp(token-weighted mean NLL) over the same second-half targets for all three. **Document-aware
+scoring** (LMDR Table 8 caption: "only the tokens after a prompt that continue a document begun inside
+it"; given the ``<|endoftext|>`` id that separates documents in the token stream, ``data/tokens.py``):
+a second-half target x_{j+1} (j ≥ P) is scored only if no ``<|endoftext|>`` occurs in x_{P−1} … x_j,
+i.e. it belongs to the document of the prompt's last token (an end-of-text target closing that
+document counts; a document that began before the window counts too, since the window is the
+model's whole context — our reading). Unscored tokens stay in every pass as context. Sharing penalty
 ``100 · (PPL_terminal / PPL_full − 1)`` (percent). Memory: the bytes of the prefix's K/V banks per
 sequence (``KVCache.nbytes() / B``), for per_visit (K·R core banks plus one per prelude/coda layer)
 and terminal (one bank per physical layer) caches, in the model's parameter dtype.
@@ -38,21 +44,37 @@ from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
 
 
+def continuation_mask(x: torch.Tensor, P: int, eot_id: int | None) -> torch.Tensor:
+    """Which second-half targets the continuation protocol scores: (B, L) int64 windows → (B, L − P) bool.
+
+    Column j − P is target y_j = x_{j+1}, j = P … L−1. All True without ``eot_id``; with it (document-aware
+    scoring, module docstring) True iff no ``eot_id`` occurs in x_{P−1} … x_j.
+    """
+    B, L = x.shape
+    if eot_id is None:
+        return torch.ones(B, L - P, dtype=torch.bool, device=x.device)
+    ends = (x[:, P - 1:] == eot_id).long().cumsum(1)  # (B, L − P + 1): EOTs in x_{P−1} … x_{P−1+k}
+    return ends[:, 1:] == 0  # column k ↔ j = P + k: EOTs in x_{P−1} … x_j
+
+
 def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int,
-                      mode: str, final_depth: int | None = None) -> tuple[torch.Tensor, int, int]:
+                      mode: str, final_depth: int | None = None,
+                      scored: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass. Returns (NLL sum over the
-    second-half targets (float64 scalar), prefix cache bytes, prefix cache banks)."""
+    second-half targets, or those marked in ``scored`` (B, L − P) (float64 scalar), prefix cache bytes,
+    prefix cache banks)."""
     cache = KVCache(mode)
     model(x[:, :P], depth=depth, cache=cache, keep_logits=False, final_depth=final_depth)
     nbytes, banks = cache.nbytes(), cache.n_banks()
     out = model(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False, final_depth=final_depth)
-    return out.nll_by_depth[depth].double().sum(), nbytes, banks
+    nll = out.nll_by_depth[depth].double()
+    return (nll if scored is None else nll * scored).sum(), nbytes, banks
 
 
 @torch.no_grad()
 def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *, batch_size: int = 16,
                     max_tokens: int | None = None, device: str | torch.device = "cpu",
-                    progress: bool = True) -> dict[int, dict[str, float]]:
+                    progress: bool = True, eot_id: int | None = None) -> dict[int, dict[str, float]]:
     """The continuation protocol (module docstring) on a token stream, at each depth R.
 
     Args:
@@ -61,16 +83,21 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
         depths: loop depths R ≥ 1.
         batch_size: windows per forward.
         max_tokens: use only the first ``max_tokens + 1`` tokens of the stream (None = all).
+        eot_id: the ``<|endoftext|>`` id: score only targets that continue the prompt's document
+            (document-aware scoring, module docstring; :func:`continuation_mask`). None scores every
+            second-half target.
 
     Returns:
         ``{R: {ppl_full, ppl_terminal, ppl_per_visit, sharing_penalty_pct, nll_full, nll_terminal,
         tokens, sequences, prefix_tokens, kv_bytes_full, kv_bytes_terminal, kv_banks_full,
-        kv_banks_terminal, kv_ratio}}``; nll in nats per token, kv_bytes per sequence (prefix of
-        ``prefix_tokens`` tokens), kv_ratio = kv_bytes_full / kv_bytes_terminal.
+        kv_banks_terminal, kv_ratio}}``; nll in nats per token, ``tokens`` the scored targets,
+        kv_bytes per sequence (prefix of ``prefix_tokens`` tokens), kv_ratio = kv_bytes_full /
+        kv_bytes_terminal.
 
     Raises:
-        ValueError: unshared architecture (no KV cache), a depth < 1, an empty depth list, or no full
-            window in the (truncated) stream.
+        ValueError: unshared architecture (no KV cache), a depth < 1, an empty depth list, no full
+            window in the (truncated) stream, or (document-aware) no target that continues a prompt's
+            document.
     """
     depths = sorted({int(R) for R in depths})
     if not depths or depths[0] < 1:
@@ -100,19 +127,23 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
             if not bool(full.any()):
                 continue
             x, y = x[full].to(device), y[full].to(device)
+            scored = continuation_mask(x, P, eot_id)  # (B, L − P)
             out = model(x, depth=depths, targets=y, keep_logits=False, final_depth=final_depth)
             for R in depths:
-                sums[R]["full"] += float(out.nll_by_depth[R][:, P:].double().sum())
+                sums[R]["full"] += float((out.nll_by_depth[R][:, P:].double() * scored).sum())
                 for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
-                    nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode, final_depth)
+                    nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode, final_depth, scored)
                     sums[R][key] += float(nll)
                     mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
-            count += x.shape[0] * (L - P)
+            count += int(scored.sum())
             n_seq += x.shape[0]
             bar.update(1)
     finally:
         bar.close()
         model.train(was_training)
+    if count == 0:
+        raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
+                         f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
     res = {}
     for R in depths:
         nll = {k: v / count for k, v in sums[R].items()}
@@ -143,14 +174,18 @@ def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> st
 def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], out_json: str | Path | None = None,
                                    *, split: str = "test", max_tokens: int | None = None, batch_size: int = 16,
                                    dataset: str | None = None, device: str = "cpu",
-                                   progress: bool = True) -> dict[str, Any]:
+                                   progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
     """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (SPEC §6 continuation protocol).
+
+    ``doc_aware`` (default, LMDR's protocol): score only second-half targets that continue the document
+    of the prompt's last token (the tokenizer's ``<|endoftext|>`` separates documents; module
+    docstring). False scores every second-half target (the protocol before this option).
 
     Writes ``out_json`` and a Markdown table next to it (``.md``) when ``out_json`` is given.
 
     Returns:
         JSON-ready dict: ``checkpoint``, ``name``, ``rule``, ``dataset``, ``split``, ``seq_len``,
-        ``prefix_tokens``, ``max_tokens``, ``depths`` → ``{"R": {ppl_full, ppl_terminal,
+        ``prefix_tokens``, ``max_tokens``, ``doc_aware``, ``depths`` → ``{"R": {ppl_full, ppl_terminal,
         sharing_penalty_pct, kv_bytes_full, kv_bytes_terminal, …}}`` (see :func:`kv_sharing_eval`)
         and ``markdown``.
 
@@ -165,14 +200,18 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
 
     model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
     data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tokens = load_tokens(data_cfg, split, load_tokenizer_for(ckpt), resolve_data_root(data_cfg.data_root),
+    from looplm.data.tokenizer import eot_id
+
+    tok = load_tokenizer_for(ckpt)
+    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
                          resolve_cache_dir(data_cfg.cache_dir))
     res = kv_sharing_eval(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens,
-                          device=torch.device(device), progress=progress)
-    label = f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"
+                          device=torch.device(device), progress=progress, eot_id=eot_id(tok) if doc_aware else None)
+    label = (f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"
+             + (", tokens continuing the prompt's document" if doc_aware else ", every second-half token"))
     result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
               "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
-              "max_tokens": max_tokens, "params": model.num_params(),
+              "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
               "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label)}
     if out_json is not None:
         out = Path(out_json)

@@ -1,4 +1,5 @@
 """KV caches indexed by virtual layer, and the attention scope of one forward pass (SPEC §6).
+Source: terminal KV sharing, Looped Models Done Right, arXiv:2610.06833 (§3.2, Lemma 1, Figure 3).
 
 A looped model visits each physical attention layer once per recurrence, so a KV cache is indexed by
 *virtual* layer. Two layouts:

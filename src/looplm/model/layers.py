@@ -1,4 +1,5 @@
 """Transformer layers shared by every looplm architecture (SPEC §1).
+Sources: SCSE arXiv:2607.27656 §2 (G(0) = 0); DeepLoop arXiv:2607.13491 eq. 2–8 (Post-LN family).
 
 All projections are bias-free and RMSNorm maps 0 to 0, so a block's residual update is
 zero-preserving: ``Block(0) == 0`` exactly. SCSE relies on this (SPEC §2).

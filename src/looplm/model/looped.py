@@ -27,7 +27,7 @@ from torch import nn
 from looplm.config import ModelConfig
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
-from looplm.model.recurrence import LoopContext, build_rule
+from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
 
 
 @dataclass
@@ -116,6 +116,12 @@ class DepthLM(nn.Module):
         ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate``, ``up``, ``down``) of every block are
         multiplied once by β = (8N)^-p (q and k are not). Gains are 1, biases 0; the adapter gain α
         keeps its configured value.
+
+        Then, when ``model.embed_init_std`` is set (not -1), the token and position embeddings are drawn
+        again from N(0, embed_init_std); the looped model then re-draws its rule's source modules
+        (``model.options.source_init``, :func:`~looplm.model.recurrence.init_source_modules`). Both come
+        after the GPT-2 pass, so every other parameter draws the same values whatever they are set to,
+        and the defaults (GPT-2 everywhere) draw exactly what the code before these options drew.
         """
         std = self.cfg.init_std
         post_ln = self.cfg.residual != "pre_ln"
@@ -138,6 +144,9 @@ class DepthLM(nn.Module):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.n_physical_blocks()))
             else:
                 nn.init.normal_(p, 0.0, std)
+        if self.cfg.embed_init_std != -1.0:
+            nn.init.normal_(self.tok_emb.weight, 0.0, self.cfg.embed_init_std)
+            nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
 
     def num_params(self, trainable_only: bool = True) -> int:
         """Number of (unique) parameters; tied embeddings count once."""
@@ -398,6 +407,9 @@ class LoopLM(DepthLM):
         super().reset_parameters()
         if getattr(self.rule, "anchor_proj", None) is not None:
             nn.init.normal_(self.rule.anchor_proj.weight, 0.0, self.cfg.init_std)  # frozen_random keeps this draw
+        opts = self.cfg.options
+        if hasattr(opts, "source_init"):
+            init_source_modules(self.rule, opts.source_init, opts.source_init_std)
 
     def start(self, e, positions=None, *, scope=None, valid=None):
         state, ctx = self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)
@@ -417,7 +429,8 @@ class LoopLM(DepthLM):
         Args:
             state: the loop state (the deviation Δ for the SCSE family, else h).
             t: 0-based loop step. ctx: the :class:`LoopContext` of :meth:`start`.
-            mask: False gives the SCSE family's raw pre-mask map b̃_t (SCSE eq. 8, arXiv:2607.27656;
+            mask: False gives the SCSE family's raw pre-mask response b̃_t (SCSE §2, defined after eq. 5,
+                arXiv:2607.27656; b_t itself is eq. 8;
                 the forcing-bias diagnostic); other rules have no mask.
             injection_gain: g scales the rule's injection (the evaluation-time dose response of
                 SPEC §7: g = 0 removes it, 1 is the trained map; see

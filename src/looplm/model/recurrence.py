@@ -1,4 +1,5 @@
 """Recurrence rules: one registry, one name each (SPEC §2).
+Sources: SCSE arXiv:2607.27656 (eq. 2–6, 22); Huginn-family injections arXiv:2610.06833 (eq. 8, Table 7).
 
 A rule defines, from the embedding ``e`` (B, L, d):
 
@@ -27,6 +28,7 @@ Register a new rule with :func:`register_rule`; ``ModelConfig.rule`` must name a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,15 +55,6 @@ class LoopContext:
     qkv: list | None = None
     valid: torch.Tensor | None = None
     scope: object | None = None
-
-    def select(self, index: torch.Tensor) -> "LoopContext":
-        """The context restricted to the batch rows in ``index`` (LongTensor), for dynamic batching."""
-        def sel(x):
-            return None if x is None else x[index]
-
-        return dataclasses.replace(self, e=self.e[index], anchor=sel(self.anchor), injection=sel(self.injection),
-                                   qkv=None if self.qkv is None else [q[index] for q in self.qkv],
-                                   valid=sel(self.valid), scope=None)
 
 
 class RecurrenceRule(nn.Module):
@@ -96,6 +89,11 @@ class RecurrenceRule(nn.Module):
 
     def to_state(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         return h
+
+    def source_modules(self) -> list[tuple[nn.Linear, float]]:
+        """The rule's source modules (the linear maps of e, h* or γ_t that feed the loop, SPEC §1–2), each
+        with its std under ``source_init=matched`` (:func:`init_source_modules`), in a fixed order."""
+        return []
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
         """``ctx`` with the injection scaled by ``gain`` (evaluation-time dose response, SPEC §7).
@@ -132,6 +130,57 @@ def _linear(d: int) -> nn.Linear:
     return nn.Linear(d, d, bias=False)
 
 
+def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
+    """(module, 1/√fan_in) for each module that exists: σ_m of a map whose output keeps its input's RMS."""
+    return [(m, 1.0 / math.sqrt(m.in_features)) for m in modules if m is not None]
+
+
+def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0) -> None:
+    """Initialize the rule's source modules (:meth:`RecurrenceRule.source_modules`) by ``scheme``
+    (option ``source_init``; SPEC §1, our choice; the papers do not state it).
+
+    - ``gpt2``: nothing to do — :meth:`LoopLM.reset_parameters` has drawn them from N(0, init_std), as every
+      matrix (the default; it reproduces the models built before this option).
+    - ``torch``: ``nn.Linear.reset_parameters``, PyTorch's default: weight and bias U(±1/√fan_in)
+      (kaiming-uniform with a = √5; std 1/√(3·fan_in)).
+    - ``normal``: weight N(0, ``std``), bias 0.
+    - ``matched``: weight N(0, σ_m), bias 0, with σ_m chosen so that what the module feeds into the loop
+      has the scale of the embedding.
+
+    **Derivation of σ_m.** For W with i.i.d. N(0, σ²) entries and a fixed input x ∈ R^n, each output
+    coordinate (Wx)_i = Σ_j W_ij x_j has variance σ²‖x‖² = σ²·n·rms(x)², so rms(Wx) = σ·√n·rms(x).
+    SCSE's initial deviation (SCSE eq. 3–4) Δ₀ = h_0 − h* = c_0·I(e) − c_a·A(e), with A, I independent,
+    has variance per coordinate (c_0² + c_a²)·σ²·d·rms(e)², so
+
+        rms(Δ₀) = σ·√(d·(c_0² + c_a²))·rms(e)   and   rms(Δ₀) = rms(e)  ⟺  σ_m = 1/√(d·(c_0² + c_a²)).
+
+    (c_a counts only when the rule has A: the ``embedding`` and ``init`` anchors have none, and then
+    c_0·I(e) gets the RMS of e; σ_m = 1/√d when c_0 = c_a = 0.) At c_0 = c_a = 0.1 and d = 192,
+    σ_m = 0.51 (GPT-2's 0.02 gives rms(Δ₀) ≈ 0.04·rms(e), about 0.001 with rms(e) ≈ 0.028). This also
+    makes Δ₀ comparable to the core's first output: at init the pre-norm core's G(Δ₀) does not depend on
+    the scale of Δ₀ and is of order rms(e) (both are GPT-2 draws of std 0.02 summed over a width of
+    d), so the first step no longer swamps Δ₀. Every other source module (W_in, W_c, P_step, and the
+    Huginn family's W_lin, W, W_e^(j)) gets σ_m = 1/√fan_in, so its output has the RMS of its input and
+    the rule's own scalar (α, κ, τ, Δ) sets the injection's size.
+
+    Raises:
+        ValueError: an unknown scheme, or ``normal`` without a positive ``std``.
+    """
+    if scheme == "gpt2":
+        return
+    if scheme not in ("torch", "matched", "normal"):
+        raise ValueError(f"model.options.source_init: unknown scheme {scheme!r}; known: gpt2, torch, matched, normal")
+    if scheme == "normal" and not std > 0:
+        raise ValueError(f"model.options.source_init_std: must be > 0 with source_init=normal, got {std}")
+    for module, matched in rule.source_modules():
+        if scheme == "torch":
+            module.reset_parameters()
+            continue
+        nn.init.normal_(module.weight, 0.0, matched if scheme == "matched" else std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
 @register_rule
 class Looped(RecurrenceRule):
     """Looped Transformer baseline with additive injection: ``h_{t+1} = h_t + s·G(h_t + e)``.
@@ -160,6 +209,14 @@ class _AnchoredStart(RecurrenceRule):
     def anchor_and_init(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return e + self.c_a * self.anchor_proj(e), e + self.c_0 * self.init_proj(e)
 
+    def source_modules(self):
+        """A (when the rule has it) and I with σ_m = 1/√(d·(c_0² + c_a²)) (:func:`init_source_modules`)."""
+        A = getattr(self, "anchor_proj", None)
+        d = self.init_proj.in_features
+        c2 = self.c_0 ** 2 + (self.c_a ** 2 if A is not None else 0.0)
+        sigma = 1.0 / math.sqrt(d * c2) if c2 > 0 else 1.0 / math.sqrt(d)
+        return [(m, sigma) for m in (A, self.init_proj) if m is not None]
+
 
 @register_rule
 class Adapter(_AnchoredStart):
@@ -176,6 +233,9 @@ class Adapter(_AnchoredStart):
         anchor, h0 = self.anchor_and_init(e)
         return h0, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(anchor))
 
+    def source_modules(self):
+        return super().source_modules() + _unit_gain(self.in_proj)
+
     def step(self, core, state, t, ctx, *, mask=True):
         return state + self.s * core(state + ctx.injection)
 
@@ -190,6 +250,9 @@ class StepAdapter(Adapter):
         super().__init__(cfg)
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model)  # P_step
+
+    def source_modules(self):
+        return super().source_modules() + _unit_gain(self.step_proj)
 
     def step(self, core, state, t, ctx, *, mask=True):
         gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
@@ -269,6 +332,9 @@ class _SourceCentered(_AnchoredStart):
             self.kappa = nn.Parameter(torch.tensor(float(kappa)))
         else:
             self.cond_proj = None
+
+    def source_modules(self):
+        return super().source_modules() + _unit_gain(self.cond_proj)
 
     def start(self, e):
         h0 = e + self.c_0 * self.init_proj(e)
@@ -385,6 +451,9 @@ class AdditiveSubtract(_AnchoredStart):
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model) if self.tau else None  # P_step
 
+    def source_modules(self):
+        return super().source_modules() + _unit_gain(self.in_proj, self.step_proj)
+
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
         return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(e))
@@ -481,6 +550,9 @@ class HuginnLinear(_Huginn):
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=True)  # W_lin
         self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
 
+    def source_modules(self):
+        return _unit_gain(self.adapter)
+
     def core_input(self, state, ctx):
         return self.adapter(torch.cat([state, ctx.injection], dim=-1))
 
@@ -500,6 +572,9 @@ class _Decay(_Huginn):
         self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.options.alpha_raw_init)))
         self.in_proj = _linear(d)  # W
 
+    def source_modules(self):
+        return _unit_gain(self.in_proj)
+
     def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Λ, Δ), each (d,)."""
         delta = nn.functional.softplus(self.delta_raw)
@@ -508,13 +583,14 @@ class _Decay(_Huginn):
 
 @register_rule
 class ParcaeDecay(_Decay):
-    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2); the RMSNorm is parameter-free (W absorbs a gain)."""
+    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2). The RMSNorm has learned gains (LMDR Table 7) unless option
+    ``input_norm_affine`` is false (parameter-free: W absorbs a gain; configs written before the option)."""
 
     name = "parcae_decay"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.in_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
+        self.in_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=cfg.options.input_norm_affine)
 
     def core_input(self, state, ctx):
         lam, delta = self.decay()
@@ -559,6 +635,9 @@ class DEQQKV(_Huginn):
         super().__init__(cfg)
         self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
                                       for _ in range(cfg.n_core))  # W_e^(j)
+
+    def source_modules(self):
+        return _unit_gain(*self.qkv_proj)
 
     def start(self, e, positions=None):
         h0, ctx = super().start(e, positions)

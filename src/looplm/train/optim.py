@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and linear warm-up + cosine decay (SPEC §5)."""
+"""AdamW with weight decay on matrices only; linear warm-up, then cosine decay or warm-up–stable–decay
+(SPEC §5)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,29 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
+#: schedule=wsd: the share of the steps in the final cosine decay (LMDR §5.1: "10% cosine decay to one-tenth
+#: of the peak learning rate")
+WSD_DECAY_FRACTION = 0.1
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warm-up over
-    ``warmup_steps``, then cosine from 1 to ``min_lr_ratio`` at ``steps``."""
+    ``warmup_steps``, then
+
+    - ``schedule=cosine``: cosine from 1 to ``min_lr_ratio`` at ``steps``;
+    - ``schedule=wsd`` (warm-up–stable–decay, LMDR §5.1): 1 until the decay starts at
+      ``max(warmup_steps, steps − round(0.1·steps))``, then cosine from 1 to ``min_lr_ratio`` at
+      ``steps``. LMDR warms up over 5% of the steps (set ``warmup_steps`` to that; preset ``huginn-cpu``).
+    """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    start = cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        start = max(cfg.warmup_steps, cfg.steps - round(WSD_DECAY_FRACTION * cfg.steps))
+        if step < start:
+            return 1.0
+    span = max(1, cfg.steps - start)
+    progress = min(1.0, (step - start) / span)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

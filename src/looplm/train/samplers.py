@@ -223,8 +223,15 @@ class LearnedDepthPrior(DepthSampler):
     Our choices (not fixed by the paper): the baseline b is one scalar (not per depth), an exponential
     moving average of the step's token-weighted mean reward with decay ``baseline_decay`` = 0.9,
     initialized to the first step's mean reward; A_n uses b from *before* the current step is folded in.
-    The paper's reward-scale factor s (ratio of CE and reward standard deviations) is not applied.
-    The first ``warmup`` updates only move b; the logits and the Adam state stay untouched.
+    The first ``warmup`` updates only move b (and s); the logits and the Adam state stay untouched.
+
+    Advantage scale (``scale=True``; LMDR App. B.3, "A_i = s_{n−1}(u_i − û_{n−1})"): A_n is multiplied by
+    s = max(std(CE), 1e-12) / max(std(u), 1e-12), the ratio of the CE and reward standard deviations over
+    the microbatches of the *previous* ``scale_window`` updates (the paper: the previous update), so a
+    reward arm moves the prior at the rate raw CE would. s starts at 1. Our choices: the stds are
+    token-weighted (weights N_n / Σ N, as Ê_n) population stds; a window W > 1 pools the last W updates'
+    microbatches (with one microbatch per update a single update's stds are 0 and s stays 1). For
+    ``neg_ce`` s is exactly 1.
 
     Protocol per optimizer step: ``sample`` once per microbatch, ``observe`` once per microbatch after
     its forward, then ``update`` once. Between updates the logits are frozen, so draws stay a pure
@@ -236,6 +243,7 @@ class LearnedDepthPrior(DepthSampler):
         r_max: R_max (train.depth_cap).
         lr, entropy_weight, budget_weight, warmup, reward: train.prior_lr, prior_entropy (λ_H),
             prior_budget (λ_m), prior_warmup, prior_reward.
+        scale, scale_window: train.prior_scale, prior_scale_window (the advantage scale s above).
 
     Raises:
         ValueError: bad arguments, naming the train.* field.
@@ -245,7 +253,7 @@ class LearnedDepthPrior(DepthSampler):
 
     def __init__(self, budget_mean: float, sigma: float, r_max: int, *, lr: float = 1e-3,
                  entropy_weight: float = 0.01, budget_weight: float = 1.0, warmup: int = 32,
-                 reward: str = "neg_ce", baseline_decay: float = 0.9):
+                 reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1):
         if reward not in REWARDS:
             raise ValueError(f"train.prior_reward: unknown {reward!r}; known: {', '.join(REWARDS)}")
         if not lr > 0:
@@ -257,6 +265,8 @@ class LearnedDepthPrior(DepthSampler):
             raise ValueError(f"train.prior_warmup: must be >= 0, got {warmup}")
         if not 0 <= baseline_decay < 1:
             raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
+        if scale_window < 1:
+            raise ValueError(f"train.prior_scale_window: must be >= 1, got {scale_window}")
         init = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()  # validates mean/σ/cap
         self.r_max, self.budget_mean = int(r_max), float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
@@ -265,6 +275,9 @@ class LearnedDepthPrior(DepthSampler):
         self.optimizer = torch.optim.Adam([self.logits], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.baseline: float | None = None
         self.updates = 0
+        self.scale, self.scale_window = bool(scale), int(scale_window)
+        self.advantage_scale = 1.0  # s, from the previous updates (1 until there are any)
+        self._scale_history: list[list[list[float]]] = []  # per update: [CE (M), reward (M), tokens (M)]
         self._obs: list[tuple[int, float, int]] = []  # (depth, mean CE in nats, tokens) per microbatch
         self._depths = torch.arange(1, self.r_max + 1, dtype=torch.float64)  # (R_max,)
         self._refresh()
@@ -348,6 +361,8 @@ class LearnedDepthPrior(DepthSampler):
         if self.baseline is None:
             self.baseline = mean_reward
         advantage = reward - self.baseline  # (M,) sg(A_n): plain tensor, no grad
+        if self.scale:
+            advantage = self.advantage_scale * advantage
 
         logp = torch.log_softmax(self.logits, 0)  # (R_max,)
         p = logp.exp()
@@ -362,16 +377,36 @@ class LearnedDepthPrior(DepthSampler):
             self._refresh()
         self.baseline = self.baseline_decay * self.baseline + (1 - self.baseline_decay) * mean_reward
         self.updates += 1
-        return {"loss": float(loss.detach()), "reward": mean_reward, "baseline": self.baseline,
-                "mean_depth": self.mean_depth(), "entropy": self.entropy(), "updates": self.updates}
+        out = {"loss": float(loss.detach()), "reward": mean_reward, "baseline": self.baseline,
+               "mean_depth": self.mean_depth(), "entropy": self.entropy(), "updates": self.updates}
+        if self.scale:
+            out["advantage_scale"] = self.advantage_scale  # the s this update used
+            self._scale_history = (self._scale_history + [[ce.tolist(), reward.tolist(), ntok.tolist()]]
+                                   )[-self.scale_window:]
+            self.advantage_scale = self._std_ratio()
+        return out
+
+    def _std_ratio(self) -> float:
+        """s = max(std(CE), 1e-12) / max(std(u), 1e-12) over the microbatches in the scale window
+        (token-weighted population stds)."""
+        ce, reward, ntok = (torch.tensor([v for upd in self._scale_history for v in upd[i]], dtype=torch.float64)
+                            for i in range(3))
+        w = ntok / ntok.sum()
+
+        def std(x: torch.Tensor) -> float:
+            return float((w @ (x - w @ x) ** 2).sqrt())
+
+        return max(std(ce), 1e-12) / max(std(reward), 1e-12)
 
     # --- checkpointing ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Logits, Adam state, baseline and update count (torch.save-able); pending observations are
-        not saved — checkpoints are written between optimizer steps, when there are none."""
+        """Logits, Adam state, baseline, update count and the advantage scale s with its window
+        (torch.save-able); pending observations are not saved — checkpoints are written between
+        optimizer steps, when there are none."""
         return {"logits": self.logits.detach().clone(), "optimizer": self.optimizer.state_dict(),
-                "baseline": self.baseline, "updates": self.updates}
+                "baseline": self.baseline, "updates": self.updates, "advantage_scale": self.advantage_scale,
+                "scale_history": [list(map(list, upd)) for upd in self._scale_history]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output exactly.
@@ -388,6 +423,8 @@ class LearnedDepthPrior(DepthSampler):
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline = state["baseline"]
         self.updates = int(state["updates"])
+        self.advantage_scale = float(state.get("advantage_scale", 1.0))  # checkpoints before prior_scale: 1
+        self._scale_history = [list(map(list, upd)) for upd in state.get("scale_history", [])]
         self._obs = []
         self._refresh()
 
@@ -412,5 +449,6 @@ def build_sampler(cfg: TrainConfig) -> DepthSampler:
     if cfg.depth_sampler == "learned":
         return LearnedDepthPrior(cfg.depth_mean, cfg.pln_sigma, cfg.depth_cap, lr=cfg.prior_lr,
                                  entropy_weight=cfg.prior_entropy, budget_weight=cfg.prior_budget,
-                                 warmup=cfg.prior_warmup, reward=cfg.prior_reward)
+                                 warmup=cfg.prior_warmup, reward=cfg.prior_reward, scale=cfg.prior_scale,
+                                 scale_window=cfg.prior_scale_window)
     raise KeyError(f"train.depth_sampler: unknown {cfg.depth_sampler!r}; known: {', '.join(SAMPLERS)}")
