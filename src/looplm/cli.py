@@ -320,6 +320,10 @@ def _build_eval(ev: argparse.ArgumentParser) -> None:
                 "halting_frontier.png into the folder of --out (default results/halting).")
 
 
+_SCALE_CLAMP = Opt(help="rescale each token's state after every loop to its loop-1 RMS before readout and "
+                   "recurrence (the readout-blind-spot diagnostic, SPEC §4)")
+
+
 def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
     from looplm.eval.runner import evaluate_checkpoint
 
@@ -328,8 +332,7 @@ def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
     add_function_options(p, evaluate_checkpoint, {
         **_pick(o, "depths", "dataset", "split", "batch_size", "max_tokens"),
         "stride": Opt(type=positive_int, metavar="S", help="sliding-window stride (default: non-overlapping)"),
-        "scale_clamp": Opt(help="rescale each token's state after every loop to its loop-1 RMS before readout "
-                           "and recurrence (the readout-blind-spot diagnostic, SPEC §4)"),
+        "scale_clamp": _SCALE_CLAMP,
         "device": o["device"]})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_ppl, _family="eval")
@@ -343,7 +346,9 @@ def _build_eval_kv_sharing(p: argparse.ArgumentParser) -> None:
     _add_checkpoint(p)
     add_function_options(p, evaluate_kv_sharing_checkpoint, {
         "depths": Opt(type=parse_depths, help=DEPTHS_HELP, metavar="R,R,...", default=list(DEFAULT_DEPTHS)),
-        **_pick(o, "dataset", "split", "batch_size", "max_tokens", "device")})
+        **_pick(o, "dataset", "split", "batch_size", "max_tokens", "device"),
+        "doc_aware": Opt(help="score only second-half targets that continue the document begun in the prompt "
+                         "(LMDR's protocol; --no-doc-aware scores every second-half target)")})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_kv_sharing, _family="eval")
 
@@ -377,6 +382,7 @@ def _build_eval_adaptive(p: argparse.ArgumentParser) -> None:
         "targets": Opt(type=parse_depths, metavar="D,D,...", help="target mean loop budgets"),
         "ceiling": Opt(type=positive_int, metavar="R", help="loop ceiling"),
         "criterion": _criterion_opt("hidden_update: the max-token relative hidden update"),
+        "scale_clamp": _SCALE_CLAMP,
         **_pick(o, "dataset", "max_tokens", "batch_size", "device")})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_adaptive, _family="eval")
@@ -397,6 +403,7 @@ def _build_eval_halting(p: argparse.ArgumentParser) -> None:
         "n_calib": Opt(type=positive_int, metavar="N", help="calibration windows"),
         "n_timed": Opt(type=positive_int, metavar="N", help="timed windows"),
         "criterion": _criterion_opt("margin: the logit margin"),
+        "scale_clamp": _SCALE_CLAMP,
         "repeats": Opt(type=positive_int, metavar="N", help="timed passes per mode (interleaved; seconds are "
                        "their median)"),
         **_pick(o, "batch_size", "dataset", "device")})
@@ -589,12 +596,17 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
                    help="per_visit (default): K/V of every loop visit, exact; terminal: terminal KV sharing, "
                    "one bank per physical layer holding each prefix token's last-visit K/V")
-    p.add_argument("--exit", choices=["none", "relative", "kl", "entropy"], default="none",
-                   help="per-token adaptive depth: each new token loops until the criterion holds or "
-                   "--max-depth; relative = ||h_r - h_r-1|| / ||h_r-1|| < tau, kl = KL(p_r || p_r-1) < tau "
-                   "(nats), entropy = |H(p_r) - H(p_r-1)| < tau (nats); none (default) = fixed --depth")
+    from looplm.eval.exits import EXIT_CRITERIA
+
+    p.add_argument("--exit", choices=["none", *EXIT_CRITERIA], default="none",
+                   help="per-token adaptive depth (looplm.eval.exits): each new token loops until the criterion "
+                   "fires or --max-depth; relative / hidden_update = ||h_r - h_r-1|| / ||h_r-1|| < tau, kl = "
+                   "KL(p_r || p_r-1) < tau (nats), entropy = |H(p_r) - H(p_r-1)| < tau (nats), margin = top-1 "
+                   "minus top-2 logit >= tau, exit_gate = the learned exit probability >= tau (models trained "
+                   "with train.supervision=exit_weighted); none (default) = fixed --depth")
     p.add_argument("--exit-tau", type=float, default=None, metavar="TAU",
-                   help="threshold of --exit (default: relative 0.02, kl 5e-4, entropy 1e-3)")
+                   help="threshold of --exit (default: " + ", ".join(
+                       f"{n} {c.default_tau:g}" for n, c in EXIT_CRITERIA.items()) + ")")
     p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
                    help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

@@ -209,8 +209,8 @@ def add_function_options(parser: argparse.ArgumentParser, func: Callable[..., An
             default = None if default is inspect.Parameter.empty else default
         help_text = opt.help if opt.help is not None else docs.get(name, "")
         kw: dict[str, Any] = {"dest": name, "default": default}
-        if isinstance(default, bool) and opt.type is None:
-            kw["action"] = "store_false" if default else "store_true"
+        if isinstance(default, bool) and opt.type is None:  # on by default: --name / --no-name
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         else:
             kw["type"] = opt.type or (type(default) if isinstance(default, (int, float, str)) else str)
             if opt.metavar:
