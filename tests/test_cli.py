@@ -131,7 +131,7 @@ def test_print_config_applies_overrides(capsys):
 
 # ---------------------------------------------------------------- eval protocols
 @pytest.mark.parametrize("protocol, foreign", [
-    ("lambada", ["--stride", "4"]), ("lambada", ["--max-tokens", "4"]), ("adaptive", ["--scale-clamp"]),
+    ("lambada", ["--stride", "4"]), ("lambada", ["--max-tokens", "4"]), ("adaptive", ["--stride", "4"]),
     ("halting", ["--targets", "2"]), ("kv-sharing", ["--scale-clamp"]), ("ppl", ["--tolerance", "0.1"]),
     ("ppl", ["--max-examples", "3"]),
 ])
