@@ -57,7 +57,7 @@ def huginn() -> None:
     tab = ppl_table(exp / "results.db", "huginn-cpu")
     lines = ["# Looped Models Done Right at CPU scale (issue 4 §4)", "",
              "Command: `looplm sweep experiments/huginn-cpu/sweep.toml --out experiments/huginn-cpu`, then per run "
-             "`looplm eval --checkpoint experiments/huginn-cpu/runs/RUN --kv-sharing terminal --depths 5 --max-tokens 8192 "
+             "`looplm eval kv-sharing --checkpoint experiments/huginn-cpu/runs/RUN --depths 5 --max-tokens 8192 "
              "--out experiments/huginn-cpu/runs/RUN/sharing.json`, then `python experiments/summarize.py huginn`.", "",
              "Brown test PPL (first 8,192 tokens), mean ± std over seeds:", "",
              "| variant | seeds | R=1 | R=3 | R=5 | R=8 | R=16 | R=32 | R=64 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -273,7 +273,7 @@ def readout() -> None:
                         f"{t['dynamic']['mean_loops']:.2f} | {t['speedup']:.2f}× | {100 * (t['ppl_ratio'] - 1):+.2f}% | "
                         + " / ".join(f"{c['ppl_by_k'][str(k)]:.0f}" for k in range(1, h["k_max"] + 1)) + " |")
     if halt:
-        lines += ["", "Logit-margin halting (`looplm eval --task halting`: τ calibrated on 160 Brown-valid windows to keep "
+        lines += ["", "Logit-margin halting (`looplm eval halting`: τ calibrated on 160 Brown-valid windows to keep "
                   "PPL within 1% of K_max = 4; timed dynamic-batching run on Brown test):", "",
                   "| variant | K_max | τ | mean loops (calib.) | mean loops (timed) | speedup | PPL vs K_max (timed) | "
                   "calib. PPL at K = 1 / 2 / 3 / 4 |", "|---|---:|---:|---:|---:|---:|---:|---|"] + halt
