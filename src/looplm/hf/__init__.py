@@ -1,7 +1,7 @@
 """Hugging Face interop: transformers classes, the export folder, and the lm-evaluation-harness backend.
 
-Needs the ``hf`` extra (``pip install looplm[hf]``) except :mod:`looplm.hf.folder`, which reads an
-export without transformers. Importing this package registers ``LoopLMConfig`` and
+Needs the ``hf`` extra (``pip install looplm[hf]``) (:mod:`looplm.hf_folder`, outside this package, reads an
+export without transformers). Importing this package registers ``LoopLMConfig`` and
 ``LoopLMForCausalLM`` with ``AutoConfig`` / ``AutoModelForCausalLM`` (model type ``looplm``) when
 transformers is installed, and does nothing otherwise. ``import looplm`` registers them too, but only
 when transformers is already imported (so the core never pays transformers' import time).

@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from looplm.hf.folder import CONFIG_KEY, MODEL_TYPE
+from looplm.hf_folder import CONFIG_KEY, MODEL_TYPE
 
 
 class LoopLMConfig(PretrainedConfig):

@@ -267,6 +267,17 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             return tuple(v for v in result.values() if v is not None)
         return LoopLMCausalLMOutput(**result)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code shims
+        (``trust_remote_code=True`` then loads without looplm's registration; see
+        :mod:`looplm.hf.export`)."""
+        from looplm.hf.export import AUTO_MAP, write_remote_code
+
+        self.config.auto_map = dict(AUTO_MAP)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)
+        return result
+
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
         """transformers' own, without ``position_ids`` (derived from the mask by the model)."""
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)

@@ -1,4 +1,5 @@
-"""The Hugging Face export folder, read without transformers (so the core loads it too).
+"""The Hugging Face export folder, read without transformers (so the core loads it too; lives outside
+:mod:`looplm.hf`, whose import registers with transformers).
 
 An export (``looplm export``, :func:`looplm.hf.export.export_checkpoint`) is what
 ``LoopLMForCausalLM.save_pretrained`` writes plus the tokenizer::
