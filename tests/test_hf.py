@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# offline, and the harness's dataset cache inside the repository's test cache (never ~/.cache)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test" / "hf-datasets"))
 transformers = pytest.importorskip("transformers")
 
 from looplm.config import RULE_NAMES, Config, DataConfig, TrainConfig  # noqa: E402
@@ -319,3 +323,166 @@ def test_config_defaults_and_errors():
     _, hf, _ = pair("scse")
     with pytest.raises(ValueError, match="inputs_embeds"):
         hf(inputs_embeds=torch.zeros(1, 2, 32))
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval
+
+N_LAMBADA = 24
+
+
+@pytest.fixture(scope="module")
+def harness_tasks(tmp_path_factory):
+    """Local task YAMLs: the first 24 LAMBADA passages (lambada_openai's format) and two WikiText-2 raw
+    test articles (cut at 2,500 characters), plus a generate_until task; and a data root holding the
+    same LAMBADA lines for ``looplm eval --task lambada``."""
+    pytest.importorskip("lm_eval")
+    from looplm.data.paths import resolve_data_root
+    from looplm.hf.harness import write_local_tasks
+
+    root = resolve_data_root("")
+    base = tmp_path_factory.mktemp("harness")
+    lines = (root / "lambada" / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (base / "data" / "lambada").mkdir(parents=True)
+    small = base / "data" / "lambada" / "lambada_test.jsonl"
+    small.write_text("".join(lines[:N_LAMBADA]), encoding="utf-8")
+    tasks = base / "tasks"
+    write_local_tasks(tasks, lambada_jsonl=small, wikitext_raw=root / "wikitext-2-raw" / "wiki.test.raw", docs=2,
+                      max_chars=2500)
+    (tasks / "looplm_gen.yaml").write_text(
+        "task: looplm_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + json.dumps(str(small))
+        + "\noutput_type: generate_until\ntest_split: test\n"
+        "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\ndoc_to_target: \"{{' '+text.split(' ')[-1]}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n")
+    return tasks, base / "data"
+
+
+@pytest.fixture(scope="module")
+def harness_run(tiny_ckpt, harness_tasks, tmp_path_factory):
+    from looplm.hf.harness import evaluate_harness
+
+    tasks, _ = harness_tasks
+    db = tmp_path_factory.mktemp("db") / "results.db"
+    res = evaluate_harness(tiny_ckpt, tasks=["looplm_lambada", "looplm_wikitext"], depths=[1, 3],
+                           include_path=tasks, include_defaults=False, batch_size=8, bootstrap_iters=0, db=db)
+    return res, db
+
+
+def test_lm_eval_lambada_agrees_with_looplm_eval(tiny_ckpt, harness_tasks, harness_run):
+    """Harness acc = looplm exact_acc; harness perplexity = exp(mean per-passage target NLL) from looplm's
+    scorer (looplm's own target_ppl is token-weighted: a different definition, also checked here)."""
+    from looplm.eval.lambada import encode_examples, evaluate_lambada_checkpoint, load_lambada, score_lambada
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    res, _ = harness_run
+    _, data_root = harness_tasks
+    ref = evaluate_lambada_checkpoint(tiny_ckpt, depths=[1, 3], data_root=data_root, progress=False)
+    model, cfg, _, ckpt = load_checkpoint(tiny_ckpt)
+    enc = encode_examples(load_lambada(data_root / "lambada" / "lambada_test.jsonl"), load_tokenizer_for(ckpt),
+                          cfg.model.seq_len)
+    per = [score_lambada(model, [e], [1, 3], progress=False) for e in enc]
+    assert ref["examples"] == N_LAMBADA
+    for T in (1, 3):
+        got = res["depths"][str(T)]["results"]["looplm_lambada"]
+        assert got["acc"] == pytest.approx(ref["depths"][str(T)]["exact_acc"], abs=1e-12)
+        per_passage = [p[T]["nll"] * p[T]["target_tokens"] for p in per]
+        assert got["perplexity"] == pytest.approx(math.exp(sum(per_passage) / len(per)), rel=1e-6)
+        token_weighted = math.exp(sum(per_passage) / sum(e.n_target for e in enc))
+        assert token_weighted == pytest.approx(ref["depths"][str(T)]["target_ppl"], rel=1e-6)
+
+
+def test_lm_eval_rolling_perplexity_agrees_with_looplm_windows(tiny_ckpt, harness_tasks, harness_run):
+    """looplm_wikitext: the harness's word perplexity and bits per byte from looplm's evaluate_depths on
+    each article's token stream with the <|endoftext|> prefix (the harness scores the first token)."""
+    import re
+
+    import numpy as np
+
+    from looplm.eval.perplexity import evaluate_depths
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    res, _ = harness_run
+    tasks, _ = harness_tasks
+    pages = [json.loads(line)["page"] for line in (tasks / "looplm_wikitext.jsonl").read_text().splitlines()]
+    assert len(pages) == 2
+    model, _, _, ckpt = load_checkpoint(tiny_ckpt)
+    tok = load_tokenizer_for(ckpt)
+    eot = tok.token_to_id("<|endoftext|>")
+    for T in (1, 3):
+        nll = 0.0
+        for page in pages:
+            r = evaluate_depths(model, np.array([eot, *tok.encode(page).ids]), [T], batch_size=4, progress=False)[T]
+            nll += r["nll"] * r["tokens"]
+        words = sum(len(re.split(r"\s+", p)) for p in pages)
+        nbytes = sum(len(p.encode("utf-8")) for p in pages)
+        got = res["depths"][str(T)]["results"]["looplm_wikitext"]
+        assert got["word_perplexity"] == pytest.approx(math.exp(nll / words), rel=1e-6)
+        assert got["bits_per_byte"] == pytest.approx(nll / nbytes / math.log(2), rel=1e-6)
+
+
+def test_lm_eval_multi_depth_is_one_unroll_and_lands_in_the_store(tiny_ckpt, harness_tasks, harness_run):
+    from looplm.analysis.store import ResultStore
+    from looplm.hf.harness import evaluate_harness
+
+    res, db = harness_run
+    tasks, _ = harness_tasks
+    single = evaluate_harness(tiny_ckpt, tasks=["looplm_lambada", "looplm_wikitext"], depths=[3], include_path=tasks,
+                              include_defaults=False, batch_size=8, bootstrap_iters=0)
+    assert res["unrolls"] == single["unrolls"] > 0  # two depths cost what one does
+    assert single["depths"]["3"]["results"] == res["depths"]["3"]["results"]
+    assert "| looplm_lambada | acc |" in res["markdown"]
+    with ResultStore(db) as store:
+        rows = store.evaluations(protocol="lm_eval")
+        assert {(r["dataset"], r["depth"]) for r in rows} == {(t, d) for t in ("looplm_lambada", "looplm_wikitext")
+                                                              for d in (1, 3)}
+        acc = {r["depth"]: r["value"] for r in rows if r["dataset"] == "looplm_lambada" and r["metric"] == "acc"}
+        assert acc == {T: res["depths"][str(T)]["results"]["looplm_lambada"]["acc"] for T in (1, 3)}
+        assert res["stored"] == 4
+
+
+def test_lm_eval_generate_until_is_looplm_generation(tiny_ckpt, harness_tasks):
+    import lm_eval
+    from lm_eval.api.instance import Instance
+
+    from looplm.hf.harness import LoopLMEvalHarness
+
+    lm = lm_eval.api.registry.get_model("looplm").create_from_arg_string(
+        f"checkpoint={tiny_ckpt},depths=1;3", {"batch_size": 2, "device": "cpu"})
+    assert isinstance(lm, LoopLMEvalHarness) and lm.depths == [1, 3] and lm.depth == 3
+    ctxs = ["The jury said that", "It was", "Mrs. Smith"]
+    reqs = [Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["."], "max_gen_toks": 5}), idx=0)
+            for c in ctxs]
+    got = lm.generate_until(reqs, disable_tqdm=True)
+    want = generate(lm.model, [lm.tok_encode(c) for c in ctxs], 5, 3, eos_id=lm.eot)
+    for g, toks in zip(got, want.tokens):
+        text = lm.tok_decode(toks)
+        assert g == text.split(".")[0].split("<|endoftext|>")[0]
+    tasks, _ = harness_tasks
+    from looplm.hf.harness import evaluate_harness
+
+    res = evaluate_harness(tiny_ckpt, tasks=["looplm_gen"], depths=[2], include_path=tasks, include_defaults=False,
+                           limit=3, bootstrap_iters=0)
+    assert 0.0 <= res["depths"]["2"]["results"]["looplm_gen"]["exact_match"] <= 1.0
+
+
+def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypatch, capsys):
+    """`looplm lm-eval` (multi-depth, JSON) and the harness's own command line with looplm registered
+    (`python -m looplm.hf.harness --model looplm ...`, the export folder as checkpoint)."""
+    from looplm.cli import main
+    from looplm.hf.harness import cli_main
+
+    tasks, _ = harness_tasks
+    out = tmp_path / "lm_eval.json"
+    assert main(["lm-eval", "--checkpoint", str(tiny_ckpt), "--tasks", "looplm_lambada", "--depths", "1,2",
+                 "--include-path", str(tasks), "--only-include-path", "--bootstrap-iters", "0", "--limit", "6",
+                 "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved["depths"]) == {"1", "2"} and "acc" in saved["depths"]["2"]["results"]["looplm_lambada"]
+    capsys.readouterr()
+    cli_main(["--model", "looplm", "--model_args", f"checkpoint={exported},depth=2", "--tasks", "looplm_lambada",
+              "--include_path", str(tasks), "--limit", "6", "--batch_size", "4"])
+    text = capsys.readouterr().out
+    assert "looplm_lambada" in text and "acc" in text

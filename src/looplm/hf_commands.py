@@ -42,7 +42,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     res = evaluate_harness(args.checkpoint, tasks=args.tasks.split(","), depths=args.depths,
                            include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
                            batch_size=args.batch_size, device=args.device, db=args.db, tag=args.tag,
-                           kv_cache=args.kv_cache, seed=args.seed)
+                           kv_cache=args.kv_cache, seed=args.seed, include_defaults=not args.only_include_path,
+                           bootstrap_iters=args.bootstrap_iters)
     print(res["markdown"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,10 @@ def register(sub) -> None:
     p.add_argument("--tasks", required=True, help="comma-separated harness task names")
     p.add_argument("--depths", type=_depths, default=None, help=DEPTHS_HELP + " (default: train.eval_depth)")
     p.add_argument("--include-path", default=None, help="a folder of extra task YAMLs")
+    p.add_argument("--only-include-path", action="store_true",
+                   help="look tasks up in --include-path only (skips indexing the harness's own tasks: faster)")
+    p.add_argument("--bootstrap-iters", type=int, default=1000,
+                   help="bootstrap resamples for the standard errors of non-mean metrics (0: none; default 1000)")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     p.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="requests per forward (default 16)")
