@@ -18,10 +18,12 @@ def _depths(text: str) -> list[int]:
 
 
 def _need(module: str, extra: str) -> None:
-    import importlib.util
+    import importlib
 
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"needs the {module} package: pip install 'looplm[{extra}]'")
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"needs the {module} package: pip install 'looplm[{extra}]'") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
