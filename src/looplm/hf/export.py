@@ -69,7 +69,7 @@ def fast_tokenizer(tok: Tokenizer):
     eot_id(tok)  # raises when missing
     fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), bos_token=EOT,
                                    eos_token=EOT, unk_token=EOT, pad_token=EOT, padding_side="left",
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
     fast.model_max_length = int(1e30)
     return fast
 

@@ -160,7 +160,8 @@ class LoopLMEvalHarness(TemplateLM):
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         keys = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
-        todo = sorted({k for k in keys if k not in self._memo}, key=lambda k: -(len(k[0]) + len(k[1])))
+        todo = sorted({k for k in keys if k not in self._memo or any(T not in self._memo[k] for T in self.depths)},
+                      key=lambda k: -(len(k[0]) + len(k[1])))
         self.model.eval()
         for i in tqdm(range(0, len(todo), self.batch_size_), disable=disable_tqdm or not todo, desc="looplm ll"):
             chunk = todo[i:i + self.batch_size_]
@@ -204,7 +205,7 @@ class LoopLMEvalHarness(TemplateLM):
         for req in tqdm(requests, disable=disable_tqdm, desc="looplm rolling"):
             (text,) = req.args
             key = ("rolling", self.stride, tuple(self.tok_encode(text)))
-            if key not in self._memo:
+            if key not in self._memo or any(T not in self._memo[key] for T in self.depths):
                 stream = np.asarray([self.prefix_token_id, *key[2]], dtype=np.int64)
                 total = {T: 0.0 for T in self.depths}
                 for x, y, mask in eval_windows(stream, self.seq_len, self.batch_size_, stride=self.stride):

@@ -155,7 +155,12 @@ class LoopLMPreTrainedModel(PreTrainedModel):
 
 
 def _cache_field() -> str:
+    """The output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)."""
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+if _cache_field() != "cache":  # one spelling for looplm's callers on either transformers
+    LoopLMCausalLMOutput.cache = property(lambda self: self.past_key_values)
 
 
 class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
