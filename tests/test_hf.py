@@ -131,6 +131,18 @@ def test_generate_with_cache_equals_recompute_and_looplm_generate(name):
         assert new_tokens(alone, len(p))[0][:len(row)] == row[:alone.shape[1] - len(p)]
 
 
+@torch.no_grad()
+def test_unshared_reference_generates_by_recomputing():
+    model, hf, _ = pair("unshared")
+    assert not hf.config.use_cache
+    out = hf.generate(torch.tensor([PROMPTS[0]]), num_steps=3, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                      eos_token_id=96)
+    seq = list(PROMPTS[0])
+    for _ in range(out.shape[1] - len(seq)):
+        seq.append(int(model(torch.tensor([seq]), depth=3).logits[0, -1].argmax()))
+    assert out[0].tolist() == seq
+
+
 @pytest.mark.parametrize("name", ["scse", "huginn_linear", "sc_subtract", "looped-prelude-coda"])
 @torch.no_grad()
 def test_generate_terminal_cache_equals_looplm_terminal(name):
@@ -261,6 +273,9 @@ def test_export_tokenizer_and_auto_classes(tiny_ckpt, exported):
     assert tok.eos_token == tok.pad_token == "<|endoftext|>" and tok.eos_token_id == raw.token_to_id("<|endoftext|>")
     assert tok.padding_side == "left" and tok.model_max_length == 48
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    direct = LoopLMForCausalLM.from_pretrained(exported)
+    for (k, v), (_, w) in zip(model.state_dict().items(), direct.state_dict().items()):
+        assert torch.equal(v, w), k
     ref, cfg, _, _ = load_checkpoint(tiny_ckpt)
     assert model.config.num_steps == 3 and model.generation_config.eos_token_id == tok.eos_token_id
     enc = tok(["The jury said", "It"], return_tensors="pt", padding=True)
@@ -441,6 +456,17 @@ def test_lm_eval_multi_depth_is_one_unroll_and_lands_in_the_store(tiny_ckpt, har
         acc = {r["depth"]: r["value"] for r in rows if r["dataset"] == "looplm_lambada" and r["metric"] == "acc"}
         assert acc == {T: res["depths"][str(T)]["results"]["looplm_lambada"]["acc"] for T in (1, 3)}
         assert res["stored"] == 4
+        # like any other evaluation, `looplm report` tabulates it for a stored run of that config
+        from looplm.analysis.report import build_report
+        from looplm.analysis.store import RunRecord
+        from looplm.train.checkpoint import load_config
+
+        cfg = load_config(tiny_ckpt)
+        store.put_run(RunRecord(sweep="s", run_id="r0", variant="scse", seed=cfg.train.seed, config=cfg.to_dict(),
+                                run_dir=str(tiny_ckpt)))
+        sections = build_report(store)["sections"]
+        got = {(sec["protocol"], sec["dataset"], sec["metric"]) for sec in sections}
+        assert ("lm_eval", "looplm_lambada", "acc") in got and ("lm_eval", "looplm_wikitext", "word_perplexity") in got
 
 
 def test_lm_eval_generate_until_is_looplm_generation(tiny_ckpt, harness_tasks):
