@@ -60,6 +60,7 @@ def load_hf_export(path: str | Path, *, device: str | torch.device = "cpu"):
 
     Raises:
         CheckpointError: missing or unreadable weights, or weights that do not match the config.
+        NonFiniteError: the weights hold NaN or ±inf.
     """
     from safetensors.torch import load_file
 
@@ -88,6 +89,11 @@ def load_hf_export(path: str | Path, *, device: str | torch.device = "cpu"):
         raise CheckpointError(f"{path}: weights do not match the model of config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.load_state_dict(state, strict=True)
+    from looplm.finite import NonFiniteError, nonfinite_tensors
+
+    bad = nonfinite_tensors(model.state_dict().items())
+    if bad:
+        raise NonFiniteError(f"{path}: the weights hold NaN/inf values (in {', '.join(bad[:5])})")
     model.to(device)
     model.final_depth = hf.get("final_depth", cfg.train.nominal_depth)
     model.eval()

@@ -228,8 +228,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             ValueError: ``inputs_embeds`` (not supported), ``output_attentions``, a bad depth, or a
                 non-empty cache of another type.
         """
-        if inputs_embeds is not None:
-            raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids only")
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids (and not inputs_embeds)")
         if output_attentions:
             raise ValueError("output_attentions: not supported (looplm attends through SDPA)")
         kwargs.pop("logits_to_keep", None)
