@@ -274,6 +274,10 @@ def test_export_tokenizer_and_auto_classes(tiny_ckpt, exported):
     assert tok.padding_side == "left" and tok.model_max_length == 48
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
     direct = LoopLMForCausalLM.from_pretrained(exported)
+    wrapped = LoopLMForCausalLM.from_checkpoint(tiny_ckpt, num_steps=5)
+    assert wrapped.config.num_steps == 5 and not wrapped.training
+    for (k, v), (_, w) in zip(model.state_dict().items(), wrapped.state_dict().items()):
+        assert torch.equal(v, w), k
     for (k, v), (_, w) in zip(model.state_dict().items(), direct.state_dict().items()):
         assert torch.equal(v, w), k
     ref, cfg, _, _ = load_checkpoint(tiny_ckpt)

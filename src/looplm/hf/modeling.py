@@ -188,6 +188,15 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         hf.train(model.training)
         return hf
 
+    @classmethod
+    def from_checkpoint(cls, path, *, device: str = "cpu", **config_kwargs: Any) -> "LoopLMForCausalLM":
+        """A looplm checkpoint, run directory or export folder as a transformers model (no export needed;
+        ``config_kwargs`` such as ``num_steps`` or ``kv_cache`` go to :class:`LoopLMConfig`)."""
+        from looplm.train.checkpoint import load_checkpoint
+
+        model, cfg, _, _ = load_checkpoint(path, device=device)
+        return cls.from_looplm(model, cfg, **config_kwargs)
+
     def get_input_embeddings(self):
         return self.model.tok_emb
 
