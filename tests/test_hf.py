@@ -516,3 +516,19 @@ def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypa
               "--include_path", str(tasks), "--limit", "6", "--batch_size", "4"])
     text = capsys.readouterr().out
     assert "looplm_lambada" in text and "acc" in text
+
+
+def test_import_looplm_registers_only_when_transformers_is_loaded():
+    code = ("import sys\n"
+            "import looplm\n"
+            "assert 'transformers' not in sys.modules and 'looplm.hf' not in sys.modules\n"
+            "import transformers, importlib\n"
+            "importlib.reload(looplm)\n"
+            "from transformers import AutoConfig\n"
+            "print(type(AutoConfig.for_model('looplm')).__name__)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"),
+                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["LoopLMConfig"]
