@@ -549,7 +549,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 #: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
-COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands")
+COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands", "looplm.hf_commands")
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:
