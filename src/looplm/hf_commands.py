@@ -27,7 +27,10 @@ def _need(module: str, extra: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from looplm.cliutil import prepare_out_dir
+
     _need("transformers", "hf")
+    prepare_out_dir(args.out, "--out")  # before any work
     from looplm.hf.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, num_steps=args.num_steps, kv_cache=args.kv_cache,
@@ -38,7 +41,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
+    from looplm.cliutil import prepare_out_file
+    from looplm.finite import dumps
+
     _need("lm_eval", "lmeval")
+    if args.out:  # before any work
+        prepare_out_file(args.out, "--out", [args.out.with_suffix(".md")])
+    if args.db:
+        prepare_out_file(args.db, "--db")
     from looplm.hf.harness import evaluate_harness
 
     res = evaluate_harness(args.checkpoint, tasks=args.tasks.split(","), depths=args.depths,
@@ -48,9 +58,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
                            bootstrap_iters=args.bootstrap_iters)
     print(res["markdown"])
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({k: v for k, v in res.items() if k != "markdown"}, indent=2, default=str)
-                            + "\n")
+        plain = json.loads(json.dumps({k: v for k, v in res.items() if k != "markdown"}, default=str))  # numpy → JSON
+        args.out.write_text(dumps(plain, indent=2) + "\n")  # strict JSON
         args.out.with_suffix(".md").write_text(res["markdown"] + "\n")
         print(f"wrote {args.out}")
     if args.db:
@@ -75,7 +84,7 @@ def register(sub) -> None:
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
                    help="KV cache layout generate() uses by default (default per_visit)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, _parser=p)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks at one or several loop depths",
                        description="Run lm-evaluation-harness tasks on a checkpoint (or export) through looplm's "
@@ -101,4 +110,4 @@ def register(sub) -> None:
     p.add_argument("--db", type=out_file, default=None, help="a looplm results database to add the results to")
     p.add_argument("--tag", default="", help="free label of the stored evaluations")
     p.add_argument("--out", type=out_file, default=None, help="write the JSON here (and FILE.md)")
-    p.set_defaults(func=cmd_lm_eval)
+    p.set_defaults(func=cmd_lm_eval, _parser=p)
