@@ -54,6 +54,8 @@ Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]
 DType = Literal["float32", "bfloat16"]
 CheckpointFormat = Literal["consolidated", "sharded"]
+#: ``train.logger`` backends (:mod:`looplm.train.loggers`); ``jsonl`` (metrics.jsonl) is always written
+LOGGER_NAMES: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -672,6 +674,10 @@ class TrainConfig(_Base):
                        "recompile)")
     max_nonfinite_steps: int = _f(5, "stop with an error after this many consecutive steps with a non-finite "
                                   "loss or gradient norm (each such step is skipped: no optimizer update)")
+    logger: list = _f(["jsonl"], "metric loggers, a list or comma-separated: jsonl (metrics.jsonl, always "
+                      "written), tensorboard (RUN/tensorboard/), wandb (offline unless WANDB_MODE is set; "
+                      "RUN/wandb/), trackio (its local store); the optional ones need their extra, "
+                      "e.g. pip install \"looplm[tensorboard]\"")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -699,6 +705,17 @@ class TrainConfig(_Base):
         _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
         _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
+        names = self.logger
+        if isinstance(names, str):
+            names = [s.strip() for s in names.split(",") if s.strip()]
+        _check(isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names), p + "logger",
+               f"must be a list of names or a comma-separated string, got {self.logger!r}")
+        for n in names:
+            _check(n in LOGGER_NAMES, p + "logger",
+                   f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
+        _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
+        # canonical form: jsonl first (always written), then the others in the order given
+        object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
 
     @property
     def max_depth(self) -> int:
@@ -814,7 +831,7 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"embed_init_std": -1.0},
     "data": {},
-    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1},
+    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"]},
 }
 
 

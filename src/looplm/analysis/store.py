@@ -51,7 +51,7 @@ SCHEMA_VERSION = 1
 #: for ``train.seed``, are an identity column of their own).
 NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every",
-              "checkpoint_format", "max_nonfinite_steps"),
+              "checkpoint_format", "max_nonfinite_steps", "logger"),
     "data": ("data_root", "cache_dir"),
 }
 
