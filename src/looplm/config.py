@@ -48,7 +48,7 @@ SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 HUGINN_RULES: tuple[str, ...] = ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")
 #: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
-DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4"]
+DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf"]
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]
@@ -591,8 +591,16 @@ class DataConfig(_Base):
     _prefix = "data."
     dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
                               "wikitext103 (raw), text (local files, see text_files), openwebtext or c4 "
-                              "(hub slices of SPEC §5, online only)")
+                              "(hub slices of SPEC §5, online only), hf (any Hugging Face dataset or local "
+                              "json/jsonl/parquet/text files, see hf_path)")
     text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
+    hf_path: str = _f("", "dataset=hf: a local .json/.jsonl/.parquet/.txt file or a folder of them (split "
+                      "names from the file names: train, validation/valid/dev, test), else a hub dataset id "
+                      "(online, needs the hub extra)")
+    hf_name: str = _f("", "dataset=hf: the dataset config (name) on the hub; empty = the default")
+    hf_splits: list = _f(["train", "validation", "test"], "dataset=hf: the [train, valid, test] splits as "
+                         "datasets split specs, slicing allowed (e.g. train[:90%],train[90%:95%],train[95%:])")
+    text_column: str = _f("text", "dataset=hf: the column holding each document's text")
     tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
                                   "the training split with bpe_vocab_size entries")
     bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
@@ -605,6 +613,17 @@ class DataConfig(_Base):
         if self.dataset == "text":
             _check(len(self.text_files) == 3, self._prefix + "text_files",
                    "dataset=text needs three paths: train, valid, test")
+        p = self._prefix
+        for name in ("hf_path", "hf_name", "text_column"):
+            _check(isinstance(getattr(self, name), str), p + name, f"must be a string, got {getattr(self, name)!r}")
+        _check(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
+               and all(isinstance(x, str) and x.strip() for x in self.hf_splits), p + "hf_splits",
+               f"must be three split specs (train, valid, test), e.g. train,validation,test or "
+               f"train[:90%],train[90%:95%],train[95%:]; got {self.hf_splits!r}")
+        if self.dataset == "hf":
+            _check(bool(self.hf_path.strip()), p + "hf_path",
+                   "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
+            _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
 
 
 @dataclass(frozen=True)
@@ -830,7 +849,7 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 #: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"embed_init_std": -1.0},
-    "data": {},
+    "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
     "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"]},
 }
 
