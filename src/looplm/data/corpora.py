@@ -22,6 +22,13 @@ Registered names (the ``DataConfig.dataset`` Literal; a test checks that the two
   [0, 4,096) of ``validation`` → valid and rows [4,096, 8,192) → test (SPEC §5: two disjoint slices;
   valid is the SCSE paper's held-out C4 slice).
 
+- ``hf``: any dataset ``datasets.load_dataset`` reads: ``DataConfig.hf_path`` is a local ``.json``,
+  ``.jsonl``, ``.parquet`` or ``.txt`` file (one split, ``train``) or a folder of them (split names
+  from the file names), else a hub dataset id (config ``hf_name``); ``hf_splits`` are the train,
+  valid and test split specs (slicing allowed, e.g. ``train[:90%]``), ``text_column`` the text. One
+  document per row (per paragraph in a ``.txt`` file), joined with ``"\n\n"``. Fingerprint: the
+  files' sha256 (local) or the hub id and config (hub), with the split spec and column.
+
 The hub corpora are read through ``datasets`` in streaming mode (only the rows used are fetched),
 one document per row (its ``text``), documents joined with ``"\\n\\n"``. Their fingerprint describes
 the hub source and slice without network access, so a token stream built once online is reused
