@@ -1,6 +1,7 @@
 # Quick start:  make demo   (the main job)   ·   make test   (the test suite)
 # Both create .venv on first use: CPU torch from requirements-cpu.txt, then looplm in editable mode with
-# the dev, hf (transformers) and lmeval (lm-evaluation-harness) extras, so the interop tests run too.
+# the dev, hf (transformers), lmeval (lm-evaluation-harness), hub (datasets) and tracking (tensorboard,
+# wandb, trackio) extras, so the interop, corpus and tracking tests run too.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ $(BIN)/looplm: pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-cpu.txt
-	$(BIN)/pip install -q -e ".[dev,hf,lmeval]"
+	$(BIN)/pip install -q -e ".[dev,hf,lmeval,hub,tracking]"
 	touch $(BIN)/looplm
 
 install: $(BIN)/looplm

@@ -84,7 +84,7 @@ def test_registry_matches_config_literal():
 
 def test_unknown_dataset_lists_known_names():
     from looplm.data import get_corpus
-    with pytest.raises(ValueError, match="unknown dataset 'pile'; known: brown, c4, openwebtext, text, "
+    with pytest.raises(ValueError, match="unknown dataset 'pile'; known: brown, c4, hf, openwebtext, text, "
                                          "wikitext103, wikitext2"):
         get_corpus("pile")
 

@@ -257,3 +257,88 @@ def test_missing_hook_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
     with pytest.raises(SweepError, match="eval.lambada: needs looplm.eval.lambada.evaluate_lambada_checkpoint"):
         run_sweep(path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_shard_and_only_selection(tmp_path, tiny_cfg):
+    from looplm.sweep import parse_shard, select_runs
+
+    specs = load_sweep(_write_sweep(tmp_path, tiny_cfg)).runs()
+    ids = [s.run_id for s in specs]
+    assert ids == ["looped-s0", "scse-s0", "looped-s1", "scse-s1"]
+    assert parse_shard("1/3") == (1, 3) and parse_shard(" 0 / 1 ") == (0, 1)
+    for bad in ("3/3", "1", "-1/2", "a/b", "0/0"):
+        with pytest.raises(SweepError, match="--shard: expected i/n"):
+            parse_shard(bad)
+    shards = [[s.run_id for s in select_runs(specs, shard=(i, 3))] for i in range(3)]
+    assert shards == [["looped-s0", "scse-s1"], ["scse-s0"], ["looped-s1"]]
+    assert [s.run_id for s in select_runs(specs, only=["scse-s1", "looped-s0"])] == ["looped-s0", "scse-s1"]
+    with pytest.raises(SweepError, match=r"--only: no run 'scse-s2' in this sweep \(did you mean scse-s"):
+        select_runs(specs, only=["scse-s2"])
+
+
+SHARD_TOML = """
+name = "par"
+seeds = [0, 1]
+
+[base]
+config = "tiny.json"
+"train.steps" = 2
+"train.eval_every" = 2
+"train.ckpt_every" = 2
+
+[variants]
+looped = {"model.rule" = "looped"}
+scse = {model.rule = "scse"}
+
+[eval]
+depths = [1, 2]
+splits = ["test"]
+max_tokens = 64
+batch_size = 4
+device = "cpu"
+"""
+
+
+def test_plan_and_concurrent_shards_fill_one_db(tmp_path, tiny_cfg, capsys):
+    """--plan lists only pending runs after a partial run; two shards running at the same time in
+    separate processes leave every run's results in the one DB exactly once."""
+    import os
+    import subprocess
+
+    from looplm.cli import main
+    from looplm.sweep import plan_sweep
+
+    path = _write_sweep(tmp_path, tiny_cfg, SHARD_TOML)
+    out = tmp_path / "out"
+    ids = ["looped-s0", "scse-s0", "looped-s1", "scse-s1"]
+    assert [p["run_id"] for p in plan_sweep(path, out)] == ids and not out.exists()  # plans write nothing
+    first = run_sweep(path, out, progress=False, only=["looped-s0"], report=False)
+    assert [r["status"] for r in first.runs] == ["trained"] and not (out / "report").exists()
+    plan = plan_sweep(path, out)
+    assert [(p["index"], p["run_id"], p["todo"]) for p in plan] == [
+        (1, "scse-s0", ["train"]), (2, "looped-s1", ["train"]), (3, "scse-s1", ["train"])]
+    assert [p["run_id"] for p in plan_sweep(path, out, shard=(0, 2))] == ["looped-s1"]
+    assert main(["sweep", str(path), "--out", str(out), "--plan"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"looplm sweep {path} --out {out} --only {r}" for r in ids[1:]]
+    assert "3 pending of 4 runs" in captured.err
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "looplm", "sweep", str(path), "--out", str(out),
+                               "--shard", f"{i}/2", "--quiet"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    summaries = [json.loads(o[0]) for o in outs]
+    assert [(s["runs"], s["trained"], s["skipped"]) for s in summaries] == [(2, 1, 1), (2, 2, 0)]
+    assert all("no report written" in o[1] for o in outs)
+    assert plan_sweep(path, out) == []
+    with ResultStore(out / "results.db") as store:
+        assert sorted(r.run_id for r in store.runs("par")) == sorted(ids)
+        assert store.count(protocol="ppl") == 4 * 1 * 2 * 3  # runs × splits × depths × (ppl, nll, tokens)
+        rows = store.evaluations(protocol="ppl", metric="ppl")
+        assert len({(r["config_hash"], r["seed"], r["depth"]) for r in rows}) == len(rows) == 8
+    assert main(["sweep", str(path), "--out", str(out), "--plan"]) == 0
+    assert capsys.readouterr().out == ""

@@ -48,12 +48,14 @@ SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 HUGINN_RULES: tuple[str, ...] = ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")
 #: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
-DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4"]
+DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf"]
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]
 DType = Literal["float32", "bfloat16"]
 CheckpointFormat = Literal["consolidated", "sharded"]
+#: ``train.logger`` backends (:mod:`looplm.train.loggers`); ``jsonl`` (metrics.jsonl) is always written
+LOGGER_NAMES: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -589,8 +591,16 @@ class DataConfig(_Base):
     _prefix = "data."
     dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
                               "wikitext103 (raw), text (local files, see text_files), openwebtext or c4 "
-                              "(hub slices of SPEC §5, online only)")
+                              "(hub slices of SPEC §5, online only), hf (any Hugging Face dataset or local "
+                              "json/jsonl/parquet/text files, see hf_path)")
     text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
+    hf_path: str = _f("", "dataset=hf: a local .json/.jsonl/.parquet/.txt file or a folder of them (split "
+                      "names from the file names: train, validation/valid/dev, test), else a hub dataset id "
+                      "(online, needs the hub extra)")
+    hf_name: str = _f("", "dataset=hf: the dataset config (name) on the hub; empty = the default")
+    hf_splits: list = _f(["train", "validation", "test"], "dataset=hf: the [train, valid, test] splits as "
+                         "datasets split specs, slicing allowed (e.g. train[:90%],train[90%:95%],train[95%:])")
+    text_column: str = _f("text", "dataset=hf: the column holding each document's text")
     tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
                                   "the training split with bpe_vocab_size entries")
     bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
@@ -603,6 +613,17 @@ class DataConfig(_Base):
         if self.dataset == "text":
             _check(len(self.text_files) == 3, self._prefix + "text_files",
                    "dataset=text needs three paths: train, valid, test")
+        p = self._prefix
+        for name in ("hf_path", "hf_name", "text_column"):
+            _check(isinstance(getattr(self, name), str), p + name, f"must be a string, got {getattr(self, name)!r}")
+        _check(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
+               and all(isinstance(x, str) and x.strip() for x in self.hf_splits), p + "hf_splits",
+               f"must be three split specs (train, valid, test), e.g. train,validation,test or "
+               f"train[:90%],train[90%:95%],train[95%:]; got {self.hf_splits!r}")
+        if self.dataset == "hf":
+            _check(bool(self.hf_path.strip()), p + "hf_path",
+                   "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
+            _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
 
 
 @dataclass(frozen=True)
@@ -672,6 +693,10 @@ class TrainConfig(_Base):
                        "recompile)")
     max_nonfinite_steps: int = _f(5, "stop with an error after this many consecutive steps with a non-finite "
                                   "loss or gradient norm (each such step is skipped: no optimizer update)")
+    logger: list = _f(["jsonl"], "metric loggers, a list or comma-separated: jsonl (metrics.jsonl, always "
+                      "written), tensorboard (RUN/tensorboard/), wandb (offline unless WANDB_MODE is set; "
+                      "RUN/wandb/), trackio (its local store); the optional ones need their extra, "
+                      "e.g. pip install \"looplm[tensorboard]\"")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -699,6 +724,17 @@ class TrainConfig(_Base):
         _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
         _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
+        names = self.logger
+        if isinstance(names, str):
+            names = [s.strip() for s in names.split(",") if s.strip()]
+        _check(isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names), p + "logger",
+               f"must be a list of names or a comma-separated string, got {self.logger!r}")
+        for n in names:
+            _check(n in LOGGER_NAMES, p + "logger",
+                   f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
+        _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
+        # canonical form: jsonl first (always written), then the others in the order given
+        object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
 
     @property
     def max_depth(self) -> int:
@@ -813,8 +849,8 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 #: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"embed_init_std": -1.0},
-    "data": {},
-    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1},
+    "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
+    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"]},
 }
 
 

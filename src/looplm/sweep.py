@@ -42,6 +42,14 @@ now on disk) is skipped; a run killed midway resumes from its newest valid check
 data is prepared once per distinct data config. A run directory whose saved config differs from the
 sweep's raises :class:`SweepError` (delete the directory or use another ``--out``).
 
+In parallel: ``run_sweep(only=[run ids])`` / ``looplm sweep FILE --only RUN_ID`` runs some runs,
+``run_sweep(shard=(i, n))`` / ``--shard i/n`` the runs whose index in the run order is ≡ i (mod n),
+and :func:`plan_sweep` / ``--plan`` lists the pending runs (one ``looplm sweep FILE --out OUT --only
+RUN_ID`` command each, :func:`plan_commands`) without running anything. Any number of these may run
+at the same time into one ``OUT``: each run trains in its own folder (under its run lock), token
+caches and ``sweep.json`` are written atomically, and the results DB takes concurrent writers. Such
+partial runs write no report; ``looplm report --db OUT/results.db`` makes it at the end.
+
 The ``diagnose`` and ``lambada`` hooks import ``looplm.diagnostics.runner.diagnose_checkpoint`` and
 ``looplm.eval.lambada.evaluate_lambada_checkpoint`` only when enabled; their numbers are stored as
 protocols ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``) and
@@ -57,7 +65,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, get_args
+from typing import Any, Callable, Mapping, Sequence, get_args
 
 from tqdm.auto import tqdm
 
@@ -477,10 +485,11 @@ class _Runner:
                          flops={T: flops_per_token(saved.model, T) for T in self.ev.depths},
                          weights_sha256=_weights_sha(ckpt), summary=summary)
 
-    def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool) -> list[str]:
-        """Run every evaluation that is missing (all of them when ``force``). Returns what ran."""
-        from looplm.eval.runner import evaluate_checkpoint
+    def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool = False) -> list[str]:
+        """Run every evaluation that is missing (all of them when ``force``). Returns what ran.
 
+        With ``dry``, nothing runs: the labels of the evaluations that would run are returned.
+        """
         done = []
         ev, tag = self.ev, self.ev.tag
         settings = ev.ppl_settings()
@@ -490,6 +499,11 @@ class _Runner:
                                                settings=settings, tag=tag) for T in ev.depths}
                 if not force and all(self.store.has(i, ["ppl"]) for i in idents.values()):
                     continue
+                if dry:
+                    done.append(f"ppl {dataset}/{split}")
+                    continue
+                from looplm.eval.runner import evaluate_checkpoint
+
                 res = evaluate_checkpoint(ckpt, depths=ev.depths, dataset=dataset, split=split,
                                           batch_size=ev.batch_size, max_tokens=ev.max_tokens, stride=ev.stride,
                                           device=self.device(), progress=self.progress)
@@ -502,7 +516,9 @@ class _Runner:
             settings = dict(ev.lambada)
             idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
                                            settings=settings, tag=tag) for T in ev.depths}
-            if force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values()):
+            if dry and (force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values())):
+                done.append("lambada")
+            elif force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values()):
                 res = _hook("lambada")(ckpt, depths=list(ev.depths), progress=self.progress,
                                        **{"device": self.device(), **settings})
                 items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
@@ -513,7 +529,9 @@ class _Runner:
             probe = EvalIdentity.make(saved, "diagnose", dataset="", split="", depth=0, settings=settings, tag=tag)
             stored = self.store.count(config_hash=probe.config_hash, protocol="diagnose",
                                       protocol_hash=probe.protocol_hash, seed=probe.seed, tag=tag)
-            if force or not stored:
+            if dry and (force or not stored):
+                done.append("diagnose")
+            elif force or not stored:
                 res = _hook("diagnose")(ckpt, out_dir=ckpt.parent.parent / "diagnose", progress=self.progress,
                                         **{"device": self.device(), **settings})
                 dataset = str(res.get("dataset", settings.get("dataset", saved.data.dataset)))
@@ -539,6 +557,34 @@ class _Runner:
                 done.append("diagnose")
         return done
 
+    def pending(self, spec: RunSpec) -> list[str]:
+        """What :meth:`run_one` would do for ``spec`` (empty: nothing; the run is done). Runs nothing.
+
+        Raises:
+            SweepError: the run directory holds a run with a different config.
+        """
+        from looplm.train.checkpoint import newest_valid_checkpoint
+
+        run_dir = self.out / "runs" / spec.run_id
+        ckpt = newest_valid_checkpoint(run_dir)
+        if ckpt is None:
+            return ["train"]
+        saved = Config.from_json((ckpt / "config.json").read_text())
+        wanted = spec.config.replace(model=spec.config.model.replace(vocab_size=saved.model.vocab_size))
+        diff = _diff(config_identity(saved), config_identity(wanted))
+        if saved.train.seed != spec.seed:
+            diff.append(f"train.seed: {saved.train.seed} on disk, {spec.seed} in the sweep")
+        if diff:
+            raise SweepError(f"{run_dir}: holds a run with a different config ({'; '.join(diff)}); "
+                             "delete that directory or use another --out")
+        step = int(json.loads((ckpt / "manifest.json").read_text())["step"])
+        if step < spec.config.train.steps:
+            return [f"resume from step {step}"]
+        previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
+        if previous is None or previous.weights_sha256 != _weights_sha(ckpt):
+            return ["evaluate"]
+        return self.evaluate(spec, ckpt, saved, force=False, dry=True)
+
     def run_one(self, spec: RunSpec) -> dict[str, Any]:
         t0 = time.time()
         run_dir = self.out / "runs" / spec.run_id
@@ -558,8 +604,109 @@ class _Runner:
                 "wall_s": time.time() - t0}
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` → ``(i, n)`` with 0 <= i < n (shard i of n: the runs whose index ≡ i mod n).
+
+    Raises:
+        SweepError: not of that form.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not m or not int(m.group(2)) >= 1 or not int(m.group(1)) < int(m.group(2)):
+        raise SweepError(f"--shard: expected i/n with 0 <= i < n (e.g. 0/4 … 3/4), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
+                shard: tuple[int, int] | None = None) -> list[RunSpec]:
+    """The runs of ``specs`` named in ``only`` (run ids) and in ``shard`` ``(i, n)``: index ≡ i (mod n).
+
+    The index is a run's position in :meth:`Sweep.runs` (seed-major run order), so the shards
+    0/n … n-1/n of one sweep file partition its runs, whatever has already finished.
+
+    Raises:
+        SweepError: an unknown run id in ``only``, or a bad shard.
+    """
+    if only is not None:
+        known = [s.run_id for s in specs]
+        for run_id in only:
+            if run_id not in known:
+                import difflib
+
+                close = difflib.get_close_matches(run_id, known, n=1)
+                raise SweepError(f"--only: no run {run_id!r} in this sweep"
+                                 + (f" (did you mean {close[0]}?)" if close else "")
+                                 + f"; runs: {', '.join(known)}")
+    if shard is not None:
+        i, n = shard
+        if not (isinstance(i, int) and isinstance(n, int) and n >= 1 and 0 <= i < n):
+            raise SweepError(f"--shard: expected i/n with 0 <= i < n, got {i}/{n}")
+    return [s for k, s in enumerate(specs)
+            if (only is None or s.run_id in only) and (shard is None or k % shard[1] == shard[0])]
+
+
+def _write_sweep_json(sweep: Sweep, specs: list[RunSpec], out: Path) -> None:
+    from looplm.data.paths import atomic_write
+
+    text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
+                  "variants": sweep.variants, "eval": sweep.eval.__dict__,
+                  "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
+                            "config": s.config.to_dict()} for s in specs]}, indent=2) + "\n"
+    with atomic_write(out / "sweep.json") as f:  # shards write the same text concurrently
+        f.write(text.encode())
+
+
+def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
+               shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """The pending runs of ``sweep`` in ``out``, in run order, without running or writing anything.
+
+    A run is pending when :func:`run_sweep` would do something for it: train, resume, or evaluate
+    (its training is complete but an evaluation is missing from ``out/results.db`` or was made for
+    other weights).
+
+    Returns:
+        Per pending run: ``index`` (position in the run order), ``run_id`` and ``todo`` (what is
+        missing, e.g. ``["train"]``, ``["resume from step 4"]``, ``["ppl brown/test", "lambada"]``).
+
+    Raises:
+        SweepError: bad sweep file, or a run directory holding a different config.
+    """
+    if not isinstance(sweep, Sweep):
+        sweep = load_sweep(sweep)
+    out = Path(out) if out is not None else Path("results") / sweep.name
+    specs = sweep.runs()
+    chosen = {s.run_id for s in select_runs(specs, shard=shard)}
+    db = out / "results.db"
+    store = ResultStore(db) if db.is_file() else None
+    try:
+        runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
+        plan = []
+        for k, spec in enumerate(specs):
+            if spec.run_id in chosen:
+                todo = runner.pending(spec)
+                if todo:
+                    plan.append({"index": k, "run_id": spec.run_id, "todo": todo})
+        return plan
+    finally:
+        if store is not None:
+            store.close()
+
+
+def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, Any]], *,
+                  program: str = "looplm") -> list[str]:
+    """One shell command per pending run of ``plan``: ``looplm sweep FILE --out OUT --only RUN_ID``.
+
+    Each command trains (or resumes) and evaluates one run into the same ``OUT/runs/`` and
+    ``OUT/results.db`` as the whole sweep would, so the commands can run in any order, in parallel.
+    """
+    import shlex
+
+    return [f"{program} sweep {shlex.quote(str(sweep_file))} --out {shlex.quote(str(out))} "
+            f"--only {shlex.quote(p['run_id'])}" for p in plan]
+
+
 def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progress: bool = True,
-              data: dict[str, Any] | None = None, report: bool = True) -> SweepResult:
+              data: dict[str, Any] | None = None, report: bool = True, only: Sequence[str] | None = None,
+              shard: tuple[int, int] | None = None) -> SweepResult:
     """Train and evaluate every run of ``sweep`` into ``out`` (default ``results/<sweep name>``).
 
     Args:
@@ -569,6 +716,11 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
         data: cache of prepared training data keyed by the data config's JSON; pass a dict to share
             tokenized data between calls (filled as needed).
         report: write ``out/report`` (:func:`looplm.analysis.report.write_report`) at the end.
+        only: run ids: run only these runs (the others are left as they are).
+        shard: ``(i, n)``: run only the runs whose index in the run order is ≡ i (mod n). Shards
+            0 … n-1 run in parallel (separate processes or scheduler jobs) into the same ``out``:
+            each run has its own folder, and the results DB takes concurrent writers (WAL mode,
+            busy timeout, one ``BEGIN IMMEDIATE`` transaction per write).
 
     Returns:
         A :class:`SweepResult` (per-run status: skipped, trained, resumed or evaluated).
@@ -580,21 +732,19 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
         sweep = load_sweep(sweep)
     out = Path(out) if out is not None else Path("results") / sweep.name
     out.mkdir(parents=True, exist_ok=True)
-    specs = sweep.runs()
+    all_specs = sweep.runs()
+    specs = select_runs(all_specs, only=only, shard=shard)
     for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada)):
         if enabled is not None:
             _hook(name)  # fail before training anything
-    (out / "sweep.json").write_text(dumps(
-        {"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
-         "variants": sweep.variants, "eval": sweep.eval.__dict__,
-         "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
-                   "config": s.config.to_dict()} for s in specs]}, indent=2) + "\n")
+    _write_sweep_json(sweep, all_specs, out)
     result = SweepResult(out=out, db=out / "results.db")
     with ResultStore(result.db) as store:
         runner = _Runner(sweep, out, store, data if data is not None else {}, progress)
-        runner.log(f"{len(specs)} runs ({len(sweep.variants)} variants × {len(sweep.seeds)} seeds"
-                   + (f" × {len(specs) // (len(sweep.variants) * len(sweep.seeds))} grid points" if sweep.grid else "")
-                   + f") into {out}")
+        runner.log(f"{len(all_specs)} runs ({len(sweep.variants)} variants × {len(sweep.seeds)} seeds"
+                   + (f" × {len(all_specs) // (len(sweep.variants) * len(sweep.seeds))} grid points"
+                      if sweep.grid else "")
+                   + f") into {out}" + (f"; running {len(specs)} of them" if len(specs) != len(all_specs) else ""))
         bar = tqdm(specs, desc=f"sweep {sweep.name}", unit="run", disable=not progress, position=0,
                    dynamic_ncols=True)
         for i, spec in enumerate(bar):

@@ -45,6 +45,11 @@ The grid is variants x seeds x grid fields. Each run trains into OUT/runs/<run-i
 (<variant>[-<field>=<value>...]-s<seed>); evaluations go to OUT/results.db and a report
 to OUT/report/. Re-running skips finished runs (training complete, evaluations stored)
 and resumes killed ones from their newest valid checkpoint.
+
+In parallel (several processes, or a scheduler's array jobs), into one results DB:
+  looplm sweep FILE --out OUT --shard 0/4 & ... & looplm sweep FILE --out OUT --shard 3/4
+  looplm sweep FILE --out OUT --plan      # one `looplm sweep FILE --out OUT --only RUN_ID` per pending run
+  looplm report --db OUT/results.db       # when all are done
 """
 
 REPORT_DESCRIPTION = """\
@@ -62,14 +67,31 @@ PNG plots in --out:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    import sys
+
     from looplm.cliutil import prepare_out_dir
-    from looplm.sweep import load_sweep, run_sweep
+    from looplm.sweep import load_sweep, parse_shard, plan_commands, plan_sweep, run_sweep
 
     sweep = load_sweep(args.file)
     out = args.out if args.out is not None else Path("results") / sweep.name
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    only = [r for r in args.only.split(",") if r] if args.only is not None else None
+    if args.plan:
+        if only is not None:
+            raise ValueError("--only and --plan do not go together (--plan lists the pending runs)")
+        plan = plan_sweep(sweep, out, shard=shard)
+        for cmd in plan_commands(args.file, out, plan):
+            print(cmd)
+        print(f"# {len(plan)} pending of {len(sweep.runs())} runs; afterwards: looplm report --db "
+              f"{out / 'results.db'}", file=sys.stderr)
+        return 0
     prepare_out_dir(out, "--out")
-    result = run_sweep(sweep, out, progress=not args.quiet)
+    partial = only is not None or shard is not None
+    result = run_sweep(sweep, out, progress=not args.quiet, only=only, shard=shard, report=not partial)
     print(json.dumps(result.summary(), indent=2))
+    if partial:
+        print(f"part of the sweep: no report written; when every part is done: looplm report --db {result.db}",
+              file=sys.stderr)
     return 0
 
 
@@ -109,6 +131,15 @@ def _build_sweep(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=out_dir, default=None,
                    help="output folder (default results/<sweep name>): runs/, results.db, report/")
     p.add_argument("--quiet", action="store_true", help="no progress bars or per-run lines; print the summary")
+    p.add_argument("--plan", action="store_true",
+                   help="run nothing: print one `looplm sweep FILE --out OUT --only RUN_ID` command per pending "
+                   "run (not trained, or an evaluation missing from the results DB)")
+    p.add_argument("--shard", metavar="I/N", default=None,
+                   help="run (or with --plan, list) only the runs whose index in the run order is I mod N "
+                   "(0 <= I < N); shards 0/N … N-1/N can run at the same time into one --out and results DB; "
+                   "no report is written (run `looplm report --db OUT/results.db` at the end)")
+    p.add_argument("--only", metavar="RUN_ID[,RUN_ID...]", default=None,
+                   help="run only these runs (run ids as in --plan); no report is written")
     p.set_defaults(func=cmd_sweep)
 
 

@@ -6,7 +6,8 @@ An *evaluation identity* is the tuple
 
 - ``config_hash``: sha256 of the canonical JSON of the run config with the fields that do not change
   the trained weights removed (:data:`NON_IDENTITY_FIELDS`: the run name, the seed — it has its own
-  column — and device, thread, logging, checkpoint and path settings). The JSON itself is kept in
+  column — and device, thread, logging, checkpoint and path settings; :data:`HF_DATA_FIELDS` unless
+  ``data.dataset`` is ``hf``). The JSON itself is kept in
   the ``configs`` table.
 - ``protocol``: what was measured (``"ppl"``, ``"lambada"``, ``"diagnose"``, ...) and
   ``protocol_hash``: sha256 of the protocol name plus its settings that change the numbers (e.g.
@@ -51,9 +52,13 @@ SCHEMA_VERSION = 1
 #: for ``train.seed``, are an identity column of their own).
 NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "device", "num_threads", "eval_every", "eval_batches", "eval_depth", "ckpt_every",
-              "checkpoint_format", "max_nonfinite_steps"),
+              "checkpoint_format", "max_nonfinite_steps", "logger"),
     "data": ("data_root", "cache_dir"),
 }
+
+#: ``data`` fields read only when ``data.dataset == "hf"``; left out of the identity of other datasets (so
+#: configs hash as they did before these fields existed)
+HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
 
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
                                      "seed", "tag")
@@ -106,6 +111,10 @@ def config_identity(config: Any) -> dict[str, Any]:
     for section, names in NON_IDENTITY_FIELDS.items():
         for name in names:
             d.get(section, {}).pop(name, None)
+    data = d.get("data", {})
+    if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
+        for name in HF_DATA_FIELDS:
+            data.pop(name, None)
     return d
 
 

@@ -22,6 +22,13 @@ Registered names (the ``DataConfig.dataset`` Literal; a test checks that the two
   [0, 4,096) of ``validation`` → valid and rows [4,096, 8,192) → test (SPEC §5: two disjoint slices;
   valid is the SCSE paper's held-out C4 slice).
 
+- ``hf``: any dataset ``datasets.load_dataset`` reads: ``DataConfig.hf_path`` is a local ``.json``,
+  ``.jsonl``, ``.parquet`` or ``.txt`` file (one split, ``train``) or a folder of them (split names
+  from the file names), else a hub dataset id (config ``hf_name``); ``hf_splits`` are the train,
+  valid and test split specs (slicing allowed, e.g. ``train[:90%]``), ``text_column`` the text. One
+  document per row (per paragraph in a ``.txt`` file), joined with ``"\n\n"``. Fingerprint: the
+  files' sha256 (local) or the hub id and config (hub), with the split spec and column.
+
 The hub corpora are read through ``datasets`` in streaming mode (only the rows used are fetched),
 one document per row (its ``text``), documents joined with ``"\\n\\n"``. Their fingerprint describes
 the hub source and slice without network access, so a token stream built once online is reused
@@ -350,3 +357,124 @@ C4_SLICES = {
 }
 register_corpus(_hub_corpus("openwebtext", OPENWEBTEXT_SLICES))
 register_corpus(_hub_corpus("c4", C4_SLICES))
+
+
+# --- hf (any Hugging Face dataset, or local json/jsonl/parquet/text files) ---------------------
+
+#: local file extension → ``datasets`` packaged builder
+HF_LOCAL_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
+                                     ".text": "text"}
+_HF_CORPUS_VERSION = "hf-v1"  # bump if the row → document rule below ever changes
+
+
+def _hf_local_files(path: Path) -> tuple[str, list[Path]]:
+    """(builder, files) of a local ``data.hf_path``: the file itself, or the data files of a folder.
+
+    Raises:
+        ValueError: unknown extension, no data files, or several formats in one folder.
+    """
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in HF_LOCAL_BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise ValueError(f"data.hf_path: {path} holds no data files ({', '.join(HF_LOCAL_BUILDERS)})")
+    builders = {HF_LOCAL_BUILDERS.get(p.suffix.lower()) for p in files}
+    if None in builders:
+        raise ValueError(f"data.hf_path: {path}: unknown file type {path.suffix!r}; allowed: "
+                         f"{', '.join(HF_LOCAL_BUILDERS)}")
+    if len(builders) > 1:
+        raise ValueError(f"data.hf_path: {path} mixes file formats ({', '.join(sorted(builders))}); keep one")
+    return builders.pop(), files
+
+
+def _hf_local(cfg: DataConfig) -> Path | None:
+    """``data.hf_path`` as a local file or folder, or None when it is not one (then: a hub id)."""
+    path = Path(cfg.hf_path).expanduser()
+    return path if path.exists() else None
+
+
+def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
+    """The ``text_column`` of the rows of split spec ``hf_splits[i]`` (``datasets.load_dataset``).
+
+    Raises:
+        ValueError: no such split (names the splits there are), a bad split spec, no such column
+            (names the columns), or a column that is not text.
+    """
+    import datasets
+
+    i = SPLITS.index(split)
+    spec = cfg.hf_splits[i]
+    local = _hf_local(cfg)
+    if local is not None:
+        builder, _ = _hf_local_files(local)
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}  # text: a paragraph is a document
+        # a file is one split called train; a folder's split names come from its file names
+        source = {"data_files": {"train": str(local)}} if local.is_file() else {"data_dir": str(local)}
+
+        def load(split_spec=None):
+            return datasets.load_dataset(builder, split=split_spec, **source, **kwargs)
+        where = str(local)
+    else:
+        def load(split_spec=None):
+            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, split=split_spec)
+        where = f"hub dataset {cfg.hf_path}" + (f" (config {cfg.hf_name})" if cfg.hf_name else "")
+    splits = list(load())
+    base = spec.split("[", 1)[0].strip()
+    if base not in splits:
+        raise ValueError(f"data.hf_splits[{i}]: {where} has no split {base!r} (in {spec!r}); its splits: "
+                         f"{', '.join(splits)} (slices of one also work, e.g. {splits[0]}[:90%])")
+    try:
+        ds = load(spec)
+    except ValueError as e:
+        raise ValueError(f"data.hf_splits[{i}]: bad split spec {spec!r} for {where}: {e}") from None
+    if cfg.text_column not in ds.column_names:
+        raise ValueError(f"data.text_column: {where} has no column {cfg.text_column!r}; its columns: "
+                         f"{', '.join(ds.column_names)}")
+    rows = ds[cfg.text_column]
+    bad = next((r for r in rows if r is not None and not isinstance(r, str)), None)
+    if bad is not None:
+        raise ValueError(f"data.text_column: {cfg.text_column!r} of {where} holds {type(bad).__name__} values, "
+                         "not text")
+    return [r.replace("\r\n", "\n") for r in rows if r is not None]
+
+
+def _hf_hub_error(cfg: DataConfig, split: str, why: str) -> FileNotFoundError:
+    name = f" (config {cfg.hf_name!r})" if cfg.hf_name else ""
+    return FileNotFoundError(
+        f"data.hf_path {cfg.hf_path!r} is not a local file or folder, so it is read as a Hugging Face hub "
+        f"dataset id{name}; loading its {split} split ({cfg.hf_splits[SPLITS.index(split)]!r}) failed: {why}. "
+        "Check the path, or go online with `pip install \"looplm[hub]\"`; once tokenized, the split is reused "
+        "offline from the token cache (LOOPLM_CACHE).")
+
+
+def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
+    if not _hub_available():
+        raise FileNotFoundError(f"dataset 'hf' is read with the `datasets` package, which is not installed; "
+                                "pip install \"looplm[hub]\"")
+    if _hf_local(cfg) is not None:
+        return _hf_rows(cfg, split)
+    try:
+        return _hf_rows(cfg, split)
+    except ValueError as e:
+        if "data." in str(e):  # our own messages (a split or column the hub dataset lacks)
+            raise
+        raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # offline, unknown id, auth …: all end in the same advice
+        raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
+
+
+def _hf_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
+    spec = cfg.hf_splits[SPLITS.index(split)]
+    what = f"{spec}|{cfg.text_column}|{_HF_CORPUS_VERSION}"
+    local = _hf_local(cfg)
+    if local is None:  # the hub id names the data (a dataset changed on the hub is not detected)
+        return f"hf:{split}:hub:{cfg.hf_path}|{cfg.hf_name}|{what}"
+    builder, files = _hf_local_files(local)
+    if local.is_file():  # its content; a folder: also the file names (they name the splits)
+        content = file_sha256(local)
+    else:
+        content = ",".join(f"{p.relative_to(local)}={file_sha256(p)}" for p in files)
+    return f"hf:{split}:local:{builder}:{content}|{what}"
+
+
+register_corpus(Corpus("hf", _hf_docs, _hf_fingerprint, "\n\n"))

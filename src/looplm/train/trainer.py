@@ -42,6 +42,7 @@ from looplm.train.dist import (barrier, full_state, init_distributed, load_optim
                                mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
                                wrap_model, all_reduce_sum)
 from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
 from looplm.train.runlock import RunLock
 from looplm.train.samplers import build_sampler
@@ -153,19 +154,23 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             into a folder that already holds checkpoints.
     """
     out = Path(out_dir)
+    check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
     lock = RunLock(out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
+    trackers = Trackers([])  # filled by _train (rank 0); closed here whatever happens
     try:
         if not resume and list_checkpoints(out):
             raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
-        return _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after)
+        return _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
+                      trackers=trackers)
     finally:
+        trackers.close(None)
         if lock is not None:
             lock.release()
 
 
 def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
-           stop_after: int | None) -> dict[str, Any]:
+           stop_after: int | None, trackers: Trackers) -> dict[str, Any]:
     start_step, state, sharded_ckpt = 0, None, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
@@ -185,6 +190,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
             model.final_depth = None  # as built fresh: training sets the readout per forward
         start_step = int(state["step"])
     tcfg = cfg.train
+    check_loggers(tcfg.logger)  # on resume: the saved config's loggers
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     env = init_distributed(resolve_device(tcfg.device))
@@ -226,6 +232,9 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
             _truncate_metrics(metrics_path, start_step)
         elif metrics_path.exists():
             metrics_path.unlink()
+        # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
+        trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start_step,
+                                          resume=resume).trackers
     L, B = cfg.model.seq_len, tcfg.batch_size
     eval_tokens = tcfg.eval_batches * B * L
     eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
@@ -321,6 +330,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
         if log is not None:
             log.write(dumps(last) + "\n")
             log.flush()
+            trackers.log(last)
         if streak >= tcfg.max_nonfinite_steps:
             bar.close()
             if log is not None:
@@ -351,5 +361,6 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
         (out / "summary.json").write_text(dumps(summary, indent=2))
     elif (out / "summary.json").exists() and end_step == tcfg.steps:  # nothing left to train
         summary = json.loads((out / "summary.json").read_text())
+    trackers.close(summary)  # the summary as run metadata
     shutdown(env)
     return summary

@@ -1,0 +1,221 @@
+"""Experiment tracking: the training loop's metric records mirrored to TensorBoard, W&B or trackio.
+
+``train.logger`` lists the backends (``--train.logger jsonl,tensorboard`` on the command line, a
+JSON/TOML list in a config or sweep file). ``metrics.jsonl`` in the run folder is always written
+(by the trainer; ``jsonl`` may be left out of the list, it is implied) and stays the exact record;
+the other backends are optional mirrors, written by rank 0 only, each from the same records:
+
+- ``tensorboard``: event files in ``RUN/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``;
+  needs the ``tensorboard`` package, extra ``looplm[tensorboard]``). Every scalar of a record under
+  its own name (``loss``, ``lr``, ``grad_norm``, ``val_ppl``, ``tokens_per_s``, ...) at the record's
+  step; the config as text ``config`` at the first step, the summary as text ``summary`` at the end.
+- ``wandb``: Weights & Biases in **offline** mode unless ``WANDB_MODE`` says otherwise (``online``
+  needs a login; an offline run is uploaded later with ``wandb sync RUN/wandb/offline-run-*``). The
+  run lives in ``RUN/wandb/``, project ``$WANDB_PROJECT`` (default ``looplm``), display name the run
+  name, config = the run config, summary = the training summary. Extra ``looplm[wandb]``.
+- ``trackio``: trackio's local store (a SQLite file per project in ``$TRACKIO_DIR``, default
+  ``~/.cache/huggingface/trackio``; ``trackio show`` opens its dashboard), project
+  ``$TRACKIO_PROJECT`` (default ``looplm``), run name the run name, config = the run config; the
+  summary is logged as the last step's ``summary/<name>`` values. Extra ``looplm[trackio]``.
+
+The scalars of a record (:func:`scalars`) are its numbers (bools as 0/1; NaN/inf kept as they are),
+without ``step``; the list ``depths`` (one loop depth per microbatch) becomes ``depth``, its mean.
+
+Resume (``looplm train --resume``): ``metrics.jsonl`` drops the records after the checkpoint's step and
+the resumed run appends from there. TensorBoard does the same: the writer opens with
+``purge_step = checkpoint step + 1``, so events logged after the checkpoint by the killed run are
+hidden by readers. W&B resumes the same run (its id is kept in ``RUN/wandb/run_id``, ``resume="allow"``);
+trackio resumes the run of the same name (``resume="allow"``). Neither can drop history, so steps
+between the checkpoint and the kill appear twice there (with the same values on an exact resume, bar
+``tokens_per_s``); ``metrics.jsonl`` and TensorBoard have each step once.
+
+A backend whose package is missing is an error at startup (:func:`check_loggers`, before any data is
+prepared or any step runs) that names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from looplm.config import LOGGER_NAMES as LOGGERS  # every backend name; ``jsonl`` is always written
+#: backend → (module that must import, looplm extra that installs it)
+REQUIREMENTS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
+
+
+class LoggerError(ValueError):
+    """A ``train.logger`` backend cannot be used (its package is missing); the message names the extra."""
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """Fail early when a backend of ``names`` lacks its package.
+
+    Raises:
+        LoggerError: naming the backend and ``pip install "looplm[EXTRA]"``.
+    """
+    for name in names:
+        if name in REQUIREMENTS:
+            module, extra = REQUIREMENTS[name]
+            if importlib.util.find_spec(module) is None:
+                raise LoggerError(f"train.logger: {name} needs the {module} package, which is not installed; "
+                                  f"pip install \"looplm[{extra}]\" (or drop {name} from train.logger)")
+
+
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics record, as the backends log them (see the module docstring)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, bool):
+            out[key] = float(value)
+        elif isinstance(value, (int, float)):
+            out[key] = float(value)
+        elif key == "depths" and isinstance(value, list) and value:
+            out["depth"] = float(sum(value)) / len(value)
+    return out
+
+
+def _json_text(d: Mapping[str, Any]) -> str:
+    from looplm.finite import dumps
+
+    return dumps(dict(d), indent=2)
+
+
+class Tracker:
+    """One backend: :meth:`log` a record at a step, :meth:`close` with the training summary."""
+
+    def log(self, values: dict[str, float], step: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class TensorBoardTracker(Tracker):
+    def __init__(self, out: Path, config: Mapping[str, Any], start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = out / "tensorboard"
+        # purge_step: a resumed run hides the events the killed run logged after the checkpoint
+        self.writer = SummaryWriter(str(self.dir), purge_step=start_step + 1 if start_step else None)
+        self.writer.add_text("config", "```\n" + _json_text(config) + "\n```", global_step=start_step)
+        self.step = start_step
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.step = step
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:
+        if summary is not None:
+            self.writer.add_text("summary", "```\n" + _json_text(summary) + "\n```", global_step=self.step)
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    def __init__(self, out: Path, config: Mapping[str, Any], name: str, resume: bool) -> None:
+        import wandb
+
+        root = out / "wandb"
+        root.mkdir(parents=True, exist_ok=True)
+        id_file = root / "run_id"
+        if resume and id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = secrets.token_hex(4)
+            id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "looplm"), name=name, id=run_id,
+                              dir=str(out), config=dict(config), resume="allow",
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:
+        if summary is not None:
+            for key, value in summary.items():
+                if isinstance(value, (int, float, str)) or value is None:
+                    self.run.summary[key] = value
+        self.run.finish()
+
+
+class TrackioTracker(Tracker):
+    def __init__(self, config: Mapping[str, Any], name: str) -> None:
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "looplm"), name=name,
+                                config=dict(config), resume="allow")
+        self.step = 0
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+        self.step = step
+
+    def close(self, summary: Mapping[str, Any] | None) -> None:
+        if summary is not None:
+            values = {f"summary/{k}": float(v) for k, v in summary.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            if values:
+                self.run.log(values, step=self.step)
+        self.run.finish()
+
+
+class Trackers:
+    """The optional backends of one run (rank 0); ``jsonl`` is written by the trainer itself."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Log the scalars of a ``metrics.jsonl`` record at its ``step``."""
+        if self.trackers:
+            values, step = scalars(record), int(record["step"])
+            for t in self.trackers:
+                t.log(values, step)
+
+    def close(self, summary: Mapping[str, Any] | None = None) -> None:
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            t.close(summary)
+
+
+def open_trackers(names: Sequence[str], out: Path, config: Mapping[str, Any], *, name: str,
+                  start_step: int = 0, resume: bool = False) -> Trackers:
+    """Start the backends of ``names`` (other than ``jsonl``) for the run in ``out``.
+
+    Args:
+        config: the run config as a dict (run metadata). name: the run name.
+        start_step: the step training starts from (the checkpoint's step on resume).
+
+    Raises:
+        LoggerError: a backend's package is missing.
+    """
+    check_loggers(names)
+    out = Path(out)
+    trackers: list[Tracker] = []
+    try:
+        for backend in names:
+            if backend == "tensorboard":
+                trackers.append(TensorBoardTracker(out, config, start_step))
+            elif backend == "wandb":
+                trackers.append(WandbTracker(out, config, name, resume))
+            elif backend == "trackio":
+                trackers.append(TrackioTracker(config, name))
+    except BaseException:
+        Trackers(trackers).close(None)
+        raise
+    return Trackers(trackers)
+
+
+__all__ = ["LOGGERS", "REQUIREMENTS", "LoggerError", "Tracker", "Trackers", "check_loggers", "open_trackers",
+           "scalars"]
