@@ -243,3 +243,47 @@ def test_format2_file_from_before_the_estimators_loads_with_its_tbptt():
         assert (cfg.train.gradient, cfg.train.gradient_steps, cfg.train.tbptt) == (
             ("tbptt", 2, 2) if b else ("bptt", 0, 0))
         assert Config.from_json(cfg.to_json()) == cfg
+
+
+# ------------------------------------------------------------------ the cosine diagnostic
+def test_gradient_cosines_limits_and_groups():
+    """TBPTT-b with b ≥ R is full BPTT (cosine 1, norm ratio 1); every group is reported; the
+    estimators differ from full BPTT below R."""
+    from looplm.diagnostics.gradients import gradient_cosines
+
+    m = tiny(**HUGINN)
+    res = gradient_cosines(m, [batch(1), batch(2)], depth=3, steps=(1, 3))
+    assert res["groups"] == ["embeddings/readout", "prelude", "core", "rule", "coda"]
+    rows = {(r["estimator"], r["b"]): r for r in res["rows"]}
+    assert rows[("tbptt", 3)]["overall"]["cos"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[("tbptt", 3)]["overall"]["norm_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[("tbptt", 1)]["overall"]["cos"] < 1 - 1e-4 and rows[("endpoint", 1)]["overall"]["cos"] < 1 - 1e-4
+    assert rows[("tbptt", 1)]["coda"]["cos"] > 0.99  # the coda sees the same readout state's loss
+    assert "| endpoint | 3 |" in res["markdown"]
+
+
+def test_train_with_endpoint_gradient_then_gradcheck_cli(tmp_path, tiny_cfg, tiny_data, capsys):
+    """``train.gradient=endpoint`` trains (exact zero keeps every parameter in the graph) and
+    ``looplm gradcheck`` reports the table and writes JSON + Markdown."""
+    import json
+
+    from looplm.cli import main
+    from looplm.train.trainer import train
+
+    cfg = tiny_cfg.replace(
+        model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_coda=1, dropout=0.0),
+        train=tiny_cfg.train.replace(steps=2, gradient="endpoint", gradient_steps=2, depth_sampler="fixed",
+                                     depth=2, ckpt_every=2, eval_every=2))
+    run = tmp_path / "run"
+    summary = train(cfg, run, progress=False, data=tiny_data)
+    assert summary["val_loss"] is not None
+    saved = Config.from_json((run / "config.json").read_text())
+    assert (saved.train.gradient, saved.train.gradient_steps, saved.train.tbptt) == ("endpoint", 2, 0)
+    out = tmp_path / "g.json"
+    assert main(["gradcheck", "--checkpoint", str(run), "--steps", "1,2", "--batches", "1", "--batch-size", "2",
+                 "--out", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["depth"] == 2 and [(r["estimator"], r["b"]) for r in res["rows"]] == [
+        ("tbptt", 1), ("endpoint", 1), ("tbptt", 2), ("endpoint", 2)]
+    assert out.with_suffix(".md").read_text().startswith("`tiny`")
+    assert "| tbptt | 2 | 1.0000" in capsys.readouterr().out
