@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import GRADIENTS, ModelConfig, resolve_gradient  # noqa: F401 (GRADIENTS re-exported)
+from looplm.config import ModelConfig, resolve_gradient
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
@@ -313,7 +313,7 @@ class DepthLM(nn.Module):
             raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
         gradient, b = resolve_gradient(gradient, gradient_steps, tbptt)
         if gradient != "bptt" and not self.shared:
-            raise ValueError(f"tbptt: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
+            raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
         if gradient == "endpoint" and cache is not None:
             raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
         scope, positions, valid = self._attention(idx, cache, attention_mask)
