@@ -178,7 +178,7 @@ def test_eval_options_come_from_the_driven_functions():
     DRIVEN.clear()
     parser = build_all(build_parser())
     assert {prog for prog, _, _ in DRIVEN} >= {"looplm eval ppl", "looplm eval kv-sharing", "looplm eval lambada",
-                                                "looplm eval adaptive", "looplm eval halting", "looplm diagnose",
+                                                "looplm eval adaptive", "looplm eval halting", "looplm diagnose", "looplm gradcheck",
                                                 "looplm bench", "looplm demo", "looplm report"}
     for prog, func, names in DRIVEN:
         params = inspect.signature(func).parameters

@@ -143,18 +143,21 @@ def test_damaged_shard_gives_checkpoint_error_naming_it(tmp_path, sharded_single
 LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n_coda", "1",
            "--model.options.state_init", "zeros",
            "--train.depth_sampler", "learned", "--train.depth_cap", "6", "--train.depth_mean", "3",
-           "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.tbptt", "2",
-           "--train.supervision", "exit_weighted"]
+           "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.supervision", "exit_weighted"]
 
 
-def test_learned_prior_tbptt_exit_gate_under_ddp_equals_single_process(tmp_path):
+@pytest.mark.parametrize("estimator", [["--train.tbptt", "2"],
+                                       ["--train.gradient", "endpoint", "--train.gradient_steps", "2"]],
+                         ids=["tbptt2", "endpoint2"])
+def test_learned_prior_tbptt_exit_gate_under_ddp_equals_single_process(tmp_path, estimator):
     """Every rank draws the same depths from the learned prior (its update is summed over ranks), and
-    DDP needs no unused-parameter search with truncated BPTT and the exit gate. (The initial state is
-    zeros: a gaussian one, like dropout, draws different noise for a batch split over ranks.)"""
+    DDP needs no unused-parameter search with truncated BPTT or endpoint gradients (the exact-zero
+    detach) and the exit gate. (The initial state is zeros: a gaussian one, like dropout, draws
+    different noise for a batch split over ranks.)"""
     single = tmp_path / "single"
-    assert main(["train", "--out", str(single), *ARGS, *LEARNED]) == 0
+    assert main(["train", "--out", str(single), *ARGS, *LEARNED, *estimator]) == 0
     run = tmp_path / "ddp"
-    _torchrun(run, "--train.distributed", "ddp", *LEARNED)
+    _torchrun(run, "--train.distributed", "ddp", *LEARNED, *estimator)
     a, b = _trace(single), _trace(run)
     _assert_same_trace(a, b)
     for ra, rb in zip(a, b):

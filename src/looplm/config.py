@@ -41,6 +41,7 @@ ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping"]
 Supervision = Literal["terminal", "per_loop", "exit_weighted"]
 PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
 Schedule = Literal["cosine", "wsd"]
+Gradient = Literal["bptt", "tbptt", "endpoint"]
 SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 
 #: rules of the Huginn family (SPEC §2): injection at the core entrance, full-block core
@@ -104,6 +105,52 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(isinstance(value, (int, float)) and not isinstance(value, bool),
                    f"{prefix}{f.name}", f"must be a number, got {value!r}")
             _check(math.isfinite(value), f"{prefix}{f.name}", f"must be finite, got {value!r}")
+
+
+GRADIENTS: tuple[str, ...] = get_args(Gradient)
+
+
+def resolve_gradient(gradient: str = "bptt", gradient_steps: int = 0, tbptt: int = 0, *,
+                     prefix: str = "") -> tuple[str, int]:
+    """The gradient estimator ``(gradient, b)`` from ``gradient``, ``gradient_steps`` and the older
+    ``tbptt`` (b > 0 is the spelling of ``gradient=tbptt, gradient_steps=b`` from before the estimators;
+    0 leaves the other two). ``prefix`` ("train.") goes in front of the field names of the messages.
+
+    Raises:
+        ConfigError: an unknown estimator, b < 0, b > 0 with ``bptt``, b = 0 with ``tbptt`` /
+            ``endpoint``, or ``tbptt`` together with a different estimator or b.
+    """
+    if gradient not in GRADIENTS:
+        raise ConfigError(f"{prefix}gradient: got {gradient!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
+    for name, value in (("tbptt", tbptt), ("gradient_steps", gradient_steps)):
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, prefix + name,
+               f"must be an integer >= 0, got {value!r}")
+    if tbptt:
+        _check((gradient, gradient_steps) in (("bptt", 0), ("tbptt", tbptt)), prefix + "tbptt",
+               f"{tbptt} is the older spelling of {prefix}gradient=tbptt, {prefix}gradient_steps={tbptt}; it "
+               f"conflicts with {prefix}gradient={gradient}, {prefix}gradient_steps={gradient_steps}: give one")
+        return "tbptt", tbptt
+    _check(gradient != "bptt" or gradient_steps == 0, prefix + "gradient_steps",
+           f"full BPTT ({prefix}gradient=bptt) has none; must be 0, got {gradient_steps}")
+    _check(gradient == "bptt" or gradient_steps >= 1, prefix + "gradient_steps",
+           f"{prefix}gradient={gradient} needs b >= 1, got {gradient_steps}")
+    return gradient, gradient_steps
+
+
+def couple_gradient_fields(train: dict[str, Any], changed: Iterable[str]) -> dict[str, Any]:
+    """``train`` (a ``train`` section dict after a change to the fields ``changed``) with the estimator
+    fields kept consistent: a change of ``gradient`` / ``gradient_steps`` alone clears the older
+    ``tbptt`` (and ``gradient=bptt`` alone clears ``gradient_steps``); a change of ``tbptt`` alone
+    resets ``gradient`` / ``gradient_steps``, so the new ``tbptt`` decides."""
+    changed = set(changed)
+    train = dict(train)
+    if changed & {"gradient", "gradient_steps"} and "tbptt" not in changed:
+        train["tbptt"] = 0
+        if train.get("gradient") == "bptt" and "gradient_steps" not in changed:
+            train["gradient_steps"] = 0
+    elif "tbptt" in changed and not changed & {"gradient", "gradient_steps"}:
+        train["gradient"], train["gradient_steps"] = "bptt", 0
+    return train
 
 
 class _Base:
@@ -667,7 +714,13 @@ class TrainConfig(_Base):
     prior_scale_window: int = _f(1, "learned, prior_scale: the stds of s pool the microbatches of the last W "
                                  "updates (1 = the previous update, the paper, which has several microbatches "
                                  "per update; with one, W >= 2 is needed for s to differ from 1)")
-    tbptt: int = _f(0, "truncated BPTT: back-propagate through the last b recurrences only (0 = full BPTT)")
+    tbptt: int = _f(0, "truncated BPTT through the last b recurrences (0 = off): the older spelling of "
+                    "gradient=tbptt, gradient_steps=b, kept equal to it (0 for the other estimators)")
+    gradient: Gradient = _f("bptt", "gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last "
+                            "b of the T recurrences, from the visited state z^(T-b)), endpoint (Neumann-b: run "
+                            "to the endpoint z^T without gradient, then b more recurrences with gradient from "
+                            "sg(z^T); the loss is read at T+b)")
+    gradient_steps: int = _f(0, "b of gradient=tbptt / endpoint (>= 1; 0 for bptt)")
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
                                   "per-loop CE, plus an entropy term)")
@@ -716,6 +769,10 @@ class TrainConfig(_Base):
         _check(self.prior_scale_window >= 1, p + "prior_scale_window", f"must be >= 1, got {self.prior_scale_window}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup", "tbptt"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        gradient, b = resolve_gradient(self.gradient, self.gradient_steps, self.tbptt, prefix=p)
+        object.__setattr__(self, "gradient", gradient)
+        object.__setattr__(self, "gradient_steps", b)
+        object.__setattr__(self, "tbptt", b if gradient == "tbptt" else 0)  # the older spelling, kept equal
         _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
                f"must be >= depth_lo={self.depth_lo}, got {self.depth_hi}")
         _check(self.lr > 0, p + "lr", "must be > 0")
@@ -735,6 +792,12 @@ class TrainConfig(_Base):
         _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """``dataclasses.replace``, keeping the estimator fields consistent (:func:`couple_gradient_fields`)."""
+        merged = couple_gradient_fields({**self.to_dict(), **changes}, changes)
+        return dataclasses.replace(self, **{k: v for k, v in merged.items()
+                                            if k in changes or k in ("tbptt", "gradient", "gradient_steps")})
 
     @property
     def max_depth(self) -> int:
@@ -850,7 +913,8 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"embed_init_std": -1.0},
     "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
-    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"]},
+    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"],
+              "gradient": "bptt", "gradient_steps": 0, "max_nonfinite_steps": 5},
 }
 
 
@@ -988,6 +1052,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             continue
         tp = _field_type(section, fname)
         d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
+    d["train"] = couple_gradient_fields(d["train"], [k.partition(".")[2] for k in overrides if k.startswith("train.")])
     m = d["model"]
     if (m["rule"], m["architecture"]) != (cfg.model.rule, cfg.model.architecture):
         carried = carry_options(cfg.model, m["rule"], m["architecture"])

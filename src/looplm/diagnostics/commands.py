@@ -1,7 +1,9 @@
-"""The ``looplm diagnose`` subcommand (mechanism diagnostics, SPEC §6–7); registered by ``looplm.cli``.
+"""The ``looplm diagnose`` subcommand (mechanism diagnostics, SPEC §6–7) and ``looplm gradcheck``
+(gradient cosines of TBPTT-b and Neumann-b against full BPTT, LMDR §3.1); registered by ``looplm.cli``.
 
-Its options are generated from :func:`looplm.diagnostics.runner.diagnose_checkpoint` (names, defaults
-and the docstring's ``Args:`` help).
+Their options are generated from :func:`looplm.diagnostics.runner.diagnose_checkpoint` and
+:func:`looplm.diagnostics.gradients.gradcheck_checkpoint` (names, defaults and the docstring's ``Args:``
+help).
 """
 
 from __future__ import annotations
@@ -21,6 +23,38 @@ def parse_steps(text: str) -> list[int]:
     if not steps or min(steps) < 0:
         raise argparse.ArgumentTypeError(f"--steps: need loop steps >= 0; got {text!r}")
     return steps
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,2,4,8"`` → [1, 2, 4, 8] (each >= 1). Raises argparse.ArgumentTypeError on anything else."""
+    try:
+        vals = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 like 1,2,4,8; got {text!r}")
+    return vals
+
+
+def parse_estimators(text: str) -> list[str]:
+    """``"tbptt,endpoint"`` → ["tbptt", "endpoint"]."""
+    from looplm.diagnostics.gradients import ESTIMATORS
+
+    vals = [s.strip() for s in text.split(",") if s.strip()]
+    if not vals or any(v not in ESTIMATORS for v in vals):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(ESTIMATORS)}; got {text!r}")
+    return vals
+
+
+def cmd_gradcheck(args: argparse.Namespace) -> int:
+    from looplm.cli import check_report_out, emit_report, write_report_files
+    from looplm.cliutil import call_with_options
+    from looplm.diagnostics.gradients import gradcheck_checkpoint
+
+    check_report_out(args)
+    result = call_with_options(gradcheck_checkpoint, args, args.checkpoint, progress=not args.quiet)
+    emit_report(args, result, write_report_files(args.out, result))
+    return 0
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -47,8 +81,21 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    """Add the ``diagnose`` command to the ``looplm`` subparsers object ``sub`` (options built on first use)."""
+    """Add the ``diagnose`` and ``gradcheck`` commands to the ``looplm`` subparsers object ``sub`` (options
+    built on first use)."""
     from looplm.cliutil import add_command
+
+    add_command(
+        sub, "gradcheck", _build_gradcheck,
+        help="gradient cosines of TBPTT-b and endpoint (Neumann-b) gradients against full BPTT, per "
+        "parameter group",
+        description="Gradient estimators of a looped checkpoint (LMDR §3.1, A.2) on the first --batches "
+        "windows of a split (dropout off): the terminal-CE gradient of full BPTT at depth R against "
+        "TBPTT-b (the last b of the R recurrences) and endpoint / Neumann-b (R recurrences without "
+        "gradient, then b with gradient from the detached endpoint; the loss read at R + b), for each b "
+        "of --steps: cosine of the batch-summed gradients (and the per-batch min), per parameter group "
+        "(embeddings/readout, prelude, core, rule, coda) and overall, with the norm ratio, the CEs and "
+        "the endpoint residual. Prints the Markdown table (--json: the JSON); --out writes both.")
 
     add_command(
         sub, "diagnose", _build,
@@ -67,6 +114,30 @@ def register(sub) -> None:
         "convergence; --json: the JSON), writes the JSON to --out and the Markdown and three plots (R_t "
         "bars, Figure 5 style; 2-D PCA of rollouts, Figure 4 style; per-loop RMS and the convergence "
         "curve) to --plots-dir.")
+
+
+def _build_gradcheck(p: argparse.ArgumentParser) -> None:
+    from looplm.cli import out_file, positive_int
+    from looplm.cliutil import Opt, add_function_options
+    from looplm.diagnostics.gradients import gradcheck_checkpoint
+
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
+    p.add_argument("--out", type=out_file, metavar="FILE.json", help="write the JSON here and the Markdown to FILE.md")
+    add_function_options(p, gradcheck_checkpoint, {
+        "depth": Opt(type=positive_int, metavar="R",
+                     help="depth R of full BPTT and the endpoint (default: the checkpoint's nominal training depth)"),
+        "steps": Opt(type=parse_ints, metavar="B,B", help="the b to measure (default 1,2,4,8)"),
+        "estimators": Opt(type=parse_estimators, metavar="NAME,NAME", help="tbptt and/or endpoint (default both)"),
+        "dataset": Opt(help="corpus (default: the checkpoint's training corpus)"),
+        "split": Opt(choices=("train", "valid", "test"), help="split"),
+        "batches": Opt(type=positive_int, metavar="N", help="measured batches"),
+        "batch_size": Opt(type=positive_int, metavar="N", help="windows per batch"),
+        "dtype": Opt(choices=("float32", "float64")),
+        "device": Opt(help="cpu, cuda or cuda:N"),
+    })
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown table)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_gradcheck)
 
 
 def _build(p: argparse.ArgumentParser) -> None:

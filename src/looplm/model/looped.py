@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig
+from looplm.config import ModelConfig, resolve_gradient
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
@@ -242,7 +242,8 @@ class DepthLM(nn.Module):
 
     # ------------------------------------------------------------------ forward: the recurrence
     def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
-                return_states: bool = False, keep_logits: bool = True, tbptt: int = 0, scale_clamp: bool = False,
+                return_states: bool = False, keep_logits: bool = True, tbptt: int = 0,
+                gradient: str = "bptt", gradient_steps: int = 0, scale_clamp: bool = False,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 final_depth: int | None = None,
                 readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -263,7 +264,22 @@ class DepthLM(nn.Module):
                 prelude only through the untruncated steps, and parameters used only in the initial
                 state (e.g. an anchor projection) get a zero gradient rather than none (the detached
                 state carries ``0·Σ state_0``, so DDP needs no ``find_unused_parameters``).
-                0 = full BPTT.
+                0 = full BPTT. The older spelling of ``gradient="tbptt", gradient_steps=b``.
+            gradient: the gradient estimator of the unroll (SPEC §5; LMDR §3.1, A.2), with
+                b = ``gradient_steps``: ``"bptt"`` (full; b must be 0), ``"tbptt"`` (as ``tbptt=b``:
+                b steps with autograd from the visited state z^{T−b}; the readouts stay at the
+                requested depths) or ``"endpoint"`` (Neumann-b, the paper's detached suffix: the
+                loop runs to the endpoint z^T without autograd, the state is detached there,
+                z̄^0 = sg(z^T), and b further steps z̄^{k+1} = F(z̄^k) (loop steps T … T+b−1) run
+                with autograd; the readout of the largest requested depth T is taken at z̄^b, i.e.
+                after T + b steps, and is keyed ``T + b`` in ``logits_by_depth`` / ``nll_by_depth`` /
+                ``exit_logits_by_depth``; ``loss`` and ``logits`` are that readout's. Its gradient
+                through the state is Σ_{k<b} J^k B along z̄ (= Σ_{k<b} J_T^k B_T at a fixed point).
+                The smaller requested depths are read on the way at the visited states z^k (k < T),
+                which carry no gradient through the recurrence (only through the readout/coda);
+                ``states`` holds h_0 … h_{T+b}. The values do not depend on whether autograd is on:
+                endpoint-b at depth T computes exactly what tbptt-b at depth T + b computes).
+            gradient_steps: b ≥ 1 for ``tbptt`` / ``endpoint``.
             scale_clamp: the evaluation-time scale clamp (SPEC §4): after every loop each token's
                 state is rescaled to its loop-1 RMS.
             cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
@@ -284,7 +300,9 @@ class DepthLM(nn.Module):
 
         Raises:
             ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
-                the unshared reference, or ``tbptt`` is given to the unshared reference.
+                the unshared reference, ``tbptt`` / a truncated ``gradient`` is given to the unshared
+                reference, an unknown ``gradient``, a ``gradient_steps`` that does not fit it, ``tbptt``
+                together with a different ``gradient``, or ``gradient="endpoint"`` with a cache.
         """
         depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
         if not depths or depths[0] < 0:
@@ -293,9 +311,14 @@ class DepthLM(nn.Module):
             raise ValueError("cache: KV caches need the shared architecture")
         if cache is not None and depths[-1] < 1:
             raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
-        if tbptt and not self.shared:
-            raise ValueError(f"tbptt: the unshared reference has no recurrence to truncate, got {tbptt}")
+        gradient, b = resolve_gradient(gradient, gradient_steps, tbptt)
+        if gradient != "bptt" and not self.shared:
+            raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
+        if gradient == "endpoint" and cache is not None:
+            raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
         scope, positions, valid = self._attention(idx, cache, attention_mask)
+        if gradient == "endpoint":  # the largest depth is the endpoint; its readout moves b steps past it
+            depths = [*depths[:-1], depths[-1] + b]
         last, wanted = depths[-1], set(depths)
         final_from = self.resolve_final_depth(final_depth, last)
         out = LoopOutput(states=[] if return_states else None)
@@ -317,11 +340,15 @@ class DepthLM(nn.Module):
         state, ctx = self.start(self.embed(idx, positions, scope=scope), positions, scope=scope, valid=valid)
         out.anchor = ctx.anchor
         h = self.hidden(state, ctx)
-        no_grad_steps = last - tbptt if tbptt and torch.is_grad_enabled() else 0
+        # the steps t < no_grad_steps run without autograd and the state is detached before step
+        # no_grad_steps = last − b (TBPTT with b < last; endpoint always, the endpoint being last − b)
+        no_grad_steps = -1
+        if torch.is_grad_enabled() and (gradient == "endpoint" or (gradient == "tbptt" and b < last)):
+            no_grad_steps = last - b
         state0, clamp_rms = state, None
         for T in range(last + 1):
             if T > 0:  # loop step t = T − 1
-                if no_grad_steps and T - 1 == no_grad_steps:
+                if T - 1 == no_grad_steps:
                     # exact zero that keeps the initial state's parameters in the graph (DDP)
                     state = state.detach() + 0.0 * state0.sum()
                 with torch.set_grad_enabled(torch.is_grad_enabled() and T - 1 >= no_grad_steps):

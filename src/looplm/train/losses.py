@@ -10,8 +10,13 @@ no arXiv id in our copy; exit_weighted after Ouro, arXiv:2510.25741; TBPTT: arXi
 - ``norm_penalty`` (any supervision): + λ·T⁻¹ Σ_{k=1..T} mean_tokens ‖H_k‖²_rms (SPEC §4), where
   ‖H‖²_rms = mean over d of H².
 
-Truncated BPTT (``train.tbptt``) is passed to the model's unroll; loops outside the window contribute
-their readout losses without gradient through the recurrence.
+The gradient estimator (``train.gradient``, b = ``train.gradient_steps``; SPEC §5, LMDR §3.1, A.2) is
+passed to the model's unroll. ``tbptt``: loops outside the window contribute their readout losses
+without gradient through the recurrence. ``endpoint`` (Neumann-b): the loop runs to the endpoint z^T
+without gradient, then b recurrences with gradient from sg(z^T); the terminal readout ("loop T" above,
+CE_T, the last exit-distribution term p_T and the last norm-penalty state) is taken at z̄^b (depth
+T + b), the readouts of loops 1..T−1 at the visited states, without gradient through the recurrence.
+The learned depth prior observes (T, CE_T): the drawn endpoint depth and the loss actually trained.
 """
 
 from __future__ import annotations
@@ -62,20 +67,22 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
     """
     sup, lam = tcfg.supervision, tcfg.norm_penalty
     depths = list(range(1, depth + 1)) if sup != "terminal" else depth
-    out = model(x, depth=depths, targets=y, keep_logits=False, tbptt=tcfg.tbptt, return_states=lam > 0,
-                final_depth=depth)
+    out = model(x, depth=depths, targets=y, keep_logits=False, gradient=tcfg.gradient,
+                gradient_steps=tcfg.gradient_steps, return_states=lam > 0, final_depth=depth)
+    # the readouts of loops 1..T: with endpoint gradients the last is taken b steps past the endpoint
+    keys = [*range(1, depth), depth + (tcfg.gradient_steps if tcfg.gradient == "endpoint" else 0)]
     valid = (y != -100)
     n = valid.sum().clamp(min=1)
-    ce_T = out.nll_by_depth[depth].sum() / n
+    ce_T = out.nll_by_depth[keys[-1]].sum() / n
     extras: dict = {}
     if sup == "terminal":
         loss = ce_T
     elif sup == "per_loop":
-        loss = torch.stack([out.nll_by_depth[k].sum() / n for k in range(1, depth + 1)]).mean()
+        loss = torch.stack([out.nll_by_depth[k].sum() / n for k in keys]).mean()
     else:
-        logits = [out.exit_logits_by_depth[k] for k in range(1, depth + 1)]
+        logits = [out.exit_logits_by_depth[k] for k in keys]
         p = exit_distribution(logits)  # (T, B, L)
-        nll = torch.stack([out.nll_by_depth[k] for k in range(1, depth + 1)])  # (T, B, L)
+        nll = torch.stack([out.nll_by_depth[k] for k in keys])  # (T, B, L)
         m = valid.to(p.dtype)
         expected = (p * nll).sum(0)  # (B, L)
         entropy = -(p * torch.log(p.clamp(min=1e-12))).sum(0)  # (B, L)
@@ -85,7 +92,7 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
         extras.update(exit_entropy=float((entropy * m).sum().detach() / n), mean_exit_loop=float((mean_exit * m).sum().detach() / n))
     if lam > 0:
         m = valid.float()  # (B, L): mean over the scored tokens (SPEC §4 mean_tokens)
-        sq = torch.stack([(h.float().pow(2).mean(-1) * m).sum() / n for h in out.states[1:depth + 1]])  # (T,)
+        sq = torch.stack([(h.float().pow(2).mean(-1) * m).sum() / n for h in (out.states[k] for k in keys)])  # (T,)
         penalty = lam * sq.mean()
         loss = loss + penalty
         extras["norm_penalty"] = float(penalty.detach())

@@ -1,0 +1,246 @@
+"""Gradient cosines of the truncated estimators against full BPTT (LMDR §3.1, §5.4, appendix A.2).
+
+For a looped checkpoint at depth R and each b, on a few batches (dropout off):
+
+- ``bptt``: the gradient of the terminal CE at depth R through all R recurrences (the reference);
+- ``tbptt``-b: the last b of the R recurrences with autograd, from the visited state z^{R−b}
+  (D̃_b = Σ_{i=R−b}^{R−1} J_{R−1}⋯J_{i+1} B_i); b ≥ R is full BPTT;
+- ``endpoint``-b (Neumann-b, the paper's detached suffix): R recurrences without autograd to the
+  endpoint z^R, then b recurrences with autograd from sg(z^R), the CE read at z̄^b (depth R + b);
+  Σ_{k<b} J^k B along z̄, = D_b = Σ_{k<b} J_R^k B_R when z^R is a fixed point.
+
+Reported per parameter group and for the whole model: the cosine between each estimator's gradient
+and full BPTT's (``cos``: of the gradients summed over the measured batches, i.e. of the mean loss;
+``cos_batch_mean`` / ``cos_batch_min`` over batches) and the norm ratio ‖g‖/‖g_bptt‖. Context: the
+terminal CE at R and at R + b, and the endpoint residual ‖h_{R+1} − h_R‖/‖h_R‖ (token-pooled) that
+says how near the endpoint is to a fixed point.
+
+Parameter groups (by name): ``embeddings/readout`` (token and position embeddings, input norm, final
+norm, readout head; tied weights count here), ``prelude``, ``core`` (the shared blocks and the
+between-loop scale control), ``rule`` (the recurrence rule's own parameters: injection, adapter,
+anchor), ``coda``, ``other`` (e.g. an exit gate).
+
+The paper's whole-model cosines 0.997–0.999 (§5.4) compare *reuse* (Neumann-b from endpoint states
+saved during rollout) with *recompute* (Neumann-b from a replayed endpoint): the same estimator from two
+computations of the same endpoint. This diagnostic compares different estimators (TBPTT-b, Neumann-b)
+with full BPTT, which the paper reports no cosine for.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from looplm.diagnostics.forcing import check_shared
+
+GROUPS: tuple[str, ...] = ("embeddings/readout", "prelude", "core", "rule", "coda", "other")
+ESTIMATORS: tuple[str, ...] = ("tbptt", "endpoint")
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def parameter_group(name: str) -> str:
+    """The group of a parameter name (see the module docstring)."""
+    head = name.split(".", 1)[0]
+    if head in ("tok_emb", "pos_emb", "in_norm", "norm_f", "lm_head"):
+        return "embeddings/readout"
+    if head in ("prelude", "coda", "rule"):
+        return head
+    if head in ("core", "loop_norm", "damping_raw"):
+        return "core"
+    return "other"
+
+
+def _grads(model, x, y, depth: int, **kw) -> tuple[dict[str, torch.Tensor], float]:
+    """{group: flat gradient} of the mean terminal CE, and the CE (float)."""
+    model.zero_grad(set_to_none=True)
+    out = model(x, depth=depth, targets=y, keep_logits=False, **kw)
+    out.loss.backward()
+    flat: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        flat[parameter_group(name)].append(grad.detach().flatten())
+    res = {g: torch.cat(v) for g, v in flat.items() if v}
+    res["overall"] = torch.cat([res[g] for g in GROUPS if g in res])
+    return res, float(out.loss.detach())
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    a, b = a.double(), b.double()  # float32 dot products of long vectors drift by ~1e-5
+    na, nb = a.norm(), b.norm()
+    if float(na) == 0.0 or float(nb) == 0.0:
+        return None  # undefined: a group with no gradient
+    return float(torch.dot(a, b) / (na * nb))
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    nb = float(b.double().norm())
+    return None if nb == 0.0 else float(a.double().norm()) / nb
+
+
+def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, depth: int,
+                     steps: Sequence[int] = (1, 2, 4, 8), estimators: Sequence[str] = ESTIMATORS,
+                     dtype: str = "float32", progress: bool = False) -> dict[str, Any]:
+    """Cosines of TBPTT-b and Neumann-b (endpoint) gradients against full BPTT at depth ``depth``.
+
+    Args:
+        model: a looped model (not modified: a copy runs in ``dtype`` with dropout off).
+        batches: (x, y) pairs, (B, L) int64 each; y = -100 where not scored.
+        depth: the depth R of full BPTT, the TBPTT window's end and the endpoint.
+        steps: the b to measure (each >= 1).
+        estimators: any of ``tbptt``, ``endpoint``.
+        dtype: float32 or float64 (the model copy's parameters).
+
+    Returns:
+        ``{"depth", "steps", "dtype", "batches", "groups", "ce_bptt", "endpoint_residual",
+        "rows": [{"estimator", "b", "ce", "overall": {"cos", "cos_batch_mean", "cos_batch_min",
+        "norm_ratio"}, "<group>": {...}, ...}], "markdown"}``.
+
+    Raises:
+        ValueError: an unshared model, depth < 1, a b < 1, an unknown estimator, or no batches.
+    """
+    check_shared(model, "gradient cosines")
+    if depth < 1:
+        raise ValueError(f"depth: need R >= 1, got {depth}")
+    if not steps or min(steps) < 1:
+        raise ValueError(f"steps: need b >= 1, got {list(steps)}")
+    for e in estimators:
+        if e not in ESTIMATORS:
+            raise ValueError(f"estimators: got {e!r}; allowed: {', '.join(ESTIMATORS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(DTYPES)}")
+    m = copy.deepcopy(model).to(DTYPES[dtype]).eval()
+    keys = [(e, b) for b in steps for e in estimators]
+    sums: dict[Any, dict[str, torch.Tensor]] = {}
+    per_batch: dict[Any, list[dict[str, float | None]]] = {k: [] for k in keys}
+    ces: dict[Any, list[float]] = {k: [] for k in [("bptt", 0), *keys]}
+    residuals: list[torch.Tensor] = []
+    n = 0
+    it = list(batches)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="gradient cosines", unit="batch")
+    for x, y in it:
+        n += 1
+        with torch.no_grad():
+            hs = m(x, depth=depth + 1, keep_logits=False, return_states=True).states
+            r = (hs[depth + 1] - hs[depth]).double().norm(dim=-1) / hs[depth].double().norm(dim=-1).clamp(min=1e-30)
+            residuals.append(r[y != -100].flatten())
+        full, ce = _grads(m, x, y, depth)
+        ces[("bptt", 0)].append(ce)
+        _accumulate(sums, ("bptt", 0), full)
+        for key in keys:
+            g, ce = _grads(m, x, y, depth, gradient=key[0], gradient_steps=key[1])
+            ces[key].append(ce)
+            _accumulate(sums, key, g)
+            per_batch[key].append({grp: _cos(g[grp], full[grp]) for grp in full})
+    if not n:
+        raise ValueError("batches: no batches to measure")
+    ref = sums[("bptt", 0)]
+    groups = [g for g in GROUPS if g in ref]
+    rows = []
+    for key in keys:
+        row: dict[str, Any] = {"estimator": key[0], "b": key[1], "ce": sum(ces[key]) / n}
+        for grp in ["overall", *groups]:
+            vals = [c[grp] for c in per_batch[key] if c[grp] is not None]
+            row[grp] = {"cos": _cos(sums[key][grp], ref[grp]),
+                        "cos_batch_mean": sum(vals) / len(vals) if vals else None,
+                        "cos_batch_min": min(vals) if vals else None,
+                        "norm_ratio": _ratio(sums[key][grp], ref[grp])}
+        rows.append(row)
+    res_all = torch.cat(residuals) if residuals else torch.zeros(0)
+    result = {"depth": depth, "steps": list(steps), "estimators": list(estimators), "dtype": dtype,
+              "batches": n, "groups": groups, "ce_bptt": sum(ces[("bptt", 0)]) / n,
+              "group_sizes": {grp: int(ref[grp].numel()) for grp in ["overall", *groups]},
+              "endpoint_residual": {"median": float(res_all.median()) if res_all.numel() else None,
+                                    "mean": float(res_all.mean()) if res_all.numel() else None},
+              "rows": rows}
+    result["markdown"] = markdown_table(result)
+    return result
+
+
+def _accumulate(sums: dict, key: Any, g: dict[str, torch.Tensor]) -> None:
+    if key not in sums:
+        sums[key] = {k: v.clone() for k, v in g.items()}
+    else:
+        for k, v in g.items():
+            sums[key][k] += v
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The result as Markdown: one row per estimator and b, the cosine to full BPTT per group."""
+    groups = result["groups"]
+    lines = [f"Gradient cosine to full BPTT at depth R = {result['depth']} ({result['batches']} batches, "
+             f"{result['dtype']}; cosine of the batch-summed gradients, per-batch min in brackets). Terminal "
+             f"CE: BPTT {result['ce_bptt']:.4f} at R; endpoint-b reads it at R + b. Endpoint residual "
+             f"‖h_(R+1) − h_R‖/‖h_R‖: median {_fmt(result['endpoint_residual']['median'])}.", "",
+             "| estimator | b | overall | " + " | ".join(groups) + " | ‖g‖/‖g_bptt‖ | CE |",
+             "|---|---:|---:|" + "---:|" * len(groups) + "---:|---:|"]
+    for row in result["rows"]:
+        cells = [f"{_fmt(row[g]['cos'])} [{_fmt(row[g]['cos_batch_min'], 3)}]" for g in ["overall", *groups]]
+        lines.append(f"| {row['estimator']} | {row['b']} | " + " | ".join(cells)
+                     + f" | {_fmt(row['overall']['norm_ratio'], 3)} | {row['ce']:.4f} |")
+    return "\n".join(lines)
+
+
+def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, steps: Sequence[int] = (1, 2, 4, 8),
+                         estimators: Sequence[str] = ESTIMATORS, dataset: str | None = None,
+                         split: str = "valid", batches: int = 4, batch_size: int = 8, dtype: str = "float32",
+                         device: str = "cpu", progress: bool = True) -> dict[str, Any]:
+    """:func:`gradient_cosines` of a checkpoint on the first ``batches`` windows of a corpus split.
+
+    Args:
+        checkpoint: checkpoint directory or run directory (its ``latest``).
+        depth: the depth R (default: the checkpoint's nominal training depth).
+        steps: the b to measure, e.g. 1,2,4,8.
+        estimators: tbptt and/or endpoint.
+        dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
+        batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
+        dtype: float32 (default) or float64.
+        device: cpu, cuda or cuda:N.
+
+    Returns:
+        :func:`gradient_cosines`'s dict plus ``checkpoint``, ``name``, ``rule``, ``dataset``, ``split``,
+        ``batch_size`` and ``params``.
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
+        ValueError: an unshared checkpoint, bad depth/steps, or a split too short for one window.
+    """
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import eval_windows, load_tokens
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    check_shared(model, "looplm gradcheck")
+    depth = cfg.train.nominal_depth if depth is None else depth
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tok = load_tokenizer_for(ckpt)
+    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    if len(tokens) < 2:
+        raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
+    dev = torch.device(device)
+    xs = [(x.to(dev), y.masked_fill(~mk, -100).to(dev))
+          for x, y, mk in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    res = gradient_cosines(model, xs, depth=depth, steps=steps, estimators=estimators, dtype=dtype,
+                           progress=progress)
+    head = f"`{cfg.name}` ({cfg.model.rule}, {model.num_params():,} parameters), {data_cfg.dataset}/{split}, " \
+           f"{len(xs)}×{batch_size} windows of {cfg.model.seq_len} tokens.\n\n"
+    res["markdown"] = head + res["markdown"]
+    return {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
+            "split": split, "batch_size": batch_size, "params": model.num_params(), **res}
+

@@ -1,0 +1,289 @@
+"""Gradient estimators of the unroll (SPEC §5; LMDR §3.1, appendix A.2): endpoint (Neumann-b) gradients
+against the analytic truncated Neumann series on an exactly contractive linear recurrence, against a
+hand-unrolled detach-at-the-endpoint loop of a tiny LoopLM, and against TBPTT-b at depth T + b; the
+multi-depth readouts; the config fields (``train.gradient``, ``train.gradient_steps``, the older
+``train.tbptt``); the gradient-cosine diagnostic. (b ≥ T TBPTT = full BPTT:
+``test_objectives.py::test_tbptt_with_window_at_least_depth_equals_full_bptt``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm.config import Config, ConfigError, ModelConfig, TrainConfig, apply_overrides
+from looplm.model import DepthLM, LoopContext, build_model
+from looplm.train.losses import training_loss
+
+V, L = 61, 10
+HUGINN = dict(rule="parcae_decay", n_prelude=1, n_core=2, n_coda=1)
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    base = dict(vocab_size=V, d_model=32, n_heads=4, d_ff=64, seq_len=L, dropout=0.0)
+    base.update(kw)
+    return build_model(ModelConfig(**base)).eval()
+
+
+def batch(seed=1, b=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (b, L), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------ an exactly contractive toy
+class LinearToyLM(DepthLM):
+    """Test-only looped model with the linear recurrence z ← A z + W e (no attention), z^0 = 0: its
+    state Jacobian is J = A everywhere, its fixed point z* = (I − A)⁻¹ W e per token."""
+
+    shared = True
+
+    def __init__(self, cfg: ModelConfig, A: torch.Tensor):
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.A = torch.nn.Parameter(A.clone())
+        self.W = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.exit_gate = None
+        self._finish_init()
+        with torch.no_grad():
+            self.A.copy_(A)
+
+    def n_physical_blocks(self):
+        return 1
+
+    def start(self, e, positions=None, *, scope=None, valid=None):
+        return torch.zeros_like(e), LoopContext(e=e, anchor=None, scope=scope)
+
+    def step(self, state, t, ctx, *, clamp_rms=None):
+        return state @ self.A.T + ctx.e @ self.W.T
+
+
+def rel_err(a, b):
+    """‖a − b‖ / ‖b‖ (the forward's cross-entropy runs in float32, so float64 agreement is ~1e-7)."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def toy(d=8, kappa=0.5):
+    torch.manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))
+    s = torch.linspace(kappa, 0.1, d, dtype=torch.float64)
+    A = (q * s) @ torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].T  # ‖A‖₂ = kappa
+    cfg = ModelConfig(rule="looped", vocab_size=V, d_model=d, n_heads=1, d_ff=8, seq_len=L, dropout=0.0,
+                      tie_embeddings=False)
+    return LinearToyLM(cfg, A.float()).double().eval()
+
+
+@pytest.mark.parametrize("b", [1, 2, 5])
+def test_endpoint_on_contractive_linear_recurrence_equals_truncated_neumann_series(b):
+    """Neumann-b from the (numerically exact) fixed point: ∂ℓ/∂A = Σ_tokens v_b z*ᵀ and ∂ℓ/∂W =
+    Σ_tokens v_b eᵀ with v_b = Σ_{k<b} (Aᵀ)^k g, g = ∂ℓ/∂z at z* (G_b = c + B*ᵀ Σ_{k<b} (J*ᵀ)^k g)."""
+    m, (x, y) = toy(), batch()
+    R = 80  # 0.5^80 ≈ 1e-24: z^R is the fixed point to float64 precision
+    m.zero_grad()
+    out = m(x, depth=R, targets=y, gradient="endpoint", gradient_steps=b)
+    out.loss.backward()
+    assert set(out.nll_by_depth) == {R + b}
+    with torch.no_grad():
+        e = m.embed(x)  # (B, L, d)
+        A, W = m.A, m.W
+        eye = torch.eye(A.shape[0], dtype=A.dtype)
+        z_star = e @ W.T @ torch.linalg.inv(eye - A).T  # (I − A)⁻¹ W e per token
+    z = z_star.clone().requires_grad_(True)
+    loss = F.cross_entropy(m.readout(z).flatten(0, 1), y.flatten())
+    g, = torch.autograd.grad(loss, z)  # (B, L, d)
+    v, term = torch.zeros_like(g), g
+    for _ in range(b):
+        v, term = v + term, term @ A  # (Aᵀ)^k g per token, as rows: g Aᵏ
+    assert rel_err(m.A.grad, torch.einsum("bli,blj->ij", v, z_star)) < 1e-6
+    assert rel_err(m.W.grad, torch.einsum("bli,blj->ij", v, e)) < 1e-6
+    # the tail bound of A.2: ‖G_imp − G_b‖ ≤ ‖B*‖ ‖g‖ κ^b / (1 − κ) shrinks geometrically; b → ∞ is the
+    # implicit gradient (I − Aᵀ)⁻¹ g, which full BPTT at this depth also reaches
+    v_imp = g @ torch.linalg.inv(eye - A)
+    m.zero_grad()
+    m(x, depth=R, targets=y).loss.backward()
+    assert rel_err(m.A.grad, torch.einsum("bli,blj->ij", v_imp, z_star)) < 1e-6
+    err = (torch.einsum("bli,blj->ij", v_imp - v, z_star)).norm() / m.A.grad.norm()
+    assert err <= 0.5 ** b / (1 - 0.5) * 10  # loose: the constant ‖B*‖‖g‖/‖G‖ is O(1) here
+
+
+# ------------------------------------------------------------------ a tiny LoopLM, by hand
+def _endpoint_reference_grads(m, x, y, T, b):
+    """An unroll written by hand: T steps without autograd, detach z^T, b steps with autograd."""
+    m.zero_grad()
+    state, ctx = m.start(m.embed(x))
+    with torch.no_grad():
+        for t in range(T):
+            state = m.step(state, t, ctx)
+    state = state.detach()
+    for t in range(T, T + b):
+        state = m.step(state, t, ctx)
+    logits = m.readout(m.hidden(state, ctx))
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    return grads(m)
+
+
+@pytest.mark.parametrize("kw", [HUGINN, dict(rule="scse"), dict(rule="plain", n_prelude=1)])
+def test_endpoint_matches_hand_unrolled_detach_at_endpoint_and_every_parameter_gets_a_gradient(kw):
+    """forward(gradient="endpoint") = autograd of the explicit detach-at-the-endpoint loop; every
+    trainable parameter gets a gradient (zero where only the detached prefix used it: the exact-zero
+    term, so DDP needs no unused-parameter search)."""
+    x, y = batch()
+    T, b = 4, 2
+    m = tiny(**kw)
+    m(x, depth=T, targets=y, gradient="endpoint", gradient_steps=b).loss.backward()
+    got = grads(m)
+    assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
+    ref = _endpoint_reference_grads(m, x, y, T, b)
+    for n, g in got.items():
+        assert torch.allclose(g, ref.get(n, torch.zeros_like(g)), atol=1e-6, rtol=1e-5), n
+    if kw is HUGINN:  # the injection carries the gradient to the prelude and the embeddings
+        assert got["prelude.0.mlp.down.weight"].abs().sum() > 0 and got["tok_emb.weight"].abs().sum() > 0
+
+
+def test_endpoint_at_depth_T_is_tbptt_at_depth_T_plus_b():
+    """In a forward pass, endpoint-b at T and TBPTT-b at T + b are the same computation (the estimators
+    differ in where they start relative to the depth R that is called the endpoint, LMDR §3.1)."""
+    x, y = batch()
+    m = tiny(**HUGINN)
+    a = m(x, depth=3, targets=y, gradient="endpoint", gradient_steps=2)
+    a.loss.backward()
+    ga = grads(m)
+    m.zero_grad()
+    c = m(x, depth=5, targets=y, gradient="tbptt", gradient_steps=2)
+    c.loss.backward()
+    assert torch.equal(a.loss, c.loss)
+    for n, g in grads(m).items():
+        assert torch.equal(g, ga[n]), n
+    with torch.no_grad():  # the values do not depend on autograd
+        assert torch.equal(m(x, depth=3, targets=y, gradient="endpoint", gradient_steps=2).loss, a.loss)
+
+
+def test_endpoint_multi_depth_readouts_and_depth_zero():
+    """The largest requested depth T is read at T + b (with gradient); the smaller ones on the way, at
+    the visited states (their values equal full BPTT's); states hold h_0 … h_{T+b}."""
+    x, y = batch()
+    m = tiny(rule="looped")
+    out = m(x, depth=[1, 2, 3], targets=y, gradient="endpoint", gradient_steps=2, return_states=True)
+    ref = m(x, depth=[1, 2, 5], targets=y)
+    assert set(out.nll_by_depth) == {1, 2, 5} and len(out.states) == 6
+    for k in (1, 2, 5):
+        assert torch.equal(out.nll_by_depth[k], ref.nll_by_depth[k])
+    # depth 0: the endpoint is the initial state, detached
+    m.zero_grad()
+    m(x, depth=0, targets=y, gradient="endpoint", gradient_steps=1).loss.backward()
+    ref = _endpoint_reference_grads(m, x, y, 0, 1)
+    for n, g in grads(m).items():
+        assert torch.allclose(g, ref.get(n, torch.zeros_like(g)), atol=1e-6, rtol=1e-5), n
+
+
+@pytest.mark.parametrize("sup", ["terminal", "per_loop"])
+def test_training_loss_with_endpoint_gradient(sup):
+    x, y = batch()
+    m = tiny(rule="looped")
+    tcfg = TrainConfig(gradient="endpoint", gradient_steps=2, supervision=sup, norm_penalty=0.1)
+    res = training_loss(m, x, y, 3, tcfg)
+    out = m(x, depth=[1, 2, 5], targets=y, return_states=True)
+    keys = [3 + 2] if sup == "terminal" else [1, 2, 5]
+    ce = [F.cross_entropy(out.logits_by_depth[k].flatten(0, 1), y.flatten()) for k in keys]
+    pen = 0.1 * sum(out.states[k].pow(2).mean() for k in [1, 2, 5]) / 3
+    assert torch.allclose(res.loss, sum(ce) / len(ce) + pen, atol=1e-6)
+    assert res.ce == pytest.approx(float(ce[-1].detach()), rel=1e-6)
+
+
+def test_forward_rejects_bad_estimators():
+    x, y = batch()
+    m = tiny(rule="looped")
+    for kw, match in [(dict(gradient="neumann"), "allowed"), (dict(gradient="endpoint"), "needs b >= 1"),
+                      (dict(gradient_steps=2), "full BPTT"),
+                      (dict(tbptt=2, gradient="endpoint", gradient_steps=2), "conflicts")]:
+        with pytest.raises(ValueError, match=match):
+            m(x, depth=2, targets=y, **kw)
+    with pytest.raises(ValueError, match="no recurrence to truncate"):
+        build_model(ModelConfig(architecture="unshared", vocab_size=V, d_model=32, n_heads=4, d_ff=64,
+                                seq_len=L))(x, depth=2, gradient="endpoint", gradient_steps=1)
+
+
+# ------------------------------------------------------------------ config
+def test_gradient_config_fields_and_the_older_tbptt_spelling():
+    t = TrainConfig(tbptt=2)
+    assert (t.gradient, t.gradient_steps, t.tbptt) == ("tbptt", 2, 2)
+    t = TrainConfig(gradient="tbptt", gradient_steps=3)
+    assert t.tbptt == 3  # the older spelling is kept equal
+    t = TrainConfig(gradient="endpoint", gradient_steps=2)
+    assert t.tbptt == 0
+    # changing one spelling resets the other (replace and command-line overrides alike)
+    assert TrainConfig(tbptt=2).replace(gradient="endpoint").to_dict() == t.replace(gradient_steps=2).to_dict()
+    assert TrainConfig(tbptt=2).replace(gradient="bptt").gradient_steps == 0
+    assert (t.replace(tbptt=4).gradient, t.replace(tbptt=0).gradient) == ("tbptt", "bptt")
+    cfg = apply_overrides(Config(train=TrainConfig(tbptt=2)), {"train.gradient": "endpoint"})
+    assert (cfg.train.gradient, cfg.train.gradient_steps, cfg.train.tbptt) == ("endpoint", 2, 0)
+    cfg = apply_overrides(cfg, {"train.tbptt": "3"})
+    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("tbptt", 3)
+    for kw, match in [(dict(gradient="endpoint"), r"train\.gradient_steps: .*needs b >= 1"),
+                      (dict(gradient_steps=2), r"train\.gradient_steps: full BPTT"),
+                      (dict(tbptt=2, gradient="endpoint", gradient_steps=2), r"train\.tbptt: 2 is the older"),
+                      (dict(gradient="neumann", gradient_steps=1), r"train\.gradient: got 'neumann'")]:
+        with pytest.raises(ConfigError, match=match):
+            TrainConfig(**kw)
+
+
+def test_format2_file_from_before_the_estimators_loads_with_its_tbptt():
+    """A format-2 config.json written before ``train.gradient`` / ``gradient_steps`` existed has only
+    ``tbptt``: it loads with the behaviour it was trained with, and round-trips."""
+    for b in (0, 2):
+        d = Config(train=TrainConfig(tbptt=b)).to_dict()
+        del d["train"]["gradient"], d["train"]["gradient_steps"]
+        cfg = Config.from_dict(d)
+        assert (cfg.train.gradient, cfg.train.gradient_steps, cfg.train.tbptt) == (
+            ("tbptt", 2, 2) if b else ("bptt", 0, 0))
+        assert Config.from_json(cfg.to_json()) == cfg
+
+
+# ------------------------------------------------------------------ the cosine diagnostic
+def test_gradient_cosines_limits_and_groups():
+    """TBPTT-b with b ≥ R is full BPTT (cosine 1, norm ratio 1); every group is reported; the
+    estimators differ from full BPTT below R."""
+    from looplm.diagnostics.gradients import gradient_cosines
+
+    m = tiny(**HUGINN)
+    res = gradient_cosines(m, [batch(1), batch(2)], depth=3, steps=(1, 3))
+    assert res["groups"] == ["embeddings/readout", "prelude", "core", "rule", "coda"]
+    rows = {(r["estimator"], r["b"]): r for r in res["rows"]}
+    assert rows[("tbptt", 3)]["overall"]["cos"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[("tbptt", 3)]["overall"]["norm_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[("tbptt", 1)]["overall"]["cos"] < 1 - 1e-4 and rows[("endpoint", 1)]["overall"]["cos"] < 1 - 1e-4
+    assert rows[("tbptt", 1)]["coda"]["cos"] > 0.99  # the coda sees the same readout state's loss
+    assert "| endpoint | 3 |" in res["markdown"]
+
+
+def test_train_with_endpoint_gradient_then_gradcheck_cli(tmp_path, tiny_cfg, tiny_data, capsys):
+    """``train.gradient=endpoint`` trains (exact zero keeps every parameter in the graph) and
+    ``looplm gradcheck`` reports the table and writes JSON + Markdown."""
+    import json
+
+    from looplm.cli import main
+    from looplm.train.trainer import train
+
+    cfg = tiny_cfg.replace(
+        model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_coda=1, dropout=0.0),
+        train=tiny_cfg.train.replace(steps=2, gradient="endpoint", gradient_steps=2, depth_sampler="fixed",
+                                     depth=2, ckpt_every=2, eval_every=2))
+    run = tmp_path / "run"
+    summary = train(cfg, run, progress=False, data=tiny_data)
+    assert summary["val_loss"] is not None
+    saved = Config.from_json((run / "config.json").read_text())
+    assert (saved.train.gradient, saved.train.gradient_steps, saved.train.tbptt) == ("endpoint", 2, 0)
+    out = tmp_path / "g.json"
+    assert main(["gradcheck", "--checkpoint", str(run), "--steps", "1,2", "--batches", "1", "--batch-size", "2",
+                 "--out", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["depth"] == 2 and [(r["estimator"], r["b"]) for r in res["rows"]] == [
+        ("tbptt", 1), ("endpoint", 1), ("tbptt", 2), ("endpoint", 2)]
+    assert out.with_suffix(".md").read_text().startswith("`tiny`")
+    assert "| tbptt | 2 | 1.0000" in capsys.readouterr().out
