@@ -64,6 +64,19 @@ def _block(cfg: ModelConfig) -> Block:
     return Block(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
 
 
+def _normal(name: str, p: torch.Tensor, std: float) -> None:
+    """N(0, std) into ``p``; the fused SwiGLU ``gate_up`` matrix is drawn as its two halves, gate rows
+    first, then up rows — the same draws, in the same RNG order, as the separate ``gate`` and ``up``
+    matrices of the layout before the fusion (so every default model initializes bit for bit as before)."""
+    if name.endswith("mlp.gate_up.weight"):
+        half = p.shape[0] // 2
+        with torch.no_grad():
+            nn.init.normal_(p[:half], 0.0, std)
+            nn.init.normal_(p[half:], 0.0, std)
+    else:
+        nn.init.normal_(p, 0.0, std)
+
+
 def token_rms(h: torch.Tensor) -> torch.Tensor:
     """Per-token RMS over the last dim: (..., d) → (..., 1)."""
     return h.float().pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
@@ -113,7 +126,7 @@ class DepthLM(nn.Module):
         Pre-LN (GPT-2): N(0, init_std) for every matrix and embedding; the residual output projections
         (attention ``proj``, MLP ``down``) get init_std/√(2·blocks), blocks counted physically.
         Post-LN family (SPEC §3, DeepNet/DeepLoop): N(0, init_std) everywhere, then the value rows of
-        ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate``, ``up``, ``down``) of every block are
+        ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate_up``: gate and up, and ``down``) of every block are
         multiplied once by β = (8N)^-p (q and k are not). Gains are 1, biases 0; the adapter gain α
         keeps its configured value.
 
@@ -133,7 +146,7 @@ class DepthLM(nn.Module):
                 continue
             in_block = ".attn." in name or ".mlp." in name
             if post_ln and in_block:
-                nn.init.normal_(p, 0.0, std)
+                _normal(name, p, std)
                 with torch.no_grad():
                     if name.endswith("attn.qkv.weight"):
                         d = p.shape[1]
@@ -143,7 +156,7 @@ class DepthLM(nn.Module):
             elif name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.n_physical_blocks()))
             else:
-                nn.init.normal_(p, 0.0, std)
+                _normal(name, p, std)
         if self.cfg.embed_init_std != -1.0:
             nn.init.normal_(self.tok_emb.weight, 0.0, self.cfg.embed_init_std)
             nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
