@@ -87,3 +87,91 @@ def test_old_checkpoint_layout_loads_strictly(monkeypatch, tmp_path):
     bad.pop("core.blocks.0.mlp.up.weight")  # half of the pair: nothing is migrated, strict loading fails
     with pytest.raises(RuntimeError):
         build_model(cfg).load_state_dict(bad, strict=True)
+
+
+# ---------------------------------------------------------------------------------------------- fused CE
+def _plain_nll(model, x, y, depths, **kw):
+    """Per-depth NLL through the plain readout (full logits, F.cross_entropy)."""
+    out = model(x, depth=depths, keep_logits=True, **kw)
+    return {T: F.cross_entropy(lg.float().flatten(0, -2), y.flatten(), ignore_index=-100,
+                               reduction="none").view(y.shape) for T, lg in out.logits_by_depth.items()}
+
+
+@pytest.mark.parametrize("readout", ["rmsnorm", "raw", "final_only_norm"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_readout_cross_entropy_equals_plain(readout, tied, dtype, monkeypatch):
+    """Loss (every depth) and gradients of the fused chunked readout + CE against the plain path.
+    fp32: loss ≤ 1e-6 relative, gradients ≤ 1e-5; bf16 autocast: loss ≤ 1e-3 relative, gradients
+    ≤ 2e-2 (bf16 logits and bf16 backward matmuls round differently in a different order)."""
+    from looplm.model import fused, looped
+
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 97 * 7)  # 7-token chunks: several chunks and a ragged one
+    cfg = tiny(readout=readout, tie_embeddings=tied, n_prelude=1, n_coda=1, rule="looped")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = torch.randint(0, cfg.vocab_size, (3, 20))
+    y = torch.randint(0, cfg.vocab_size, (3, 20))
+    y[0, :5] = -100
+    y[2, -3:] = -100
+    depths = [1, 3]
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else torch.autocast("cpu", enabled=False)
+    rtol, gtol = (1e-6, 1e-5) if dtype == "float32" else (1e-3, 2e-2)
+
+    def run(use_fused: bool):
+        monkeypatch.setattr(looped, "FUSED_CE", use_fused)
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            out = model(x, depth=depths, targets=y, keep_logits=False, final_depth=3)
+        loss = out.loss + out.nll_by_depth[1].sum() / 7
+        loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, g_plain = run(False)
+    fused_out, g_fused = run(True)
+    assert fused_out.logits is None and not fused_out.logits_by_depth
+    for T in depths:
+        assert fused_out.nll_by_depth[T].shape == y.shape
+        assert (fused_out.nll_by_depth[T][y == -100] == 0).all()
+        torch.testing.assert_close(fused_out.nll_by_depth[T], plain.nll_by_depth[T], rtol=rtol, atol=rtol)
+    assert abs(fused_out.loss.item() - plain.loss.item()) <= rtol * abs(plain.loss.item())
+    if dtype == "float32":  # same rows, same kernel: bitwise (row blocks of a CPU matmul are exact)
+        assert torch.equal(fused_out.loss, plain.loss)
+    assert g_plain.keys() == g_fused.keys()
+    for n in g_plain:
+        scale = g_plain[n].abs().max().clamp(min=1e-12)
+        assert ((g_fused[n] - g_plain[n]).abs().max() / scale).item() <= gtol, n
+
+
+def test_fused_path_also_matches_reference_cross_entropy():
+    """The plain path of forward is itself F.cross_entropy on full logits: the fused NLL equals it."""
+    cfg = tiny(tie_embeddings=False)
+    torch.manual_seed(1)
+    model = build_model(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    y = x.roll(-1, 1)
+    y[:, -1] = -100
+    with torch.no_grad():
+        ref = _plain_nll(model, x, y, [2, 4])
+        out = model(x, depth=[2, 4], targets=y, keep_logits=False)
+    for T in (2, 4):
+        assert torch.equal(out.nll_by_depth[T], ref[T])
+
+
+def test_linear_cross_entropy_saves_no_logits():
+    """The autograd graph of the fused loss keeps h, W and the targets only (no (N, V) tensor)."""
+    from looplm.model.fused import linear_cross_entropy
+
+    N, d, V = 64, 8, 1000
+    h = torch.randn(N, d, requires_grad=True)
+    W = torch.randn(V, d, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        nll = linear_cross_entropy(h, W, t, chunk=16)
+    assert max(saved) <= V * d
+    nll.sum().backward()
+    ref_h, ref_W = h.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    F.cross_entropy(ref_h @ ref_W.T, t, reduction="sum").backward()
+    torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(W.grad, ref_W.grad, rtol=1e-5, atol=1e-6)

@@ -25,9 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig
+from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
+
+
+#: use the fused, chunked readout + cross-entropy (:mod:`looplm.model.fused`) in :meth:`DepthLM.forward`
+#: whenever targets are given, ``keep_logits=False`` and no ``on_depth`` hook wants the logits. Its
+#: losses equal the plain path's bitwise on CPU (gradients to rounding); False restores the plain path.
+FUSED_CE = True
 
 
 @dataclass
@@ -218,6 +225,14 @@ class DepthLM(nn.Module):
             tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda,
                 which sees the whole sequence), so the (B, L, V) logits are never formed.
         """
+        return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
+
+    def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
+                         record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """:meth:`readout` up to the readout matrix: coda, token selection, then the final norm as the
+        readout mode asks. (B, L, d) → (B, L, d), or (N, d) with ``tokens``; ``readout`` is
+        ``lm_head(readout_features(...))``."""
         kv = None if scope is None else scope.at(0, record)
         for block in self.blocks_after:
             h = h + block(h, None, kv)
@@ -226,7 +241,7 @@ class DepthLM(nn.Module):
         mode = self.cfg.readout
         if mode == "rmsnorm" or (mode == "final_only_norm" and final):
             h = self.norm_f(h)
-        return self.lm_head(h)
+        return h
 
     def resolve_final_depth(self, final_depth: int | None, largest: int) -> int:
         """The depth from which a ``final_only_norm`` readout normalizes: ``final_depth`` if given, else
@@ -268,7 +283,9 @@ class DepthLM(nn.Module):
             targets: optional (B, L) int64 next-token ids (or (N,) with ``readout_tokens``); -100
                 marks positions to ignore.
             return_states: also return every hidden state h_0 … h_T (readout coordinates).
-            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory).
+            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory). With
+                targets and no ``on_depth`` hook, False also computes the loss by the fused chunked
+                readout + cross-entropy, which never forms the (B, L, V) logits (``FUSED_CE``).
             tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first T − b steps run without autograd
                 and the state is detached before the last b steps (so activation memory scales with
                 b). Gradients still reach e and the prelude through the context (anchor, injection)
@@ -312,11 +329,18 @@ class DepthLM(nn.Module):
         last, wanted = depths[-1], set(depths)
         final_from = self.resolve_final_depth(final_depth, last)
         out = LoopOutput(states=[] if return_states else None)
+        # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
+        fused = FUSED_CE and targets is not None and not keep_logits and on_depth is None
 
         def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
             if self.exit_gate is not None and T >= 1:
                 out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
             # only the last readout's coda enters the KV cache
+            if fused:  # per-token NLL by the chunked readout + cross-entropy: no (B, L, V) logits
+                feats = self.readout_features(h, final=T >= final_from, scope=scope, record=T == last,
+                                              tokens=readout_tokens)
+                out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
+                return None
             logits = self.readout(h, final=T >= final_from, scope=scope, record=T == last, tokens=readout_tokens)
             if keep_logits:
                 out.logits_by_depth[T] = logits
