@@ -175,3 +175,28 @@ def test_linear_cross_entropy_saves_no_logits():
     F.cross_entropy(ref_h @ ref_W.T, t, reduction="sum").backward()
     torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(W.grad, ref_W.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+def test_prefill_last_position_readout_equals_full_logits():
+    """A cached prefill that reads out only the last position gives the full readout's last row and
+    the same cache; a prefix forward without targets (keep_logits=False) fills the same cache."""
+    from looplm.model.kvcache import KVCache
+
+    cfg = tiny(n_prelude=1, n_coda=1, rule="looped")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 9))
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    caches = [KVCache("per_visit") for _ in range(3)]
+    with torch.no_grad():
+        full = model(x, depth=3, cache=caches[0], attention_mask=mask).logits[:, -1]
+        last = model(x, depth=3, cache=caches[1], attention_mask=mask,
+                     readout_tokens=(torch.arange(2), torch.full((2,), 8))).logits
+        none = model(x, depth=3, cache=caches[2], attention_mask=mask, keep_logits=False)
+    assert torch.equal(full, last) and none.logits is None
+    for c in caches[1:]:
+        assert c.banks.keys() == caches[0].banks.keys()
+        for key, (k, v) in c.banks.items():
+            assert torch.equal(k, caches[0].banks[key][0]) and torch.equal(v, caches[0].banks[key][1])

@@ -285,7 +285,9 @@ class DepthLM(nn.Module):
             return_states: also return every hidden state h_0 … h_T (readout coordinates).
             keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory). With
                 targets and no ``on_depth`` hook, False also computes the loss by the fused chunked
-                readout + cross-entropy, which never forms the (B, L, V) logits (``FUSED_CE``).
+                readout + cross-entropy, which never forms the (B, L, V) logits (``FUSED_CE``);
+                without targets (a cached prefix) the readout matrix is skipped altogether (the coda
+                still runs and fills the cache).
             tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first T − b steps run without autograd
                 and the state is detached before the last b steps (so activation memory scales with
                 b). Gradients still reach e and the prelude through the context (anchor, injection)
@@ -331,15 +333,18 @@ class DepthLM(nn.Module):
         out = LoopOutput(states=[] if return_states else None)
         # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
         fused = FUSED_CE and targets is not None and not keep_logits and on_depth is None
+        # nobody reads the logits (a cached prefill of a prefix): run the coda (it fills the cache), skip W_out
+        unread = targets is None and not keep_logits and on_depth is None
 
         def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
             if self.exit_gate is not None and T >= 1:
                 out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
             # only the last readout's coda enters the KV cache
-            if fused:  # per-token NLL by the chunked readout + cross-entropy: no (B, L, V) logits
+            if fused or unread:  # no (B, L, V) logits: the fused readout + loss, or the coda only
                 feats = self.readout_features(h, final=T >= final_from, scope=scope, record=T == last,
                                               tokens=readout_tokens)
-                out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
+                if fused:
+                    out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
                 return None
             logits = self.readout(h, final=T >= final_from, scope=scope, record=T == last, tokens=readout_tokens)
             if keep_logits:
