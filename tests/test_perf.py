@@ -200,3 +200,35 @@ def test_prefill_last_position_readout_equals_full_logits():
         assert c.banks.keys() == caches[0].banks.keys()
         for key, (k, v) in c.banks.items():
             assert torch.equal(k, caches[0].banks[key][0]) and torch.equal(v, caches[0].banks[key][1])
+
+
+# ---------------------------------------------------------------------------------------------- static cache
+@pytest.mark.parametrize("mode", ["per_visit", "terminal"])
+def test_static_cache_decodes_without_concatenation_and_grows(mode, monkeypatch):
+    """Decoding writes the preallocated banks in place: no torch.cat over K/V per token; a cache with
+    a small max_len grows and gives the same logits; nbytes counts the cached tokens only."""
+    from looplm.model.kvcache import KVCache
+
+    cfg = tiny(n_prelude=1, n_coda=1, rule="scse")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        ref = model(x, depth=3).logits
+        outs = {}
+        for max_len in (None, 5):
+            cache = KVCache(mode, max_len=max_len)
+            model(x[:, :8], depth=3, cache=cache)
+            calls = []
+            real_cat = torch.cat
+            monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: calls.append(len(ts)) or real_cat(ts, *a, **k))
+            outs[max_len] = real_cat([model(x[:, j:j + 1], depth=3, cache=cache).logits for j in range(8, 16)], 1)
+            monkeypatch.setattr(torch, "cat", real_cat)
+            assert not calls  # no concatenation in the decode steps
+            assert cache.length == 16 and cache.capacity >= 16
+            per_bank = 2 * 2 * cfg.n_heads * 16 * (cfg.d_model // cfg.n_heads) * 4  # K and V, B=2, fp32
+            assert cache.nbytes() == cache.n_banks() * per_bank
+            assert cache.capacity_nbytes() >= cache.nbytes()
+    assert torch.equal(outs[None], outs[5])
+    if mode == "per_visit":  # exact against the full forward
+        torch.testing.assert_close(outs[None], ref[:, 8:], rtol=1e-5, atol=1e-5)

@@ -393,6 +393,8 @@ class DepthLM(nn.Module):
                  else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
         if cache is not None:
             cache.calls_per_step = self.calls_per_step
+            if cache.capacity is None:
+                cache.capacity = self.cfg.seq_len  # the static cache's preallocated positions
         start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
         positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
         key_valid = valid if attention_mask is not None else None
