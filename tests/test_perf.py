@@ -232,3 +232,39 @@ def test_static_cache_decodes_without_concatenation_and_grows(mode, monkeypatch)
     assert torch.equal(outs[None], outs[5])
     if mode == "per_visit":  # exact against the full forward
         torch.testing.assert_close(outs[None], ref[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+@pytest.mark.parametrize("kw", [dict(rule="looped"), dict(rule="scse"),
+                                dict(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1),
+                                dict(architecture="unshared", n_layers=3)])
+def test_flop_proxy_equals_flop_counter(kw):
+    """The FLOP proxy (SCSE eq. 20–21) equals torch's FlopCounterMode on a full-length forward: matmuls
+    (q/k/v/proj 8d², gate_up/down 6·d·d_ff, readout 2·d·V) and attention 4·L·d (counted as full, not
+    causal, by both; SDPA runs its math backend, whose bmm the counter sees — the CPU flash kernel
+    has no FLOP formula); multi-depth adds one coda + readout per extra depth. The rule's own small
+    matmuls (SCSE's anchor/initial projections, Huginn's 2d → d adapter) are outside the proxy: they
+    are counted apart (module ``LoopLM.rule``) and are all the difference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
+
+    cfg = tiny(**kw)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    B, L = 2, cfg.seq_len
+    x = torch.randint(0, cfg.vocab_size, (B, L))
+    for depths in ([3], [1, 2, 4]):
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+            model(x, depth=depths, keep_logits=True)
+        want = (flops_per_token(cfg, depths[0])["body_head"] if len(depths) == 1
+                else multidepth_flops_per_token(cfg, depths))
+        counts = fc.get_flop_counts()
+        pre = f"{type(model).__name__}.rule"
+        leaves = [k for k in counts if (k == pre or k.startswith(pre + ".")) and not any(
+            o.startswith(k + ".") for o in counts)]
+        rule = sum(sum(counts[k].values()) for k in leaves)  # the rule's own modules (no nesting counted twice)
+        assert fc.get_total_flops() - rule == B * L * want, (depths, counts)
+        if kw.get("rule") == "huginn_linear":  # the adapter: 2·(2d)·d per token per step
+            assert rule == B * L * depths[-1] * 2 * 2 * cfg.d_model * cfg.d_model
