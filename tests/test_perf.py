@@ -268,3 +268,54 @@ def test_flop_proxy_equals_flop_counter(kw):
         assert fc.get_total_flops() - rule == B * L * want, (depths, counts)
         if kw.get("rule") == "huginn_linear":  # the adapter: 2·(2d)·d per token per step
             assert rule == B * L * depths[-1] * 2 * 2 * cfg.d_model * cfg.d_model
+
+
+def test_old_optimizer_state_migrates_to_the_fused_layout(monkeypatch):
+    """AdamW state of the pre-fusion layout (FQN-keyed, as checkpoints store it) migrates: the fused
+    model's optimizer holds the stacked gate/up moments (gate rows first) and every other moment as
+    saved, and it steps. (The next step itself is not compared bitwise: the fused matmul sums ∂x over
+    2·d_ff in one reduction, and Adam's first steps amplify last-bit gradient differences.)"""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from looplm.train.checkpoint import migrate_fused_mlp_optimizer_state
+
+    cfg = tiny(rule="looped", n_core=2)
+    old = _old_model(cfg, 0, monkeypatch)
+    x = torch.randint(0, cfg.vocab_size, (2, 12))
+    opt = torch.optim.AdamW(old.parameters(), lr=1e-2)
+    old(x, depth=2, targets=x).loss.backward()
+    opt.step()
+    saved = get_optimizer_state_dict(old, opt)
+    sd = migrate_fused_mlp_optimizer_state(saved)
+    assert not any(k.endswith(("mlp.gate.weight", "mlp.up.weight")) for k in sd["state"])
+    new = build_model(cfg)
+    new.load_state_dict(old.state_dict())
+    new_opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    set_optimizer_state_dict(new, new_opt, sd)
+    got = get_optimizer_state_dict(new, new_opt)["state"]
+    assert len(got) == len(saved["state"]) - cfg.n_core
+    for k, st in got.items():
+        if k.endswith("mlp.gate_up.weight"):
+            p = k[: -len("gate_up.weight")]
+            for m in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[m], torch.cat([saved["state"][p + "gate.weight"][m],
+                                                     saved["state"][p + "up.weight"][m]]))
+        else:
+            assert all(torch.equal(st[m], saved["state"][k][m]) for m in ("exp_avg", "exp_avg_sq", "step"))
+    new(x, depth=2, targets=x).loss.backward()
+    new_opt.step()
+    assert migrate_fused_mlp_optimizer_state(sd) is sd  # already fused: unchanged
+
+
+def test_old_sharded_weights_load_into_the_fused_model(monkeypatch, tmp_path):
+    """A sharded (DCP) checkpoint of the pre-fusion layout consolidates into the fused model."""
+    from looplm.train.checkpoint import SHARDED_DIR, _load_sharded_model
+    from looplm.train.dist import DistEnv, save_shards
+
+    cfg = tiny(rule="looped", n_core=2)
+    old = _old_model(cfg, 0, monkeypatch)
+    save_shards({"model": old.state_dict()}, tmp_path / SHARDED_DIR, DistEnv())
+    new = build_model(cfg)
+    _load_sharded_model(tmp_path, new)
+    x = torch.randint(0, cfg.vocab_size, (2, 12))
+    assert torch.equal(new(x, depth=2).logits, old(x, depth=2).logits)
