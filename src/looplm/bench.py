@@ -25,7 +25,8 @@ Issue 15 adds, in the same run:
 - decoding at batch 1 and 8 and 512- and 2,048-token contexts at the Huginn shape (R = 8, per_visit
   cache, decode phase): ``huginn_decode_b{B}_ctx{C}_tokens_per_s`` (tokens of all rows per second);
   ``decode_b1_tokens_per_s`` is batch 1 at 512; ``huginn_decode_cache_speedup`` that against
-  uncached recompute;
+  uncached recompute; ``decode_compile_speedup``: batch 1 at 512 with every block compiled by
+  ``torch.compile`` (inductor) over eager;
 - ``peak_train_mem_bytes``: peak memory of one training step (forward + backward) at the Huginn
   shape, measured — on CUDA ``torch.cuda.max_memory_allocated`` above the resting memory; on CPU the
   peak resident set of a fresh subprocess (``VmHWM``, reset through ``/proc/self/clear_refs`` just
@@ -416,6 +417,18 @@ def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: floa
             res[key] = decode_tokens_per_s(dec, batch_size=b, context=c, new_tokens=new, depth=depth, device=device)
             log(f"huginn shape: decode batch {b}, {c}-token context: {res[key]:.1f} tok/s")
     res["decode_b1_tokens_per_s"] = res[f"huginn_decode_b1_ctx{contexts[0]}_tokens_per_s"]
+    # blocks compiled by torch.compile (inductor; the cache bookkeeping stays eager at a graph break)
+    import copy
+
+    from looplm.train.trainer import compile_blocks
+
+    compiled = compile_blocks(copy.deepcopy(dec), backend="aot_eager" if quick else "inductor")
+    decode_tokens_per_s(compiled, batch_size=1, context=contexts[0], new_tokens=4, depth=depth, device=device)  # compile
+    res["decode_b1_compiled_tokens_per_s"] = decode_tokens_per_s(compiled, batch_size=1, context=contexts[0],
+                                                                 new_tokens=new, depth=depth, device=device)
+    res["decode_compile_speedup"] = res["decode_b1_compiled_tokens_per_s"] / res["decode_b1_tokens_per_s"]
+    log(f"huginn shape: decode batch 1 with compiled blocks ×{res['decode_compile_speedup']:.2f} of eager")
+    del compiled
 
     @torch.no_grad()
     def uncached() -> None:
@@ -560,6 +573,8 @@ def markdown(res: dict[str, Any]) -> str:
                for k in sorted(res) if k.startswith("huginn_decode_b") and k.endswith("_tokens_per_s")
                and "uncached" not in k
                for b, c in [tuple(int(p[1:]) if p[0] == "b" else int(p[3:]) for p in k.split("_")[2:4])]],
+             f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
+             f"{res['decode_b1_compiled_tokens_per_s']:.1f} |",
              f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
              f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
              "", "| target | value | target | status |", "|---|---:|---:|:---:|"]

@@ -175,6 +175,9 @@ class KVVisit(NamedTuple):
     visit: int
     record: bool = True
 
+    # a compiled block (torch.compile) runs the cache bookkeeping eagerly: the graph breaks here, so
+    # the block compiles into the part before and after attention, whatever the visit or cache length
+    @torch.compiler.disable
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0) -> torch.Tensor:
         """See :meth:`AttentionScope.attend`. (B, H, L, hd) each → (B, H, L, hd)."""
