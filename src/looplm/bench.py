@@ -515,7 +515,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    res.update(decode_measurements(cfg, depth=depth, device=dev, **({"context": 128, "new_tokens": 8} if quick else {})))
+    res.update(decode_measurements(cfg, depth=depth, device=dev, **({"new_tokens": 8} if quick else {})))
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
