@@ -169,10 +169,30 @@ def test_linear_cross_entropy_saves_no_logits():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
         nll = linear_cross_entropy(h, W, t, chunk=16)
-    assert max(saved) <= V * d
+    assert max(saved) <= V * d  # h, W, targets, G @ W (N, d) and Gᵀh (V, d): never (N, V)
     nll.sum().backward()
     ref_h, ref_W = h.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
     F.cross_entropy(ref_h @ ref_W.T, t, reduction="sum").backward()
+    torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(W.grad, ref_W.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_linear_cross_entropy_with_per_token_weights(ahead):
+    """Non-uniform upstream weights (the exit_weighted loss) and ignored targets: ∂h from the saved
+    rows, ∂W recomputed; ahead=False recomputes both. Against autograd through F.cross_entropy."""
+    from looplm.model.fused import linear_cross_entropy
+
+    torch.manual_seed(0)
+    N, d, V = 50, 8, 300
+    h = torch.randn(N, d, requires_grad=True)
+    W = torch.randn(V, d, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[::7] = -100
+    w = torch.rand(N)
+    (linear_cross_entropy(h, W, t, chunk=16, ahead=ahead) * w).sum().backward()
+    ref_h, ref_W = h.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    (F.cross_entropy(ref_h @ ref_W.T, t, reduction="none") * w).sum().backward()
     torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(W.grad, ref_W.grad, rtol=1e-5, atol=1e-6)
 
