@@ -1,5 +1,6 @@
 # Quick start:  make demo   (the main job)   ·   make test   (the test suite)
-# Both create .venv on first use: CPU torch from requirements-cpu.txt, then looplm in editable mode.
+# Both create .venv on first use: CPU torch from requirements-cpu.txt, then looplm in editable mode with
+# the dev, hf (transformers) and lmeval (lm-evaluation-harness) extras, so the interop tests run too.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ $(BIN)/looplm: pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-cpu.txt
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,hf,lmeval]"
 	touch $(BIN)/looplm
 
 install: $(BIN)/looplm

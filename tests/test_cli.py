@@ -71,12 +71,22 @@ def _results_db(tmp_path):
     lambda tmp, out: ["train", "--preset", "debug", "--quiet", "--train.steps", "2", "--out", str(out)],
     lambda tmp, out: ["demo", "--steps", "1", "--eval-tokens", "100", "--depths", "1", "--rules", "looped",
                       "--quiet", "--out", str(out)],
-], ids=["bench", "sweep", "report", "train", "demo"])
+    lambda tmp, out: ["export", "--checkpoint", str(tmp / "missing"), "--out", str(out)],
+], ids=["bench", "sweep", "report", "train", "demo", "export"])
 def test_unwritable_out_folder_is_refused_before_the_work(make_argv, afile, tmp_path, capsys):
     out = afile / "sub"
     assert main(make_argv(tmp_path, out)) == 2
     err = capsys.readouterr().err
     assert f"--out {out}: cannot be written: {afile} is a file, not a folder" in err and "Traceback" not in err
+
+
+def test_lm_eval_out_and_db_are_checked_before_the_work(afile, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    for flag in ("--out", "--db"):
+        bad = afile / "x.json"
+        assert main(["lm-eval", "--checkpoint", str(tmp_path / "missing"), "--tasks", "t", flag, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"looplm lm-eval: error: {flag} {bad}: cannot be written" in err and "Traceback" not in err
 
 
 def test_out_parents_are_created_first(ckpt, tmp_path, capsys):

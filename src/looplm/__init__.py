@@ -28,3 +28,15 @@ blind-spot paper; ``SPEC.md`` pins every equation this package implements.
 """
 
 __version__ = "0.1.0"
+
+# Hugging Face Auto classes: registered here only when transformers is already imported (importing it
+# costs seconds, which the core never pays); `import looplm.hf` always registers (looplm.hf docstring).
+import sys as _sys
+
+if "transformers" in _sys.modules:
+    try:
+        from looplm.hf import register as _register_hf
+
+        _register_hf()
+    except ImportError:  # a transformers too old or broken for looplm.hf: the core still works
+        pass

@@ -549,7 +549,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 #: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
-COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands")
+COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands", "looplm.hf_commands")
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:
@@ -758,12 +758,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"{args._parser.prog}: error: {msg}", file=sys.stderr)
+        print(f"{getattr(args, '_parser', parser).prog}: error: {msg}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - surface checkpoint errors without a traceback
         from looplm.train.checkpoint import CheckpointError
 
         if isinstance(exc, CheckpointError):
-            print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
+            print(f"{getattr(args, '_parser', parser).prog}: error: {exc}", file=sys.stderr)
             return 2
         raise

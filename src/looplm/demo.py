@@ -173,4 +173,38 @@ def readme_table(results: dict[str, Any]) -> str:
     for rule, entry in results["models"].items():
         cells = [" / ".join(_ppl(entry["eval"][title][str(T)]["ppl"]) for T in ds) for title, _, ds in cols]
         lines.append(f"| `{rule}` | {entry['params']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + readme_summary(results)
+
+
+def _get_ppl(entry: dict[str, Any], title: str, T: int) -> float:
+    v = entry["eval"].get(title, {}).get(str(T), {}).get("ppl")
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan
+
+
+def readme_summary(results: dict[str, Any]) -> str:
+    """The README's sentences about a demo run, computed from its ``results.json`` (so no number in
+    them is typed by hand): wall times, the best model at T=8 on Brown test, each model's PPL against
+    the unigram model, the change from T=8 to the largest depth, and the final validation PPL."""
+    models = results["models"]
+    depths = sorted(int(T) for T in results["depths"])
+    t_ref, t_max = (8 if 8 in depths else depths[len(depths) // 2]), depths[-1]
+    brown, wt2 = README_COLUMNS[0][0], README_COLUMNS[1][0]
+    train_s = ", ".join(f"`{r}` {m['train'].get('wall_s', math.nan):.0f} s" for r, m in models.items())
+    lines = [f"Wall time: {results.get('wall_s', math.nan):.0f} s in all; training {train_s}."]
+    ranked = sorted(models, key=lambda r: _get_ppl(models[r], brown, t_ref))
+    if len(ranked) > 1:
+        lines.append(f"- **At T={t_ref} on Brown test** `{ranked[0]}` has the lowest PPL "
+                     f"({_ppl(_get_ppl(models[ranked[0]], brown, t_ref))}; "
+                     + ", ".join(f"`{r}` {_ppl(_get_ppl(models[r], brown, t_ref))}" for r in ranked[1:]) + ").")
+    for title, label in ((brown, "Brown test"), (wt2, "WikiText-2 (held out)")):
+        uni = results["unigram_ppl"].get(title, math.nan)
+        parts = [f"`{r}` {uni / _get_ppl(m, title, t_ref):.2f}×" for r, m in models.items()]
+        lines.append(f"- **{label}, against the unigram model** ({_ppl(uni)}), PPL ratio unigram / model at "
+                     f"T={t_ref}: " + ", ".join(parts) + ".")
+    parts = [f"`{r}` {100 * (_get_ppl(m, brown, t_max) / _get_ppl(m, brown, t_ref) - 1):+.0f}% "
+             f"({_ppl(_get_ppl(m, brown, t_ref))} → {_ppl(_get_ppl(m, brown, t_max))})" for r, m in models.items()]
+    lines.append(f"- **Depth beyond training** (Brown test, T={t_ref} → T={t_max}): " + ", ".join(parts) + ".")
+    parts = [f"`{r}` {_ppl(m['train'].get('val_ppl', math.nan))}" for r, m in models.items()]
+    lines.append("- **Validation PPL at the end of training** (Brown valid, T = train.eval_depth): "
+                 + ", ".join(parts) + ".")
     return "\n".join(lines)

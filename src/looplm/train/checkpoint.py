@@ -304,6 +304,10 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
+    from looplm.hf_folder import hf_export_config, is_hf_export
+
+    if is_hf_export(ckpt):
+        return hf_export_config(ckpt)
     return Config.from_json((ckpt / CONFIG_FILE).read_text())
 
 
@@ -364,7 +368,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     into the plain model in this process (whatever world size wrote it).
     Without ``with_state`` the training state is not needed (nor verified), and a plain export (a
     folder with ``config.json`` and ``model.safetensors``, no manifest) loads unverified. The model
-    comes back in eval mode (dropout off) with ``final_depth`` set to the nominal training depth.
+    comes back in eval mode (dropout off) with ``final_depth`` set to the nominal training depth. A
+    Hugging Face export folder (``looplm export``; :mod:`looplm.hf_folder`) loads too, without
+    transformers.
 
     Raises:
         CheckpointError: missing, truncated or corrupted checkpoint.
@@ -378,6 +384,12 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
+    if not with_state and not (ckpt / MANIFEST_FILE).exists():
+        from looplm.hf_folder import is_hf_export, load_hf_export
+
+        if is_hf_export(ckpt):  # a Hugging Face export (`looplm export`): transformers not needed
+            model, cfg = load_hf_export(ckpt, device=device)
+            return model, cfg, None, ckpt
     if not (ckpt / MANIFEST_FILE).exists() and not with_state and (ckpt / CONFIG_FILE).exists() \
             and (ckpt / MODEL_FILE).exists():
         manifest = {"files": {MODEL_FILE: {}}}  # a plain export: config.json + model.safetensors (+ tokenizer)

@@ -1,0 +1,68 @@
+"""``LoopLMConfig``: the transformers config of a looplm model (``model_type = "looplm"``).
+
+It holds the whole looplm :class:`~looplm.config.Config` dict under ``looplm`` (the model is rebuilt
+from it exactly) plus the settings of the wrapper:
+
+- ``num_steps``: the default recurrence depth of a forward (``model(ids, num_steps=…)`` overrides it
+  per call; the name is the one Huginn's Hugging Face model uses for the same argument);
+- ``kv_cache``: the layout of the cache :meth:`generate` creates, ``per_visit`` (exact) or
+  ``terminal`` (terminal KV sharing);
+- ``final_depth``: the depth from which a ``final_only_norm`` readout normalizes (the checkpoint's
+  nominal training depth, as ``looplm``'s loader sets it).
+
+The usual transformers names (``vocab_size``, ``hidden_size``, ``num_attention_heads``,
+``num_hidden_layers`` = physical blocks, ``max_position_embeddings``, ``tie_word_embeddings``) are
+derived from the looplm config for tools that read them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from looplm.hf_folder import CONFIG_KEY, MODEL_TYPE
+
+
+class LoopLMConfig(PretrainedConfig):
+    """See the module docstring. ``LoopLMConfig.from_looplm(cfg)`` builds one from a looplm Config."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, looplm: dict[str, Any] | None = None, num_steps: int | None = None,
+                 kv_cache: str = "per_visit", final_depth: int | None = None, **kwargs: Any):
+        from looplm.config import Config
+
+        cfg = Config.from_dict(looplm) if looplm is not None else Config()
+        m = cfg.model
+        self.looplm = cfg.to_dict()
+        self.num_steps = int(num_steps) if num_steps is not None else int(cfg.train.eval_depth)
+        if kv_cache not in ("per_visit", "terminal"):
+            raise ValueError(f"kv_cache: got {kv_cache!r}; allowed: per_visit, terminal")
+        self.kv_cache = kv_cache
+        self.final_depth = final_depth if final_depth is not None else int(cfg.train.nominal_depth)
+        self.vocab_size = m.vocab_size
+        self.hidden_size = m.d_model
+        self.num_attention_heads = m.n_heads
+        self.intermediate_size = m.d_ff
+        self.max_position_embeddings = m.seq_len
+        self.num_hidden_layers = (m.n_prelude + m.n_core + m.n_coda) if m.architecture == "shared" else m.n_layers
+        self.rule = m.rule if m.architecture == "shared" else "unshared"
+        self.tie_word_embeddings = bool(kwargs.pop("tie_word_embeddings", m.tie_embeddings))
+        self.use_cache = bool(kwargs.pop("use_cache", m.architecture == "shared"))
+        for key in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+                    "max_position_embeddings", "num_hidden_layers", "rule"):
+            kwargs.pop(key, None)  # derived from the looplm config, never stored twice
+        super().__init__(**kwargs)
+        self.tie_word_embeddings = bool(m.tie_embeddings)
+
+    @classmethod
+    def from_looplm(cls, cfg, **kwargs: Any) -> "LoopLMConfig":
+        """From a looplm :class:`~looplm.config.Config` (or its dict)."""
+        return cls(looplm=cfg if isinstance(cfg, dict) else cfg.to_dict(), **kwargs)
+
+    def looplm_config(self):
+        """The looplm :class:`~looplm.config.Config` this config holds."""
+        from looplm.config import Config
+
+        return Config.from_dict(getattr(self, CONFIG_KEY))

@@ -1,0 +1,450 @@
+"""An lm-evaluation-harness backend for looplm checkpoints (model name ``looplm``), and a multi-depth runner.
+
+**Backend** (:class:`LoopLMEvalHarness`, a ``TemplateLM``). ``--model_args``:
+
+- ``checkpoint=DIR``: a checkpoint, run directory or Hugging Face export folder (required);
+- ``depth=T``: the loop depth whose answers the harness gets (default: the largest of ``depths``,
+  else the checkpoint's ``train.eval_depth``);
+- ``depths=1;8;48``: depths scored together (``;``-separated, since the harness splits on commas):
+  every ``loglikelihood`` / ``loglikelihood_rolling`` batch is **one unroll** read out at all of
+  them, and the per-depth answers are memoized, so switching ``depth`` later costs no forward;
+- ``batch_size``, ``device``, ``kv_cache`` (``per_visit`` / ``terminal``, for ``generate_until``),
+  ``stride`` (sliding-window stride of ``loglikelihood_rolling``; default non-overlapping windows).
+
+``loglikelihood``: context + continuation tokens (the harness's own ``_encode_pair``: the whole string
+encoded, the context's tokens split off), left-truncated to ``seq_len + 1`` tokens like
+``looplm eval --task lambada``, right-padded batches, only the continuation positions read out;
+returns (sum of log-probabilities, all tokens greedy) per request. ``loglikelihood_rolling``: the
+document's tokens after the prefix token (``<|endoftext|>``) cut into looplm's evaluation windows
+(:func:`looplm.data.tokens.eval_windows`, every token scored once). ``generate_until``: looplm's
+cached generation (:func:`looplm.generate.generate`) at the active depth, greedy unless the task asks
+for sampling, the context left-truncated so context + continuation fit ``seq_len``, the text cut at the
+first stop sequence (generation cannot share an unroll across depths: it runs once per depth).
+
+**Registration.** Importing this module registers ``looplm`` with the harness's model registry. The
+installed lm-eval (0.4.13) has no plugin entry points for models, so the plain ``lm_eval`` command
+cannot find it; ``python -m looplm.hf.harness …`` (console script ``looplm-lm-eval``) is the
+harness's own command line with ``looplm`` registered, so ``looplm-lm-eval --model looplm
+--model_args checkpoint=DIR,depth=8 --tasks lambada_openai`` works from the shell. It reports one
+table, at ``depth``.
+
+**Several depths** (:func:`evaluate_harness`, ``looplm lm-eval --depths 1,8,48``): one backend scores
+every depth; ``simple_evaluate`` then runs once per depth with that depth active, answered from the
+memo (one unroll per batch in all). The result has one harness result per depth (``depths`` →
+``"T"`` → ``results``), and with ``db=`` every numeric metric is stored in looplm's results store:
+protocol ``lm_eval``, dataset = the task name, split ``""``, depth T, settings (lm-eval version,
+few-shot, limit, stride) in the protocol hash, metric names without the harness's ``,none`` filter
+suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …).
+
+**Definitions vs looplm's own evaluations.** LAMBADA (``lambada_openai``'s format): the harness's
+``acc`` is looplm's ``exact_acc`` (every target token greedy-correct) and its ``perplexity`` is
+exp(−mean over *passages* of the target's summed log-probability) — per passage, whereas looplm's
+``target_ppl`` is token-weighted (exp of the mean NLL over target tokens); the harness splits the last
+word on ``' '`` while looplm splits on any whitespace (7 of 5,153 passages end after a newline).
+WikiText: the harness scores each document from a ``<|endoftext|>`` prefix (its first token scored)
+and reports word / byte perplexity and bits per byte, whereas ``looplm eval`` scores one token stream
+of the whole split (its first token unscored) and reports token perplexity; the stock ``wikitext``
+task also detokenizes the document-level dataset. :func:`write_local_tasks` writes offline tasks over
+the shared files where the definitions can be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
+MODEL_NAME = "looplm"
+
+
+def parse_depths(value: Any) -> list[int]:
+    """``8`` / ``"1;8;48"`` / ``"1 8"`` / ``[1, 8]`` → sorted unique depths (ValueError on anything else)."""
+    if value is None:
+        return []
+    if isinstance(value, (int, np.integer)):
+        items = [int(value)]
+    elif isinstance(value, str):
+        items = [int(s) for s in value.replace(";", " ").replace(":", " ").split() if s]
+    else:
+        items = [int(v) for v in value]
+    if not items or min(items) < 0:
+        raise ValueError(f"depths: need loop depths >= 0 like 1;8;48, got {value!r}")
+    return sorted(set(items))
+
+
+@register_model(MODEL_NAME)
+class LoopLMEvalHarness(TemplateLM):
+    """The ``looplm`` harness backend (module docstring)."""
+
+    def __init__(self, checkpoint: str | None = None, depth: int | str | None = None, depths: Any = None,
+                 batch_size: int | str | None = 16, device: str | None = "cpu", kv_cache: str = "per_visit",
+                 stride: int | None = None, max_batch_size: int | None = None, model=None, config=None,
+                 tokenizer=None, **kwargs: Any):
+        super().__init__()
+        from looplm.data.tokenizer import EOT
+
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # the harness's command line defaults to cuda; a user who asked for it gets the warning
+            import logging
+
+            logging.getLogger(__name__).warning("looplm: device=%s but no CUDA device is available; using cpu", device)
+            device = "cpu"
+        if model is None:
+            if checkpoint is None:
+                raise ValueError("looplm: give checkpoint=DIR in --model_args")
+            from looplm.eval.runner import load_tokenizer_for
+            from looplm.train.checkpoint import load_checkpoint
+
+            model, config, _, ckpt = load_checkpoint(checkpoint, device=device or "cpu")
+            tokenizer = load_tokenizer_for(ckpt)
+            self.checkpoint = str(ckpt)
+        else:
+            self.checkpoint = checkpoint
+        if kwargs:
+            unknown = {k: v for k, v in kwargs.items() if v is not None}
+            if unknown:
+                raise ValueError(f"looplm: unknown model_args {sorted(unknown)}; allowed: checkpoint, depth, depths, "
+                                 "batch_size, device, kv_cache, stride")
+        self.model, self.config, self.tok = model, config, tokenizer
+        self.device_ = torch.device(device or "cpu")
+        self.seq_len = int(model.cfg.seq_len)
+        listed = parse_depths(depths)
+        default = int(config.train.eval_depth) if config is not None else 8
+        self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
+        self.depths = sorted(set(listed) | {self.depth})
+        self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
+        self.kv_cache = kv_cache
+        self.stride = None if stride in (None, "", "none") else int(stride)
+        self.eot = tokenizer.token_to_id(EOT)
+        if self.eot is None:
+            raise ValueError(f"looplm: the tokenizer has no {EOT}")
+        self._memo: dict[tuple, dict[int, Any]] = {}
+        self.unrolls = 0  # forwards run (one per batch, whatever the number of depths)
+
+    # ------------------------------------------------------------------ TemplateLM plumbing
+    @property
+    def eot_token_id(self) -> int:
+        return self.eot
+
+    @property
+    def max_length(self) -> int:
+        return self.seq_len
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tok.encode(string, add_special_tokens=False).ids
+
+    def tok_decode(self, tokens: Sequence[int], **kwargs) -> str:
+        return self.tok.decode(list(tokens), skip_special_tokens=False)
+
+    def get_model_info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"model": MODEL_NAME, "checkpoint": self.checkpoint, "depth": self.depth, "depths": self.depths,
+                "rule": None if cfg is None else cfg.model.rule,
+                "params": self.model.num_params()}
+
+    def set_depth(self, depth: int) -> None:
+        """Make ``depth`` the depth whose answers are returned (it must be one of ``depths``)."""
+        if int(depth) not in self.depths:
+            raise ValueError(f"depth {depth} is not among the scored depths {self.depths}")
+        self.depth = int(depth)
+
+    # ------------------------------------------------------------------ loglikelihood
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        keys = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
+        todo = sorted({k for k in keys if k not in self._memo or any(T not in self._memo[k] for T in self.depths)},
+                      key=lambda k: -(len(k[0]) + len(k[1])))
+        self.model.eval()
+        for i in tqdm(range(0, len(todo), self.batch_size_), disable=disable_tqdm or not todo, desc="looplm ll"):
+            chunk = todo[i:i + self.batch_size_]
+            seqs = [(list(c) + list(t))[-(self.seq_len + 1):] for c, t in chunk]
+            n_cont = [min(len(t), len(s) - 1) for (_, t), s in zip(chunk, seqs)]
+            width = max(len(s) for s in seqs) - 1
+            x = torch.zeros(len(chunk), width, dtype=torch.long)
+            rows, cols, tgt = [], [], []
+            for b, (s, n) in enumerate(zip(seqs, n_cont)):
+                x[b, :len(s) - 1] = torch.tensor(s[:-1])
+                for j in range(len(s) - 1 - n, len(s) - 1):  # position j predicts s[j + 1]
+                    rows.append(b)
+                    cols.append(j)
+                    tgt.append(s[j + 1])
+            rows_t, cols_t, tgt_t = (torch.tensor(v, dtype=torch.long, device=self.device_) for v in (rows, cols, tgt))
+            out = self.model(x.to(self.device_), depth=self.depths, readout_tokens=(rows_t, cols_t))
+            self.unrolls += 1
+            per_depth = {}
+            for T in self.depths:
+                logp = out.logits_by_depth[T].float().log_softmax(-1)  # (N, V)
+                ll = logp.gather(-1, tgt_t[:, None]).squeeze(-1).double()
+                hit = (logp.argmax(-1) == tgt_t).float()
+                sums = torch.zeros(len(chunk), dtype=torch.float64, device=self.device_).index_add_(0, rows_t, ll)
+                miss = torch.zeros(len(chunk), device=self.device_).index_add_(0, rows_t, 1.0 - hit)
+                per_depth[T] = (sums.tolist(), (miss == 0).tolist())
+            for b, k in enumerate(chunk):
+                self._memo[k] = {T: (float(per_depth[T][0][b]), bool(per_depth[T][1][b])) for T in self.depths}
+        results = []
+        for (req, _, _), k in zip(requests, keys):
+            ans = self._memo[k][self.depth]
+            results.append(ans)
+            self.cache_hook.add_partial("loglikelihood", req, ans)
+        return results
+
+    @torch.no_grad()
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from looplm.data.tokens import eval_windows
+
+        self.model.eval()
+        out_vals = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="looplm rolling"):
+            (text,) = req.args
+            key = ("rolling", self.stride, tuple(self.tok_encode(text)))
+            if key not in self._memo or any(T not in self._memo[key] for T in self.depths):
+                stream = np.asarray([self.prefix_token_id, *key[2]], dtype=np.int64)
+                total = {T: 0.0 for T in self.depths}
+                for x, y, mask in eval_windows(stream, self.seq_len, self.batch_size_, stride=self.stride):
+                    x, y, mask = x.to(self.device_), y.to(self.device_), mask.to(self.device_)
+                    o = self.model(x, depth=self.depths, targets=y.masked_fill(~mask, -100), keep_logits=False)
+                    self.unrolls += 1
+                    for T in self.depths:
+                        total[T] -= float(o.nll_by_depth[T][mask].double().sum())
+                self._memo[key] = total
+            ll = self._memo[key][self.depth]
+            out_vals.append(ll)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
+        return out_vals
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from looplm.generate import generate
+
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        for key, idxs in groups.items():
+            kw = dict(json.loads(key))
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            eot_text = self.tok_decode([self.eot])
+            if eot_text not in until:
+                until.append(eot_text)
+            max_new = max(1, min(int(kw.pop("max_gen_toks", 256)), self.seq_len))
+            do_sample = bool(kw.pop("do_sample", False))
+            temperature = float(kw.pop("temperature", 0.0) or 0.0) if do_sample else 0.0
+            top_k, top_p = kw.pop("top_k", None), kw.pop("top_p", None)
+            seed = int(kw.pop("seed", 0) or 0)
+            keep = self.seq_len - max_new + 1
+            for i in tqdm(range(0, len(idxs), self.batch_size_), disable=disable_tqdm, desc="looplm generate"):
+                part = idxs[i:i + self.batch_size_]
+                prompts = [(self.tok_encode(requests[j].args[0]) or [self.eot])[-keep:] for j in part]
+                gen = generate(self.model, prompts, max_new, self.depth, temperature=temperature,
+                               top_k=None if top_k is None else int(top_k),
+                               top_p=None if top_p is None else float(top_p), seed=seed,
+                               cache_mode=self.kv_cache, eos_id=self.eot)
+                for j, toks in zip(part, gen.tokens):
+                    text = self.tok_decode(toks)
+                    for stop in until:
+                        if stop and stop in text:
+                            text = text[:text.index(stop)]
+                    results[j] = text
+                    self.cache_hook.add_partial("generate_until", requests[j].args, text)
+        return results  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------- runner
+
+
+def _metrics(task_result: dict[str, Any]) -> dict[str, float]:
+    """Numeric harness metrics of one task, ``,none`` filter suffix dropped (other filters kept)."""
+    out = {}
+    for name, value in task_result.items():
+        if name == "alias" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        metric, _, filt = name.partition(",")
+        out[metric if filt in ("", "none") else f"{metric},{filt}"] = float(value)
+    return out
+
+
+def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[str], depths: Sequence[int] | None = None,
+                     include_path: str | Path | None = None, include_defaults: bool = True,
+                     num_fewshot: int | None = None, limit: float | None = None, batch_size: int = 16,
+                     device: str = "cpu", kv_cache: str = "per_visit", stride: int | None = None, seed: int = 0,
+                     bootstrap_iters: int = 1000, db: str | Path | None = None, tag: str = "",
+                     lm: LoopLMEvalHarness | None = None) -> dict[str, Any]:
+    """Harness tasks at several loop depths from one unroll per batch (module docstring).
+
+    Args:
+        checkpoint: checkpoint, run directory or export folder (or give ``lm``).
+        tasks: harness task names (found in ``include_path`` and, with ``include_defaults``, the
+            harness's own tasks).
+        depths: loop depths (default: the checkpoint's ``train.eval_depth``).
+        db: a looplm results database: every numeric metric is stored per task and depth.
+
+    Returns:
+        JSON-ready dict: ``checkpoint``, ``tasks``, ``depths`` → ``"T"`` → ``{"results": {task: metrics}}``
+        (the harness's ``results`` section), ``unrolls`` (forwards run), ``lm_eval_version``,
+        ``stored`` (rows written to ``db``) and ``markdown``.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    if lm is None:
+        lm = LoopLMEvalHarness(checkpoint=str(checkpoint), depths=list(depths) if depths else None,
+                               batch_size=batch_size, device=device, kv_cache=kv_cache, stride=stride)
+    run_depths = list(depths) if depths else [lm.depth]
+    lm.depths = sorted(set(lm.depths) | set(run_depths))
+    manager = TaskManager(include_path=None if include_path is None else str(include_path),
+                          include_defaults=include_defaults)
+    per_depth: dict[str, Any] = {}
+    for T in sorted(set(run_depths)):
+        lm.set_depth(T)
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
+        per_depth[str(T)] = {"results": {task: _metrics(r) for task, r in res["results"].items()},
+                             "n_samples": res.get("n-samples", {})}
+    version = getattr(lm_eval, "__version__", "unknown")
+    out: dict[str, Any] = {"checkpoint": lm.checkpoint, "tasks": list(tasks), "depths": per_depth,
+                           "unrolls": lm.unrolls, "lm_eval_version": version, "stored": 0}
+    settings = {"lm_eval_version": version, "num_fewshot": num_fewshot, "limit": limit, "stride": lm.stride,
+                "kv_cache": lm.kv_cache}
+    out["settings"] = settings
+    if db is not None:
+        if lm.config is None:
+            raise ValueError("db: storing results needs the checkpoint's looplm config")
+        from looplm.analysis.store import EvalIdentity, ResultStore
+
+        items = []
+        for T, r in per_depth.items():
+            for task, metrics in r["results"].items():
+                if metrics:
+                    items.append((EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T),
+                                                    settings=settings, tag=tag), metrics))
+        with ResultStore(db) as store:
+            out["stored"] = store.put_many(items, config=lm.config, settings=settings)
+    out["markdown"] = markdown_table(per_depth)
+    return out
+
+
+def markdown_table(per_depth: dict[str, Any]) -> str:
+    """One row per (task, metric), one column per depth."""
+    depths = sorted(per_depth, key=int)
+    rows = ["| task | metric | " + " | ".join(f"T={T}" for T in depths) + " |",
+            "|---|---|" + "---:|" * len(depths)]
+    tasks = sorted({t for r in per_depth.values() for t in r["results"]})
+    for task in tasks:
+        names = sorted({m for r in per_depth.values() for m in r["results"].get(task, {})})
+        for m in names:
+            vals = [per_depth[T]["results"].get(task, {}).get(m) for T in depths]
+            rows.append(f"| {task} | {m} | " + " | ".join("–" if v is None else f"{v:.4g}" for v in vals) + " |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------- local tasks
+
+LAMBADA_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+WIKITEXT_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{page}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path, wikitext_raw: str | Path | None = None,
+                      max_chars: int | None = None, docs: int | None = None) -> dict[str, Path]:
+    """Write offline harness tasks into ``folder`` (give it as ``include_path``):
+
+    - ``looplm_lambada``: ``lambada_openai``'s prompt and metrics over a local LAMBADA jsonl;
+    - ``looplm_wikitext``: ``loglikelihood_rolling`` over the raw WikiText file cut into its articles
+      (a line `` = Title = `` starts one), scored as they are (no detokenizer), with the stock task's
+      word / byte perplexity and bits per byte; ``docs`` keeps the first N articles and ``max_chars``
+      cuts each at a line end.
+
+    Returns:
+        {task name: YAML path}.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    path = folder / "looplm_lambada.yaml"
+    path.write_text(LAMBADA_YAML.format(name="looplm_lambada", path=json.dumps(str(Path(lambada_jsonl).resolve()))))
+    out["looplm_lambada"] = path
+    if wikitext_raw is not None:
+        pages = wikitext_documents(Path(wikitext_raw).read_text(encoding="utf-8"))[:docs]
+        if max_chars is not None:
+            pages = [p if len(p) <= max_chars else p[:p.rfind("\n", 0, max_chars) + 1] for p in pages]
+        data = folder / "looplm_wikitext.jsonl"
+        data.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages), encoding="utf-8")
+        path = folder / "looplm_wikitext.yaml"
+        path.write_text(WIKITEXT_YAML.format(name="looplm_wikitext", path=json.dumps(str(data.resolve()))))
+        out["looplm_wikitext"] = path
+    return out
+
+
+def wikitext_documents(text: str) -> list[str]:
+    """Split a raw WikiText file into articles: a new one starts at each top-level heading line
+    (`` = Title = ``, not `` = = Section = = ``)."""
+    lines = text.splitlines(keepends=True)
+    docs: list[list[str]] = []
+    for i, line in enumerate(lines):
+        s = line.strip()
+        top = s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
+        if top or not docs:
+            docs.append([])
+        docs[-1].append(line)
+    return ["".join(d) for d in docs if "".join(d).strip()]
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """The harness's own command line with ``looplm`` registered (``python -m looplm.hf.harness``)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    result = cli_evaluate()
+    return int(result or 0) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main())

@@ -1,0 +1,299 @@
+"""``LoopLMForCausalLM``: a transformers ``PreTrainedModel`` + ``GenerationMixin`` around a looplm model,
+and ``LoopLMCache``: a transformers ``Cache`` over looplm's :class:`~looplm.model.kvcache.KVCache`.
+
+**Depth.** ``model(input_ids, num_steps=T)`` runs T loop steps; ``num_steps`` defaults to
+``config.num_steps``. It may be a list of depths: all are read out from one unroll, ``logits`` is the
+largest depth's and ``logits_by_depth`` maps each depth to its logits. ``generate(…, num_steps=T)``
+passes it to every forward. ``output_loop_logits=True`` reads out every depth 0 … T.
+
+**Per-loop states.** ``output_hidden_states=True`` returns ``hidden_states`` = (h_0, …, h_T): the loop
+state after each loop step in readout coordinates (before the coda), as looplm's ``return_states``;
+``len(hidden_states) == T + 1``, like transformers' "embeddings + one per layer".
+
+**Cache.** With ``use_cache`` (default for the shared architecture) a forward appends its chunk to a
+:class:`LoopLMCache` (layout ``config.kv_cache``, or ``kv_cache=`` per call when the cache is created)
+and returns it as ``cache``; the next forward gets only the new tokens. ``generate`` creates a
+transformers ``DynamicCache`` first: an empty foreign cache is replaced by a :class:`LoopLMCache` on the
+first forward (a non-empty one is an error). Beam search reorders it with
+:meth:`LoopLMCache.reorder_cache` (rows of every bank, the validity mask and the per-sequence
+statistics of the SCSE mask). The unshared reference has no KV cache: it always recomputes.
+
+**Padding.** ``attention_mask`` (B, L) marks left padding with 0; position ids count real tokens only
+(``position_ids`` passed by transformers are ignored: they are derived from the mask and the cache,
+the same way). With a cache, the mask may cover the cached tokens too (transformers' convention):
+only its last L columns are used, the cache keeps the earlier ones.
+
+**Loss.** ``labels`` (B, L) as in transformers (shifted inside; -100 ignored): the token-weighted mean
+cross-entropy at the largest depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from looplm.hf.configuration import LoopLMConfig
+from looplm.model.kvcache import CACHE_MODES, KVCache
+
+
+class LoopLMCache(Cache):
+    """A transformers ``Cache`` holding a looplm :class:`KVCache` (``per_visit`` or ``terminal``).
+
+    Attributes:
+        kv: the looplm cache (banks, validity mask, real-token counts, per-sequence statistics).
+    """
+
+    is_compileable = False
+
+    def __init__(self, mode: str = "per_visit", kv: KVCache | None = None):
+        try:
+            super().__init__(layers=[])
+        except TypeError:  # older Cache signatures
+            super().__init__()
+        if mode not in CACHE_MODES:
+            raise ValueError(f"kv_cache: unknown {mode!r}; allowed: {', '.join(CACHE_MODES)}")
+        self.kv = kv if kv is not None else KVCache(mode)
+
+    def __repr__(self) -> str:
+        return f"LoopLMCache(mode={self.kv.mode!r}, length={self.kv.length}, banks={self.kv.n_banks()})"
+
+    def __len__(self) -> int:
+        return self.kv.n_banks()
+
+    def __bool__(self) -> bool:  # an empty cache is still a cache
+        return True
+
+    @property
+    def mode(self) -> str:
+        return self.kv.mode
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Cached positions (left padding included), as transformers counts them."""
+        return self.kv.length
+
+    def get_max_length(self, layer_idx: int | None = None):
+        return None  # grows without bound (up to the model's seq_len)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.kv.valid is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False]
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.kv.valid is None else int(self.kv.valid.shape[0])
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes()
+
+    def _rows(self, index: torch.Tensor) -> None:
+        if self.kv.valid is not None:
+            self.kv.select(index.to(self.kv.valid.device).long())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep the rows ``beam_idx`` (beam search), in place; duplicates copy a row."""
+        self._rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.kv.valid is not None:
+            self._rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("LoopLMCache cannot be cropped (assisted decoding is not supported)")
+
+    def reset(self) -> None:
+        self.kv = KVCache(self.kv.mode)
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError("LoopLMCache is filled by the looplm model itself, not layer by layer")
+
+
+@dataclass
+class LoopLMCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus ``logits_by_depth`` ({T: (B, L, V)}) when several depths are read
+    out (``num_steps`` a list, or ``output_loop_logits=True``)."""
+
+    logits_by_depth: dict[int, torch.Tensor] | None = None
+
+
+class LoopLMPreTrainedModel(PreTrainedModel):
+    config_class = LoopLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        """No-op: the looplm model initializes itself when built (``DepthLM.reset_parameters``), and
+        ``from_pretrained`` loads every weight."""
+
+
+def _cache_field() -> str:
+    """The output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)."""
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+if _cache_field() != "cache":  # one spelling for looplm's callers on either transformers
+    LoopLMCausalLMOutput.cache = property(lambda self: self.past_key_values)
+
+
+class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
+    """A looplm model as a transformers causal LM (module docstring). ``self.model`` is the plain
+    :class:`~looplm.model.LoopLM` (or :class:`~looplm.model.TransformerLM`)."""
+
+    def __init__(self, config: LoopLMConfig, model=None):
+        super().__init__(config)
+        from looplm.model import build_model
+
+        cfg = config.looplm_config()
+        self.model = model if model is not None else build_model(cfg.model)
+        self.model.final_depth = config.final_depth
+        if cfg.model.tie_embeddings:
+            self._tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
+        self.post_init()
+
+    @classmethod
+    def from_looplm(cls, model, cfg, **config_kwargs: Any) -> "LoopLMForCausalLM":
+        """Wrap a built looplm model (weights shared, not copied) with its looplm ``cfg``."""
+        config = LoopLMConfig.from_looplm(cfg, **config_kwargs)
+        if model.final_depth is not None and "final_depth" not in config_kwargs:
+            config.final_depth = int(model.final_depth)
+        hf = cls(config, model=model)
+        hf.train(model.training)
+        return hf
+
+    @classmethod
+    def from_checkpoint(cls, path, *, device: str = "cpu", **config_kwargs: Any) -> "LoopLMForCausalLM":
+        """A looplm checkpoint, run directory or export folder as a transformers model (no export needed;
+        ``config_kwargs`` such as ``num_steps`` or ``kv_cache`` go to :class:`LoopLMConfig`)."""
+        from looplm.train.checkpoint import load_checkpoint
+
+        model, cfg, _, _ = load_checkpoint(path, device=device)
+        return cls.from_looplm(model, cfg, **config_kwargs)
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def _resolve_cache(self, cache, use_cache: bool, kv_cache: str | None) -> LoopLMCache | None:
+        if not self.model.shared:
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("cache: the unshared reference has no KV cache")
+            return None
+        if isinstance(cache, LoopLMCache):
+            return cache
+        if cache is not None:
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"cache: a non-empty {type(cache).__name__} cannot hold a looped model's K/V; "
+                                 "pass a LoopLMCache (or none)")
+            return LoopLMCache(kv_cache or self.config.kv_cache)
+        return LoopLMCache(kv_cache or self.config.kv_cache) if use_cache else None
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+                past_key_values: Cache | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None,
+                num_steps: int | Sequence[int] | None = None, output_loop_logits: bool = False,
+                kv_cache: str | None = None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs: Any):
+        """See the module docstring. ``position_ids`` is accepted and ignored (derived from the mask).
+
+        Raises:
+            ValueError: ``inputs_embeds`` (not supported), ``output_attentions``, a bad depth, or a
+                non-empty cache of another type.
+        """
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids (and not inputs_embeds)")
+        if output_attentions:
+            raise ValueError("output_attentions: not supported (looplm attends through SDPA)")
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("cache_position", None)
+        kwargs.pop("token_type_ids", None)
+        if kwargs:
+            raise TypeError(f"LoopLMForCausalLM.forward: unexpected arguments {sorted(kwargs)}")
+        if cache is None:
+            cache = past_key_values
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        use_cache = bool(use_cache) and not self.training
+        steps = self.config.num_steps if num_steps is None else num_steps
+        multi = not isinstance(steps, int)
+        depths = sorted({int(t) for t in steps}) if multi else [int(steps)]
+        if output_loop_logits:
+            depths, multi = list(range(depths[-1] + 1)), True
+        hf_cache = self._resolve_cache(cache, use_cache, kv_cache)
+        kv = hf_cache.kv if hf_cache is not None else None
+        B, L = input_ids.shape
+        mask = attention_mask
+        if mask is not None:
+            past = kv.length if kv is not None else 0
+            if mask.shape[1] == past + L:
+                mask = mask[:, past:]
+            elif mask.shape[1] != L:
+                raise ValueError(f"attention_mask: {tuple(mask.shape)} for {L} new tokens after {past} cached ones")
+            if kv is None and bool(mask.all()):
+                mask = None  # no padding: the plain causal forward (the same numbers)
+        targets = None
+        if labels is not None:
+            targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), -100)], dim=1)
+        out = self.model(input_ids, depth=depths if multi else depths[0], targets=targets,
+                         return_states=bool(output_hidden_states), cache=kv, attention_mask=mask)
+        result = {"loss": out.loss, "logits": out.logits, _cache_field(): hf_cache,
+                  "hidden_states": tuple(out.states) if output_hidden_states else None,
+                  "logits_by_depth": dict(out.logits_by_depth) if multi else None}
+        if return_dict is False:
+            return tuple(v for v in result.values() if v is not None)
+        return LoopLMCausalLMOutput(**result)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code shims
+        (``trust_remote_code=True`` then loads without looplm's registration; see
+        :mod:`looplm.hf.export`)."""
+        from looplm.hf.export import AUTO_MAP, write_remote_code
+
+        self.config.auto_map = dict(AUTO_MAP)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)
+        return result
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' own, without ``position_ids`` (derived from the mask by the model)."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs.pop("position_ids", None)
+        return inputs
