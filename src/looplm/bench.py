@@ -237,7 +237,10 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
         def run() -> None:
             cache = KVCache(mode)
             t0 = time.perf_counter()
-            nxt = model(prompt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+            # the prefill reads out only the last position, as generate's does
+            last = (torch.zeros(1, dtype=torch.long, device=device),
+                    torch.full((1,), prompt.shape[1] - 1, dtype=torch.long, device=device))
+            nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
             _sync(device)
             t1 = time.perf_counter()
             for _ in range(new_tokens - 1):
