@@ -64,8 +64,9 @@ def test_initialized_standard_deviations():
         assert w[:d].std().item() == pytest.approx(s, rel=0.03)  # q
         assert w[d:2 * d].std().item() == pytest.approx(s, rel=0.03)  # k
         assert w[2 * d:].std().item() == pytest.approx(s * beta, rel=0.03)  # v
-        for lin in (blk.attn.proj, blk.mlp.gate, blk.mlp.up, blk.mlp.down):
-            assert lin.weight.std().item() == pytest.approx(s * beta, rel=0.03)
+        f = c.d_ff
+        for w in (blk.attn.proj.weight, blk.mlp.gate_up.weight[:f], blk.mlp.gate_up.weight[f:], blk.mlp.down.weight):
+            assert w.std().item() == pytest.approx(s * beta, rel=0.03)  # gate, up (fused) and down
     assert m.tok_emb.weight.std().item() == pytest.approx(s, rel=0.03)
     # pre-LN keeps GPT-2's 1/sqrt(2·blocks) on the output projections and no β
     torch.manual_seed(0)

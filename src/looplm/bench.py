@@ -17,6 +17,29 @@ Every figure is a ratio taken within the same run, so the machine's speed cancel
   re-running the full forward on the growing sequence; ``terminal_kv_bytes_ratio``: KV bytes of the
   terminal cache over the per-visit cache (1/T for a model without prelude and coda).
 
+Issue 15 adds, in the same run:
+
+- the Huginn shape (:func:`huginn_config`: V = 50,257, d = 256, 4 heads, SwiGLU 1,024, 1 prelude +
+  2-block core + 1 coda, ``huginn_linear``, R = 8, L = 128, B = 16, fp32): ``huginn_shape_mfu``
+  (training), its multi-depth evaluation and its decoding;
+- decoding at batch 1 and 8 and 512- and 2,048-token contexts at the Huginn shape (R = 8, per_visit
+  cache, decode phase): ``huginn_decode_b{B}_ctx{C}_tokens_per_s`` (tokens of all rows per second);
+  ``decode_b1_tokens_per_s`` is batch 1 at 512; ``huginn_decode_cache_speedup`` that against
+  uncached recompute; ``decode_compile_speedup``: batch 1 at 512 with every block compiled by
+  ``torch.compile`` (inductor) over eager;
+- ``peak_train_mem_bytes``: peak memory of one training step (forward + backward) at the Huginn
+  shape, measured — on CUDA ``torch.cuda.max_memory_allocated`` above the resting memory; on CPU the
+  peak resident set of a fresh subprocess (``VmHWM``, reset through ``/proc/self/clear_refs`` just
+  before the step) over its RSS then (tracemalloc does not see torch's allocations; a fresh process
+  keeps the allocator's cached memory of earlier measurements out);
+  ``peak_train_mem_ratio``: that over the same step with the plain (unfused) readout + loss;
+- ``multidepth_flop_ratio``: multi-depth evaluation time over the time its FLOPs predict from one
+  max-depth evaluation (``t_single × F_multi / F_single``, :func:`looplm.analysis.flops.multidepth_flops_per_token`:
+  each extra depth costs a coda and a readout); ``multidepth_vs_separate_speedup``: separate runs
+  over it.
+
+``quick=True`` (``--quick``) shrinks every shape (a smoke test: seconds; the values mean nothing).
+
 Each target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met``, or ``invalid`` when the
 value is impossible (MFU above 1, or not a finite number), or ``unstable`` for the timed targets when
 the machine's speed moved during the run: the per-repeat fp32 matmul rates spread by more than
@@ -35,7 +58,7 @@ from typing import Any, Callable
 
 import torch
 
-from looplm.analysis.flops import flops_per_token
+from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
 from looplm.finite import dumps
@@ -43,13 +66,18 @@ from looplm.model import LoopLM, build_model
 from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context, resolve_device
 
-TARGETS = {"mfu": (">=", 0.60), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
+TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
-           "tbptt_peak_mem_ratio": ("<=", 1.3), "decode_cache_speedup": (">=", 10.0),
-           "terminal_kv_bytes_ratio": ("==", None)}  # None: 1/T of the run, set in run_bench
+           "tbptt_peak_mem_ratio": ("<=", 1.3), "decode_cache_speedup": (">=", 20.0),  # issue 15 (was 10)
+           "terminal_kv_bytes_ratio": ("==", None),  # None: 1/T of the run, set in run_bench
+           # issue 15
+           "huginn_shape_mfu": (">=", 0.65), "multidepth_flop_ratio": ("<=", 1.1),
+           "multidepth_vs_separate_speedup": (">=", 2.5), "huginn_decode_cache_speedup": (">=", 20.0),
+           "peak_train_mem_ratio": ("<=", 0.6)}
 #: targets measured by timing (their status is "unstable" when the machine's speed moved during the run)
 TIMED = ("mfu", "bf16_train_speedup", "loop_overhead_ratio", "scse_vs_looped_ratio", "multidepth_eval_ratio",
-         "decode_cache_speedup")
+         "decode_cache_speedup", "huginn_shape_mfu", "multidepth_flop_ratio", "multidepth_vs_separate_speedup",
+         "huginn_decode_cache_speedup")
 #: largest relative spread of the fp32 matmul rate (between repeats, and start vs end) of a stable run
 MAX_SPREAD = 0.25
 
@@ -107,7 +135,7 @@ def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) ->
     out = {}
     for k, (op, v) in targets.items():
         x = res[k]
-        if not math.isfinite(x) or (k == "mfu" and x > 1):
+        if not math.isfinite(x) or (k in ("mfu", "huginn_shape_mfu") and x > 1):
             status = "invalid"
         elif k in TIMED and not stable:
             status = "unstable"
@@ -196,7 +224,7 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
     sequence). ``decode_tokens_per_s_{mode}`` is the decode phase (one cached step per token after the
     prompt's prefill, which ``decode_prefill_s_{mode}`` times apart); ``..._with_prefill_{mode}``
     counts the prefill too. Issue 6: ``decode_cache_speedup`` (decode phase, per_visit vs uncached)
-    ≥ 10, ``terminal_kv_bytes_ratio`` = 1/T."""
+    ≥ 10 (issue 15: ≥ 20), ``terminal_kv_bytes_ratio`` = 1/T."""
     from looplm.model.kvcache import KVCache
 
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
@@ -209,7 +237,10 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
         def run() -> None:
             cache = KVCache(mode)
             t0 = time.perf_counter()
-            nxt = model(prompt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+            # the prefill reads out only the last position, as generate's does
+            last = (torch.zeros(1, dtype=torch.long, device=device),
+                    torch.full((1,), prompt.shape[1] - 1, dtype=torch.long, device=device))
+            nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
             _sync(device)
             t1 = time.perf_counter()
             for _ in range(new_tokens - 1):
@@ -238,6 +269,190 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
     return res
 
 
+def huginn_config(quick: bool = False) -> ModelConfig:
+    """The Huginn shape of issue 15 (Huginn's layout, looplm's ``huginn_linear`` rule), fp32, no
+    dropout; ``quick``: the same layout at toy sizes."""
+    if quick:
+        return ModelConfig(rule="huginn_linear", vocab_size=512, d_model=32, n_heads=2, d_ff=64, seq_len=16,
+                           n_prelude=1, n_core=2, n_coda=1, dropout=0.0)
+    return ModelConfig(rule="huginn_linear", vocab_size=50257, d_model=256, n_heads=4, d_ff=1024, seq_len=128,
+                       n_prelude=1, n_core=2, n_coda=1, dropout=0.0)
+
+
+def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat: int, device: torch.device,
+                            prefix: str = "") -> dict[str, float]:
+    """Multi-depth evaluation (one unroll read out at every depth) against one evaluation at the
+    largest depth, its FLOP-proportional time, and separate runs at every depth."""
+    cfg = model.cfg
+    multi = eval_seconds(model, depths, batch_size=batch_size, repeat=repeat, device=device)
+    single = eval_seconds(model, [max(depths)], batch_size=batch_size, repeat=repeat, device=device)
+    separate = sum(eval_seconds(model, [t], batch_size=batch_size, repeat=1, device=device) for t in depths)
+    f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
+    return {f"{prefix}multidepth_eval_s": multi, f"{prefix}multidepth_single_s": single,
+            f"{prefix}multidepth_separate_s": separate, f"{prefix}multidepth_eval_ratio": multi / single,
+            f"{prefix}multidepth_flops_ratio_predicted": f_multi / f_single,
+            f"{prefix}multidepth_flop_ratio": multi / (single * f_multi / f_single),
+            f"{prefix}multidepth_vs_separate_speedup": separate / multi}
+
+
+@torch.no_grad()
+def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int, depth: int,
+                        device: torch.device, mode: str = "per_visit") -> float:
+    """Decode-phase tokens/s (all rows) of greedy cached decoding after a prompt that fills a
+    ``context``-token window (the prefill reads out only the last position and is not timed)."""
+    from looplm.model.kvcache import KVCache
+
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.cfg.vocab_size, (batch_size, context - new_tokens), device=device)
+    last = (torch.arange(batch_size, device=device), torch.full((batch_size,), prompt.shape[1] - 1, device=device))
+    cache = KVCache(mode, max_len=context)
+    nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
+    nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)  # warm-up step
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 2):
+        nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+    _sync(device)
+    return batch_size * (new_tokens - 2) / (time.perf_counter() - t0)
+
+
+def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int, queue) -> None:
+    """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS
+    before it."""
+    import resource
+
+    from looplm.model import looped
+
+    torch.set_num_threads(threads)
+    looped.FUSED_CE = fused
+    cfg = ModelConfig(**cfg_dict)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+    def status(field: str) -> int | None:  # /proc/self/status field in bytes (Linux)
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+        except (OSError, StopIteration):
+            return None
+
+    try:  # reset the peak RSS (VmHWM) to the current RSS (Linux ≥ 4.0), so imports and model building do not count
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    before = status("VmRSS")
+    model(x, depth=depth, targets=x, keep_logits=False).loss.backward()
+    peak = status("VmHWM")
+    if before is None or peak is None:  # no procfs: the process's lifetime peak
+        before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put(max(0, peak - before))
+
+
+def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
+                      fused: bool = True) -> int:
+    """Peak memory (bytes) of one training step (forward + backward) of ``cfg`` at loop depth ``depth``
+    above the memory before it (module docstring: CUDA peak allocated; CPU peak RSS of a subprocess).
+    ``fused=False``: with the plain readout + loss (full logits)."""
+    from looplm.model import looped
+
+    if device.type == "cuda":
+        old = looped.FUSED_CE
+        looped.FUSED_CE = fused
+        try:
+            torch.manual_seed(0)
+            model = build_model(cfg).to(device).train()
+            x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model(x, depth=depth, targets=x, keep_logits=False).loss.backward()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+        finally:
+            looped.FUSED_CE = old
+    import dataclasses
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_train_step_peak_rss,
+                    args=(dataclasses.asdict(cfg), depth, batch_size, fused, torch.get_num_threads(), q))
+    p.start()
+    try:
+        value = q.get(timeout=1800)
+    finally:
+        p.join()
+    return int(value)
+
+
+def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: float, device: torch.device,
+                        quick: bool, log: Callable[..., None]) -> dict[str, Any]:
+    """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding at
+    batch 1 and 8 and 512- and 2,048-token contexts (and against uncached recompute at batch 1, 512),
+    and peak training memory fused vs plain readout + loss."""
+    hcfg = huginn_config(quick)
+    B = 2 if quick else 16
+    res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
+        "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
+        "huginn_batch_size": B, "huginn_depth": depth}
+    tps = train_tokens_per_s(hcfg, depth, batch_size=B, steps=steps, device=device)
+    res["huginn_train_tokens_per_s"] = tps
+    res["huginn_shape_mfu"] = tps * 3 * flops_per_token(hcfg, depth)["body_head"] / (peak32 * 1e9)
+    log(f"huginn shape: train {tps:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
+
+    torch.manual_seed(0)
+    model = build_model(hcfg).to(device)
+    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
+    res.update(multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
+                                       prefix="huginn_"))
+    log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
+        f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
+
+    contexts = (12, 16) if quick else (512, 2048)
+    new = 4 if quick else 16
+    long = hcfg.replace(seq_len=max(contexts))
+    torch.manual_seed(0)
+    dec = build_model(long).to(device).eval()
+    for b in (1, 8):
+        for c in contexts:
+            key = f"huginn_decode_b{b}_ctx{c}_tokens_per_s"
+            res[key] = decode_tokens_per_s(dec, batch_size=b, context=c, new_tokens=new, depth=depth, device=device)
+            log(f"huginn shape: decode batch {b}, {c}-token context: {res[key]:.1f} tok/s")
+    res["decode_b1_tokens_per_s"] = res[f"huginn_decode_b1_ctx{contexts[0]}_tokens_per_s"]
+    # blocks compiled by torch.compile (inductor; the cache bookkeeping stays eager at a graph break)
+    import copy
+
+    from looplm.train.trainer import compile_blocks
+
+    compiled = compile_blocks(copy.deepcopy(dec), backend="aot_eager" if quick else "inductor")
+    decode_tokens_per_s(compiled, batch_size=1, context=contexts[0], new_tokens=4, depth=depth, device=device)  # compile
+    res["decode_b1_compiled_tokens_per_s"] = decode_tokens_per_s(compiled, batch_size=1, context=contexts[0],
+                                                                 new_tokens=new, depth=depth, device=device)
+    res["decode_compile_speedup"] = res["decode_b1_compiled_tokens_per_s"] / res["decode_b1_tokens_per_s"]
+    log(f"huginn shape: decode batch 1 with compiled blocks ×{res['decode_compile_speedup']:.2f} of eager")
+    del compiled
+
+    @torch.no_grad()
+    def uncached() -> None:
+        seq = torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device)
+        for _ in range(n_unc):
+            seq = torch.cat([seq, dec(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
+
+    n_unc = 2 if quick else 4
+    res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / _timeit(uncached, warmup=0, repeat=1, device=device)
+    res["huginn_decode_cache_speedup"] = res["decode_b1_tokens_per_s"] / res["huginn_decode_b1_uncached_tokens_per_s"]
+    log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
+    del model, dec
+
+    res["peak_train_mem_bytes"] = peak_train_memory(hcfg, depth, batch_size=B, device=device)
+    res["peak_train_mem_bytes_plain"] = peak_train_memory(hcfg, depth, batch_size=B, device=device, fused=False)
+    res["peak_train_mem_ratio"] = res["peak_train_mem_bytes"] / max(1, res["peak_train_mem_bytes_plain"])
+    log(f"huginn shape: peak training memory {res['peak_train_mem_bytes'] / 2**20:.0f} MiB fused vs "
+        f"{res['peak_train_mem_bytes_plain'] / 2**20:.0f} MiB plain readout + loss")
+    return res
+
+
 def machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -248,8 +463,13 @@ def machine() -> dict[str, Any]:
 
 
 def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, steps: int = 5, matmul_n: int = 2048,
-              device: str = "auto", progress: bool = True) -> dict[str, Any]:
-    """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``)."""
+              device: str = "auto", quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``).
+
+    ``quick``: a smoke test at toy shapes (the ``debug`` preset, depth ≤ 2, batch 2, one step, 64²
+    matmuls, the Huginn layout at toy sizes): checks that every measurement runs, not the targets."""
+    if quick:
+        preset, depth, batch_size, steps, matmul_n = "debug", min(depth, 2), 2, 1, 64
     dev = resolve_device(device, "--device")
     cfg = get_preset(preset).model.replace(dropout=0.0)
     log = print if progress else (lambda *a, **k: None)
@@ -289,21 +509,22 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
 
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
-    depths = list(DEFAULT_DEPTHS)
-    multi = eval_seconds(model, depths, batch_size=batch_size, repeat=steps, device=dev)
-    single = eval_seconds(model, [max(depths)], batch_size=batch_size, repeat=steps, device=dev)
-    separate = sum(eval_seconds(model, [t], batch_size=batch_size, repeat=1, device=dev) for t in depths)
-    res["multidepth_eval_ratio"] = multi / single
-    res["multidepth_vs_separate_speedup"] = separate / multi
-    log(f"multi-depth eval {multi:.3f}s vs deepest only {single:.3f}s vs separate {separate:.3f}s per batch")
+    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
+    res.update(multidepth_measurements(model, depths, batch_size=batch_size, repeat=steps, device=dev))
+    log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
+        f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
+        f"×{res['multidepth_flop_ratio']:.3f}")
 
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    res.update(decode_measurements(cfg, depth=depth, device=dev))
+    res.update(decode_measurements(cfg, depth=depth, device=dev, **({"new_tokens": 8} if quick else {})))
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
+
+    res.update(huginn_measurements(depth=depth, batch_size=batch_size, steps=steps, peak32=peak32, device=dev,
+                                   quick=quick, log=log))
 
     # the machine's speed again at the end: load that came or went during the run shows up here
     end32 = matmul_peak_gflops(torch.float32, peak_n, dev)
@@ -345,6 +566,20 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['decode_tokens_per_s_with_prefill_terminal']:.1f}; "
              f"{res['decode_cache_speedup_with_prefill']:.2f}× |",
              f"| KV bytes per_visit / terminal | {res['kv_bytes_per_visit']:,} / {res['kv_bytes_terminal']:,} |",
+             f"| multi-depth eval: measured / FLOP-predicted time (preset; Huginn shape) | "
+             f"{res['multidepth_flop_ratio']:.3f}; {res['huginn_multidepth_flop_ratio']:.3f} |",
+             f"| Huginn shape: training tokens/s (fp32, B={res['huginn_batch_size']}, T={res['huginn_depth']}) | "
+             f"{res['huginn_train_tokens_per_s']:.0f} |",
+             f"| Huginn shape: peak training-step memory fused / plain readout + loss | "
+             f"{res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
+             *[f"| Huginn shape: decode tokens/s, batch {b}, {c}-token context | {res[k]:.1f} |"
+               for k in sorted(res) if k.startswith("huginn_decode_b") and k.endswith("_tokens_per_s")
+               and "uncached" not in k
+               for b, c in [tuple(int(p[1:]) if p[0] == "b" else int(p[3:]) for p in k.split("_")[2:4])]],
+             f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
+             f"{res['decode_b1_compiled_tokens_per_s']:.1f} |",
+             f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
+             f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
              "", "| target | value | target | status |", "|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
         status = t.get("status", "met" if t["met"] else "not met")

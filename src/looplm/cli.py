@@ -639,7 +639,8 @@ def _build_bench(p: argparse.ArgumentParser) -> None:
         "batch_size": Opt(type=positive_int, metavar="N", help="sequences per step"),
         "steps": Opt(type=positive_int, metavar="N", help="timed repetitions per measurement (median)"),
         "matmul_n": Opt(type=positive_int, metavar="N", help="matmul size for the peak measurement"),
-        "device": Opt(help="cpu, cuda or auto")})
+        "device": Opt(help="cpu, cuda or auto"),
+        "quick": Opt(help="smoke test at toy shapes (seconds): every measurement runs, the values mean nothing")})
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)
 

@@ -205,7 +205,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         idx, mask = _left_pad(prompts, device)
         cache = KVCache(cache_mode)
         prefill_depth = ceiling if adaptive else depth
-        logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask).logits[:, -1]  # (B, V)
+        # the prefill reads out only the last position (left padding: every row's last token is real)
+        last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
+        logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last).logits  # (B, V)
         step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
         active = list(range(len(prompts)))  # original row of each batch row
         for n in range(max_new_tokens):

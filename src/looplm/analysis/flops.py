@@ -39,3 +39,17 @@ def flops_per_token(cfg: ModelConfig, depth: int) -> dict[str, int]:
     """
     body = body_applications(cfg, depth) * block_flops_per_token(cfg)
     return {"body": body, "body_head": body + 2 * cfg.d_model * cfg.vocab_size}
+
+
+def readout_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs per token of one readout: the coda's blocks and the readout matrix (2·d·V)."""
+    return (cfg.n_coda if cfg.architecture == "shared" else 0) * block_flops_per_token(cfg) \
+        + 2 * cfg.d_model * cfg.vocab_size
+
+
+def multidepth_flops_per_token(cfg: ModelConfig, depths) -> int:
+    """Forward FLOP proxy per token of one unroll to max(depths) read out at every depth in ``depths``:
+    ``flops_per_token(max)["body_head"]`` plus one readout (coda + readout matrix) per other depth.
+    (The readouts are real work: at V = 8,192 and d = 192 one costs as much as ~4 core blocks.)"""
+    depths = sorted(set(int(t) for t in depths))
+    return flops_per_token(cfg, depths[-1])["body_head"] + (len(depths) - 1) * readout_flops_per_token(cfg)

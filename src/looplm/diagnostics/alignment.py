@@ -13,8 +13,8 @@ Cauchy–Schwarz). This is the measurable stand-in for DeepLoop's κ_R (eq. 12),
 the gradients *and* sensitivities of the visits.
 
 Sublayers: for every block i of ``model.core``, ``core.blocks.i.attn`` (the weights of every
-``nn.Linear`` inside the attention, i.e. ``qkv`` and ``proj``) and ``core.blocks.i.mlp`` (``gate``,
-``up``, ``down``). G_{r,j} is the concatenation of those weights' gradients flattened; the visit index
+``nn.Linear`` inside the attention, i.e. ``qkv`` and ``proj``) and ``core.blocks.i.mlp`` (``gate_up``
+— the fused gate and up projections — and ``down``). G_{r,j} is the concatenation of those weights' gradients flattened; the visit index
 r is the order of the module's forward calls. Visit-wise gradients are captured without a second
 backward: a forward hook saves each call's input x (M tokens × d_in) and hooks the output's gradient
 g (M × d_out); a bias-free Linear's weight gradient from that call is gᵀx (d_out × d_in), and the sum

@@ -47,12 +47,23 @@ def _nearest(keys: list[int], v: int) -> int:
 class KVCache:
     """Cached K/V of the tokens processed so far, for one batch of B sequences.
 
+    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H, capacity, head_dim)
+    written in place: a chunk's K/V go to positions ``[L_past, L_past + L_chunk)``, so decoding does no
+    per-token concatenation. The capacity is ``max_len`` if given, else the model's ``seq_len`` (set by
+    the first forward); a chunk that would overflow it doubles it (one copy). Attention reads the
+    prefix as a view ``[:L_past]`` and, during a chunk's forward, writes the chunk's own K/V of the
+    visit into the scratch positions right after the prefix of the bank it reads from, attending to
+    ``[:L_past + L_chunk]`` of that one buffer; :meth:`AttentionScope.commit` then writes every bank's
+    final chunk K/V there (copy-forward, exit visits), so the scratch writes never outlive the chunk.
+    With autograd recording (a cache used under gradients) attention falls back to concatenation.
+
     Args:
         mode: ``per_visit`` or ``terminal`` (see the module docstring).
+        max_len: the capacity in positions (None: the model's ``seq_len``).
 
     Attributes:
-        banks: {key: (K, V)}, each (B, H, L_past, head_dim); key = (layer_id, visit) for ``per_visit``,
-            (layer_id, visit mod calls_per_step) for ``terminal``.
+        banks: {key: (K, V)}, each (B, H, L_past, head_dim) (views of the buffers' used part); key =
+            (layer_id, visit) for ``per_visit``, (layer_id, visit mod calls_per_step) for ``terminal``.
         calls_per_step: core calls per loop step of the model's rule (2 for ``sc_subtract`` and
             ``additive_subtract``; set by the model): terminal sharing keeps the last recurrence's K/V of
             each call, so such rules hold 2 banks per core layer.
@@ -65,12 +76,15 @@ class KVCache:
         ValueError: unknown mode.
     """
 
-    def __init__(self, mode: CacheMode = "per_visit"):
+    def __init__(self, mode: CacheMode = "per_visit", max_len: int | None = None):
         if mode not in CACHE_MODES:
             raise ValueError(f"kv_sharing: unknown KV cache mode {mode!r}; allowed: {', '.join(CACHE_MODES)}")
         self.mode = mode
-        self.banks: dict = {}
-        self.valid: torch.Tensor | None = None
+        self.capacity = max_len
+        self.buffers: dict = {}  # key → (K, V) (B, H, capacity, hd)
+        self._len = 0
+        self._valid: torch.Tensor | None = None  # (B, capacity) bool
+        self.all_valid = True  # no cached position is padding
         self.n_valid: torch.Tensor | None = None
         self.stats: dict = {}
         self.calls_per_step = 1
@@ -78,32 +92,76 @@ class KVCache:
     @property
     def length(self) -> int:
         """Cached positions L_past (including padding)."""
-        return 0 if self.valid is None else int(self.valid.shape[1])
+        return self._len
+
+    @property
+    def banks(self) -> dict:
+        """{key: (K, V)} (B, H, L_past, hd) each: views of the used part of the buffers."""
+        n = self._len
+        return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return None if self._valid is None else self._valid[:, :self._len]
 
     def nbytes(self) -> int:
-        """Bytes held by the K/V banks (the quantity terminal sharing reduces)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.banks.values())
+        """Bytes of the cached tokens' K/V (the quantity terminal sharing reduces): L_past positions
+        of every bank — not the preallocated capacity, which :meth:`capacity_nbytes` reports."""
+        return sum(2 * k[:, :, :self._len].numel() * k.element_size() for k, _ in self.buffers.values())
+
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated for the banks (the whole capacity)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.buffers.values())
 
     def n_banks(self) -> int:
-        return len(self.banks)
+        return len(self.buffers)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (LongTensor), in place (finished sequences leave)."""
-        self.banks = {key: (k[index], v[index]) for key, (k, v) in self.banks.items()}
-        if self.valid is not None:
-            self.valid = self.valid[index]
+        self.buffers = {key: (k[index], v[index]) for key, (k, v) in self.buffers.items()}
+        if self._valid is not None:
+            self._valid = self._valid[index]
             self.n_valid = self.n_valid[index]
+            self.all_valid = bool(self.valid.all())
         self.stats = {key: s[index] for key, s in self.stats.items()}
 
-    def _prefix(self, layer_id: int, visit: int):
-        if not self.banks:
+    def _prefix_key(self, layer_id: int, visit: int):
+        if not self.buffers:
             return None
         if self.mode == "terminal":
-            return self.banks.get((layer_id, visit % self.calls_per_step))
-        visits = [v for (lid, v) in self.banks if lid == layer_id]
-        if not visits:
+            key = (layer_id, visit % self.calls_per_step)
+            return key if key in self.buffers else None
+        visits = [v for (lid, v) in self.buffers if lid == layer_id]
+        return (layer_id, _nearest(visits, visit)) if visits else None
+
+    def _prefix(self, layer_id: int, visit: int):
+        key = self._prefix_key(layer_id, visit)
+        if key is None:
             return None
-        return self.banks[(layer_id, _nearest(visits, visit))]
+        k, v = self.buffers[key]
+        return k[:, :, :self._len], v[:, :, :self._len]
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` cached positions (grows every buffer to max(n, 2 × capacity) if needed)."""
+        if self.capacity is not None and n <= self.capacity:
+            return
+        cap = max(n, 2 * (self.capacity or 0))
+        self.capacity = cap
+        L = self._len
+        grown = {}
+        for key, (k, v) in self.buffers.items():
+            nk, nv = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            nk[:, :, :L], nv[:, :, :L] = k[:, :, :L], v[:, :, :L]
+            grown[key] = (nk, nv)
+        self.buffers = grown
+        if self._valid is not None:
+            nvb = self._valid.new_zeros(self._valid.shape[0], cap)
+            nvb[:, :L] = self._valid[:, :L]
+            self._valid = nvb
+
+    def _new_bank(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*like.shape[:2], self.capacity, like.shape[3])
+        return like.new_empty(shape), like.new_empty(shape)
 
 
 class KVVisit(NamedTuple):
@@ -117,6 +175,9 @@ class KVVisit(NamedTuple):
     visit: int
     record: bool = True
 
+    # a compiled block (torch.compile) runs the cache bookkeeping eagerly: the graph breaks here, so
+    # the block compiles into the part before and after attention, whatever the visit or cache length
+    @torch.compiler.disable
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0) -> torch.Tensor:
         """See :meth:`AttentionScope.attend`. (B, H, L, hd) each → (B, H, L, hd)."""
@@ -137,6 +198,7 @@ class AttentionScope:
     def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None):
         self.cache = cache
         self.key_valid = key_valid.bool() if key_valid is not None else None
+        self.has_pad = self.key_valid is not None and not bool(self.key_valid.all())
         self.pending: dict = {}
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_stats: dict = {}
@@ -153,8 +215,8 @@ class AttentionScope:
     # ------------------------------------------------------------------ attention
     def _mask(self, B: int, Lq: int, Lp: int, device) -> torch.Tensor | None:
         """Boolean (B, 1, Lq, Lp + Lq) mask (True = attend), or None for plain causal attention."""
-        has_pad = self.key_valid is not None and not bool(self.key_valid.all())
-        past_pad = self.cache is not None and self.cache.valid is not None and not bool(self.cache.valid.all())
+        has_pad = self.has_pad
+        past_pad = self.cache is not None and Lp > 0 and not self.cache.all_valid
         if Lp == 0 and not has_pad:
             return None
         if Lq == 1 and not has_pad and not past_pad:
@@ -194,15 +256,23 @@ class AttentionScope:
             if cache is not None:
                 key = (layer_id, visit if cache.mode == "per_visit" else visit % cache.calls_per_step)
                 self.pending[key] = (k_w, v_w)
-        prefix = cache._prefix(layer_id, visit) if cache is not None else None
-        return self._sdpa(q, k, v, prefix, dropout_p)
+        key = cache._prefix_key(layer_id, visit) if cache is not None else None
+        if key is None:
+            return self._sdpa(q, k, v, dropout_p)
+        L, Lc = cache.length, k.shape[2]
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # autograd: no in-place writes
+            pk, pv = cache._prefix(layer_id, visit)
+            return self._sdpa(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), dropout_p)
+        cache.reserve(L + Lc)
+        bk, bv = cache.buffers[key]
+        # the chunk's own K/V right after the prefix (scratch: commit writes the final values there)
+        bk[:, :, L:L + Lc], bv[:, :, L:L + Lc] = k, v
+        return self._sdpa(q, bk[:, :, :L + Lc], bv[:, :, :L + Lc], dropout_p)
 
-    def _sdpa(self, q, k, v, prefix, dropout_p):
-        if prefix is not None:
-            k_all, v_all = torch.cat([prefix[0], k], dim=2), torch.cat([prefix[1], v], dim=2)
-        else:
-            k_all, v_all = k, v
+    def _sdpa(self, q, k_all, v_all, dropout_p):
         B, _, Lq, _ = q.shape
+        if Lq == 1 and not self.has_pad and (self.cache is None or self.cache.all_valid):
+            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)  # one query sees all
         mask = self._mask(B, Lq, k_all.shape[2] - Lq, q.device)
         if mask is not None and mask.shape[0] == 1 and bool(mask.all()):
             return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)
@@ -221,30 +291,43 @@ class AttentionScope:
 
     # ------------------------------------------------------------------ commit
     def commit(self) -> None:
-        """Append this chunk's K/V (and statistics, validity) to the cache."""
+        """Write this chunk's K/V (and statistics, validity) into the cache, in place."""
         cache = self.cache
-        B, Lc = next(iter(self.pending.values()))[0].shape[0], next(iter(self.pending.values()))[0].shape[2]
+        first = next(iter(self.pending.values()))[0]
+        B, Lc, dev = first.shape[0], first.shape[2], first.device
+        L = cache.length
+        if cache.capacity is None:
+            cache.capacity = L + Lc
+        cache.reserve(L + Lc)
+        end = L + Lc
         if cache.mode == "terminal":
-            for lid, (k, v) in self.pending.items():  # lid: (layer_id, call slot)
-                old = cache.banks.get(lid)
-                cache.banks[lid] = (k, v) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+            for key, (k, v) in self.pending.items():  # key: (layer_id, call slot)
+                if key not in cache.buffers:
+                    cache.buffers[key] = cache._new_bank(k)
+                bk, bv = cache.buffers[key]
+                bk[:, :, L:end], bv[:, :, L:end] = k, v
         else:
-            layers = {lid for lid, _ in cache.banks} | {lid for lid, _ in self.pending}
-            new = {}
-            for lid in layers:
-                stored = [v for (l_, v) in cache.banks if l_ == lid]
+            layers = {lid for lid, _ in cache.buffers} | {lid for lid, _ in self.pending}
+            for lid in sorted(layers):
+                stored = [v for (l_, v) in cache.buffers if l_ == lid]
                 chunk = [v for (l_, v) in self.pending if l_ == lid]
                 for visit in sorted(set(stored) | set(chunk)):
                     ck, cv = self.pending[(lid, _nearest(chunk, visit))]
-                    if stored:
-                        pk, pv = cache.banks[(lid, _nearest(stored, visit))]
-                        new[(lid, visit)] = (torch.cat([pk, ck], 2), torch.cat([pv, cv], 2))
-                    else:
-                        new[(lid, visit)] = (ck, cv)
-            cache.banks = new
+                    if (lid, visit) not in cache.buffers:  # a visit the prefix lacks: its deepest visit below
+                        bk, bv = cache._new_bank(ck)
+                        if stored and L:
+                            pk, pv = cache.buffers[(lid, _nearest(stored, visit))]
+                            bk[:, :, :L], bv[:, :, :L] = pk[:, :, :L], pv[:, :, :L]
+                        cache.buffers[(lid, visit)] = (bk, bv)
+                    bk, bv = cache.buffers[(lid, visit)]
+                    bk[:, :, L:end], bv[:, :, L:end] = ck, cv
         valid = (self.key_valid if self.key_valid is not None
-                 else torch.ones(B, Lc, dtype=torch.bool, device=next(iter(self.pending.values()))[0].device))
-        cache.valid = valid if cache.valid is None else torch.cat([cache.valid, valid], 1)
+                 else torch.ones(B, Lc, dtype=torch.bool, device=dev))
+        if cache._valid is None:
+            cache._valid = torch.zeros(B, cache.capacity, dtype=torch.bool, device=dev)
+        cache._valid[:, L:end] = valid
+        cache._len = end
+        cache.all_valid = cache.all_valid and not self.has_pad
         n = valid.sum(1)
         cache.n_valid = n if cache.n_valid is None else cache.n_valid + n
         cache.stats.update(self.pending_stats)

@@ -71,16 +71,29 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Bias-free SwiGLU MLP: ``W_down(silu(W_gate x) ⊙ W_up x)``. Shapes: (B, L, d) → (B, L, d)."""
+    """Bias-free SwiGLU MLP: ``W_down(silu(W_gate x) ⊙ W_up x)``. Shapes: (B, L, d) → (B, L, d).
+
+    The gate and up projections are one fused matmul: ``gate_up.weight`` (2·d_ff, d) holds ``W_gate``
+    in rows ``[0, d_ff)`` and ``W_up`` in rows ``[d_ff, 2·d_ff)``. State dicts of the earlier layout
+    (``gate.weight`` and ``up.weight``, each (d_ff, d)) load: :meth:`_load_from_state_dict` stacks
+    them into ``gate_up.weight`` (every other key is loaded, strictly or not, as before).
+    """
 
     def __init__(self, d: int, d_ff: int):
         super().__init__()
-        self.gate = nn.Linear(d, d_ff, bias=False)
-        self.up = nn.Linear(d, d_ff, bias=False)
+        self.d_ff = d_ff
+        self.gate_up = nn.Linear(d, 2 * d_ff, bias=False)
         self.down = nn.Linear(d_ff, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # 2 × (B, L, d_ff)
+        return self.down(F.silu(gate) * up)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        gate, up = prefix + "gate.weight", prefix + "up.weight"
+        if gate in state_dict and up in state_dict and prefix + "gate_up.weight" not in state_dict:
+            state_dict[prefix + "gate_up.weight"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], 0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Block(nn.Module):

@@ -25,9 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig, resolve_gradient
+from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
+
+
+#: use the fused, chunked readout + cross-entropy (:mod:`looplm.model.fused`) in :meth:`DepthLM.forward`
+#: whenever targets are given, ``keep_logits=False`` and no ``on_depth`` hook wants the logits. Its
+#: losses equal the plain path's bitwise on CPU (gradients to rounding); False restores the plain path.
+FUSED_CE = True
 
 
 @dataclass
@@ -62,6 +69,19 @@ def _post_ln_alpha(cfg: ModelConfig) -> float | None:
 
 def _block(cfg: ModelConfig) -> Block:
     return Block(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
+
+
+def _normal(name: str, p: torch.Tensor, std: float) -> None:
+    """N(0, std) into ``p``; the fused SwiGLU ``gate_up`` matrix is drawn as its two halves, gate rows
+    first, then up rows — the same draws, in the same RNG order, as the separate ``gate`` and ``up``
+    matrices of the layout before the fusion (so every default model initializes bit for bit as before)."""
+    if name.endswith("mlp.gate_up.weight"):
+        half = p.shape[0] // 2
+        with torch.no_grad():
+            nn.init.normal_(p[:half], 0.0, std)
+            nn.init.normal_(p[half:], 0.0, std)
+    else:
+        nn.init.normal_(p, 0.0, std)
 
 
 def token_rms(h: torch.Tensor) -> torch.Tensor:
@@ -113,7 +133,7 @@ class DepthLM(nn.Module):
         Pre-LN (GPT-2): N(0, init_std) for every matrix and embedding; the residual output projections
         (attention ``proj``, MLP ``down``) get init_std/√(2·blocks), blocks counted physically.
         Post-LN family (SPEC §3, DeepNet/DeepLoop): N(0, init_std) everywhere, then the value rows of
-        ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate``, ``up``, ``down``) of every block are
+        ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate_up``: gate and up, and ``down``) of every block are
         multiplied once by β = (8N)^-p (q and k are not). Gains are 1, biases 0; the adapter gain α
         keeps its configured value.
 
@@ -133,7 +153,7 @@ class DepthLM(nn.Module):
                 continue
             in_block = ".attn." in name or ".mlp." in name
             if post_ln and in_block:
-                nn.init.normal_(p, 0.0, std)
+                _normal(name, p, std)
                 with torch.no_grad():
                     if name.endswith("attn.qkv.weight"):
                         d = p.shape[1]
@@ -143,7 +163,7 @@ class DepthLM(nn.Module):
             elif name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.n_physical_blocks()))
             else:
-                nn.init.normal_(p, 0.0, std)
+                _normal(name, p, std)
         if self.cfg.embed_init_std != -1.0:
             nn.init.normal_(self.tok_emb.weight, 0.0, self.cfg.embed_init_std)
             nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
@@ -205,6 +225,14 @@ class DepthLM(nn.Module):
             tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda,
                 which sees the whole sequence), so the (B, L, V) logits are never formed.
         """
+        return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
+
+    def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
+                         record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """:meth:`readout` up to the readout matrix: coda, token selection, then the final norm as the
+        readout mode asks. (B, L, d) → (B, L, d), or (N, d) with ``tokens``; ``readout`` is
+        ``lm_head(readout_features(...))``."""
         kv = None if scope is None else scope.at(0, record)
         for block in self.blocks_after:
             h = h + block(h, None, kv)
@@ -213,7 +241,7 @@ class DepthLM(nn.Module):
         mode = self.cfg.readout
         if mode == "rmsnorm" or (mode == "final_only_norm" and final):
             h = self.norm_f(h)
-        return self.lm_head(h)
+        return h
 
     def resolve_final_depth(self, final_depth: int | None, largest: int) -> int:
         """The depth from which a ``final_only_norm`` readout normalizes: ``final_depth`` if given, else
@@ -256,7 +284,11 @@ class DepthLM(nn.Module):
             targets: optional (B, L) int64 next-token ids (or (N,) with ``readout_tokens``); -100
                 marks positions to ignore.
             return_states: also return every hidden state h_0 … h_T (readout coordinates).
-            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory).
+            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory). With
+                targets and no ``on_depth`` hook, False also computes the loss by the fused chunked
+                readout + cross-entropy, which never forms the (B, L, V) logits (``FUSED_CE``);
+                without targets (a cached prefix) the readout matrix is skipped altogether (the coda
+                still runs and fills the cache).
             tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first T − b steps run without autograd
                 and the state is detached before the last b steps (so activation memory scales with
                 b). Gradients still reach e and the prelude through the context (anchor, injection)
@@ -322,11 +354,21 @@ class DepthLM(nn.Module):
         last, wanted = depths[-1], set(depths)
         final_from = self.resolve_final_depth(final_depth, last)
         out = LoopOutput(states=[] if return_states else None)
+        # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
+        fused = FUSED_CE and targets is not None and not keep_logits and on_depth is None
+        # nobody reads the logits (a cached prefill of a prefix): run the coda (it fills the cache), skip W_out
+        unread = targets is None and not keep_logits and on_depth is None
 
         def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
             if self.exit_gate is not None and T >= 1:
                 out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
             # only the last readout's coda enters the KV cache
+            if fused or unread:  # no (B, L, V) logits: the fused readout + loss, or the coda only
+                feats = self.readout_features(h, final=T >= final_from, scope=scope, record=T == last,
+                                              tokens=readout_tokens)
+                if fused:
+                    out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
+                return None
             logits = self.readout(h, final=T >= final_from, scope=scope, record=T == last, tokens=readout_tokens)
             if keep_logits:
                 out.logits_by_depth[T] = logits
@@ -378,6 +420,8 @@ class DepthLM(nn.Module):
                  else torch.ones(idx.shape, dtype=torch.bool, device=idx.device))  # (B, L)
         if cache is not None:
             cache.calls_per_step = self.calls_per_step
+            if cache.capacity is None:
+                cache.capacity = self.cfg.seq_len  # the static cache's preallocated positions
         start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
         positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
         key_valid = valid if attention_mask is not None else None

@@ -1,0 +1,138 @@
+"""Fused, chunked readout + cross-entropy (issue 15): per-token NLL of ``h @ Wᵀ`` without the
+(N, V) logits.
+
+:func:`linear_cross_entropy` computes ``F.cross_entropy(F.linear(h, W).float(), targets,
+ignore_index=-100, reduction="none")`` over chunks of ``chunk`` tokens: each chunk's logits are formed,
+reduced to the NLL and dropped, so the largest logits tensor alive is (chunk, V) instead of (N, V)
+(at V = 50,257, one 16 × 128 batch has 411 MB of fp32 logits; a 166-token chunk 33 MB).
+
+**Gradient.** A ``torch.autograd.Function`` never keeps a chunk's logits. Under autograd it forms
+the gradient *ahead*, in the forward, while each chunk's log-probabilities are at hand:
+``G = softmax − onehot`` (ignored rows 0), then ``G @ W`` (N × d, saved) and ``Gᵀh`` summed over
+chunks (V × d fp32, saved). In backward, with per-token upstream weights w (the loss's reduction):
+``∂h = w ⊙ (G @ W)`` holds for any w (row-local), and ``∂W = Σ_i w_i G_iᵀ h_i = w · Gᵀh`` when the
+weights of the scored tokens are all equal — every mean-CE loss (terminal, per-loop); when they are
+not (``exit_weighted``), ∂W recomputes each chunk's logits. So training does the plain path's three
+readout matmuls (logits, ∂h, ∂W), not four. Saving ``Gᵀh`` costs V·d fp32 per read-out depth (51 MB
+at the Huginn shape) instead of the (N, V) logits, log-probabilities and their gradient. (The
+alternatives — recomputing each chunk's logits in backward, or ``torch.utils.checkpoint`` per chunk,
+which also back-propagates through autograd's generic log-softmax and keeps one graph per chunk —
+cost a fourth readout matmul.)
+
+**Exactness.** The forward computes what the plain path computes on the same rows
+(``F.cross_entropy`` is log-softmax, then a gather of the target's negated log-probability). On CPU a row block of a matmul gives bitwise the
+rows of the full matmul (checked by ``tests/test_perf.py``), so the per-token NLL, the losses and every
+evaluation PPL are bit-identical to the plain path. Gradients agree to rounding (≤ 1e-5 relative in
+the tests) but not bitwise: ``∂W`` is summed chunk by chunk and scaled after the sum, a different
+floating-point order than one (N × V)ᵀ(N × d) matmul of the weighted gradient, so a training run's
+losses after its first step can differ from the plain path's in the last bits.
+
+**Mixed precision.** Under autocast the caller passes h and W already cast to the autocast dtype
+(as ``nn.Linear`` would be); logits are formed in that dtype and the softmax is taken in fp32, as in
+the plain path. ``∂W`` is accumulated over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: elements of one chunk's logits (chunk tokens × V); 2²³ fp32 elements = 32 MiB (166 tokens at V = 50,257)
+CHUNK_ELEMENTS = 1 << 23
+
+
+def chunk_rows(vocab: int, n: int) -> int:
+    """Tokens per chunk for a vocabulary of ``vocab``: ⌊CHUNK_ELEMENTS / V⌋ (at least 16, at most n)."""
+    return max(1, min(n, max(16, CHUNK_ELEMENTS // max(1, vocab))))
+
+
+def _grad_logits(logp: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """∂NLL/∂logits = softmax − onehot (ignored rows 0) from a chunk's log-probabilities, in place."""
+    g = logp.exp_()
+    keep = targets != -100
+    rows = torch.arange(len(targets), device=g.device)
+    g[rows[keep], targets[keep]] -= 1.0
+    g.mul_(keep[:, None])
+    return g.to(dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                shape: torch.Size, ahead_h: bool, ahead_w: bool) -> torch.Tensor:
+        n = h.shape[0]
+        out = torch.empty(shape, dtype=torch.float32, device=h.device)  # not a view: FSDP2 hooks outputs
+        nll = out.view(-1)
+        gh = torch.empty_like(h) if ahead_h else None  # (N, d): rows of (softmax − onehot) @ W
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ahead_w else None  # (V, d)
+        for i in range(0, n, chunk):
+            hc, tc = h[i:i + chunk], targets[i:i + chunk]
+            logp = F.log_softmax(F.linear(hc, weight).float(), dim=-1)  # (c, V)
+            # = F.cross_entropy(..., ignore_index=-100, reduction="none"), bitwise (log-softmax, gather)
+            nll[i:i + chunk] = torch.where(tc != -100, -logp.gather(1, tc.clamp(min=0)[:, None]).squeeze(1), 0.0)
+            if ahead_h or ahead_w:
+                g = _grad_logits(logp, tc, h.dtype)
+                if ahead_h:
+                    torch.mm(g, weight, out=gh[i:i + chunk])
+                if ahead_w:
+                    gw.addmm_(g.t(), hc) if g.dtype == torch.float32 else gw.add_((g.t() @ hc).float())
+        ctx.save_for_backward(h, weight, targets, gh, gw)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_nll: torch.Tensor):
+        h, weight, targets, gh, gw = ctx.saved_tensors
+        chunk, n = ctx.chunk, h.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_nll = grad_nll.reshape(-1).float()
+        grad_h = grad_w = None
+        if need_h and gh is not None:  # row-local: any per-token weights
+            grad_h = (grad_nll[:, None] * gh.float()).to(h.dtype)
+        if need_w and gw is not None:  # Σ_i w_i g_iᵀ h_i = w · Σ_i g_iᵀ h_i when the weights are uniform
+            w = grad_nll[targets != -100]
+            if w.numel() == 0 or bool((w == w[0]).all()):
+                grad_w = gw * (w[0] if w.numel() else 0.0)
+        redo_h, redo_w = need_h and grad_h is None, need_w and grad_w is None
+        if redo_h or redo_w:  # recompute each chunk's logits
+            if redo_h:
+                grad_h = torch.empty_like(h)
+            if redo_w:
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for i in range(0, n, chunk):
+                hc, tc = h[i:i + chunk], targets[i:i + chunk]
+                logp = F.log_softmax(F.linear(hc, weight).float(), dim=-1)
+                g = _grad_logits(logp, tc, torch.float32).mul_(grad_nll[i:i + chunk, None]).to(h.dtype)
+                if redo_h:
+                    torch.mm(g, weight, out=grad_h[i:i + chunk])
+                if redo_w:
+                    grad_w.addmm_(g.t(), hc) if g.dtype == torch.float32 else grad_w.add_((g.t() @ hc).float())
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None, ahead: bool = True) -> torch.Tensor:
+    """Per-token NLL (fp32) of the readout ``h @ weightᵀ``, chunked (module docstring).
+
+    Args:
+        h: (..., d) readout features (after the final norm).
+        weight: (V, d) readout matrix.
+        targets: (...) int64 target ids, -100 = ignored (NLL 0, no gradient).
+        chunk: tokens per chunk (default :func:`chunk_rows`).
+        ahead: under autograd, form the gradients in the forward (module docstring); False always
+            recomputes the logits in backward.
+    Returns:
+        (...) float32, equal to ``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100,
+        reduction="none")``.
+    """
+    shape = targets.shape
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        h, weight = h.to(dt), weight.to(dt)
+    h2, t2 = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    c = chunk if chunk is not None else chunk_rows(weight.shape[0], max(1, h2.shape[0]))
+    with torch.autocast(dev, enabled=False):
+        grad = torch.is_grad_enabled()
+        return _LinearCrossEntropy.apply(h2.contiguous(), weight, t2, c, shape,
+                                         grad and h2.requires_grad and ahead, grad and weight.requires_grad and ahead)
