@@ -13,6 +13,7 @@ Output paths are checked (and their folders created) before any work starts.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -223,40 +224,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- eval: one subcommand per protocol
-def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    check_report_out(args)
-    from looplm.eval.runner import evaluate_checkpoint
+def _eval_command(module: str, name: str):
+    """The command of an eval protocol driven by ``module.name(checkpoint, **options)``: check the output
+    paths, run, print (Markdown or --json) and write the report files."""
 
-    result = call_with_options(evaluate_checkpoint, args, args.checkpoint, progress=not args.quiet)
-    emit_report(args, result, write_report_files(args.out, result))
-    return 0
+    def cmd(args: argparse.Namespace) -> int:
+        check_report_out(args)
+        func = getattr(importlib.import_module(module), name)
+        result = call_with_options(func, args, args.checkpoint, progress=not args.quiet)
+        emit_report(args, result, write_report_files(args.out, result))
+        return 0
 
-
-def cmd_eval_kv_sharing(args: argparse.Namespace) -> int:
-    check_report_out(args)
-    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
-
-    result = call_with_options(evaluate_kv_sharing_checkpoint, args, args.checkpoint, progress=not args.quiet)
-    emit_report(args, result, write_report_files(args.out, result))
-    return 0
+    return cmd
 
 
-def cmd_eval_lambada(args: argparse.Namespace) -> int:
-    check_report_out(args)
-    from looplm.eval.lambada import evaluate_lambada_checkpoint
-
-    result = call_with_options(evaluate_lambada_checkpoint, args, args.checkpoint, progress=not args.quiet)
-    emit_report(args, result, write_report_files(args.out, result))
-    return 0
-
-
-def cmd_eval_adaptive(args: argparse.Namespace) -> int:
-    check_report_out(args)
-    from looplm.eval.adaptive import adaptive_depth_checkpoint
-
-    result = call_with_options(adaptive_depth_checkpoint, args, args.checkpoint, progress=not args.quiet)
-    emit_report(args, result, write_report_files(args.out, result))
-    return 0
+cmd_eval_ppl = _eval_command("looplm.eval.runner", "evaluate_checkpoint")
+cmd_eval_kv_sharing = _eval_command("looplm.eval.kvsharing", "evaluate_kv_sharing_checkpoint")
+cmd_eval_lambada = _eval_command("looplm.eval.lambada", "evaluate_lambada_checkpoint")
+cmd_eval_adaptive = _eval_command("looplm.eval.adaptive", "adaptive_depth_checkpoint")
 
 
 def cmd_eval_halting(args: argparse.Namespace) -> int:
