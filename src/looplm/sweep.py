@@ -444,6 +444,23 @@ class _Runner:
         return resolve_device(self.ev.device).type
 
     # -- one run ----------------------------------------------------------------------------------
+    @staticmethod
+    def _saved_run(spec: RunSpec, run_dir: Path, ckpt: Path) -> tuple[Config, int]:
+        """(saved config, step) of checkpoint ``ckpt`` of ``spec``'s run directory.
+
+        Raises:
+            SweepError: the directory holds a run with another config or seed than ``spec``.
+        """
+        saved = Config.from_json((ckpt / "config.json").read_text())
+        wanted = spec.config.replace(model=spec.config.model.replace(vocab_size=saved.model.vocab_size))
+        diff = _diff(config_identity(saved), config_identity(wanted))
+        if saved.train.seed != spec.seed:
+            diff.append(f"train.seed: {saved.train.seed} on disk, {spec.seed} in the sweep")
+        if diff:
+            raise SweepError(f"{run_dir}: holds a run with a different config ({'; '.join(diff)}); "
+                             "delete that directory or use another --out")
+        return saved, int(json.loads((ckpt / "manifest.json").read_text())["step"])
+
     def train(self, spec: RunSpec, run_dir: Path) -> tuple[str | None, Path]:
         """Train or resume as needed. Returns (what was done or None, newest checkpoint)."""
         from looplm.train.checkpoint import newest_valid_checkpoint
@@ -452,15 +469,8 @@ class _Runner:
         cfg = spec.config
         ckpt = newest_valid_checkpoint(run_dir)
         if ckpt is not None:
-            saved = Config.from_json((ckpt / "config.json").read_text())
-            wanted = cfg.replace(model=cfg.model.replace(vocab_size=saved.model.vocab_size))
-            diff = _diff(config_identity(saved), config_identity(wanted))
-            if saved.train.seed != spec.seed:
-                diff.append(f"train.seed: {saved.train.seed} on disk, {spec.seed} in the sweep")
-            if diff:
-                raise SweepError(f"{run_dir}: holds a run with a different config ({'; '.join(diff)}); "
-                                 "delete that directory or use another --out")
-            if int(json.loads((ckpt / "manifest.json").read_text())["step"]) >= cfg.train.steps:
+            _, step = self._saved_run(spec, run_dir, ckpt)
+            if step >= cfg.train.steps:
                 return None, ckpt
         data = self.data_for(cfg)
         step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
@@ -569,15 +579,7 @@ class _Runner:
         ckpt = newest_valid_checkpoint(run_dir)
         if ckpt is None:
             return ["train"]
-        saved = Config.from_json((ckpt / "config.json").read_text())
-        wanted = spec.config.replace(model=spec.config.model.replace(vocab_size=saved.model.vocab_size))
-        diff = _diff(config_identity(saved), config_identity(wanted))
-        if saved.train.seed != spec.seed:
-            diff.append(f"train.seed: {saved.train.seed} on disk, {spec.seed} in the sweep")
-        if diff:
-            raise SweepError(f"{run_dir}: holds a run with a different config ({'; '.join(diff)}); "
-                             "delete that directory or use another --out")
-        step = int(json.loads((ckpt / "manifest.json").read_text())["step"])
+        saved, step = self._saved_run(spec, run_dir, ckpt)
         if step < spec.config.train.steps:
             return [f"resume from step {step}"]
         previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None

@@ -217,25 +217,15 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: an unshared checkpoint, bad depth/steps, or a split too short for one window.
     """
-    from looplm.data.paths import resolve_cache_dir, resolve_data_root
-    from looplm.data.tokens import eval_windows, load_tokens
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.diagnostics.runner import load_windows
 
     if batches < 1 or batch_size < 1:
         raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    check_shared(model, "looplm gradcheck")
+    model, cfg, ckpt, data_cfg, windows = load_windows(checkpoint, "looplm gradcheck", dataset=dataset, split=split,
+                                                       batch_size=batch_size, batches=batches, device=device)
     depth = cfg.train.nominal_depth if depth is None else depth
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
-    if len(tokens) < 2:
-        raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
     dev = torch.device(device)
-    xs = [(x.to(dev), y.masked_fill(~mk, -100).to(dev))
-          for x, y, mk in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    xs = [(x.to(dev), y.to(dev)) for x, y, _ in windows]
     res = gradient_cosines(model, xs, depth=depth, steps=steps, estimators=estimators, dtype=dtype,
                            progress=progress)
     head = f"`{cfg.name}` ({cfg.model.rule}, {model.num_params():,} parameters), {data_cfg.dataset}/{split}, " \

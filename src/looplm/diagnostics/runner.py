@@ -201,6 +201,35 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     return result
 
 
+
+def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batch_size: int, batches: int,
+                 device: str = "cpu"):
+    """A shared-architecture checkpoint and the first ``batches`` evaluation windows of a split.
+
+    Returns:
+        ``(model, cfg, ckpt_dir, data_cfg, windows)``; windows are ``(x, y, mask)`` (B, L) each, on the
+        CPU, with y = -100 at unscored positions.
+
+    Raises:
+        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
+        ValueError: an unshared checkpoint (named by ``what``) or a split with fewer than 2 tokens.
+    """
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import eval_windows, load_tokens
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    check_shared(model, what)
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tokens = load_tokens(data_cfg, split, load_tokenizer_for(ckpt), resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    if len(tokens) < 2:
+        raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
+    windows = [(x, y.masked_fill(~m, -100), m)
+               for x, y, m in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    return model, cfg, ckpt, data_cfg, windows
+
 def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None = (0, 47), depth: int = 48,
                         dataset: str | None = None, split: str = "valid", batches: int = 4, batch_size: int = 8,
                         out_dir: str | Path | None = None, device: str = "cpu", progress: bool = True,
@@ -232,10 +261,6 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: unshared checkpoint, bad steps/depth, or a split too short for one window.
     """
-    from looplm.data.paths import resolve_cache_dir, resolve_data_root
-    from looplm.data.tokens import eval_windows, load_tokens
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
 
     if batches < 1 or batch_size < 1:
         raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
@@ -245,16 +270,8 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         _check_scale_args(scale_loops, convergence_tau, "terminal")
     elif convergence_tau <= 0:
         raise ValueError(f"convergence_tau: need a threshold > 0, got {convergence_tau}")
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    check_shared(model, "looplm diagnose")
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
-    if len(tokens) < 2:
-        raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
-    xs = [(x, y.masked_fill(~m, -100), m)
-          for x, y, m in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
+    model, cfg, ckpt, data_cfg, xs = load_windows(checkpoint, "looplm diagnose", dataset=dataset, split=split,
+                                                  batch_size=batch_size, batches=batches, device=device)
     label = f"{cfg.name} ({cfg.model.rule})"
     loops = cfg.train.nominal_depth if scale_loops is None else scale_loops
     res = diagnose_model(model, xs, steps=steps, depth=depth, seed=seed, dtype=dtype, label=label,
