@@ -300,3 +300,58 @@ def test_every_criterion_in_every_place(criterion, tiny_data):
     assert h["criterion"] == criterion and h["timed"]["dynamic"]["ppl"] > 0
     g = generate(model, [[1, 2, 3]], 4, 2, max_depth=4, exit_criterion=build_exit_criterion(criterion))
     assert len(g.tokens[0]) == 4 and all(1 <= d <= 4 for d in g.depths[0])
+
+
+# --------------------------------------------------------------------------- resume_from (LMDR §3.2, §5.5)
+@pytest.mark.parametrize("rule", RULES)
+def test_resume_from_equals_the_uninterrupted_loop(rule):
+    """Resuming at depth T0 from the hidden state h_T0 an uninterrupted forward visited gives that
+    forward's states and logits at every later depth (every rule, so every to_state/hidden pair)."""
+    model = model_for(rule, "inter_loop_norm", "rmsnorm")
+    x = tokens()
+    with torch.no_grad():
+        full = model(x, depth=[3, 5], return_states=True)
+        resumed = model(x, depth=[3, 5], return_states=True, resume_from=(3, full.states[3]))
+    assert len(resumed.states) == 3  # h_3, h_4, h_5
+    for a, b in zip(resumed.states, full.states[3:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for T in (3, 5):
+        torch.testing.assert_close(resumed.logits_by_depth[T], full.logits_by_depth[T], rtol=1e-5, atol=1e-5)
+
+
+def test_resume_from_a_detached_endpoint_is_the_endpoint_gradient():
+    """For a rule whose loop state is h (the Huginn family), resuming at R from sg(h_R) and taking the
+    endpoint-b gradient equals ``gradient="endpoint"`` run from the start: the reuse estimator of LMDR
+    §3.2 (the saved endpoint state replaces the no-grad replay)."""
+    model = model_for("looped", "none", "rmsnorm").train()
+    x, y = tokens(), tokens(seed=1)
+    R, b = 4, 2
+
+    def grads(**kw):
+        model.zero_grad()
+        model(x, depth=R, targets=y, gradient="endpoint", gradient_steps=b, **kw).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    replay = grads()
+    with torch.no_grad():
+        h_R = model(x, depth=R, return_states=True).states[R]
+    reuse = grads(resume_from=(R, h_R.detach()))
+    assert replay.keys() == reuse.keys()
+    for n in replay:
+        torch.testing.assert_close(reuse[n], replay[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_resume_from_refuses_bad_input():
+    model = model_for("looped", "none", "rmsnorm")
+    x = tokens()
+    h = torch.zeros(*x.shape, model.cfg.d_model)
+    with pytest.raises(ValueError, match="resume_from: every requested depth"):
+        model(x, depth=[1, 4], resume_from=(2, h))
+    with pytest.raises(ValueError, match="resume_from: the state must have shape"):
+        model(x, depth=4, resume_from=(2, h[:, :-1]))
+    with pytest.raises(ValueError, match="resume_from: scale_clamp"):
+        model(x, depth=4, resume_from=(2, h), scale_clamp=True)
+    unshared = build_model(ModelConfig(architecture="unshared", vocab_size=V, d_model=24, n_heads=2, d_ff=48,
+                                       seq_len=SEQ, n_layers=2))
+    with pytest.raises(ValueError, match="resume_from: the unshared reference"):
+        unshared(x, depth=2, resume_from=(1, h))

@@ -275,7 +275,8 @@ class DepthLM(nn.Module):
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 final_depth: int | None = None,
                 readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
+                on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
+                resume_from: tuple[int, torch.Tensor] | None = None) -> LoopOutput:
         """Run the model at one or several loop depths in a single unroll.
 
         Args:
@@ -329,12 +330,27 @@ class DepthLM(nn.Module):
             on_depth: called as ``on_depth(T, h_T, logits_T)`` at every depth T = 0 … max(depth),
                 with the logits when T is a requested depth (else None): lets a consumer reduce each
                 depth's state and logits to statistics without keeping them (early-exit traces).
+            resume_from: ``(T0, h)``: start the loop at depth T0 from the hidden state h (B, L, d)
+                (readout coordinates, as ``states`` / ``on_depth`` give it) instead of from the
+                initial state; loop steps 0 … T0 − 1 are skipped (the prelude still runs: the
+                context, e.g. the injected e or the anchor, is computed as usual). Every requested
+                depth must be ≥ T0, and the depths count from the start as usual (``depth=T0 + b``
+                runs b steps). ``states`` then holds h_T0 … h_T. The state enters as
+                ``to_state(h)``: for rules whose loop state is h itself (the Huginn family) a
+                detached h is exactly z̄ = sg(z^T0); SCSE-family states are Δ = h − h*, so the
+                gradient also reaches the anchor through Δ. A cached forward records visits of the
+                steps it runs, t ≥ T0 (visit t·calls_per_step + call, as always). Used by rollout-state
+                reuse (LMDR §3.2: the update starts from the sampler's saved endpoint states) and
+                distilled prefill (LMDR §5.5: one teacher step from the student's ẑ ≈ z^R);
+                arXiv:2610.06833.
 
         Raises:
             ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
                 the unshared reference, ``tbptt`` / a truncated ``gradient`` is given to the unshared
                 reference, an unknown ``gradient``, a ``gradient_steps`` that does not fit it, ``tbptt``
-                together with a different ``gradient``, or ``gradient="endpoint"`` with a cache.
+                together with a different ``gradient``, or ``gradient="endpoint"`` with a cache;
+                ``resume_from`` with a depth below T0, a state of the wrong shape, the unshared
+                reference, or ``scale_clamp`` (whose loop-1 RMS a resumed loop never sees).
         """
         depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
         if not depths or depths[0] < 0:
@@ -348,6 +364,19 @@ class DepthLM(nn.Module):
             raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
         if gradient == "endpoint" and cache is not None:
             raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
+        first = 0  # the depth the loop starts at (T0 of resume_from)
+        if resume_from is not None:
+            first, resume_h = int(resume_from[0]), resume_from[1]
+            if not self.shared:
+                raise ValueError("resume_from: the unshared reference has no loop state to resume")
+            if first < 0 or depths[0] < first:
+                raise ValueError(f"resume_from: every requested depth must be >= T0 = {first}, got {depth!r}")
+            if scale_clamp and first > 0:
+                raise ValueError("resume_from: scale_clamp needs the loop-1 RMS, which a loop resumed at "
+                                 f"T0 = {first} never computes")
+            if tuple(resume_h.shape) != (*idx.shape, self.cfg.d_model):
+                raise ValueError(f"resume_from: the state must have shape {(*idx.shape, self.cfg.d_model)}, "
+                                 f"got {tuple(resume_h.shape)}")
         scope, positions, valid = self._attention(idx, cache, attention_mask)
         if gradient == "endpoint":  # the largest depth is the endpoint; its readout moves b steps past it
             depths = [*depths[:-1], depths[-1] + b]
@@ -381,15 +410,18 @@ class DepthLM(nn.Module):
 
         state, ctx = self.start(self.embed(idx, positions, scope=scope), positions, scope=scope, valid=valid)
         out.anchor = ctx.anchor
+        state0 = state
+        if resume_from is not None:
+            state = self.to_state(resume_h, ctx)
         h = self.hidden(state, ctx)
         # the steps t < no_grad_steps run without autograd and the state is detached before step
         # no_grad_steps = last − b (TBPTT with b < last; endpoint always, the endpoint being last − b)
         no_grad_steps = -1
         if torch.is_grad_enabled() and (gradient == "endpoint" or (gradient == "tbptt" and b < last)):
             no_grad_steps = last - b
-        state0, clamp_rms = state, None
-        for T in range(last + 1):
-            if T > 0:  # loop step t = T − 1
+        clamp_rms = None
+        for T in range(first, last + 1):
+            if T > first:  # loop step t = T − 1
                 if T - 1 == no_grad_steps:
                     # exact zero that keeps the initial state's parameters in the graph (DDP)
                     state = state.detach() + 0.0 * state0.sum()
