@@ -342,3 +342,42 @@ def test_plan_and_concurrent_shards_fill_one_db(tmp_path, tiny_cfg, capsys):
         assert len({(r["config_hash"], r["seed"], r["depth"]) for r in rows}) == len(rows) == 8
     assert main(["sweep", str(path), "--out", str(out), "--plan"]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_kv_sharing_hook_stores_what_the_command_computes(tmp_path, tiny_cfg):
+    """``eval.kv_sharing`` runs terminal KV sharing at its own recurrences R (LMDR's continuation
+    protocol) and stores exactly what ``evaluate_kv_sharing_checkpoint`` returns for that checkpoint;
+    a second run skips it."""
+    from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
+    from looplm.train.checkpoint import resolve_checkpoint
+
+    text = TOML.replace('scse = {model.rule = "scse"}\n', "").replace("seeds = [0, 1]", "seeds = [0]")
+    text = text.replace("lambada = {max_examples = 4}", "kv_sharing = {depths = [2, 3], max_tokens = 256}")
+    text = text.replace("diagnose = {batches = 1}\n", "")
+    path = _write_sweep(tmp_path, tiny_cfg, text)
+    assert load_sweep(path).eval.kv_sharing == {"depths": [2, 3], "max_tokens": 256}
+    out = tmp_path / "out"
+    first = run_sweep(path, out, progress=False)
+    ckpt = resolve_checkpoint(out / "runs" / "looped-s0")
+    ref = evaluate_kv_sharing_checkpoint(ckpt, [2, 3], max_tokens=256, progress=False)
+    with ResultStore(first.db) as store:
+        rows = store.evaluations(protocol="kv_sharing")
+        got = {(r["depth"], r["metric"]): r["value"] for r in rows}
+        n = store.count(protocol="kv_sharing")
+    for R in (2, 3):
+        for metric in ("ppl_full", "ppl_terminal", "sharing_penalty_pct", "kv_bytes_terminal"):
+            assert got[(R, metric)] == pytest.approx(ref["depths"][str(R)][metric], rel=1e-9)
+    second = run_sweep(path, out, progress=False)
+    assert [r["status"] for r in second.runs] == ["skipped"]
+    with ResultStore(first.db) as store:
+        assert store.count(protocol="kv_sharing") == n
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"depths": [0]}, r"eval\.kv_sharing\.depths: expected a non-empty list of integers >= 1"),
+    ({"checkpoint": "x"}, r"eval\.kv_sharing\.checkpoint: set by the sweep"),
+    ("yes", r"eval\.kv_sharing: expected true, false or a table"),
+])
+def test_kv_sharing_hook_errors(value, match):
+    with pytest.raises(SweepError, match=match):
+        parse_sweep({"variants": {"a": {}}, "eval": {"kv_sharing": value}})

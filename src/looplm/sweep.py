@@ -31,6 +31,8 @@ fields and the evaluation protocol::
     device = "auto"                      # cpu, cuda or auto; default auto
     diagnose = true                      # forcing bias and gain; or a table of keyword arguments
     lambada = {max_examples = 500}       # LAMBADA completion; true, or keyword arguments
+    kv_sharing = {depths = [5], max_tokens = 8192}  # terminal KV sharing (continuation protocol) at
+                                         # these recurrences R; keyword arguments of the hook
 
 The grid is variants × seeds × grid fields; runs are trained and evaluated one after another, seed
 by seed (all variants of seed 0 first, so that a partial sweep already has paired comparisons), into
@@ -54,6 +56,9 @@ The ``diagnose`` and ``lambada`` hooks import ``looplm.diagnostics.runner.diagno
 ``looplm.eval.lambada.evaluate_lambada_checkpoint`` only when enabled; their numbers are stored as
 protocols ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``) and
 ``lambada`` (dataset ``lambada``, split ``test``). ``diagnose`` is skipped for unshared variants.
+The ``kv_sharing`` hook (``looplm.eval.kvsharing.evaluate_kv_sharing_checkpoint``; its own ``depths``,
+default [5]) stores protocol ``kv_sharing`` (metrics ``ppl_full``, ``ppl_terminal``,
+``sharing_penalty_pct``, KV bytes; depth column = R) for shared variants.
 '''
 
 from __future__ import annotations
@@ -76,13 +81,14 @@ from looplm.finite import dumps
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
 EVAL_KEYS = ("depths", "datasets", "splits", "max_tokens", "stride", "batch_size", "tag", "device", "diagnose",
-             "lambada")
+             "lambada", "kv_sharing")
 SPLITS = ("train", "valid", "test")
 DEFAULT_SEEDS = (0, 1, 2)
 #: hook protocols: name → (module, function), imported only when the sweep file enables them.
 HOOKS: dict[str, tuple[str, str]] = {
     "diagnose": ("looplm.diagnostics.runner", "diagnose_checkpoint"),
     "lambada": ("looplm.eval.lambada", "evaluate_lambada_checkpoint"),
+    "kv_sharing": ("looplm.eval.kvsharing", "evaluate_kv_sharing_checkpoint"),
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -105,6 +111,8 @@ class EvalProtocol:
     device: str = "auto"
     diagnose: dict[str, Any] | None = None  # keyword arguments of diagnose_checkpoint; None = off
     lambada: dict[str, Any] | None = None  # keyword arguments of evaluate_lambada_checkpoint; None = off
+    kv_sharing: dict[str, Any] | None = None  # keyword arguments of evaluate_kv_sharing_checkpoint
+    # (its own ``depths``, default [5]); None = off
 
     def ppl_settings(self) -> dict[str, Any]:
         """Settings that change a perplexity (hashed into the evaluation identity)."""
@@ -248,7 +256,17 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         batch_size=_positive_int(d.get("batch_size", 16), "eval.batch_size"),
         tag=tag, device=device,
         diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
-        lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"))
+        lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
+        kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)))
+
+
+def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
+    """``eval.kv_sharing``: like the other hooks, but ``depths`` (the recurrences R) is its own."""
+    if isinstance(value, dict) and "depths" in value:
+        rest = _hook_kwargs({k: v for k, v in value.items() if k != "depths"}, "eval.kv_sharing")
+        return {"depths": list(_int_list(value["depths"], "eval.kv_sharing.depths", min_value=1)), **rest}
+    kwargs = _hook_kwargs(value, "eval.kv_sharing")
+    return None if kwargs is None else {"depths": [5], **kwargs}
 
 
 def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path = ".") -> Sweep:
@@ -534,6 +552,23 @@ class _Runner:
                 items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
                 self.store.put_many(items, config=saved, settings=settings)
                 done.append("lambada")
+        if ev.kv_sharing is not None and saved.model.architecture == "shared":
+            settings = dict(ev.kv_sharing)
+            depths = settings.pop("depths")
+            dataset = str(settings.get("dataset") or saved.data.dataset)
+            split = str(settings.get("split", "test"))
+            idents = {R: EvalIdentity.make(saved, "kv_sharing", dataset=dataset, split=split, depth=R,
+                                           settings=settings, tag=tag) for R in depths}
+            todo = force or not all(self.store.has(i, ["ppl_terminal"]) for i in idents.values())
+            if dry and todo:
+                done.append("kv_sharing")
+            elif todo:
+                res = _hook("kv_sharing")(ckpt, depths, progress=self.progress,
+                                          **{"device": self.device(), **settings})
+                self.store.put_many([(idents[R], _numeric(res["depths"][str(R)])) for R in depths],
+                                    config=saved, settings=settings)
+                done.append("kv_sharing: " + ", ".join(
+                    f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%" for R in depths))
         if ev.diagnose is not None and saved.model.architecture == "shared":
             settings = dict(ev.diagnose)
             probe = EvalIdentity.make(saved, "diagnose", dataset="", split="", depth=0, settings=settings, tag=tag)
@@ -736,7 +771,8 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     out.mkdir(parents=True, exist_ok=True)
     all_specs = sweep.runs()
     specs = select_runs(all_specs, only=only, shard=shard)
-    for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada)):
+    for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada),
+                          ("kv_sharing", sweep.eval.kv_sharing)):
         if enabled is not None:
             _hook(name)  # fail before training anything
     _write_sweep_json(sweep, all_specs, out)
