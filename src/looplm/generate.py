@@ -25,9 +25,13 @@ in the batch until every row has exited (the loop then stops early). Criteria th
 them from the readout of loop r (coda included; the final norm iff r ≥ the model's final depth), which
 reads the cache and writes nothing (``record=False``), so those readouts leave no trace in it.
 
+**Distilled prefill** (LMDR §3.2, §5.5): with a ``student`` the prompt is prefilled by
+:func:`looplm.distill.prefill.distilled_prefill` (the student's ẑ ≈ z^R, one teacher recurrence, the
+coda) into a ``terminal`` cache, and decoding runs the teacher unchanged with terminal KV sharing.
+
 **Depths reported.** ``Generation.depths[i][j]`` is the number of loop steps of the forward that
-produced the distribution of new token j: the prefill depth for j = 0, the step's (adaptive) depth
-after that.
+produced the distribution of new token j: the prefill depth for j = 0 (1 for a distilled prefill:
+its one teacher recurrence), the step's (adaptive) depth after that.
 """
 
 from __future__ import annotations
@@ -150,7 +154,8 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
-             max_depth: int | None = None, eos_id: int | None = None) -> Generation:
+             max_depth: int | None = None, eos_id: int | None = None, student=None,
+             student_depth: int | None = None) -> Generation:
     """Generate continuations of a batch of prompts (see the module docstring for the policies).
 
     Args:
@@ -164,13 +169,18 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         exit_criterion: an :class:`ExitCriterion` for per-token adaptive depth (None = fixed depth).
         max_depth: adaptive depth ceiling (default ``depth``); the prompt is prefilled at it.
         eos_id: stop a row after it emits this id.
+        student: a distilled-prefill :class:`~looplm.distill.student.Student` of ``model``: the prompt is
+            prefilled through it (module docstring; needs ``cache_mode="terminal"``). None: the teacher's
+            own prefill.
+        student_depth: the depth R the student was distilled for (default ``depth``).
 
     Returns:
         :class:`Generation` (tokens and per-token depths, one list per prompt).
 
     Raises:
         ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
-            the unshared architecture (no KV cache), or a prompt + continuation longer than seq_len.
+            the unshared architecture (no KV cache), a prompt + continuation longer than seq_len, or a
+            student with a ``per_visit`` cache.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -182,6 +192,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         raise ValueError(f"cache_mode: unknown {cache_mode!r}; allowed: {', '.join(CACHE_MODES)}")
     if not getattr(model, "shared", False):
         raise ValueError("generate: needs the shared (looped) architecture; KV caches do not cover unshared models")
+    if student is not None and cache_mode != "terminal":
+        raise ValueError(f"generate: a distilled prefill fills terminal KV banks; use cache_mode='terminal', "
+                         f"got {cache_mode!r}")
     seq_len = model.cfg.seq_len
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens - 1 > seq_len:
@@ -207,7 +220,14 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         prefill_depth = ceiling if adaptive else depth
         # the prefill reads out only the last position (left padding: every row's last token is real)
         last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
-        logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last).logits  # (B, V)
+        if student is None:
+            logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last).logits
+        else:
+            from looplm.distill.prefill import distilled_prefill
+
+            logits = distilled_prefill(model, student, idx, student_depth or depth, cache, attention_mask=mask,
+                                       readout_tokens=last).logits  # (B, V)
+            prefill_depth = 1  # the one teacher recurrence after the student
         step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
         active = list(range(len(prompts)))  # original row of each batch row
         for n in range(max_new_tokens):
