@@ -219,8 +219,8 @@ def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool,
             sched.step()
             opt.zero_grad(set_to_none=True)
             done, dt = step + 1, time.time() - t0
-            last = {"step": done, "loss": loss, "hidden": float(res.hidden), "kl": float(res.kl), "lr": lr,
-                    "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / dt}
+            last = {"step": done, "loss": loss, "hidden": float(res.hidden.detach()), "kl": float(res.kl.detach()),
+                    "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / dt}
             if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
                 last.update(validate(teacher, student, valid_tokens, cfg, sigma2, L, device))
             log.write(dumps(last) + "\n")
