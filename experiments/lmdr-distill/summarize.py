@@ -62,10 +62,9 @@ def markdown() -> str:
             continue
         _, table = rows_for(teacher)
         depth = load(f"eval_{teacher}_brown_test.json")["depth"]
-        out += [f"## {title}", "",
-                "| prefill path | teacher recurrences | " + " | ".join(s for _, _, s in SPLITS)
-                + " | Δ Brown test vs teacher | " + " | ".join(f"{c} tokens (ms)" for c in ctx) + " |",
-                "|---|---:|" + "---:|" * (len(SPLITS) + 1 + len(ctx))]
+        head = ["prefill path", "teacher recurrences", *(s for _, _, s in SPLITS), "Δ Brown test vs teacher",
+                *(f"{c}-token prefill (ms)" for c in ctx)]
+        out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         ref = table["teacher"]["Brown test"]["ppl"]
         for path, cells in table.items():
             key = "distilled" if path == "distilled_random" else path
@@ -74,9 +73,9 @@ def markdown() -> str:
             for c in ctx:
                 ms = shape.get(f"prefill_ms_ctx{c}", {}).get(key)
                 lat_cells.append("–" if ms is None or path == "full" else f"{ms['mean']:.0f} ± {ms['sd']:.0f}")
-            out.append(f"| {label(path, depth)} | {rec if path != 'distilled_random' else 1} | "
-                       + " | ".join(f"{cells[s]['ppl']:.2f}" for _, _, s in SPLITS)
-                       + f" | {100 * (cells['Brown test']['ppl'] / ref - 1):+.2f}% | " + " | ".join(lat_cells) + " |")
+            row = [label(path, depth), str(rec), *(f"{cells[s]['ppl']:.2f}" for _, _, s in SPLITS),
+                   f"{100 * (cells['Brown test']['ppl'] / ref - 1):+.3f}%", *lat_cells]
+            out.append("| " + " | ".join(row) + " |")
         out += ["", "First continuation token (the prefill's own readout) / the remaining 63 tokens (decoded by "
                 "the teacher from the path's banks), Brown test PPL:", "",
                 "| prefill path | PPL first token | PPL rest |", "|---|---:|---:|"]
@@ -136,14 +135,18 @@ def plots() -> list[Path]:
             rows = [json.loads(line) for line in f.read_text().splitlines()]
             name = f.name[len("distill_"):-len("_metrics.jsonl")]
             val = [r for r in rows if "val_hidden" in r]
-            axes[0].plot([r["step"] for r in val], [r["val_hidden"] for r in val], marker="o", label=name)
-            axes[1].plot([r["step"] for r in val], [r["val_kl"] for r in val], marker="o", label=name)
-        axes[0].set_title("hidden term ‖ẑ − z^R‖²/(N d σ²), Brown valid", fontsize=9)
-        axes[1].set_title("KL(p ‖ p̂) (nats/token), Brown valid", fontsize=9)
+            for ax, key in zip(axes, ("hidden", "kl")):
+                train = [r[key] for r in rows]
+                smooth = [sum(train[max(0, i - 9):i + 1]) / len(train[max(0, i - 9):i + 1]) for i in range(len(train))]
+                line, = ax.plot([r["step"] for r in rows], smooth, lw=1, label=f"{name} (train, mean of 10 steps)")
+                ax.plot([r["step"] for r in val], [r[f"val_{key}"] for r in val], "o", color=line.get_color(),
+                        label=f"{name} (Brown valid)")
+        axes[0].set_title("hidden term ‖ẑ − z^R‖²/(N d σ²)", fontsize=9)
+        axes[1].set_title("KL(p ‖ p̂) (nats/token)", fontsize=9)
         for ax in axes:
             ax.set_xlabel("distillation step")
             ax.set_yscale("log")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = EXP / "distill_curves.png"
         fig.savefig(path, dpi=120)
