@@ -120,7 +120,8 @@ def plots() -> list[Path]:
                 y = cells["Brown test"]["ppl"]
                 ax.scatter([x], [y], marker="*" if key == "distilled" else "o", s=80)
                 ax.annotate(label(path, cells["Brown test"]["recurrences"]).split(" (")[0].replace(", ", "\n"),
-                            (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+                            (x, y), textcoords="offset points", fontsize=8,
+                            xytext=(8, -22) if path == "distilled_random" else (5, 4))
             ax.set_xlabel("prefill latency, 2,048-token prompt (ms, CPU, batch 1)")
             ax.set_ylabel("continuation PPL, Brown test")
             ax.set_title(TEACHERS[t], fontsize=9)
