@@ -33,10 +33,21 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from looplm.model.layers import attention
 
 CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
+
+def chunk_positions(valid: torch.Tensor | None, start, L: int, device) -> torch.Tensor:
+    """Position ids (B, L) int64 of a chunk of L tokens (or (1, L) when nothing varies per row): ``start``
+    (B, 1) (real tokens cached before the chunk) or 0, plus the real tokens before each one in the chunk.
+    ``valid`` (B, L) bool marks real tokens (None: all); a left-padding position gets 0."""
+    if valid is None:
+        pos = start + torch.arange(L, device=device)  # (B, L) or (L,)
+        return pos if pos.dim() == 2 else pos[None]
+    return (start + valid.long().cumsum(1) - 1).clamp(min=0)
+
 
 def _nearest(keys: list[int], v: int) -> int:
     """The largest key ≤ v, else the smallest key (``keys`` non-empty)."""
@@ -195,14 +206,25 @@ class AttentionScope:
     :meth:`commit` once the chunk is done, which appends its K/V to the cache.
     """
 
-    def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None):
+    def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None):
         self.cache = cache
         self.key_valid = key_valid.bool() if key_valid is not None else None
+        self._positions = positions
         self.has_pad = self.key_valid is not None and not bool(self.key_valid.all())
         self.pending: dict = {}
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_stats: dict = {}
         self.frozen: torch.Tensor | None = None
+
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        """Position ids (B, L) (or (1, L)) of this chunk's L tokens: those given at construction, else the
+        cache's real-token counts plus the real tokens before each in the chunk (:func:`chunk_positions`).
+        Rotary embeddings read them."""
+        if self._positions is None:
+            start = self.cache.n_valid[:, None] if self.cache is not None and self.cache.n_valid is not None else 0
+            self._positions = chunk_positions(self.key_valid, start, L, device)
+        return self._positions
 
     def at(self, visit: int, record: bool = True) -> KVVisit:
         """The handle attention layers receive for virtual-layer visit ``visit`` (module docstring)."""
@@ -272,13 +294,13 @@ class AttentionScope:
     def _sdpa(self, q, k_all, v_all, dropout_p):
         B, _, Lq, _ = q.shape
         if Lq == 1 and not self.has_pad and (self.cache is None or self.cache.all_valid):
-            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)  # one query sees all
+            return attention(q, k_all, v_all, dropout_p=dropout_p)  # one query sees all
         mask = self._mask(B, Lq, k_all.shape[2] - Lq, q.device)
         if mask is not None and mask.shape[0] == 1 and bool(mask.all()):
-            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)
+            return attention(q, k_all, v_all, dropout_p=dropout_p)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, dropout_p=dropout_p)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+            return attention(q, k_all, v_all, is_causal=True, dropout_p=dropout_p)
+        return attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
 
     # ------------------------------------------------------------------ per-sequence statistics
     def accumulate(self, key, value: torch.Tensor) -> torch.Tensor:
