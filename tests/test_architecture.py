@@ -521,3 +521,36 @@ def test_hf_config_names_the_key_value_heads():
     assert hf.num_key_value_heads == 2 and hf.num_attention_heads == H
     assert LoopLMConfig.from_looplm(Config(model=cfg())).num_key_value_heads == H
     assert hf.looplm_config().model == ouro_cfg()
+
+
+def test_post_ln_beta_scales_the_value_rows_of_grouped_attention():
+    """DeepNorm/DeepLoop init with GQA: β multiplies exactly the value rows (the last n_kv_heads·hd rows of
+    qkv), not the query and key rows."""
+    c = cfg(rule="plain", residual="deeploop", residual_depth=50, n_kv_heads=2, n_core=2)
+    beta = c.residual_alpha_beta[1]
+    torch.manual_seed(0)
+    W = build_model(c).core.blocks[0].attn.qkv.weight.detach()
+    q, k, v = W[:H * HD], W[H * HD:(H + 2) * HD], W[(H + 2) * HD:]
+    assert abs(q.std() / (c.init_std) - 1) < 0.1 and abs(k.std() / c.init_std - 1) < 0.15
+    assert abs(v.std() / (beta * c.init_std) - 1) < 0.15
+
+
+@torch.no_grad()
+def test_compiled_rope_blocks_decode_without_recompiling():
+    """Blocks compiled by dynamo (backend eager: the tracing, not inductor's codegen) read the rotary
+    positions through the same graph break as the cache (``KVVisit.positions``): cached decoding equals
+    eager decoding and the decode steps do not recompile as the cache grows."""
+    import copy
+
+    from looplm.generate import generate
+    from looplm.train.trainer import compile_blocks
+
+    torch.manual_seed(0)
+    eager = build_model(ouro_cfg(seq_len=32)).eval()
+    compiled = compile_blocks(copy.deepcopy(eager), backend="eager")
+    torch._dynamo.reset()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    assert generate(compiled, prompts, 6, depth=3).tokens == generate(eager, prompts, 6, depth=3).tokens
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = generate(compiled, [[3, 1, 4, 1, 5], [9, 2, 6]], 8, depth=3)
+    assert again.tokens == generate(eager, [[3, 1, 4, 1, 5], [9, 2, 6]], 8, depth=3).tokens

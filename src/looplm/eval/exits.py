@@ -105,10 +105,10 @@ class ExitCriterion:
         """:meth:`score` aggregated over the token dimension (dim 1) when the inputs have one: (B, L, ·)
         → (B,) with ``valid`` (B, L) bool selecting the tokens (max: 0 and mean: NaN for a row without
         one); (N, ·) → (N,) per token. (A cumulative criterion's statistic here is its loop-1 value; the
-        runner carries it with :meth:`carry_score` and :meth:`aggregate`.)"""
-        return self.aggregate(self.score(prev_h, h, prev_logits, logits, gate), valid)
+        runner carries it with :meth:`carry_score` and :meth:`reduce`.)"""
+        return self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid)
 
-    def aggregate(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token statistics (B, L) → (B,) by ``aggregate`` over the ``valid`` tokens (see
         :meth:`sequence_score`); (N,) stays per token."""
         s = s.float()
@@ -574,7 +574,7 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
             halt = torch.zeros(len(rows), dtype=torch.bool, device=device)
         else:
             tok, carry = criterion.carry_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), carry)
-            s = criterion.aggregate(tok, valid)
+            s = criterion.reduce(tok, valid)
             scores[rows, t] = s.double()
             halt = criterion.halts(s) & ~exited
         if bool(halt.any()):
@@ -714,7 +714,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
             if T > 0:
                 tok, prev["carry"] = criterion.carry_score(prev.get("h"), h, prev.get("logits"), logits,
                                                            _gate(model, h, criterion), prev.get("carry"))
-                s[:, T - 1] = criterion.aggregate(tok, mask).double().cpu()
+                s[:, T - 1] = criterion.reduce(tok, mask).double().cpu()
             prev["h"], prev["logits"] = h, logits
 
         out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth, scale_clamp=scale_clamp)

@@ -191,8 +191,13 @@ class KVVisit(NamedTuple):
     @torch.compiler.disable
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0) -> torch.Tensor:
-        """See :meth:`AttentionScope.attend`. (B, H, L, hd) each → (B, H, L, hd)."""
+        """See :meth:`AttentionScope.attend`. q (B, H, L, hd), k and v (B, H_kv, L, hd) → (B, H, L, hd)."""
         return self.scope.attend(layer_id, self.visit, q, k, v, dropout_p, record=self.record)
+
+    @torch.compiler.disable
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        """See :meth:`AttentionScope.positions` (eager in a compiled block, like :meth:`attend`)."""
+        return self.scope.positions(L, device)
 
 
 class AttentionScope:

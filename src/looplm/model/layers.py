@@ -131,7 +131,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, L, self.n_heads, hd).transpose(1, 2)  # (B, H, L, hd)
         k, v = (t.view(B, L, self.n_kv_heads, hd).transpose(1, 2) for t in (k, v))  # (B, H_kv, L, hd)
         if self.rope is not None:
-            pos = kv.scope.positions(L, x.device) if kv is not None else torch.arange(L, device=x.device)[None]
+            pos = kv.positions(L, x.device) if kv is not None else torch.arange(L, device=x.device)[None]
             cos, sin = self.rope.cos_sin(pos)  # (B or 1, 1, L, hd/2)
             q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
         if kv is not None:
