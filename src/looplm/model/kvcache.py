@@ -11,8 +11,8 @@ A looped model visits each physical attention layer once per recurrence, so a KV
   terminal K/V (and, within the chunk being processed, to the chunk's own K/V of the same visit, as in
   training). Memory: K banks instead of K·R.
 
-A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask and the
-chunk's pending writes) and passes it down explicitly, as HF passes ``layer_idx``: each attention call
+A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask, its position
+ids — which rotary embeddings read — and the chunk's pending writes) and passes it down explicitly, as HF passes ``layer_idx``: each attention call
 receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
 have visit 0; core application ``call`` of loop step t has visit ``t · calls_per_step + call``
 (``calls_per_step`` = 2 for ``sc_subtract`` and ``additive_subtract``), the index Ouro writes as
@@ -58,7 +58,9 @@ def _nearest(keys: list[int], v: int) -> int:
 class KVCache:
     """Cached K/V of the tokens processed so far, for one batch of B sequences.
 
-    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H, capacity, head_dim)
+    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H_kv, capacity, head_dim)
+    (H_kv = the key/value heads: n_heads, or fewer with grouped-query attention; rotary models store the
+    rotated keys)
     written in place: a chunk's K/V go to positions ``[L_past, L_past + L_chunk)``, so decoding does no
     per-token concatenation. The capacity is ``max_len`` if given, else the model's ``seq_len`` (set by
     the first forward); a chunk that would overflow it doubles it (one copy). Attention reads the
@@ -73,7 +75,7 @@ class KVCache:
         max_len: the capacity in positions (None: the model's ``seq_len``).
 
     Attributes:
-        banks: {key: (K, V)}, each (B, H, L_past, head_dim) (views of the buffers' used part); key =
+        banks: {key: (K, V)}, each (B, H_kv, L_past, head_dim) (views of the buffers' used part); key =
             (layer_id, visit) for ``per_visit``, (layer_id, visit mod calls_per_step) for ``terminal``.
         calls_per_step: core calls per loop step of the model's rule (2 for ``sc_subtract`` and
             ``additive_subtract``; set by the model): terminal sharing keeps the last recurrence's K/V of
@@ -92,7 +94,7 @@ class KVCache:
             raise ValueError(f"kv_sharing: unknown KV cache mode {mode!r}; allowed: {', '.join(CACHE_MODES)}")
         self.mode = mode
         self.capacity = max_len
-        self.buffers: dict = {}  # key → (K, V) (B, H, capacity, hd)
+        self.buffers: dict = {}  # key → (K, V) (B, H_kv, capacity, hd)
         self._len = 0
         self._valid: torch.Tensor | None = None  # (B, capacity) bool
         self.all_valid = True  # no cached position is padding
@@ -107,7 +109,7 @@ class KVCache:
 
     @property
     def banks(self) -> dict:
-        """{key: (K, V)} (B, H, L_past, hd) each: views of the used part of the buffers."""
+        """{key: (K, V)} (B, H_kv, L_past, hd) each: views of the used part of the buffers."""
         n = self._len
         return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
 
@@ -266,7 +268,8 @@ class AttentionScope:
 
         Args:
             layer_id: the physical attention layer. visit: the virtual-layer visit (module docstring).
-            q, k, v: (B, H, L_chunk, head_dim) of the current visit.
+            q: (B, H, L_chunk, head_dim), k, v: (B, H_kv, L_chunk, head_dim) of the current visit (k rotated
+                when the model has rotary positions).
             record: False reads the cache and writes nothing.
         Returns:
             (B, H, L_chunk, head_dim).
