@@ -88,7 +88,8 @@ def test_rope_equals_complex_multiplication(layout, factor):
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(p, s):
-        return (rope.rotate(q, *rope.cos_sin(torch.tensor([[p]]))) * rope.rotate(k, *rope.cos_sin(torch.tensor([[s]])))).sum()
+        qp = rope.rotate(q, *rope.cos_sin(torch.tensor([[p]])))
+        return (qp * rope.rotate(k, *rope.cos_sin(torch.tensor([[s]])))).sum()
 
     assert torch.allclose(score(7, 3), score(107, 103), atol=1e-4)
 
@@ -264,8 +265,8 @@ def test_embedding_scale_and_position_signal():
     model = build_model(cfg(rule="plain", embed_scale=2.0)).eval()  # learned positions: scale the tokens only
     assert torch.equal(model.embed(x), model.tok_emb(x) * 2.0 + model.pos_emb(torch.arange(L)))
     # a run of one repeated token: without a position signal every position sees the same keys and
-    # values, so every position has the same logits; learned positions tell them apart (rope does not
-    # here either: it rotates q and k only, and every value is the same)
+    # values, so every position has the same logits; learned positions tell them apart (rope cannot
+    # here: it rotates q and k only, and every value is the same)
     same = torch.full((1, 8), 5)
     for pe in ("none", "learned"):
         torch.manual_seed(0)
@@ -324,8 +325,8 @@ def test_ouro_loop_by_hand():
             h = h + blk(h)
         h = rms(h, model.norm_f.weight)
         assert torch.allclose(out.logits_by_depth[t], h @ model.lm_head.weight.T, atol=1e-5), t
-        assert torch.allclose(out.exit_logits_by_depth[t], (h @ model.exit_gate.weight.T + model.exit_gate.bias)[..., 0],
-                              atol=1e-5), t
+        gate = (h @ model.exit_gate.weight.T + model.exit_gate.bias)[..., 0]
+        assert torch.allclose(out.exit_logits_by_depth[t], gate, atol=1e-5), t
     assert "loop_norm.weight" not in model.state_dict()  # the final norm itself, no second gain
 
 

@@ -367,9 +367,10 @@ class HuginnOptions(RuleOptions):
     state_init_std: float = _o(0.02, "state_init=gaussian / truncated_normal: std of the initial state (of the "
                                "normal before truncation; Huginn-0125: √(2/5), its √(2/(5d)) times its embedding "
                                "scale √d)", "state_init_std")
-    state_init_seed: int = _o(0, "state_init=gaussian / truncated_normal: seed of the evaluation-mode noise (a fixed (seq_len, d) "
-                              "table indexed by position, so evaluation and cached decoding are "
-                              "deterministic); -1 draws fresh noise from the global RNG in evaluation too",
+    state_init_seed: int = _o(0, "state_init=gaussian / truncated_normal: seed of the evaluation-mode noise (a "
+                              "fixed (seq_len, d) table indexed by position, so evaluation and cached decoding "
+                              "are deterministic); -1 draws fresh noise from the global RNG in evaluation too "
+                              "(Huginn-0125)",
                               "state_init_seed")
     source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",

@@ -12,8 +12,8 @@ A looped model visits each physical attention layer once per recurrence, so a KV
   training). Memory: K banks instead of K·R.
 
 A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask, its position
-ids — which rotary embeddings read — and the chunk's pending writes) and passes it down explicitly, as HF passes ``layer_idx``: each attention call
-receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
+ids — which rotary embeddings read — and the chunk's pending writes) and passes it down explicitly, as
+HF passes ``layer_idx``: each attention call receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
 have visit 0; core application ``call`` of loop step t has visit ``t · calls_per_step + call``
 (``calls_per_step`` = 2 for ``sc_subtract`` and ``additive_subtract``), the index Ouro writes as
 ``step·L + layer``. Nothing is found through global state, so scopes are re-entrant and thread-safe
