@@ -574,6 +574,11 @@ class ModelConfig(_Base):
     rope_scaling: RopeScaling = _f("none", "position_embedding=rope: none, or linear (position interpolation: every "
                                    "frequency divided by rope_scaling_factor; HF rope_type linear)")
     rope_scaling_factor: float = _f(1.0, "rope_scaling=linear: the factor (> 0); 1 otherwise")
+    rope_table_dtype: DType = _f("float32", "position_embedding=rope: the dtype the cos/sin table is rounded to "
+                                 "before the rotation (which runs in float32): float32 (no rounding) or bfloat16 "
+                                 "(Huginn-0125: its bf16 checkpoint stores the table and the original rotates with "
+                                 "the stored, bf16-rounded values; `looplm import huginn` checks that they equal this "
+                                 "table)")
     n_kv_heads: int = _f(0, "key/value heads (grouped-query attention: key/value head j serves the query heads "
                          "j·g … j·g + g − 1, g = n_heads / n_kv_heads); 0 = n_heads (multi-head attention)")
     qk_bias: bool = _f(False, "a learned bias on the query and key projections, before the rotary embedding "
@@ -632,7 +637,7 @@ class ModelConfig(_Base):
                        f"must be > 0, got {self.rope_scaling_factor}")
         else:
             for name, default in (("rope_theta", 10000.0), ("rope_layout", "half"), ("rope_scaling", "none"),
-                                  ("rope_scaling_factor", 1.0)):
+                                  ("rope_scaling_factor", 1.0), ("rope_table_dtype", "float32")):
                 _check(getattr(self, name) == default, p + name,
                        f"read only by position_embedding=rope (got position_embedding={self.position_embedding!r}); "
                        f"leave it at {default!r}, got {getattr(self, name)!r}")
@@ -1006,8 +1011,8 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 #: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"embed_init_std": -1.0, "position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half",
-              "rope_scaling": "none", "rope_scaling_factor": 1.0, "n_kv_heads": 0, "qk_bias": False,
-              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
+              "rope_scaling": "none", "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0,
+              "qk_bias": False, "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
     "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
     "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"],
               "gradient": "bptt", "gradient_steps": 0, "max_nonfinite_steps": 5},

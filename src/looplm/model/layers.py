@@ -48,13 +48,16 @@ class Rope:
     ``linear``). ``layout`` names the pairs: ``half`` — (i, i + head_dim/2), the rotate-half form of HF
     Llama/Qwen and Ouro; ``interleaved`` — (2i, 2i+1), the complex-pair form of Huginn-0125 and Meta's
     Llama. The frequencies are formed as in both originals, ``1 / θ^(arange(0, hd, 2) / hd)`` in float32,
-    and the rotation runs in float32 (then back to the input dtype), as Huginn's does.
+    and the rotation runs in float32 (then back to the input dtype), as Huginn's does. ``table_dtype``
+    ``bfloat16`` rounds cos and sin to bf16 first: Huginn-0125 rotates with the table stored in its bf16
+    checkpoint (``freqs_cis``), which is this float32 table rounded to bf16 (checked by the importer).
     """
 
     head_dim: int
     theta: float
     layout: str = "half"
     factor: float = 1.0
+    table_dtype: str = "float32"
 
     def inv_freq(self, device) -> torch.Tensor:
         """ω (head_dim/2,) float32."""
@@ -65,6 +68,8 @@ class Rope:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles p·ω_i: positions (B, L) int64 → 2 × (B, 1, L, head_dim/2) float32."""
         angles = positions.float()[:, None, :, None] * self.inv_freq(positions.device)  # (B, 1, L, hd/2)
+        if self.table_dtype == "bfloat16":
+            return angles.cos().bfloat16().float(), angles.sin().bfloat16().float()
         return angles.cos(), angles.sin()
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

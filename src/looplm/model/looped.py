@@ -71,7 +71,7 @@ def block_options(cfg: ModelConfig) -> dict:
     """The keyword options every :class:`Block` of ``cfg`` takes: norm placement, key/value heads, q/k bias
     and the rotary embedding (None without ``position_embedding=rope``)."""
     rope = (Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_layout,
-                 cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0)
+                 cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0, cfg.rope_table_dtype)
             if cfg.position_embedding == "rope" else None)
     return dict(norm=cfg.block_norm, n_kv_heads=cfg.kv_heads, qk_bias=cfg.qk_bias, rope=rope)
 
