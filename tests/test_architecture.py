@@ -94,6 +94,21 @@ def test_rope_equals_complex_multiplication(layout, factor):
     assert torch.allclose(score(7, 3), score(107, 103), atol=1e-4)
 
 
+def test_rope_table_dtype_rounds_cos_and_sin_only():
+    """``rope_table_dtype=bfloat16`` (Huginn-0125's stored table) rotates by the bf16-rounded cos and sin of the
+    float32 angles, in float32: equal to a rotation by the rounded table, and within bf16 rounding of the exact one."""
+    torch.manual_seed(0)
+    x, pos = torch.randn(2, 3, 7, 16), torch.arange(7)[None].expand(2, -1) * 37
+    exact, rounded = Rope(16, 50000.0, "interleaved"), Rope(16, 50000.0, "interleaved", table_dtype="bfloat16")
+    cos, sin = exact.cos_sin(pos)
+    rc, rs = rounded.cos_sin(pos)
+    assert torch.equal(rc, cos.bfloat16().float()) and torch.equal(rs, sin.bfloat16().float())
+    assert torch.equal(rounded.rotate(x, rc, rs), exact.rotate(x, cos.bfloat16().float(), sin.bfloat16().float()))
+    err = (rounded.rotate(x, rc, rs) - exact.rotate(x, cos, sin)).abs().max().item()
+    print(f"bf16 table vs float32 table: max |Δ| {err:.2e}")
+    assert 0 < err < 2 ** -7 * x.abs().max().item()
+
+
 @torch.no_grad()
 def test_interleaved_layout_is_half_after_permuting_q_and_k_rows():
     """An interleaved-rope model equals a half-rope model whose q/k rows (and q/k bias) are permuted per
@@ -468,6 +483,8 @@ def test_exit_cdf_in_decoding_is_ouros_per_token_rule():
     (dict(n_kv_heads=-1), "model.n_kv_heads"),
     (dict(rope_theta=50000.0), "model.rope_theta"),
     (dict(rope_layout="interleaved"), "model.rope_layout"),
+    (dict(rope_table_dtype="bfloat16"), "model.rope_table_dtype"),
+    (dict(position_embedding="rope", rope_table_dtype="float16"), "model.rope_table_dtype"),
     (dict(position_embedding="rope", rope_scaling_factor=2.0), "model.rope_scaling_factor"),
     (dict(position_embedding="rope", rope_scaling="linear", rope_scaling_factor=0.0), "model.rope_scaling_factor"),
     (dict(position_embedding="rope", d_model=36, n_heads=4), "model.position_embedding"),
@@ -497,7 +514,7 @@ def test_old_configs_load_with_todays_model():
     new = Config(model=ModelConfig(rule="huginn_linear", vocab_size=V, d_model=D, n_heads=H, d_ff=48, seq_len=16))
     d = new.to_dict()
     for key in ("position_embedding", "rope_theta", "rope_layout", "rope_scaling", "rope_scaling_factor",
-                "n_kv_heads", "qk_bias", "block_norm", "embed_scale", "exit_norm"):
+                "rope_table_dtype", "n_kv_heads", "qk_bias", "block_norm", "embed_scale", "exit_norm"):
         del d["model"][key]
     del d["model"]["options"]["adapter_bias"], d["model"]["options"]["step_norm"]
     old = Config.from_dict(d)

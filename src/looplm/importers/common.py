@@ -278,9 +278,10 @@ def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Mod
             raise ImporterError(f"tensor{'s' if len(e.sources) > 1 else ''} {', '.join(e.sources)} with shape"
                                 f" {', '.join(str(list(m.shape)) for m in metas)} cannot form {e.target} ({exc})") from None
         if shape != tuple(want[e.target].shape):
-            raise ImporterError(f"tensor{'s' if len(e.sources) > 1 else ''} {', '.join(e.sources)}: shape "
-                                f"{', '.join(str(list(source.shapes[s])) for s in e.sources)} gives {list(shape)} for "
-                                f"{e.target}, but config.json describes {list(want[e.target].shape)}")
+            stored = ", ".join(f"{s!r} {list(source.shapes[s])}" for s in e.sources)
+            raise ImporterError(f"tensor shape{'s' if len(e.sources) > 1 else ''} {stored} "
+                                f"{'give' if len(e.sources) > 1 else 'gives'} {list(shape)} for {e.target}, but "
+                                f"config.json describes {list(want[e.target].shape)}")
 
 
 def fill(model: torch.nn.Module, source: Source, entries: Sequence[Entry], *, progress: bool = True,

@@ -25,6 +25,7 @@ Tensor map (``{i}`` a block index; the block prefix ``transformer.prelude.{i}`` 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     Raises:
         ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
     """
-    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+    from looplm.config import Config, DataConfig, TrainConfig
 
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["huginn_raven"], why="not a Huginn-0125 config")
@@ -105,18 +106,90 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     r.ignore("vocab_size", "padding_multiple", "effective_expected_depth", "mean_backprop_depth", "sampling_scheme",
              "init_strategy", "init_orthogonal", "activation_checkpoint_impl", "injection_type", "state_init",
              "test_time_noise_type")
-    model = ModelConfig(
-        architecture="shared", rule="huginn_linear", vocab_size=vocab, d_model=d, n_heads=heads,
-        d_ff=r.positive_int("intermediate_size"), seq_len=seq_len, dropout=0.0, n_prelude=P, n_core=R, n_coda=C,
-        tie_embeddings=True, norm_eps=r.number("norm_eps"), readout="rmsnorm", position_embedding="rope",
-        rope_theta=r.number("rope_base"), rope_layout="interleaved", qk_bias=qk_bias, block_norm="pre_post",
-        embed_scale=math.sqrt(d), exit_norm="final",
-        options=dict(state_init="zeros" if initial_state == "zeros" else "truncated_normal", state_init_std=STATE_STD,
-                     state_init_seed=-1 if initial_state == "fresh" else 0, adapter_bias=False, step_norm=False))
+    model = huginn_layout_config(
+        vocab_size=vocab, d_model=d, n_heads=heads, d_ff=r.positive_int("intermediate_size"), seq_len=seq_len,
+        n_prelude=P, n_core=R, n_coda=C, norm_eps=r.number("norm_eps"), rope_theta=r.number("rope_base"),
+        qk_bias=qk_bias, initial_state=initial_state)
     r.finish()
     train = TrainConfig(depth_sampler="fixed", depth=depth, depth_lo=1, depth_hi=depth, eval_depth=depth)
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, vocab))
     return Config(model=model, data=data, train=train, name="huginn-0125"), depth
+
+
+def huginn_layout_config(*, vocab_size: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, n_prelude: int,
+                         n_core: int, n_coda: int, norm_eps: float = 1e-6, rope_theta: float = 50000.0,
+                         qk_bias: bool = True, initial_state: str = "table", rope_table_dtype: str = "float32"):
+    """A :class:`~looplm.config.ModelConfig` with Huginn-0125's architecture options and the given sizes (what
+    the importer builds; also a looplm model to train in that layout). ``initial_state`` as in
+    :func:`read_config`."""
+    from looplm.config import ModelConfig
+
+    if initial_state not in INITIAL_STATES:
+        raise ImporterError(f"--initial-state: got {initial_state!r}; allowed: {', '.join(INITIAL_STATES)}")
+    return ModelConfig(
+        architecture="shared", rule="huginn_linear", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
+        d_ff=d_ff, seq_len=seq_len, dropout=0.0, n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
+        tie_embeddings=True, norm_eps=norm_eps, readout="rmsnorm", position_embedding="rope", rope_theta=rope_theta,
+        rope_layout="interleaved", rope_table_dtype=rope_table_dtype, qk_bias=qk_bias, block_norm="pre_post",
+        embed_scale=math.sqrt(d_model), exit_norm="final",
+        options=dict(state_init="zeros" if initial_state == "zeros" else "truncated_normal", state_init_std=STATE_STD,
+                     state_init_seed=-1 if initial_state == "fresh" else 0, adapter_bias=False, step_norm=False))
+
+
+#: the ModelConfig fields (and rule options) that make a looplm model Huginn-0125's architecture
+_LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position_embedding", "rope_layout",
+                  "rope_scaling", "n_kv_heads", "block_norm", "embed_scale", "exit_norm", "residual", "input_norm",
+                  "scale_control", "exit_gate")
+
+
+def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: int) -> Path:
+    """Write a looplm model that has Huginn-0125's architecture in the published layout: ``config.json`` (the
+    keys of huginn-0125's, ``mean_recurrence = depth``, ``block_size = seq_len``), ``model.safetensors`` (the
+    original tensor names, the model's dtype, and ``freqs_cis``: the model's own RoPE table) and
+    ``tokenizer.json``. The inverse of :func:`tensor_map`, so that a looplm-trained model can go through
+    ``looplm import huginn`` (round-trip checks; the folder is not run through the original code here).
+
+    Raises:
+        ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm.
+    """
+    from safetensors.torch import save_file
+
+    from looplm.model.layers import Rope
+
+    c = model.cfg
+    want = huginn_layout_config(vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff,
+                                seq_len=c.seq_len, n_prelude=c.n_prelude, n_core=c.n_core, n_coda=c.n_coda)
+    for name in _LAYOUT_FIELDS:
+        if getattr(c, name) != getattr(want, name):
+            raise ImporterError(f"model.{name} = {getattr(c, name)!r}: Huginn-0125's layout has {getattr(want, name)!r}")
+    if c.rule == "huginn_linear" and (c.options.adapter_bias or c.options.step_norm):
+        raise ImporterError("model.options.adapter_bias / step_norm: Huginn-0125's layout has neither")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = model.state_dict()
+    H, hd = c.n_heads, c.head_dim
+    tensors = {}
+    for e in tensor_map(c):
+        t = sd[e.target].detach()
+        tensors[e.sources[0]] = (t.view(2, 1, H, hd) if e.target.endswith("attn.qk_bias") else t).clone().contiguous()
+    cos, sin = Rope(hd, c.rope_theta, "interleaved", table_dtype=c.rope_table_dtype).cos_sin(torch.arange(c.seq_len)[None])
+    dtype = sd["tok_emb.weight"].dtype
+    tensors["freqs_cis"] = torch.stack([cos[0, 0], sin[0, 0]], -1)[None, :, None].to(dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["RavenForCausalLM"], "architecture_class_name": "RecurrentGPT", "model_type": "huginn_raven",
+        "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU",
+        "norm_class_name": "RMSNorm_llama", "bias": False, "tie_embeddings": True, "injection_type": "linear",
+        "state_init": "like-init", "test_time_noise": 0, "test_time_noise_type": "fixed", "n_embd": c.d_model,
+        "n_heads": H, "head_dim": hd, "num_key_value_heads": H, "intermediate_size": c.d_ff,
+        "n_layers": c.n_prelude + c.n_core + c.n_coda, "n_layers_in_prelude": c.n_prelude,
+        "n_layers_in_recurrent_block": c.n_core, "n_layers_in_coda": c.n_coda, "vocab_size": c.vocab_size,
+        "padded_vocab_size": c.vocab_size, "block_size": c.seq_len, "mean_recurrence": depth,
+        "rope_base": c.rope_theta, "norm_eps": c.norm_eps, "qk_bias": c.qk_bias,
+        "init_values": {"embed_scale": math.sqrt(c.d_model)}, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    return out
 
 
 def tensor_map(model_cfg) -> list[Entry]:
