@@ -257,3 +257,25 @@ def test_diagnostics_commands_run_on_imported_models(imported, name, tmp_path, c
     assert res["k_max"] == 4 and res["criterion"] == "margin"
     assert sorted(res["calibration"]["ppl_by_k"]) == ["1", "2", "3", "4"]
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------- the HF export of an imported model (interop)
+def test_hf_export_of_imported_models_keeps_parity(tmp_path, capsys):
+    """`looplm export` of an imported checkpoint loads with transformers and reproduces the originals' logits and
+    cached greedy tokens (Huginn imported with --initial-state zeros, decoded at num_steps=3 as its fixture)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    for name, kw, steps, key in (("huginn", {"initial_state": "zeros"}, 3, "logits_zero_init_steps3"),
+                                 ("ouro", {}, 4, "logits_ut4")):
+        (import_huginn if name == "huginn" else import_ouro)(FIXTURES / name, tmp_path / name, progress=False, **kw)
+        assert main(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-hf")).eval()
+        exp = load_file(str(FIXTURES / name / "expected.safetensors"))
+        ids = exp["input_ids"]
+        with torch.no_grad():
+            assert _report(f"{name} HF export logits", hf(ids, num_steps=steps).logits, exp[key]) <= TOL
+            new = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              num_steps=steps)[:, ids.shape[1]:]
+        assert new.tolist() == exp["greedy_tokens"].tolist()
+    capsys.readouterr()
