@@ -11,7 +11,6 @@ embedding itself).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -180,8 +179,8 @@ def open_source(src: str | Path) -> Source:
         shards = sorted(root.glob("*.safetensors"))
     if not shards:
         bins = sorted(p.name for p in root.glob("*.bin"))
-        raise ImporterError(f"{root}: no safetensors weights" + (f" (found {', '.join(bins)}: pickled weights are not "
-                                                                 "read; convert them to safetensors first)" if bins else ""))
+        hint = f" (found {', '.join(bins)}: pickled weights are not read; convert them to safetensors first)"
+        raise ImporterError(f"{root}: no safetensors weights" + (hint if bins else ""))
     where: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -275,8 +274,9 @@ def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Mod
         try:
             shape = tuple(e.build(metas).shape)
         except RuntimeError as exc:
-            raise ImporterError(f"tensor{'s' if len(e.sources) > 1 else ''} {', '.join(e.sources)} with shape"
-                                f" {', '.join(str(list(m.shape)) for m in metas)} cannot form {e.target} ({exc})") from None
+            shapes = ", ".join(str(list(m.shape)) for m in metas)
+            raise ImporterError(f"tensor{'s' if len(e.sources) > 1 else ''} {', '.join(e.sources)} with shape "
+                                f"{shapes} cannot form {e.target} ({exc})") from None
         if shape != tuple(want[e.target].shape):
             stored = ", ".join(f"{s!r} {list(source.shapes[s])}" for s in e.sources)
             raise ImporterError(f"tensor shape{'s' if len(e.sources) > 1 else ''} {stored} "
@@ -360,8 +360,3 @@ def write_checkpoint(out: str | Path, model: torch.nn.Module, cfg, source: Sourc
     info = {"looplm_version": __version__, **source.provenance(), **record}
     return save_checkpoint(out, 0, model, cfg, tokenizer_json=source.tokenizer_json,
                            extra_files={"import.json": json.dumps(info, indent=2) + "\n"})
-
-
-def replace_options(model_cfg, **options):
-    """``model_cfg`` with some rule options changed."""
-    return model_cfg.replace(options=dataclasses.replace(model_cfg.options, **options))

@@ -12,7 +12,7 @@ Tensor map (``{i}`` a block index; the block prefix ``transformer.prelude.{i}`` 
 | Huginn-0125 | looplm |
 |---|---|
 | ``transformer.wte.weight`` | ``tok_emb.weight`` (= ``lm_head.weight``, tied) |
-| ``….norm_1`` / ``norm_2`` / ``norm_3`` / ``norm_4`` | ``norm1`` / ``post_attn_norm`` / ``norm2`` / ``post_mlp_norm`` |
+| ``….norm_1``, ``norm_2``, ``norm_3``, ``norm_4`` | ``norm1``, ``post_attn_norm``, ``norm2``, ``post_mlp_norm`` |
 | ``….attn.Wqkv.weight`` (rows q, k, v) | ``attn.qkv.weight`` |
 | ``….attn.qk_bias`` (2, 1, H, hd) | ``attn.qk_bias`` (q's H·hd, then k's) |
 | ``….attn.proj.weight`` | ``attn.proj.weight`` |
@@ -161,7 +161,8 @@ def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: i
                                 seq_len=c.seq_len, n_prelude=c.n_prelude, n_core=c.n_core, n_coda=c.n_coda)
     for name in _LAYOUT_FIELDS:
         if getattr(c, name) != getattr(want, name):
-            raise ImporterError(f"model.{name} = {getattr(c, name)!r}: Huginn-0125's layout has {getattr(want, name)!r}")
+            raise ImporterError(f"model.{name} = {getattr(c, name)!r}: Huginn-0125's layout has "
+                                f"{getattr(want, name)!r}")
     if c.rule == "huginn_linear" and (c.options.adapter_bias or c.options.step_norm):
         raise ImporterError("model.options.adapter_bias / step_norm: Huginn-0125's layout has neither")
     out = Path(out)
@@ -172,7 +173,8 @@ def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: i
     for e in tensor_map(c):
         t = sd[e.target].detach()
         tensors[e.sources[0]] = (t.view(2, 1, H, hd) if e.target.endswith("attn.qk_bias") else t).clone().contiguous()
-    cos, sin = Rope(hd, c.rope_theta, "interleaved", table_dtype=c.rope_table_dtype).cos_sin(torch.arange(c.seq_len)[None])
+    rope = Rope(hd, c.rope_theta, "interleaved", table_dtype=c.rope_table_dtype)
+    cos, sin = rope.cos_sin(torch.arange(c.seq_len)[None])  # 2 × (1, 1, seq_len, hd/2)
     dtype = sd["tok_emb.weight"].dtype
     tensors["freqs_cis"] = torch.stack([cos[0, 0], sin[0, 0]], -1)[None, :, None].to(dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"))
@@ -260,16 +262,16 @@ def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = Non
     """Import a Huginn-0125 folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
 
     Args:
-        src: the downloaded folder (e.g. ``huggingface-cli download tomg-group-umd/huginn-0125 --local-dir SRC``).
-        out: the run folder to write (``OUT/latest`` → ``OUT/checkpoints/step-000000``); must not hold a
+        src: the downloaded folder (e.g. huggingface-cli download tomg-group-umd/huginn-0125 --local-dir SRC).
+        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
             checkpoint.
-        seq_len: context length of the imported model, at most ``block_size`` (the static KV cache
+        seq_len: context length of the imported model, at most block_size (the static KV cache
             preallocates this many positions per bank); default min(block_size, 4096).
-        dtype: weights as stored (``source``: bf16 for the published file, every value kept) or converted
-            (``float32``, ``bfloat16``). looplm computes in float32 whatever is stored.
-        initial_state: the loop's initial state: ``table`` (truncated normal, std √(2/5), fixed per position,
-            seed 0: deterministic), ``fresh`` (a new draw every forward, as the original), ``zeros`` (the
-            original's ``init_scale=0``).
+        dtype: weights as stored (source: bf16 for the published file, every value kept) or converted
+            (float32, bfloat16). looplm computes in float32 whatever is stored.
+        initial_state: the loop's initial state: table (truncated normal, std √(2/5), fixed per position,
+            seed 0: deterministic), fresh (a new draw every forward, as the original), zeros (the
+            original's init_scale=0).
         rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact).
         progress: show a progress bar over the bytes read.
 

@@ -13,8 +13,8 @@ Tensor map (``{i}`` a layer index; ``model.layers.{i}`` → ``core.blocks.{i}``)
 | Ouro | looplm |
 |---|---|
 | ``model.embed_tokens.weight`` | ``tok_emb.weight`` |
-| ``….input_layernorm`` / ``input_layernorm_2`` | ``norm1`` / ``post_attn_norm`` |
-| ``….post_attention_layernorm`` (the MLP's input norm) / ``post_attention_layernorm_2`` | ``norm2`` / ``post_mlp_norm`` |
+| ``….input_layernorm``, ``input_layernorm_2`` | ``norm1``, ``post_attn_norm`` |
+| ``….post_attention_layernorm`` (MLP input norm), ``…_2`` | ``norm2``, ``post_mlp_norm`` |
 | ``….self_attn.q_proj``, ``k_proj``, ``v_proj`` | ``attn.qkv.weight`` (rows q, k, v) |
 | ``….self_attn.o_proj`` | ``attn.proj.weight`` |
 | ``….mlp.gate_proj``, ``up_proj`` | ``mlp.gate_up.weight`` (rows gate, up) |
@@ -136,13 +136,13 @@ def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None,
     """Import an Ouro folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
 
     Args:
-        src: the downloaded folder (e.g. ``huggingface-cli download ByteDance/Ouro-1.4B --local-dir SRC``).
-        out: the run folder to write (``OUT/latest`` → ``OUT/checkpoints/step-000000``); must not hold a
+        src: the downloaded folder (e.g. huggingface-cli download ByteDance/Ouro-1.4B --local-dir SRC).
+        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
             checkpoint.
-        seq_len: context length of the imported model, at most ``max_position_embeddings`` (the static KV
+        seq_len: context length of the imported model, at most max_position_embeddings (the static KV
             cache preallocates this many positions per bank); default min(max_position_embeddings, 4096).
-        dtype: weights as stored (``source``: bf16 for the published files, every value kept) or converted
-            (``float32``, ``bfloat16``). looplm computes in float32 whatever is stored.
+        dtype: weights as stored (source: bf16 for the published files, every value kept) or converted
+            (float32, bfloat16). looplm computes in float32 whatever is stored.
         progress: show a progress bar over the bytes read.
 
     Returns:
