@@ -204,6 +204,29 @@ def test_cli_import_and_refused_output(tmp_path, capsys):
     assert load_file(str(Path(summary["checkpoint"]) / "model.safetensors"))["tok_emb.weight"].dtype == torch.float32
 
 
+def test_sharded_source_with_index_imports_the_same_weights(imported, tmp_path):
+    """The published checkpoints come in shards with model.safetensors.index.json: split the Ouro fixture in two,
+    import it, get the same weights; an index that misplaces a tensor is refused by name."""
+    src = tmp_path / "sharded"
+    shutil.copytree(FIXTURES / "ouro", src, ignore=shutil.ignore_patterns("model.safetensors", "expected.*"))
+    sd = load_file(str(FIXTURES / "ouro" / "model.safetensors"))
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(src / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_ouro(src, tmp_path / "out", progress=False)
+    back = load_checkpoint(tmp_path / "out")[0].state_dict()
+    want = imported["ouro"][0].state_dict()
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+    index["weight_map"][names[0]] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ImporterError, match=f"names tensor '{names[0]}' in model-00002-of-00002.safetensors, but it "
+                       "is in model-00001-of-00002.safetensors"):
+        import_ouro(src, tmp_path / "out2", progress=False)
+
+
 # ---------------------------------------------------------------- round trip: a looplm model in Huginn's layout
 def test_huginn_layout_round_trip_is_exact(tmp_path):
     """A looplm model with Huginn-0125's options, written in the published layout and imported again, has the
