@@ -117,3 +117,21 @@ def test_two_processes_write_overlapping_identities(tmp_path):
         # each identity's metric set comes whole from one writer (puts are atomic)
         assert all(len(v) == 1 for v in by_depth.values())
         assert by_depth[0] == {0.0} and by_depth[2 * N_IDS - OVERLAP - 1] == {1.0}
+
+
+def test_fields_added_later_keep_older_configs_hash():
+    """A config saved before issue 14's architecture fields existed hashes as that config loaded today
+    (with them filled at their older-model values), so its stored evaluations stay found; setting one
+    of them to another value changes the identity."""
+    from looplm.analysis.store import LATE_IDENTITY_FIELDS, config_hash
+    from looplm.config import Config, ModelConfig
+
+    cfg = Config(model=ModelConfig(rule="huginn_linear"))
+    old = cfg.to_dict()
+    for name in LATE_IDENTITY_FIELDS["model"]:
+        del old["model"][name]
+    for name in LATE_IDENTITY_FIELDS["options"]:
+        del old["model"]["options"][name]
+    assert config_hash(old) == config_hash(Config.from_dict(old)) == config_hash(cfg)
+    rope = Config(model=ModelConfig(rule="huginn_linear", position_embedding="rope"))
+    assert config_hash(rope) != config_hash(cfg)

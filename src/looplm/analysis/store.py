@@ -60,6 +60,17 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
 #: configs hash as they did before these fields existed)
 HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
 
+#: config fields added after results were first stored (issue 14's architecture options), left out of the
+#: identity while they hold the value that rebuilds the models made before them (their
+#: ``looplm.config.V2_LATE_FIELDS`` / ``LATE_OPTIONS`` value), so those configs hash as they did before
+#: the fields existed and their stored evaluations stay found. Section → field → that value.
+LATE_IDENTITY_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half", "rope_scaling": "none",
+              "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0, "qk_bias": False,
+              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
+    "options": {"adapter_bias": True, "step_norm": True},
+}
+
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
                                      "seed", "tag")
 
@@ -103,14 +114,21 @@ def _config_dict(config: Any) -> dict[str, Any]:
 def config_identity(config: Any) -> dict[str, Any]:
     """The part of a run config (``Config`` or its dict) that defines the trained model.
 
-    Drops ``name`` and the :data:`NON_IDENTITY_FIELDS`; keeps everything else (model, data and
-    training protocol, including the format version).
+    Drops ``name``, the :data:`NON_IDENTITY_FIELDS` and the :data:`LATE_IDENTITY_FIELDS` at their
+    older-model values; keeps everything else (model, data and training protocol, including the format
+    version).
     """
     d = _config_dict(config)
     d.pop("name", None)
     for section, names in NON_IDENTITY_FIELDS.items():
         for name in names:
             d.get(section, {}).pop(name, None)
+    model = d.get("model", {})
+    if isinstance(model, dict):
+        for section, fields in (("model", model), ("options", model.get("options"))):
+            for name, late in LATE_IDENTITY_FIELDS[section].items():
+                if isinstance(fields, dict) and name in fields and fields[name] == late:
+                    fields.pop(name)
     data = d.get("data", {})
     if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
         for name in HF_DATA_FIELDS:
