@@ -306,6 +306,29 @@ class ResultStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def rehash(self) -> int:
+        """Bring every stored config hash up to today's :func:`config_identity` (after its rules changed,
+        e.g. :data:`LATE_IDENTITY_FIELDS`): each ``configs`` row whose identity JSON now hashes
+        differently is re-keyed, with its evaluations and runs (a row already stored under the new hash
+        wins over the re-keyed one: it is the newer evaluation of the same identity). Idempotent.
+
+        Returns:
+            The number of config hashes changed.
+        """
+        rows = self._conn.execute("SELECT config_hash, config_json FROM configs").fetchall()
+        moves = [(old, config_hash(json.loads(text)), json.loads(text)) for old, text in rows]
+        moves = [(old, new, identity) for old, new, identity in moves if new != old]
+        if not moves:
+            return 0
+        with self._write() as c:
+            for old, new, identity in moves:
+                c.execute("UPDATE OR IGNORE evaluations SET config_hash = ? WHERE config_hash = ?", (new, old))
+                c.execute("DELETE FROM evaluations WHERE config_hash = ?", (old,))  # the ignored duplicates
+                c.execute("UPDATE runs SET config_hash = ? WHERE config_hash = ?", (new, old))
+                c.execute("DELETE FROM configs WHERE config_hash = ?", (old,))
+                c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new, _canonical(config_identity(identity))))
+        return len(moves)
+
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
             settings: Mapping[str, Any] | None = None) -> None:
