@@ -201,7 +201,7 @@ def test_task_heldout_is_disjoint_and_tokenizer_agrees():
     ids = task.stream(2000)
     assert len(ids) == 2000 * task.record_len == 2000 * 10
     seen = {line.split("=")[0] for line in decode(ids).split("\n") if "=" in line}
-    assert len(seen) > 1500 and not seen & {p.prompt.strip("\n=") for p in held}
+    assert len(seen) > 1000 and not seen & {p.prompt.strip("\n=") for p in held}
     # the trainer's windows at multiples of the record length start at a record: a prompt at position 0
     x, y = sample_batch(ids, 16, 2 * task.record_len, seed=0, step=3, stride=task.record_len)
     assert (x[:, 0] == NEWLINE_ID).all() and (x[:, task.record_len] == NEWLINE_ID).all()
@@ -215,6 +215,19 @@ def test_task_heldout_is_disjoint_and_tokenizer_agrees():
     assert tok.get_vocab_size() == len(CHARS) + 1
     with pytest.raises(ValueError, match="not in the task vocabulary"):
         encode("1-2")
+
+
+def test_training_problems_fresh_or_a_fixed_set_visited_once_per_epoch():
+    from looplm.rl.runner import training_problems
+
+    task = AdditionTask(digits=2)
+    fresh = dict(prompts_per_update=4, train_problems=0, seed=0)
+    assert training_problems(task, fresh, 3) == task.problems(4, "rl", 0, 3) != training_problems(task, fresh, 4)
+    fixed = dict(prompts_per_update=4, train_problems=10, seed=0)
+    epoch0 = [p for u in range(5) for p in training_problems(task, fixed, u)][:10]  # updates 0-2 and half of 3
+    pool = task.problems(10, "rl-set", 0)
+    assert sorted(p.prompt for p in epoch0) == sorted(p.prompt for p in pool)  # each problem once per epoch
+    assert training_problems(task, fixed, 7) == training_problems(task, dict(fixed), 7)
 
 
 def test_rewards():

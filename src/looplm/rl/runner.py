@@ -37,14 +37,15 @@ from looplm.rl.grpo import response_text
 #: Huginn-style 1 + 2×R + 1 model (``huginn_linear``, d = 64, 4 heads, 0.28M parameters with the
 #: 14-token vocabulary) trained with LMDR's recipe at small scale: PLN depths of mean 5 (cap 16),
 #: truncated BPTT through the last 4 recurrences, WSD schedule, AdamW betas (0.9, 0.98). The context is
-#: 4 records of 3-digit addition (4 × 13 = 52 tokens). ``data`` is not read (the task's stream replaces
-#: the corpus) and is left at its defaults.
+#: one record of 3-digit addition (13 tokens: a window is one example, its prompt at position 0 as in
+#: RL; 128 of them per step). ``data`` is not read (the task's stream replaces the corpus) and is left
+#: at its defaults.
 PRETRAIN_CONFIG = Config(
     name="addition",
-    model=ModelConfig(rule="huginn_linear", vocab_size=14, d_model=64, n_heads=4, d_ff=256, seq_len=52,
+    model=ModelConfig(rule="huginn_linear", vocab_size=14, d_model=64, n_heads=4, d_ff=256, seq_len=13,
                       dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
     data=DataConfig(),
-    train=TrainConfig(steps=800, batch_size=32, lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98,
+    train=TrainConfig(steps=800, batch_size=128, lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98,
                       depth_sampler="pln", depth_mean=5.0, depth_cap=16, tbptt=4, eval_every=200,
                       eval_batches=4, eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
 )
@@ -88,7 +89,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
     t = build_task(task, digits=digits)
     if cfg.model.seq_len % t.record_len:
         raise ValueError(f"model.seq_len: {cfg.model.seq_len} is not a multiple of the {t.name} record length "
-                         f"{t.record_len} (D = {digits}); use e.g. --model.seq_len {4 * t.record_len}")
+                         f"{t.record_len} (D = {digits}); use e.g. --model.seq_len {t.record_len}")
     spec = {"task": task, "digits": digits, "seed": t.seed, "heldout_size": t.heldout_size,
             "train_records": train_records}
     out = Path(out)
@@ -193,8 +194,13 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
 # ---------------------------------------------------------------------------------------------- the RL run
 
 
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+
+
 def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4, group_size: int = 8,
-               prompts_per_update: int = 16, updates: int = 100, lr: float = 1e-4, temperature: float = 1.0,
+               prompts_per_update: int = 16, updates: int = 100, train_problems: int = 0, optimizer: str = "adamw",
+               lr: float = 1e-4, warmup: int = 10,
+               temperature: float = 1.0,
                reward: str = "exact_match", seed: int = 0, task: str | None = None, digits: int | None = None,
                eval_problems: int = 500, eval_samples: int = 8, eval_seed: int = 0, compare_every: int = 10,
                ckpt_every: int = 25, grad_clip: float = 1.0) -> dict[str, Any]:
@@ -209,7 +215,12 @@ def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4,
         group_size: G, responses per prompt.
         prompts_per_update: P, prompts per update.
         updates: policy updates (one per batch of P x G rollouts).
-        lr: AdamW learning rate (constant; betas 0.9, 0.98; no weight decay).
+        train_problems: 0 = fresh training problems every update; N = a fixed training set of N problems
+            (as the paper's 400 GSM8K questions), visited in a reshuffled order each epoch.
+        optimizer: adamw (betas 0.9, 0.98, no weight decay) or sgd (plain gradient steps, no momentum).
+        lr: learning rate, constant after the warm-up.
+        warmup: updates of linear learning-rate warm-up (Adam's first steps move every parameter by
+            about lr, which the noisy policy gradient of a small model does not survive at 3e-4 without it).
         temperature: sampling temperature of rollouts and of the pass@k samples.
         reward: verifier: exact_match or numeric.
         seed: seed of the training prompts and rollout samples.
@@ -227,13 +238,16 @@ def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4,
     """
     if method not in UPDATE_METHODS:
         raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     get_reward(reward)
     for name, value in dict(depth=depth, neumann_steps=neumann_steps, group_size=group_size, updates=updates,
                             prompts_per_update=prompts_per_update, eval_problems=eval_problems,
-                            eval_samples=eval_samples).items():
+                            eval_samples=eval_samples, train_problems=train_problems + 1).items():
         if value < 1:
             raise ValueError(f"{name}: need >= 1, got {value}")
-    for name, value in dict(compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip).items():
+    for name, value in dict(compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip,
+                            warmup=warmup).items():
         if value < 0:
             raise ValueError(f"{name}: need >= 0, got {value}")
     if not lr > 0 or temperature <= 0:
@@ -241,10 +255,28 @@ def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4,
     if group_size < 2:
         raise ValueError(f"group_size: Dr. GRPO needs >= 2 responses per prompt, got {group_size}")
     return dict(method=method, depth=depth, neumann_steps=neumann_steps, group_size=group_size,
-                prompts_per_update=prompts_per_update, updates=updates, lr=lr, temperature=temperature,
+                prompts_per_update=prompts_per_update, updates=updates, train_problems=train_problems,
+                optimizer=optimizer, lr=lr,
+                warmup=warmup, temperature=temperature,
                 reward=reward, seed=seed, task=task, digits=digits, eval_problems=eval_problems,
                 eval_samples=eval_samples, eval_seed=eval_seed, compare_every=compare_every, ckpt_every=ckpt_every,
                 grad_clip=grad_clip)
+
+
+def training_problems(task, opts: dict[str, Any], update: int) -> list:
+    """The P problems of ``update``: fresh ones drawn for (seed, update), or the next P of a fixed
+    training set of ``train_problems`` (drawn once for the seed), reshuffled every epoch by (seed, epoch).
+    A pure function of (options, update), so a resumed run sees the same prompts."""
+    P, N = opts["prompts_per_update"], opts.get("train_problems", 0)
+    if not N:
+        return task.problems(P, "rl", opts["seed"], update)
+    pool = task.problems(N, "rl-set", opts["seed"])
+    out = []
+    for i in range(update * P, update * P + P):
+        epoch, j = divmod(i, N)
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(_seed("epoch", opts["seed"], epoch)))
+        out.append(pool[int(order[j])])
+    return out
 
 
 def _truncate(path: Path, last: int) -> None:
@@ -261,7 +293,8 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
     ``group_size`` responses each sampled at depth R = ``depth`` (temperature ``temperature``, KV cache,
     saved depth-R states), rewards, advantages, one scoring + backward of the Dr. GRPO loss with
     ``method`` (``bptt`` | ``recompute`` | ``reuse``, Neumann-b with b = ``neumann_steps``), gradient
-    clipping at ``grad_clip``, one AdamW step (lr ``lr``, betas (0.9, 0.98), no weight decay). Every
+    clipping at ``grad_clip``, one optimizer step (``optimizer``: AdamW, betas (0.9, 0.98), no weight
+    decay, or plain SGD; lr ``lr`` after a linear warm-up over ``warmup`` updates). Every
     ``compare_every`` updates, before that update's step, all three methods' gradients are computed on
     the same batch (timed; pairwise whole-model cosines; the policy gap). pass@1 / pass@k on the first
     ``eval_problems`` held-out problems (``eval_samples`` samples at ``temperature``, seed ``eval_seed``)
@@ -310,7 +343,8 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         R, b, method = opts["depth"], opts["neumann_steps"], opts["method"]
         tok_json = tokenizer().to_str()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+        opt = (torch.optim.SGD(params, lr=opts["lr"]) if opts.get("optimizer") == "sgd"
+               else torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.98), weight_decay=0.0))
         held = task.heldout()[:opts["eval_problems"]]
 
         def evaluate() -> dict[str, Any]:
@@ -342,7 +376,7 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         model.eval()  # dropout off; the Huginn initial state from the table the sampler used (grpo docstring)
         with metrics.open("a") as log:
             for update in range(start, end):
-                problems = task.problems(opts["prompts_per_update"], "rl", opts["seed"], update)
+                problems = training_problems(task, opts, update)
                 compare = opts["compare_every"] > 0 and update % opts["compare_every"] == 0
                 t0 = time.perf_counter()
                 roll = sample_rollouts(model, problems, group_size=opts["group_size"], depth=R, max_new_tokens=M,
@@ -359,13 +393,16 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
                     rec["compare"] = compare_methods(model, batch, depth=R, neumann_steps=b, max_new_tokens=M)
                 stats, _ = update_gradient(model, batch, method, depth=R, neumann_steps=b, max_new_tokens=M)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts["grad_clip"] or math.inf))
+                lr = opts["lr"] * min(1.0, (update + 1) / opts["warmup"]) if opts["warmup"] else opts["lr"]
+                for group in opt.param_groups:
+                    group["lr"] = lr
                 if math.isfinite(grad_norm) and math.isfinite(stats["loss"]):
                     opt.step()
                 else:
                     rec["skipped"] = True
                 opt.zero_grad(set_to_none=True)
                 rec.update(loss=stats["loss"], update_s=stats["time_s"], nll_mean=stats["nll_mean"],
-                           grad_norm=grad_norm)
+                           grad_norm=grad_norm, lr=lr)
                 log.write(dumps(rec) + "\n")
                 log.flush()
                 bar.update(1)

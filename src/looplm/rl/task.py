@@ -1,9 +1,10 @@
 """Verifiable synthetic tasks for RL post-training, with their character-level vocabulary.
 
 **Addition** (our choice of task; the paper trains on GSM8K and MBPP+, which a CPU model cannot learn):
-D-digit addition at fixed width. A problem is ``"\na+b="`` with a, b uniform in [0, 10^D) written
-with D digits (leading zeros), and its answer is the sum with D + 1 digits, e.g. for D = 3
-``"\n012+345="`` → ``"0357"``; the model's response ends with a newline (the EOS of RL sampling).
+D-digit addition at fixed width. A problem is ``"\na+b="`` with operands of 1 … D digits (the digit
+count of each uniform, then the value uniform among the numbers with that count) written with D digits
+(leading zeros), and its answer is the sum with D + 1 digits, e.g. for D = 3 ``"\n012+345="`` →
+``"0357"``; the model's response ends with a newline (the EOS of RL sampling).
 
 A **record** is one example, ``"\n" + "a+b=" + answer``: 3D + 4 tokens, all of the same length, so a
 prompt always sits at positions 0 … 2D + 2 of its record. The pretraining **token stream**
@@ -13,7 +14,7 @@ answer's end); training windows start at multiples of the record length
 at fixed positions, as the RL prompts are (position 0). With learned absolute positions this
 alignment is what makes the task learnable at CPU scale: on windows at random offsets the same
 model reached 3% greedy accuracy on 2-digit addition after 400 steps, on aligned records 89%
-(``experiments/lmdr-rl/README.md``).
+(``experiments/lmdr-rl/README.md``). The pretraining config puts one record in each window.
 
 Data, all pure functions of a seed (so runs and resumes are reproducible):
 
@@ -122,8 +123,11 @@ class AdditionTask:
         return 3 * self.digits + 4
 
     def _operands(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """(n, 2) int64 operands, uniform in [0, 10^D)."""
-        return rng.integers(0, 10 ** self.digits, size=(n, 2))
+        """(n, 2) int64 operands: each one's digit count uniform in 1 … D, then its value uniform among
+        the numbers with that many digits (so short operands are as common as long ones)."""
+        nd = rng.integers(1, self.digits + 1, size=(n, 2))
+        lo = np.where(nd == 1, 0, 10 ** (nd - 1))
+        return lo + (rng.random((n, 2)) * (10 ** nd - lo)).astype(np.int64)
 
     @cached_property
     def _heldout(self) -> np.ndarray:
