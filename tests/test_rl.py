@@ -248,7 +248,8 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys):
     base = tmp_path / "base"
     tiny = ["--model.d_model", "32", "--model.d_ff", "64", "--model.seq_len", "20", "--train.steps", "3",
             "--train.batch_size", "4", "--train.eval_every", "0", "--train.ckpt_every", "0"]
-    assert main(["rl", "pretrain", "--out", str(base), "--digits", "2", "--train-records", "400", "--quiet", *tiny]) == 0
+    assert main(["rl", "pretrain", "--out", str(base), "--digits", "2", "--train-records", "400", "--quiet",
+                 *tiny]) == 0
     assert json.loads((base / "task.json").read_text())["digits"] == 2
     opts = ["--depth", "3", "--neumann-steps", "2", "--group-size", "2", "--prompts-per-update", "2",
             "--updates", "3", "--eval-problems", "3", "--eval-samples", "2", "--compare-every", "2",

@@ -14,7 +14,8 @@ if [ ! -f $BASE/summary.json ]; then
   if [ -d $BASE/checkpoints ]; then looplm rl pretrain --out $BASE --resume --quiet; else looplm rl pretrain --out $BASE --quiet; fi
 fi
 cp $BASE/summary.json $EXP/results/pretrain_summary.json
-COMMON=(--depth 6 --neumann-steps 4 --group-size 16 --prompts-per-update 8 --updates ${UPDATES:-150} --lr ${LR:-3e-4}
+[ -f $EXP/results/base_eval.json ] || looplm rl eval --checkpoint $BASE --problems 500 --samples 8 --out $EXP/results/base_eval.json --quiet
+COMMON=(--depth 6 --neumann-steps 4 --group-size 16 --prompts-per-update 8 --updates ${UPDATES:-300} --lr ${LR:-5e-5} --warmup 10
         --compare-every 10 --eval-problems 500 --eval-samples 8 --quiet)
 for seed in ${SEEDS:-0 1 2}; do
   for method in ${METHODS:-bptt recompute reuse}; do

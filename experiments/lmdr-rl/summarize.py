@@ -81,11 +81,24 @@ def main() -> None:
                                  "seeds": [r["seed"] for r in rs],
                                  "reward_first_10pct": [r["reward_first_10pct"] for r in rs],
                                  "reward_last_10pct": [r["reward_last_10pct"] for r in rs]}
-    lines += ["", "Update time: scoring + backward of one update (the re-scoring forward over prompt + response and the "
-              "backward of the Dr. GRPO loss), excluding rollout and the optimizer step, as the paper's Table 4. "
-              "\"Own runs\": the mean over seeds of each run's median over its updates (runs ran one after another on a "
-              "shared machine). \"Paired\": every 10th update of every run timed all three methods on that update's "
-              f"batch ({len(cmp)} batches); median time, and the median over batches of t_BPTT / t_method.", ""]
+    lines += ["", "Update time: scoring + backward of one update (the re-scoring forward over prompt + response and "
+              "the backward of the Dr. GRPO loss), excluding rollout and the optimizer step, as the paper's Table 4. "
+              "\"Own runs\": the mean over seeds of each run's median over its updates (runs ran one after another "
+              "on a shared machine). \"Paired\": every 10th update of every run timed all three methods on that "
+              f"update's batch ({len(cmp)} batches); median time, and the median over batches of t_BPTT / t_method.",
+              ""]
+    timing = RES / "timing.json"
+    if timing.exists():
+        rows = json.loads(timing.read_text())["rows"]
+        lines += ["## Update time against R and b (one batch of 8 × 16 rollouts, `timing.py`)", "",
+                  "| R | b | BPTT (s) | recompute (s) | reuse (s) | reuse speed-up | recompute speed-up |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            t, x = r["time_s"], r["speedup_vs_bptt"]
+            lines.append(f"| {r['R']} | {r['b']} | {t['bptt']:.3f} | {t['recompute']:.3f} | {t['reuse']:.3f} | "
+                         f"{x['reuse']:.2f}× | {x['recompute']:.2f}× |")
+        lines.append("")
+        summary["timing"] = rows
     # gradient cosines
     lines += ["## Gradient cosines between methods (whole model, same batch)", "",
               "| pair | median | min | max | batches |", "|---|---:|---:|---:|---:|"]
@@ -94,12 +107,12 @@ def main() -> None:
         v = [c["cos"][pair] for c in cmp if c["cos"].get(pair) is not None]
         if v:
             summary["cos"][pair] = {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
-            lines.append(f"| {pair.replace('|', ' vs ')} | {statistics.median(v):.6f} | {min(v):.6f} | {max(v):.6f} | "
-                         f"{len(v)} |")
+            lines.append(f"| {pair.replace('|', ' vs ')} | {statistics.median(v):.6f} | {min(v):.6f} | "
+                         f"{max(v):.6f} | {len(v)} |")
     gaps = [c["policy_gap"] for c in cmp if c.get("policy_gap") is not None]
     summary["policy_gap_median"] = statistics.median(gaps) if gaps else None
-    lines += ["", f"Policy gap (median over batches of the mean |log π_(R+b) − log π_R| per response token, the Neumann "
-              f"readout against the sampling readout): {summary['policy_gap_median']:.4g} nats.", ""]
+    lines += ["", "Policy gap (median over batches of the mean |log π_(R+b) − log π_R| per response token, the "
+              f"Neumann readout against the sampling readout): {summary['policy_gap_median']:.4g} nats.", ""]
     # memory
     reuse = runs.get("reuse", [])
     if reuse:
@@ -109,11 +122,12 @@ def main() -> None:
         summary["memory"] = {"state_bytes_per_generated_token": bpt, "state_bytes_per_position": bpp,
                              "state_bytes_per_update_median": per}
         lines += ["## Saved-state memory (reuse runs)", "",
-                  f"- per saved position: {bpp:.0f} bytes (d = {bpp / 4:.0f} fp32 values: the depth-R hidden state only; "
-                  "the K/V of the b recurrences are recomputed from it);",
-                  f"- per generated token, prompt states included: {bpt:.0f} bytes (each response keeps its own copy of "
-                  "its prompt's states);",
-                  f"- per update ({opts['prompts_per_update']} × {opts['group_size']} responses): median {per / 1024:.1f} KiB.", ""]
+                  f"- per saved position: {bpp:.0f} bytes (d = {bpp / 4:.0f} fp32 values: the depth-R hidden state "
+                  "only; the K/V of the b recurrences are recomputed from it);",
+                  f"- per generated token, prompt states included: {bpt:.0f} bytes (each response keeps its own copy "
+                  "of its prompt's states);",
+                  f"- per update ({opts['prompts_per_update']} × {opts['group_size']} responses): median "
+                  f"{per / 1024:.1f} KiB.", ""]
     # reward
     lines += ["## Training reward (mean over the batch)", "",
               "| update method | first 10% of updates | last 10% of updates |", "|---|---:|---:|"]

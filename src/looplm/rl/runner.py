@@ -21,17 +21,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+from looplm.data.paths import atomic_write
 from looplm.finite import dumps
-from looplm.rl.grpo import UPDATE_METHODS, compare_methods, pack, pass_at_k, sample_rollouts, update_gradient
+from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
+                            update_gradient)
 from looplm.rl.rewards import get_reward
 from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
-from looplm.rl.grpo import response_text
 
 #: the pretraining config of :func:`pretrain_task` (our choice, sized for a shared 2-core CPU): a
 #: Huginn-style 1 + 2×R + 1 model (``huginn_linear``, d = 64, 4 heads, 0.28M parameters with the
@@ -256,11 +257,9 @@ def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4,
         raise ValueError(f"group_size: Dr. GRPO needs >= 2 responses per prompt, got {group_size}")
     return dict(method=method, depth=depth, neumann_steps=neumann_steps, group_size=group_size,
                 prompts_per_update=prompts_per_update, updates=updates, train_problems=train_problems,
-                optimizer=optimizer, lr=lr,
-                warmup=warmup, temperature=temperature,
-                reward=reward, seed=seed, task=task, digits=digits, eval_problems=eval_problems,
-                eval_samples=eval_samples, eval_seed=eval_seed, compare_every=compare_every, ckpt_every=ckpt_every,
-                grad_clip=grad_clip)
+                optimizer=optimizer, lr=lr, warmup=warmup, temperature=temperature, reward=reward, seed=seed,
+                task=task, digits=digits, eval_problems=eval_problems, eval_samples=eval_samples, eval_seed=eval_seed,
+                compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip)
 
 
 def training_problems(task, opts: dict[str, Any], update: int) -> list:
@@ -340,7 +339,7 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         task = _task_of(source, opts["task"], opts["digits"])
         opts = {**opts, "task": task.name, "digits": task.digits}
         M = task.digits + 2  # the response budget: the D + 1 answer digits and the newline
-        R, b, method = opts["depth"], opts["neumann_steps"], opts["method"]
+        R, method = opts["depth"], opts["method"]
         tok_json = tokenizer().to_str()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = (torch.optim.SGD(params, lr=opts["lr"]) if opts.get("optimizer") == "sgd"
@@ -376,37 +375,11 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         model.eval()  # dropout off; the Huginn initial state from the table the sampler used (grpo docstring)
         with metrics.open("a") as log:
             for update in range(start, end):
-                problems = training_problems(task, opts, update)
-                compare = opts["compare_every"] > 0 and update % opts["compare_every"] == 0
-                t0 = time.perf_counter()
-                roll = sample_rollouts(model, problems, group_size=opts["group_size"], depth=R, max_new_tokens=M,
-                                       reward=opts["reward"], temperature=opts["temperature"],
-                                       seed=_seed("rollout", opts["seed"], update), eos_id=NEWLINE_ID,
-                                       save_states=method == "reuse" or compare)
-                rollout_s = time.perf_counter() - t0
-                batch = pack(roll, device=device)
-                rec: dict[str, Any] = {"update": update + 1, "reward": float(roll.rewards.mean()),
-                                       "rollout_s": rollout_s, "generated_tokens": roll.generated_tokens,
-                                       "response_len": roll.generated_tokens / len(roll.responses),
-                                       "state_bytes": roll.state_bytes(), "state_positions": roll.state_positions}
-                if compare:
-                    rec["compare"] = compare_methods(model, batch, depth=R, neumann_steps=b, max_new_tokens=M)
-                stats, _ = update_gradient(model, batch, method, depth=R, neumann_steps=b, max_new_tokens=M)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts["grad_clip"] or math.inf))
-                lr = opts["lr"] * min(1.0, (update + 1) / opts["warmup"]) if opts["warmup"] else opts["lr"]
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                if math.isfinite(grad_norm) and math.isfinite(stats["loss"]):
-                    opt.step()
-                else:
-                    rec["skipped"] = True
-                opt.zero_grad(set_to_none=True)
-                rec.update(loss=stats["loss"], update_s=stats["time_s"], nll_mean=stats["nll_mean"],
-                           grad_norm=grad_norm, lr=lr)
+                rec = rl_update(model, opt, task, opts, update, device=device)
                 log.write(dumps(rec) + "\n")
                 log.flush()
                 bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward']:.3f}", update_s=f"{stats['time_s']:.3f}")
+                bar.set_postfix(reward=f"{rec['reward']:.3f}", update_s=f"{rec['update_s']:.3f}")
                 done = update + 1
                 if opts["ckpt_every"] and done % opts["ckpt_every"] == 0 or done == end:
                     save(done)
@@ -415,9 +388,44 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
             return {"completed_updates": end, "updates": opts["updates"], "out": str(out)}
         after = evaluate()
         results = summarize_run(out, opts, before, after, source=source, params=model.num_params())
-        (out / "results.json").write_text(dumps(results, indent=2) + "\n")
+        with atomic_write(out / "results.json") as fh:
+            fh.write((dumps(results, indent=2) + "\n").encode())
         plot_run(out, results)
         return results
+
+
+def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], update: int, *,
+              device: str = "cpu") -> dict[str, Any]:
+    """One Dr. GRPO update (:func:`rl_train`): rollouts, (every ``compare_every``) the three methods
+    compared on the batch, the method's scoring + backward, clipping, warm-up lr, one optimizer step.
+    Returns the update's metrics record."""
+    R, b, method, M = opts["depth"], opts["neumann_steps"], opts["method"], task.digits + 2
+    compare = opts["compare_every"] > 0 and update % opts["compare_every"] == 0
+    t0 = time.perf_counter()
+    roll = sample_rollouts(model, training_problems(task, opts, update), group_size=opts["group_size"], depth=R,
+                           max_new_tokens=M, reward=opts["reward"], temperature=opts["temperature"],
+                           seed=_seed("rollout", opts["seed"], update), eos_id=NEWLINE_ID,
+                           save_states=method == "reuse" or compare)
+    rec: dict[str, Any] = {"update": update + 1, "reward": float(roll.rewards.mean()),
+                           "rollout_s": time.perf_counter() - t0, "generated_tokens": roll.generated_tokens,
+                           "response_len": roll.generated_tokens / len(roll.responses),
+                           "state_bytes": roll.state_bytes(), "state_positions": roll.state_positions}
+    batch = pack(roll, device=device)
+    if compare:
+        rec["compare"] = compare_methods(model, batch, depth=R, neumann_steps=b, max_new_tokens=M)
+    stats, _ = update_gradient(model, batch, method, depth=R, neumann_steps=b, max_new_tokens=M)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts["grad_clip"] or math.inf))
+    lr = opts["lr"] * min(1.0, (update + 1) / opts["warmup"]) if opts["warmup"] else opts["lr"]
+    for group in opt.param_groups:
+        group["lr"] = lr
+    if math.isfinite(grad_norm) and math.isfinite(stats["loss"]):
+        opt.step()
+    else:
+        rec["skipped"] = True
+    opt.zero_grad(set_to_none=True)
+    rec.update(loss=stats["loss"], update_s=stats["time_s"], nll_mean=stats["nll_mean"], grad_norm=grad_norm, lr=lr)
+    return rec
 
 
 def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *,
