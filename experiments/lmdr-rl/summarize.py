@@ -90,15 +90,24 @@ def main() -> None:
     timing = RES / "timing.json"
     if timing.exists():
         rows = json.loads(timing.read_text())["rows"]
-        lines += ["## Update time against R and b (one batch of 8 × 16 rollouts, `timing.py`)", "",
-                  "| R | b | BPTT (s) | recompute (s) | reuse (s) | reuse speed-up | recompute speed-up |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["## Update time and cosines against R and b (base model, one batch of 8 × 16 rollouts per R, "
+                  "`timing.py`)", "",
+                  "| R | b | residual ‖h_(R+1) − h_R‖/‖h_R‖ | BPTT (s) | recompute (s) | reuse (s) | reuse speed-up | "
+                  "recompute speed-up | cos(reuse, BPTT) | cos(reuse, recompute) | policy gap (nats) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            t, x = r["time_s"], r["speedup_vs_bptt"]
-            lines.append(f"| {r['R']} | {r['b']} | {t['bptt']:.3f} | {t['recompute']:.3f} | {t['reuse']:.3f} | "
-                         f"{x['reuse']:.2f}× | {x['recompute']:.2f}× |")
+            t, x, c = r["time_s"], r["speedup_vs_bptt"], r["cos"]
+            lines.append(f"| {r['R']} | {r['b']} | {r['endpoint_residual']:.2g} | {t['bptt']:.3f} | "
+                         f"{t['recompute']:.3f} | {t['reuse']:.3f} | {x['reuse']:.2f}× | {x['recompute']:.2f}× | "
+                         f"{c['bptt|reuse']:.4f} | {c['recompute|reuse']:.6f} | {r['policy_gap']:.2g} |")
+        init = json.loads(timing.read_text()).get("init", [])
+        if init:
+            lines += ["", "The same at initialization (untrained model, advantages a fixed ramp): cos(reuse, BPTT) "
+                      "per R and b: " + "; ".join(f"R = {r['R']}, b = {r['b']}: {r['cos']['bptt|reuse']:.3f}"
+                                                 for r in init) + "."]
         lines.append("")
         summary["timing"] = rows
+        summary["timing_init"] = init
     # gradient cosines
     lines += ["## Gradient cosines between methods (whole model, same batch)", "",
               "| pair | median | min | max | batches |", "|---|---:|---:|---:|---:|"]

@@ -112,7 +112,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
 @torch.no_grad()
 def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature: float = 1.0, seed: int = 0,
                    max_new_tokens: int, reward: str = "exact_match", batch_rows: int = 1024,
-                   greedy: bool = True) -> dict[str, Any]:
+                   greedy: bool = True, progress: bool = False) -> dict[str, Any]:
     """pass@1 and pass@``samples`` on ``problems`` (``samples`` responses each at ``temperature``), and greedy accuracy.
 
     Returns:
@@ -122,7 +122,7 @@ def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature
     score = get_reward(reward)
     rows = [(i, p) for i, p in enumerate(problems) for _ in range(samples)]
     correct = [0] * len(problems)
-    for start in range(0, len(rows), batch_rows):
+    for start in tqdm(range(0, len(rows), batch_rows), desc="pass@k", unit="chunk", disable=not progress):
         chunk = rows[start:start + batch_rows]
         gen = generate_chunk(model, [p for _, p in chunk], depth, max_new_tokens, temperature,
                              _seed("eval", seed, start))
@@ -184,7 +184,7 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
     t = _task_of(Path(ckpt), task, digits)
     held = t.heldout()[:problems]
     res = evaluate_passk(model, held, depth=depth, samples=samples, temperature=temperature, seed=seed,
-                         max_new_tokens=t.digits + 2, reward=reward)
+                         max_new_tokens=t.digits + 2, reward=reward, progress=progress)
     res.update(checkpoint=str(ckpt), task=t.name, digits=t.digits, reward=reward)
     res["markdown"] = (f"`{ckpt}` on {len(held)} held-out {t.name} problems ({t.digits} digits), R = {depth}, "
                        f"{samples} samples at T = {temperature}: pass@1 {100 * res['pass@1']:.2f}%, pass@{samples} "
