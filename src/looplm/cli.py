@@ -535,7 +535,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 #: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
 COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands", "looplm.hf_commands",
-                                     "looplm.importers.commands")
+                                     "looplm.importers.commands", "looplm.rl.commands")
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:
