@@ -64,7 +64,9 @@ def test_bench_writes_every_measurement(tmp_path):
                 "terminal_kv_bytes_ratio",
                 # issue 15
                 "huginn_shape_mfu", "multidepth_flop_ratio", "decode_b1_tokens_per_s", "peak_train_mem_bytes",
-                "multidepth_vs_separate_speedup", "huginn_decode_cache_speedup", "peak_train_mem_ratio"):
+                "multidepth_vs_separate_speedup", "huginn_decode_cache_speedup", "peak_train_mem_ratio",
+                # issue 12 §3
+                "distilled_prefill_speedup", "huginn_prefill_ms_ctx16"):
         assert key in res, key
         assert isinstance(res[key], dict) or math.isfinite(res[key]), key
     assert res["peak_train_mem_bytes"] > 0 and res["decode_b1_tokens_per_s"] > 0

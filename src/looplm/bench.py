@@ -38,6 +38,14 @@ Issue 15 adds, in the same run:
   each extra depth costs a coda and a readout); ``multidepth_vs_separate_speedup``: separate runs
   over it.
 
+Issue 12 §3 (distilled prefill, LMDR §5.5 Table 5's latency column) adds, at the Huginn shape and the
+same R: :func:`prefill_measurements`, the wall time of one prefill (batch 1, terminal KV cache, the
+last position read out, as ``looplm generate`` does) of 512- and 2,048-token prompts along each path —
+the teacher at R, the teacher stopped after 3, 2 and 1 recurrences, and the distilled prefill (a
+2-block student, one recurrence): ``huginn_prefill_ms_ctx{C}`` → path → mean, sd, median over the
+repeats (interleaved), and ``distilled_prefill_speedup`` (teacher over distilled, median, at 2,048).
+Weights are random: the time of a prefill does not depend on them.
+
 ``quick=True`` (``--quick``) shrinks every shape (a smoke test: seconds; the values mean nothing).
 
 Each target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met``, or ``invalid`` when the
@@ -73,11 +81,13 @@ TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhea
            # issue 15
            "huginn_shape_mfu": (">=", 0.65), "multidepth_flop_ratio": ("<=", 1.1),
            "multidepth_vs_separate_speedup": (">=", 2.5), "huginn_decode_cache_speedup": (">=", 20.0),
-           "peak_train_mem_ratio": ("<=", 0.6)}
+           "peak_train_mem_ratio": ("<=", 0.6),
+           # issue 12 §3: LMDR §5.5 reports 1.5–1.8× at R = 5 (8K prompts, batch 8)
+           "distilled_prefill_speedup": (">=", 1.5)}
 #: targets measured by timing (their status is "unstable" when the machine's speed moved during the run)
 TIMED = ("mfu", "bf16_train_speedup", "loop_overhead_ratio", "scse_vs_looped_ratio", "multidepth_eval_ratio",
          "decode_cache_speedup", "huginn_shape_mfu", "multidepth_flop_ratio", "multidepth_vs_separate_speedup",
-         "huginn_decode_cache_speedup")
+         "huginn_decode_cache_speedup", "distilled_prefill_speedup")
 #: largest relative spread of the fp32 matmul rate (between repeats, and start vs end) of a stable run
 MAX_SPREAD = 0.25
 
@@ -316,6 +326,75 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
     return batch_size * (new_tokens - 2) / (time.perf_counter() - t0)
 
 
+@torch.no_grad()
+def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, ...] = (512, 2048),
+                         batch_size: int = 1, early_depths: tuple[int, ...] = (3, 2, 1), n_blocks: int = 2,
+                         repeat: int = 5, device: torch.device, prefix: str = "") -> dict[str, Any]:
+    """Prefill latency of each prefill path of LMDR Table 5 (:func:`looplm.distill.prefill.prefill_paths`) at
+    the shape ``cfg`` (context grown to the longest prompt; random weights) with an ``n_blocks`` student:
+    one prefill of ``batch_size`` random prompts of each length in ``contexts`` into a terminal KV cache,
+    reading out the last position. The paths alternate within each of ``repeat`` rounds (after one
+    warm-up round), so a change in the machine's speed hits them alike.
+
+    Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` →
+    path → blocks applied per token, and ``{prefix}distilled_prefill_speedup_ctx{C}`` (teacher / distilled
+    medians)."""
+    import statistics
+
+    from looplm.distill.config import DistillConfig
+    from looplm.distill.prefill import prefill_paths
+    from looplm.distill.student import build_student
+    from looplm.model.kvcache import KVCache
+
+    long = cfg.replace(seq_len=max(cfg.seq_len, *contexts))
+    torch.manual_seed(0)
+    teacher = build_model(long).to(device).eval()
+    student = build_student(teacher, DistillConfig(n_blocks=n_blocks)).eval()
+    paths = prefill_paths(teacher, student, depth, early_depths)
+    ends = long.n_prelude + long.n_coda
+    res: dict[str, Any] = {f"{prefix}prefill_depth": depth, f"{prefix}prefill_batch_size": batch_size,
+                           f"{prefix}prefill_blocks": {n: ends + (n_blocks + long.n_core if n == "distilled"
+                                                                  else r * long.n_core)
+                                                       for n, (r, _) in paths.items()}}
+    for c in contexts:
+        prompt = torch.randint(0, long.vocab_size, (batch_size, c), device=device)
+        last = (torch.arange(batch_size, device=device), torch.full((batch_size,), c - 1, device=device))
+        times: dict[str, list[float]] = {n: [] for n in paths}
+        for rnd in range(repeat + 1):  # round 0 warms up
+            for name, (_, prefill) in paths.items():
+                cache = KVCache("terminal", max_len=c)
+                _sync(device)
+                t0 = time.perf_counter()
+                prefill(prompt, cache, readout_tokens=last)
+                _sync(device)
+                if rnd:
+                    times[name].append(1000 * (time.perf_counter() - t0))
+        res[f"{prefix}prefill_ms_ctx{c}"] = {
+            n: {"mean": statistics.fmean(t), "sd": statistics.stdev(t) if len(t) > 1 else 0.0,
+                "median": statistics.median(t)} for n, t in times.items()}
+        ms = res[f"{prefix}prefill_ms_ctx{c}"]
+        res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = ms["teacher"]["median"] / ms["distilled"]["median"]
+    return res
+
+
+def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
+    """Table rows (path × context, ms mean ± sd) of :func:`prefill_measurements`' results."""
+    ctx = sorted(int(k.rsplit("ctx", 1)[1]) for k in res if k.startswith(f"{prefix}prefill_ms_ctx"))
+    if not ctx:
+        return []
+    blocks = res[f"{prefix}prefill_blocks"]
+    lines = [f"| prefill path (R={res[f'{prefix}prefill_depth']}, batch {res[f'{prefix}prefill_batch_size']}) "
+             "| blocks per token | " + " | ".join(f"{c}-token prompt (ms)" for c in ctx) + " |",
+             "|---|---:|" + "---:|" * len(ctx)]
+    for name in blocks:
+        cells = [f"{res[f'{prefix}prefill_ms_ctx{c}'][name]['mean']:.1f} ± {res[f'{prefix}prefill_ms_ctx{c}'][name]['sd']:.1f}"
+                 for c in ctx]
+        lines.append(f"| {name} | {blocks[name]} | " + " | ".join(cells) + " |")
+    lines.append("| distilled speed-up (teacher / distilled, medians) | | " + " | ".join(
+        f"{res[f'{prefix}distilled_prefill_speedup_ctx{c}']:.2f}×" for c in ctx) + " |")
+    return lines
+
+
 def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int, queue) -> None:
     """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS
     before it."""
@@ -444,6 +523,12 @@ def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: floa
     res["huginn_decode_cache_speedup"] = res["decode_b1_tokens_per_s"] / res["huginn_decode_b1_uncached_tokens_per_s"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
     del model, dec
+
+    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=1 if quick else steps,
+                                    device=device, prefix="huginn_"))
+    res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
+    log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at R={depth} "
+        f"({contexts[-1]}-token prompt)")
 
     res["peak_train_mem_bytes"] = peak_train_memory(hcfg, depth, batch_size=B, device=device)
     res["peak_train_mem_bytes_plain"] = peak_train_memory(hcfg, depth, batch_size=B, device=device, fused=False)
@@ -580,6 +665,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['decode_b1_compiled_tokens_per_s']:.1f} |",
              f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
              f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
+             "", *prefill_markdown(res, "huginn_"),
              "", "| target | value | target | status |", "|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
         status = t.get("status", "met" if t["met"] else "not met")

@@ -242,6 +242,7 @@ cmd_eval_ppl = _eval_command("looplm.eval.runner", "evaluate_checkpoint")
 cmd_eval_kv_sharing = _eval_command("looplm.eval.kvsharing", "evaluate_kv_sharing_checkpoint")
 cmd_eval_lambada = _eval_command("looplm.eval.lambada", "evaluate_lambada_checkpoint")
 cmd_eval_adaptive = _eval_command("looplm.eval.adaptive", "adaptive_depth_checkpoint")
+cmd_eval_distill = _eval_command("looplm.distill.evaluate", "evaluate_distill_checkpoint")
 
 
 def cmd_eval_halting(args: argparse.Namespace) -> int:
@@ -265,6 +266,7 @@ EVAL_PROTOCOLS: dict[str, str] = {
     "lambada": "LAMBADA target-token completion PPL and accuracies per depth",
     "adaptive": "adaptive depth (hidden-update stopping rule) with a real early-exit run",
     "halting": "logit-margin halting: calibrated threshold, timed dynamic batching, fixed-depth frontier",
+    "distill": "distilled prefill: continuation PPL after the teacher's, early-stopped and distilled prefills",
 }
 
 
@@ -303,6 +305,13 @@ def _build_eval(ev: argparse.ArgumentParser) -> None:
                 "--tolerance of the K_max PPL on calibration windows, then a timed dynamic-batching "
                 "run and the fixed-depth frontier. Writes halting.json, halting.md and "
                 "halting_frontier.png into the folder of --out (default results/halting).")
+    add_command(protocols, "distill", _build_eval_distill, help=EVAL_PROTOCOLS["distill"],
+                description="Distilled prefill (LMDR Table 5 layout): each full window is cut in half; the "
+                "prompt half is prefilled by the teacher at its depth R, by the teacher stopped after 3, 2 "
+                "and 1 recurrences (--early-depths) and by the distilled student plus one recurrence, each "
+                "into a terminal KV cache; the teacher then scores the continuation at R with terminal KV "
+                "sharing. JSON per path: ppl (first continuation token from the prefill's readout, plus the "
+                "rest), ppl_first, ppl_rest, prefill_ms per batch, kv_bytes; and the uncached full forward.")
 
 
 _SCALE_CLAMP = Opt(help="rescale each token's state after every loop to its loop-1 RMS before readout and "
@@ -399,6 +408,23 @@ def _build_eval_halting(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_eval_halting, _family="eval")
 
 
+def _build_eval_distill(p: argparse.ArgumentParser) -> None:
+    from looplm.distill.evaluate import evaluate_distill_checkpoint
+
+    o = common_opts()
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_distill_checkpoint, {
+        "student": Opt(type=Path, metavar="DIR", help="the student's run directory or checkpoint (default: "
+                       "student/ next to the teacher's run)"),
+        "early_depths": Opt(type=parse_depths, metavar="R,R,...", help="early-stopped teacher prefill depths"),
+        "teacher_only": Opt(help="only the teacher rows (no student needed)"),
+        **_pick(o, "dataset", "split", "batch_size", "max_tokens", "device"),
+        "doc_aware": Opt(help="score only continuation targets that continue the document begun in the prompt "
+                         "(LMDR's protocol; --no-doc-aware scores every continuation target)")})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_distill, _family="eval")
+
+
 def eval_compat(argv: list[str]) -> list[str]:
     """``looplm eval [--task NAME] [--kv-sharing terminal] ...`` → ``looplm eval PROTOCOL ...``.
 
@@ -464,6 +490,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit relative|kl|entropy")
     if args.exit_tau is not None and args.exit_tau <= 0:
         raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
+    if args.prefill == "teacher" and args.student is not None:
+        raise ValueError("--student applies to --prefill distilled")
+    if args.prefill == "distilled" and args.kv_cache == "per_visit":
+        raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
+                         "use --kv-cache terminal (its default)")
+    args.kv_cache = args.kv_cache or ("terminal" if args.prefill == "distilled" else "per_visit")
     if args.out is not None:
         prepare_out_file(args.out, "--out")
 
@@ -482,11 +514,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for p, i in zip(prompts, ids):
         if not i:
             raise ValueError(f"prompt {p!r} encodes to no tokens")
-    depth = args.depth or cfg.train.eval_depth
+    student = student_depth = None
+    if args.prefill == "distilled":
+        from looplm.distill.student import default_student_dir, load_student
+
+        student, record, _ = load_student(args.student or default_student_dir(args.checkpoint), model)
+        student_depth = record.distill.depth
+    depth = args.depth or student_depth or cfg.train.eval_depth
     criterion = None if args.exit == "none" else build_exit_criterion(args.exit, args.exit_tau)
     gen = generate(model, ids, args.max_new_tokens, depth, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, cache_mode=args.kv_cache, exit_criterion=criterion,
-                   max_depth=args.max_depth, eos_id=eos)
+                   max_depth=args.max_depth, eos_id=eos, student=student, student_depth=student_depth)
     results = []
     for n, (p, i, toks, depths) in enumerate(zip(prompts, ids, gen.tokens, gen.depths), 1):
         text = tok.decode(toks)
@@ -499,6 +537,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.out is not None:
         settings = {"depth": depth, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "kv_cache": args.kv_cache,
+                    "prefill": args.prefill, "student_depth": student_depth,
                     "exit": args.exit, "exit_tau": None if criterion is None else criterion.tau,
                     "max_depth": (args.max_depth or depth) if criterion is not None else None, "eos_id": eos}
         args.out.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
@@ -535,7 +574,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 #: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
 COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands", "looplm.hf_commands",
-                                     "looplm.importers.commands", "looplm.rl.commands")
+                                     "looplm.importers.commands", "looplm.rl.commands", "looplm.distill.commands")
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:
@@ -579,9 +618,17 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: sample from the smallest set of most likely tokens whose "
                    "probability reaches P, in (0, 1] (with --temperature > 0; applied after --top-k)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
-                   help="per_visit (default): K/V of every loop visit, exact; terminal: terminal KV sharing, "
-                   "one bank per physical layer holding each prefix token's last-visit K/V")
+    p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default=None,
+                   help="per_visit (the default with --prefill teacher): K/V of every loop visit, exact; terminal "
+                   "(the default, and the only cache, with --prefill distilled): terminal KV sharing, one bank per "
+                   "physical layer holding each prefix token's last-visit K/V")
+    p.add_argument("--prefill", choices=["teacher", "distilled"], default="teacher",
+                   help="teacher (default): the model prefills the prompt at --depth; distilled: the student "
+                   "(looplm distill) predicts the endpoint z^R, one recurrence and the coda fill the terminal KV "
+                   "banks, then the model decodes unchanged (LMDR distilled prefill)")
+    p.add_argument("--student", type=Path, default=None, metavar="DIR",
+                   help="with --prefill distilled: the student's run directory or checkpoint (default: student/ "
+                   "next to the checkpoint's run)")
     from looplm.eval.exits import EXIT_CRITERIA
 
     p.add_argument("--exit", choices=["none", *EXIT_CRITERIA], default="none",

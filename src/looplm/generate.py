@@ -34,9 +34,13 @@ holds ``len(prompt_i) + len(tokens_i) − 1`` states, exactly the input position
 instead of sampling (a replay of a rollout through the same cached computation, with the same EOS
 policy).
 
+**Distilled prefill** (LMDR §3.2, §5.5): with a ``student`` the prompt is prefilled by
+:func:`looplm.distill.prefill.distilled_prefill` (the student's ẑ ≈ z^R, one teacher recurrence, the
+coda) into a ``terminal`` cache, and decoding runs the teacher unchanged with terminal KV sharing.
+
 **Depths reported.** ``Generation.depths[i][j]`` is the number of loop steps of the forward that
-produced the distribution of new token j: the prefill depth for j = 0, the step's (adaptive) depth
-after that.
+produced the distribution of new token j: the prefill depth for j = 0 (1 for a distilled prefill:
+its one teacher recurrence), the step's (adaptive) depth after that.
 """
 
 from __future__ import annotations
@@ -164,7 +168,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
              max_depth: int | None = None, eos_id: int | None = None, save_states: bool = False,
-             forced: Sequence[Sequence[int]] | None = None) -> Generation:
+             forced: Sequence[Sequence[int]] | None = None, student=None,
+             student_depth: int | None = None) -> Generation:
     """Generate continuations of a batch of prompts (see the module docstring for the policies).
 
     Args:
@@ -182,6 +187,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
             docstring), e.g. for rollout-state reuse (:mod:`looplm.rl`).
         forced: one continuation per prompt to feed instead of sampling (teacher forcing; a row stops
             at the end of its continuation or at ``eos_id``, at most ``max_new_tokens``).
+        student: a distilled-prefill :class:`~looplm.distill.student.Student` of ``model``: the prompt is
+            prefilled through it (module docstring; needs ``cache_mode="terminal"``). None: the teacher's
+            own prefill.
+        student_depth: the depth R the student was distilled for (default ``depth``).
 
     Returns:
         :class:`Generation` (tokens and per-token depths, one list per prompt; states with
@@ -190,8 +199,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     Raises:
         ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
             the unshared architecture (no KV cache), a prompt + continuation longer than seq_len,
-            ``save_states`` with an exit criterion, or ``forced`` not one non-empty continuation per
-            prompt.
+            ``save_states`` with an exit criterion or a student, ``forced`` not one non-empty
+            continuation per prompt, or a student with a ``per_visit`` cache.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -203,6 +212,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         raise ValueError(f"cache_mode: unknown {cache_mode!r}; allowed: {', '.join(CACHE_MODES)}")
     if not getattr(model, "shared", False):
         raise ValueError("generate: needs the shared (looped) architecture; KV caches do not cover unshared models")
+    if student is not None and cache_mode != "terminal":
+        raise ValueError(f"generate: a distilled prefill fills terminal KV banks; use cache_mode='terminal', "
+                         f"got {cache_mode!r}")
     seq_len = model.cfg.seq_len
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens - 1 > seq_len:
@@ -217,6 +229,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         check_criterion(model, exit_criterion)
     if save_states and adaptive:
         raise ValueError("save_states: needs fixed-depth decoding (every token's state at the same depth R)")
+    if save_states and student is not None:
+        raise ValueError("save_states: a distilled prefill has no depth-R states of the prompt (the student "
+                         "predicts them); use the teacher's prefill")
     if forced is not None and (len(forced) != len(prompts) or any(len(f) == 0 for f in forced)):
         raise ValueError(f"forced: need one non-empty continuation per prompt ({len(prompts)}), got "
                          f"{[len(f) for f in forced]}")
@@ -243,8 +258,15 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         prefill_depth = ceiling if adaptive else depth
         # the prefill reads out only the last position (left padding: every row's last token is real)
         last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
-        logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last,
-                       on_depth=hook).logits  # (B, V)
+        if student is None:
+            logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last,
+                           on_depth=hook).logits  # (B, V)
+        else:
+            from looplm.distill.prefill import distilled_prefill
+
+            logits = distilled_prefill(model, student, idx, student_depth or depth, cache, attention_mask=mask,
+                                       readout_tokens=last).logits  # (B, V)
+            prefill_depth = 1  # the one teacher recurrence after the student
         for i, p in enumerate(prompts if save_states else ()):
             saved[i].append(kept[0][i, idx.shape[1] - len(p):])  # (len(p), d): the real positions
         step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)

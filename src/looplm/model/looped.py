@@ -295,7 +295,8 @@ class DepthLM(nn.Module):
                 final_depth: int | None = None,
                 readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
                 on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
-                resume_from: tuple[int, torch.Tensor] | None = None) -> LoopOutput:
+                resume_from: tuple[int, torch.Tensor | Callable[[torch.Tensor], torch.Tensor]] | None = None
+                ) -> LoopOutput:
         """Run the model at one or several loop depths in a single unroll.
 
         Args:
@@ -361,7 +362,9 @@ class DepthLM(nn.Module):
                 steps it runs, t ≥ T0 (visit t·calls_per_step + call, as always). Used by rollout-state
                 reuse (LMDR §3.2: the update starts from the sampler's saved endpoint states) and
                 distilled prefill (LMDR §5.5: one teacher step from the student's ẑ ≈ z^R);
-                arXiv:2610.06833.
+                arXiv:2610.06833. h may also be a callable ``h(e)`` of the prelude output e
+                (B, L, d), called once after the prelude (the distilled prefill's student reads e
+                there, so the prelude runs once).
 
         Raises:
             ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
@@ -393,9 +396,8 @@ class DepthLM(nn.Module):
             if scale_clamp and first > 0:
                 raise ValueError("resume_from: scale_clamp needs the loop-1 RMS, which a loop resumed at "
                                  f"T0 = {first} never computes")
-            if tuple(resume_h.shape) != (*idx.shape, self.cfg.d_model):
-                raise ValueError(f"resume_from: the state must have shape {(*idx.shape, self.cfg.d_model)}, "
-                                 f"got {tuple(resume_h.shape)}")
+            if not callable(resume_h):
+                self._check_resume_state(idx, resume_h)
         scope, positions, valid = self._attention(idx, cache, attention_mask)
         if gradient == "endpoint":  # the largest depth is the endpoint; its readout moves b steps past it
             depths = [*depths[:-1], depths[-1] + b]
@@ -427,10 +429,13 @@ class DepthLM(nn.Module):
                 out.nll_by_depth[T] = nll
             return logits
 
-        state, ctx = self.start(self.embed(idx, positions, scope=scope), positions, scope=scope, valid=valid)
+        e = self.embed(idx, positions, scope=scope)
+        state, ctx = self.start(e, positions, scope=scope, valid=valid)
         out.anchor = ctx.anchor
         state0 = state
         if resume_from is not None:
+            if callable(resume_h):
+                resume_h = self._check_resume_state(idx, resume_h(e))
             state = self.to_state(resume_h, ctx)
         h = self.hidden(state, ctx)
         # the steps t < no_grad_steps run without autograd and the state is detached before step
@@ -461,6 +466,12 @@ class DepthLM(nn.Module):
             n_valid = (targets != -100).sum().clamp(min=1)
             out.loss = out.nll_by_depth[last].sum() / n_valid
         return out
+
+    def _check_resume_state(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if tuple(h.shape) != (*idx.shape, self.cfg.d_model):
+            raise ValueError(f"resume_from: the state must have shape {(*idx.shape, self.cfg.d_model)}, "
+                             f"got {tuple(h.shape)}")
+        return h
 
     def _attention(self, idx: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None
                    ) -> tuple[AttentionScope | None, torch.Tensor | None, torch.Tensor | None]:

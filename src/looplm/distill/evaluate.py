@@ -1,0 +1,222 @@
+"""``looplm eval distill``: continuation perplexity after each prefill path, LMDR Table 5's layout
+(arXiv:2610.06833 §5.5; SPEC §6, §8).
+
+**Protocol** (the continuation protocol of :mod:`looplm.eval.kvsharing`, one prefill per path). Every
+full window of L = ``seq_len`` tokens is cut at P = L // 2. For each prefill path — the teacher at its
+depth R, the teacher stopped after r < R recurrences (``early_depths``, default 3, 2, 1) and the
+distilled prefill (:func:`~looplm.distill.prefill.distilled_prefill`) — the prompt x_0 … x_{P−1} is
+prefilled into a fresh ``terminal`` KV cache, and the teacher then scores the continuation at depth R
+with terminal KV sharing in one parallel pass, exactly as decoding would see it. Scored targets:
+
+- the **first** continuation token x_P, predicted by the prefill's own last-position readout (what
+  generation samples first: for the distilled path, coda + readout after the one recurrence from ẑ);
+- the **rest**, x_{P+1} … x_L, predicted by the teacher's decoding pass over the path's banks (the
+  targets of ``looplm eval kv-sharing``).
+
+``ppl`` covers both, ``ppl_first`` and ``ppl_rest`` each part. Document-aware by default (LMDR's
+protocol, :func:`~looplm.eval.kvsharing.continuation_mask`): a target counts only if no
+``<|endoftext|>`` lies between the prompt's last token and it. A ``full`` row gives the teacher's
+uncached forward over the whole window at R on the same targets (its terminal-sharing penalty is the
+``teacher`` row against it). ``prefill_ms`` is the mean wall time of a path's prefill per batch
+(including the last-position readout), measured here on ``batch_size`` × P tokens; ``looplm bench``
+measures prefill latency at 512- and 2,048-token prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from looplm.data.tokens import eval_windows
+from looplm.distill.prefill import prefill_paths
+from looplm.distill.student import Student, default_student_dir, load_student
+from looplm.eval.kvsharing import continuation_mask
+from looplm.finite import clean, dumps
+from looplm.model import KVCache, LoopLM
+
+#: row labels of the Markdown table (Table 5's wording)
+LABELS = {"full": "Teacher, full forward (no cache)", "teacher": "Teacher (R={R})",
+          "distilled": "Distilled (student + 1 recurrence)"}
+
+
+def _label(name: str, R: int) -> str:
+    if name.startswith("teacher_r"):
+        r = int(name[len("teacher_r"):])
+        return f"{['', 'One', 'Two', 'Three', 'Four'][r] if r <= 4 else r} recurrence{'s' if r > 1 else ''} (R={r})"
+    return LABELS[name].format(R=R)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: np.ndarray, depth: int, *,
+                              early_depths: Sequence[int] = (3, 2, 1), batch_size: int = 16,
+                              max_tokens: int | None = None, eot_id: int | None = None,
+                              device: str | torch.device = "cpu", progress: bool = True) -> dict[str, dict[str, Any]]:
+    """The protocol of the module docstring on one token stream.
+
+    Args:
+        teacher: the looped teacher (eval mode here). student: its student, or None (teacher rows only).
+        tokens: 1-D token stream. depth: the teacher's decoding depth R (the student's R).
+        early_depths: early-stopped prefill depths r (those < R are used).
+        batch_size: windows per forward. max_tokens: only the first ``max_tokens + 1`` tokens.
+        eot_id: the ``<|endoftext|>`` id for document-aware scoring (None: every target counts).
+
+    Returns:
+        ``{path: {ppl, ppl_first, ppl_rest, nll, tokens, tokens_first, recurrences, prefill_ms,
+        prefill_s, kv_bytes, label}}`` for ``full``, ``teacher``, ``teacher_r{r}`` …, ``distilled``;
+        nll in nats per token, kv_bytes per sequence (prefix of P tokens; 0 for ``full``).
+
+    Raises:
+        ValueError: depth < 1, no full window, or no scored target.
+    """
+    if depth < 1:
+        raise ValueError(f"depth: the decoding depth R must be >= 1, got {depth}")
+    if max_tokens is not None:
+        tokens = tokens[: max_tokens + 1]
+    dev = torch.device(device)
+    L = teacher.cfg.seq_len
+    P = L // 2
+    n_full = (len(tokens) - 1) // L
+    if n_full < 1:
+        raise ValueError(f"eval distill: need at least one full window of {L} tokens (+1 target), got {len(tokens)}")
+    paths = prefill_paths(teacher, student, depth, tuple(early_depths))
+    names = ["full", *paths]
+    sums = {n: {"first": 0.0, "rest": 0.0, "prefill_s": 0.0, "kv_bytes": 0} for n in names}
+    n_first = n_rest = n_batches = 0
+    teacher.eval()
+    bar = tqdm(total=math.ceil(n_full / batch_size), desc="eval distill", disable=not progress, leave=False,
+               unit="batch")
+    try:
+        for x, y, mask in eval_windows(tokens, L, batch_size):
+            full = mask.all(1)
+            if not bool(full.any()):
+                continue
+            x, y = x[full].to(dev), y[full].to(dev)
+            B = x.shape[0]
+            rest = continuation_mask(x, P, eot_id)  # (B, L − P): targets y_P … y_{L−1}
+            first = (torch.ones(B, dtype=torch.bool, device=dev) if eot_id is None
+                     else x[:, P - 1] != eot_id)  # (B,): target y_{P−1} = x_P
+            out = teacher(x, depth=depth, targets=y, keep_logits=False)
+            nll = out.nll_by_depth[depth].double()  # (B, L)
+            sums["full"]["first"] += float((nll[:, P - 1] * first).sum())
+            sums["full"]["rest"] += float((nll[:, P:] * rest).sum())
+            last = (torch.arange(B, device=dev), torch.full((B,), P - 1, device=dev))
+            for name, (_, prefill) in paths.items():
+                cache = KVCache("terminal")
+                _sync(dev)
+                t0 = time.perf_counter()
+                pre = prefill(x[:, :P], cache, readout_tokens=last, targets=y[:, P - 1], keep_logits=False)
+                _sync(dev)
+                sums[name]["prefill_s"] += time.perf_counter() - t0
+                sums[name]["kv_bytes"] = cache.nbytes() // B
+                (first_nll,) = pre.nll_by_depth.values()  # (B,), the prefill's only readout
+                sums[name]["first"] += float((first_nll.double() * first).sum())
+                cont = teacher(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False)
+                sums[name]["rest"] += float((cont.nll_by_depth[depth].double() * rest).sum())
+            n_first += int(first.sum())
+            n_rest += int(rest.sum())
+            n_batches += 1
+            bar.update(1)
+    finally:
+        bar.close()
+    if n_first + n_rest == 0:
+        raise ValueError(f"eval distill: no continuation target continues a document begun in its prompt "
+                         f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
+    res: dict[str, dict[str, Any]] = {}
+    for name in names:
+        s = sums[name]
+        nll = (s["first"] + s["rest"]) / (n_first + n_rest)
+        res[name] = {"label": _label(name, depth), "recurrences": depth if name == "full" else paths[name][0],
+                     "ppl": math.exp(nll), "nll": nll,
+                     "ppl_first": math.exp(s["first"] / n_first) if n_first else math.nan,
+                     "ppl_rest": math.exp(s["rest"] / n_rest) if n_rest else math.nan,
+                     "tokens": n_first + n_rest, "tokens_first": n_first,
+                     "prefill_s": s["prefill_s"], "prefill_ms": 1000 * s["prefill_s"] / n_batches if name != "full"
+                     else math.nan, "kv_bytes": s["kv_bytes"]}
+    return res
+
+
+def markdown_table(res: dict[str, dict[str, Any]], title: str) -> str:
+    """One row per prefill path (Table 5 order): PPL, first-token and rest PPL, change against the
+    teacher's prefill at R, prefill ms per batch, KV bytes."""
+    ref = res["teacher"]["ppl"]
+    rows = [f"**{title}**", "",
+            "| prefill path | recurrences in prefill | PPL | Δ vs teacher | PPL first token | PPL rest "
+            "| prefill (ms/batch) | KV bytes / seq |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res.values():
+        ms = "–" if not math.isfinite(r["prefill_ms"]) else f"{r['prefill_ms']:.1f}"
+        kv = f"{r['kv_bytes']:,}" if r["kv_bytes"] else "–"
+        rows.append(f"| {r['label']} | {r['recurrences']} | {r['ppl']:.2f} | {100 * (r['ppl'] / ref - 1):+.2f}% "
+                    f"| {r['ppl_first']:.2f} | {r['ppl_rest']:.2f} | {ms} | {kv} |")
+    return "\n".join(rows)
+
+
+def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | None = None, *,
+                                student: str | Path | None = None, early_depths: Sequence[int] = (3, 2, 1),
+                                dataset: str | None = None, split: str = "test", max_tokens: int | None = None,
+                                batch_size: int = 16, device: str = "cpu", progress: bool = True,
+                                doc_aware: bool = True, teacher_only: bool = False) -> dict[str, Any]:
+    """Continuation PPL after each prefill path (module docstring) for a teacher and its student.
+
+    Args:
+        checkpoint: the teacher's run folder or checkpoint.
+        student: the student's run folder or checkpoint (default: ``student/`` next to the teacher's run).
+        early_depths: early-stopped prefill depths r < R of the teacher rows.
+        teacher_only: leave the distilled row out (no student needed).
+        doc_aware: score only targets that continue the document begun in the prompt (LMDR).
+
+    The decoding depth R is the one the student was distilled for (with ``teacher_only``: the teacher's
+    nominal training depth).
+
+    Returns:
+        JSON-ready dict: ``checkpoint``, ``student``, ``depth``, ``dataset``, ``split``, ``seq_len``,
+        ``prefix_tokens``, ``doc_aware``, ``paths`` → per path (see :func:`distill_continuation_eval`) and
+        ``markdown``. Also written to ``out_json`` (and ``.md``) when given.
+
+    Raises:
+        CheckpointError: a damaged teacher or student. StudentMismatchError: a student of another teacher.
+        FileNotFoundError: a missing data split. ValueError: see :func:`distill_continuation_eval`.
+    """
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokenizer import eot_id
+    from looplm.data.tokens import load_tokens
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.train.checkpoint import load_checkpoint
+
+    teacher, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    stu, stu_dir, depth = None, None, cfg.train.nominal_depth
+    if not teacher_only:
+        stu, record, stu_dir = load_student(student or default_student_dir(checkpoint), teacher)
+        depth = record.distill.depth
+    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    tok = load_tokenizer_for(ckpt)
+    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
+                         resolve_cache_dir(data_cfg.cache_dir))
+    res = distill_continuation_eval(teacher, stu, tokens, depth, early_depths=early_depths, batch_size=batch_size,
+                                    max_tokens=max_tokens, eot_id=eot_id(tok) if doc_aware else None,
+                                    device=device, progress=progress)
+    title = (f"{cfg.name}: prefill paths, then the teacher decodes at R={depth} with terminal KV sharing "
+             f"({data_cfg.dataset} {split}, {cfg.model.seq_len // 2}-token prompts"
+             + (", tokens continuing the prompt's document)" if doc_aware else ", every continuation token)"))
+    result = clean({"checkpoint": str(ckpt), "student": None if stu_dir is None else str(stu_dir), "depth": depth,
+                    "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset, "split": split,
+                    "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2, "batch_size": batch_size,
+                    "max_tokens": max_tokens, "doc_aware": doc_aware, "paths": res,
+                    "markdown": markdown_table(res, title)})
+    if out_json is not None:
+        out = Path(out_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(result["markdown"] + "\n")
+    return result

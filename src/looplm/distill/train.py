@@ -1,0 +1,248 @@
+"""``looplm distill``: train the student S_ψ of distilled prefill against a frozen teacher (LMDR §3.2, §5.5,
+eq. 4; arXiv:2610.06833; SPEC §8).
+
+**Data.** Windows of the teacher's ``seq_len`` tokens from the train split of the teacher's corpus,
+tokenized with the teacher's tokenizer, drawn as the trainer draws them (:func:`looplm.data.tokens.
+sample_batch`, a pure function of (seed, step)); σ_T² uses ``sigma_batches`` further draws
+(``micro=-1``, never a training batch). The default budget is LMDR's: a quarter of the teacher's
+training tokens (``distill.steps = 0``).
+
+**Step.** Under ``no_grad`` the teacher (eval mode: dropout off, fixed evaluation noise of the Huginn
+family) gives e, z^R and its logits (:func:`~looplm.distill.prefill.teacher_targets`); the student
+maps e to ẑ; its logits are the teacher's coda + readout applied to ẑ (gradient flows through them
+into ẑ, the teacher's weights stay frozen); loss eq. 4 (:func:`~looplm.distill.loss.distill_loss`);
+AdamW with gradient clipping and the trainer's schedule.
+
+**Checkpoints and resume.** Every ``ckpt_every`` steps and at the end, atomically
+(:func:`looplm.train.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
+(resolved config, teacher fingerprint, σ_T²) and the training state (optimizer, scheduler, RNG,
+step). ``resume=True`` continues from the newest valid checkpoint with the saved config and σ_T²;
+batches being functions of the step, the loss trace equals the uninterrupted run's. The run folder
+is locked while a process trains into it. ``metrics.jsonl`` gets one line per step (loss, hidden, kl,
+lr, grad_norm, tokens/s; ``val_*`` at each measurement) and ``summary.json`` the final figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.tokens import eval_windows, load_tokens, sample_batch
+from looplm.distill.config import DistillConfig, StudentRecord
+from looplm.distill.loss import VarianceAccumulator, distill_loss
+from looplm.distill.prefill import student_readout, teacher_targets
+from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
+                                    load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
+from looplm.finite import NonFiniteError, clean, dumps
+from looplm.model import LoopLM
+from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, list_checkpoints, load_checkpoint,
+                                     load_train_state, newest_valid_checkpoint, save_checkpoint)
+from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.train.runlock import RunLock
+from looplm.train.trainer import _rng_state, _set_rng_state, _truncate_metrics, resolve_device
+
+
+def resolve_config(cfg: DistillConfig, teacher_cfg) -> DistillConfig:
+    """``cfg`` with ``depth`` (the teacher's nominal depth), ``batch_size`` (the teacher's) and ``steps`` (a
+    quarter of the teacher's training tokens, LMDR §5.5, rounded up) filled in where they are 0."""
+    t = teacher_cfg.train
+    depth = cfg.depth or t.nominal_depth
+    batch = cfg.batch_size or t.batch_size
+    teacher_tokens = t.steps * t.batch_size * t.grad_accum
+    steps = cfg.steps or max(1, math.ceil(teacher_tokens / 4 / batch))
+    return cfg.replace(depth=depth, batch_size=batch, steps=steps)
+
+
+def estimate_sigma2(teacher: LoopLM, tokens: np.ndarray, cfg: DistillConfig, seq_len: int,
+                    device: torch.device) -> float:
+    """σ_T² of eq. 4 (:mod:`looplm.distill.loss`): the variance of every entry of z^R over ``sigma_batches``
+    windows batches drawn with ``micro=-1`` (never a training batch)."""
+    acc = VarianceAccumulator()
+    for k in range(cfg.sigma_batches):
+        x, _ = sample_batch(tokens, cfg.batch_size, seq_len, seed=cfg.seed, step=k, micro=-1)
+        acc.add(teacher_targets(teacher, x.to(device), cfg.depth, logits=False)[1])
+    return acc.variance()
+
+
+def student_step(teacher: LoopLM, student: Student, x: torch.Tensor, cfg: DistillConfig, sigma2: float,
+                 y: torch.Tensor | None = None):
+    """Eq. 4 on windows x (B, L): returns the :class:`~looplm.distill.loss.DistillLoss` and, given the
+    targets y, the cross-entropies (nats/token) of the teacher at R and of the student's readout."""
+    e, z, t_logits = teacher_targets(teacher, x, cfg.depth, logits=cfg.kl_weight > 0 or y is not None)
+    z_hat = student(e)
+    s_logits = student_readout(teacher, z_hat, cfg.depth) if cfg.kl_weight > 0 or y is not None else None
+    res = distill_loss(z_hat, z, sigma2, student_logits=s_logits, teacher_logits=t_logits,
+                       hidden_weight=cfg.hidden_weight, kl_weight=cfg.kl_weight)
+    if y is None:
+        return res, None
+    ce = {name: float(torch.nn.functional.cross_entropy(lg.float().flatten(0, 1), y.flatten()))
+          for name, lg in (("teacher", t_logits), ("student", s_logits))}
+    return res, ce
+
+
+@torch.no_grad()
+def validate(teacher: LoopLM, student: Student, tokens: np.ndarray, cfg: DistillConfig, sigma2: float,
+             seq_len: int, device: torch.device) -> dict[str, float]:
+    """Token-weighted means over the first ``eval_batches`` full windows batches of ``tokens``: the two
+    terms of eq. 4 and the cross-entropies of the teacher at R and of the student's own readout."""
+    was = student.training
+    student.eval()
+    sums = {"hidden": 0.0, "kl": 0.0, "ce_teacher": 0.0, "ce_student": 0.0}
+    n = 0
+    for x, y, mask in eval_windows(tokens, seq_len, cfg.batch_size, max_batches=cfg.eval_batches):
+        full = mask.all(1)
+        if not bool(full.any()):
+            continue
+        x, y = x[full].to(device), y[full].to(device)
+        res, ce = student_step(teacher, student, x, cfg, sigma2, y)
+        w = x.shape[0]
+        sums["hidden"] += float(res.hidden) * w
+        sums["kl"] += float(res.kl) * w
+        sums["ce_teacher"] += ce["teacher"] * w
+        sums["ce_student"] += ce["student"] * w
+        n += w
+    student.train(was)
+    return {f"val_{k}": v / max(n, 1) for k, v in sums.items()}
+
+
+def distill(teacher_checkpoint: str | Path, out: str | Path | None = None, cfg: DistillConfig | None = None, *,
+            resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Distill a student for ``teacher_checkpoint`` into ``out`` (default ``RUN/student`` next to the teacher).
+
+    Args:
+        teacher_checkpoint: the teacher's run folder or checkpoint.
+        out: the student's run folder (checkpoints, ``metrics.jsonl``, ``summary.json``).
+        cfg: the distillation config (default :class:`DistillConfig`); ignored with ``resume`` (the
+            saved one wins).
+        resume: continue from the newest valid checkpoint in ``out``.
+        stop_after: stop (with a checkpoint) after this many steps of this invocation.
+
+    Returns:
+        The summary: steps, σ_T², final validation terms and cross-entropies, wall time, the teacher.
+
+    Raises:
+        CheckpointError: a damaged teacher; ``resume`` without a valid student checkpoint.
+        StudentMismatchError: ``resume`` into a student of another teacher.
+        RunLockedError: another process is distilling into ``out``.
+        NonFiniteError: the loss or gradient became NaN/inf.
+        ValueError: a fresh run into a folder that already holds checkpoints; an unshared teacher.
+    """
+    out = Path(out) if out is not None else default_student_dir(teacher_checkpoint)
+    lock = RunLock(out).acquire()
+    try:
+        if not resume and list_checkpoints(out):
+            raise ValueError(f"--out {out} already holds a student; continue it with --resume or choose another --out")
+        return _distill(teacher_checkpoint, out, cfg or DistillConfig(), resume=resume, stop_after=stop_after,
+                        progress=progress)
+    finally:
+        lock.release()
+
+
+def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool, stop_after: int | None,
+             progress: bool) -> dict[str, Any]:
+    state = None
+    if resume:
+        ckpt = newest_valid_checkpoint(out)
+        if ckpt is None:
+            reasons = "; ".join(f"{c.name}: {e}" for c, e in checkpoint_problems(out)) or "none written yet"
+            raise CheckpointError(f"--resume: no valid student checkpoint under {out / 'checkpoints'} ({reasons})")
+        cfg = read_record(ckpt)[0].distill
+    device = resolve_device(cfg.device, "distill.device")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    teacher, tcfg, _, tckpt = load_checkpoint(teacher_checkpoint, device=device)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    from looplm.eval.runner import load_tokenizer_for
+
+    tok = load_tokenizer_for(tckpt)
+    root, cache = resolve_data_root(tcfg.data.data_root), resolve_cache_dir(tcfg.data.cache_dir)
+    train_tokens = load_tokens(tcfg.data, "train", tok, root, cache)
+    valid_tokens = load_tokens(tcfg.data, "valid", tok, root, cache)
+    L = tcfg.model.seq_len
+    if resume:
+        student, record, _ = load_student(ckpt, teacher)  # refuses another teacher's student
+        student.train()
+        state = load_train_state(ckpt)
+        start_step = int(state["step"])
+    else:
+        cfg = resolve_config(cfg, tcfg)
+        torch.manual_seed(cfg.seed)
+        record = StudentRecord(distill=cfg, teacher=teacher_ref(teacher, tckpt, tcfg.name),
+                               sigma2=estimate_sigma2(teacher, train_tokens, cfg, L, device))
+        student = build_student(teacher, cfg).train()
+        start_step = 0
+    sigma2 = record.sigma2
+    opt = build_optimizer(student, cfg)  # type: ignore[arg-type] (TrainConfig's optimizer field names)
+    sched = build_scheduler(opt, cfg)  # type: ignore[arg-type]
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        _truncate_metrics(metrics_path, start_step)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(out, step, student, record,  # type: ignore[arg-type] (record has to_json/to_dict)
+                        train_state={"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                     "rng": _rng_state(), "data_position": {"seed": cfg.seed, "step": step}})
+
+    end_step = cfg.steps if stop_after is None else min(cfg.steps, start_step + stop_after)
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="distill", disable=not progress, unit="step",
+               dynamic_ncols=True)
+    t_start, last = time.time(), {}
+    with metrics_path.open("a") as log:
+        for step in range(start_step, end_step):
+            t0 = time.time()
+            x, _ = sample_batch(train_tokens, cfg.batch_size, L, seed=cfg.seed, step=step)
+            res, _ = student_step(teacher, student, x.to(device), cfg, sigma2)
+            res.loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip or math.inf))
+            loss = float(res.loss.detach())
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(f"distill step {step + 1}: loss {loss}, gradient norm {grad_norm}; lower "
+                                     f"distill.lr (newest checkpoint: {newest_valid_checkpoint(out)})")
+            lr = sched.get_last_lr()[0]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            done, dt = step + 1, time.time() - t0
+            last = {"step": done, "loss": loss, "hidden": float(res.hidden.detach()), "kl": float(res.kl.detach()),
+                    "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / dt}
+            if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
+                last.update(validate(teacher, student, valid_tokens, cfg, sigma2, L, device))
+            log.write(dumps(last) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
+                            **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))
+            if cfg.ckpt_every and done % cfg.ckpt_every == 0 or done in (cfg.steps, end_step):
+                checkpoint(done)
+    bar.close()
+    wall = time.time() - t_start
+    summary = clean({"steps": cfg.steps, "completed_steps": end_step, "depth": cfg.depth, "sigma2": sigma2,
+                     "params": sum(p.numel() for p in student.parameters()), "wall_s": wall,
+                     "tokens": (end_step - start_step) * cfg.batch_size * L,
+                     **{k: v for k, v in last.items() if k.startswith("val_")},
+                     "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
+                     "out": str(out)})
+    if end_step == cfg.steps and end_step > start_step:
+        (out / "summary.json").write_text(dumps(summary, indent=2) + "\n")
+    elif end_step == cfg.steps and (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+__all__ = ["distill", "resolve_config", "estimate_sigma2", "student_step", "validate", "StudentMismatchError"]
