@@ -29,6 +29,11 @@ def pct(v: list[float]) -> str:
     return f"{m:.2f} ± {s:.2f}"
 
 
+def cosfmt(c: float) -> str:
+    """A cosine, written 1 − x when it is within 1e-3 of 1 (so 0.99999997 is not shown as 1.000000)."""
+    return f"1 − {1 - c:.1e}" if c > 0.999 else f"{c:.4f}"
+
+
 def load() -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     for path in sorted(RES.glob("*-s*.json")):
@@ -99,7 +104,7 @@ def main() -> None:
             t, x, c = r["time_s"], r["speedup_vs_bptt"], r["cos"]
             lines.append(f"| {r['R']} | {r['b']} | {r['endpoint_residual']:.2g} | {t['bptt']:.3f} | "
                          f"{t['recompute']:.3f} | {t['reuse']:.3f} | {x['reuse']:.2f}× | {x['recompute']:.2f}× | "
-                         f"{c['bptt|reuse']:.4f} | {c['recompute|reuse']:.6f} | {r['policy_gap']:.2g} |")
+                         f"{cosfmt(c['bptt|reuse'])} | {cosfmt(c['recompute|reuse'])} | {r['policy_gap']:.2g} |")
         init = json.loads(timing.read_text()).get("init", [])
         if init:
             lines += ["", "The same at initialization (untrained model, advantages a fixed ramp): cos(reuse, BPTT) "
@@ -110,14 +115,14 @@ def main() -> None:
         summary["timing_init"] = init
     # gradient cosines
     lines += ["## Gradient cosines between methods (whole model, same batch)", "",
-              "| pair | median | min | max | batches |", "|---|---:|---:|---:|---:|"]
+              "| pair | median | min | max | batches | batches below 0.999 |", "|---|---:|---:|---:|---:|---:|"]
     summary["cos"] = {}
     for pair in PAIRS:
         v = [c["cos"][pair] for c in cmp if c["cos"].get(pair) is not None]
         if v:
             summary["cos"][pair] = {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
-            lines.append(f"| {pair.replace('|', ' vs ')} | {statistics.median(v):.6f} | {min(v):.6f} | "
-                         f"{max(v):.6f} | {len(v)} |")
+            lines.append(f"| {pair.replace('|', ' vs ')} | {cosfmt(statistics.median(v))} | {cosfmt(min(v))} | "
+                         f"{cosfmt(max(v))} | {len(v)} | {sum(x < 0.999 for x in v)} |")
     gaps = [c["policy_gap"] for c in cmp if c.get("policy_gap") is not None]
     summary["policy_gap_median"] = statistics.median(gaps) if gaps else None
     lines += ["", "Policy gap (median over batches of the mean |log π_(R+b) − log π_R| per response token, the "
@@ -156,7 +161,7 @@ def plot(runs: dict[str, list[dict]], b: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    fig, ax = plt.subplots(1, 4, figsize=(19, 4))
     for m, label in METHODS.items():
         rs = runs.get(m, [])
         if not rs:
@@ -182,6 +187,16 @@ def plot(runs: dict[str, list[dict]], b: int) -> None:
     ax[2].boxplot(data, showfliers=False)
     ax[2].set_xticks(range(1, len(METHODS) + 1), [METHODS[m].format(b=b) for m in METHODS], fontsize=8)
     ax[2].set_ylabel("scoring + backward (s), paired batches")
+    before = next(r for rs in runs.values() for r in rs)["before"]["pass@1"]
+    ax[3].axhline(100 * before, color="gray", ls="--", label="before RL")
+    for i, m in enumerate(METHODS):
+        vals = [100 * r["after"]["pass@1"] for r in runs.get(m, [])]
+        ax[3].bar(i, statistics.fmean(vals) if vals else 0, color=f"C{i}", alpha=0.5)
+        ax[3].plot([i] * len(vals), vals, "k.", ms=6)
+    ax[3].set_xticks(range(len(METHODS)), [METHODS[m].format(b=b) for m in METHODS], fontsize=8)
+    ax[3].set_ylim(100 * before - 2, None)
+    ax[3].set_ylabel("held-out pass@1 (%) after RL, seeds as dots")
+    ax[3].legend()
     fig.tight_layout()
     fig.savefig(HERE / "rl_curves.png", dpi=120)
     plt.close(fig)

@@ -28,9 +28,12 @@ and back-propagates L:
 
 Reuse and recompute both read the log-probabilities out at z̄^b, i.e. after R + b recurrences, as the
 paper's "apply b recurrences from z̄" (its gradient is Σ_{k<b} J^k B along z̄ = Σ_{k<b} J_R^k B_R at a
-fixed point); the tokens were sampled from the readout at R, so the two differ by how far z^R is from a
-fixed point (:func:`compare_methods` reports that gap). When the saved states equal the replay's, reuse
-and recompute compute the same numbers (the replayed endpoint enters through the same detach).
+fixed point); the tokens were sampled from the readout at R, so π_{R+b} and π_R differ by how far z^R is
+from a fixed point (:func:`compare_methods` reports that gap). When the saved states equal the replay's,
+reuse and recompute compute the same numbers (the replayed endpoint enters through the same detach). The
+saved states equal a teacher-forced replay through the same cached decoding bit for bit, and the
+non-cached replay of ``recompute`` to fp32 rounding (~1e-6: a decode step multiplies one row where the
+full forward multiplies all of them, and CPU matmul kernels then sum in a different order).
 
 The update runs the model in evaluation mode: dropout off, and the Huginn Gaussian initial state from
 the fixed table the sampler used, so ``bptt`` and ``recompute`` replay the trajectory that was sampled.
