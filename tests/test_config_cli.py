@@ -101,18 +101,23 @@ def v1_config(**model) -> dict:
     return {"format_version": 1, "name": "old", "model": v1_model(**model), "data": d["data"], "train": d["train"]}
 
 
+#: the source-module init of every file written before the init study (issue 11): format-1 files migrate to it
+GPT2 = {"source_init": "gpt2", "source_init_std": 0.0}
+
+
 def test_format1_config_migrates_into_rule_options():
     old = v1_config(rule="scse_leak", d_model=64, n_heads=2, step_scale=0.3, scse_anchor="embedding",
                     sc_leak=0.05, sc_kappa=0.2)
     want = Config(name="old", model=ModelConfig(rule="scse_leak", d_model=64, n_heads=2, options=SCSELeakOptions(
-        step_scale=0.3, anchor="embedding", leak=0.05, kappa=0.2)))
+        step_scale=0.3, anchor="embedding", leak=0.05, kappa=0.2, **GPT2)))
     got = Config.from_dict(old)
     assert got == want
     assert got.to_dict()["format_version"] == 2 and got.to_dict()["model"]["options"] == {
         "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "source_init": "gpt2", "source_init_std": 0.0,
         "anchor": "embedding", "mask": True, "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
     # step_scale -1 is the rule's default; fields the rule does not read are dropped at their defaults
-    assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3)
+    assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3,
+                                                                                                          **GPT2)
     assert Config.from_dict(v1_config(rule="parcae", parcae_alpha_init=-1.0)).model.options == DecayOptions(
         alpha_raw_init=-1.0)
     assert Config.from_dict(v1_config(architecture="unshared")).model.options is None
@@ -131,7 +136,7 @@ def test_format1_config_from_before_later_fields_and_todays_default():
         del old["model"][name]
     for name in ("tbptt", "supervision", "checkpoint_format", "depth_cap"):
         del old["train"][name]
-    assert Config.from_dict(old) == Config(name="old")
+    assert Config.from_dict(old) == apply_overrides(Config(name="old"), {f"model.options.{k}": v for k, v in GPT2.items()})
     del old["model"]["d_model"]
     with pytest.raises(ConfigError, match=r"model\.d_model: missing"):
         Config.from_dict(old)
@@ -141,9 +146,9 @@ def test_migrated_format1_model_is_identical():
     """Same seed: a model from a format-1 config and from the equivalent format-2 one have identical
     weights and outputs."""
     pairs = [(dict(rule="scse", scse_leak=0.02, scse_kappa=0.15, scse_mask=False),
-              dict(rule="scse", options=SCSEOptions(leak=0.02, kappa=0.15, mask=False))),
+              dict(rule="scse", options=SCSEOptions(leak=0.02, kappa=0.15, mask=False, **GPT2))),
              (dict(rule="step_film", film_steps=2, step_scale=0.2), dict(rule="step_film", options={"steps": 2,
-                                                                                                    "step_scale": 0.2})),
+                                                                                                    "step_scale": 0.2, **GPT2})),
              (dict(rule="parcae_decay", state_init="zeros", parcae_delta_init=0.5),
               dict(rule="parcae_decay", options=ParcaeDecayOptions(state_init="zeros", delta_raw_init=0.5,
                                                                    input_norm_affine=False)))]

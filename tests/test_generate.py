@@ -19,7 +19,8 @@ from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under
 
 SEQ = 20
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60], [7, 7, 21]]  # different lengths: the batch is left-padded
-RULES = ["scse", "looped-prelude-coda", "huginn_linear-huginn", "deq_qkv-huginn", "sc_subtract", "parcae-huginn"]
+RULES = ["scse", "looped-prelude-coda", "huginn_linear-huginn", "deq_qkv-huginn", "sc_subtract", "parcae-huginn",
+         "huginn-0125", "ouro"]
 
 
 def model_for(name: str, seed: int = 0) -> LoopLM:
@@ -139,14 +140,14 @@ def test_exit_criteria_hand_computed():
     assert EntropyChange(1.0).score(None, None, q.log(), p.log()).tolist() == pytest.approx([dh, 0.0], abs=1e-6)
     assert EntropyChange(dh / 2).should_exit(None, None, q.log(), p.log()).tolist() == [False, True]
     # one registry for generation, adaptive depth and halting (issue 10 §3)
-    assert set(EXIT_CRITERIA) == {"relative", "kl", "entropy", "hidden_update", "margin", "exit_gate"}
+    assert set(EXIT_CRITERIA) == {"relative", "kl", "entropy", "hidden_update", "margin", "exit_gate", "exit_cdf"}
     assert isinstance(build_exit_criterion("kl", 0.1), KLDivergence)
-    with pytest.raises(KeyError, match="known: entropy, exit_gate, hidden_update, kl, margin, relative"):
+    with pytest.raises(KeyError, match="known: entropy, exit_cdf, exit_gate, hidden_update, kl, margin, relative"):
         build_exit_criterion("nope", 0.1)
 
 
 @pytest.mark.parametrize("criterion", ["relative", "kl", "entropy"])
-@pytest.mark.parametrize("name", ["scse", "huginn_linear-huginn", "looped-prelude-coda"])
+@pytest.mark.parametrize("name", ["scse", "huginn_linear-huginn", "looped-prelude-coda", "huginn-0125", "ouro"])
 def test_adaptive_never_firing_equals_fixed_max_depth(name, criterion):
     model = model_for(name)
     R = 4

@@ -34,7 +34,8 @@ from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under
 
 SEQ = 24
 VARIANTS = {**VARIANTS, "looped-untied": dict(rule="looped", tie_embeddings=False)}
-ALL = [*RULE_NAMES, "looped-prelude-coda", "looped-final_only_norm", "looped-untied", "unshared"]
+ALL = [*RULE_NAMES, "looped-prelude-coda", "looped-final_only_norm", "looped-untied", "huginn-0125", "ouro",
+       "unshared"]
 SHARED = [n for n in ALL if n != "unshared"]
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60], [7, 7, 21]]
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from looplm.config import RULE_NAMES, Config, ConfigError, ModelConfig, apply_overrides
+from looplm.config import (ANCHORED_SOURCE_INIT, ANCHORED_SOURCE_INIT_STD, RULE_NAMES, Config, ConfigError, ModelConfig,
+                           _AnchoredOptions, apply_overrides, options_class)
 from looplm.model import build_model
 from looplm.model.recurrence import init_source_modules
 
@@ -41,6 +42,8 @@ def _reference_reset(model) -> None:
 
 
 RULES_AND_UNSHARED = [*RULE_NAMES, "unshared"]
+#: rules whose source_init defaults to the init study's choice (the SCSE family and the adapters)
+ANCHORED = {r for r in RULE_NAMES if issubclass(options_class(r), _AnchoredOptions)}
 
 
 def _cfg(rule: str, **kw) -> ModelConfig:
@@ -48,11 +51,13 @@ def _cfg(rule: str, **kw) -> ModelConfig:
 
 
 @pytest.mark.parametrize("rule", RULES_AND_UNSHARED)
-def test_default_init_draws_exactly_as_before(rule):
-    """Default config: the same RNG state gives a state_dict identical, bit for bit, to the pre-option
-    code's. parcae_decay's default gains the RMSNorm gain of e (ones), the paper's Parcae-Decay; with
-    ``input_norm_affine=false`` its state_dict is the old one exactly."""
-    variants = [{}] + ([{"options": {"input_norm_affine": False}}] if rule == "parcae_decay" else [])
+def test_gpt2_init_draws_exactly_as_before(rule):
+    """``source_init=gpt2`` (the default before the init study; still the Huginn family's): the same RNG
+    state gives a state_dict identical, bit for bit, to the pre-option code's. parcae_decay's default
+    gains the RMSNorm gain of e (ones), the paper's Parcae-Decay; with ``input_norm_affine=false`` its
+    state_dict is the old one exactly."""
+    gpt2 = {"options": {"source_init": "gpt2", "source_init_std": 0.0}} if rule in ANCHORED else {}
+    variants = [gpt2] + ([{"options": {"input_norm_affine": False}}] if rule == "parcae_decay" else [])
     for kw in variants:
         torch.manual_seed(3)
         model = build_model(_cfg(rule, **kw))
@@ -101,7 +106,7 @@ def test_scheme_changes_only_the_source_modules(rule, scheme):
     weights follow the scheme (checked against hand-computed bounds and stds)."""
     opts = {"source_init": scheme, **({"source_init_std": 2.0} if scheme == "normal" else {})}
     torch.manual_seed(0)
-    base = build_model(tiny(rule=rule)).state_dict()
+    base = build_model(tiny(rule=rule, options={"source_init": "gpt2"})).state_dict()
     torch.manual_seed(0)
     model = build_model(tiny(rule=rule, options=opts))
     sd = model.state_dict()
@@ -176,9 +181,9 @@ def test_init_fields_are_validated():
     with pytest.raises(ConfigError, match=r"model.options.source_init: got 'xavier'; allowed: 'gpt2', 'torch'"):
         tiny(rule="scse", options={"source_init": "xavier"})
     with pytest.raises(ConfigError, match=r"model.options.source_init_std: must be > 0 with source_init=normal"):
-        tiny(rule="scse", options={"source_init": "normal"})
+        tiny(rule="scse", options={"source_init": "normal", "source_init_std": 0.0})
     with pytest.raises(ConfigError, match=r"model.options.source_init_std: read only by source_init=normal"):
-        tiny(rule="adapter", options={"source_init_std": 2.0})
+        tiny(rule="adapter", options={"source_init": "gpt2", "source_init_std": 1.0})
     with pytest.raises(ConfigError, match=r"model.options.source_init: rule looped does not use it"):
         apply_overrides(Config(model=tiny(rule="looped")), {"model.options.source_init": "matched"})
     with pytest.raises(ConfigError, match=r"model.embed_init_std: must be > 0, or -1"):
@@ -233,3 +238,32 @@ def test_format1_parcae_decay_migrates_to_the_parameter_free_norm():
         d["train"].pop(k)
     loaded = Config.from_dict(d)
     assert loaded.model.options.input_norm_affine is False and loaded.model.options.source_init == "gpt2"
+
+
+def test_the_init_study_default_for_the_scse_family_and_adapters():
+    """The SCSE family and the adapters default to the init study's N(0, 2.0) source modules (issue 11;
+    experiments/scse-cpu/init-study); the Huginn family keeps gpt2; a config file written before the
+    study (no source_init) still rebuilds its gpt2 model."""
+    assert ANCHORED == {"adapter", "step_adapter", "step_film", "scse", "sc_cond", "sc_subtract", "scse_leak",
+                        "additive_subtract"}
+    for rule in sorted(ANCHORED):
+        opts = tiny(rule=rule).options
+        assert (opts.source_init, opts.source_init_std) == (ANCHORED_SOURCE_INIT, ANCHORED_SOURCE_INIT_STD) == (
+            "normal", 2.0)
+        torch.manual_seed(0)
+        model = build_model(tiny(rule=rule))
+        for module, _ in model.rule.source_modules():
+            assert abs(float(module.weight.detach().std()) - 2.0) < 0.1, rule  # D·D ≥ 1,024 draws of N(0, 2)
+    assert tiny(rule="huginn_linear").options.source_init == "gpt2"
+    old = Config(model=tiny(rule="scse")).to_dict()
+    for k in ("source_init", "source_init_std"):
+        del old["model"]["options"][k]
+    assert Config.from_dict(old).model.options.source_init == "gpt2"
+    # another scheme takes the std's default without complaint and stores 0 (the config of a gpt2 run is
+    # the same as before the study); a different std is refused
+    assert tiny(rule="scse", options={"source_init": "matched"}).options.source_init_std == 0.0
+    cfg = apply_overrides(Config(model=tiny(rule="scse")), {"model.options.source_init": "gpt2"})
+    assert cfg.model.options.source_init_std == 0.0
+    assert Config.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match=r"source_init_std: read only by source_init=normal .* leave it at 2"):
+        tiny(rule="scse", options={"source_init": "matched", "source_init_std": 1.0})

@@ -45,6 +45,16 @@ VARIANTS = {
     "plain-inter_loop_norm": dict(rule="plain", scale_control="inter_loop_norm"),
     "plain-spectral_damping": dict(rule="plain", scale_control="spectral_damping"),
     "looped-final_only_norm": dict(rule="looped", readout="final_only_norm", n_prelude=1, n_coda=1),
+    # issue 14 §1: the architectures of Huginn-0125 and Ouro (tiny), and the rest of their options
+    "huginn-0125": dict(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, position_embedding="rope",
+                        rope_theta=50000.0, rope_layout="interleaved", qk_bias=True, block_norm="pre_post",
+                        embed_scale=D ** 0.5, exit_norm="final",
+                        options=dict(adapter_bias=False, step_norm=False, state_init="truncated_normal",
+                                     state_init_std=0.6)),
+    "ouro": dict(rule="plain", n_core=2, n_kv_heads=2, position_embedding="rope", rope_theta=1e6,
+                 block_norm="sandwich", scale_control="final_norm", readout="raw", tie_embeddings=False),
+    "looped-rope-mqa": dict(rule="looped", n_prelude=1, n_coda=1, position_embedding="rope", n_kv_heads=1,
+                            rope_scaling="linear", rope_scaling_factor=2.0, exit_norm="learned"),
     "unshared": dict(architecture="unshared", n_layers=3),
 }
 
@@ -128,7 +138,9 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
     def full(blk, z, qkv_inj=None):
         return post_ln_block(blk, z, alpha, qkv_inj) if alpha is not None else z + blk(z, qkv_inj)
 
-    e = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))
+    e = model.tok_emb(x) * cfg.embed_scale
+    if cfg.position_embedding == "learned":
+        e = e + model.pos_emb(torch.arange(x.shape[1]))
     if cfg.input_norm:
         e = rms(e) * model.in_norm.weight
     for blk in model.prelude:
@@ -150,6 +162,8 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
             return rms(h) * model.loop_norm.weight
         if cfg.scale_control == "spectral_damping":
             return torch.sigmoid(model.damping_raw) * h
+        if cfg.scale_control == "final_norm":
+            return rms(h) * model.norm_f.weight
         return h
 
     o = cfg.options
@@ -161,16 +175,20 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
             h = between(core_full(h))
         return h
     if cfg.rule in ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv"):
-        table = torch.randn(cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(o.state_init_seed))
-        h = {"zeros": torch.zeros_like(e), "embedding": e,
-             "gaussian": o.state_init_std * table[: x.shape[1]].expand_as(e)}[o.state_init]
+        g = torch.Generator().manual_seed(o.state_init_seed)
+        if o.state_init == "truncated_normal":
+            table = torch.nn.init.trunc_normal_(torch.empty(cfg.seq_len, cfg.d_model), 0.0, 1.0, -3.0, 3.0, generator=g)
+        else:
+            table = torch.randn(cfg.seq_len, cfg.d_model, generator=g)
+        noise = o.state_init_std * table[: x.shape[1]].expand_as(e)
+        h = {"zeros": torch.zeros_like(e), "embedding": e, "gaussian": noise, "truncated_normal": noise}[o.state_init]
         if cfg.rule != "huginn_linear" and cfg.rule != "deq_qkv":
             delta = torch.log1p(torch.exp(r.delta_raw))
             lam = torch.exp(-delta * torch.exp(r.alpha_raw))
         for _ in range(T):
             qkv = None
             if cfg.rule == "huginn_linear":
-                z = torch.cat([h, e], -1) @ r.adapter.weight.T + r.adapter.bias
+                z = torch.cat([h, e], -1) @ r.adapter.weight.T + (r.adapter.bias if o.adapter_bias else 0.0)
             elif cfg.rule == "parcae_decay":
                 z = lam * h + delta * lin(rms(e), r.in_proj)
             elif cfg.rule == "parcae":
@@ -182,7 +200,7 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
             else:
                 z, qkv = h, [lin(e, w) for w in r.qkv_proj]
             h = core_full(z, qkv)
-            if cfg.rule == "huginn_linear":
+            if cfg.rule == "huginn_linear" and o.step_norm:
                 h = rms(h)
             h = between(h)
         return h

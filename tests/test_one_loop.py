@@ -281,14 +281,14 @@ def test_exit_gate_criterion_reads_the_learned_gate():
         run(model_for("looped", "none", "rmsnorm"), batches, crit, 4)
 
 
-@pytest.mark.parametrize("criterion", ["hidden_update", "relative", "kl", "entropy", "margin", "exit_gate"])
+@pytest.mark.parametrize("criterion", ["hidden_update", "relative", "kl", "entropy", "margin", "exit_gate", "exit_cdf"])
 def test_every_criterion_in_every_place(criterion, tiny_data):
     """One registry: each criterion runs in adaptive depth (target mean depth), halting (PPL tolerance)
     and cached generation."""
     from looplm.eval.adaptive import adaptive_depth
     from looplm.eval.halting import halting_eval
 
-    model = _gated_model() if criterion == "exit_gate" else model_for("scse", "none", "rmsnorm")
+    model = _gated_model() if criterion in ("exit_gate", "exit_cdf") else model_for("scse", "none", "rmsnorm")
     stream = np.random.default_rng(0).integers(0, V, 8 * SEQ + 1)
     res = adaptive_depth(model, stream, stream, targets=[2], ceiling=4, batch_size=4, progress=False,
                          criterion=criterion)

@@ -117,3 +117,53 @@ def test_two_processes_write_overlapping_identities(tmp_path):
         # each identity's metric set comes whole from one writer (puts are atomic)
         assert all(len(v) == 1 for v in by_depth.values())
         assert by_depth[0] == {0.0} and by_depth[2 * N_IDS - OVERLAP - 1] == {1.0}
+
+
+def test_fields_added_later_keep_older_configs_hash():
+    """A config saved before issue 14's architecture fields existed hashes as that config loaded today
+    (with them filled at their older-model values), so its stored evaluations stay found; setting one
+    of them to another value changes the identity."""
+    from looplm.analysis.store import LATE_IDENTITY_FIELDS, config_hash
+    from looplm.config import Config, ModelConfig
+
+    cfg = Config(model=ModelConfig(rule="huginn_linear"))
+    old = cfg.to_dict()
+    for name in LATE_IDENTITY_FIELDS["model"]:
+        del old["model"][name]
+    for name in LATE_IDENTITY_FIELDS["options"]:
+        del old["model"]["options"][name]
+    assert config_hash(old) == config_hash(Config.from_dict(old)) == config_hash(cfg)
+    rope = Config(model=ModelConfig(rule="huginn_linear", position_embedding="rope"))
+    assert config_hash(rope) != config_hash(cfg)
+
+
+def test_rehash_rekeys_rows_stored_under_an_older_identity_rule(tmp_path):
+    """Rows written while issue 14's fields were part of the identity (their identity JSON holds them
+    at the older-model values) are re-keyed to today's hash, with their run records; a row already stored
+    under the new hash wins; a second rehash changes nothing."""
+    import json
+
+    from looplm.analysis.store import _canonical, _sha256
+
+    cfg = Config()
+    ident = config_identity(cfg)
+    with_fields = json.loads(json.dumps(ident))
+    with_fields["model"]["qk_bias"] = False  # as the identity held it before LATE_IDENTITY_FIELDS
+    old_hash, new_hash = _sha256(_canonical(with_fields)), config_hash(cfg)
+    assert old_hash != new_hash
+    with ResultStore(tmp_path / "r.db") as store:
+        store._conn.execute("INSERT INTO configs VALUES (?, ?)", (old_hash, _canonical(with_fields)))
+        store._conn.commit()
+        make = EvalIdentity.make(cfg, "ppl", dataset="brown", split="test", depth=4, tag="t")
+        stale = [EvalIdentity(**{**make.__dict__, "config_hash": old_hash, "depth": T}) for T in (4, 8)]
+        for i, v in zip(stale, (10.0, 20.0)):
+            store.put(i, {"ppl": v})
+        store.put(make, {"ppl": 11.0})  # T=4 evaluated again since: the newer row wins
+        store.put_run(RunRecord(sweep="s", run_id="a-s0", variant="a", seed=0, config=cfg.to_dict(), run_dir="x"))
+        store._conn.execute("UPDATE runs SET config_hash = ?", (old_hash,))  # as recorded under the old rule
+        store._conn.commit()
+        assert store.rehash() == 1 and store.rehash() == 0
+        got = {r["depth"]: r["value"] for r in store.evaluations(metric="ppl")}
+        assert got == {4: 11.0, 8: 20.0}
+        assert {r["config_hash"] for r in store.evaluations()} == {new_hash}
+        assert store.runs("s")[0].config_hash == new_hash

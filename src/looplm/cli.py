@@ -574,7 +574,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 #: modules that add subcommands: each defines ``register(subparsers)`` (parsing stays in this layer).
 COMMAND_MODULES: tuple[str, ...] = ("looplm.diagnostics.commands", "looplm.analysis.commands", "looplm.hf_commands",
-                                    "looplm.distill.commands")
+                                     "looplm.importers.commands", "looplm.rl.commands", "looplm.distill.commands")
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:

@@ -34,10 +34,15 @@ RULE_NAMES: tuple[str, ...] = get_args(RuleName)
 Architecture = Literal["shared", "unshared"]
 AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
 SamplerName = Literal["fixed", "uniform", "pln", "learned"]
-StateInit = Literal["zeros", "embedding", "gaussian"]
+StateInit = Literal["zeros", "embedding", "gaussian", "truncated_normal"]
 Residual = Literal["pre_ln", "post_ln", "deepnorm", "deeploop"]
 ReadoutName = Literal["rmsnorm", "raw", "final_only_norm"]
-ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping"]
+ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping", "final_norm"]
+PositionEmbedding = Literal["learned", "rope", "none"]
+RopeLayout = Literal["half", "interleaved"]
+RopeScaling = Literal["none", "linear"]
+BlockNorm = Literal["pre", "sandwich", "pre_post"]
+ExitNorm = Literal["none", "learned", "final"]
 Supervision = Literal["terminal", "per_loop", "exit_weighted"]
 PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
 Schedule = Literal["cosine", "wsd"]
@@ -204,11 +209,18 @@ def _o(default: Any, help: str, v1: str | None = None) -> Any:
 #: family have no residual scale.
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
 _SOURCE_INIT_HELP = ("initialization of the rule's source modules ({}): gpt2 (N(0, model.init_std), as every "
-                     "matrix; the default), torch (nn.Linear's default: U(±1/√fan_in), bias too), matched ({}; "
+                     "matrix{}), torch (nn.Linear's default: U(±1/√fan_in), bias too), matched ({}; "
                      "derivation in looplm.model.recurrence.init_source_modules), normal (N(0, source_init_std)). "
                      "The blocks keep the GPT-2 init; every other parameter draws the same values under every "
                      "scheme")
-_SOURCE_INIT_STD_HELP = "source_init=normal: std of the source modules' weights (0 for the other schemes)"
+_SOURCE_INIT_STD_HELP = ("source_init=normal: std of the source modules' weights (read only by normal; another "
+                         "scheme takes its default or 0 and stores 0)")
+#: the SCSE family's and the adapters' source-module init, chosen by the init study of issue 11
+#: (experiments/scse-cpu/init-study: Brown *valid* PPL and the t = 0 gain, 3 seeds; test data never read):
+#: N(0, 2.0) for A, I (and W_in, W_c, P_step). At d = 192 it gives rms(Δ₀) ≈ 4·rms(e) and a trained t = 0
+#: gain near the paper's regime, where GPT-2's N(0, 0.02) leaves Δ₀ at 0.04·rms(e) (SCSE arXiv:2607.27656
+#: §5 gains: SCSE 1.118 < tuned adapter 1.135 < looped 3.98). Files written before the study keep gpt2.
+ANCHORED_SOURCE_INIT, ANCHORED_SOURCE_INIT_STD = "normal", 2.0
 
 
 @dataclass(frozen=True)
@@ -243,9 +255,12 @@ class RuleOptions(_Base):
                 _check(self.source_init_std > 0, p + "source_init_std",
                        f"must be > 0 with source_init=normal, got {self.source_init_std}")
             else:
-                _check(self.source_init_std == 0.0, p + "source_init_std",
-                       f"read only by source_init=normal (got source_init={self.source_init!r}); leave it at 0, "
-                       f"got {self.source_init_std}")
+                default = type(self).__dataclass_fields__["source_init_std"].default
+                _check(self.source_init_std in (0.0, default), p + "source_init_std",
+                       f"read only by source_init=normal (got source_init={self.source_init!r}); leave it at "
+                       f"{default:g} (its default) or 0, got {self.source_init_std}")
+                # stored as 0 when unread, so a scheme's config is the same whichever default it came from
+                object.__setattr__(self, "source_init_std", 0.0)
 
 
 @dataclass(frozen=True)
@@ -275,11 +290,12 @@ class _AnchoredOptions(RuleOptions):
     step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
     anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)", "anchor_scale")
     init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)", "init_scale")
-    source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
-        "A, I, and W_in, W_c, P_step where the rule has them",
+    source_init: SourceInit = _o(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
+        "A, I, and W_in, W_c, P_step where the rule has them", "; the default before the init study",
         "A, I ~ N(0, 1/√(d·(c_0² + c_a²))) (std) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
-        "N(0, 1/√fan_in), output RMS = input RMS"))
-    source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
+        "N(0, 1/√fan_in), output RMS = input RMS") + "; default normal with std 2.0, chosen by the init study "
+        "(experiments/scse-cpu/init-study)")
+    source_init_std: float = _o(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
 
 
 @dataclass(frozen=True)
@@ -355,17 +371,32 @@ class AdditiveSubtractOptions(_AnchoredOptions):
 class HuginnOptions(RuleOptions):
     """``huginn_linear``, ``deq_qkv``: the initial loop state of the Huginn family."""
 
-    state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (the prelude output e) "
-                               "or gaussian (std state_init_std)", "state_init")
-    state_init_std: float = _o(0.02, "state_init=gaussian: std of the initial state", "state_init_std")
-    state_init_seed: int = _o(0, "state_init=gaussian: seed of the evaluation-mode noise (a fixed (seq_len, d) "
-                              "table indexed by position, so evaluation and cached decoding are "
-                              "deterministic); -1 draws fresh noise from the global RNG in evaluation too",
+    state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (the prelude output e), "
+                               "gaussian (N(0, state_init_std²)) or truncated_normal (N(0, state_init_std²) "
+                               "truncated to ±3·state_init_std, as torch.nn.init.trunc_normal_; Huginn-0125)",
+                               "state_init")
+    state_init_std: float = _o(0.02, "state_init=gaussian / truncated_normal: std of the initial state (of the "
+                               "normal before truncation; Huginn-0125: √(2/5), its √(2/(5d)) times its embedding "
+                               "scale √d)", "state_init_std")
+    state_init_seed: int = _o(0, "state_init=gaussian / truncated_normal: seed of the evaluation-mode noise (a "
+                              "fixed (seq_len, d) table indexed by position, so evaluation and cached decoding "
+                              "are deterministic); -1 draws fresh noise from the global RNG in evaluation too "
+                              "(Huginn-0125)",
                               "state_init_seed")
     source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",
-        "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
+        "; the default", "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
     source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
+
+
+@dataclass(frozen=True)
+class HuginnLinearOptions(HuginnOptions):
+    """``huginn_linear``: ζ = W_lin [h; e] (+ bias), then the core, then (by default) a parameter-free RMSNorm."""
+
+    adapter_bias: bool = _o(True, "a bias in the adapter W_lin [h; e; 1] (LMDR's huginn_linear); false: W_lin [h; e] "
+                            "(Huginn-0125's adapter)")
+    step_norm: bool = _o(True, "a parameter-free RMSNorm at the core exit after every step, h ← RMSNorm(ζ + G(ζ)) "
+                         "(LMDR's huginn_linear); false: none (Huginn-0125, whose blocks end in a norm)")
 
 
 @dataclass(frozen=True)
@@ -391,13 +422,14 @@ RULE_OPTIONS: dict[str, type[RuleOptions]] = {
     "adapter": AdapterOptions, "step_adapter": StepAdapterOptions, "step_film": StepFilmOptions,
     "scse": SCSEOptions, "sc_cond": SCCondOptions, "sc_subtract": SCCondOptions, "scse_leak": SCSELeakOptions,
     "additive_subtract": AdditiveSubtractOptions, "plain": PlainOptions,
-    "huginn_linear": HuginnOptions, "deq_qkv": HuginnOptions,
+    "huginn_linear": HuginnLinearOptions, "deq_qkv": HuginnOptions,
     "parcae_decay": ParcaeDecayOptions, "parcae": DecayOptions, "orthoinj": DecayOptions,
 }
 
 #: options added after format 2's first release, with the values that rebuild the models of config files
 #: written before them (which may lack these options, and only these)
-LATE_OPTIONS: dict[str, Any] = {"source_init": "gpt2", "source_init_std": 0.0, "input_norm_affine": False}
+LATE_OPTIONS: dict[str, Any] = {"source_init": "gpt2", "source_init_std": 0.0, "input_norm_affine": False,
+                                "adapter_bias": True, "step_norm": True}
 
 #: the flat rule fields of format-1 ``ModelConfig`` and their (never changed) defaults
 V1_RULE_FIELDS: dict[str, Any] = {
@@ -511,7 +543,8 @@ class ModelConfig(_Base):
     d_model: int = _f(384, "model width d")
     n_heads: int = _f(6, "attention heads (d_model must be divisible by it)")
     d_ff: int = _f(1536, "SwiGLU hidden width")
-    seq_len: int = _f(128, "context length L (learned absolute positions)")
+    seq_len: int = _f(128, "context length L: the longest sequence and the largest position + 1 of any forward "
+                      "(the rows of the learned position table)")
     dropout: float = _f(0.1, "dropout probability on embeddings, attention and residual branches")
     n_prelude: int = _f(0, "unshared prelude blocks before the loop")
     n_core: int = _f(1, "K: blocks in the shared core applied once per loop step")
@@ -533,10 +566,43 @@ class ModelConfig(_Base):
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw "
                               "(W_out·H_k), final_only_norm (raw at intermediate loops, RMSNorm at the last)")
     scale_control: ScaleControl = _f("none", "between loops (SPEC §4): none, inter_loop_norm (RMSNorm "
-                                     "with learned gain), spectral_damping (learned factor in (0, 1))")
+                                     "with learned gain), spectral_damping (learned factor in (0, 1)), final_norm "
+                                     "(h ← norm_f(h), the final norm itself, after every step: Ouro; pair it with "
+                                     "readout=raw, or the readout normalizes twice)")
     damping_init: float = _f(0.9, "spectral_damping: initial factor σ(ρ) in (0, 1)")
-    exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop) for "
-                         "train.supervision=exit_weighted (set automatically)")
+    exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 with bias, per token and loop, on the state after "
+                         "the step; Ouro's early_exit_gate) for train.supervision=exit_weighted (set automatically) "
+                         "and the exit criteria exit_gate / exit_cdf")
+    position_embedding: PositionEmbedding = _f("learned", "position signal (SPEC §1): learned (a table of seq_len "
+                                               "absolute positions added to the token embedding; GPT-2), rope (rotary "
+                                               "embedding of q and k in every attention layer; Huginn-0125, Ouro), "
+                                               "none (no position signal beyond the causal mask)")
+    rope_theta: float = _f(10000.0, "position_embedding=rope: base θ of the rotary frequencies θ^(−2i/head_dim), "
+                           "i < head_dim/2 (HF rope_theta; Huginn's rope_base; Huginn-0125 50000, Ouro 1e6)")
+    rope_layout: RopeLayout = _f("half", "position_embedding=rope: the rotated coordinate pairs of a head: half "
+                                 "((i, i + head_dim/2), rotate-half: HF Llama/Qwen, Ouro) or interleaved ((2i, 2i+1), "
+                                 "complex pairs: Huginn-0125, Meta's Llama)")
+    rope_scaling: RopeScaling = _f("none", "position_embedding=rope: none, or linear (position interpolation: every "
+                                   "frequency divided by rope_scaling_factor; HF rope_type linear)")
+    rope_scaling_factor: float = _f(1.0, "rope_scaling=linear: the factor (> 0); 1 otherwise")
+    rope_table_dtype: DType = _f("float32", "position_embedding=rope: the dtype the cos/sin table is rounded to "
+                                 "before the rotation (which runs in float32): float32 (no rounding) or bfloat16 "
+                                 "(Huginn-0125: its bf16 checkpoint stores the table and the original rotates with "
+                                 "the stored, bf16-rounded values; `looplm import huginn` checks that they equal this "
+                                 "table)")
+    n_kv_heads: int = _f(0, "key/value heads (grouped-query attention: key/value head j serves the query heads "
+                         "j·g … j·g + g − 1, g = n_heads / n_kv_heads); 0 = n_heads (multi-head attention)")
+    qk_bias: bool = _f(False, "a learned bias on the query and key projections, before the rotary embedding "
+                       "(Huginn-0125); initialized to 0")
+    block_norm: BlockNorm = _f("pre", "norm placement in every block (with residual=pre_ln): pre (x + f(N(x))), "
+                               "sandwich (x + N'(f(N(x))): a norm on each branch's input and output; Ouro), pre_post "
+                               "(x ← N'(x + f(N(x))): a norm on each branch's input and on the residual sum; "
+                               "Huginn-0125's SandwichBlock)")
+    embed_scale: float = _f(1.0, "factor on the token embedding, before positions are added (Huginn-0125: √d); "
+                            "the tied readout matrix is not scaled")
+    exit_norm: ExitNorm = _f("none", "an RMSNorm of the loop's output h_T before the coda, at every readout: none, "
+                             "learned (its own gain), final (the final norm norm_f itself; Huginn-0125 applies its "
+                             "ln_f there and again after the coda)")
 
     def __post_init__(self) -> None:
         _check_literal(self, self._prefix)
@@ -556,12 +622,56 @@ class ModelConfig(_Base):
                f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
         _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
         _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
+        self._check_attention()
         self._resolve_options()
         if self.architecture == "unshared":
             _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
             _check(self.scale_control == "none", p + "scale_control",
                    "the unshared reference has no loop to control; allowed: none")
             _check(not self.exit_gate, p + "exit_gate", "exit gates need the shared architecture; allowed: false")
+
+    def _check_attention(self) -> None:
+        """Positions, heads, block norms and embedding scale (the fields added for Huginn-0125 and Ouro)."""
+        p = self._prefix
+        _check(self.n_kv_heads >= 0, p + "n_kv_heads", f"must be >= 0 (0 = n_heads), got {self.n_kv_heads}")
+        _check(self.n_heads % self.kv_heads == 0, p + "n_kv_heads",
+               f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.position_embedding == "rope":
+            _check(self.head_dim % 2 == 0, p + "position_embedding",
+                   f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be even")
+            _check(self.rope_theta > 1.0, p + "rope_theta", f"must be > 1, got {self.rope_theta}")
+            if self.rope_scaling == "none":
+                _check(self.rope_scaling_factor == 1.0, p + "rope_scaling_factor",
+                       f"read only by rope_scaling=linear; leave it at 1, got {self.rope_scaling_factor}")
+            else:
+                _check(self.rope_scaling_factor > 0, p + "rope_scaling_factor",
+                       f"must be > 0, got {self.rope_scaling_factor}")
+        else:
+            for name, default in (("rope_theta", 10000.0), ("rope_layout", "half"), ("rope_scaling", "none"),
+                                  ("rope_scaling_factor", 1.0), ("rope_table_dtype", "float32")):
+                _check(getattr(self, name) == default, p + name,
+                       f"read only by position_embedding=rope (got position_embedding={self.position_embedding!r}); "
+                       f"leave it at {default!r}, got {getattr(self, name)!r}")
+        if self.block_norm != "pre":
+            _check(self.residual == "pre_ln", p + "block_norm",
+                   f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: "
+                   "pre")
+        _check(self.embed_scale > 0, p + "embed_scale", f"must be > 0, got {self.embed_scale}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_heads``, or ``n_heads`` when it is 0."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def qkv_width(self) -> int:
+        """Rows of the fused Q/K/V projection: (n_heads + 2·kv_heads)·head_dim (3·d_model without GQA)."""
+        return (self.n_heads + 2 * self.kv_heads) * self.head_dim
 
     @property
     def resolved_residual_p(self) -> float:
@@ -911,7 +1021,9 @@ V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
 #: fields that format 2 gained after its first release, with the defaults that reproduce the versions before
 #: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
 V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
-    "model": {"embed_init_std": -1.0},
+    "model": {"embed_init_std": -1.0, "position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half",
+              "rope_scaling": "none", "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0,
+              "qk_bias": False, "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
     "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
     "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"],
               "gradient": "bptt", "gradient_steps": 0, "max_nonfinite_steps": 5},

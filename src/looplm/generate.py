@@ -25,6 +25,15 @@ in the batch until every row has exited (the loop then stops early). Criteria th
 them from the readout of loop r (coda included; the final norm iff r ≥ the model's final depth), which
 reads the cache and writes nothing (``record=False``), so those readouts leave no trace in it.
 
+**Saved states and forced tokens** (rollout-state reuse, LMDR §3.1/§5.4). With ``save_states=True``
+(fixed depth only) every row also returns the hidden state at depth R (readout coordinates, the state
+the readout saw) of each position whose forward ran: the prompt's real positions (from the prefill)
+and every fed-back new token (from its decode step); the last new token is never fed back, so row i
+holds ``len(prompt_i) + len(tokens_i) − 1`` states, exactly the input positions of a forward over
+``prompt + tokens[:-1]`` that scores the new tokens. ``forced`` teacher-forces given continuations
+instead of sampling (a replay of a rollout through the same cached computation, with the same EOS
+policy).
+
 **Distilled prefill** (LMDR §3.2, §5.5): with a ``student`` the prompt is prefilled by
 :func:`looplm.distill.prefill.distilled_prefill` (the student's ẑ ≈ z^R, one teacher recurrence, the
 coda) into a ``terminal`` cache, and decoding runs the teacher unchanged with terminal KV sharing.
@@ -108,10 +117,14 @@ class Generation:
     Attributes:
         tokens: the new token ids (the prompt excluded; ends with ``eos_id`` when it was emitted).
         depths: loop steps used for each new token (see the module docstring).
+        states: with ``save_states``, per prompt a (len(prompt) + len(tokens) − 1, d) tensor: the
+            depth-R hidden state of every prompt position and every fed-back new token, in position
+            order (module docstring); else None.
     """
 
     tokens: list[list[int]] = field(default_factory=list)
     depths: list[list[int]] = field(default_factory=list)
+    states: list[torch.Tensor] | None = None
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +167,8 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
-             max_depth: int | None = None, eos_id: int | None = None, student=None,
+             max_depth: int | None = None, eos_id: int | None = None, save_states: bool = False,
+             forced: Sequence[Sequence[int]] | None = None, student=None,
              student_depth: int | None = None) -> Generation:
     """Generate continuations of a batch of prompts (see the module docstring for the policies).
 
@@ -169,18 +183,24 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         exit_criterion: an :class:`ExitCriterion` for per-token adaptive depth (None = fixed depth).
         max_depth: adaptive depth ceiling (default ``depth``); the prompt is prefilled at it.
         eos_id: stop a row after it emits this id.
+        save_states: also return each row's depth-R hidden states (``Generation.states``; module
+            docstring), e.g. for rollout-state reuse (:mod:`looplm.rl`).
+        forced: one continuation per prompt to feed instead of sampling (teacher forcing; a row stops
+            at the end of its continuation or at ``eos_id``, at most ``max_new_tokens``).
         student: a distilled-prefill :class:`~looplm.distill.student.Student` of ``model``: the prompt is
             prefilled through it (module docstring; needs ``cache_mode="terminal"``). None: the teacher's
             own prefill.
         student_depth: the depth R the student was distilled for (default ``depth``).
 
     Returns:
-        :class:`Generation` (tokens and per-token depths, one list per prompt).
+        :class:`Generation` (tokens and per-token depths, one list per prompt; states with
+        ``save_states``).
 
     Raises:
         ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
-            the unshared architecture (no KV cache), a prompt + continuation longer than seq_len, or a
-            student with a ``per_visit`` cache.
+            the unshared architecture (no KV cache), a prompt + continuation longer than seq_len,
+            ``save_states`` with an exit criterion or a student, ``forced`` not one non-empty
+            continuation per prompt, or a student with a ``per_visit`` cache.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -207,9 +227,27 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         raise ValueError(f"max_depth must be >= 1, got {ceiling}")
     if adaptive:
         check_criterion(model, exit_criterion)
+    if save_states and adaptive:
+        raise ValueError("save_states: needs fixed-depth decoding (every token's state at the same depth R)")
+    if save_states and student is not None:
+        raise ValueError("save_states: a distilled prefill has no depth-R states of the prompt (the student "
+                         "predicts them); use the teacher's prefill")
+    if forced is not None and (len(forced) != len(prompts) or any(len(f) == 0 for f in forced)):
+        raise ValueError(f"forced: need one non-empty continuation per prompt ({len(prompts)}), got "
+                         f"{[len(f) for f in forced]}")
+    if forced is not None:  # a row stops at the end of its continuation
+        forced = [list(f[:max_new_tokens]) for f in forced]
     result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
     if max_new_tokens == 0:
         return result
+    saved: list[list[torch.Tensor]] = [[] for _ in prompts]  # per row: (L_k, d) pieces in position order
+    kept: list[torch.Tensor] = []  # the depth-R state of the current forward, (B, L, d)
+
+    def keep_state(T: int, h: torch.Tensor, _logits) -> None:  # forward's on_depth hook
+        if T == depth:
+            kept.append(h)
+
+    hook = keep_state if save_states else None
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(seed))
     was_training = model.training
@@ -221,24 +259,33 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         # the prefill reads out only the last position (left padding: every row's last token is real)
         last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
         if student is None:
-            logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last).logits
+            logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last,
+                           on_depth=hook).logits  # (B, V)
         else:
             from looplm.distill.prefill import distilled_prefill
 
             logits = distilled_prefill(model, student, idx, student_depth or depth, cache, attention_mask=mask,
                                        readout_tokens=last).logits  # (B, V)
             prefill_depth = 1  # the one teacher recurrence after the student
+        for i, p in enumerate(prompts if save_states else ()):
+            saved[i].append(kept[0][i, idx.shape[1] - len(p):])  # (len(p), d): the real positions
         step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
         active = list(range(len(prompts)))  # original row of each batch row
         for n in range(max_new_tokens):
-            tok = next_tokens(logits, temperature, top_k, top_p, gen)  # (B,)
+            if forced is None:
+                tok = next_tokens(logits, temperature, top_k, top_p, gen)  # (B,)
+            else:
+                tok = torch.tensor([forced[row][n] for row in active], dtype=torch.long, device=device)
             for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
                 result.tokens[row].append(t)
                 result.depths[row].append(d)
             if n == max_new_tokens - 1:
                 break
-            if eos_id is not None:
-                keep = (tok != eos_id).nonzero().squeeze(-1)  # (B_keep,)
+            done = tok == eos_id if eos_id is not None else torch.zeros_like(tok, dtype=torch.bool)
+            if forced is not None:
+                done |= torch.tensor([len(forced[row]) == n + 1 for row in active], device=device)
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)  # (B_keep,)
                 if len(keep) == 0:
                     break
                 if len(keep) < len(active):
@@ -248,8 +295,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
             if adaptive:
                 logits, step_depth = adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
             else:
-                logits = model(tok[:, None], depth=depth, cache=cache).logits[:, -1]
+                kept.clear()
+                logits = model(tok[:, None], depth=depth, cache=cache, on_depth=hook).logits[:, -1]
                 step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
+                for j, row in enumerate(active if save_states else ()):
+                    saved[row].append(kept[0][j])  # (1, d)
     finally:
         model.train(was_training)
+    if save_states:
+        result.states = [torch.cat(parts) for parts in saved]
     return result

@@ -714,6 +714,8 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
     chosen = {s.run_id for s in select_runs(specs, shard=shard)}
     db = out / "results.db"
     store = ResultStore(db) if db.is_file() else None
+    if store is not None:
+        store.rehash()  # rows stored under an older identity rule count as done
     try:
         runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
         plan = []
@@ -779,6 +781,8 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     result = SweepResult(out=out, db=out / "results.db")
     with ResultStore(result.db) as store:
         runner = _Runner(sweep, out, store, data if data is not None else {}, progress)
+        if rekeyed := store.rehash():  # rows stored under an older identity rule stay found
+            runner.log(f"results DB: {rekeyed} config hash(es) brought up to today's identity rules")
         runner.log(f"{len(all_specs)} runs ({len(sweep.variants)} variants × {len(sweep.seeds)} seeds"
                    + (f" × {len(all_specs) // (len(sweep.variants) * len(sweep.seeds))} grid points"
                       if sweep.grid else "")

@@ -60,6 +60,17 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
 #: configs hash as they did before these fields existed)
 HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
 
+#: config fields added after results were first stored (issue 14's architecture options), left out of the
+#: identity while they hold the value that rebuilds the models made before them (their
+#: ``looplm.config.V2_LATE_FIELDS`` / ``LATE_OPTIONS`` value), so those configs hash as they did before
+#: the fields existed and their stored evaluations stay found. Section → field → that value.
+LATE_IDENTITY_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half", "rope_scaling": "none",
+              "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0, "qk_bias": False,
+              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
+    "options": {"adapter_bias": True, "step_norm": True},
+}
+
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
                                      "seed", "tag")
 
@@ -103,14 +114,21 @@ def _config_dict(config: Any) -> dict[str, Any]:
 def config_identity(config: Any) -> dict[str, Any]:
     """The part of a run config (``Config`` or its dict) that defines the trained model.
 
-    Drops ``name`` and the :data:`NON_IDENTITY_FIELDS`; keeps everything else (model, data and
-    training protocol, including the format version).
+    Drops ``name``, the :data:`NON_IDENTITY_FIELDS` and the :data:`LATE_IDENTITY_FIELDS` at their
+    older-model values; keeps everything else (model, data and training protocol, including the format
+    version).
     """
     d = _config_dict(config)
     d.pop("name", None)
     for section, names in NON_IDENTITY_FIELDS.items():
         for name in names:
             d.get(section, {}).pop(name, None)
+    model = d.get("model", {})
+    if isinstance(model, dict):
+        for section, fields in (("model", model), ("options", model.get("options"))):
+            for name, late in LATE_IDENTITY_FIELDS[section].items():
+                if isinstance(fields, dict) and name in fields and fields[name] == late:
+                    fields.pop(name)
     data = d.get("data", {})
     if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
         for name in HF_DATA_FIELDS:
@@ -287,6 +305,29 @@ class ResultStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def rehash(self) -> int:
+        """Bring every stored config hash up to today's :func:`config_identity` (after its rules changed,
+        e.g. :data:`LATE_IDENTITY_FIELDS`): each ``configs`` row whose identity JSON now hashes
+        differently is re-keyed, with its evaluations and runs (a row already stored under the new hash
+        wins over the re-keyed one: it is the newer evaluation of the same identity). Idempotent.
+
+        Returns:
+            The number of config hashes changed.
+        """
+        rows = self._conn.execute("SELECT config_hash, config_json FROM configs").fetchall()
+        moves = [(old, config_hash(json.loads(text)), json.loads(text)) for old, text in rows]
+        moves = [(old, new, identity) for old, new, identity in moves if new != old]
+        if not moves:
+            return 0
+        with self._write() as c:
+            for old, new, identity in moves:
+                c.execute("UPDATE OR IGNORE evaluations SET config_hash = ? WHERE config_hash = ?", (new, old))
+                c.execute("DELETE FROM evaluations WHERE config_hash = ?", (old,))  # the ignored duplicates
+                c.execute("UPDATE runs SET config_hash = ? WHERE config_hash = ?", (new, old))
+                c.execute("DELETE FROM configs WHERE config_hash = ?", (old,))
+                c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new, _canonical(config_identity(identity))))
+        return len(moves)
 
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,

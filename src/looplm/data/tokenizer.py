@@ -139,9 +139,20 @@ def tokenizer_fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
 
 
+#: the document separators looplm recognizes, in order of preference: ``<|endoftext|>`` (GPT-2, looplm's own
+#: BPE, Ouro) and ``<|end_text|>`` (Huginn-0125's end of text, its ``eos_token_id``)
+EOT_NAMES: tuple[str, ...] = (EOT, "<|end_text|>")
+
+
+def eot_token(tok: Tokenizer) -> str:
+    """The document separator of ``tok``: the first of :data:`EOT_NAMES` it has; ValueError when it has none."""
+    for name in EOT_NAMES:
+        if tok.token_to_id(name) is not None:
+            return name
+    raise ValueError(f"tokenizer has no {EOT} token (nor {', '.join(EOT_NAMES[1:])})")
+
+
 def eot_id(tok: Tokenizer) -> int:
-    """Id of ``<|endoftext|>`` in ``tok``; ValueError when it has none."""
-    i = tok.token_to_id(EOT)
-    if i is None:
-        raise ValueError(f"tokenizer has no {EOT} token")
-    return i
+    """Id of the document separator of ``tok`` (:func:`eot_token`: ``<|endoftext|>``, or Huginn-0125's
+    ``<|end_text|>``); ValueError when it has none."""
+    return tok.token_to_id(eot_token(tok))

@@ -112,21 +112,25 @@ def batch_seed(seed: int, step: int, micro: int = 0) -> int:
 
 
 def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, step: int,
-                 micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 micro: int = 0, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Random contiguous training windows: x, y int64 (B, L), y the next tokens of x in the stream.
 
-    Each row is ``tokens[o : o + L + 1]`` with offset o uniform in [0, len − L − 1], drawn from a
-    ``torch.Generator`` seeded by :func:`batch_seed` (seed, step, micro): resuming at step k, or
-    another rank, draws exactly the same batches.
+    Each row is ``tokens[o : o + L + 1]`` with offset o uniform over the multiples of ``stride`` in
+    [0, len − L − 1], drawn from a ``torch.Generator`` seeded by :func:`batch_seed` (seed, step,
+    micro): resuming at step k, or another rank, draws exactly the same batches. ``stride`` > 1 keeps
+    windows aligned to fixed-length records (a synthetic task's examples, :mod:`looplm.rl.task`); 1
+    draws exactly what the function drew before it had the argument.
 
     Raises:
-        ValueError: the stream has fewer than L + 1 tokens.
+        ValueError: the stream has fewer than L + 1 tokens, or stride < 1.
     """
     n = len(tokens)
     if n < seq_len + 1:
         raise ValueError(f"token stream has {n} tokens; a window needs seq_len + 1 = {seq_len + 1}")
+    if stride < 1:
+        raise ValueError(f"stride: need >= 1, got {stride}")
     g = torch.Generator().manual_seed(batch_seed(seed, step, micro))
-    offsets = torch.randint(0, n - seq_len, (batch_size,), generator=g).numpy()
+    offsets = torch.randint(0, (n - seq_len - 1) // stride + 1, (batch_size,), generator=g).numpy() * stride
     idx = offsets[:, None] + np.arange(seq_len + 1)  # (B, L+1)
     w = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()

@@ -10,7 +10,10 @@ Every per-example or per-token adaptive-depth method in looplm is built from the
   ≥ τ); ``relative``, ``kl`` and ``entropy`` are Huginn's exit criteria (arXiv:2502.05171 §6; latent
   change, KL between successive readouts, entropy change; per token in decoding, mean over tokens
   for a sequence); ``exit_gate`` reads a model's learned exit gate (Ouro-style, arXiv:2510.25741:
-  λ_k = σ(gate(h_k)), halt when λ_k ≥ τ).
+  λ_k = σ(gate(h_k)), halt when λ_k ≥ τ); ``exit_cdf`` is Ouro's own threshold rule on the same gate
+  (the cumulative exit probability CDF_k = 1 − ∏_{j≤k}(1 − λ_j) reaches τ; a statistic carried from loop
+  to loop, see :meth:`ExitCriterion.carry_score`). :func:`exit_cdf_depths` is Ouro's per-token rule over
+  the exit logits of one forward.
 - **halting depths** (:func:`halting_depths`): ``D = min({k < C : criterion fires at k} ∪ {C})``.
   Loop C (the ceiling) is never tested: an example still running there stops anyway.
 - **calibration** (:func:`calibrate`): τ from a trace, either to a target mean depth (the closest
@@ -63,7 +66,9 @@ class ExitCriterion:
             never fires); ``"above"`` criteria fire when it is ≥ τ (τ = +∞ never fires).
 
     Subclasses set ``name``, ``direction``, ``aggregate`` ("max" or "mean" over a sequence's valid
-    tokens), ``needs_logits`` / ``needs_gate`` and ``default_tau``, and implement :meth:`score`.
+    tokens), ``needs_logits`` / ``needs_gate`` and ``default_tau``, and implement :meth:`score`. A
+    criterion whose statistic accumulates over loops 1 … k (``exit_cdf``) overrides :meth:`carry_score`;
+    the runner and the trace carry its per-token state from loop to loop.
     """
 
     name = ""
@@ -88,12 +93,25 @@ class ExitCriterion:
         (None where not needed) → (...) float32."""
         raise NotImplementedError
 
+    def carry_score(self, prev_h, h, prev_logits=None, logits=None, gate=None, carry=None
+                    ) -> tuple[torch.Tensor, Any]:
+        """The per-token statistic of loop k and the state carried to loop k + 1: ``(score, carry)``.
+        ``carry`` is what loop k − 1 returned (None at loop 1). The default is :meth:`score` with no
+        state; a cumulative criterion overrides it (its carry holds per-token tensors, batch first)."""
+        return self.score(prev_h, h, prev_logits, logits, gate), None
+
     def sequence_score(self, prev_h, h, prev_logits=None, logits=None, gate=None,
                        valid: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`score` aggregated over the token dimension (dim 1) when the inputs have one: (B, L, ·)
         → (B,) with ``valid`` (B, L) bool selecting the tokens (max: 0 and mean: NaN for a row without
-        one); (N, ·) → (N,) per token."""
-        s = self.score(prev_h, h, prev_logits, logits, gate).float()
+        one); (N, ·) → (N,) per token. (A cumulative criterion's statistic here is its loop-1 value; the
+        runner carries it with :meth:`carry_score` and :meth:`reduce`.)"""
+        return self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid)
+
+    def reduce(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token statistics (B, L) → (B,) by ``aggregate`` over the ``valid`` tokens (see
+        :meth:`sequence_score`); (N,) stays per token."""
+        s = s.float()
         if s.dim() < 2:
             return s
         if valid is None:
@@ -198,9 +216,9 @@ class ExitGate(ExitCriterion):
     """A learned exit gate (``model.exit_gate``; Ouro-style, SPEC §4 exit_weighted supervision): the
     exit probability λ_k = σ(gate(h_k)) of loop k, mean over a sequence's tokens; halt when ≥ τ.
 
-    Ouro exits where the cumulative exit probability first reaches a threshold; here each loop's own
-    λ_k is compared with τ (our choice; the gate was trained as a per-loop hazard by
-    ``train.supervision=exit_weighted``)."""
+    Ouro exits where the cumulative exit probability first reaches a threshold (:class:`ExitCDF`,
+    ``exit_cdf``); here each loop's own λ_k is compared with τ (our choice; the gate was trained as a
+    per-loop hazard by ``train.supervision=exit_weighted``)."""
 
     name = "exit_gate"
     direction = "above"
@@ -215,8 +233,53 @@ class ExitGate(ExitCriterion):
         return torch.sigmoid(gate.float())
 
 
+class ExitCDF(ExitGate):
+    """Ouro's early-exit rule (arXiv:2510.25741; its ``early_exit_threshold``) on the learned exit gate.
+
+    With the hazards λ_j = σ(gate(h_j)), the exit distribution is p_j = λ_j·S_{j−1}, S_j = S_{j−1}(1 − λ_j),
+    S_0 = 1 (the last loop of an unroll takes the remaining mass S_{T−1}: ``train.supervision=
+    exit_weighted`` trains this distribution). The statistic of loop k is the cumulative exit probability
+    CDF_k = p_1 + … + p_k (= 1 − S_k), summed in Ouro's order; a token exits at the first loop with
+    CDF_k ≥ τ, and the ceiling C always exits (CDF_C = 1). Per token in decoding; a sequence statistic
+    is the mean of its tokens' CDF_k. The carried state is (S_k, CDF_k), each (B, L) or (N,).
+    τ = 0.5 exits at the median of the exit distribution (our choice of default; Ouro's configs ship
+    1.0, which exits at the last loop)."""
+
+    name = "exit_cdf"
+
+    def carry_score(self, prev_h, h, prev_logits=None, logits=None, gate=None, carry=None):
+        lam = self.score(prev_h, h, prev_logits, logits, gate)  # λ_k
+        survive, cdf = (torch.ones_like(lam), torch.zeros_like(lam)) if carry is None else carry
+        cdf = cdf + lam * survive  # CDF_k = CDF_{k−1} + p_k
+        return cdf, (survive * (1.0 - lam), cdf)
+
+
 EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (
-    HiddenUpdate, RelativeChange, KLDivergence, EntropyChange, LogitMargin, ExitGate)}
+    HiddenUpdate, RelativeChange, KLDivergence, EntropyChange, LogitMargin, ExitGate, ExitCDF)}
+
+
+def exit_cdf_depths(exit_logits: Sequence[torch.Tensor], tau: float) -> torch.Tensor:
+    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (a forward's
+    ``exit_logits_by_depth``): the first loop k < T whose cumulative exit probability reaches τ
+    (:class:`ExitCDF`), else T. Reading each token out at its loop is Ouro's thresholded forward (every
+    token runs all T loops; the threshold picks the readout).
+
+    Args:
+        exit_logits: T tensors of the same shape, e.g. (B, L). tau: the threshold.
+    Returns:
+        int64 loops in [1, T], the shape of one logit tensor.
+    Raises:
+        ValueError: no logits.
+    """
+    if not exit_logits:
+        raise ValueError("exit_cdf_depths: need the exit logits of at least one loop")
+    crit, carry = ExitCDF(tau), None
+    T = len(exit_logits)
+    depth = torch.full(exit_logits[0].shape, T, dtype=torch.int64, device=exit_logits[0].device)
+    for k, gate in enumerate(exit_logits[:-1], start=1):  # loop T is not tested: it exits anyway
+        cdf, carry = crit.carry_score(None, None, gate=gate, carry=carry)
+        depth = torch.where(crit.halts(cdf) & (depth == T), k, depth)  # the first firing loop wins
+    return depth
 
 
 def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
@@ -494,7 +557,7 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
     exited = torch.zeros(B, dtype=torch.bool, device=device)
     h = model.hidden(state, ctx)
     logits = read(h, 0) if use_logits and criterion.needs_previous else None
-    clamp_rms = None
+    clamp_rms = carry = None  # carry: a cumulative criterion's per-token state (ExitCriterion.carry_score)
     row_steps = 0
     for t in range(ceiling):
         k = t + 1
@@ -510,7 +573,8 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
         elif not fires:
             halt = torch.zeros(len(rows), dtype=torch.bool, device=device)
         else:
-            s = criterion.sequence_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), valid)
+            tok, carry = criterion.carry_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), carry)
+            s = criterion.reduce(tok, valid)
             scores[rows, t] = s.double()
             halt = criterion.halts(s) & ~exited
         if bool(halt.any()):
@@ -524,8 +588,8 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
                 if len(keep) == 0:
                     break
                 b = len(rows)
-                state, ctx, h, logits, valid, rows, clamp_rms = (
-                    _select_rows(o, keep, b) for o in (state, ctx, h, logits, valid, rows, clamp_rms))
+                state, ctx, h, logits, valid, rows, clamp_rms, carry = (
+                    _select_rows(o, keep, b) for o in (state, ctx, h, logits, valid, rows, clamp_rms, carry))
                 exited = exited.index_select(0, keep)
             else:
                 exited = exited | halt
@@ -648,8 +712,9 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
 
         def on_depth(T, h, logits, s=s, prev=prev, mask=mask):
             if T > 0:
-                s[:, T - 1] = criterion.sequence_score(prev.get("h"), h, prev.get("logits"), logits,
-                                                       _gate(model, h, criterion), mask).double().cpu()
+                tok, prev["carry"] = criterion.carry_score(prev.get("h"), h, prev.get("logits"), logits,
+                                                           _gate(model, h, criterion), prev.get("carry"))
+                s[:, T - 1] = criterion.reduce(tok, mask).double().cpu()
             prev["h"], prev["logits"] = h, logits
 
         out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth, scale_clamp=scale_clamp)

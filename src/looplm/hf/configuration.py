@@ -11,8 +11,9 @@ from it exactly) plus the settings of the wrapper:
   nominal training depth, as ``looplm``'s loader sets it).
 
 The usual transformers names (``vocab_size``, ``hidden_size``, ``num_attention_heads``,
-``num_hidden_layers`` = physical blocks, ``max_position_embeddings``, ``tie_word_embeddings``) are
-derived from the looplm config for tools that read them.
+``num_key_value_heads``, ``num_hidden_layers`` = physical blocks, ``max_position_embeddings``,
+``tie_word_embeddings``) are derived from the looplm config for tools that read them; every architecture
+option (rotary positions, grouped-query heads, block norms, …) travels inside ``looplm``.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ class LoopLMConfig(PretrainedConfig):
         self.vocab_size = m.vocab_size
         self.hidden_size = m.d_model
         self.num_attention_heads = m.n_heads
+        self.num_key_value_heads = m.kv_heads
         self.intermediate_size = m.d_ff
         self.max_position_embeddings = m.seq_len
         self.num_hidden_layers = (m.n_prelude + m.n_core + m.n_coda) if m.architecture == "shared" else m.n_layers
         self.rule = m.rule if m.architecture == "shared" else "unshared"
         self.tie_word_embeddings = bool(kwargs.pop("tie_word_embeddings", m.tie_embeddings))
         self.use_cache = bool(kwargs.pop("use_cache", m.architecture == "shared"))
-        for key in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+        for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                     "max_position_embeddings", "num_hidden_layers", "rule"):
             kwargs.pop(key, None)  # derived from the looplm config, never stored twice
         super().__init__(**kwargs)

@@ -57,18 +57,19 @@ def write_remote_code(out: str | Path) -> None:
 
 
 def fast_tokenizer(tok: Tokenizer):
-    """A ``PreTrainedTokenizerFast`` around ``tok`` with ``<|endoftext|>`` as BOS/EOS/UNK/pad, left padding.
+    """A ``PreTrainedTokenizerFast`` around ``tok`` with ``<|endoftext|>`` (Huginn-0125: ``<|end_text|>``) as
+    BOS/EOS/UNK/pad, left padding.
 
     Raises:
-        ValueError: ``tok`` has no ``<|endoftext|>``.
+        ValueError: ``tok`` has neither (:func:`looplm.data.tokenizer.eot_token`).
     """
     from transformers import PreTrainedTokenizerFast
 
-    from looplm.data.tokenizer import EOT, eot_id
+    from looplm.data.tokenizer import eot_token
 
-    eot_id(tok)  # raises when missing
-    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), bos_token=EOT,
-                                   eos_token=EOT, unk_token=EOT, pad_token=EOT, padding_side="left",
+    eot = eot_token(tok)  # raises when missing
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), bos_token=eot,
+                                   eos_token=eot, unk_token=eot, pad_token=eot, padding_side="left",
                                    clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
     fast.model_max_length = int(1e30)
     return fast
@@ -98,7 +99,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
     Raises:
         CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file.
     """
-    from looplm.data.tokenizer import EOT
+    from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.hf.modeling import LoopLMForCausalLM
     from looplm.train.checkpoint import load_checkpoint
@@ -108,7 +109,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
         raise ValueError(f"--out {out}: is a file; give a folder")
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     tok = load_tokenizer_for(ckpt)
-    eot = tok.token_to_id(EOT)
+    eot = eot_id(tok)
     hf = LoopLMForCausalLM.from_looplm(model, cfg, num_steps=num_steps, kv_cache=kv_cache, bos_token_id=eot,
                                        eos_token_id=eot, pad_token_id=eot)
     hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eot

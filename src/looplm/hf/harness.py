@@ -89,7 +89,7 @@ class LoopLMEvalHarness(TemplateLM):
                  stride: int | None = None, max_batch_size: int | None = None, model=None, config=None,
                  tokenizer=None, **kwargs: Any):
         super().__init__()
-        from looplm.data.tokenizer import EOT
+        from looplm.data.tokenizer import eot_id
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # the harness's command line defaults to cuda; a user who asked for it gets the warning
@@ -123,9 +123,10 @@ class LoopLMEvalHarness(TemplateLM):
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
         self.kv_cache = kv_cache
         self.stride = None if stride in (None, "", "none") else int(stride)
-        self.eot = tokenizer.token_to_id(EOT)
-        if self.eot is None:
-            raise ValueError(f"looplm: the tokenizer has no {EOT}")
+        try:
+            self.eot = eot_id(tokenizer)
+        except ValueError as exc:
+            raise ValueError(f"looplm: {exc}") from None
         self._memo: dict[tuple, dict[int, Any]] = {}
         self.unrolls = 0  # forwards run (one per batch, whatever the number of depths)
 

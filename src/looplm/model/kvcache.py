@@ -11,9 +11,9 @@ A looped model visits each physical attention layer once per recurrence, so a KV
   terminal K/V (and, within the chunk being processed, to the chunk's own K/V of the same visit, as in
   training). Memory: K banks instead of K·R.
 
-A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask and the
-chunk's pending writes) and passes it down explicitly, as HF passes ``layer_idx``: each attention call
-receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
+A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask, its position
+ids — which rotary embeddings read — and the chunk's pending writes) and passes it down explicitly, as
+HF passes ``layer_idx``: each attention call receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
 have visit 0; core application ``call`` of loop step t has visit ``t · calls_per_step + call``
 (``calls_per_step`` = 2 for ``sc_subtract`` and ``additive_subtract``), the index Ouro writes as
 ``step·L + layer``. Nothing is found through global state, so scopes are re-entrant and thread-safe
@@ -33,10 +33,21 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from looplm.model.layers import attention
 
 CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
+
+def chunk_positions(valid: torch.Tensor | None, start, L: int, device) -> torch.Tensor:
+    """Position ids (B, L) int64 of a chunk of L tokens (or (1, L) when nothing varies per row): ``start``
+    (B, 1) (real tokens cached before the chunk) or 0, plus the real tokens before each one in the chunk.
+    ``valid`` (B, L) bool marks real tokens (None: all); a left-padding position gets 0."""
+    if valid is None:
+        pos = start + torch.arange(L, device=device)  # (B, L) or (L,)
+        return pos if pos.dim() == 2 else pos[None]
+    return (start + valid.long().cumsum(1) - 1).clamp(min=0)
+
 
 def _nearest(keys: list[int], v: int) -> int:
     """The largest key ≤ v, else the smallest key (``keys`` non-empty)."""
@@ -47,7 +58,9 @@ def _nearest(keys: list[int], v: int) -> int:
 class KVCache:
     """Cached K/V of the tokens processed so far, for one batch of B sequences.
 
-    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H, capacity, head_dim)
+    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H_kv, capacity, head_dim)
+    (H_kv = the key/value heads: n_heads, or fewer with grouped-query attention; rotary models store the
+    rotated keys)
     written in place: a chunk's K/V go to positions ``[L_past, L_past + L_chunk)``, so decoding does no
     per-token concatenation. The capacity is ``max_len`` if given, else the model's ``seq_len`` (set by
     the first forward); a chunk that would overflow it doubles it (one copy). Attention reads the
@@ -62,7 +75,7 @@ class KVCache:
         max_len: the capacity in positions (None: the model's ``seq_len``).
 
     Attributes:
-        banks: {key: (K, V)}, each (B, H, L_past, head_dim) (views of the buffers' used part); key =
+        banks: {key: (K, V)}, each (B, H_kv, L_past, head_dim) (views of the buffers' used part); key =
             (layer_id, visit) for ``per_visit``, (layer_id, visit mod calls_per_step) for ``terminal``.
         calls_per_step: core calls per loop step of the model's rule (2 for ``sc_subtract`` and
             ``additive_subtract``; set by the model): terminal sharing keeps the last recurrence's K/V of
@@ -81,7 +94,7 @@ class KVCache:
             raise ValueError(f"kv_sharing: unknown KV cache mode {mode!r}; allowed: {', '.join(CACHE_MODES)}")
         self.mode = mode
         self.capacity = max_len
-        self.buffers: dict = {}  # key → (K, V) (B, H, capacity, hd)
+        self.buffers: dict = {}  # key → (K, V) (B, H_kv, capacity, hd)
         self._len = 0
         self._valid: torch.Tensor | None = None  # (B, capacity) bool
         self.all_valid = True  # no cached position is padding
@@ -96,7 +109,7 @@ class KVCache:
 
     @property
     def banks(self) -> dict:
-        """{key: (K, V)} (B, H, L_past, hd) each: views of the used part of the buffers."""
+        """{key: (K, V)} (B, H_kv, L_past, hd) each: views of the used part of the buffers."""
         n = self._len
         return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
 
@@ -180,8 +193,13 @@ class KVVisit(NamedTuple):
     @torch.compiler.disable
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0) -> torch.Tensor:
-        """See :meth:`AttentionScope.attend`. (B, H, L, hd) each → (B, H, L, hd)."""
+        """See :meth:`AttentionScope.attend`. q (B, H, L, hd), k and v (B, H_kv, L, hd) → (B, H, L, hd)."""
         return self.scope.attend(layer_id, self.visit, q, k, v, dropout_p, record=self.record)
+
+    @torch.compiler.disable
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        """See :meth:`AttentionScope.positions` (eager in a compiled block, like :meth:`attend`)."""
+        return self.scope.positions(L, device)
 
 
 class AttentionScope:
@@ -195,14 +213,25 @@ class AttentionScope:
     :meth:`commit` once the chunk is done, which appends its K/V to the cache.
     """
 
-    def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None):
+    def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None):
         self.cache = cache
         self.key_valid = key_valid.bool() if key_valid is not None else None
+        self._positions = positions
         self.has_pad = self.key_valid is not None and not bool(self.key_valid.all())
         self.pending: dict = {}
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_stats: dict = {}
         self.frozen: torch.Tensor | None = None
+
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        """Position ids (B, L) (or (1, L)) of this chunk's L tokens: those given at construction, else the
+        cache's real-token counts plus the real tokens before each in the chunk (:func:`chunk_positions`).
+        Rotary embeddings read them."""
+        if self._positions is None:
+            start = self.cache.n_valid[:, None] if self.cache is not None and self.cache.n_valid is not None else 0
+            self._positions = chunk_positions(self.key_valid, start, L, device)
+        return self._positions
 
     def at(self, visit: int, record: bool = True) -> KVVisit:
         """The handle attention layers receive for virtual-layer visit ``visit`` (module docstring)."""
@@ -239,7 +268,8 @@ class AttentionScope:
 
         Args:
             layer_id: the physical attention layer. visit: the virtual-layer visit (module docstring).
-            q, k, v: (B, H, L_chunk, head_dim) of the current visit.
+            q: (B, H, L_chunk, head_dim), k, v: (B, H_kv, L_chunk, head_dim) of the current visit (k rotated
+                when the model has rotary positions).
             record: False reads the cache and writes nothing.
         Returns:
             (B, H, L_chunk, head_dim).
@@ -272,13 +302,13 @@ class AttentionScope:
     def _sdpa(self, q, k_all, v_all, dropout_p):
         B, _, Lq, _ = q.shape
         if Lq == 1 and not self.has_pad and (self.cache is None or self.cache.all_valid):
-            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)  # one query sees all
+            return attention(q, k_all, v_all, dropout_p=dropout_p)  # one query sees all
         mask = self._mask(B, Lq, k_all.shape[2] - Lq, q.device)
         if mask is not None and mask.shape[0] == 1 and bool(mask.all()):
-            return F.scaled_dot_product_attention(q, k_all, v_all, dropout_p=dropout_p)
+            return attention(q, k_all, v_all, dropout_p=dropout_p)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, dropout_p=dropout_p)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+            return attention(q, k_all, v_all, is_causal=True, dropout_p=dropout_p)
+        return attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
 
     # ------------------------------------------------------------------ per-sequence statistics
     def accumulate(self, key, value: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 Sources: SCSE arXiv:2607.27656 §2 (G(0) = 0); DeepLoop arXiv:2607.13491 eq. 2–8 (Post-LN family).
 
 All projections are bias-free and RMSNorm maps 0 to 0, so a block's residual update is
-zero-preserving: ``Block(0) == 0`` exactly. SCSE relies on this (SPEC §2).
+zero-preserving: ``Block(0) == 0`` exactly. SCSE relies on this (SPEC §2). (The optional q/k bias keeps
+it: at x = 0 the values are 0.) The options that Huginn-0125 and Ouro need (issue 14) are off by default:
+rotary positions (:class:`Rope`), grouped-query attention, a q/k bias, and sandwich / pre-post blocks.
 
 Modules return residual *updates*: ``Block(x)`` is the block's branch sum ``Block_full(x) − x`` and
 ``Core(x)`` is G(x) = Core_full(x) − x, so callers write ``x + block(x)``. Calling blocks through
@@ -13,6 +15,7 @@ Modules return residual *updates*: ``Block(x)`` is the block's branch sum ``Bloc
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,37 +39,110 @@ class RMSNorm(nn.Module):
         return y * self.weight if self.weight is not None else y
 
 
-class CausalSelfAttention(nn.Module):
-    """Bias-free multi-head causal self-attention through ``F.scaled_dot_product_attention``.
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding (RoFormer, arXiv:2104.09864) of one attention layer's q and k.
 
-    Shapes: (B, L, d) → (B, L, d). ``qkv_inject`` (B, L, 3d), when given, is added to the Q/K/V
-    projections (the ``deq_qkv`` injection, SPEC §2). ``kv`` (a :class:`looplm.model.kvcache.KVVisit`:
-    the attention scope of the forward and the virtual-layer visit index, passed down explicitly as
-    HF passes ``layer_idx``), when given, routes attention through the KV cache and/or key-padding
-    mask of that scope; without it attention is plain causal SDPA. ``layer_id`` (set by the model)
-    names the physical layer.
+    Coordinate pair i of a head (i < head_dim/2) is rotated by the angle p·ω_i at position p, with
+    ω_i = θ^(−2i/head_dim) / factor (``factor`` > 1: linear position interpolation, HF's rope_type
+    ``linear``). ``layout`` names the pairs: ``half`` — (i, i + head_dim/2), the rotate-half form of HF
+    Llama/Qwen and Ouro; ``interleaved`` — (2i, 2i+1), the complex-pair form of Huginn-0125 and Meta's
+    Llama. The frequencies are formed as in both originals, ``1 / θ^(arange(0, hd, 2) / hd)`` in float32,
+    and the rotation runs in float32 (then back to the input dtype), as Huginn's does. ``table_dtype``
+    ``bfloat16`` rounds cos and sin to bf16 first: Huginn-0125 rotates with the table stored in its bf16
+    checkpoint (``freqs_cis``), which is this float32 table rounded to bf16 (checked by the importer).
     """
 
-    def __init__(self, d: int, n_heads: int, dropout: float):
+    head_dim: int
+    theta: float
+    layout: str = "half"
+    factor: float = 1.0
+    table_dtype: str = "float32"
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """ω (head_dim/2,) float32."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+                                    / self.head_dim))
+        return inv / self.factor if self.factor != 1.0 else inv
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles p·ω_i: positions (B, L) int64 → 2 × (B, 1, L, head_dim/2) float32."""
+        angles = positions.float()[:, None, :, None] * self.inv_freq(positions.device)  # (B, 1, L, hd/2)
+        if self.table_dtype == "bfloat16":
+            return angles.cos().bfloat16().float(), angles.sin().bfloat16().float()
+        return angles.cos(), angles.sin()
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, H, L, head_dim) rotated pair by pair: (a, b) → (a·cos − b·sin, b·cos + a·sin)."""
+        xf = x.float()
+        if self.layout == "half":
+            a, b = xf.chunk(2, dim=-1)  # (B, H, L, hd/2) each
+            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        else:
+            pairs = xf.unflatten(-1, (-1, 2))  # (B, H, L, hd/2, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with grouped-query heads: q (B, H, Lq, hd), k and v (B, H_kv, Lk, hd)
+    with H_kv dividing H; key/value head j serves query heads j·g … j·g + g − 1 (g = H / H_kv, HF's
+    ``repeat_kv``). Returns (B, H, Lq, hd)."""
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, Lk, hd)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention through ``F.scaled_dot_product_attention``, bias-free by default.
+
+    Shapes: (B, L, d) → (B, L, d). ``n_kv_heads`` < ``n_heads`` gives grouped-query attention (the
+    fused ``qkv`` projection then has (n_heads + 2·n_kv_heads)·head_dim rows: q, k, v); ``qk_bias`` adds a
+    learned bias ``qk_bias`` ((n_heads + n_kv_heads)·head_dim,: q's, then k's) to q and k; ``rope`` (a
+    :class:`Rope`) rotates q and k by their positions. The KV cache stores the rotated keys.
+    ``qkv_inject`` (B, L, qkv rows), when given, is added to the Q/K/V projections (the ``deq_qkv``
+    injection, SPEC §2). ``kv`` (a :class:`looplm.model.kvcache.KVVisit`: the attention scope of the
+    forward and the virtual-layer visit index, passed down explicitly as HF passes ``layer_idx``), when
+    given, routes attention through the KV cache and/or key-padding mask of that scope, and gives the
+    positions (its scope's ``positions``); without it attention is plain causal SDPA at positions 0 … L−1.
+    ``layer_id`` (set by the model) names the physical layer.
+    """
+
+    def __init__(self, d: int, n_heads: int, dropout: float, *, n_kv_heads: int | None = None,
+                 qk_bias: bool = False, rope: Rope | None = None):
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.n_kv_heads = n_kv_heads or n_heads
+        hd = d // n_heads
+        self.splits = (n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd)  # q, k, v rows
+        self.qkv = nn.Linear(d, sum(self.splits), bias=False)
+        self.qk_bias = nn.Parameter(torch.zeros(self.splits[0] + self.splits[1])) if qk_bias else None
         self.proj = nn.Linear(d, d, bias=False)
         self.dropout = dropout
+        self.rope = rope
         self.layer_id = -1
 
     def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         B, L, d = x.shape
-        qkv = self.qkv(x)  # (B, L, 3d)
+        qkv = self.qkv(x)  # (B, L, qkv rows)
         if qkv_inject is not None:
             qkv = qkv + qkv_inject
-        q, k, v = qkv.split(d, dim=-1)  # 3 × (B, L, d)
-        q, k, v = (t.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
+        q, k, v = qkv.split(self.splits, dim=-1)  # (B, L, H·hd), 2 × (B, L, H_kv·hd)
+        if self.qk_bias is not None:
+            q, k = q + self.qk_bias[:self.splits[0]], k + self.qk_bias[self.splits[0]:]
+        hd = d // self.n_heads
+        q = q.view(B, L, self.n_heads, hd).transpose(1, 2)  # (B, H, L, hd)
+        k, v = (t.view(B, L, self.n_kv_heads, hd).transpose(1, 2) for t in (k, v))  # (B, H_kv, L, hd)
+        if self.rope is not None:
+            pos = kv.positions(L, x.device) if kv is not None else torch.arange(L, device=x.device)[None]
+            cos, sin = self.rope.cos_sin(pos)  # (B or 1, 1, L, hd/2)
+            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
         if kv is not None:
             y = kv.attend(self.layer_id, q, k, v, dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
+            y = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, hd)
         return self.proj(y.transpose(1, 2).reshape(B, L, d))  # (B, L, d)
 
 
@@ -99,23 +175,35 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Transformer block (SPEC §1, §3), returning its residual update (full block output − x).
 
-    Pre-LN (``post_ln_alpha=None``): ``x + Attn(N(x))``, then ``+ MLP(N(·))``; the update is the sum of
-    the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
+    Pre-LN (``post_ln_alpha=None``, ``norm="pre"``): ``x + Attn(N₁(x))``, then ``+ MLP(N₂(·))``; the update
+    is the sum of the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
+    Sandwich (``norm="sandwich"``; Ouro): each branch's output is normalized too,
+    ``x₁ = x + N₁'(Attn(N₁(x)))``, ``x₂ = x₁ + N₂'(MLP(N₂(x₁)))``; the update is the sum of the branches.
+    Pre-post (``norm="pre_post"``; Huginn-0125's SandwichBlock): the residual sum is normalized,
+    ``x₁ = N₁'(x + Attn(N₁(x)))``, ``x₂ = N₂'(x₁ + MLP(N₂(x₁)))``; the update is ``x₂ − x``.
+    N₁, N₂ are ``norm1``, ``norm2``; N₁', N₂' are ``post_attn_norm``, ``post_mlp_norm``.
     Post-LN family (``post_ln_alpha=α``, SPEC §3 / DeepNet eq. 1 / DeepLoop): ``x₁ = N₁(α·x + Attn(x))``,
-    ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so it is zero-preserving too.
-    Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, 3d) or None and ``kv`` (the KV visit, or
-    None) go to the attention.
+    ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so every form is
+    zero-preserving. Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, qkv rows) or None and ``kv`` (the
+    KV visit, or None) go to the attention; ``attn_kw`` (``n_kv_heads``, ``qk_bias``, ``rope``) too.
     """
 
     def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,
-                 post_ln_alpha: float | None = None):
+                 post_ln_alpha: float | None = None, *, norm: str = "pre", **attn_kw):
         super().__init__()
+        if norm not in ("pre", "sandwich", "pre_post") or (norm != "pre" and post_ln_alpha is not None):
+            raise ValueError(f"model.block_norm: got {norm!r}; allowed: pre, sandwich, pre_post (the last two "
+                             "with residual=pre_ln only)")
         self.norm1 = RMSNorm(d, eps)
-        self.attn = CausalSelfAttention(d, n_heads, dropout)
+        self.attn = CausalSelfAttention(d, n_heads, dropout, **attn_kw)
         self.norm2 = RMSNorm(d, eps)
         self.mlp = SwiGLU(d, d_ff)
         self.drop = nn.Dropout(dropout)
         self.post_ln_alpha = post_ln_alpha
+        self.norm = norm
+        if norm != "pre":
+            self.post_attn_norm = RMSNorm(d, eps)
+            self.post_mlp_norm = RMSNorm(d, eps)
 
     def forward(self, x: torch.Tensor, qkv_inject: torch.Tensor | None = None, kv=None) -> torch.Tensor:
         if self.post_ln_alpha is not None:
@@ -123,6 +211,14 @@ class Block(nn.Module):
             x1 = self.norm1(alpha * x + self.drop(self.attn(x, qkv_inject, kv)))  # (B, L, d)
             x2 = self.norm2(alpha * x1 + self.drop(self.mlp(x1)))  # (B, L, d)
             return x2 - x
+        if self.norm == "pre_post":
+            x1 = self.post_attn_norm(x + self.drop(self.attn(self.norm1(x), qkv_inject, kv)))  # (B, L, d)
+            x2 = self.post_mlp_norm(x1 + self.drop(self.mlp(self.norm2(x1))))  # (B, L, d)
+            return x2 - x
+        if self.norm == "sandwich":
+            a = self.drop(self.post_attn_norm(self.attn(self.norm1(x), qkv_inject, kv)))  # (B, L, d)
+            m = self.drop(self.post_mlp_norm(self.mlp(self.norm2(x + a))))  # (B, L, d)
+            return a + m
         a = self.drop(self.attn(self.norm1(x), qkv_inject, kv))  # (B, L, d)
         m = self.drop(self.mlp(self.norm2(x + a)))  # (B, L, d)
         return a + m
@@ -131,15 +227,17 @@ class Block(nn.Module):
 class Core(nn.Module):
     """The shared core: K blocks applied in order; ``core(x)`` returns the paper's update
     G(x) = Core_full(x) − x (SCSE eq. 1). Shapes: (B, L, d) → (B, L, d). Zero-preserving: G(0) = 0 exactly.
+    ``block_kw`` (``norm``, ``n_kv_heads``, ``qk_bias``, ``rope``) goes to every :class:`Block`.
     """
 
     def __init__(self, n_blocks: int, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,
-                 post_ln_alpha: float | None = None):
+                 post_ln_alpha: float | None = None, **block_kw):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps, post_ln_alpha) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(Block(d, n_heads, d_ff, dropout, eps, post_ln_alpha, **block_kw)
+                                    for _ in range(n_blocks))
 
     def forward(self, x: torch.Tensor, qkv_inject: list[torch.Tensor] | None = None, kv=None) -> torch.Tensor:
-        """G(x); ``qkv_inject`` optionally gives block j's Q/K/V injection (B, L, 3d) (``deq_qkv``);
+        """G(x); ``qkv_inject`` optionally gives block j's Q/K/V injection (B, L, qkv rows) (``deq_qkv``);
         ``kv`` is the KV visit of this core application (every block of the core shares it: the
         blocks are distinct physical layers)."""
         inj = qkv_inject if qkv_inject is not None else [None] * len(self.blocks)

@@ -26,8 +26,8 @@ from torch import nn
 
 from looplm.config import ModelConfig, resolve_gradient
 from looplm.model.fused import linear_cross_entropy
-from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
-from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm
+from looplm.model.kvcache import AttentionScope, KVCache, KVVisit, chunk_positions
+from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm, Rope
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
 
 
@@ -67,8 +67,18 @@ def _post_ln_alpha(cfg: ModelConfig) -> float | None:
     return None if cfg.residual == "pre_ln" else cfg.residual_alpha_beta[0]
 
 
+def block_options(cfg: ModelConfig) -> dict:
+    """The keyword options every :class:`Block` of ``cfg`` takes: norm placement, key/value heads, q/k bias
+    and the rotary embedding (None without ``position_embedding=rope``)."""
+    rope = (Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_layout,
+                 cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0, cfg.rope_table_dtype)
+            if cfg.position_embedding == "rope" else None)
+    return dict(norm=cfg.block_norm, n_kv_heads=cfg.kv_heads, qk_bias=cfg.qk_bias, rope=rope)
+
+
 def _block(cfg: ModelConfig) -> Block:
-    return Block(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
+    return Block(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg),
+                 **block_options(cfg))
 
 
 def _normal(name: str, p: torch.Tensor, std: float) -> None:
@@ -109,13 +119,15 @@ class DepthLM(nn.Module):
         self.final_depth: int | None = None
         d = cfg.d_model
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
-        self.pos_emb = nn.Embedding(cfg.seq_len, d)
+        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.position_embedding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.in_norm = RMSNorm(d, cfg.norm_eps) if cfg.input_norm else None
 
     def _finish_init(self) -> None:
         d = self.cfg.d_model
         self.norm_f = RMSNorm(d, self.cfg.norm_eps)
+        # exit_norm=final uses norm_f itself (no second module, so no second state-dict key)
+        self.exit_norm = RMSNorm(d, self.cfg.norm_eps) if self.cfg.exit_norm == "learned" else None
         self.lm_head = nn.Linear(d, self.cfg.vocab_size, bias=False)
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -147,7 +159,7 @@ class DepthLM(nn.Module):
         post_ln = self.cfg.residual != "pre_ln"
         beta = self.cfg.residual_alpha_beta[1] if post_ln else 1.0
         for name, p in self.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or name.endswith(".qk_bias"):
                 nn.init.zeros_(p)
             if p.dim() < 2:
                 continue
@@ -156,8 +168,7 @@ class DepthLM(nn.Module):
                 _normal(name, p, std)
                 with torch.no_grad():
                     if name.endswith("attn.qkv.weight"):
-                        d = p.shape[1]
-                        p[2 * d:].mul_(beta)  # value rows only
+                        p[p.shape[0] - self.cfg.kv_heads * self.cfg.head_dim:].mul_(beta)  # value rows only
                     else:
                         p.mul_(beta)
             elif name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight"):
@@ -166,7 +177,8 @@ class DepthLM(nn.Module):
                 _normal(name, p, std)
         if self.cfg.embed_init_std != -1.0:
             nn.init.normal_(self.tok_emb.weight, 0.0, self.cfg.embed_init_std)
-            nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
+            if self.pos_emb is not None:
+                nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
 
     def num_params(self, trainable_only: bool = True) -> int:
         """Number of (unique) parameters; tied embeddings count once."""
@@ -185,11 +197,13 @@ class DepthLM(nn.Module):
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None, *,
               scope: AttentionScope | None = None) -> torch.Tensor:
-        """Token + learned position embedding (+ input RMSNorm), then the prelude. (B, L) int64 → (B, L, d).
+        """Token embedding (times ``embed_scale``) + learned position embedding (+ input RMSNorm), then the
+        prelude. (B, L) int64 → (B, L, d).
 
         ``positions`` (B, L) int64 are the position ids (default 0 … L−1; left-padded batches and
         cached decoding pass their own). ``scope``: the forward's attention scope (KV cache,
-        key-padding mask); prelude layers attend at visit 0.
+        key-padding mask; with ``position_embedding=rope`` the attention reads the positions from it, so a
+        caller passing positions passes a scope that holds them); prelude layers attend at visit 0.
 
         Raises:
             ValueError: a position reaches ``seq_len``.
@@ -198,13 +212,16 @@ class DepthLM(nn.Module):
         if positions is None:
             if L > self.cfg.seq_len:
                 raise ValueError(f"sequence length {L} exceeds model.seq_len={self.cfg.seq_len}")
-            pos_e = self.pos_emb(torch.arange(L, device=idx.device))  # (L, d)
-        else:
-            if L and int(positions.max()) >= self.cfg.seq_len:
-                raise ValueError(f"position {int(positions.max())} exceeds model.seq_len={self.cfg.seq_len}: "
-                                 "prompt plus continuation must fit the context length")
-            pos_e = self.pos_emb(positions)  # (B, L, d)
-        x = self.drop(self.tok_emb(idx) + pos_e)  # (B, L, d)
+        elif L and int(positions.max()) >= self.cfg.seq_len:
+            raise ValueError(f"position {int(positions.max())} exceeds model.seq_len={self.cfg.seq_len}: "
+                             "prompt plus continuation must fit the context length")
+        x = self.tok_emb(idx)  # (B, L, d)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        if self.pos_emb is not None:
+            pos = torch.arange(L, device=idx.device) if positions is None else positions
+            x = x + self.pos_emb(pos)  # + (L, d) or (B, L, d)
+        x = self.drop(x)
         if self.in_norm is not None:
             x = self.in_norm(x)
         kv = None if scope is None else scope.at(0)
@@ -230,9 +247,11 @@ class DepthLM(nn.Module):
     def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                          record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
-        """:meth:`readout` up to the readout matrix: coda, token selection, then the final norm as the
-        readout mode asks. (B, L, d) → (B, L, d), or (N, d) with ``tokens``; ``readout`` is
+        """:meth:`readout` up to the readout matrix: the exit norm (``model.exit_norm``), coda, token selection,
+        then the final norm as the readout mode asks. (B, L, d) → (B, L, d), or (N, d) with ``tokens``; ``readout`` is
         ``lm_head(readout_features(...))``."""
+        if self.cfg.exit_norm != "none":  # the loop's exit, before the coda (Huginn-0125: ln_f)
+            h = (self.exit_norm if self.exit_norm is not None else self.norm_f)(h)
         kv = None if scope is None else scope.at(0, record)
         for block in self.blocks_after:
             h = h + block(h, None, kv)
@@ -466,9 +485,9 @@ class DepthLM(nn.Module):
             if cache.capacity is None:
                 cache.capacity = self.cfg.seq_len  # the static cache's preallocated positions
         start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
-        positions = (start + valid.long().cumsum(1) - 1).clamp(min=0)  # (B, L)
+        positions = chunk_positions(valid, start, idx.shape[1], idx.device)  # (B, L)
         key_valid = valid if attention_mask is not None else None
-        return AttentionScope(cache, key_valid), positions, key_valid
+        return AttentionScope(cache, key_valid, positions), positions, key_valid
 
     calls_per_step = 1
 
@@ -496,7 +515,8 @@ class LoopLM(DepthLM):
         super().__init__(cfg)
         d = cfg.d_model
         self.prelude = nn.ModuleList(_block(cfg) for _ in range(cfg.n_prelude))
-        self.core = Core(cfg.n_core, d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg))
+        self.core = Core(cfg.n_core, d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg),
+                         **block_options(cfg))
         self.rule = build_rule(cfg)
         self.coda = nn.ModuleList(_block(cfg) for _ in range(cfg.n_coda))
         self.loop_norm = RMSNorm(d, cfg.norm_eps) if cfg.scale_control == "inter_loop_norm" else None
@@ -536,8 +556,9 @@ class LoopLM(DepthLM):
         """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d).
 
         The rule's update (SPEC §2, with the SCSE zero-deviation mask), then the between-loop scale
-        control (SPEC §4): ``inter_loop_norm`` (h ← RMSNorm(h), learned gain) or ``spectral_damping``
-        (h ← σ(ρ)·h), applied to the hidden state h = hidden(state), then the scale clamp. The core
+        control (SPEC §4): ``inter_loop_norm`` (h ← RMSNorm(h), learned gain), ``spectral_damping``
+        (h ← σ(ρ)·h) or ``final_norm`` (h ← norm_f(h), the final norm itself: Ouro), applied to the hidden
+        state h = hidden(state), then the scale clamp. The core
         attends through ``ctx.scope`` (KV cache, padding) at visit ``t · calls_per_step + call``.
 
         Args:
@@ -560,11 +581,14 @@ class LoopLM(DepthLM):
             return self.core(x, qkv_inject, None if scope is None else scope.at(base + call))
 
         state = self.rule.step(core, state, t, ctx, mask=mask)
-        if self.loop_norm is None and self.damping_raw is None and clamp_rms is None:
+        final_norm = self.cfg.scale_control == "final_norm"
+        if self.loop_norm is None and self.damping_raw is None and clamp_rms is None and not final_norm:
             return state
         h = self.rule.hidden(state, ctx)
         if self.loop_norm is not None:
             h = self.loop_norm(h)
+        if final_norm:
+            h = self.norm_f(h)
         if self.damping_raw is not None:
             h = torch.sigmoid(self.damping_raw) * h
         if clamp_rms is not None:

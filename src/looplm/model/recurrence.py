@@ -493,10 +493,13 @@ class _Huginn(RecurrenceRule):
     """Huginn-family rules (SPEC §2): the core input ζ is formed at the core entrance from the state h
     and the prelude output e, then the core applies full blocks, ``h_{r+1} = Core(ζ_r) = ζ_r + G(ζ_r)``.
 
-    Initial state (option ``state_init``): zeros, embedding (h_0 = e) or gaussian. In training mode the
-    gaussian draw uses the global RNG, fresh per call; in evaluation mode (``state_init_seed`` ≥ 0) it
-    is a fixed (seq_len, d) table drawn from a generator seeded with ``state_init_seed`` and indexed by
-    position, so evaluation, batched and cached decoding see the same initial state (our choice).
+    Initial state (option ``state_init``): zeros, embedding (h_0 = e), gaussian (N(0, σ²)) or
+    truncated_normal (N(0, σ²) truncated to ±3σ, ``torch.nn.init.trunc_normal_``; Huginn-0125 draws
+    σ·TN(0, 1, ±3) per token), σ = ``state_init_std``. In training mode the random draw uses the global
+    RNG, fresh per call; in evaluation mode (``state_init_seed`` ≥ 0) it is a fixed (seq_len, d) table
+    drawn from a generator seeded with ``state_init_seed`` and indexed by position, so evaluation,
+    batched and cached decoding see the same initial state (our choice; Huginn-0125 draws fresh noise
+    in evaluation too, which ``state_init_seed = -1`` gives).
     The anchor is e; the injection (scaled by the dose response) is e itself.
     """
 
@@ -510,6 +513,13 @@ class _Huginn(RecurrenceRule):
         self.seq_len = cfg.seq_len
         self._table: torch.Tensor | None = None
 
+    def _unit_noise(self, shape, like: torch.Tensor, generator=None) -> torch.Tensor:
+        """Unit-std noise of ``shape``: N(0, 1), or N(0, 1) truncated to ±3 (``truncated_normal``)."""
+        if self.state_init == "gaussian":
+            return torch.randn(shape, generator=generator, dtype=like.dtype, device=like.device)
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return nn.init.trunc_normal_(out, 0.0, 1.0, -3.0, 3.0, generator=generator)
+
     def initial_state(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """h_0 (B, L, d) from e (B, L, d); ``positions`` (B, L) or None (0..L−1)."""
         if self.state_init == "zeros":
@@ -517,11 +527,11 @@ class _Huginn(RecurrenceRule):
         if self.state_init == "embedding":
             return e
         if self.training or self.seed < 0:
-            return self.std * torch.randn_like(e)
+            return self.std * (torch.randn_like(e) if self.state_init == "gaussian" else self._unit_noise(e.shape, e))
         d = e.shape[-1]
         if self._table is None or self._table.device != e.device or self._table.shape != (self.seq_len, d):
             g = torch.Generator(device="cpu").manual_seed(self.seed)
-            self._table = torch.randn(self.seq_len, d, generator=g).to(e.device)
+            self._table = self._unit_noise((self.seq_len, d), torch.empty(0), g).to(e.device)
         if positions is None:
             positions = torch.arange(e.shape[1], device=e.device).expand(e.shape[0], -1)
         return (self.std * self._table[positions]).to(e.dtype)  # (B, L, d)
@@ -541,14 +551,16 @@ class _Huginn(RecurrenceRule):
 @register_rule
 class HuginnLinear(_Huginn):
     """Huginn's linear adapter: ``ζ = W_lin [h; e; 1]`` (Linear 2d→d with bias), and a parameter-free
-    RMSNorm at the core exit: ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2)."""
+    RMSNorm at the core exit: ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2). Options ``adapter_bias=false``
+    (ζ = W_lin [h; e]) and ``step_norm=false`` (``h_{r+1} = ζ + G(ζ)``) give Huginn-0125's recurrence
+    (arXiv:2502.05171; its blocks end in a norm)."""
 
     name = "huginn_linear"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=True)  # W_lin
-        self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False)
+        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.options.adapter_bias)  # W_lin
+        self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False) if cfg.options.step_norm else None
 
     def source_modules(self):
         return _unit_gain(self.adapter)
@@ -557,7 +569,8 @@ class HuginnLinear(_Huginn):
         return self.adapter(torch.cat([state, ctx.injection], dim=-1))
 
     def step(self, core, state, t, ctx, *, mask=True):
-        return self.exit_norm(super().step(core, state, t, ctx, mask=mask))
+        h = super().step(core, state, t, ctx, mask=mask)
+        return self.exit_norm(h) if self.exit_norm is not None else h
 
 
 class _Decay(_Huginn):
@@ -633,8 +646,8 @@ class DEQQKV(_Huginn):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-                                      for _ in range(cfg.n_core))  # W_e^(j)
+        self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, cfg.qkv_width, bias=False)
+                                      for _ in range(cfg.n_core))  # W_e^(j), d → Q/K/V rows (3d without GQA)
 
     def source_modules(self):
         return _unit_gain(*self.qkv_proj)

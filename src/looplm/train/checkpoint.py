@@ -68,15 +68,18 @@ def _files(root: Path) -> list[str]:
 
 
 def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_state: dict[str, Any] | None,
-            tokenizer_json: str | None) -> Path:
-    """Add config, train state, tokenizer and manifest to ``tmp``, fsync, rename it to ``name`` and point
-    ``latest`` at it; keep the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory."""
+            tokenizer_json: str | None, extra_files: dict[str, str] | None = None) -> Path:
+    """Add config, train state, tokenizer, ``extra_files`` ({name: text}) and manifest to ``tmp``, fsync,
+    rename it to ``name`` and point ``latest`` at it; keep the newest ``KEEP_LAST`` checkpoints. Returns the
+    checkpoint directory."""
     ckpts = tmp.parent
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     if train_state is not None:
         torch.save(train_state, tmp / STATE_FILE)
     if tokenizer_json is not None:
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+    for fname, text in (extra_files or {}).items():
+        (tmp / fname).write_text(text)
     files = _files(tmp)
     # the config is kept in the manifest too, so an edited config.json can be reported field by field
     manifest = {"step": step, "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
@@ -100,9 +103,11 @@ def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_s
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, *,
-                    train_state: dict[str, Any] | None = None, tokenizer_json: str | None = None) -> Path:
+                    train_state: dict[str, Any] | None = None, tokenizer_json: str | None = None,
+                    extra_files: dict[str, str] | None = None) -> Path:
     """Write consolidated checkpoint ``step`` of ``model`` atomically under ``run_dir`` and point
-    ``latest`` at it (one process: rank 0 under torchrun).
+    ``latest`` at it (one process: rank 0 under torchrun). ``extra_files`` ({name: text}) are written
+    into the checkpoint too and covered by its manifest (an import's provenance, ``import.json``).
 
     Weights are saved from the unwrapped, uncompiled module (no ``module.``/``_orig_mod.`` prefixes).
     Keeps the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory.
@@ -123,7 +128,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, str(tmp / MODEL_FILE))
-    return _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json)
+    return _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json, extra_files)
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], cfg: Config,

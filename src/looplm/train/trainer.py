@@ -86,12 +86,15 @@ def autocast_context(device: torch.device, dtype: str):
 
 @dataclass
 class TrainData:
-    """Tokenized splits and the tokenizer of a run."""
+    """Tokenized splits and the tokenizer of a run. ``window_stride``: training windows start at
+    multiples of it (``sample_batch``'s ``stride``; > 1 for streams of fixed-length records, e.g. the
+    synthetic tasks of :mod:`looplm.rl.task`; corpora use 1)."""
 
     train: np.ndarray
     valid: np.ndarray
     tokenizer_json: str
     vocab_size: int
+    window_stride: int = 1
 
 
 def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
@@ -287,7 +290,8 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
             # every rank draws the same depth: a pure function of (seed, step, micro)
             T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
             depths.append(T)
-            x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
+            x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro,
+                                stride=data.window_stride)  # global batch
             x, y = x[rows], y[rows]
             if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
                 x, y = x.pin_memory(), y.pin_memory()

@@ -1,0 +1,496 @@
+"""The RL drivers: supervised pretraining on a task, pass@k evaluation, and the resumable Dr. GRPO run.
+
+- :func:`pretrain_task`: a small looped model trained on the task's token stream with looplm's own
+  trainer (:func:`looplm.train.trainer.train` with the stream handed in as :class:`TrainData`), into a
+  run folder like ``looplm train``'s; resumable.
+- :func:`evaluate_passk`: pass@1 and pass@k on the task's held-out problems (n samples per problem,
+  the unbiased estimator of Chen et al. 2021), plus greedy accuracy.
+- :func:`rl_train`: Dr. GRPO from a checkpoint with one of the update methods of
+  :mod:`looplm.rl.grpo`, evaluating before and after; checkpoints (atomic, with the optimizer state and
+  the options) every ``ckpt_every`` updates, so ``resume=True`` continues exactly (rollout seeds and
+  prompts are pure functions of (seed, update)). Writes ``metrics.jsonl`` (one record per update),
+  ``results.json`` and ``rl.png``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+from looplm.data.paths import atomic_write
+from looplm.finite import dumps
+from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
+                            update_gradient)
+from looplm.rl.rewards import get_reward
+from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
+
+#: the pretraining config of :func:`pretrain_task` (our choice, sized for a shared 2-core CPU): a
+#: Huginn-style 1 + 2×R + 1 model (``huginn_linear``, d = 64, 4 heads, 0.28M parameters with the
+#: 14-token vocabulary) trained with LMDR's recipe at small scale: PLN depths of mean 5 (cap 16),
+#: truncated BPTT through the last 4 recurrences, WSD schedule, AdamW betas (0.9, 0.98). The context is
+#: one record of 3-digit addition (13 tokens: a window is one example, its prompt at position 0 as in
+#: RL; 128 of them per step). ``data`` is not read (the task's stream replaces the corpus) and is left
+#: at its defaults.
+PRETRAIN_CONFIG = Config(
+    name="addition",
+    model=ModelConfig(rule="huginn_linear", vocab_size=14, d_model=64, n_heads=4, d_ff=256, seq_len=13,
+                      dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
+    data=DataConfig(),
+    train=TrainConfig(steps=800, batch_size=128, lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98,
+                      depth_sampler="pln", depth_mean=5.0, depth_cap=16, tbptt=4, eval_every=200,
+                      eval_batches=4, eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
+)
+
+
+def _seed(*key: object) -> int:
+    h = hashlib.blake2b("|".join(map(str, ("looplm-rl-seed", *key))).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------------- pretraining
+
+
+def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
+                  train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Supervised pretraining of ``cfg``'s model on the task's token stream with looplm's trainer.
+
+    The trainer samples its windows from the stream at multiples of the record length
+    (``TrainData.window_stride``), so every window holds whole records at fixed positions; validation
+    reads non-overlapping windows from the start of the valid stream, aligned too.
+
+    Args:
+        out: run folder (checkpoints, metrics.jsonl, config.json, tokenizer.json, summary.json, task.json).
+        cfg: the config (default :data:`PRETRAIN_CONFIG`); ``model.vocab_size`` is set from the task.
+        task: the task name (:data:`looplm.rl.task.TASKS`).
+        digits: the task's operand width D.
+        train_records: records (examples) in the training stream.
+        resume: continue from the newest valid checkpoint in ``out``.
+        stop_after: stop (with a checkpoint) after this many steps of this invocation.
+
+    Returns:
+        The trainer's summary, plus ``task``.
+
+    Raises:
+        ValueError: ``model.seq_len`` not a multiple of the record length, a task file in ``out`` that
+            names another task, or the trainer's errors.
+    """
+    from looplm.train.trainer import TrainData, train
+
+    t = build_task(task, digits=digits)
+    if cfg.model.seq_len % t.record_len:
+        raise ValueError(f"model.seq_len: {cfg.model.seq_len} is not a multiple of the {t.name} record length "
+                         f"{t.record_len} (D = {digits}); use e.g. --model.seq_len {t.record_len}")
+    spec = {"task": task, "digits": digits, "seed": t.seed, "heldout_size": t.heldout_size,
+            "train_records": train_records}
+    out = Path(out)
+    task_file = out / "task.json"
+    if task_file.exists() and json.loads(task_file.read_text()) != spec:
+        raise ValueError(f"{task_file}: the run was started with {task_file.read_text().strip()}, not {spec}")
+    tok = tokenizer()
+    data = TrainData(train=t.stream(train_records, "train"), valid=t.stream(max(2_000, train_records // 100), "valid"),
+                     tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size(), window_stride=t.record_len)
+    out.mkdir(parents=True, exist_ok=True)
+    task_file.write_text(json.dumps(spec, indent=2) + "\n")
+    summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after)
+    return {**summary, "task": spec}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature: float = 1.0, seed: int = 0,
+                   max_new_tokens: int, reward: str = "exact_match", batch_rows: int = 1024,
+                   greedy: bool = True, progress: bool = False) -> dict[str, Any]:
+    """pass@1 and pass@``samples`` on ``problems`` (``samples`` responses each at ``temperature``), and greedy accuracy.
+
+    Returns:
+        ``{"problems", "samples", "temperature", "depth", "pass@1", "pass@<samples>", "greedy",
+        "mean_correct_per_problem"}`` (fractions in [0, 1]).
+    """
+    score = get_reward(reward)
+    rows = [(i, p) for i, p in enumerate(problems) for _ in range(samples)]
+    correct = [0] * len(problems)
+    for start in tqdm(range(0, len(rows), batch_rows), desc="pass@k", unit="chunk", disable=not progress):
+        chunk = rows[start:start + batch_rows]
+        gen = generate_chunk(model, [p for _, p in chunk], depth, max_new_tokens, temperature,
+                             _seed("eval", seed, start))
+        for (i, p), ids in zip(chunk, gen):
+            correct[i] += int(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5)
+    res: dict[str, Any] = {"problems": len(problems), "samples": samples, "temperature": temperature, "depth": depth}
+    for k in sorted({1, samples}):
+        res[f"pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
+    if greedy:
+        hits = 0
+        for start in range(0, len(problems), batch_rows):
+            chunk = problems[start:start + batch_rows]
+            for p, ids in zip(chunk, generate_chunk(model, chunk, depth, max_new_tokens, 0.0, 0)):
+                hits += int(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5)
+        res["greedy"] = hits / len(problems)
+    return res
+
+
+def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+    from looplm.generate import generate
+
+    return generate(model, [encode(p.prompt) for p in problems], max_new_tokens, depth, temperature=temperature,
+                    seed=seed, eos_id=NEWLINE_ID).tokens
+
+
+def _task_of(ckpt: Path, task: str | None, digits: int | None):
+    """The task a checkpoint was pretrained on (its run's task.json), unless given."""
+    spec = {}
+    for folder in (ckpt, ckpt.parent.parent):
+        if (folder / "task.json").exists():
+            spec = json.loads((folder / "task.json").read_text())
+            break
+    name = task or spec.get("task", "addition")
+    return build_task(name, digits=digits if digits is not None else spec.get("digits", 2))
+
+
+def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int = 8, temperature: float = 1.0,
+                       problems: int = 500, task: str | None = None, digits: int | None = None, seed: int = 0,
+                       reward: str = "exact_match", device: str = "cpu", progress: bool = True) -> dict[str, Any]:
+    """pass@k of a checkpoint on its task's held-out problems.
+
+    Args:
+        checkpoint: checkpoint or run directory (a ``looplm rl pretrain`` or ``looplm rl train`` run).
+        depth: the recurrence depth R of decoding.
+        samples: n responses per problem (pass@1 and pass@n are reported).
+        temperature: sampling temperature.
+        problems: evaluate the first this many held-out problems.
+        task, digits: the task (default: the run's task.json).
+        seed: seed of the evaluation samples.
+        reward: the verifier (exact_match or numeric).
+        device: cpu, cuda or cuda:N.
+
+    Returns:
+        :func:`evaluate_passk`'s dict plus ``checkpoint``, ``task``, ``digits`` and ``markdown``.
+    """
+    from looplm.train.checkpoint import load_checkpoint
+
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    t = _task_of(Path(ckpt), task, digits)
+    held = t.heldout()[:problems]
+    res = evaluate_passk(model, held, depth=depth, samples=samples, temperature=temperature, seed=seed,
+                         max_new_tokens=t.digits + 2, reward=reward, progress=progress)
+    res.update(checkpoint=str(ckpt), task=t.name, digits=t.digits, reward=reward)
+    res["markdown"] = (f"`{ckpt}` on {len(held)} held-out {t.name} problems ({t.digits} digits), R = {depth}, "
+                       f"{samples} samples at T = {temperature}: pass@1 {100 * res['pass@1']:.2f}%, pass@{samples} "
+                       f"{100 * res[f'pass@{samples}']:.2f}%, greedy {100 * res['greedy']:.2f}%")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- the RL run
+
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+
+
+def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4, group_size: int = 8,
+               prompts_per_update: int = 16, updates: int = 100, train_problems: int = 0, optimizer: str = "adamw",
+               lr: float = 1e-4, warmup: int = 10,
+               temperature: float = 1.0,
+               reward: str = "exact_match", seed: int = 0, task: str | None = None, digits: int | None = None,
+               eval_problems: int = 500, eval_samples: int = 8, eval_seed: int = 0, compare_every: int = 10,
+               ckpt_every: int = 25, grad_clip: float = 1.0) -> dict[str, Any]:
+    """The validated options of an RL run, as a JSON-ready dict (:func:`rl_train` describes the loop).
+
+    Args:
+        method: update method: bptt (full BPTT through all R recurrences), recompute (R recurrences
+            replayed without gradient, then Neumann-b) or reuse (Neumann-b from the rollout's saved
+            depth-R states, no replay).
+        depth: R, the recurrence depth of sampling and of the BPTT / endpoint forward.
+        neumann_steps: b, recurrences with gradient of recompute and reuse (read out at R + b).
+        group_size: G, responses per prompt.
+        prompts_per_update: P, prompts per update.
+        updates: policy updates (one per batch of P x G rollouts).
+        train_problems: 0 = fresh training problems every update; N = a fixed training set of N problems
+            (as the paper's 400 GSM8K questions), visited in a reshuffled order each epoch.
+        optimizer: adamw (betas 0.9, 0.98, no weight decay) or sgd (plain gradient steps, no momentum).
+        lr: learning rate, constant after the warm-up.
+        warmup: updates of linear learning-rate warm-up (Adam's first steps move every parameter by
+            about lr, which the noisy policy gradient of a small model does not survive at 3e-4 without it).
+        temperature: sampling temperature of rollouts and of the pass@k samples.
+        reward: verifier: exact_match or numeric.
+        seed: seed of the training prompts and rollout samples.
+        task, digits: the task (default: the starting checkpoint's task.json).
+        eval_problems: held-out problems evaluated before and after.
+        eval_samples: samples per held-out problem (pass@1 and pass@n).
+        eval_seed: seed of the evaluation samples (the same for every run, so runs are paired).
+        compare_every: every this many updates, time all three methods and take their gradient cosines
+            on that update's batch (0 = never).
+        ckpt_every: checkpoint every this many updates (0 = only at the end).
+        grad_clip: gradient-norm clipping (0 = off).
+
+    Raises:
+        ValueError: a value out of range, or an unknown method or reward.
+    """
+    if method not in UPDATE_METHODS:
+        raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: unknown {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    get_reward(reward)
+    for name, value in dict(depth=depth, neumann_steps=neumann_steps, group_size=group_size, updates=updates,
+                            prompts_per_update=prompts_per_update, eval_problems=eval_problems,
+                            eval_samples=eval_samples, train_problems=train_problems + 1).items():
+        if value < 1:
+            raise ValueError(f"{name}: need >= 1, got {value}")
+    for name, value in dict(compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip,
+                            warmup=warmup).items():
+        if value < 0:
+            raise ValueError(f"{name}: need >= 0, got {value}")
+    if not lr > 0 or temperature <= 0:
+        raise ValueError(f"lr and temperature must be > 0, got {lr} and {temperature}")
+    if group_size < 2:
+        raise ValueError(f"group_size: Dr. GRPO needs >= 2 responses per prompt, got {group_size}")
+    return dict(method=method, depth=depth, neumann_steps=neumann_steps, group_size=group_size,
+                prompts_per_update=prompts_per_update, updates=updates, train_problems=train_problems,
+                optimizer=optimizer, lr=lr, warmup=warmup, temperature=temperature, reward=reward, seed=seed,
+                task=task, digits=digits, eval_problems=eval_problems, eval_samples=eval_samples, eval_seed=eval_seed,
+                compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip)
+
+
+def training_problems(task, opts: dict[str, Any], update: int) -> list:
+    """The P problems of ``update``: fresh ones drawn for (seed, update), or the next P of a fixed
+    training set of ``train_problems`` (drawn once for the seed), reshuffled every epoch by (seed, epoch).
+    A pure function of (options, update), so a resumed run sees the same prompts."""
+    P, N = opts["prompts_per_update"], opts.get("train_problems", 0)
+    if not N:
+        return task.problems(P, "rl", opts["seed"], update)
+    pool = task.problems(N, "rl-set", opts["seed"])
+    out = []
+    for i in range(update * P, update * P + P):
+        epoch, j = divmod(i, N)
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(_seed("epoch", opts["seed"], epoch)))
+        out.append(pool[int(order[j])])
+    return out
+
+
+def _truncate(path: Path, last: int) -> None:
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["update"] <= last]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = False, stop_after: int | None = None,
+             progress: bool = True, device: str = "cpu", **options: Any) -> dict[str, Any]:
+    """Dr. GRPO post-training of a looped checkpoint on a verifiable task (:mod:`looplm.rl.grpo`).
+
+    Every update: P = ``prompts_per_update`` training problems drawn for (seed, update), G =
+    ``group_size`` responses each sampled at depth R = ``depth`` (temperature ``temperature``, KV cache,
+    saved depth-R states), rewards, advantages, one scoring + backward of the Dr. GRPO loss with
+    ``method`` (``bptt`` | ``recompute`` | ``reuse``, Neumann-b with b = ``neumann_steps``), gradient
+    clipping at ``grad_clip``, one optimizer step (``optimizer``: AdamW, betas (0.9, 0.98), no weight
+    decay, or plain SGD; lr ``lr`` after a linear warm-up over ``warmup`` updates). Every
+    ``compare_every`` updates, before that update's step, all three methods' gradients are computed on
+    the same batch (timed; pairwise whole-model cosines; the policy gap). pass@1 / pass@k on the first
+    ``eval_problems`` held-out problems (``eval_samples`` samples at ``temperature``, seed ``eval_seed``)
+    before and after.
+
+    Args:
+        checkpoint: the starting checkpoint (e.g. a ``looplm rl pretrain`` run); None with ``resume``.
+        out: the run folder.
+        resume: continue from the newest valid checkpoint in ``out`` with its saved options.
+        stop_after: stop (with a checkpoint) after this many updates of this invocation.
+        device: cpu, cuda or cuda:N.
+        options: :func:`rl_options`.
+
+    Returns:
+        The results dict written to ``out/results.json``: options, before / after evaluation, per-method
+        median scoring + backward time, reward curve summary, cosine summary, state memory.
+
+    Raises:
+        ValueError: a fresh run into a folder that holds checkpoints, or bad options.
+        CheckpointError: missing or damaged checkpoint; ``resume`` with none to resume.
+    """
+    from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
+                                         newest_valid_checkpoint, save_checkpoint)
+    from looplm.train.runlock import RunLock
+
+    out = Path(out)
+    with RunLock(out):
+        state = None
+        if resume:
+            ckpt = newest_valid_checkpoint(out)
+            if ckpt is None:
+                raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'}")
+            model, cfg, state, ckpt = load_checkpoint(ckpt, device=device, with_state=True)
+            opts = state["rl"]
+            source = Path(state["source"])
+        else:
+            if list_checkpoints(out):
+                raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
+            if checkpoint is None:
+                raise ValueError("checkpoint: needed to start a run")
+            model, cfg, _, source = load_checkpoint(checkpoint, device=device)
+            opts = rl_options(**options)
+        task = _task_of(source, opts["task"], opts["digits"])
+        opts = {**opts, "task": task.name, "digits": task.digits}
+        M = task.digits + 2  # the response budget: the D + 1 answer digits and the newline
+        R, method = opts["depth"], opts["method"]
+        tok_json = tokenizer().to_str()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = (torch.optim.SGD(params, lr=opts["lr"]) if opts.get("optimizer") == "sgd"
+               else torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.98), weight_decay=0.0))
+        held = task.heldout()[:opts["eval_problems"]]
+
+        def evaluate() -> dict[str, Any]:
+            return evaluate_passk(model, held, depth=R, samples=opts["eval_samples"], temperature=opts["temperature"],
+                                  seed=opts["eval_seed"], max_new_tokens=M, reward=opts["reward"])
+
+        if state is not None:
+            opt.load_state_dict(state["optimizer"])
+            start, before = int(state["step"]), state["before"]
+        else:
+            start, before = 0, evaluate()
+        metrics = out / "metrics.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            _truncate(metrics, start)
+        elif metrics.exists():
+            metrics.unlink()
+        (out / "rl_config.json").write_text(json.dumps({**opts, "source": str(source)}, indent=2) + "\n")
+        (out / "task.json").write_text(json.dumps({"task": task.name, "digits": task.digits}, indent=2) + "\n")
+
+        def save(update: int) -> None:
+            save_checkpoint(out, update, model, cfg, tokenizer_json=tok_json,
+                            train_state={"step": update, "optimizer": opt.state_dict(), "rl": opts,
+                                         "source": str(source), "before": before})
+
+        end = opts["updates"] if stop_after is None else min(opts["updates"], start + stop_after)
+        bar = tqdm(total=opts["updates"], initial=start, desc=f"rl {method}", unit="update", disable=not progress,
+                   dynamic_ncols=True)
+        model.eval()  # dropout off; the Huginn initial state from the table the sampler used (grpo docstring)
+        with metrics.open("a") as log:
+            for update in range(start, end):
+                rec = rl_update(model, opt, task, opts, update, device=device)
+                log.write(dumps(rec) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward']:.3f}", update_s=f"{rec['update_s']:.3f}")
+                done = update + 1
+                if opts["ckpt_every"] and done % opts["ckpt_every"] == 0 or done == end:
+                    save(done)
+        bar.close()
+        if end < opts["updates"]:
+            return {"completed_updates": end, "updates": opts["updates"], "out": str(out)}
+        after = evaluate()
+        results = summarize_run(out, opts, before, after, source=source, params=model.num_params())
+        with atomic_write(out / "results.json") as fh:
+            fh.write((dumps(results, indent=2) + "\n").encode())
+        plot_run(out, results)
+        return results
+
+
+def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], update: int, *,
+              device: str = "cpu") -> dict[str, Any]:
+    """One Dr. GRPO update (:func:`rl_train`): rollouts, (every ``compare_every``) the three methods
+    compared on the batch, the method's scoring + backward, clipping, warm-up lr, one optimizer step.
+    Returns the update's metrics record."""
+    R, b, method, M = opts["depth"], opts["neumann_steps"], opts["method"], task.digits + 2
+    compare = opts["compare_every"] > 0 and update % opts["compare_every"] == 0
+    t0 = time.perf_counter()
+    roll = sample_rollouts(model, training_problems(task, opts, update), group_size=opts["group_size"], depth=R,
+                           max_new_tokens=M, reward=opts["reward"], temperature=opts["temperature"],
+                           seed=_seed("rollout", opts["seed"], update), eos_id=NEWLINE_ID,
+                           save_states=method == "reuse" or compare)
+    rec: dict[str, Any] = {"update": update + 1, "reward": float(roll.rewards.mean()),
+                           "rollout_s": time.perf_counter() - t0, "generated_tokens": roll.generated_tokens,
+                           "response_len": roll.generated_tokens / len(roll.responses),
+                           "state_bytes": roll.state_bytes(), "state_positions": roll.state_positions}
+    batch = pack(roll, device=device)
+    if compare:
+        rec["compare"] = compare_methods(model, batch, depth=R, neumann_steps=b, max_new_tokens=M)
+    stats, _ = update_gradient(model, batch, method, depth=R, neumann_steps=b, max_new_tokens=M)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts["grad_clip"] or math.inf))
+    lr = opts["lr"] * min(1.0, (update + 1) / opts["warmup"]) if opts["warmup"] else opts["lr"]
+    for group in opt.param_groups:
+        group["lr"] = lr
+    if math.isfinite(grad_norm) and math.isfinite(stats["loss"]):
+        opt.step()
+    else:
+        rec["skipped"] = True
+    opt.zero_grad(set_to_none=True)
+    rec.update(loss=stats["loss"], update_s=stats["time_s"], nll_mean=stats["nll_mean"], grad_norm=grad_norm, lr=lr)
+    return rec
+
+
+def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *,
+                  source: Path, params: int) -> dict[str, Any]:
+    """The results of a finished run from its ``metrics.jsonl``."""
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    cmp = [r["compare"] for r in recs if "compare" in r]
+    times = {m: [c["time_s"][m] for c in cmp] for m in UPDATE_METHODS}
+    pairs = sorted({k for c in cmp for k in c["cos"]})
+    saved = [r for r in recs if r.get("state_bytes")]
+    gen, state_bytes = sum(r["generated_tokens"] for r in saved), sum(r["state_bytes"] for r in saved)
+    positions = sum(r["state_positions"] for r in saved)
+    n = len(recs)
+    tail = recs[-max(1, n // 10):]
+    med = (lambda v: statistics.median(v) if v else None)
+    res = {
+        "options": opts, "source": str(source), "params": params, "updates": n,
+        "before": before, "after": after,
+        "update_s_median": med([r["update_s"] for r in recs]),
+        "rollout_s_median": med([r["rollout_s"] for r in recs]),
+        "reward_first_10pct": statistics.fmean(r["reward"] for r in recs[:max(1, n // 10)]),
+        "reward_last_10pct": statistics.fmean(r["reward"] for r in tail),
+        "compare": {
+            "updates": [r["update"] for r in recs if "compare" in r],
+            "time_s_median": {m: med(v) for m, v in times.items()},
+            "speedup_vs_bptt": {m: (med(times["bptt"]) / med(v)) if v and med(v) else None
+                                for m, v in times.items()},
+            "cos_median": {k: med([c["cos"][k] for c in cmp if c["cos"].get(k) is not None]) for k in pairs},
+            "cos_min": {k: min((c["cos"][k] for c in cmp if c["cos"].get(k) is not None), default=None) for k in pairs},
+            "policy_gap_median": med([c["policy_gap"] for c in cmp if c["policy_gap"] is not None]),
+        },
+        "state_bytes_per_generated_token": state_bytes / gen if gen else None,
+        "state_bytes_per_position": state_bytes / positions if positions else None,
+        "state_bytes_per_update_median": med([r["state_bytes"] for r in saved]),
+    }
+    return res
+
+
+def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
+    """``out/rl.png``: reward per update (and its running mean) and the scoring + backward time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency
+        print("looplm rl: matplotlib missing, no plot", file=sys.stderr)
+        return None
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    x = [r["update"] for r in recs]
+    rew = [r["reward"] for r in recs]
+    w = max(1, len(rew) // 20)
+    run = [statistics.fmean(rew[max(0, i - w + 1):i + 1]) for i in range(len(rew))]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax[0].plot(x, rew, alpha=0.3, label="batch mean")
+    ax[0].plot(x, run, label=f"running mean ({w})")
+    ax[0].set_xlabel("update")
+    ax[0].set_ylabel("reward")
+    ax[0].set_title(f"Dr. GRPO, {results['options']['method']}")
+    ax[0].legend()
+    ax[1].plot(x, [r["update_s"] for r in recs], ".", ms=3)
+    ax[1].set_xlabel("update")
+    ax[1].set_ylabel("scoring + backward (s)")
+    fig.tight_layout()
+    path = out / "rl.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
