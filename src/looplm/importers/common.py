@@ -11,7 +11,6 @@ embedding itself).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
+from looplm.train.checkpoint import _sha256  # the streaming file hash checkpoints already use
 
 #: generic keys that transformers' ``PretrainedConfig`` (and the Hub) writes into every config.json: ids,
 #: generation defaults and bookkeeping; none of them changes the forward pass
@@ -127,14 +128,6 @@ class Source:
                 "shards": {p.name: p.stat().st_size for p in self.shards},
                 "tensors": len(self.where),
                 "source_dtypes": sorted({str(d).removeprefix("torch.") for d in self.dtypes.values()})}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
