@@ -14,7 +14,7 @@ from looplm.cli import main
 from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
                            ParcaeDecayOptions, SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig,
                            apply_overrides)
-from looplm.model import LoopLM, build_model
+from looplm.model import build_model
 from looplm.presets import PRESETS, get_preset
 
 

@@ -305,10 +305,10 @@ def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_
     weights["extra.weight"] = torch.zeros(2)
     save_file(weights, str(bad / "model.safetensors"))
     manifest = json.loads((bad / "manifest.json").read_text())
-    from looplm.train.checkpoint import _sha256
+    from looplm.train.checkpoint import sha256_file
 
     manifest["files"]["model.safetensors"] = {"bytes": (bad / "model.safetensors").stat().st_size,
-                                              "sha256": _sha256(bad / "model.safetensors")}
+                                              "sha256": sha256_file(bad / "model.safetensors")}
     (bad / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="cannot load the student's weights"):
         load_student(bad, teacher)

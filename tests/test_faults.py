@@ -160,6 +160,25 @@ def test_strict_json_writes_null_and_names_the_nonfinite_fields():
     assert json.loads(dumps({"a": 1.0})) == {"a": 1.0}  # nothing to flag: no "nonfinite" key
 
 
+def test_every_report_pair_is_strict_json_plus_its_markdown(tmp_path):
+    """The one JSON + Markdown writer (used by eval, diagnose, bench, kv-sharing, distill and lm-eval
+    reports): a NaN becomes null and is named, the .md holds the result's Markdown, folders are made."""
+    from looplm.cli import write_report_files
+    from looplm.finite import write_json_markdown
+
+    out = tmp_path / "a" / "b" / "res.json"
+    paths = write_json_markdown({"ppl": math.nan, "markdown": "| x |"}, out)
+    assert paths == [out, out.with_suffix(".md")]
+    assert json.loads(out.read_text(), parse_constant=_refuse) == {"ppl": None, "markdown": "| x |",
+                                                                   "nonfinite": ["ppl"]}
+    assert out.with_suffix(".md").read_text() == "| x |\n"
+    write_json_markdown({"ppl": 1.0}, out, markdown="other")  # a Markdown given apart from the result
+    assert json.loads(out.read_text()) == {"ppl": 1.0} and out.with_suffix(".md").read_text() == "other\n"
+    assert write_report_files(None, {"markdown": ""}) == []
+    assert write_report_files(out, {"loss": math.inf, "markdown": "m"}) == paths
+    assert json.loads(out.read_text(), parse_constant=_refuse)["loss"] is None
+
+
 # -- 4. evaluation of a non-finite model ----------------------------------------------------------
 def test_eval_of_a_nonfinite_model_is_an_error_exit(tmp_path, trained_run, capsys, monkeypatch):
     from safetensors.torch import save_model

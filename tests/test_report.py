@@ -121,7 +121,7 @@ def test_report_cells_on_a_synthetic_db(tmp_path):
     from looplm.analysis.flops import flops_per_token
 
     f8 = flops_per_token(_cfg(rule="scse").model, 8)["body_head"] / 1e6
-    assert f"| scse | shared | scse | 2,000,000 |" in md and f"{f8:.2f} |" in md
+    assert "| scse | shared | scse | 2,000,000 |" in md and f"{f8:.2f} |" in md
     assert "| unshared | unshared | – | 3,000,000 |" in md
     # diagnostics: loop-step columns, mean ± std
     assert "| variant | n | t=47 |" in md

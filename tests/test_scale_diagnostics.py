@@ -16,7 +16,7 @@ from scipy.stats import spearmanr
 from looplm.config import ModelConfig
 from looplm.diagnostics.alignment import core_sublayers, kappa_hat, visit_alignment, visit_gradients
 from looplm.diagnostics.convergence import ConvergenceAccumulator, convergence_depths, relative_changes
-from looplm.diagnostics.scale import ScaleAccumulator, scale_diagnostic, unroll_states
+from looplm.diagnostics.scale import ScaleAccumulator, scale_diagnostic
 from looplm.model import LoopLM, build_model
 
 V, D, L = 64, 32, 16

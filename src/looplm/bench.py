@@ -69,7 +69,7 @@ import torch
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
-from looplm.finite import dumps
+from looplm.finite import write_json_markdown
 from looplm.model import LoopLM, build_model
 from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context, resolve_device
@@ -681,8 +681,4 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def write_results(res: dict[str, Any], out: str | Path) -> Path:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(res, indent=2) + "\n")
-    out.with_suffix(".md").write_text(res["markdown"] + "\n")
-    return out
+    return write_json_markdown(res, out)[0]

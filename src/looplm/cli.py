@@ -124,12 +124,9 @@ def emit_report(args: argparse.Namespace, result: dict[str, Any], written: Seque
 
 def write_report_files(out: Path | None, result: dict[str, Any]) -> list[Path]:
     """``out`` ← the result as JSON, ``out.md`` ← its Markdown; returns the paths (none without ``out``)."""
-    if out is None:
-        return []
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    md = out.with_suffix(".md")
-    md.write_text(result["markdown"] + "\n")
-    return [out, md]
+    from looplm.finite import write_json_markdown
+
+    return [] if out is None else write_json_markdown(result, out)
 
 
 def check_report_out(args: argparse.Namespace) -> None:

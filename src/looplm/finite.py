@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any, Iterable
 
 NONFINITE_KEY = "nonfinite"
@@ -53,6 +54,26 @@ def dumps(obj: Any, *, indent: int | None = None) -> str:
         TypeError: a value JSON cannot represent.
     """
     return json.dumps(clean(obj), indent=indent, allow_nan=False)
+
+
+def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: str | None = None) -> list[Path]:
+    """Write a report pair: ``out`` ← the strict JSON (:func:`dumps`) of ``result``, and ``out`` with the
+    suffix ``.md`` ← ``markdown`` (default ``result["markdown"]``). Parent folders are created.
+
+    Returns:
+        ``[out, out.md]`` as paths.
+
+    Raises:
+        KeyError: no ``markdown`` given and ``result`` has no ``"markdown"``. TypeError: see :func:`dumps`.
+        OSError: a file cannot be written.
+    """
+    out = Path(out)
+    md = out.with_suffix(".md")
+    text = result["markdown"] if markdown is None else markdown
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dumps(result, indent=2) + "\n")
+    md.write_text(text + "\n")
+    return [out, md]
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:

@@ -42,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     from looplm.cliutil import prepare_out_file
-    from looplm.finite import dumps
+    from looplm.finite import write_json_markdown
 
     _need("lm_eval", "lmeval")
     if args.out:  # before any work
@@ -59,8 +59,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     print(res["markdown"])
     if args.out:
         plain = json.loads(json.dumps({k: v for k, v in res.items() if k != "markdown"}, default=str))  # numpy → JSON
-        args.out.write_text(dumps(plain, indent=2) + "\n")  # strict JSON
-        args.out.with_suffix(".md").write_text(res["markdown"] + "\n")
+        write_json_markdown(plain, args.out, markdown=res["markdown"])
         print(f"wrote {args.out}")
     if args.db:
         print(f"stored {res['stored']} evaluations in {args.db}")

@@ -168,7 +168,6 @@ def build_report(store: ResultStore, *, baseline: str | None = None, sweep: str 
     hashes_per_set = defaultdict(set)
     for (proto, phash, tag, ds, split, _m) in table:
         hashes_per_set[(proto, tag, ds, split)].add(phash)
-    by_label = {g.label: g for g in groups}
     base_of = {g.grid_key: g.label for g in groups if g.variant == baseline}
 
     def metric_order(m: str, proto: str) -> tuple:

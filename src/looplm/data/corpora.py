@@ -133,11 +133,8 @@ def file_sha256(path: Path) -> str:
     st = os.stat(path)
     key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
     if key not in _FILE_SHA:
-        h = hashlib.sha256()
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _FILE_SHA[key] = h.hexdigest()
+            _FILE_SHA[key] = hashlib.file_digest(f, "sha256").hexdigest()
     return _FILE_SHA[key]
 
 
@@ -449,7 +446,7 @@ def _hf_hub_error(cfg: DataConfig, split: str, why: str) -> FileNotFoundError:
 
 def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
     if not _hub_available():
-        raise FileNotFoundError(f"dataset 'hf' is read with the `datasets` package, which is not installed; "
+        raise FileNotFoundError("dataset 'hf' is read with the `datasets` package, which is not installed; "
                                 "pip install \"looplm[hub]\"")
     if _hf_local(cfg) is not None:
         return _hf_rows(cfg, split)

@@ -37,7 +37,7 @@ from looplm.data.tokens import eval_windows
 from looplm.distill.prefill import prefill_paths
 from looplm.distill.student import Student, default_student_dir, load_student
 from looplm.eval.kvsharing import continuation_mask
-from looplm.finite import clean, dumps
+from looplm.finite import clean, write_json_markdown
 from looplm.model import KVCache, LoopLM
 
 #: row labels of the Markdown table (Table 5's wording)
@@ -215,8 +215,5 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
                     "max_tokens": max_tokens, "doc_aware": doc_aware, "paths": res,
                     "markdown": markdown_table(res, title)})
     if out_json is not None:
-        out = Path(out_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(dumps(result, indent=2) + "\n")
-        out.with_suffix(".md").write_text(result["markdown"] + "\n")
+        write_json_markdown(result, out_json)
     return result

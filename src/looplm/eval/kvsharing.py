@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.finite import dumps
+from looplm.finite import write_json_markdown
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
 
@@ -214,8 +214,5 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
               "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
               "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label)}
     if out_json is not None:
-        out = Path(out_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(dumps(result, indent=2) + "\n")
-        out.with_suffix(".md").write_text(result["markdown"] + "\n")
+        write_json_markdown(result, out_json)
     return result

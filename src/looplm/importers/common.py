@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from looplm.train.checkpoint import _sha256  # the streaming file hash checkpoints already use
+from looplm.train.checkpoint import sha256_file
 
 #: generic keys that transformers' ``PretrainedConfig`` (and the Hub) writes into every config.json: ids,
 #: generation defaults and bookkeeping; none of them changes the forward pass
@@ -123,8 +123,8 @@ class Source:
     def provenance(self) -> dict[str, Any]:
         """Where the import came from: the folder, sha256 of config.json and tokenizer.json, every shard's size."""
         return {"source": str(self.root.resolve()),
-                "config_sha256": _sha256(self.root / "config.json"),
-                "tokenizer_sha256": _sha256(self.root / "tokenizer.json"),
+                "config_sha256": sha256_file(self.root / "config.json"),
+                "tokenizer_sha256": sha256_file(self.root / "tokenizer.json"),
                 "shards": {p.name: p.stat().st_size for p in self.shards},
                 "tensors": len(self.where),
                 "source_dtypes": sorted({str(d).removeprefix("torch.") for d in self.dtypes.values()})}

@@ -26,7 +26,7 @@ from torch import nn
 
 from looplm.config import ModelConfig, resolve_gradient
 from looplm.model.fused import linear_cross_entropy
-from looplm.model.kvcache import AttentionScope, KVCache, KVVisit, chunk_positions
+from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm, Rope
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
 

@@ -46,12 +46,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted; the message names the path."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | Path) -> str:
+    """sha256 hex digest of the bytes of the file at ``path``, read in chunks (``hashlib.file_digest``).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,7 +84,7 @@ def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_s
         (tmp / fname).write_text(text)
     files = _files(tmp)
     # the config is kept in the manifest too, so an edited config.json can be reported field by field
-    manifest = {"step": step, "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
+    manifest = {"step": step, "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)}
                                         for f in files}, "config": cfg.to_dict()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     for f in _files(tmp):
@@ -266,7 +268,7 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
         f = ckpt / name
         if not f.exists():
             raise CheckpointError(f"{f}: missing from checkpoint")
-        size, sha = f.stat().st_size, _sha256(f)
+        size, sha = f.stat().st_size, sha256_file(f)
         if size == meta["bytes"] and sha == meta["sha256"]:
             continue
         what = (f"{size} bytes on disk, {meta['bytes']} in the manifest (truncated or overwritten)"
@@ -446,7 +448,7 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, target)
-    manifest["files"][MODEL_FILE] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
+    manifest["files"][MODEL_FILE] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
     manifest["files"] = dict(sorted(manifest["files"].items()))
     with atomic_write(ckpt / MANIFEST_FILE) as fh:
         fh.write(json.dumps(manifest, indent=2).encode())
