@@ -59,6 +59,29 @@ def test_summarize_paired_matches_keys():
     assert summarize_paired({0: 1.0}, {1: 1.0}) is None
 
 
+def test_claim_verdict_reads_the_t_interval_on_the_claimed_side():
+    from looplm.analysis.stats import claim_verdict
+
+    # deltas [1, 2, 3]: t interval (−0.484, 4.484) contains 0
+    assert claim_verdict(summarize_paired({0: 11.0, 1: 22.0, 2: 33.0}, {0: 10.0, 1: 20.0, 2: 30.0})) == "not resolved"
+    # deltas [−3, −2, −4]: mean −3, sd 1, interval −3 ± 2.484 → (−5.48, −0.52): below 0
+    lower = summarize_paired({0: 7.0, 1: 8.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0})
+    assert claim_verdict(lower) == "reproduces" and claim_verdict(lower, expect="positive") == "opposite"
+    higher = summarize_paired({0: 10.0, 1: 10.0, 2: 10.0}, {0: 7.0, 1: 8.0, 2: 6.0})
+    assert claim_verdict(higher) == "opposite" and claim_verdict(higher, expect="positive") == "reproduces"
+    # fewer pairs than min_pairs: the sign of the mean only
+    two = summarize_paired({0: 1.0, 1: 2.0}, {0: 3.0, 1: 3.0})
+    assert claim_verdict(two) == "provisional (2 pairs): claimed side"
+    assert claim_verdict(two, min_pairs=2) == "not resolved"  # deltas [−2, −1]: −1.5 ± 6.35
+    assert claim_verdict(summarize_paired({0: 5.0}, {0: 4.0})) == "provisional (1 pair): other side"
+    assert claim_verdict(summarize_paired({0: 4.0}, {0: 4.0})) == "provisional (1 pair): tie"
+    assert claim_verdict(None) == "no data"
+    with pytest.raises(ValueError, match="expect"):
+        claim_verdict(lower, expect="lower")
+    with pytest.raises(ValueError, match="min_pairs"):
+        claim_verdict(lower, min_pairs=1)
+
+
 # -- a synthetic results DB -------------------------------------------------------------------------
 
 LOOPED = {0: 100.0, 1: 102.0, 2: 104.0}  # T=8: mean 102, sd 2

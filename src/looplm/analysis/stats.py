@@ -139,3 +139,43 @@ def summarize_paired(variant: Mapping[Hashable, float], baseline: Mapping[Hashab
                          bootstrap=bootstrap_interval(deltas, confidence=confidence, n_resamples=n_resamples,
                                                       seed=seed),
                          keys=tuple(keys), deltas=tuple(deltas))
+
+
+#: Fewest paired seeds a verdict on a paper's claim is given from (SPEC §9's default seed set).
+MIN_VERDICT_PAIRS = 3
+
+
+def claim_verdict(summary: PairedSummary | None, *, expect: str = "negative",
+                  min_pairs: int = MIN_VERDICT_PAIRS) -> str:
+    """Verdict of a paper's directional claim about a paired delta ``variant − baseline``.
+
+    Args:
+        summary: :func:`summarize_paired` of the two variants (None: nothing matched).
+        expect: ``"negative"`` when the paper claims delta < 0 (e.g. a lower PPL), ``"positive"`` for > 0.
+        min_pairs: fewest paired observations a verdict is given from.
+
+    Returns:
+        ``"reproduces"`` when the t interval excludes 0 on the claimed side, ``"opposite"`` when it
+        excludes 0 on the other side, ``"not resolved"`` when it contains 0; with fewer than
+        ``min_pairs`` pairs ``"provisional (n pairs): claimed side"`` / ``… other side`` / ``… tie`` by the
+        sign of the mean only; ``"no data"`` without pairs.
+
+    Raises:
+        ValueError: ``expect`` not ``"negative"`` or ``"positive"``, or ``min_pairs`` < 2.
+    """
+    if expect not in ("negative", "positive"):
+        raise ValueError(f"expect: 'negative' or 'positive', got {expect!r}")
+    if min_pairs < 2:
+        raise ValueError(f"min_pairs: at least 2 (an interval needs two pairs), got {min_pairs}")
+    if summary is None or summary.n == 0:
+        return "no data"
+    sign = -1.0 if expect == "negative" else 1.0
+    if summary.n < min_pairs:
+        side = "tie" if summary.mean == 0 else ("claimed side" if sign * summary.mean > 0 else "other side")
+        return f"provisional ({summary.n} pair{'s' if summary.n > 1 else ''}): {side}"
+    lo, hi = summary.t_interval
+    if (hi < 0) if sign < 0 else (lo > 0):
+        return "reproduces"
+    if (lo > 0) if sign < 0 else (hi < 0):
+        return "opposite"
+    return "not resolved"

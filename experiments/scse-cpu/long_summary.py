@@ -1,0 +1,252 @@
+"""Summary of the long SCSE reproduction (issue 11 §3; sweep `scse-long`, experiments/scse-cpu/long.toml).
+
+Reads experiments/scse-cpu/long/results.db and, where the run folders exist, each run's metrics.jsonl;
+writes experiments/scse-cpu/long/results.md, learning_curves.png and curves.json.
+
+- **Learning curves**: Brown *valid* PPL at T = 8 every 100 steps. They are copied into the committed
+  curves.json, so the table survives when the run folders (not committed) are gone. The step after which
+  the ranking of the variant means no longer changes is reported. It is computed from validation data
+  only, before any test number is looked at.
+- **Claims**: each of the SCSE paper's claims that this protocol can test (SPEC §10; arXiv:2607.27656
+  Tables 7, 16, 19 and the gain/forcing figures), with the measured values (mean ± std over seeds) and the
+  paired delta over seeds (mean, 95% Student-t interval, 95% paired-bootstrap interval;
+  looplm.analysis.stats.summarize_paired). Verdict rule, fixed before the runs finished:
+  - *reproduces*: the t interval excludes 0 on the paper's side;
+  - *opposite*: it excludes 0 on the other side;
+  - *not resolved*: it contains 0;
+  - *provisional*: fewer than 3 paired seeds (direction only, no interval).
+  (looplm.analysis.stats.claim_verdict.)
+  Exact claims (the forcing bias is 0) and reference values (gains) are checked as stated in the table.
+
+Run: python experiments/scse-cpu/long_summary.py      (any time: it reports the seeds stored so far)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from looplm.analysis.stats import MIN_VERDICT_PAIRS, claim_verdict, summarize_paired  # noqa: E402
+from looplm.analysis.store import ResultStore  # noqa: E402
+
+HERE = Path(__file__).parent
+EXP = HERE / "long"
+SWEEP = "scse-long"
+ORDER = ["looped", "scse", "adapter", "norm_reset", "unshared"]
+STEPS = 1500
+
+
+# ------------------------------------------------------------------------------------------------- data
+def load_cells() -> tuple[dict, dict]:
+    """({variant: {key: {seed: value}}}, {variant: params}) from the results DB. Keys:
+    ``(protocol, dataset, metric, depth)``."""
+    cells: dict = {}
+    params: dict = {}
+    with ResultStore(EXP / "results.db") as store:
+        runs = {(r.config_hash, r.seed): r for r in store.runs(SWEEP)}
+        for r in runs.values():
+            params[r.variant] = r.params
+        for row in store.evaluations():
+            run = runs.get((row["config_hash"], row["seed"]))
+            if run is None or row["value"] is None:
+                continue
+            key = (row["protocol"], row["dataset"], row["metric"], row["depth"])
+            cells.setdefault(run.variant, {}).setdefault(key, {})[row["seed"]] = row["value"]
+    return cells, params
+
+
+def load_curves() -> dict[str, dict[str, dict[int, float]]]:
+    """{run_id: {"steps_done": n, "val": {step: val_ppl}}} merged from curves.json and the run folders
+    (a run folder, when present, is the newer source)."""
+    path = EXP / "curves.json"
+    curves = json.loads(path.read_text()) if path.exists() else {}
+    for run in sorted((EXP / "runs").glob("*-s*")) if (EXP / "runs").is_dir() else []:
+        m = run / "metrics.jsonl"
+        if not m.exists():
+            continue
+        val, last = {}, 0
+        for line in m.read_text().splitlines():
+            rec = json.loads(line)
+            last = max(last, rec.get("step", 0))
+            if rec.get("val_ppl") is not None:
+                val[str(rec["step"])] = rec["val_ppl"]
+        curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), "val": val}
+    path.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
+    return curves
+
+
+# ------------------------------------------------------------------------------------------ formatting
+def fmt(values, digits: int = 1) -> str:
+    v = list(values)
+    if not v:
+        return "–"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+
+
+def paired(a: dict[int, float], b: dict[int, float], digits: int = 1, expect: str = "negative") -> tuple[str, str]:
+    """("mean [t lo, hi] (bootstrap lo, hi)" of a − b over the common seeds, the verdict on the paper's
+    claim that a − b is ``expect``; looplm.analysis.stats.claim_verdict)."""
+    s = summarize_paired(a, b)
+    judged = claim_verdict(s, expect=expect)
+    judged = f"**{judged}**" if judged in ("reproduces", "opposite") else judged
+    if s is None:
+        return "–", judged
+    if s.n < 2:
+        return f"{s.mean:+.{digits}f} (1 seed)", judged
+    lo, hi = s.t_interval
+    return (f"{s.mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] "
+            f"(boot. {s.bootstrap[0]:+.{digits}f}, {s.bootstrap[1]:+.{digits}f})", judged)
+
+
+# ---------------------------------------------------------------------------------------------- report
+def claims(cells: dict) -> list[str]:
+    def c(v, *key):
+        return cells.get(v, {}).get(tuple(key), {})
+
+    rows = ["| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) | verdict |",
+            "|---|---|---|---|---|"]
+
+    def ppl_claim(num: str, text: str, a: str, b: str, ds: str, depth: int) -> None:
+        x, y = c(a, "ppl", ds, "ppl", depth), c(b, "ppl", ds, "ppl", depth)
+        cell, judged = paired(x, y)
+        rows.append(f"| {num} | {text} | {a} {fmt(x.values())}; {b} {fmt(y.values())} | {cell} | {judged} |")
+
+    names = {"brown": "Brown test", "wikitext2": "WikiText-2 test (held out)"}
+    k = 0
+    for ds in ("brown", "wikitext2"):
+        for depth in (8, 48):
+            for a, b, ref in (("scse", "looped", {8: "155.1 vs 179.8", 48: "200.1 vs 218.0"}[depth]),
+                              ("scse", "adapter", {8: "155.1 vs 156.4", 48: "200.1 vs 204.1"}[depth])):
+                k += 1
+                ppl_claim(f"P{k}", f"{a} PPL < {b}, {names[ds]}, T={depth} (WT-103 22M: {ref})", a, b, ds, depth)
+    for ds in ("brown", "wikitext2"):
+        for depth in (24, 48):
+            k += 1
+            ppl_claim(f"P{k}", f"scse PPL < norm_reset at deep extra loops, {names[ds]}, T={depth} "
+                      "(WT-2 22M, Table 19)", "scse", "norm_reset", ds, depth)
+    # LAMBADA (Table 16: target-token completion PPL and target-token accuracy, T = 8 and T = 48)
+    for depth in (8, 48):
+        for b in ("looped", "adapter"):
+            x, y = c("scse", "lambada", "lambada", "target_ppl", depth), c(b, "lambada", "lambada", "target_ppl", depth)
+            cell, judged = paired(x, y)
+            rows.append(f"| L{depth}{b[0]} | scse LAMBADA target-token PPL < {b}, T={depth} (Table 16) "
+                        f"| scse {fmt(x.values())}; {b} {fmt(y.values())} | {cell} | {judged} |")
+            x = c("scse", "lambada", "lambada", "target_acc", depth)
+            y = c(b, "lambada", "lambada", "target_acc", depth)
+            cell, judged = paired({s: 100 * v for s, v in x.items()}, {s: 100 * v for s, v in y.items()}, 2,
+                                  expect="positive")
+            rows.append(f"| A{depth}{b[0]} | scse LAMBADA target-token accuracy (%) > {b}, T={depth} "
+                        f"| scse {fmt([100 * v for v in x.values()], 2)}; {b} {fmt([100 * v for v in y.values()], 2)} "
+                        f"| {cell} | {judged} |")
+    # forcing bias: exact zero for SCSE, nonzero for the additive-source rules
+    for t in (0, 47):
+        z = c("scse", "diagnose", "brown", "forcing.bias_max_abs", t)
+        zr = c("scse", "diagnose", "brown", "forcing.raw_bias_max_abs", t)
+        others = {v: c(v, "diagnose", "brown", "forcing.ratio", t) for v in ("looped", "adapter")}
+        exact = bool(z) and all(x == 0.0 for x in z.values()) and all(x == 0.0 for x in zr.values())
+        nonzero = all(vals and all(x > 0 for x in vals.values()) for vals in others.values())
+        rows.append(f"| F{t} | forcing bias b_t = 0 exactly for SCSE, > 0 for additive sources, t={t} "
+                    f"(R_47: 0 vs 0.894–5.436) | scse max|b| {fmt(z.values(), 3)}, max|b̃| {fmt(zr.values(), 3)}; "
+                    + "; ".join(f"{v} R_{t} {fmt(x.values(), 2)}" for v, x in others.items())
+                    + f" | – | {'**reproduces**' if exact and nonzero else ('no data' if not z else '**does not**')} "
+                    f"({len(z)} seed{'s' if len(z) != 1 else ''}) |")
+    # random-direction gain at t = 0: SCSE 1.118 < tuned adapter 1.135 < looped 3.98
+    g = {v: c(v, "diagnose", "brown", "gain", 0) for v in ("scse", "adapter", "looped")}
+    means = {v: statistics.mean(x.values()) for v, x in g.items() if x}
+    order_ok = len(means) == 3 and means["scse"] < means["adapter"] < means["looped"]
+    cell, judged = paired(g["scse"], g["adapter"], 3)
+    rows.append("| G0 | random-direction gain at t=0: scse 1.118 < adapter 1.135 < looped 3.98 | "
+                + "; ".join(f"{v} {fmt(x.values(), 3)}" for v, x in g.items())
+                + f" | scse − adapter {cell} | ordering of means {'holds' if order_ok else 'does not hold'}; "
+                f"scse < adapter: {judged} |")
+    g47 = {v: c(v, "diagnose", "brown", "gain", 47) for v in ("scse", "adapter", "looped", "norm_reset")}
+    near = [v for v, x in g47.items() if x and abs(statistics.mean(x.values()) - 1) < 0.1]
+    rows.append("| G47 | late steps locally neutral: gain ≈ 1 at t=47 | "
+                + "; ".join(f"{v} {fmt(x.values(), 3)}" for v, x in g47.items())
+                + f" | – | within 0.1 of 1: {', '.join(near) or 'none'} |")
+    # parameter-matched unshared control (no paper number in the text available here: reported, not judged)
+    for ds in ("brown", "wikitext2"):
+        x, y = c("scse", "ppl", ds, "ppl", 8), c("unshared", "ppl", ds, "ppl", 8)
+        cell, _ = paired(x, y)
+        rows.append(f"| U-{ds} | (reference) scse vs the parameter-matched unshared control, {names[ds]}, T=8 "
+                    f"| scse {fmt(x.values())}; unshared {fmt(y.values())} | {cell} | reported only |")
+    return rows
+
+
+def curves_section(curves: dict) -> tuple[list[str], Path | None]:
+    by_variant: dict[str, dict[int, list[float]]] = {}
+    for run_id, c in curves.items():
+        variant = run_id.rsplit("-s", 1)[0]
+        for step, v in c["val"].items():
+            by_variant.setdefault(variant, {}).setdefault(int(step), []).append(v)
+    if not by_variant:
+        return ["No learning curves yet."], None
+    steps = sorted({s for d in by_variant.values() for s in d})
+    lines = ["Brown **valid** PPL at T = 8 during training (mean over the seeds that reached the step; "
+             "the seed count in brackets when not all):", "",
+             "| variant | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---:|" * len(steps)]
+    for v in [v for v in ORDER if v in by_variant]:
+        cells = []
+        for s in steps:
+            vals = by_variant[v].get(s, [])
+            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}" + (f" [{len(vals)}]" if len(vals) != max(
+                len(x) for x in by_variant[v].values()) else ""))
+        lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    # the last step at which the ranking of the means changed (over steps every variant has reached)
+    common = [s for s in steps if all(s in d for d in by_variant.values())]
+    ranks = [tuple(sorted(by_variant, key=lambda v: statistics.mean(by_variant[v][s]))) for s in common]
+    if ranks:
+        last_change = next((common[i] for i in range(len(ranks) - 1, 0, -1) if ranks[i] != ranks[i - 1]), common[0])
+        lines += ["", f"Ranking of the means at step {common[-1]}: {' < '.join(ranks[-1])}; unchanged since step "
+                  f"{last_change} (steps every variant has reached: {common[0]}–{common[-1]})."]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for v in [v for v in ORDER if v in by_variant]:
+        xs = sorted(by_variant[v])
+        ax.plot(xs, [statistics.mean(by_variant[v][s]) for s in xs], marker=".", label=v)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step (16×128 tokens each)")
+    ax.set_ylabel("Brown valid PPL at T = 8")
+    ax.set_title("scse-long: validation learning curves (mean over seeds)")
+    ax.legend()
+    fig.tight_layout()
+    png = EXP / "learning_curves.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return lines + ["", "![learning curves](learning_curves.png)"], png
+
+
+def main() -> None:
+    cells, params = load_cells()
+    curves = load_curves()
+    done = {v: sorted(cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {})) for v in ORDER}
+    lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
+             "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "
+             "folders' `metrics.jsonl`, kept in `curves.json`). See `README.md` for the protocol.", "",
+             "## Status", "", "| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
+    for v in ORDER:
+        prog = [f"{rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
+                if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
+        lines.append(f"| `{v}` | {params.get(v, 0):,} | {', '.join(map(str, done[v])) or '–'} "
+                     f"| {', '.join('seed ' + p for p in prog) or '–'} |")
+    lines += ["", "## Learning curves (validation)", ""] + curves_section(curves)[0]
+    lines += ["", "## Claims", "",
+              f"Verdict rule (fixed before the runs finished): with ≥ {MIN_VERDICT_PAIRS} paired seeds, *reproduces* when "
+              "the 95% t interval of the paired delta excludes 0 on the paper's side, *opposite* when it excludes "
+              "0 on the other side, *not resolved* otherwise; with fewer seeds, *provisional* with the side of the "
+              "mean only. Test data: Brown test and WikiText-2 raw test, first 8,192 tokens; LAMBADA first 500 "
+              "passages; diagnostics on Brown valid.", ""] + claims(cells)
+    text = "\n".join(lines) + "\n"
+    (EXP / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
