@@ -187,3 +187,41 @@ def test_report_cli(tmp_path, capsys):
 def test_format_delta():
     s = summarize_paired({0: 3.0, 1: 5.0}, {0: 1.0, 1: 1.0}).to_dict()
     assert format_delta(s).startswith("3.00 ± 12.71 [")
+
+
+def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
+    from looplm.analysis.claims import (curves_by_variant, mean_std_cell, paired_claim, settled_ranking,
+                                        validation_curves)
+
+    assert mean_std_cell([]) == "–" and mean_std_cell([2.0]) == "2.0" and mean_std_cell([1.0, 3.0], 2) == "2.00 ± 1.41"
+    # deltas [−3, −2, −4]: −3 ± 2.484 (t, n = 3), bootstrap as summarize_paired's
+    cell, verdict = paired_claim({0: 7.0, 1: 8.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0})
+    lo, hi = bootstrap_interval([-3.0, -2.0, -4.0])
+    assert cell == f"-3.0 [-5.5, -0.5] (boot. {lo:+.1f}, {hi:+.1f})" and verdict == "**reproduces**"
+    assert paired_claim({0: 7.0, 1: 8.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0}, expect="positive")[1] == "**opposite**"
+    assert paired_claim({0: 1.0}, {0: 3.0}) == ("-2.0 (1 seed)", "provisional (1 pair): claimed side")
+    assert paired_claim({0: 1.0}, {1: 3.0}) == ("–", "no data")
+
+    runs = tmp_path / "runs"
+    for run_id, rows in {"a-s0": [(100, 50.0), (200, 30.0), (300, 20.0)], "a-s1": [(100, 50.0), (200, 30.0)],
+                         "b-s0": [(100, 40.0), (200, 40.0), (300, 30.0)]}.items():
+        (runs / run_id).mkdir(parents=True)
+        lines = []
+        for step, ppl in rows:
+            lines += [json.dumps({"step": step - 1, "loss": 1.0}), json.dumps({"step": step, "val_ppl": ppl})]
+        (runs / run_id / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (runs / "a-s0" / "summary.json").write_text("{}")
+    cache = tmp_path / "curves.json"
+    curves = validation_curves(runs, cache)
+    assert curves["a-s0"] == {"steps_done": 300, "finished": True, "val": {"100": 50.0, "200": 30.0, "300": 20.0}}
+    assert curves["a-s1"]["finished"] is False and curves["a-s1"]["steps_done"] == 200
+    # the cache keeps the curves when the run folders are gone
+    import shutil
+
+    shutil.rmtree(runs)
+    assert validation_curves(runs, cache) == curves
+    by = curves_by_variant(curves)
+    assert by["a"] == {100: [50.0, 50.0], 200: [30.0, 30.0], 300: [20.0]} and by["b"][300] == [30.0]
+    # means a 50, 30, 20 and b 40, 40, 30: b < a at 100, a < b from 200 on
+    assert settled_ranking(by) == (["a", "b"], 200, 300)
+    assert settled_ranking({"a": {100: [1.0]}, "b": {200: [1.0]}}) is None

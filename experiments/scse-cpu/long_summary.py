@@ -23,7 +23,6 @@ Run: python experiments/scse-cpu/long_summary.py      (any time: it reports the 
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -32,7 +31,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from looplm.analysis.stats import MIN_VERDICT_PAIRS, claim_verdict, summarize_paired  # noqa: E402
+from looplm.analysis.claims import (curves_by_variant, mean_std_cell as fmt, paired_claim as paired,  # noqa: E402
+                                    settled_ranking, validation_curves)
+from looplm.analysis.stats import MIN_VERDICT_PAIRS  # noqa: E402
 from looplm.analysis.store import ResultStore  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -59,51 +60,6 @@ def load_cells() -> tuple[dict, dict]:
             key = (row["protocol"], row["dataset"], row["metric"], row["depth"])
             cells.setdefault(run.variant, {}).setdefault(key, {})[row["seed"]] = row["value"]
     return cells, params
-
-
-def load_curves() -> dict[str, dict[str, dict[int, float]]]:
-    """{run_id: {"steps_done": n, "val": {step: val_ppl}}} merged from curves.json and the run folders
-    (a run folder, when present, is the newer source)."""
-    path = EXP / "curves.json"
-    curves = json.loads(path.read_text()) if path.exists() else {}
-    for run in sorted((EXP / "runs").glob("*-s*")) if (EXP / "runs").is_dir() else []:
-        m = run / "metrics.jsonl"
-        if not m.exists():
-            continue
-        val, last = {}, 0
-        for line in m.read_text().splitlines():
-            rec = json.loads(line)
-            last = max(last, rec.get("step", 0))
-            if rec.get("val_ppl") is not None:
-                val[str(rec["step"])] = rec["val_ppl"]
-        curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), "val": val}
-    path.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
-    return curves
-
-
-# ------------------------------------------------------------------------------------------ formatting
-def fmt(values, digits: int = 1) -> str:
-    v = list(values)
-    if not v:
-        return "–"
-    if len(v) == 1:
-        return f"{v[0]:.{digits}f}"
-    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
-
-
-def paired(a: dict[int, float], b: dict[int, float], digits: int = 1, expect: str = "negative") -> tuple[str, str]:
-    """("mean [t lo, hi] (bootstrap lo, hi)" of a − b over the common seeds, the verdict on the paper's
-    claim that a − b is ``expect``; looplm.analysis.stats.claim_verdict)."""
-    s = summarize_paired(a, b)
-    judged = claim_verdict(s, expect=expect)
-    judged = f"**{judged}**" if judged in ("reproduces", "opposite") else judged
-    if s is None:
-        return "–", judged
-    if s.n < 2:
-        return f"{s.mean:+.{digits}f} (1 seed)", judged
-    lo, hi = s.t_interval
-    return (f"{s.mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] "
-            f"(boot. {s.bootstrap[0]:+.{digits}f}, {s.bootstrap[1]:+.{digits}f})", judged)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -141,7 +97,7 @@ def claims(cells: dict) -> list[str]:
                         f"| scse {fmt(x.values())}; {b} {fmt(y.values())} | {cell} | {judged} |")
             x = c("scse", "lambada", "lambada", "target_acc", depth)
             y = c(b, "lambada", "lambada", "target_acc", depth)
-            cell, judged = paired({s: 100 * v for s, v in x.items()}, {s: 100 * v for s, v in y.items()}, 2,
+            cell, judged = paired({s: 100 * v for s, v in x.items()}, {s: 100 * v for s, v in y.items()}, digits=2,
                                   expect="positive")
             rows.append(f"| A{depth}{b[0]} | scse LAMBADA target-token accuracy (%) > {b}, T={depth} "
                         f"| scse {fmt([100 * v for v in x.values()], 2)}; {b} {fmt([100 * v for v in y.values()], 2)} "
@@ -162,7 +118,7 @@ def claims(cells: dict) -> list[str]:
     g = {v: c(v, "diagnose", "brown", "gain", 0) for v in ("scse", "adapter", "looped")}
     means = {v: statistics.mean(x.values()) for v, x in g.items() if x}
     order_ok = len(means) == 3 and means["scse"] < means["adapter"] < means["looped"]
-    cell, judged = paired(g["scse"], g["adapter"], 3)
+    cell, judged = paired(g["scse"], g["adapter"], digits=3)
     rows.append("| G0 | random-direction gain at t=0: scse 1.118 < adapter 1.135 < looped 3.98 | "
                 + "; ".join(f"{v} {fmt(x.values(), 3)}" for v, x in g.items())
                 + f" | scse − adapter {cell} | ordering of means {'holds' if order_ok else 'does not hold'}; "
@@ -181,32 +137,27 @@ def claims(cells: dict) -> list[str]:
     return rows
 
 
-def curves_section(curves: dict) -> tuple[list[str], Path | None]:
-    by_variant: dict[str, dict[int, list[float]]] = {}
-    for run_id, c in curves.items():
-        variant = run_id.rsplit("-s", 1)[0]
-        for step, v in c["val"].items():
-            by_variant.setdefault(variant, {}).setdefault(int(step), []).append(v)
+def curves_section(curves: dict) -> list[str]:
+    by_variant = curves_by_variant(curves)
     if not by_variant:
-        return ["No learning curves yet."], None
+        return ["No learning curves yet."]
     steps = sorted({s for d in by_variant.values() for s in d})
     lines = ["Brown **valid** PPL at T = 8 during training (mean over the seeds that reached the step; "
              "the seed count in brackets when not all):", "",
              "| variant | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---:|" * len(steps)]
     for v in [v for v in ORDER if v in by_variant]:
+        most = max(len(x) for x in by_variant[v].values())
         cells = []
         for s in steps:
             vals = by_variant[v].get(s, [])
-            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}" + (f" [{len(vals)}]" if len(vals) != max(
-                len(x) for x in by_variant[v].values()) else ""))
+            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}" + (f" [{len(vals)}]" if len(vals) != most
+                                                                                else ""))
         lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
-    # the last step at which the ranking of the means changed (over steps every variant has reached)
-    common = [s for s in steps if all(s in d for d in by_variant.values())]
-    ranks = [tuple(sorted(by_variant, key=lambda v: statistics.mean(by_variant[v][s]))) for s in common]
-    if ranks:
-        last_change = next((common[i] for i in range(len(ranks) - 1, 0, -1) if ranks[i] != ranks[i - 1]), common[0])
-        lines += ["", f"Ranking of the means at step {common[-1]}: {' < '.join(ranks[-1])}; unchanged since step "
-                  f"{last_change} (steps every variant has reached: {common[0]}–{common[-1]})."]
+    settled = settled_ranking(by_variant)
+    if settled:
+        ranking, since, last = settled
+        lines += ["", f"Ranking of the means at step {last} (the last step every variant has reached): "
+                  f"{' < '.join(ranking)}; unchanged since step {since}."]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for v in [v for v in ORDER if v in by_variant]:
         xs = sorted(by_variant[v])
@@ -217,15 +168,14 @@ def curves_section(curves: dict) -> tuple[list[str], Path | None]:
     ax.set_title("scse-long: validation learning curves (mean over seeds)")
     ax.legend()
     fig.tight_layout()
-    png = EXP / "learning_curves.png"
-    fig.savefig(png, dpi=120)
+    fig.savefig(EXP / "learning_curves.png", dpi=120)
     plt.close(fig)
-    return lines + ["", "![learning curves](learning_curves.png)"], png
+    return lines + ["", "![learning curves](learning_curves.png)"]
 
 
 def main() -> None:
     cells, params = load_cells()
-    curves = load_curves()
+    curves = validation_curves(EXP / "runs", EXP / "curves.json")
     done = {v: sorted(cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {})) for v in ORDER}
     lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
              "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "
@@ -236,7 +186,7 @@ def main() -> None:
                 if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
         lines.append(f"| `{v}` | {params.get(v, 0):,} | {', '.join(map(str, done[v])) or '–'} "
                      f"| {', '.join('seed ' + p for p in prog) or '–'} |")
-    lines += ["", "## Learning curves (validation)", ""] + curves_section(curves)[0]
+    lines += ["", "## Learning curves (validation)", ""] + curves_section(curves)
     lines += ["", "## Claims", "",
               f"Verdict rule (fixed before the runs finished): with ≥ {MIN_VERDICT_PAIRS} paired seeds, *reproduces* when "
               "the 95% t interval of the paired delta excludes 0 on the paper's side, *opposite* when it excludes "

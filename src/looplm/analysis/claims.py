@@ -1,0 +1,118 @@
+"""Helpers for the reproduction summaries (experiments/*/): a paper's claim checked against paired seeds,
+and validation learning curves collected from a sweep's run folders.
+
+- :func:`paired_claim`: the Markdown cell of a paired delta (mean, 95% Student-t interval, 95% paired
+  bootstrap interval; SPEC §9) and the verdict of :func:`looplm.analysis.stats.claim_verdict`.
+- :func:`validation_curves`: ``{run_id: {"steps_done", "finished", "val": {step: val_ppl}}}`` read from
+  each run's ``metrics.jsonl`` and kept in a JSON file, so a summary still has its curves when the run
+  folders (not committed) are gone.
+- :func:`settled_ranking`: the ranking of the variant means at the last step every variant reached, and
+  the step since which it has not changed (how a budget is judged long enough, from validation data).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from looplm.analysis.stats import claim_verdict, summarize_paired
+
+
+def mean_std_cell(values: Iterable[float], digits: int = 1) -> str:
+    """``"m ± s"`` (sample std) of ``values``; one value alone; ``"–"`` when there are none."""
+    v = [float(x) for x in values]
+    if not v:
+        return "–"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+
+
+def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *, digits: int = 1,
+                 expect: str = "negative") -> tuple[str, str]:
+    """A paper's claim "variant − baseline is ``expect``" over the seeds both have.
+
+    Args:
+        variant, baseline: ``{seed: value}``.
+        digits: decimals of the cell.
+        expect: ``"negative"`` (e.g. the paper's method has the lower PPL) or ``"positive"``.
+
+    Returns:
+        ``(cell, verdict)``: cell ``"+m [t lo, t hi] (boot. lo, hi)"`` (``"+m (1 seed)"`` for one pair,
+        ``"–"`` for none); verdict from :func:`looplm.analysis.stats.claim_verdict`, in bold when it is
+        ``reproduces`` or ``opposite``.
+
+    Raises:
+        ValueError: a bad ``expect`` (see :func:`claim_verdict`).
+    """
+    s = summarize_paired(variant, baseline)
+    judged = claim_verdict(s, expect=expect)
+    judged = f"**{judged}**" if judged in ("reproduces", "opposite") else judged
+    if s is None:
+        return "–", judged
+    if s.n < 2:
+        return f"{s.mean:+.{digits}f} (1 seed)", judged
+    lo, hi = s.t_interval
+    return (f"{s.mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] "
+            f"(boot. {s.bootstrap[0]:+.{digits}f}, {s.bootstrap[1]:+.{digits}f})", judged)
+
+
+def validation_curves(runs_dir: str | Path, cache: str | Path) -> dict[str, dict]:
+    """Validation learning curves of a sweep's runs, merged into (and written back to) ``cache``.
+
+    Args:
+        runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/metrics.jsonl``); may be missing.
+        cache: JSON file holding the curves collected so far; a run folder present now replaces its entry.
+
+    Returns:
+        ``{run_id: {"steps_done": last logged step, "finished": summary.json exists,
+        "val": {str(step): val_ppl}}}``.
+
+    Raises:
+        json.JSONDecodeError: a damaged cache or metrics line. OSError: ``cache`` cannot be written.
+    """
+    cache = Path(cache)
+    curves = json.loads(cache.read_text()) if cache.exists() else {}
+    runs_dir = Path(runs_dir)
+    for run in sorted(runs_dir.glob("*-s*")) if runs_dir.is_dir() else []:
+        m = run / "metrics.jsonl"
+        if not m.exists():
+            continue
+        val, last = {}, 0
+        for line in m.read_text().splitlines():
+            rec = json.loads(line)
+            last = max(last, int(rec.get("step", 0)))
+            if rec.get("val_ppl") is not None:
+                val[str(rec["step"])] = rec["val_ppl"]
+        curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), "val": val}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
+    return curves
+
+
+def curves_by_variant(curves: Mapping[str, Mapping]) -> dict[str, dict[int, list[float]]]:
+    """``{variant: {step: [val_ppl per seed]}}`` of :func:`validation_curves` (run id ``<variant>-s<seed>``)."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for run_id, c in sorted(curves.items()):
+        variant = run_id.rsplit("-s", 1)[0]
+        for step, v in c["val"].items():
+            out.setdefault(variant, {}).setdefault(int(step), []).append(float(v))
+    return out
+
+
+def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tuple[list[str], int, int] | None:
+    """The ranking (lowest mean first) at the last step every variant has reached, the first step of the
+    final unchanged stretch of rankings, and that last step; None when no step is shared by all variants.
+
+    Example: means A 5, 3, 2 and B 4, 4, 3 at steps 100, 200, 300 → (["A", "B"], 200, 300).
+    """
+    common = sorted(set.intersection(*(set(d) for d in by_variant.values()))) if by_variant else []
+    if not common:
+        return None
+    ranks = [sorted(by_variant, key=lambda v: (statistics.mean(by_variant[v][s]), v)) for s in common]
+    i = len(ranks) - 1
+    while i > 0 and ranks[i - 1] == ranks[-1]:
+        i -= 1
+    return ranks[-1], common[i], common[-1]
