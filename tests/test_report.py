@@ -225,3 +225,19 @@ def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
     # means a 50, 30, 20 and b 40, 40, 30: b < a at 100, a < b from 200 on
     assert settled_ranking(by) == (["a", "b"], 200, 300)
     assert settled_ranking({"a": {100: [1.0]}, "b": {200: [1.0]}}) is None
+
+
+def test_claim_tables_and_plot(tmp_path):
+    from looplm.analysis.claims import curves_table, plot_mean_curves, status_table
+
+    curves = {"a-s0": {"steps_done": 300, "finished": True, "val": {}},
+              "a-s1": {"steps_done": 170, "finished": False, "val": {}}}
+    rows = status_table(["a", "b"], {"a": 1234}, {"a": [0]}, curves)
+    assert rows[2:] == ["| `a` | 1,234 | 0 | seed 1 (170) |", "| `b` | 0 | – | – |"]
+    by = {"a": {100: [50.0, 52.0], 200: [30.0]}, "b": {100: [40.0], 200: [40.0]}}
+    table = curves_table(by, ["a", "b"])
+    assert table[:4] == ["| variant | 100 | 200 |", "|---|---:|---:|", "| `a` | 51 | 30 [1] |", "| `b` | 40 | 40 |"]
+    assert table[-1].startswith("Ranking of the means at step 200") and "a < b; unchanged since step 200" in table[-1]
+    png = plot_mean_curves({"a": {1: [2.0, 4.0], 4: [3.0]}, "empty": {}}, tmp_path / "c.png", xlabel="x", ylabel="y",
+                           log2x=True, vline=2)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

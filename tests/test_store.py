@@ -167,3 +167,20 @@ def test_rehash_rekeys_rows_stored_under_an_older_identity_rule(tmp_path):
         assert got == {4: 11.0, 8: 20.0}
         assert {r["config_hash"] for r in store.evaluations()} == {new_hash}
         assert store.runs("s")[0].config_hash == new_hash
+
+
+def test_sweep_cells_group_a_sweeps_evaluations_by_variant(tmp_path):
+    from looplm.analysis.claims import sweep_cells
+
+    cfg = Config()
+    with ResultStore(tmp_path / "r.db") as store:
+        for seed in (0, 1):
+            store.put_run(RunRecord(sweep="s", run_id=f"looped-s{seed}", variant="looped", seed=seed,
+                                    config=cfg.to_dict(), run_dir="/x", variant_order=0, grid={}, params=123,
+                                    flops={}, weights_sha256=None, summary={}))
+            store.put(_ident(depth=8, seed=seed), {"ppl": 10.0 + seed, "nll": 2.0})
+        store.put(_ident(depth=8, seed=5), {"ppl": 99.0})  # no run of the sweep: left out
+    cells, params = sweep_cells(tmp_path / "r.db", "s")
+    assert params == {"looped": 123}
+    assert cells == {"looped": {("ppl", "brown", "ppl", 8): {0: 10.0, 1: 11.0}, ("ppl", "brown", "nll", 8): {0: 2.0, 1: 2.0}}}
+    assert sweep_cells(tmp_path / "r.db", "other") == ({}, {})

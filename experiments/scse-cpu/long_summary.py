@@ -26,15 +26,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from looplm.analysis.claims import (curves_by_variant, mean_std_cell as fmt, paired_claim as paired,  # noqa: E402
-                                    settled_ranking, validation_curves)
-from looplm.analysis.stats import MIN_VERDICT_PAIRS  # noqa: E402
-from looplm.analysis.store import ResultStore  # noqa: E402
+from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt,
+                                    paired_claim as paired, plot_mean_curves, status_table, sweep_cells,
+                                    validation_curves)
+from looplm.analysis.stats import MIN_VERDICT_PAIRS
 
 HERE = Path(__file__).parent
 EXP = HERE / "long"
@@ -44,24 +39,6 @@ STEPS = 1500
 
 
 # ------------------------------------------------------------------------------------------------- data
-def load_cells() -> tuple[dict, dict]:
-    """({variant: {key: {seed: value}}}, {variant: params}) from the results DB. Keys:
-    ``(protocol, dataset, metric, depth)``."""
-    cells: dict = {}
-    params: dict = {}
-    with ResultStore(EXP / "results.db") as store:
-        runs = {(r.config_hash, r.seed): r for r in store.runs(SWEEP)}
-        for r in runs.values():
-            params[r.variant] = r.params
-        for row in store.evaluations():
-            run = runs.get((row["config_hash"], row["seed"]))
-            if run is None or row["value"] is None:
-                continue
-            key = (row["protocol"], row["dataset"], row["metric"], row["depth"])
-            cells.setdefault(run.variant, {}).setdefault(key, {})[row["seed"]] = row["value"]
-    return cells, params
-
-
 # ---------------------------------------------------------------------------------------------- report
 def claims(cells: dict) -> list[str]:
     def c(v, *key):
@@ -141,51 +118,22 @@ def curves_section(curves: dict) -> list[str]:
     by_variant = curves_by_variant(curves)
     if not by_variant:
         return ["No learning curves yet."]
-    steps = sorted({s for d in by_variant.values() for s in d})
-    lines = ["Brown **valid** PPL at T = 8 during training (mean over the seeds that reached the step; "
-             "the seed count in brackets when not all):", "",
-             "| variant | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---:|" * len(steps)]
-    for v in [v for v in ORDER if v in by_variant]:
-        most = max(len(x) for x in by_variant[v].values())
-        cells = []
-        for s in steps:
-            vals = by_variant[v].get(s, [])
-            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}" + (f" [{len(vals)}]" if len(vals) != most
-                                                                                else ""))
-        lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
-    settled = settled_ranking(by_variant)
-    if settled:
-        ranking, since, last = settled
-        lines += ["", f"Ranking of the means at step {last} (the last step every variant has reached): "
-                  f"{' < '.join(ranking)}; unchanged since step {since}."]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for v in [v for v in ORDER if v in by_variant]:
-        xs = sorted(by_variant[v])
-        ax.plot(xs, [statistics.mean(by_variant[v][s]) for s in xs], marker=".", label=v)
-    ax.set_yscale("log")
-    ax.set_xlabel("training step (16×128 tokens each)")
-    ax.set_ylabel("Brown valid PPL at T = 8")
-    ax.set_title("scse-long: validation learning curves (mean over seeds)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(EXP / "learning_curves.png", dpi=120)
-    plt.close(fig)
-    return lines + ["", "![learning curves](learning_curves.png)"]
+    plot_mean_curves({v: by_variant[v] for v in ORDER if v in by_variant}, EXP / "learning_curves.png",
+                     xlabel="training step (16×128 tokens each)", ylabel="Brown valid PPL at T = 8",
+                     title="scse-long: validation learning curves (mean over seeds)")
+    return (["Brown **valid** PPL at T = 8 during training (mean over the seeds that reached the step; "
+             "the seed count in brackets when not all):", ""] + curves_table(by_variant, ORDER)
+            + ["", "![learning curves](learning_curves.png)"])
 
 
 def main() -> None:
-    cells, params = load_cells()
+    cells, params = sweep_cells(EXP / "results.db", SWEEP)
     curves = validation_curves(EXP / "runs", EXP / "curves.json")
-    done = {v: sorted(cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {})) for v in ORDER}
+    done = {v: cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {}).keys() for v in ORDER}
     lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
              "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "
              "folders' `metrics.jsonl`, kept in `curves.json`). See `README.md` for the protocol.", "",
-             "## Status", "", "| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
-    for v in ORDER:
-        prog = [f"{rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
-                if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
-        lines.append(f"| `{v}` | {params.get(v, 0):,} | {', '.join(map(str, done[v])) or '–'} "
-                     f"| {', '.join('seed ' + p for p in prog) or '–'} |")
+             "## Status", ""] + status_table(ORDER, params, done, curves)
     lines += ["", "## Learning curves (validation)", ""] + curves_section(curves)
     lines += ["", "## Claims", "",
               f"Verdict rule (fixed before the runs finished): with ≥ {MIN_VERDICT_PAIRS} paired seeds, *reproduces* when "

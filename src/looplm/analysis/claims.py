@@ -116,3 +116,91 @@ def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tupl
     while i > 0 and ranks[i - 1] == ranks[-1]:
         i -= 1
     return ranks[-1], common[i], common[-1]
+
+
+def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping[str, Iterable[int]],
+                 curves: Mapping[str, Mapping]) -> list[str]:
+    """Markdown rows of a sweep's progress: per variant its parameter count, the seeds with stored test
+    evaluations and the runs still training (seed and last logged step, from :func:`validation_curves`)."""
+    lines = ["| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
+    for v in order:
+        prog = [f"seed {rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
+                if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
+        lines.append(f"| `{v}` | {params.get(v, 0):,} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
+                     f"| {', '.join(prog) or '–'} |")
+    return lines
+
+
+def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: list[str]) -> list[str]:
+    """Markdown table of :func:`curves_by_variant` (mean over seeds per step, the seed count in brackets
+    where a step has fewer seeds than the variant's most) and the :func:`settled_ranking` sentence."""
+    steps = sorted({s for d in by_variant.values() for s in d})
+    lines = ["| variant | " + " | ".join(map(str, steps)) + " |", "|---|" + "---:|" * len(steps)]
+    for v in [v for v in order if v in by_variant]:
+        most = max(len(x) for x in by_variant[v].values())
+        cells = []
+        for s in steps:
+            vals = by_variant[v].get(s, [])
+            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}"
+                         + (f" [{len(vals)}]" if len(vals) != most else ""))
+        lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    settled = settled_ranking({v: d for v, d in by_variant.items() if v in order})
+    if settled:
+        ranking, since, last = settled
+        lines += ["", f"Ranking of the means at step {last} (the last step every variant has reached): "
+                  f"{' < '.join(ranking)}; unchanged since step {since}."]
+    return lines
+
+
+def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str | Path, *, xlabel: str,
+                     ylabel: str, title: str = "", log2x: bool = False, vline: float | None = None) -> Path:
+    """Line plot of the mean over seeds of ``{label: {x: [values]}}`` (log y axis; log2 x when
+    ``log2x``; a dotted vertical line at ``vline``), saved as PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, pts in series.items():
+        xs = sorted(x for x, v in pts.items() if v)
+        if xs:
+            ax.plot(xs, [statistics.mean(pts[x]) for x in xs], marker="o" if log2x else ".", label=label)
+    if log2x:
+        ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if vline is not None:
+        ax.axvline(vline, color="grey", ls=":", lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
+    """A sweep's stored evaluations by variant: ``({variant: {(protocol, dataset, metric, depth):
+    {seed: value}}}, {variant: parameter count})``; missing (null) values are left out.
+
+    Raises:
+        looplm.analysis.store.ResultStoreError: ``db`` is not a results database.
+    """
+    from looplm.analysis.store import ResultStore
+
+    cells: dict = {}
+    params: dict = {}
+    with ResultStore(db) as store:
+        runs = {(r.config_hash, r.seed): r for r in store.runs(sweep)}
+        for r in runs.values():
+            params[r.variant] = r.params
+        for row in store.evaluations():
+            run = runs.get((row["config_hash"], row["seed"]))
+            if run is not None and row["value"] is not None:
+                key = (row["protocol"], row["dataset"], row["metric"], row["depth"])
+                cells.setdefault(run.variant, {}).setdefault(key, {})[row["seed"]] = row["value"]
+    return cells, params

@@ -1,0 +1,146 @@
+"""Summary of LMDR's ablation at CPU scale (issue 11 §3; sweep `lmdr-ablation`, experiments/lmdr-ablation/sweep.toml).
+
+Reads experiments/lmdr-ablation/results.db and, where the run folders exist, each run's metrics.jsonl and
+diagnose/diagnose.json (kept in curves.json and convergence.json, which are committed); writes
+results.md and ppl_vs_recurrence.png / learning_curves.png next to this file.
+
+The paper's claim (arXiv:2610.06833 §1 and App. C; SPEC §10): at fixed R = 5, full BPTT raises PPL by
+over 25% when extrapolated to R = 64 and by 21% under terminal KV sharing; TBPTT b = 2 at the same fixed
+R = 5 (one change) keeps both within 2–3%. Sampled depths (PLN-5, the learned prior) share KV better than
+fixed-depth training (§5.2, Table 2). Verdicts: looplm.analysis.stats.claim_verdict on paired seeds
+(≥ 3 seeds; provisional below), the rule fixed before the runs finished.
+
+Run: python experiments/lmdr-ablation/summary.py      (any time: it reports the seeds stored so far)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
+                                    plot_mean_curves, status_table, sweep_cells, validation_curves)
+from looplm.analysis.stats import MIN_VERDICT_PAIRS
+
+EXP = Path(__file__).parent
+SWEEP = "lmdr-ablation"
+ORDER = ["fixed5_bptt", "fixed5_tbptt2", "pln5_tbptt2", "learned_tbptt2"]
+R_TRAIN = 5
+EXTRA = (8, 16, 32, 64)
+
+
+def load_convergence() -> dict[str, dict]:
+    """{run_id: diagnose's token-convergence record} from the run folders, kept in convergence.json."""
+    path = EXP / "convergence.json"
+    conv = json.loads(path.read_text()) if path.exists() else {}
+    for f in sorted((EXP / "runs").glob("*-s*/diagnose/diagnose.json")) if (EXP / "runs").is_dir() else []:
+        c = json.loads(f.read_text()).get("convergence")
+        if c:
+            conv[f.parent.parent.name] = {k: c.get(k) for k in ("depth_mean", "never_fraction", "spearman", "tau",
+                                                                  "r_obs")}
+    path.write_text(json.dumps(conv, indent=1, sort_keys=True) + "\n")
+    return conv
+
+
+def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:
+    """{seed: 100·(num/den − 1)} over common seeds."""
+    return {s: 100 * (num[s] / den[s] - 1) for s in num if s in den}
+
+
+def main() -> None:
+    cells, params = sweep_cells(EXP / "results.db", SWEEP)
+    curves = validation_curves(EXP / "runs", EXP / "curves.json")
+    conv = load_convergence()
+
+    def c(v, protocol, metric, depth):
+        return cells.get(v, {}).get((protocol, "brown", metric, depth), {})
+
+    ppl = {v: {d: c(v, "ppl", "ppl", d) for d in (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)} for v in ORDER}
+    extra = {v: {d: ratio_pct(ppl[v][d], ppl[v][R_TRAIN]) for d in EXTRA} for v in ORDER}
+    share = {v: c(v, "kv_sharing", "sharing_penalty_pct", R_TRAIN) for v in ORDER}
+    lines = ["# LMDR's ablation at CPU scale (issue 11 §3): results so far", "",
+             "Written by `python experiments/lmdr-ablation/summary.py` from `results.db` (curves and token "
+             "convergence kept in `curves.json` / `convergence.json`). See `README.md` for the protocol.", "",
+             "## Status", ""] + status_table(ORDER, params, {v: ppl[v][R_TRAIN].keys() for v in ORDER}, curves)
+    lines += ["", "## Brown test PPL by recurrence count R (mean ± std over seeds)", "",
+              "| variant | " + " | ".join(f"R={d}" for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |",
+              "|---|" + "---:|" * 8]
+    for v in ORDER:
+        lines.append(f"| `{v}` | " + " | ".join(fmt(ppl[v][d].values()) for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |")
+    lines += ["", f"Extrapolation: PPL at R / PPL at R = {R_TRAIN}, minus 1, in % (mean ± std over seeds); terminal "
+              f"KV sharing penalty at R = {R_TRAIN} (continuation protocol, document-aware, SPEC §6):", "",
+              "| variant | " + " | ".join(f"R={d}" for d in EXTRA) + " | sharing penalty | PPL full / terminal |",
+              "|---|" + "---:|" * (len(EXTRA) + 2)]
+    for v in ORDER:
+        lines.append(f"| `{v}` | " + " | ".join(fmt(extra[v][d].values(), 2) for d in EXTRA)
+                     + f" | {fmt(share[v].values(), 2)} | {fmt(c(v, 'kv_sharing', 'ppl_full', R_TRAIN).values())} / "
+                     f"{fmt(c(v, 'kv_sharing', 'ppl_terminal', R_TRAIN).values())} |")
+
+    lines += ["", "## Claims", "",
+              f"Verdicts from paired seeds (≥ {MIN_VERDICT_PAIRS}): *reproduces* when the 95% t interval of the "
+              "paired delta excludes 0 on the paper's side, *opposite* on the other side, *not resolved* "
+              "otherwise; fewer seeds give a *provisional* sign. Absolute thresholds (e.g. > 25%) are checked on "
+              "the mean and on every seed.", "",
+              "| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) | verdict |",
+              "|---|---|---|---|---|"]
+
+    def threshold(vals: dict[int, float], above: float | None = None, below: float | None = None) -> str:
+        if not vals:
+            return "no data"
+        xs = list(vals.values())
+        ok = all(x > above for x in xs) if above is not None else all(x <= below for x in xs)
+        n = len(xs)
+        return ("holds" if ok else "does not hold") + f" on {'every' if ok else 'not every'} seed ({n})"
+
+    b, t = "fixed5_bptt", "fixed5_tbptt2"
+    rows = [("X1", f"`{b}`: extrapolating to R=64 raises PPL by > 25%", fmt(extra[b][64].values(), 2) + "%", "–",
+             threshold(extra[b][64], above=25)),
+            ("X2", f"`{t}`: extrapolating to R=64 raises PPL by ≤ 2%", fmt(extra[t][64].values(), 2) + "%", "–",
+             threshold(extra[t][64], below=2)),
+            ("X3", f"`{t}` extrapolates better than `{b}` (one change)",
+             f"{fmt(extra[t][64].values(), 2)}% vs {fmt(extra[b][64].values(), 2)}%",
+             *paired_claim(extra[t][64], extra[b][64], digits=2)),
+            ("K1", f"`{b}`: terminal KV sharing raises PPL by ~21% (> 10% here)", fmt(share[b].values(), 2) + "%", "–",
+             threshold(share[b], above=10)),
+            ("K2", f"`{t}`: terminal KV sharing raises PPL by ≤ 3%", fmt(share[t].values(), 2) + "%", "–",
+             threshold(share[t], below=3)),
+            ("K3", f"`{t}` shares KV better than `{b}` (one change)",
+             f"{fmt(share[t].values(), 2)}% vs {fmt(share[b].values(), 2)}%", *paired_claim(share[t], share[b], digits=2))]
+    for v in ("pln5_tbptt2", "learned_tbptt2"):
+        rows.append((f"K-{v.split('_')[0]}", f"sampled depths (`{v}`) share KV better than fixed-depth `{b}`",
+                     f"{fmt(share[v].values(), 2)}% vs {fmt(share[b].values(), 2)}%",
+                     *paired_claim(share[v], share[b], digits=2)))
+    for v in ("fixed5_tbptt2", "pln5_tbptt2", "learned_tbptt2"):
+        cell, _ = paired_claim(ppl[v][R_TRAIN], ppl[b][R_TRAIN])
+        rows.append((f"R5-{v.split('_')[0]}-{v.split('_')[1]}", f"(reference, no claim) PPL at R=5, `{v}` vs `{b}`",
+                     f"{fmt(ppl[v][R_TRAIN].values())} vs {fmt(ppl[b][R_TRAIN].values())}", cell, "reported only"))
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+
+    if conv:
+        lines += ["", "## Token convergence (`looplm diagnose`, Brown valid, 2 × 8 windows, R_obs = 64, τ = 2%)", "",
+                  "| variant | seeds | mean convergence depth | never converged | Spearman(depth, position) |",
+                  "|---|---:|---:|---:|---:|"]
+        for v in ORDER:
+            items = [x for rid, x in conv.items() if rid.rsplit("-s", 1)[0] == v]
+            if items:
+                sp = [x["spearman"] for x in items if x.get("spearman") is not None]
+                lines.append(f"| `{v}` | {len(items)} | {fmt(x['depth_mean'] for x in items)} | "
+                             f"{fmt([100 * x['never_fraction'] for x in items])}% | {fmt(sp, 3)} |")
+
+    by_variant = curves_by_variant(curves)
+    if by_variant:
+        plot_mean_curves({v: by_variant[v] for v in ORDER if v in by_variant}, EXP / "learning_curves.png",
+                         xlabel="training step (16×128 tokens each)", ylabel="Brown valid PPL at R = 5")
+        lines += ["", "## Learning curves (Brown valid PPL at R = 5, mean over seeds)", ""]
+        lines += curves_table(by_variant, ORDER) + ["", "![learning curves](learning_curves.png)"]
+    plot_mean_curves({v: {d: list(x.values()) for d, x in ppl[v].items()} for v in ORDER},
+                     EXP / "ppl_vs_recurrence.png", xlabel="recurrences R at evaluation", ylabel="Brown test PPL",
+                     title="1 + 2×R + 1 models: extrapolation beyond R = 5", log2x=True, vline=R_TRAIN)
+    lines += ["", "![PPL vs recurrences](ppl_vs_recurrence.png)"]
+    text = "\n".join(lines) + "\n"
+    (EXP / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
