@@ -274,3 +274,30 @@ def test_diagnose_checkpoint_scale_loops_override(trained_run):
     assert res["scale"]["K"] == 2 and res["visit_alignment"]["depth"] == 2 and res["convergence"]["depth"] == 3
     with pytest.raises(ValueError, match="scale_loops"):
         diagnose_checkpoint(trained_run, steps=(0,), depth=3, batches=1, batch_size=1, scale_loops=0, progress=False)
+
+
+# ------------------------------------------------------------------ state norms in the perplexity eval
+@pytest.mark.parametrize("rule", ["looped", "scse"])
+def test_evaluate_depths_state_rms_is_the_mean_token_rms_of_the_read_state(rule):
+    """``evaluate_depths(state_rms=True)`` (the trainer logs it at every validation) against per-depth
+    forwards with the states returned and a float64 NumPy aggregation over the scored tokens only."""
+    import numpy as np
+
+    from looplm.data.tokens import eval_windows
+    from looplm.eval.perplexity import evaluate_depths
+
+    model = tiny(rule=rule, readout="raw").float()
+    tokens = np.random.default_rng(3).integers(0, V, size=5 * L + 7)  # the last window is partly masked
+    res = evaluate_depths(model, tokens, [1, 3], batch_size=2, progress=False, state_rms=True)
+    plain = evaluate_depths(model, tokens, [1, 3], batch_size=2, progress=False)
+    for T in (1, 3):
+        rms = []
+        with torch.no_grad():
+            for x, _, mask in eval_windows(tokens, L, 2):
+                h = model(x, depth=T, return_states=True).states[T].numpy().astype(np.float64)
+                rms.append(np.sqrt((h ** 2).mean(-1))[mask.numpy()])
+        rms = np.concatenate(rms)
+        assert res[T]["tokens"] == rms.size == 5 * L + 6
+        assert res[T]["state_rms"] == pytest.approx(rms.mean(), rel=1e-6)
+        assert res[T]["state_rms_max"] == pytest.approx(rms.max(), rel=1e-6)
+        assert res[T]["nll"] == plain[T]["nll"] and "state_rms" not in plain[T]

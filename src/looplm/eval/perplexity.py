@@ -24,7 +24,8 @@ DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = DEFAULT_DEPTHS, *,
                     batch_size: int = 16, max_tokens: int | None = None, stride: int | None = None,
                     device: str | torch.device = "cpu", progress: bool = True,
-                    desc: str = "eval", scale_clamp: bool = False) -> dict[int, dict[str, float]]:
+                    desc: str = "eval", scale_clamp: bool = False,
+                    state_rms: bool = False) -> dict[int, dict[str, float]]:
     """Token-weighted NLL and perplexity at each loop depth, from one unroll per batch.
 
     Args:
@@ -36,9 +37,13 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         stride: sliding-window stride (None = non-overlapping windows of ``seq_len``).
         scale_clamp: the evaluation-time scale clamp (SPEC §4; each token's state rescaled after every
             loop to its loop-1 RMS).
+        state_rms: also measure the hidden state h_T that is read out at each depth (readout blind
+            spot's drift): the per-token RMS over d, averaged over the scored tokens, and its maximum.
+            The per-token L2 norm is √d times the RMS.
 
     Returns:
-        ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``; NaN/inf are returned
+        ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``, plus ``"state_rms"``
+        and ``"state_rms_max"`` with ``state_rms``; NaN/inf are returned
         as they are (see :func:`nonfinite_depths`); ``ppl`` is inf where exp(nll) overflows.
 
     Raises:
@@ -55,6 +60,8 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
     model.eval()
     seq_len = model.cfg.seq_len
     total_nll = {T: 0.0 for T in depths}
+    rms_sum = {T: 0.0 for T in depths}
+    rms_max = {T: 0.0 for T in depths}
     count = 0
     n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
     bar = tqdm(total=math.ceil(n_windows / batch_size), desc=desc, disable=not progress, leave=False,
@@ -62,14 +69,20 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
     for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
         x, y, mask = x.to(device), y.to(device), mask.to(device)
         y = y.masked_fill(~mask, -100)
-        out = model(x, depth=depths, targets=y, keep_logits=False, **({"scale_clamp": True} if scale_clamp else {}))
+        out = model(x, depth=depths, targets=y, keep_logits=False, return_states=state_rms,
+                    **({"scale_clamp": True} if scale_clamp else {}))
         for T in depths:
             total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
+            if state_rms:  # states[k] = h_k (h_0 is the initial state)
+                rms = out.states[T].double().pow(2).mean(-1).sqrt()[mask]
+                rms_sum[T] += float(rms.sum())
+                rms_max[T] = max(rms_max[T], float(rms.max()))
         count += int(mask.sum())
         bar.update(1)
     bar.close()
     model.train(was_training)
-    return {T: {"nll": total_nll[T] / count, "ppl": _exp(total_nll[T] / count), "tokens": count}
+    return {T: {"nll": total_nll[T] / count, "ppl": _exp(total_nll[T] / count), "tokens": count,
+                **({"state_rms": rms_sum[T] / count, "state_rms_max": rms_max[T]} if state_rms else {})}
             for T in depths}
 
 

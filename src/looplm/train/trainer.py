@@ -272,8 +272,9 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
 
     def validate() -> dict[str, float]:
         res = evaluate_depths(eval_model, data.valid, [tcfg.eval_depth], batch_size=B, max_tokens=eval_tokens,
-                              device=device, progress=False)[tcfg.eval_depth]
-        return {"val_loss": res["nll"], "val_ppl": res["ppl"]}
+                              device=device, progress=False, state_rms=True)[tcfg.eval_depth]
+        return {"val_loss": res["nll"], "val_ppl": res["ppl"], "val_state_rms": res["state_rms"],
+                "val_state_rms_max": res["state_rms_max"]}
 
     wrapped.train()
     t_start = time.time()
