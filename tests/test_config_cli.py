@@ -303,6 +303,17 @@ def test_flop_proxy_matches_paper():
     assert flops_per_token(unshared, 48) == flops_per_token(unshared, 8)  # min(T, n_layers)
 
 
+def test_flop_proxy_counts_grouped_query_attention():
+    """k and v project to d_kv = n_kv_heads·head_dim: the attention projections cost 4d² + 4·d·d_kv."""
+    from looplm.analysis.flops import block_flops_per_token
+
+    mha = ModelConfig(d_model=384, n_heads=6, d_ff=1024, seq_len=256)
+    gqa = mha.replace(n_kv_heads=2)  # d_kv = 128
+    assert block_flops_per_token(mha) == 8 * 384 ** 2 + 6 * 384 * 1024 + 4 * 256 * 384
+    assert block_flops_per_token(gqa) == block_flops_per_token(mha) - 4 * 384 * (384 - 128)
+    assert block_flops_per_token(mha.replace(n_kv_heads=6)) == block_flops_per_token(mha)
+
+
 def test_every_preset_builds():
     for name, cfg in PRESETS.items():
         assert n_params(cfg.model) > 0, name

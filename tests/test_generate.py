@@ -51,6 +51,24 @@ def test_greedy_batched_equals_per_prompt_equals_naive(name):
     assert len({tuple(t) for t in ref}) > 1  # the prompts really lead to different continuations
 
 
+def test_the_cache_holds_the_prompt_and_the_new_tokens_not_seq_len(monkeypatch):
+    """generate sizes its KV buffers to the padded prompt + new tokens; the tokens equal the naive loop."""
+    import looplm.model.kvcache as kvcache
+
+    made = []
+    real = kvcache.KVCache.__init__
+
+    def spy(self, mode="per_visit", max_len=None):
+        made.append(max_len)
+        real(self, mode, max_len)
+
+    monkeypatch.setattr(kvcache.KVCache, "__init__", spy)
+    model = model_for("scse")
+    out = generate(model, PROMPTS, 4, 3)
+    assert made == [6 + 4]  # the longest prompt (6) + 4 new tokens, where seq_len is 20
+    assert out.tokens == [naive_greedy(model, p, 4, 3) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("name", ["scse", "huginn_linear-huginn"])
 def test_terminal_cache_generation(name):
     model = model_for(name)

@@ -254,7 +254,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     model.eval()
     try:
         idx, mask = _left_pad(prompts, device)
-        cache = KVCache(cache_mode)
+        # capacity: the padded prompt and the new tokens (the last one is never fed back), not seq_len
+        cache = KVCache(cache_mode, max_len=idx.shape[1] + max_new_tokens)
         prefill_depth = ceiling if adaptive else depth
         # the prefill reads out only the last position (left padding: every row's last token is real)
         last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))

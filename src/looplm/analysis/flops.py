@@ -13,9 +13,14 @@ BODY_CALLS_PER_STEP: dict[str, int] = {
 
 
 def block_flops_per_token(cfg: ModelConfig) -> int:
-    """FLOP proxy of one block application per token: ``8d² + 6·d·d_ff + 4·L·d`` (SCSE eq. 20)."""
+    """FLOP proxy of one block application per token: ``8d² + 6·d·d_ff + 4·L·d`` (SCSE eq. 20).
+
+    With grouped-query attention (``n_kv_heads`` < ``n_heads``) the key and value projections map d to
+    d_kv = n_kv_heads·d/n_heads, so the attention projections cost ``4d² + 4·d·d_kv`` instead of 8d²
+    (equal when d_kv = d)."""
     d = cfg.d_model
-    return 8 * d * d + 6 * d * cfg.d_ff + 4 * cfg.seq_len * d
+    d_kv = d * (cfg.n_kv_heads or cfg.n_heads) // cfg.n_heads
+    return 4 * d * d + 4 * d * d_kv + 6 * d * cfg.d_ff + 4 * cfg.seq_len * d
 
 
 def body_applications(cfg: ModelConfig, depth: int) -> int:
