@@ -176,11 +176,9 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
     if title:
         ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from looplm.analysis.plots import save_figure
+
+    return save_figure(fig, path)
 
 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:

@@ -13,7 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out ``fig``, save it as a 120-dpi PNG at ``path`` (parent folders created), close it; returns the path."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,7 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]]], path: str | Path, *,
@@ -104,4 +105,4 @@ def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]
         ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -214,16 +214,13 @@ def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batc
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: an unshared checkpoint (named by ``what``) or a split with fewer than 2 tokens.
     """
-    from looplm.data.paths import resolve_cache_dir, resolve_data_root
-    from looplm.data.tokens import eval_windows, load_tokens
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.data.tokens import eval_windows
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
+    model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     check_shared(model, what)
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tokens = load_tokens(data_cfg, split, load_tokenizer_for(ckpt), resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
+    tokens = opened.tokens(split)
     if len(tokens) < 2:
         raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")
     windows = [(x, y.masked_fill(~m, -100), m)

@@ -188,21 +188,16 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
         CheckpointError: a damaged teacher or student. StudentMismatchError: a student of another teacher.
         FileNotFoundError: a missing data split. ValueError: see :func:`distill_continuation_eval`.
     """
-    from looplm.data.paths import resolve_cache_dir, resolve_data_root
     from looplm.data.tokenizer import eot_id
-    from looplm.data.tokens import load_tokens
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    teacher, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
+    teacher, cfg, ckpt, data_cfg, tok = opened.model, opened.cfg, opened.ckpt, opened.data, opened.tokenizer
     stu, stu_dir, depth = None, None, cfg.train.nominal_depth
     if not teacher_only:
         stu, record, stu_dir = load_student(student or default_student_dir(checkpoint), teacher)
         depth = record.distill.depth
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
+    tokens = opened.tokens(split)
     res = distill_continuation_eval(teacher, stu, tokens, depth, early_depths=early_depths, batch_size=batch_size,
                                     max_tokens=max_tokens, eot_id=eot_id(tok) if doc_aware else None,
                                     device=device, progress=progress)

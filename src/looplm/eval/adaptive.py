@@ -36,8 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from looplm.data.paths import resolve_cache_dir, resolve_data_root
-from looplm.data.tokens import eval_windows, load_tokens
+from looplm.data.tokens import eval_windows
 from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, HiddenUpdate, Trace, build_exit_criterion,
                                calibrate, halting_depths, run, trace)
 from looplm.model import DepthLM
@@ -337,15 +336,11 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: as :func:`adaptive_depth`.
     """
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    root, cache = resolve_data_root(data_cfg.data_root), resolve_cache_dir(data_cfg.cache_dir)
-    valid = load_tokens(data_cfg, "valid", tok, root, cache)
-    test = load_tokens(data_cfg, "test", tok, root, cache)
+    opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
+    model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
+    valid, test = opened.tokens("valid"), opened.tokens("test")
     res = adaptive_depth(model, valid, test, targets=targets, ceiling=ceiling, max_tokens=max_tokens,
                          batch_size=batch_size, device=device, progress=progress, timed=timed,
                          criterion=criterion, scale_clamp=scale_clamp)

@@ -47,8 +47,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looplm.data.paths import resolve_cache_dir, resolve_data_root
-from looplm.data.tokens import eval_windows, load_tokens
+from looplm.data.tokens import eval_windows
 from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, LogitMargin, _sync, build_exit_criterion, calibrate, halting_depths,
                                run, trace)
 from looplm.model import DepthLM
@@ -434,12 +433,9 @@ def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Pat
     ax2.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from looplm.analysis.plots import save_figure
+
+    return save_figure(fig, path)
 
 
 def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_max: int | None = None,
@@ -477,18 +473,15 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: too few full windows in a split, k_max/batch_size < 1, negative tolerance.
     """
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
+    opened = open_checkpoint(ckpt_dir, dataset=dataset, device=device)
+    model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     k_max = cfg.train.nominal_depth if k_max is None else int(k_max)
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    root, cache = resolve_data_root(data_cfg.data_root), resolve_cache_dir(data_cfg.cache_dir)
     L = cfg.model.seq_len
-    calib = make_windows(load_tokens(data_cfg, split_calib, tok, root, cache), L, 0, n_calib)
+    calib = make_windows(opened.tokens(split_calib), L, 0, n_calib)
     first_timed = n_calib if split_timed == split_calib else 0
-    timed = make_windows(load_tokens(data_cfg, split_timed, tok, root, cache), L, first_timed, n_timed)
+    timed = make_windows(opened.tokens(split_timed), L, first_timed, n_timed)
     res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, repeats=repeats,
                        device=device, progress=progress, criterion=criterion, scale_clamp=scale_clamp)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,

@@ -193,18 +193,12 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
         ValueError: see :func:`kv_sharing_eval`.
     """
-    from looplm.data.paths import resolve_cache_dir, resolve_data_root
-    from looplm.data.tokens import load_tokens
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
-
-    model, cfg, _, ckpt = load_checkpoint(ckpt_dir, device=device)
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
     from looplm.data.tokenizer import eot_id
+    from looplm.eval.runner import open_checkpoint
 
-    tok = load_tokenizer_for(ckpt)
-    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
+    opened = open_checkpoint(ckpt_dir, dataset=dataset, device=device)
+    model, cfg, ckpt, data_cfg, tok = opened.model, opened.cfg, opened.ckpt, opened.data, opened.tokenizer
+    tokens = opened.tokens(split)
     res = kv_sharing_eval(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens,
                           device=torch.device(device), progress=progress, eot_id=eot_id(tok) if doc_aware else None)
     label = (f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"

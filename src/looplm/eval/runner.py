@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -24,6 +26,44 @@ def load_tokenizer_for(ckpt: Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint loaded for evaluation, with the data config of the corpus it is evaluated on.
+
+    Attributes:
+        model: the model (on the requested device). cfg: the run's config. ckpt: the checkpoint folder.
+        data: the run's data config, with ``dataset`` replaced when one was asked for.
+        tokenizer: the tokenizer saved with the checkpoint.
+    """
+
+    model: Any
+    cfg: Any
+    ckpt: Path
+    data: Any
+    tokenizer: Tokenizer
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The token stream of ``split`` of :attr:`data`, tokenized with the checkpoint's tokenizer (cached).
+
+        Raises:
+            FileNotFoundError: the split's files are missing.
+        """
+        return load_tokens(self.data, split, self.tokenizer, resolve_data_root(self.data.data_root),
+                           resolve_cache_dir(self.data.cache_dir))
+
+
+def open_checkpoint(checkpoint: str | Path, *, dataset: str | None = None, device: str = "cpu") -> OpenedCheckpoint:
+    """Load a checkpoint (run folder or checkpoint folder) and its tokenizer for an evaluation on
+    ``dataset`` (default: the corpus it was trained on).
+
+    Raises:
+        CheckpointError: a damaged or missing checkpoint or tokenizer.
+    """
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    data = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
+    return OpenedCheckpoint(model=model, cfg=cfg, ckpt=ckpt, data=data, tokenizer=load_tokenizer_for(ckpt))
+
+
 def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
                         dataset: str | None = None, split: str = "test", batch_size: int = 16,
                         max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
@@ -38,11 +78,9 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
         CheckpointError: damaged or missing checkpoint; FileNotFoundError: missing data split.
         NonFiniteError: the weights hold NaN/inf, or the NLL is NaN/inf at some depth.
     """
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    data_cfg = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
-    tok = load_tokenizer_for(ckpt)
-    tokens = load_tokens(data_cfg, split, tok, resolve_data_root(data_cfg.data_root),
-                         resolve_cache_dir(data_cfg.cache_dir))
+    opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
+    model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
+    tokens = opened.tokens(split)
     res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
                           device=torch.device(device), progress=progress,
                           desc=f"eval {data_cfg.dataset}/{split}", scale_clamp=scale_clamp)
