@@ -135,16 +135,22 @@ P_OF = {"post_ln-R3": 0.0, "p0.25-R3": 0.25, "p0.40-R3": 0.40, "p0.45-R3": 0.45,
 
 
 def _sweep_runs(folder: Path) -> dict[str, dict[int, dict]]:
-    """{variant: {seed: {val_loss, val_ppl, run}}} of the finished runs under ``folder/runs``."""
+    """{variant: {seed: {val_loss, val_ppl, config, run}}} of the finished runs of the sweep in ``folder``,
+    from its results.db (so it works without the run folders, which are not committed); ``run`` is the
+    run folder when it still exists (for the training curves), else None."""
     out: dict = defaultdict(dict)
-    if not (folder / "runs").is_dir():
+    if not (folder / "results.db").exists():
         return out
-    for name, run in runs(folder).items():
-        variant, seed = name.rsplit("-s", 1)
-        summ = json.loads((run / "summary.json").read_text())
+    con = sqlite3.connect(folder / "results.db")
+    for run_id, variant, seed, summary, config in con.execute(
+            "SELECT run_id, variant, seed, summary_json, config_json FROM runs"):
+        summ = json.loads(summary)
         if summ.get("completed_steps") != summ.get("steps"):
             continue
-        out[variant][int(seed)] = {"val_loss": summ["val_loss"], "val_ppl": summ["val_ppl"], "run": run}
+        run = folder / "runs" / run_id
+        out[variant][int(seed)] = {"val_loss": summ["val_loss"], "val_ppl": summ["val_ppl"],
+                                   "config": json.loads(config), "run": run if (run / "metrics.jsonl").exists() else None}
+    con.close()
     return out
 
 
@@ -169,6 +175,8 @@ def _curves(ax, by_variant, floor: float, title: str) -> None:
     cmap = plt.get_cmap("viridis")
     for v in [*P_OF, "pre_ln-R3"]:
         for seed, r in sorted(by_variant.get(v, {}).items()):
+            if r["run"] is None:  # run folder gone: no training curve
+                continue
             rows = [json.loads(x) for x in (r["run"] / "metrics.jsonl").read_text().splitlines()]
             pts_ = [(x["step"], x["loss"]) for x in rows if "loss" in x and "step" in x]
             steps_, loss_ = np.array(pts_).T
@@ -185,14 +193,18 @@ def _curves(ax, by_variant, floor: float, title: str) -> None:
 
 def deeploop() -> None:
     exp = HERE / "deeploop-cpu"
-    tied, untied, depth = (_sweep_runs(f) for f in (exp, exp / "untied", exp / "depth"))
-    any_run = next(r for d in (untied, tied) for v in d.values() for r in v.values())
-    floor = unigram_floor(json.loads((any_run["run"] / "config.json").read_text()), "valid")
+    tied, untied, depth, tied64 = (_sweep_runs(f) for f in (exp, exp / "untied", exp / "depth", exp / "tied-b64"))
+    if not tied:  # the tied sweep's DB is empty and its run folders are gone: its recorded losses
+        rec = json.loads((exp / "tied-300.json").read_text())["runs"]
+        tied = {v: {int(s): {**x, "run": None} for s, x in seeds.items()} for v, seeds in rec.items()}
+    any_run = next(r for d in (untied, tied) for v in d.values() for r in v.values() if "config" in r)
+    floor = unigram_floor(any_run["config"], "valid")
     lines = ["# DeepLoop at CPU scale (issue 5 §5)", "",
              "Commands (each sweep is resumable):", "", "```bash",
              "looplm sweep experiments/deeploop-cpu/sweep.toml --out experiments/deeploop-cpu          # tied, 300 steps",
              "looplm sweep experiments/deeploop-cpu/untied.toml --out experiments/deeploop-cpu/untied  # untied, 150 steps",
              "looplm sweep experiments/deeploop-cpu/depth.toml --out experiments/deeploop-cpu/depth    # R = 1, 5",
+             "looplm sweep experiments/deeploop-cpu/tied-b64.toml --out experiments/deeploop-cpu/tied-b64  # tied, 4× batch",
              "python experiments/summarize.py deeploop", "```", "",
              f"Unigram floor (add-one unigram of Brown train → Brown valid, same BPE): PPL {floor:.1f} "
              f"(loss {math.log(floor):.3f}). A run *trains* when its final validation PPL is below 0.8 × the floor "
@@ -202,6 +214,12 @@ def deeploop() -> None:
              "## p-sweep, the paper's recipe (tied embeddings), 300 steps, seed 0", ""]
     t_lines, t_pts = _p_table(tied, floor)
     lines += t_lines
+    b_pts: list = []
+    if tied64:
+        lines += ["", "## p-sweep, tied embeddings at 4× the batch (64×128 = 8,192 tokens per step), 300 steps, seed 0",
+                  ""]
+        b_lines, b_pts = _p_table(tied64, floor)
+        lines += b_lines
     lines += ["", "## p-sweep with untied embeddings, 150 steps, seeds 0–2", ""]
     u_lines, u_pts = _p_table(untied, floor)
     lines += u_lines
@@ -220,7 +238,8 @@ def deeploop() -> None:
                   + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     ax = axes[0]
-    for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (u_pts, "o", "untied, 150 steps")):
+    for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (b_pts, "+", "tied, 4× batch, 300 steps"),
+                               (u_pts, "o", "untied, 150 steps")):
         if pts:
             ax.scatter([p for p, _, _ in pts], [x for _, x, _ in pts], marker=marker, label=label)
     ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")

@@ -208,13 +208,17 @@ def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
         (runs / run_id).mkdir(parents=True)
         lines = []
         for step, ppl in rows:
-            lines += [json.dumps({"step": step - 1, "loss": 1.0}), json.dumps({"step": step, "val_ppl": ppl})]
+            lines += [json.dumps({"step": step - 1, "loss": 1.0}),
+                      json.dumps({"step": step, "val_ppl": ppl, "val_state_rms": ppl / 10})]
         (runs / run_id / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (runs / "a-s0" / "summary.json").write_text("{}")
     cache = tmp_path / "curves.json"
     curves = validation_curves(runs, cache)
     assert curves["a-s0"] == {"steps_done": 300, "finished": True, "val": {"100": 50.0, "200": 30.0, "300": 20.0}}
     assert curves["a-s1"]["finished"] is False and curves["a-s1"]["steps_done"] == 200
+    rms = validation_curves(runs, tmp_path / "rms.json", extra=["val_state_rms"])
+    assert rms["a-s0"]["val_state_rms"] == {"100": 5.0, "200": 3.0, "300": 2.0} and rms["a-s0"]["val"] == curves["a-s0"]["val"]
+    assert curves_by_variant(rms, "val_state_rms")["b"] == {100: [4.0], 200: [4.0], 300: [3.0]}
     # the cache keeps the curves when the run folders are gone
     import shutil
 

@@ -59,16 +59,17 @@ def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *,
             f"(boot. {s.bootstrap[0]:+.{digits}f}, {s.bootstrap[1]:+.{digits}f})", judged)
 
 
-def validation_curves(runs_dir: str | Path, cache: str | Path) -> dict[str, dict]:
+def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[str] = ()) -> dict[str, dict]:
     """Validation learning curves of a sweep's runs, merged into (and written back to) ``cache``.
 
     Args:
         runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/metrics.jsonl``); may be missing.
         cache: JSON file holding the curves collected so far; a run folder present now replaces its entry.
+        extra: other logged metrics to keep per step (e.g. ``val_state_rms``), each under its own name.
 
     Returns:
         ``{run_id: {"steps_done": last logged step, "finished": summary.json exists,
-        "val": {str(step): val_ppl}}}``.
+        "val": {str(step): val_ppl}, <extra metric>: {str(step): value}}}``.
 
     Raises:
         json.JSONDecodeError: a damaged cache or metrics line. OSError: ``cache`` cannot be written.
@@ -80,24 +81,27 @@ def validation_curves(runs_dir: str | Path, cache: str | Path) -> dict[str, dict
         m = run / "metrics.jsonl"
         if not m.exists():
             continue
-        val, last = {}, 0
+        series: dict[str, dict[str, float]] = {"val": {}, **{k: {} for k in extra}}
+        last = 0
         for line in m.read_text().splitlines():
             rec = json.loads(line)
             last = max(last, int(rec.get("step", 0)))
-            if rec.get("val_ppl") is not None:
-                val[str(rec["step"])] = rec["val_ppl"]
-        curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), "val": val}
+            for key, name in (("val", "val_ppl"), *((k, k) for k in extra)):
+                if rec.get(name) is not None:
+                    series[key][str(rec["step"])] = rec[name]
+        curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), **series}
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
     return curves
 
 
-def curves_by_variant(curves: Mapping[str, Mapping]) -> dict[str, dict[int, list[float]]]:
-    """``{variant: {step: [val_ppl per seed]}}`` of :func:`validation_curves` (run id ``<variant>-s<seed>``)."""
+def curves_by_variant(curves: Mapping[str, Mapping], key: str = "val") -> dict[str, dict[int, list[float]]]:
+    """``{variant: {step: [value per seed]}}`` of one series of :func:`validation_curves` (``key``: ``"val"``
+    for val_ppl, or an ``extra`` metric; run id ``<variant>-s<seed>``)."""
     out: dict[str, dict[int, list[float]]] = {}
     for run_id, c in sorted(curves.items()):
         variant = run_id.rsplit("-s", 1)[0]
-        for step, v in c["val"].items():
+        for step, v in c.get(key, {}).items():
             out.setdefault(variant, {}).setdefault(int(step), []).append(float(v))
     return out
 

@@ -1,0 +1,118 @@
+"""Summary of the longer, 3-seed readout-blind-spot sweep (issue 11 §3; sweep `readout-long`, long.toml).
+
+Reads experiments/readout-cpu/long/results.db (Brown test PPL per loop) and, where the run folders exist,
+each run's diagnose/diagnose.json (the `scale` section: per-loop RMS and L2 norms, radial-gradient
+fraction) and metrics.jsonl (validation PPL and `val_state_rms`, the last loop's RMS, every 100 steps).
+Both are kept in committed JSON files (scale.json, curves.json) so the summary survives without the run
+folders. Writes long/results.md and long/norm_drift.png.
+
+The paper's claims (SPEC §10; the readout-blind-spot paper, §4): an RMSNorm readout hides the state's
+scale from the loss (radial-gradient fraction ~1e-8 against ~1e-2 raw); per-loop CE + RMSNorm drifts to
+huge final-loop norms (~4×10⁴–6×10⁴, perhaps L2), the norm penalty keeps them at 17–27 and raw readouts
+stay in the tens. Paired comparisons are over seeds (looplm.analysis.stats.claim_verdict; ≥ 3 seeds,
+provisional below); the rule was fixed before the runs finished.
+
+Run: python experiments/readout-cpu/long_summary.py     (any time: it reports the seeds stored so far)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
+                                    plot_mean_curves, status_table, sweep_cells, validation_curves)
+
+EXP = Path(__file__).parent / "long"
+SWEEP = "readout-long"
+ORDER = ["terminal-rmsnorm", "terminal-raw", "per_loop-rmsnorm", "per_loop-raw", "per_loop-rmsnorm-penalty",
+         "per_loop-final_only_norm"]
+K = 4
+
+
+def load_scale() -> dict[str, dict]:
+    """{run_id: {"k": {k: loop record}}} from the runs' diagnose.json scale sections, kept in scale.json."""
+    path = EXP / "scale.json"
+    scale = json.loads(path.read_text()) if path.exists() else {}
+    for f in sorted((EXP / "runs").glob("*-s*/diagnose/diagnose.json")) if (EXP / "runs").is_dir() else []:
+        sc = json.loads(f.read_text()).get("scale")
+        if sc:
+            scale[f.parent.parent.name] = {"d": sc.get("d"), "k": {str(x["k"]): x for x in sc["loops"]}}
+    path.write_text(json.dumps(scale, indent=1, sort_keys=True) + "\n")
+    return scale
+
+
+def by_seed(scale: dict, variant: str, k: int, field: str) -> dict[int, float]:
+    return {int(rid.rsplit("-s", 1)[1]): rec["k"][str(k)][field] for rid, rec in scale.items()
+            if rid.rsplit("-s", 1)[0] == variant and str(k) in rec["k"] and rec["k"][str(k)].get(field) is not None}
+
+
+def main() -> None:
+    EXP.mkdir(parents=True, exist_ok=True)
+    cells, params = sweep_cells(EXP / "results.db", SWEEP) if (EXP / "results.db").exists() else ({}, {})
+    curves = validation_curves(EXP / "runs", EXP / "curves.json", extra=["val_state_rms", "val_state_rms_max"])
+    scale = load_scale()
+
+    def ppl(v: str, k: int) -> dict[int, float]:
+        return cells.get(v, {}).get(("ppl", "brown", "ppl", k), {})
+
+    lines = ["# The readout blind spot, 600 steps × 3 seeds (issue 11 §3): results so far", "",
+             "Written by `python experiments/readout-cpu/long_summary.py` from `long/results.db`, the runs' "
+             "`diagnose.json` scale sections (kept in `scale.json`) and `metrics.jsonl` (kept in `curves.json`).", "",
+             "## Status", ""] + status_table(ORDER, params, {v: ppl(v, K).keys() for v in ORDER}, curves)
+    lines += ["", f"## Final-loop norms (k = {K}; `looplm diagnose`, 2 × 8 Brown-valid windows) and Brown test PPL",
+              "", "| variant | RMS mean | RMS p99 | RMS max | L2 mean (= √d·RMS) | radial grad. fraction | "
+              "PPL k=1 | k=2 | k=3 | k=4 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for v in ORDER:
+        rad = by_seed(scale, v, K, "radial_grad_fraction")
+        rad_cell = "–" if not rad else ", ".join(f"{x:.1e}" for _, x in sorted(rad.items()))
+        lines.append(f"| `{v}` | {fmt(by_seed(scale, v, K, 'rms_mean').values(), 2)} | "
+                     f"{fmt(by_seed(scale, v, K, 'rms_p99').values(), 2)} | {fmt(by_seed(scale, v, K, 'rms_max').values(), 2)} | "
+                     f"{fmt(by_seed(scale, v, K, 'l2_mean').values(), 1)} | {rad_cell} | "
+                     + " | ".join(fmt(ppl(v, k).values()) for k in range(1, K + 1)) + " |")
+
+    drift = curves_by_variant(curves, "val_state_rms")
+    if drift:
+        lines += ["", "## Drift during training: last-loop RMS on Brown valid (`val_state_rms`, mean over seeds)", ""]
+        lines += curves_table(drift, ORDER)
+        plot_mean_curves({v: drift[v] for v in ORDER if v in drift}, EXP / "norm_drift.png",
+                         xlabel="training step (16×128 tokens each)", ylabel="last-loop hidden RMS (Brown valid)",
+                         title="readout-long: norm drift during training")
+        lines += ["", "![norm drift](norm_drift.png)"]
+
+    rms = {v: by_seed(scale, v, K, "rms_mean") for v in ORDER}
+    rows = []
+    for v, ref in (("per_loop-rmsnorm", "terminal-rmsnorm"), ("per_loop-rmsnorm", "per_loop-raw"),
+                   ("per_loop-rmsnorm", "terminal-raw")):
+        cell, judged = paired_claim(rms[v], rms[ref], digits=2, expect="positive")
+        rows.append(f"| D-{ref} | per-loop CE + RMSNorm drifts to a larger final-loop RMS than `{ref}` | "
+                    f"{fmt(rms[v].values(), 2)} vs {fmt(rms[ref].values(), 2)} | {cell} | {judged} |")
+    cell, judged = paired_claim(rms["per_loop-rmsnorm-penalty"], rms["per_loop-rmsnorm"], digits=2)
+    rows.append(f"| P | the norm penalty keeps the final-loop RMS below per-loop CE + RMSNorm's | "
+                f"{fmt(rms['per_loop-rmsnorm-penalty'].values(), 2)} vs {fmt(rms['per_loop-rmsnorm'].values(), 2)} "
+                f"| {cell} | {judged} |")
+    runs = {int(rid.rsplit("-s", 1)[1]): c["val_state_rms"] for rid, c in curves.items()
+            if rid.rsplit("-s", 1)[0] == "per_loop-rmsnorm" and c.get("val_state_rms")}
+    if runs:
+        first = min(min(map(int, c)) for c in runs.values())
+        last = max(max(map(int, c)) for c in runs.values())
+        late = {s: c[str(last)] for s, c in runs.items() if str(last) in c}
+        early = {s: c[str(first)] for s, c in runs.items() if str(first) in c}
+        cell, judged = paired_claim(late, early, digits=2, expect="positive")
+        rows.append(f"| G | per-loop CE + RMSNorm's last-loop RMS grows with training (step {last} vs step {first}) | "
+                    f"{fmt(late.values(), 2)} vs {fmt(early.values(), 2)} | {cell} | {judged} |")
+    for v in ORDER:
+        rad = by_seed(scale, v, K, "radial_grad_fraction")
+        if rad:
+            rows.append(f"| R-{v} | radial-gradient fraction: ≈ 0 with an RMSNorm readout, ~1e-2 raw | "
+                        f"{', '.join(f'{x:.1e}' for _, x in sorted(rad.items()))} | – | "
+                        f"{'≈ 0 (< 1e-6)' if max(rad.values()) < 1e-6 else 'clearly nonzero'} |")
+    lines += ["", "## Claims", "", "| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) "
+              "| verdict |", "|---|---|---|---|---|"] + rows
+    text = "\n".join(lines) + "\n"
+    (EXP / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
