@@ -74,7 +74,7 @@ def main() -> None:
     drift = curves_by_variant(curves, "val_state_rms")
     if drift:
         lines += ["", "## Drift during training: last-loop RMS on Brown valid (`val_state_rms`, mean over seeds)", ""]
-        lines += curves_table(drift, ORDER)
+        lines += curves_table(drift, ORDER, digits=2)
         plot_mean_curves({v: drift[v] for v in ORDER if v in drift}, EXP / "norm_drift.png",
                          xlabel="training step (16×128 tokens each)", ylabel="last-loop hidden RMS (Brown valid)",
                          title="readout-long: norm drift during training")

@@ -135,9 +135,10 @@ def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping
     return lines
 
 
-def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: list[str]) -> list[str]:
-    """Markdown table of :func:`curves_by_variant` (mean over seeds per step, the seed count in brackets
-    where a step has fewer seeds than the variant's most) and the :func:`settled_ranking` sentence."""
+def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: list[str], digits: int = 0) -> list[str]:
+    """Markdown table of :func:`curves_by_variant` (mean over seeds per step with ``digits`` decimals, the
+    seed count in brackets where a step has fewer seeds than the variant's most) and the
+    :func:`settled_ranking` sentence."""
     steps = sorted({s for d in by_variant.values() for s in d})
     lines = ["| variant | " + " | ".join(map(str, steps)) + " |", "|---|" + "---:|" * len(steps)]
     for v in [v for v in order if v in by_variant]:
@@ -145,7 +146,7 @@ def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: lis
         cells = []
         for s in steps:
             vals = by_variant[v].get(s, [])
-            cells.append("–" if not vals else f"{statistics.mean(vals):.0f}"
+            cells.append("–" if not vals else f"{statistics.mean(vals):.{digits}f}"
                          + (f" [{len(vals)}]" if len(vals) != most else ""))
         lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
     settled = settled_ranking({v: d for v, d in by_variant.items() if v in order})
