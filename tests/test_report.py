@@ -237,7 +237,8 @@ def test_claim_tables_and_plot(tmp_path):
     curves = {"a-s0": {"steps_done": 300, "finished": True, "val": {}},
               "a-s1": {"steps_done": 170, "finished": False, "val": {}}}
     rows = status_table(["a", "b"], {"a": 1234}, {"a": [0]}, curves)
-    assert rows[2:] == ["| `a` | 1,234 | 0 | seed 1 (170) |", "| `b` | 0 | – | – |"]
+    assert rows[2:] == ["| `a` | 1,234 | 0 | seed 1 (170) |", "| `b` | – | – | – |"]
+    assert status_table(["a"], {}, {}, {})[0].startswith("**Not run yet:**")
     by = {"a": {100: [50.0, 52.0], 200: [30.0]}, "b": {100: [40.0], 200: [40.0]}}
     table = curves_table(by, ["a", "b"])
     assert table[:4] == ["| variant | 100 | 200 |", "|---|---:|---:|", "| `a` | 51 | 30 [1] |", "| `b` | 40 | 40 |"]

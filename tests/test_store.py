@@ -184,3 +184,10 @@ def test_sweep_cells_group_a_sweeps_evaluations_by_variant(tmp_path):
     assert params == {"looped": 123}
     assert cells == {"looped": {("ppl", "brown", "ppl", 8): {0: 10.0, 1: 11.0}, ("ppl", "brown", "nll", 8): {0: 2.0, 1: 2.0}}}
     assert sweep_cells(tmp_path / "r.db", "other") == ({}, {})
+    # read-only: a missing or empty database stays as it is
+    assert sweep_cells(tmp_path / "none.db", "s") == ({}, {}) and not (tmp_path / "none.db").exists()
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "empty.db").close()
+    size = (tmp_path / "empty.db").stat().st_size
+    assert sweep_cells(tmp_path / "empty.db", "s") == ({}, {}) and (tmp_path / "empty.db").stat().st_size == size

@@ -38,7 +38,8 @@ def load_convergence() -> dict[str, dict]:
         if c:
             conv[f.parent.parent.name] = {k: c.get(k) for k in ("depth_mean", "never_fraction", "spearman", "tau",
                                                                   "r_obs")}
-    path.write_text(json.dumps(conv, indent=1, sort_keys=True) + "\n")
+    if conv:
+        path.write_text(json.dumps(conv, indent=1, sort_keys=True) + "\n")
     return conv
 
 
@@ -50,6 +51,9 @@ def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:
 def main() -> None:
     cells, params = sweep_cells(EXP / "results.db", SWEEP)
     curves = validation_curves(EXP / "runs", EXP / "curves.json")
+    if not params and not curves:
+        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+        return
     conv = load_convergence()
 
     def c(v, protocol, metric, depth):

@@ -38,7 +38,8 @@ def load_scale() -> dict[str, dict]:
         sc = json.loads(f.read_text()).get("scale")
         if sc:
             scale[f.parent.parent.name] = {"d": sc.get("d"), "k": {str(x["k"]): x for x in sc["loops"]}}
-    path.write_text(json.dumps(scale, indent=1, sort_keys=True) + "\n")
+    if scale:
+        path.write_text(json.dumps(scale, indent=1, sort_keys=True) + "\n")
     return scale
 
 
@@ -48,9 +49,11 @@ def by_seed(scale: dict, variant: str, k: int, field: str) -> dict[int, float]:
 
 
 def main() -> None:
-    EXP.mkdir(parents=True, exist_ok=True)
-    cells, params = sweep_cells(EXP / "results.db", SWEEP) if (EXP / "results.db").exists() else ({}, {})
+    cells, params = sweep_cells(EXP / "results.db", SWEEP)
     curves = validation_curves(EXP / "runs", EXP / "curves.json", extra=["val_state_rms", "val_state_rms_max"])
+    if not params and not curves:
+        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+        return
     scale = load_scale()
 
     def ppl(v: str, k: int) -> dict[int, float]:

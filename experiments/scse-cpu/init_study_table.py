@@ -8,7 +8,6 @@ experiments/scse-cpu/init-study/README.md between the init-study-table markers)
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path

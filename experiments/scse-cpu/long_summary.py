@@ -129,6 +129,9 @@ def curves_section(curves: dict) -> list[str]:
 def main() -> None:
     cells, params = sweep_cells(EXP / "results.db", SWEEP)
     curves = validation_curves(EXP / "runs", EXP / "curves.json")
+    if not params and not curves:
+        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+        return
     done = {v: cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {}).keys() for v in ORDER}
     lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
              "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "

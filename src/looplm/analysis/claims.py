@@ -64,7 +64,8 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
 
     Args:
         runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/metrics.jsonl``); may be missing.
-        cache: JSON file holding the curves collected so far; a run folder present now replaces its entry.
+        cache: JSON file holding the curves collected so far; a run folder present now replaces its entry
+            (not written while there are no curves).
         extra: other logged metrics to keep per step (e.g. ``val_state_rms``), each under its own name.
 
     Returns:
@@ -90,8 +91,9 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
                 if rec.get(name) is not None:
                     series[key][str(rec["step"])] = rec[name]
         curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), **series}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
+    if curves:  # nothing to keep: no file
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
     return curves
 
 
@@ -125,12 +127,17 @@ def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tupl
 def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping[str, Iterable[int]],
                  curves: Mapping[str, Mapping]) -> list[str]:
     """Markdown rows of a sweep's progress: per variant its parameter count, the seeds with stored test
-    evaluations and the runs still training (seed and last logged step, from :func:`validation_curves`)."""
-    lines = ["| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
+    evaluations and the runs still training (seed and last logged step, from :func:`validation_curves`);
+    a first line says so when nothing has run yet."""
+    lines = []
+    if not params and not curves:
+        lines = ["**Not run yet:** the results database holds no run of this sweep and no run folder exists.", ""]
+    lines += ["| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
     for v in order:
         prog = [f"seed {rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
                 if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
-        lines.append(f"| `{v}` | {params.get(v, 0):,} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
+        n = f"{params[v]:,}" if params.get(v) else "–"
+        lines.append(f"| `{v}` | {n} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
                      f"| {', '.join(prog) or '–'} |")
     return lines
 
@@ -187,23 +194,36 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 
 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
-    """A sweep's stored evaluations by variant: ``({variant: {(protocol, dataset, metric, depth):
-    {seed: value}}}, {variant: parameter count})``; missing (null) values are left out.
+    """A sweep's stored evaluations by variant, read without writing (a summary never creates or
+    alters a results database): ``({variant: {(protocol, dataset, metric, depth): {seed: value}}},
+    {variant: parameter count})``; missing (null) values are left out. A database that does not exist
+    yet, or holds no tables yet, gives ``({}, {})``.
 
     Raises:
-        looplm.analysis.store.ResultStoreError: ``db`` is not a results database.
+        sqlite3.DatabaseError: ``db`` is not an SQLite database.
     """
-    from looplm.analysis.store import ResultStore
+    import sqlite3
 
+    db = Path(db)
     cells: dict = {}
     params: dict = {}
-    with ResultStore(db) as store:
-        runs = {(r.config_hash, r.seed): r for r in store.runs(sweep)}
-        for r in runs.values():
-            params[r.variant] = r.params
-        for row in store.evaluations():
-            run = runs.get((row["config_hash"], row["seed"]))
-            if run is not None and row["value"] is not None:
-                key = (row["protocol"], row["dataset"], row["metric"], row["depth"])
-                cells.setdefault(run.variant, {}).setdefault(key, {})[row["seed"]] = row["value"]
+    if not db.exists():
+        return cells, params
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not {"runs", "evaluations"} <= tables:
+            return cells, params
+        runs = {}
+        for variant, seed, chash, n in con.execute(
+                "SELECT variant, seed, config_hash, params FROM runs WHERE sweep = ?", (sweep,)):
+            runs[(chash, seed)] = variant
+            params[variant] = n
+        for chash, seed, protocol, dataset, metric, depth, value in con.execute(
+                "SELECT config_hash, seed, protocol, dataset, metric, depth, value FROM evaluations"):
+            variant = runs.get((chash, seed))
+            if variant is not None and value is not None:
+                cells.setdefault(variant, {}).setdefault((protocol, dataset, metric, depth), {})[seed] = value
+    finally:
+        con.close()
     return cells, params
