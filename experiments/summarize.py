@@ -48,6 +48,14 @@ def mean_std(values) -> str:
 
 
 def runs(exp: Path) -> dict[str, Path]:
+    """{run id: run folder} of the finished runs under ``exp/runs``.
+
+    Raises:
+        SystemExit: no ``runs`` folder (run folders are not committed: re-run the sweep first).
+    """
+    if not (exp / "runs").is_dir():
+        raise SystemExit(f"{exp / 'runs'}: missing. This summary reads the run folders, which are not committed; "
+                         f"re-run the sweep (see {exp / 'README.md'}) first.")
     return {p.name: p for p in sorted((exp / "runs").iterdir()) if (p / "summary.json").exists()}
 
 
@@ -236,6 +244,14 @@ def deeploop() -> None:
         ref = depth["pre_ln-R3"]
         lines += ["", "Pre-norm reference (rule plain, pre_ln, untied, R = 3, 150 steps): val loss "
                   + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
+    lines += ["", "![p-sweep](p_sweep.png)"]
+    if not any(r["run"] is not None for d in (tied, untied, depth, tied64) for v in d.values() for r in v.values()):
+        # the training curves come from the run folders (not committed): keep the figure drawn with them
+        print("p_sweep.png left as it is: its training-curve panels need the run folders, which are not here",
+              file=sys.stderr)
+        (exp / "results.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     ax = axes[0]
     for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (b_pts, "+", "tied, 4× batch, 300 steps"),
@@ -252,7 +268,6 @@ def deeploop() -> None:
             "training curves, untied (all seeds; black: pre-LN)")
     fig.tight_layout()
     fig.savefig(exp / "p_sweep.png", dpi=120)
-    lines += ["", "![p-sweep](p_sweep.png)"]
     (exp / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -310,5 +325,9 @@ def readout() -> None:
     print("\n".join(lines))
 
 
+MODES = {"huginn": huginn, "deeploop": deeploop, "readout": readout}
+
 if __name__ == "__main__":
-    {"huginn": huginn, "deeploop": deeploop, "readout": readout}[sys.argv[1]]()
+    if len(sys.argv) != 2 or sys.argv[1] not in MODES:
+        raise SystemExit(f"usage: python experiments/summarize.py {{{'|'.join(MODES)}}}\n" + __doc__.split("\n\n")[1])
+    MODES[sys.argv[1]]()
