@@ -276,3 +276,23 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys):
     assert out["digits"] == 2 and out["problems"] == 4
     with pytest.raises(SystemExit):
         main(["rl", "train", "--out", str(tmp_path / "x")])  # --checkpoint needed without --resume
+    # the task comes from the base's task.json; a checkpoint that is not an `rl pretrain` base is refused
+    import shutil
+
+    from looplm.rl.runner import _task_of
+    from looplm.train.checkpoint import newest_valid_checkpoint
+
+    ckpt = newest_valid_checkpoint(base)
+    assert _task_of(ckpt, None, None).digits == 2
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    (other / "task.json").unlink()
+    ock = newest_valid_checkpoint(other)
+    with pytest.raises(ValueError, match="no task.json.*--digits"):
+        _task_of(ock, None, None)
+    assert _task_of(ock, None, 3).digits == 3
+    tok = json.loads((ock / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["x"] = len(tok["model"]["vocab"])
+    (ock / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="not the RL task's character vocabulary"):
+        _task_of(ock, "addition", 3)

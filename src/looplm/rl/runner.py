@@ -149,14 +149,29 @@ def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature
 
 
 def _task_of(ckpt: Path, task: str | None, digits: int | None):
-    """The task a checkpoint was pretrained on (its run's task.json), unless given."""
+    """The task a checkpoint was pretrained on (its run's task.json), unless given.
+
+    Raises:
+        ValueError: the checkpoint's tokenizer is not the task vocabulary (not a `looplm rl pretrain`
+            model), or it has no task.json and ``digits`` is not given.
+    """
+    from looplm.rl.task import VOCAB
+    from looplm.train.checkpoint import TOKENIZER_FILE
+
+    tok = ckpt / TOKENIZER_FILE
+    vocab = json.loads(tok.read_text()).get("model", {}).get("vocab") if tok.exists() else None
+    if vocab != VOCAB:
+        raise ValueError(f"checkpoint {ckpt}: its tokenizer is not the RL task's character vocabulary "
+                         f"({len(VOCAB)} tokens); RL post-training needs a base model from `looplm rl pretrain`")
     spec = {}
     for folder in (ckpt, ckpt.parent.parent):
         if (folder / "task.json").exists():
             spec = json.loads((folder / "task.json").read_text())
             break
+    if digits is None and "digits" not in spec:
+        raise ValueError(f"checkpoint {ckpt}: no task.json next to it to say the task's width; give --digits")
     name = task or spec.get("task", "addition")
-    return build_task(name, digits=digits if digits is not None else spec.get("digits", 2))
+    return build_task(name, digits=digits if digits is not None else spec["digits"])
 
 
 def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int = 8, temperature: float = 1.0,
