@@ -213,3 +213,15 @@ def test_doc_args_reads_google_style_args():
             nothing: really.
         """
     assert doc_args(f) == {"a": "the first continued.", "b": "both.", "c": "both."}
+
+
+def test_top_level_help_imports_no_torch():
+    """`looplm --help` builds only the command list (README: it starts at once): no torch, numpy or
+    tokenizers import, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom looplm.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'tokenizers', 'safetensors', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

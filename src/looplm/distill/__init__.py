@@ -15,12 +15,19 @@ R with terminal KV sharing.
 - :mod:`~looplm.distill.evaluate`: continuation PPL after each prefill path (``looplm eval distill``).
 """
 
-from looplm.distill.config import DistillConfig, StudentRecord, TeacherRef
-from looplm.distill.loss import distill_loss
-from looplm.distill.prefill import distilled_prefill, prefill_paths
-from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir, load_student,
-                                    teacher_fingerprint)
+import importlib
 
-__all__ = ["DistillConfig", "StudentRecord", "TeacherRef", "distill_loss", "distilled_prefill", "prefill_paths",
-           "Student", "StudentMismatchError", "build_student", "default_student_dir", "load_student",
-           "teacher_fingerprint"]
+#: public name → submodule; imported on first use, so `looplm --help` (which imports
+#: looplm.distill.commands) does not pull in torch
+_EXPORTS = {"DistillConfig": "config", "StudentRecord": "config", "TeacherRef": "config",
+            "distill_loss": "loss", "distilled_prefill": "prefill", "prefill_paths": "prefill",
+            "Student": "student", "StudentMismatchError": "student", "build_student": "student",
+            "default_student_dir": "student", "load_student": "student", "teacher_fingerprint": "student"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"looplm.distill.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'looplm.distill' has no attribute {name!r}")
