@@ -319,3 +319,9 @@ def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_i
     from looplm.demo import readme_table
 
     assert "| `looped` |" in readme_table(fresh)  # the README renderer reads a fresh results.json
+    # an unknown rule is refused before any work: no output folder, no data preparation
+    from looplm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.rule: got 'nosuch'"):
+        run_demo(tmp_path / "never", **{**kwargs, "rules": "looped,nosuch"})
+    assert not (tmp_path / "never").exists()

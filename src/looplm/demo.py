@@ -88,10 +88,14 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
     JSON: a non-finite PPL is null and listed under ``"nonfinite"``). ``preset``: the model and training
     config (``cpu``; tests use ``debug``)."""
     t0 = time.time()
+    rule_list = [r.strip() for r in rules.split(",") if r.strip()]
+    if not rule_list:
+        raise ConfigError(f"rules: give at least one recurrence rule, got {rules!r}")
+    base = get_preset(preset)
+    for rule in rule_list:  # a bad rule name fails here, before any work
+        base.model.replace(rule=rule)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rule_list = [r.strip() for r in rules.split(",") if r.strip()]
-    base = get_preset(preset)
     if steps is not None:
         base = base.replace(train=base.train.replace(steps=steps, ckpt_every=max(1, steps // 3),
                                                      eval_every=max(1, steps // 3),
