@@ -295,3 +295,14 @@ def test_unigram_ppl_hand_computed():
     # add-one counts on train [0, 0, 1] with V=3: p = (3, 2, 1)/6; test targets (0, 1).
     ppl = unigram_ppl(np.array([0, 0, 1]), np.array([2, 0, 1]), 3)
     assert ppl == pytest.approx(np.exp(-(np.log(3 / 6) + np.log(2 / 6)) / 2))
+
+
+def test_tokenizing_progress_bar_follows_progress(gpt2, capsys):
+    """The tokenizing bar (shown above 1M characters) is off with progress=False (`--quiet`); the ids
+    are the same either way."""
+    docs = ["the cat sat on the mat. " * 45_000]  # 1.08M characters
+    quiet = np.concatenate(list(tokens_mod.encode_documents(docs, gpt2, progress=False)))
+    assert capsys.readouterr().err == ""
+    loud = np.concatenate(list(tokens_mod.encode_documents(docs, gpt2)))
+    assert "tokenizing" in capsys.readouterr().err
+    assert np.array_equal(quiet, loud)

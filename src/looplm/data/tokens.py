@@ -39,18 +39,19 @@ def tokens_cache_path(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Pa
     return Path(cache_dir) / "tokens" / f"{cfg.dataset}-{split}-{key.hexdigest()[:16]}.bin"
 
 
-def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing") -> Iterator[np.ndarray]:
+def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing",
+                     progress: bool = True) -> Iterator[np.ndarray]:
     """Yield the token ids of ``docs`` in order, with ``<|endoftext|>`` between documents.
 
     Each document is cut with :func:`looplm.data.tokenizer.text_chunks` (~64K chars, cuts only where
     they do not change the ids) and encoded with ``encode_batch`` in groups of ~4M chars. Decoding the
     stream gives back the documents joined by ``<|endoftext|>``. A tqdm bar (in characters) is shown
-    above 1M characters.
+    above 1M characters unless ``progress`` is False.
     """
     dtype = token_dtype(tok.get_vocab_size())
     eot = np.array([eot_id(tok)], dtype=dtype)
     total = sum(len(d) for d in docs)
-    bar = tqdm(total=total, unit="char", unit_scale=True, desc=desc, disable=total <= _PROGRESS_CHARS)
+    bar = tqdm(total=total, unit="char", unit_scale=True, desc=desc, disable=not progress or total <= _PROGRESS_CHARS)
     group: list[str] = []  # chunks of possibly many documents, encoded in one parallel call
     eot_after: list[bool] = []  # chunk i ends a document that is followed by another one
 
@@ -84,7 +85,8 @@ def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path) -> np.ndarray:
+def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path, *,
+                progress: bool = True) -> np.ndarray:
     """The token stream of ``split`` as a read-only 1-D memmap (uint16 or uint32, see module doc).
 
     Built on first use (documents of :func:`~looplm.data.corpora.load_split_documents`, EOT between
@@ -100,7 +102,7 @@ def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, ca
     if not path.is_file():
         docs = load_split_documents(cfg, split, data_root)
         with atomic_write(path) as f:
-            for ids in encode_documents(docs, tok, desc=f"tokenizing {cfg.dataset}/{split}"):
+            for ids in encode_documents(docs, tok, desc=f"tokenizing {cfg.dataset}/{split}", progress=progress):
                 f.write(ids.tobytes())
     return _open_tokens(path, dtype)
 

@@ -102,8 +102,8 @@ def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
     root = resolve_data_root(cfg.data.data_root)
     cache = resolve_cache_dir(cfg.data.cache_dir)
     tok = get_tokenizer(cfg.data, root, cache)
-    train = load_tokens(cfg.data, "train", tok, root, cache)
-    valid = load_tokens(cfg.data, "valid", tok, root, cache)
+    train = load_tokens(cfg.data, "train", tok, root, cache, progress=progress)
+    valid = load_tokens(cfg.data, "valid", tok, root, cache, progress=progress)
     return TrainData(train=train, valid=valid, tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size())
 
 
