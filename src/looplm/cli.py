@@ -79,8 +79,9 @@ def in_file(text: str) -> Path:
 
 
 SPLITS = ("train", "valid", "test")
-DATASET_HELP = ("brown, wikitext2, wikitext103, text, openwebtext or c4 (the last two from the Hugging Face hub, "
-                "online; default: the checkpoint's training corpus)")
+DATASET_HELP = ("brown, wikitext2, wikitext103, openwebtext or c4 (the last two from the Hugging Face hub, "
+                "online; default: the checkpoint's training corpus, which may also be a text or hf corpus: its "
+                "paths are in the checkpoint's config)")
 DEVICE_HELP = "cpu, cuda or cuda:N"
 
 
