@@ -194,6 +194,11 @@ def test_format2_round_trip_is_strict(tmp_path, capsys):
     path.write_text(json.dumps(small))
     assert main(["info", "--config", str(path)]) == 2
     assert "model.d_model: missing" in capsys.readouterr().err
+    # --preset with --config: one starting config, not a silently ignored preset
+    path.write_text(Config(model=ModelConfig(d_model=64, n_heads=2)).to_json())
+    assert main(["info", "--config", str(path), "--preset", "cpu"]) == 2
+    assert "--preset and --config: give one starting config" in capsys.readouterr().err
+    assert main(["info", "--config", str(path)]) == 0 and '"d_model": 64' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "model.dropout", "model.options.eps",

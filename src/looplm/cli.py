@@ -138,8 +138,8 @@ def check_report_out(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- config-driven commands
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="cpu", help="named config to start from (see `looplm info --list`); "
-                   "default: cpu")
+    p.add_argument("--preset", default=None, help="named config to start from (see `looplm info --list`); "
+                   "default: cpu; not with --config")
     p.add_argument("--config", type=in_file, metavar="FILE.json",
                    help="a config file (JSON, as written into every checkpoint) to start from instead of a preset")
     p.add_argument("--print_config", "--print-config", action="store_true",
@@ -152,13 +152,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _config_from_args(args: argparse.Namespace) -> Config:
     from looplm.presets import get_preset
 
+    if args.config and args.preset:
+        raise ConfigError("--preset and --config: give one starting config, not both (--config FILE.json "
+                          "already holds a whole config)")
     if args.config:
         try:
             cfg = Config.from_json(args.config.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--config {args.config}: {exc}") from None
     else:
-        cfg = get_preset(args.preset)
+        cfg = get_preset(args.preset or "cpu")
     overrides: dict[str, Any] = dict(getattr(args, "config_overrides", {}))
     if getattr(args, "name", None):
         overrides["name"] = args.name
@@ -190,7 +193,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     with torch.device("meta"):
         model = build_model(cfg.model)
-    info = {"preset": args.preset if not args.config else str(args.config), "name": cfg.name,
+    info = {"preset": (args.preset or "cpu") if not args.config else str(args.config), "name": cfg.name,
             "params": model.num_params(), "params_millions": round(model.num_params() / 1e6, 2),
             "flops_per_token": {str(T): flops_per_token(cfg.model, T) for T in args.depths},
             "config": cfg.to_dict()}
