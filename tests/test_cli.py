@@ -166,6 +166,8 @@ def test_old_eval_forms_map_to_protocols(capsys):
         eval_compat(["eval", "--task", "perplexity"])
     with pytest.raises(CliError, match="does not combine with --task lambada"):
         eval_compat(["eval", "--task", "lambada", "--kv-sharing", "terminal"])
+    with pytest.raises(CliError, match="eval: unknown protocol 'nosuch'; allowed: ppl, kv-sharing"):
+        eval_compat(["eval", "nosuch", "--checkpoint", "c"])
 
 
 def test_eval_options_come_from_the_driven_functions():

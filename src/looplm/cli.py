@@ -434,6 +434,9 @@ def eval_compat(argv: list[str]) -> list[str]:
     """
     if len(argv) < 2 or argv[0] != "eval" or argv[1] in EVAL_PROTOCOLS or argv[1] in ("-h", "--help"):
         return argv
+    if not argv[1].startswith("-"):  # a word where the protocol goes
+        raise CliError(f"eval: unknown protocol {argv[1]!r}; allowed: {', '.join(EVAL_PROTOCOLS)} "
+                       "(`looplm eval PROTOCOL --help`)")
     task = kv = None
     rest: list[str] = []
     i = 1
