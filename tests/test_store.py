@@ -191,3 +191,10 @@ def test_sweep_cells_group_a_sweeps_evaluations_by_variant(tmp_path):
     sqlite3.connect(tmp_path / "empty.db").close()
     size = (tmp_path / "empty.db").stat().st_size
     assert sweep_cells(tmp_path / "empty.db", "s") == ({}, {}) and (tmp_path / "empty.db").stat().st_size == size
+    # a summary's loader: None (and nothing written) for a sweep that has not run
+    from looplm.analysis.claims import sweep_results
+
+    assert sweep_results(tmp_path / "nowhere", "s") is None and not (tmp_path / "nowhere").exists()
+    (tmp_path / "results.db").write_bytes((tmp_path / "r.db").read_bytes())
+    cells2, params2, curves = sweep_results(tmp_path, "s")
+    assert (cells2, params2, curves) == (cells, params, {})

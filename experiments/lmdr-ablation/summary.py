@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
-                                    plot_mean_curves, status_table, sweep_cells, validation_curves)
+                                    plot_mean_curves, status_table, sweep_results)
 from looplm.analysis.stats import MIN_VERDICT_PAIRS
 
 EXP = Path(__file__).parent
@@ -49,11 +49,10 @@ def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:
 
 
 def main() -> None:
-    cells, params = sweep_cells(EXP / "results.db", SWEEP)
-    curves = validation_curves(EXP / "runs", EXP / "curves.json")
-    if not params and not curves:
-        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+    loaded = sweep_results(EXP, SWEEP)
+    if loaded is None:
         return
+    cells, params, curves = loaded
     conv = load_convergence()
 
     def c(v, protocol, metric, depth):

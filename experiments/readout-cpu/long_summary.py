@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
-                                    plot_mean_curves, status_table, sweep_cells, validation_curves)
+                                    plot_mean_curves, status_table, sweep_results)
 
 EXP = Path(__file__).parent / "long"
 SWEEP = "readout-long"
@@ -49,11 +49,10 @@ def by_seed(scale: dict, variant: str, k: int, field: str) -> dict[int, float]:
 
 
 def main() -> None:
-    cells, params = sweep_cells(EXP / "results.db", SWEEP)
-    curves = validation_curves(EXP / "runs", EXP / "curves.json", extra=["val_state_rms", "val_state_rms_max"])
-    if not params and not curves:
-        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+    loaded = sweep_results(EXP, SWEEP, extra=["val_state_rms", "val_state_rms_max"])
+    if loaded is None:
         return
+    cells, params, curves = loaded
     scale = load_scale()
 
     def ppl(v: str, k: int) -> dict[int, float]:

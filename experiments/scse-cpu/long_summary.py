@@ -27,8 +27,7 @@ import statistics
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt,
-                                    paired_claim as paired, plot_mean_curves, status_table, sweep_cells,
-                                    validation_curves)
+                                    paired_claim as paired, plot_mean_curves, status_table, sweep_results)
 from looplm.analysis.stats import MIN_VERDICT_PAIRS
 
 HERE = Path(__file__).parent
@@ -127,11 +126,10 @@ def curves_section(curves: dict) -> list[str]:
 
 
 def main() -> None:
-    cells, params = sweep_cells(EXP / "results.db", SWEEP)
-    curves = validation_curves(EXP / "runs", EXP / "curves.json")
-    if not params and not curves:
-        print(f"{SWEEP}: not run yet (no run in {EXP / 'results.db'} and no run folder); nothing written.")
+    loaded = sweep_results(EXP, SWEEP)
+    if loaded is None:
         return
+    cells, params, curves = loaded
     done = {v: cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {}).keys() for v in ORDER}
     lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
              "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "

@@ -227,3 +227,17 @@ def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[
     finally:
         con.close()
     return cells, params
+
+
+def sweep_results(exp: str | Path, sweep: str, extra: Iterable[str] = ()) -> tuple[dict, dict, dict] | None:
+    """What a summary of the sweep in folder ``exp`` reads: ``(cells, params)`` of :func:`sweep_cells`
+    (``exp/results.db``) and the curves of :func:`validation_curves` (``exp/runs``, cached in
+    ``exp/curves.json``, with the ``extra`` series). None, after saying so on stdout, when the sweep has
+    not run yet (no stored run and no run folder): a summary then writes nothing."""
+    exp = Path(exp)
+    cells, params = sweep_cells(exp / "results.db", sweep)
+    curves = validation_curves(exp / "runs", exp / "curves.json", extra=extra)
+    if not params and not curves:
+        print(f"{sweep}: not run yet (no run in {exp / 'results.db'} and no run folder); nothing written.")
+        return None
+    return cells, params, curves
