@@ -231,6 +231,28 @@ def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
     assert settled_ranking({"a": {100: [1.0]}, "b": {200: [1.0]}}) is None
 
 
+def test_diagnose_sections_cache_survives_run_folders(tmp_path):
+    from looplm.analysis.claims import diagnose_sections
+
+    runs = tmp_path / "runs"
+    docs = {"a-s0": {"scale": {"d": 8, "loops": [{"k": 1, "rms": 2.0}, {"k": 4, "rms": 3.5}]}},
+            "a-s1": {"scale": {}}, "b-s0": {"convergence": {"tau": 0.5}}}
+    for run_id, doc in docs.items():
+        (runs / run_id / "diagnose").mkdir(parents=True)
+        (runs / run_id / "diagnose" / "diagnose.json").write_text(json.dumps(doc))
+    cache = tmp_path / "scale.json"
+    pick = lambda sc: {"d": sc["d"], "k": {str(x["k"]): x["rms"] for x in sc["loops"]}}  # noqa: E731
+    want = {"a-s0": {"d": 8, "k": {"1": 2.0, "4": 3.5}}}  # empty and absent sections are skipped
+    assert diagnose_sections(runs, cache, "scale", pick) == want
+    assert json.loads(cache.read_text()) == want
+    import shutil
+
+    shutil.rmtree(runs)
+    assert diagnose_sections(runs, cache, "scale", pick) == want
+    assert diagnose_sections(runs, tmp_path / "none.json", "scale", pick) == {}
+    assert not (tmp_path / "none.json").exists()
+
+
 def test_claim_tables_and_plot(tmp_path):
     from looplm.analysis.claims import curves_table, plot_mean_curves, status_table
 

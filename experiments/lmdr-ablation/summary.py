@@ -15,11 +15,10 @@ Run: python experiments/lmdr-ablation/summary.py      (any time: it reports the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
-                                    plot_mean_curves, status_table, sweep_results)
+from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
+                                    paired_claim, plot_mean_curves, status_table, sweep_results)
 from looplm.analysis.stats import MIN_VERDICT_PAIRS
 
 EXP = Path(__file__).parent
@@ -31,16 +30,9 @@ EXTRA = (8, 16, 32, 64)
 
 def load_convergence() -> dict[str, dict]:
     """{run_id: diagnose's token-convergence record} from the run folders, kept in convergence.json."""
-    path = EXP / "convergence.json"
-    conv = json.loads(path.read_text()) if path.exists() else {}
-    for f in sorted((EXP / "runs").glob("*-s*/diagnose/diagnose.json")) if (EXP / "runs").is_dir() else []:
-        c = json.loads(f.read_text()).get("convergence")
-        if c:
-            conv[f.parent.parent.name] = {k: c.get(k) for k in ("depth_mean", "never_fraction", "spearman", "tau",
-                                                                  "r_obs")}
-    if conv:
-        path.write_text(json.dumps(conv, indent=1, sort_keys=True) + "\n")
-    return conv
+    keys = ("depth_mean", "never_fraction", "spearman", "tau", "r_obs")
+    return diagnose_sections(EXP / "runs", EXP / "convergence.json", "convergence",
+                             lambda c: {k: c.get(k) for k in keys})
 
 
 def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:

@@ -17,11 +17,10 @@ Run: python experiments/readout-cpu/long_summary.py     (any time: it reports th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt, paired_claim,
-                                    plot_mean_curves, status_table, sweep_results)
+from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
+                                    paired_claim, plot_mean_curves, status_table, sweep_results)
 
 EXP = Path(__file__).parent / "long"
 SWEEP = "readout-long"
@@ -31,16 +30,9 @@ K = 4
 
 
 def load_scale() -> dict[str, dict]:
-    """{run_id: {"k": {k: loop record}}} from the runs' diagnose.json scale sections, kept in scale.json."""
-    path = EXP / "scale.json"
-    scale = json.loads(path.read_text()) if path.exists() else {}
-    for f in sorted((EXP / "runs").glob("*-s*/diagnose/diagnose.json")) if (EXP / "runs").is_dir() else []:
-        sc = json.loads(f.read_text()).get("scale")
-        if sc:
-            scale[f.parent.parent.name] = {"d": sc.get("d"), "k": {str(x["k"]): x for x in sc["loops"]}}
-    if scale:
-        path.write_text(json.dumps(scale, indent=1, sort_keys=True) + "\n")
-    return scale
+    """{run_id: {"d": d, "k": {k: loop record}}} from the runs' diagnose.json scale sections, kept in scale.json."""
+    return diagnose_sections(EXP / "runs", EXP / "scale.json", "scale",
+                             lambda sc: {"d": sc.get("d"), "k": {str(x["k"]): x for x in sc["loops"]}})
 
 
 def by_seed(scale: dict, variant: str, k: int, field: str) -> dict[int, float]:

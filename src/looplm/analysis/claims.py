@@ -6,6 +6,7 @@ and validation learning curves collected from a sweep's run folders.
 - :func:`validation_curves`: ``{run_id: {"steps_done", "finished", "val": {step: val_ppl}}}`` read from
   each run's ``metrics.jsonl`` and kept in a JSON file, so a summary still has its curves when the run
   folders (not committed) are gone.
+- :func:`diagnose_sections`: one section of each run's ``diagnose.json``, kept the same way.
 - :func:`settled_ranking`: the ranking of the variant means at the last step every variant reached, and
   the step since which it has not changed (how a budget is judged long enough, from validation data).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from looplm.analysis.stats import claim_verdict, summarize_paired
 
@@ -95,6 +96,39 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
     return curves
+
+
+def diagnose_sections(runs_dir: str | Path, cache: str | Path, section: str,
+                      pick: Callable[[Any], Any]) -> dict[str, Any]:
+    """One section of each run's ``diagnose/diagnose.json``, merged into (and written back to) ``cache``.
+
+    Run folders are not committed, so a summary keeps what it reads from them in a committed JSON file;
+    a run folder present now replaces its entry, and the cache answers once the folders are gone.
+
+    Args:
+        runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/diagnose/diagnose.json``); may be missing.
+        cache: JSON file holding the records collected so far (not written while there are none).
+        section: top-level key of ``diagnose.json`` (e.g. ``"convergence"``, ``"scale"``); runs without it
+            (or with it empty) are skipped.
+        pick: maps the section to the JSON-serializable record kept for the run.
+
+    Returns:
+        ``{run_id: pick(section)}``.
+
+    Raises:
+        json.JSONDecodeError: a damaged cache or ``diagnose.json``. OSError: ``cache`` cannot be written.
+    """
+    cache = Path(cache)
+    records = json.loads(cache.read_text()) if cache.exists() else {}
+    runs_dir = Path(runs_dir)
+    for f in sorted(runs_dir.glob("*-s*/diagnose/diagnose.json")) if runs_dir.is_dir() else []:
+        sec = json.loads(f.read_text()).get(section)
+        if sec:
+            records[f.parent.parent.name] = pick(sec)
+    if records:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
+    return records
 
 
 def curves_by_variant(curves: Mapping[str, Mapping], key: str = "val") -> dict[str, dict[int, list[float]]]:
