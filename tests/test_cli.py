@@ -128,6 +128,10 @@ def test_misspelled_config_field_and_option_get_a_suggestion(capsys):
     with pytest.raises(SystemExit):  # config overrides belong to train and info
         main(["eval", "ppl", "--checkpoint", "x", "--model.rule", "looped"])
     assert "takes no config overrides" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a valueless override is reported by the command it was given to
+        main(["train", "--preset", "debug", "--train.steps"])
+    err = capsys.readouterr().err
+    assert "usage: looplm train" in err and "looplm train: error: --train.steps: expected a value" in err
 
 
 def test_print_config_applies_overrides(capsys):

@@ -259,6 +259,20 @@ def test_missing_hook_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
     assert not (tmp_path / "out" / "runs").exists()
 
 
+def test_missing_eval_corpus_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
+    import looplm.data.corpora as corpora
+
+    monkeypatch.setattr(corpora, "_hub_available", lambda: False)  # no hub fallback: the local file decides
+    monkeypatch.setenv("LOOPLM_DATA", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    text = TOML.replace("[eval]\n", '[eval]\ndatasets = ["wikitext2"]\n').replace('"valid", "test"', '"test"')
+    path = _write_sweep(tmp_path, tiny_cfg, text)
+    with pytest.raises(SweepError, match=r"eval.datasets: wikitext2 \(test split\) of run looped-s0 cannot be "
+                                         r"evaluated: .*wiki.test.raw not found"):
+        run_sweep(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "runs").exists()
+
+
 def test_shard_and_only_selection(tmp_path, tiny_cfg):
     from looplm.sweep import parse_shard, select_runs
 

@@ -768,14 +768,25 @@ def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Names
     leaf.error(msg)
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that ``argv``'s leading words name (``parser`` when none does)."""
+    leaf = parser
+    for tok in argv:
+        subs = [a for a in leaf._actions if isinstance(a, argparse._SubParsersAction)]
+        if tok.startswith("-") or not subs or tok not in subs[0].choices:
+            break
+        leaf = subs[0].choices[tok]
+    return leaf
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         argv = eval_compat(argv)
         argv, overrides = split_config_overrides(argv)
-    except CliError as exc:
-        parser.error(str(exc))
+    except CliError as exc:  # reported by the (sub)command it was given to, with that command's usage
+        _command_parser(parser, argv).error(str(exc))
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_options_error(parser, args, extras)

@@ -743,6 +743,34 @@ def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, 
             f"--only {shlex.quote(p['run_id'])}" for p in plan]
 
 
+def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
+    """Check that every corpus split the evaluation reads can be found, before anything trains.
+
+    Uses :func:`looplm.data.corpora.source_fingerprint` (a local file's hash, or the hub source's name when
+    ``datasets`` is installed), so nothing is downloaded or tokenized here.
+
+    Raises:
+        SweepError: naming ``eval.datasets``, the dataset, the split and how to provide it.
+    """
+    from looplm.data.corpora import source_fingerprint
+    from looplm.data.paths import resolve_data_root
+
+    seen: set[tuple[str, str, str]] = set()
+    for spec in specs:
+        data = spec.config.data
+        for dataset in ev.datasets or (data.dataset,):
+            for split in ev.splits:
+                key = (dataset, split, data.data_root)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    source_fingerprint(data.replace(dataset=dataset), split, resolve_data_root(data.data_root))
+                except (FileNotFoundError, ValueError, ConfigError) as exc:
+                    raise SweepError(f"eval.datasets: {dataset} ({split} split) of run {spec.run_id} cannot be "
+                                     f"evaluated: {exc}") from None
+
+
 def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progress: bool = True,
               data: dict[str, Any] | None = None, report: bool = True, only: Sequence[str] | None = None,
               shard: tuple[int, int] | None = None) -> SweepResult:
@@ -777,6 +805,7 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
                           ("kv_sharing", sweep.eval.kv_sharing)):
         if enabled is not None:
             _hook(name)  # fail before training anything
+    _check_eval_sources(sweep.eval, specs)
     _write_sweep_json(sweep, all_specs, out)
     result = SweepResult(out=out, db=out / "results.db")
     with ResultStore(result.db) as store:
