@@ -10,11 +10,10 @@ experiments/scse-cpu/init-study/README.md between the init-study-table and embed
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
-from looplm.analysis.claims import paired_claim, sweep_cells
+from looplm.analysis.claims import mean_std_cell as fmt, paired_claim, sweep_cells
 
 HERE = Path(__file__).parent
 DB = HERE / "init-study" / "results.db"
@@ -26,14 +25,6 @@ EMBED_ORDER = ["looped_e1", "scse_e1", "adapter_e1"]
 EMBED_REFERENCE = {"looped_e1": "looped", "scse_e1": "scse_normal2", "adapter_e1": "adapter_normal2"}
 MARKERS = {"init": ("<!-- init-study-table:begin -->", "<!-- init-study-table:end -->"),
            "embed": ("<!-- embed-study-table:begin -->", "<!-- embed-study-table:end -->")}
-
-
-def fmt(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def metrics(db: Path, sweep: str) -> dict[str, dict[str, dict[int, float]]]:
