@@ -88,7 +88,8 @@ DEVICE_HELP = "cpu, cuda or cuda:N"
 def common_opts() -> dict[str, Opt]:
     """Option specs shared by the evaluation protocols (help where the function's docstring has none)."""
     return {
-        "depths": Opt(type=parse_depths, help=DEPTHS_HELP, metavar="T,T,..."),
+        "depths": Opt(type=parse_depths, metavar="T,T,...",
+                      help=DEPTHS_HELP + "; 0 reads out the rule's initial state h_0 (no core step)"),
         "dataset": Opt(help=DATASET_HELP),
         "split": Opt(choices=SPLITS, help="split"),
         "batch_size": Opt(type=positive_int, metavar="N", help="windows per forward"),
@@ -613,7 +614,9 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                    help="new tokens per prompt (default 32)")
     p.add_argument("--depth", type=positive_int, default=None, metavar="R",
-                   help="loop depth of every forward (default: the checkpoint's train.eval_depth)")
+                   help="loop depth of every forward, >= 1 (default: the checkpoint's train.eval_depth); "
+                   "generation always runs the core, the depth-0 readout of h_0 is an eval diagnostic "
+                   "(looplm eval ppl --depths 0)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) = greedy argmax")
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
