@@ -372,3 +372,33 @@ def test_compiled_decode_equals_eager_token_for_token(mode):
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = generate(compiled, [[3, 1, 4, 1, 5], [9, 2, 6]], 10, depth=3, cache_mode=mode)
     assert again.tokens == generate(eager, [[3, 1, 4, 1, 5], [9, 2, 6]], 10, depth=3, cache_mode=mode).tokens
+
+
+def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
+    """``on_depth`` with ``hook_logits=False`` (validation's state RMS) sees every h_T with None logits
+    and leaves the fused readout + loss in use; with logits hooked, the plain path computes them."""
+    from looplm.model import looped
+
+    calls = []
+    real = looped.linear_cross_entropy
+    monkeypatch.setattr(looped, "FUSED_CE", True)
+    monkeypatch.setattr(looped, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny(tie_embeddings=False)
+    torch.manual_seed(2)
+    model = build_model(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    y = x.roll(-1, 1)
+    seen = {True: [], False: []}
+    with torch.no_grad():
+        ref = model(x, depth=[1, 3], targets=y, keep_logits=False, return_states=True)
+        for hooked in (False, True):
+            calls.clear()
+            out = model(x, depth=[1, 3], targets=y, keep_logits=False, hook_logits=hooked,
+                        on_depth=lambda T, h, lg, s=seen[hooked]: s.append((T, h, lg)))
+            assert len(calls) == (0 if hooked else 2)
+            for T in (1, 3):
+                torch.testing.assert_close(out.nll_by_depth[T], ref.nll_by_depth[T], rtol=1e-6, atol=1e-6)
+    assert [T for T, _, _ in seen[False]] == [0, 1, 2, 3]
+    for T, h, lg in seen[False]:
+        assert lg is None and torch.equal(h, ref.states[T])
+    assert [lg is None for _, _, lg in seen[True]] == [True, False, True, False]

@@ -69,14 +69,17 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
     for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
         x, y, mask = x.to(device), y.to(device), mask.to(device)
         y = y.masked_fill(~mask, -100)
-        out = model(x, depth=depths, targets=y, keep_logits=False, return_states=state_rms,
+        def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # forward's on_depth hook
+            if T in rms_sum:  # reduce h_T at once: no state is kept past its step
+                rms = h.double().pow(2).mean(-1).sqrt()[mask]
+                rms_sum[T] += float(rms.sum())
+                rms_max[T] = max(rms_max[T], float(rms.max()))
+
+        out = model(x, depth=depths, targets=y, keep_logits=False,
+                    **({"on_depth": measure, "hook_logits": False} if state_rms else {}),
                     **({"scale_clamp": True} if scale_clamp else {}))
         for T in depths:
             total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
-            if state_rms:  # states[k] = h_k (h_0 is the initial state)
-                rms = out.states[T].double().pow(2).mean(-1).sqrt()[mask]
-                rms_sum[T] += float(rms.sum())
-                rms_max[T] = max(rms_max[T], float(rms.max()))
         count += int(mask.sum())
         bar.update(1)
     bar.close()

@@ -295,6 +295,7 @@ class DepthLM(nn.Module):
                 final_depth: int | None = None,
                 readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
                 on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
+                hook_logits: bool = True,
                 resume_from: tuple[int, torch.Tensor | Callable[[torch.Tensor], torch.Tensor]] | None = None
                 ) -> LoopOutput:
         """Run the model at one or several loop depths in a single unroll.
@@ -350,6 +351,9 @@ class DepthLM(nn.Module):
             on_depth: called as ``on_depth(T, h_T, logits_T)`` at every depth T = 0 … max(depth),
                 with the logits when T is a requested depth (else None): lets a consumer reduce each
                 depth's state and logits to statistics without keeping them (early-exit traces).
+            hook_logits: False: ``on_depth`` only reads the states and is always handed None for the
+                logits, so the hook does not stop the fused readout + loss (no (B, L, V) logits when
+                ``keep_logits=False``); used by validation's state-RMS measurement.
             resume_from: ``(T0, h)``: start the loop at depth T0 from the hidden state h (B, L, d)
                 (readout coordinates, as ``states`` / ``on_depth`` give it) instead of from the
                 initial state; loop steps 0 … T0 − 1 are skipped (the prelude still runs: the
@@ -405,9 +409,10 @@ class DepthLM(nn.Module):
         final_from = self.resolve_final_depth(final_depth, last)
         out = LoopOutput(states=[] if return_states else None)
         # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
-        fused = FUSED_CE and targets is not None and not keep_logits and on_depth is None
+        logits_hooked = on_depth is not None and hook_logits
+        fused = FUSED_CE and targets is not None and not keep_logits and not logits_hooked
         # nobody reads the logits (a cached prefill of a prefix): run the coda (it fills the cache), skip W_out
-        unread = targets is None and not keep_logits and on_depth is None
+        unread = targets is None and not keep_logits and not logits_hooked
 
         def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
             if self.exit_gate is not None and T >= 1:
@@ -458,7 +463,7 @@ class DepthLM(nn.Module):
                 out.states.append(h)
             logits = read(T, h) if T in wanted else None
             if on_depth is not None:
-                on_depth(T, h, logits)
+                on_depth(T, h, logits if hook_logits else None)
         if cache is not None:
             scope.commit()
         out.logits = out.logits_by_depth.get(last)
