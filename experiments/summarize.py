@@ -199,6 +199,19 @@ def _curves(ax, by_variant, floor: float, title: str) -> None:
     ax.legend(fontsize=6)
 
 
+def _p_scatter(ax, t_pts, b_pts, u_pts, floor: float) -> None:
+    """Final validation loss against the exponent p, one marker per sweep."""
+    for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (b_pts, "+", "tied, 4× batch, 300 steps"),
+                               (u_pts, "o", "untied, 150 steps")):
+        if pts:
+            ax.scatter([p for p, _, _ in pts], [x for _, x, _ in pts], marker=marker, label=label)
+    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
+    ax.set_xlabel("exponent p (α = (2N)^p, β = (8N)^-p)")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title("Post-LN looped GPT, R = 3, K = 2", fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def deeploop() -> None:
     exp = HERE / "deeploop-cpu"
     tied, untied, depth, tied64 = (_sweep_runs(f) for f in (exp, exp / "untied", exp / "depth", exp / "tied-b64"))
@@ -245,7 +258,19 @@ def deeploop() -> None:
         lines += ["", "Pre-norm reference (rule plain, pre_ln, untied, R = 3, 150 steps): val loss "
                   + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
     lines += ["", "![p-sweep](p_sweep.png)"]
-    if not any(r["run"] is not None for d in (tied, untied, depth, tied64) for v in d.values() for r in v.values()):
+    if tied64:
+        lines += ["", "![tied embeddings at 4× the batch](tied_b64.png)"]
+    def has_run(*sweeps) -> bool:  # a run folder (with its training curve) is here
+        return any(r["run"] is not None for d in sweeps for v in d.values() for r in v.values())
+
+    if has_run(tied64):  # its own figure: the p-sweep's curve panels need the other sweeps' run folders
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        _p_scatter(axes[0], t_pts, b_pts, u_pts, floor)
+        _curves(axes[1], tied64, floor, "training curves, tied, 4× batch (seed 0)")
+        fig.tight_layout()
+        fig.savefig(exp / "tied_b64.png", dpi=120)
+        plt.close(fig)
+    if not has_run(tied, untied, depth):
         # the training curves come from the run folders (not committed): keep the figure drawn with them
         print("p_sweep.png left as it is: its training-curve panels need the run folders, which are not here",
               file=sys.stderr)
@@ -253,16 +278,7 @@ def deeploop() -> None:
         print("\n".join(lines))
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    ax = axes[0]
-    for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (b_pts, "+", "tied, 4× batch, 300 steps"),
-                               (u_pts, "o", "untied, 150 steps")):
-        if pts:
-            ax.scatter([p for p, _, _ in pts], [x for _, x, _ in pts], marker=marker, label=label)
-    ax.axhline(math.log(floor), color="grey", ls=":", label="unigram floor")
-    ax.set_xlabel("exponent p (α = (2N)^p, β = (8N)^-p)")
-    ax.set_ylabel("final validation loss (nats)")
-    ax.set_title("Post-LN looped GPT, R = 3, K = 2", fontsize=9)
-    ax.legend(fontsize=7)
+    _p_scatter(axes[0], t_pts, b_pts, u_pts, floor)
     _curves(axes[1], tied, floor, "training curves, tied (seed 0)")
     _curves(axes[2], {**untied, **({"pre_ln-R3": depth["pre_ln-R3"]} if "pre_ln-R3" in depth else {})}, floor,
             "training curves, untied (all seeds; black: pre-LN)")
