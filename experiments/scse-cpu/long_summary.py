@@ -24,6 +24,7 @@ Run: python experiments/scse-cpu/long_summary.py      (any time: it reports the 
 from __future__ import annotations
 
 import statistics
+import tomllib
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, mean_std_cell as fmt,
@@ -131,7 +132,9 @@ def main() -> None:
         return
     cells, params, curves = loaded
     done = {v: cells.get(v, {}).get(("ppl", "brown", "ppl", 8), {}).keys() for v in ORDER}
-    lines = ["# SCSE at CPU scale, 1,500 steps (issue 11 §3): results so far", "",
+    seeds = tomllib.loads((EXP.parent / "long.toml").read_text())["seeds"]
+    complete = all(set(seeds) <= set(done[v]) for v in ORDER)
+    lines = [f"# SCSE at CPU scale, 1,500 steps (issue 11 §3): {'results' if complete else 'results so far'}", "",
              "Written by `python experiments/scse-cpu/long_summary.py` from `long/results.db` (and the run "
              "folders' `metrics.jsonl`, kept in `curves.json`). See `README.md` for the protocol.", "",
              "## Status", ""] + status_table(ORDER, params, done, curves)
