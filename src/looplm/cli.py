@@ -492,7 +492,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature <= 0 and (args.top_k is not None or args.top_p is not None):
         raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
     if args.exit == "none" and (args.max_depth is not None or args.exit_tau is not None):
-        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit relative|kl|entropy")
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit criterion (see --help)")
     if args.exit_tau is not None and args.exit_tau <= 0:
         raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
     if args.prefill == "teacher" and args.student is not None:
@@ -643,7 +643,8 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
                    "fires or --max-depth; relative / hidden_update = ||h_r - h_r-1|| / ||h_r-1|| < tau, kl = "
                    "KL(p_r || p_r-1) < tau (nats), entropy = |H(p_r) - H(p_r-1)| < tau (nats), margin = top-1 "
                    "minus top-2 logit >= tau, exit_gate = the learned exit probability >= tau (models trained "
-                   "with train.supervision=exit_weighted); none (default) = fixed --depth")
+                   "with train.supervision=exit_weighted), exit_cdf = Ouro's rule on the same gate, the "
+                   "cumulative exit probability 1 - prod(1 - lambda_k) >= tau; none (default) = fixed --depth")
     p.add_argument("--exit-tau", type=float, default=None, metavar="TAU",
                    help="threshold of --exit (default: " + ", ".join(
                        f"{n} {c.default_tau:g}" for n, c in EXIT_CRITERIA.items()) + ")")
@@ -796,8 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides and not getattr(args, "_takes_config", False):
         leaf = getattr(args, "_parser", parser)
         key = "--" + next(iter(overrides))
-        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train` and "
-                   f"`looplm info`){suggest(key, option_strings(leaf))}")
+        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train`, "
+                   f"`looplm info` and `looplm rl pretrain`){suggest(key, option_strings(leaf))}")
     args.config_overrides = overrides
     if args.command == "train" and args.out is None and not args.print_config:
         args._parser.error("the following arguments are required: --out")

@@ -332,11 +332,16 @@ def config_keys() -> list[str]:
         return []
 
 
-def config_help() -> str:
-    """The config-field part of ``looplm train --help`` / ``looplm info --help``."""
+def config_help(start: str = "--preset or --config") -> str:
+    """The config-field part of ``looplm train --help`` / ``looplm info --help``.
+
+    Args:
+        start: what the overrides apply on top of (``rl pretrain``: its built-in config, not a preset).
+    """
     width = max(60, min(shutil.get_terminal_size().columns, 120) - 2)
-    lines = textwrap.wrap("config fields (override any as --SECTION.FIELD VALUE, on top of --preset or --config; "
-                          "the config parses and checks the value; [base default, before the preset]):", width)
+    lines = textwrap.wrap(f"config fields (override any as --SECTION.FIELD VALUE, on top of {start}; "
+                          "the config parses and checks the value; [the base default, which that starting "
+                          "config may change]):", width)
     section = None
     for key, help_text, default in config_fields():
         sec = key.split(".")[0]

@@ -82,7 +82,7 @@ def register(sub) -> None:
                    help="default recurrence depth of the exported model (default: the checkpoint's train.eval_depth)")
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
                    help="KV cache layout generate() uses by default (default per_visit)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.set_defaults(func=cmd_export, _parser=p)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks at one or several loop depths",
@@ -93,20 +93,21 @@ def register(sub) -> None:
                        "per depth in a looplm results database (protocol lm_eval). Needs looplm[lmeval].")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
     p.add_argument("--tasks", required=True, help="comma-separated harness task names")
-    p.add_argument("--depths", type=_depths, default=None, help=DEPTHS_HELP + " (default: train.eval_depth)")
-    p.add_argument("--include-path", default=None, help="a folder of extra task YAMLs")
+    p.add_argument("--depths", type=_depths, default=None, metavar="T,T,...", help=DEPTHS_HELP + " (default: train.eval_depth)")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs")
     p.add_argument("--only-include-path", action="store_true",
                    help="look tasks up in --include-path only (skips indexing the harness's own tasks: faster)")
-    p.add_argument("--bootstrap-iters", type=int, default=1000,
+    p.add_argument("--bootstrap-iters", type=int, default=1000, metavar="N",
                    help="bootstrap resamples for the standard errors of non-mean metrics (0: none; default 1000)")
-    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
-    p.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="N", help="few-shot examples (default: the task's)")
+    p.add_argument("--limit", type=float, default=None, metavar="N",
+                   help="documents per task, or a fraction of each task if < 1 (default: all)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="requests per forward (default 16)")
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
                    help="generate_until: KV cache layout (default per_visit)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the harness's samplers (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--db", type=out_file, default=None, help="a looplm results database to add the results to")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the harness's samplers (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--db", type=out_file, default=None, metavar="FILE", help="a looplm results database to add the results to")
     p.add_argument("--tag", default="", help="free label of the stored evaluations")
-    p.add_argument("--out", type=out_file, default=None, help="write the JSON here (and FILE.md)")
+    p.add_argument("--out", type=out_file, default=None, metavar="FILE.json", help="write the JSON here (and FILE.md)")
     p.set_defaults(func=cmd_lm_eval, _parser=p)

@@ -78,7 +78,7 @@ def _build_pretrain(p: argparse.ArgumentParser) -> None:
                    help="stop with a checkpoint after N steps of this invocation (continue with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_pretrain, _takes_config=True)
-    p.config_help = config_help
+    p.config_help = lambda: config_help("the built-in config (`--print_config` shows it) or --config")
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -128,7 +128,8 @@ def _build_train(p: argparse.ArgumentParser) -> None:
         "reward": Opt(choices=tuple(REWARDS)),
         "seed": Opt(type=int),
         "task": Opt(choices=("addition",)),
-        "digits": Opt(type=positive_int, metavar="D"),
+        "digits": Opt(type=positive_int, metavar="D",
+                      help="the task's operand width D (default: the starting checkpoint's task.json)"),
         "eval_problems": Opt(type=positive_int, metavar="N"),
         "eval_samples": Opt(type=positive_int, metavar="N"),
         "eval_seed": Opt(type=int),
@@ -173,7 +174,8 @@ def _build_eval(p: argparse.ArgumentParser) -> None:
         "temperature": Opt(type=float),
         "problems": Opt(type=positive_int, metavar="N"),
         "task": Opt(choices=("addition",)),
-        "digits": Opt(type=positive_int, metavar="D"),
+        "digits": Opt(type=positive_int, metavar="D",
+                      help="the task's operand width D (default: the checkpoint's task.json)"),
         "seed": Opt(type=int),
         "reward": Opt(choices=tuple(REWARDS)),
         "device": Opt(),
