@@ -5,6 +5,9 @@ Glossary (one word per idea, used everywhere in the code):
 - **prelude / core / coda**: unshared blocks before the loop / the K shared blocks applied once per
   loop step / unshared blocks after the loop.
 - **loop depth T**: how many times the core is applied; a ``forward`` argument, never model state.
+  Each paper has its own letter, kept where its methods are: R ("recurrences": Looped Models Done
+  Right, DeepLoop) and K ("loops": readout blind spot) also mean the loop depth. The one other K is
+  DeepLoop's number of blocks in the shared core (``model.n_core``; N = K·R).
 - **loop step t**: 0-based index of one core application, t = 0 … T−1; state ``h_t`` is the state
   *before* step t, so ``h_T`` is read out at depth T.
 - **update G(x) = Core(x) − x**: the residual branch of the core; zero-preserving (G(0) = 0).
