@@ -733,8 +733,11 @@ def build_parser() -> Parser:
                 help="throughput benchmarks with their targets (JSON + Markdown)",
                 description="Measure, in one run: the fp32/bf16 matmul peak, training tokens/s and "
                 "model FLOP utilization, bf16 speedup, loop overhead (looped at depth T vs an "
-                "unshared T-block model), SCSE vs looped throughput, and multi-depth evaluation vs "
-                "one evaluation at the largest depth. Writes FILE.json and FILE.md.")
+                "unshared T-block model), SCSE vs looped throughput, multi-depth evaluation vs "
+                "one evaluation at the largest depth, truncated-BPTT memory, cached decoding and "
+                "terminal KV bytes, and at the Huginn shape MFU, decoding tokens/s (batch 1 and 8, "
+                "512 and 2,048 context, eager and compiled) and peak training memory. Each figure is "
+                "a ratio or a rate from the same run. Writes FILE.json and FILE.md.")
 
     import importlib
 
