@@ -761,7 +761,7 @@ class DataConfig(_Base):
     tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
                                   "the training split with bpe_vocab_size entries")
     bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
-    data_root: str = _f("", "data root; empty = $LOOPLM_DATA, else ../shared/data next to the repo")
+    data_root: str = _f("", "data root; empty = $LOOPLM_DATA, else shared/data beside the repo folder, else ./data")
     cache_dir: str = _f("", "token cache; empty = $LOOPLM_CACHE, else ~/.cache/looplm")
 
     def __post_init__(self) -> None:
