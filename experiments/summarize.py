@@ -199,6 +199,11 @@ def _curves(ax, by_variant, floor: float, title: str) -> None:
     ax.legend(fontsize=6)
 
 
+def _has_run(*sweeps) -> bool:
+    """Whether a run folder (with its training curve) of any of these sweeps is here."""
+    return any(r["run"] is not None for d in sweeps for v in d.values() for r in v.values())
+
+
 def _p_scatter(ax, t_pts, b_pts, u_pts, floor: float) -> None:
     """Final validation loss against the exponent p, one marker per sweep."""
     for pts, marker, label in ((t_pts, "x", "tied, 300 steps"), (b_pts, "+", "tied, 4× batch, 300 steps"),
@@ -260,17 +265,14 @@ def deeploop() -> None:
     lines += ["", "![p-sweep](p_sweep.png)"]
     if tied64:
         lines += ["", "![tied embeddings at 4× the batch](tied_b64.png)"]
-    def has_run(*sweeps) -> bool:  # a run folder (with its training curve) is here
-        return any(r["run"] is not None for d in sweeps for v in d.values() for r in v.values())
-
-    if has_run(tied64):  # its own figure: the p-sweep's curve panels need the other sweeps' run folders
+    if _has_run(tied64):  # its own figure: the p-sweep's curve panels need the other sweeps' run folders
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         _p_scatter(axes[0], t_pts, b_pts, u_pts, floor)
         _curves(axes[1], tied64, floor, "training curves, tied, 4× batch (seed 0)")
         fig.tight_layout()
         fig.savefig(exp / "tied_b64.png", dpi=120)
         plt.close(fig)
-    if not has_run(tied, untied, depth):
+    if not _has_run(tied, untied, depth):
         # the training curves come from the run folders (not committed): keep the figure drawn with them
         print("p_sweep.png left as it is: its training-curve panels need the run folders, which are not here",
               file=sys.stderr)

@@ -492,7 +492,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature <= 0 and (args.top_k is not None or args.top_p is not None):
         raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
     if args.exit == "none" and (args.max_depth is not None or args.exit_tau is not None):
-        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit criterion (see --help)")
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit "
+                         "criterion (see --help)")
     if args.exit_tau is not None and args.exit_tau <= 0:
         raise ValueError(f"--exit-tau: must be > 0, got {args.exit_tau}")
     if args.prefill == "teacher" and args.student is not None:

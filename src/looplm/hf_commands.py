@@ -93,7 +93,8 @@ def register(sub) -> None:
                        "per depth in a looplm results database (protocol lm_eval). Needs looplm[lmeval].")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
     p.add_argument("--tasks", required=True, help="comma-separated harness task names")
-    p.add_argument("--depths", type=_depths, default=None, metavar="T,T,...", help=DEPTHS_HELP + " (default: train.eval_depth)")
+    p.add_argument("--depths", type=_depths, default=None, metavar="T,T,...",
+                   help=DEPTHS_HELP + " (default: train.eval_depth)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs")
     p.add_argument("--only-include-path", action="store_true",
                    help="look tasks up in --include-path only (skips indexing the harness's own tasks: faster)")
@@ -107,7 +108,8 @@ def register(sub) -> None:
                    help="generate_until: KV cache layout (default per_visit)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the harness's samplers (default 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--db", type=out_file, default=None, metavar="FILE", help="a looplm results database to add the results to")
+    p.add_argument("--db", type=out_file, default=None, metavar="FILE",
+                   help="a looplm results database to add the results to")
     p.add_argument("--tag", default="", help="free label of the stored evaluations")
     p.add_argument("--out", type=out_file, default=None, metavar="FILE.json", help="write the JSON here (and FILE.md)")
     p.set_defaults(func=cmd_lm_eval, _parser=p)

@@ -69,6 +69,7 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
     for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
         x, y, mask = x.to(device), y.to(device), mask.to(device)
         y = y.masked_fill(~mask, -100)
+
         def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # forward's on_depth hook
             if T in rms_sum:  # reduce h_T at once: no state is kept past its step
                 rms = h.double().pow(2).mean(-1).sqrt()[mask]
