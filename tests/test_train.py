@@ -42,6 +42,35 @@ def test_resume_reproduces_the_uninterrupted_loss_trace(tmp_path, tiny_cfg, tiny
         assert na == nb and torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+def test_resume_is_exact_when_a_parameter_never_gets_a_gradient(tmp_path, tiny_cfg, tiny_data, fmt):
+    """readout = "raw" leaves the final norm out of the loss, so AdamW holds no state for norm_f.weight; a
+    resume must restore exactly that (found when a 600-step readout sweep run failed to resume)."""
+    cfg = tiny_cfg.replace(model=tiny_cfg.model.replace(readout="raw"),
+                           train=tiny_cfg.train.replace(checkpoint_format=fmt))
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(cfg, full, progress=False, data=tiny_data)
+    train(cfg, part, progress=False, data=tiny_data, stop_after=3)
+    train(cfg, part, progress=False, data=tiny_data, resume=True)
+    assert [r["loss"] for r in _trace(full)] == [r["loss"] for r in _trace(part)]  # bit-identical on CPU
+    ma, mb = load_checkpoint(full)[0], load_checkpoint(part)[0]
+    assert torch.equal(ma.norm_f.weight, torch.ones_like(ma.norm_f.weight))  # never trained
+    for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+
+
+def test_resume_refuses_an_optimizer_state_from_another_model(tiny_cfg):
+    from looplm.train.dist import DistEnv, full_state, load_optimizer_state
+
+    model = build_model(tiny_cfg.model)
+    opt = build_optimizer(model, tiny_cfg.train)
+    saved = full_state(model, opt, "ddp", DistEnv())[1]
+    for group in saved["param_groups"]:
+        group["params"] = [n for n in group["params"] if n != "norm_f.weight"]
+    with pytest.raises(ValueError, match=r"norm_f\.weight"):
+        load_optimizer_state(model, opt, saved, "ddp", DistEnv())
+
+
 def test_truncated_checkpoint_gives_clear_error_and_previous_still_loads(tmp_path, tiny_cfg, tiny_data):
     run = tmp_path / "run"
     train(tiny_cfg, run, progress=False, data=tiny_data)

@@ -188,6 +188,19 @@ def load_sharded(ckpt: str | Path, state_dict: dict[str, Any], *, distributed: b
         raise CheckpointError(f"{path}: cannot load sharded state ({exc})") from exc
 
 
+def sharded_keys(ckpt: str | Path) -> set[str]:
+    """Flattened keys saved in the ``sharded/`` state of checkpoint ``ckpt`` (``model.<fqn>``,
+    ``optimizer.state.<fqn>.exp_avg``, ...), from its DCP metadata alone.
+
+    Raises:
+        CheckpointError: the metadata is missing or unreadable.
+    """
+    try:
+        return shard_keys(Path(ckpt) / SHARDED_DIR)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{Path(ckpt) / SHARDED_DIR}: cannot read the DCP metadata ({exc})") from exc
+
+
 def _separate_mlp_keys(model) -> dict[str, tuple[str, str]]:
     """{``…mlp.gate_up.weight``: (``…mlp.gate.weight``, ``…mlp.up.weight``)}: the pre-fusion names."""
     return {k: (k[: -len("gate_up.weight")] + "gate.weight", k[: -len("gate_up.weight")] + "up.weight")
@@ -197,10 +210,7 @@ def _separate_mlp_keys(model) -> dict[str, tuple[str, str]]:
 def _load_sharded_model(ckpt: Path, model: LoopLM) -> None:
     """Consolidate the sharded weights of ``ckpt`` into the plain ``model`` (strict: same key set)."""
     expected = set(model.state_dict())
-    try:
-        saved = {k[len("model."):] for k in shard_keys(ckpt / SHARDED_DIR) if k.startswith("model.")}
-    except RuntimeError as exc:
-        raise CheckpointError(f"{ckpt / SHARDED_DIR}: cannot read the DCP metadata ({exc})") from exc
+    saved = {k[len("model."):] for k in sharded_keys(ckpt) if k.startswith("model.")}
     legacy = _separate_mlp_keys(model) if saved != expected else {}
     if legacy and saved == (expected - set(legacy)) | {k for pair in legacy.values() for k in pair}:
         # weights of the layout before the SwiGLU fusion: read gate and up, stack them on loading

@@ -126,11 +126,11 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return out.to(t.device, t.dtype)
 
 
-def _state_dict_options(mode: str, env: DistEnv, *, saving: bool):
+def _state_dict_options(mode: str, env: DistEnv, *, saving: bool, strict: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     sharded = env.enabled and mode == "fsdp"
-    return StateDictOptions(full_state_dict=saving or sharded, cpu_offload=saving and sharded)
+    return StateDictOptions(full_state_dict=saving or sharded, cpu_offload=saving and sharded, strict=strict)
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer, mode: str, env: DistEnv) -> tuple[dict, dict]:
@@ -147,33 +147,63 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer, mode: str, env: Dis
 
 def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, opt_sd: dict[str, Any], mode: str,
                          env: DistEnv) -> None:
-    """Load a consolidated optimizer state (saved under any world size) into ``opt``."""
+    """Load a consolidated optimizer state (saved under any world size) into ``opt``.
+
+    A parameter that the saved optimizer lists but holds no state for never received a gradient before the
+    save (AdamW creates its moments at a parameter's first gradient; e.g. the final norm under
+    ``model.readout = "raw"``, which the loss never reaches). It gets no state here either, as in the
+    uninterrupted run, so torch's check that every trainable parameter has saved state is replaced by this
+    one: every trainable parameter must be listed in the saved parameter groups.
+
+    Raises:
+        ValueError: a trainable parameter of ``model`` is not in the checkpoint's optimizer.
+    """
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, opt, opt_sd, options=_state_dict_options(mode, env, saving=False))
+    listed = {fqn for group in opt_sd["param_groups"] for fqn in group["params"]}
+    aliases: dict[int, list[str]] = {}
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            aliases.setdefault(id(param), []).append(name)
+    missing = [names[0] for names in aliases.values() if not listed.intersection(names)]
+    if missing:
+        raise ValueError(f"checkpoint optimizer state: no entry for parameter(s) {missing}; the checkpoint "
+                         "was saved from a model with other parameters")
+    set_optimizer_state_dict(model, opt, opt_sd, options=_state_dict_options(mode, env, saving=False,
+                                                                             strict=False))
 
 
-def sharded_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, saved: set[str] | None = None
+                  ) -> tuple[dict, dict]:
     """Model and optimizer state dicts as this rank holds them, for a sharded (DCP) checkpoint.
 
     Keys are parameter names (FQNs) without wrapper prefixes. Under FSDP2 every parameter and optimizer
     moment is a DTensor shard; under DDP or in one process they are plain tensors (DCP writes each
     replicated tensor once). An optimizer that has not stepped yet gets its state allocated (zero
-    moments, one step with lr 0), so the dicts can be filled by :func:`dcp.load` on resume.
-    Collective under FSDP (every rank must call it).
+    moments, one step with lr 0), so the dicts can be filled by :func:`dcp.load` on resume; given the
+    checkpoint's keys ``saved`` (:func:`shard_keys`), the template then drops the optimizer state of each
+    parameter the checkpoint holds none for (one that never received a gradient before the save, as
+    :func:`load_optimizer_state` explains). Collective under FSDP (every rank must call it).
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, opt)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    if saved is not None:
+        with_state = {fqn for fqn in opt_sd["state"] if any(k.startswith(f"optimizer.state.{fqn}.") for k in saved)}
+        opt_sd["state"] = {fqn: v for fqn, v in opt_sd["state"].items() if fqn in with_state}
+    return model_sd, opt_sd
 
 
 def set_sharded_state(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict[str, Any],
                       opt_sd: dict[str, Any]) -> None:
     """Load the dicts of :func:`sharded_state` (filled from a checkpoint) into ``model`` and ``opt``
-    (strict: every parameter must be present). Collective under FSDP."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    (strict for the model: every parameter must be present; the optimizer state may lack the parameters
+    that never received a gradient, as the template of :func:`sharded_state` does). Collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+    set_optimizer_state_dict(model, opt, opt_sd, options=StateDictOptions(strict=False))
 
 
 @contextlib.contextmanager

@@ -37,7 +37,8 @@ from looplm.finite import NonFiniteError, clean, dumps, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
 from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, list_checkpoints,
                                      load_checkpoint, load_config, load_sharded, load_train_state,
-                                     newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint)
+                                     newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint,
+                                     sharded_keys)
 from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
                                mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
                                wrap_model, all_reduce_sum)
@@ -214,7 +215,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
     opt = build_optimizer(wrapped, tcfg)
     sched = build_scheduler(opt, tcfg)
     if sharded_ckpt is not None:
-        model_sd, opt_sd = sharded_state(wrapped, opt)
+        model_sd, opt_sd = sharded_state(wrapped, opt, saved=sharded_keys(sharded_ckpt))
         loaded = {"model": model_sd, "optimizer": opt_sd}
         load_sharded(sharded_ckpt, loaded, distributed=env.enabled)  # DCP reshards to this world size
         set_sharded_state(wrapped, opt, loaded["model"], loaded["optimizer"])
