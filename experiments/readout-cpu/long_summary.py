@@ -24,14 +24,15 @@ from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_se
 
 EXP = Path(__file__).parent / "long"
 SWEEP = "readout-long"
+WD0 = Path(__file__).parent / "wd0"  # wd0.toml: the two RMSNorm variants, seed 0, train.weight_decay = 0
 ORDER = ["terminal-rmsnorm", "terminal-raw", "per_loop-rmsnorm", "per_loop-raw", "per_loop-rmsnorm-penalty",
          "per_loop-final_only_norm"]
 K = 4
 
 
-def load_scale() -> dict[str, dict]:
+def load_scale(exp: Path = EXP) -> dict[str, dict]:
     """{run_id: {"d": d, "k": {k: loop record}}} from the runs' diagnose.json scale sections, kept in scale.json."""
-    return diagnose_sections(EXP / "runs", EXP / "scale.json", "scale",
+    return diagnose_sections(exp / "runs", exp / "scale.json", "scale",
                              lambda sc: {"d": sc.get("d"), "k": {str(x["k"]): x for x in sc["loops"]}})
 
 
@@ -50,7 +51,8 @@ def main() -> None:
     def ppl(v: str, k: int) -> dict[int, float]:
         return cells.get(v, {}).get(("ppl", "brown", "ppl", k), {})
 
-    lines = ["# The readout blind spot, 600 steps × 3 seeds (issue 11 §3): results so far", "",
+    complete = all(len(ppl(v, K)) == 3 for v in ORDER)
+    lines = ["# The readout blind spot, 600 steps × 3 seeds (issue 11 §3): results" + ("" if complete else " so far"), "",
              "Written by `python experiments/readout-cpu/long_summary.py` from `long/results.db`, the runs' "
              "`diagnose.json` scale sections (kept in `scale.json`) and `metrics.jsonl` (kept in `curves.json`).", "",
              "## Status", ""] + status_table(ORDER, params, {v: ppl(v, K).keys() for v in ORDER}, curves)
@@ -101,11 +103,39 @@ def main() -> None:
             rows.append(f"| R-{v} | radial-gradient fraction: ≈ 0 with an RMSNorm readout, ~1e-2 raw | "
                         f"{', '.join(f'{x:.1e}' for _, x in sorted(rad.items()))} | – | "
                         f"{'≈ 0 (< 1e-6)' if max(rad.values()) < 1e-6 else 'clearly nonzero'} |")
+    lines += weight_decay_check(cells, curves, scale)
     lines += ["", "## Claims", "", "| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) "
               "| verdict |", "|---|---|---|---|---|"] + rows
     text = "\n".join(lines) + "\n"
     (EXP / "results.md").write_text(text)
     print(text)
+
+
+def weight_decay_check(cells: dict, curves: dict, scale: dict) -> list[str]:
+    """Markdown section comparing wd0.toml's runs (weight decay 0) with long.toml's seed-0 runs (0.1)."""
+    loaded = sweep_results(WD0, "readout-wd0", extra=["val_state_rms"])
+    if loaded is None:
+        return []
+    wd_cells, _, wd_curves = loaded
+    wd_scale = load_scale(WD0)
+    steps = sorted({int(s) for c in list(curves.values()) + list(wd_curves.values())
+                    for s in c.get("val_state_rms", {})})
+    lines = ["", "## Check: weight decay 0 (`wd0.toml`, seed 0) against 0.1 (this sweep's seed 0)", "",
+             "Last-loop RMS on Brown valid during training (`val_state_rms`), the final-loop RMS from "
+             "`diagnose` and Brown test PPL.", "",
+             "| variant | weight decay | " + " | ".join(f"RMS @ {s}" for s in steps)
+             + " | final-loop RMS | PPL k=1 | k=4 |", "|---|---:|" + "---:|" * (len(steps) + 3)]
+    for v in ("terminal-rmsnorm", "per_loop-rmsnorm"):
+        for wd, run, cl, sc, cc in ((0.1, f"{v}-s0", cells.get(v, {}), scale, curves),
+                                    (0.0, f"{v}-wd0-s0", wd_cells.get(f"{v}-wd0", {}), wd_scale, wd_curves)):
+            curve = cc.get(run, {}).get("val_state_rms", {})
+            rec = sc.get(run, {}).get("k", {}).get(str(K), {})
+            pk = [cl.get(("ppl", "brown", "ppl", k), {}).get(0) for k in (1, K)]
+            lines.append(f"| `{v}` | {wd} | " + " | ".join(f"{curve[str(s)]:.2f}" if str(s) in curve else "–"
+                                                        for s in steps)
+                         + (f" | {rec['rms_mean']:.2f} | " if rec else " | – | "))
+            lines[-1] += " | ".join("–" if x is None else f"{x:.1f}" for x in pk) + " |"
+    return lines
 
 
 if __name__ == "__main__":
