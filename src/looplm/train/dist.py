@@ -189,7 +189,8 @@ def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, saved: set[str] 
 
     model_sd, opt_sd = get_state_dict(model, opt)
     if saved is not None:
-        with_state = {fqn for fqn in opt_sd["state"] if any(k.startswith(f"optimizer.state.{fqn}.") for k in saved)}
+        prefix = "optimizer.state."  # keys are optimizer.state.<fqn>.<moment>; moment names have no dots
+        with_state = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
         opt_sd["state"] = {fqn: v for fqn, v in opt_sd["state"].items() if fqn in with_state}
     return model_sd, opt_sd
 
