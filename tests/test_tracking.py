@@ -185,12 +185,19 @@ def test_wandb_offline_history_matches_metrics(tmp_path, tiny_cfg, tiny_data, mo
         monkeypatch.setenv(key, value)
     run = tmp_path / "run"
     summary = train(_cfg(tiny_cfg, ["wandb"]), run, progress=False, data=tiny_data)
+    # run.finish() can return before wandb-core has flushed the .wandb file (a CI run once read it with
+    # the run record but no history); teardown stops the service, which closes the file.
+    import wandb
+    wandb.teardown()
     files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     run_id = (run / "wandb" / "run_id").read_text().strip()
     assert files[0].name == f"run-{run_id}.wandb"
     history, config, summ = {}, {}, {}
-    for rec in _wandb_records(files[0]):
+    records = list(_wandb_records(files[0]))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "exit" in kinds, kinds  # the file is complete
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {_key(i): json.loads(i.value_json) for i in rec.history.item}
