@@ -15,6 +15,7 @@ Run: python experiments/lmdr-ablation/summary.py      (any time: it reports the 
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
@@ -33,6 +34,24 @@ def load_convergence() -> dict[str, dict]:
     keys = ("depth_mean", "never_fraction", "spearman", "tau", "r_obs")
     return diagnose_sections(EXP / "runs", EXP / "convergence.json", "convergence",
                              lambda c: {k: c.get(k) for k in keys})
+
+
+def load_step_map() -> dict[str, dict]:
+    """{run_id: {"gain": {t: gain_t}, "motion": {t: N⁻¹‖Δ_{t+1} − Δ_t‖²}}} from diagnose's gain and forcing
+    sections (kept in gain.json and forcing.json). The motion is the forcing bias energy over eq. 9's ratio."""
+    gain = diagnose_sections(EXP / "runs", EXP / "gain.json", "gain",
+                             lambda g: {str(x["t"]): x["gain"] for x in g})
+    forcing = diagnose_sections(EXP / "runs", EXP / "forcing.json", "forcing",
+                                lambda f: {str(x["t"]): {k: x[k] for k in ("bias_energy", "ratio")} for x in f})
+    return {rid: {"gain": gain[rid], "motion": {t: x["bias_energy"] / x["ratio"] for t, x in forcing[rid].items()}}
+            for rid in gain if rid in forcing}
+
+
+def sci(values: list[float]) -> str:
+    """``"m ± s"`` in scientific notation (one value alone)."""
+    if len(values) == 1:
+        return f"{values[0]:.2e}"
+    return f"{statistics.mean(values):.2e} ± {statistics.stdev(values):.1e}"
 
 
 def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:
@@ -122,6 +141,20 @@ def main() -> None:
                 sp = [x["spearman"] for x in items if x.get("spearman") is not None]
                 lines.append(f"| `{v}` | {len(items)} | {fmt(x['depth_mean'] for x in items)} | "
                              f"{fmt([100 * x['never_fraction'] for x in items])}% | {fmt(sp, 3)} |")
+
+    step_map = load_step_map()
+    if step_map:
+        lines += ["", "## Step-map contraction (`looplm diagnose`, Brown valid, 2 × 8 windows, float32)", "",
+                  "Random-direction gain ‖T_t(Δ + εv) − T_t(Δ)‖_F / ε of one recurrence step at steps t = 0 and 4 "
+                  "(unit v per example, ε = 1e-3, 4 directions; < 1 shrinks a perturbation of the state) and the "
+                  "state's motion N⁻¹‖Δ₅ − Δ₄‖² along the ordinary trajectory (mean ± std over seeds). float32 "
+                  "rounding can inflate gains this small (README.md has a float64 check of seed 0).", "",
+                  "| variant | seeds | gain t=0 | gain t=4 | motion t=4 |", "|---|---:|---:|---:|---:|"]
+        for v in ORDER:
+            items = [x for rid, x in step_map.items() if rid.rsplit("-s", 1)[0] == v]
+            if items:
+                cells_ = [fmt([x["gain"][t] for x in items], 3) for t in ("0", "4")] + [sci([x["motion"]["4"] for x in items])]
+                lines.append(f"| `{v}` | {len(items)} | " + " | ".join(cells_) + " |")
 
     by_variant = curves_by_variant(curves)
     if by_variant:
