@@ -194,6 +194,7 @@ def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
                                         validation_curves)
 
     assert mean_std_cell([]) == "–" and mean_std_cell([2.0]) == "2.0" and mean_std_cell([1.0, 3.0], 2) == "2.00 ± 1.41"
+    assert mean_std_cell([1e-10, 3e-10], 2, notation="e") == "2.00e-10 ± 1.41e-10"
     # deltas [−3, −2, −4]: −3 ± 2.484 (t, n = 3), bootstrap as summarize_paired's
     cell, verdict = paired_claim({0: 7.0, 1: 8.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0})
     lo, hi = bootstrap_interval([-3.0, -2.0, -4.0])

@@ -197,8 +197,7 @@ def test_wandb_offline_history_matches_metrics(tmp_path, tiny_cfg, tiny_data, mo
     records = list(_wandb_records(files[0]))
     kinds = [r.WhichOneof("record_type") for r in records]
     assert "exit" in kinds, kinds  # the file is complete
-    for rec in records:
-        kind = rec.WhichOneof("record_type")
+    for kind, rec in zip(kinds, records):
         if kind == "history":
             items = {_key(i): json.loads(i.value_json) for i in rec.history.item}
             history.setdefault(rec.history.step.num, {}).update(

@@ -15,7 +15,6 @@ Run: python experiments/lmdr-ablation/summary.py      (any time: it reports the 
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
@@ -43,15 +42,9 @@ def load_step_map() -> dict[str, dict]:
                              lambda g: {str(x["t"]): x["gain"] for x in g})
     forcing = diagnose_sections(EXP / "runs", EXP / "forcing.json", "forcing",
                                 lambda f: {str(x["t"]): {k: x[k] for k in ("bias_energy", "ratio")} for x in f})
+    # eq. 9's ratio floors the motion at 1e-12, so a motion read back as 1e-12 is an upper bound
     return {rid: {"gain": gain[rid], "motion": {t: x["bias_energy"] / x["ratio"] for t, x in forcing[rid].items()}}
             for rid in gain if rid in forcing}
-
-
-def sci(values: list[float]) -> str:
-    """``"m ± s"`` in scientific notation (one value alone)."""
-    if len(values) == 1:
-        return f"{values[0]:.2e}"
-    return f"{statistics.mean(values):.2e} ± {statistics.stdev(values):.1e}"
 
 
 def ratio_pct(num: dict[int, float], den: dict[int, float]) -> dict[int, float]:
@@ -153,7 +146,7 @@ def main() -> None:
         for v in ORDER:
             items = [x for rid, x in step_map.items() if rid.rsplit("-s", 1)[0] == v]
             if items:
-                cells_ = [fmt([x["gain"][t] for x in items], 3) for t in ("0", "4")] + [sci([x["motion"]["4"] for x in items])]
+                cells_ = [fmt([x["gain"][t] for x in items], 3) for t in ("0", "4")] + [fmt([x["motion"]["4"] for x in items], 2, notation="e")]
                 lines.append(f"| `{v}` | {len(items)} | " + " | ".join(cells_) + " |")
 
     by_variant = curves_by_variant(curves)

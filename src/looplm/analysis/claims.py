@@ -21,14 +21,17 @@ from typing import Any, Callable, Iterable, Mapping
 from looplm.analysis.stats import claim_verdict, summarize_paired
 
 
-def mean_std_cell(values: Iterable[float], digits: int = 1) -> str:
-    """``"m ± s"`` (sample std) of ``values``; one value alone; ``"–"`` when there are none."""
+def mean_std_cell(values: Iterable[float], digits: int = 1, *, notation: str = "f") -> str:
+    """``"m ± s"`` (sample std) of ``values``; one value alone; ``"–"`` when there are none.
+
+    ``digits`` decimals in ``notation`` ``"f"`` (fixed point) or ``"e"`` (scientific, for values spanning
+    orders of magnitude)."""
     v = [float(x) for x in values]
     if not v:
         return "–"
     if len(v) == 1:
-        return f"{v[0]:.{digits}f}"
-    return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+        return f"{v[0]:.{digits}{notation}}"
+    return f"{statistics.mean(v):.{digits}{notation}} ± {statistics.stdev(v):.{digits}{notation}}"
 
 
 def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *, digits: int = 1,
