@@ -42,3 +42,49 @@ def pytest_sessionstart(session):
     if not (root / "brown" / "brown_untagged.txt").is_file():
         pytest.exit(f"shared data not found at {root}: set LOOPLM_DATA to the folder holding brown/, "
                     "wikitext-2-raw/, gpt2-tokenizer/ and lambada/", returncode=1)
+
+
+
+class _RunsCode:
+    """Unpickles by calling ``exec``: creates the file ``marker`` (what a hostile pickle could do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+class Poison:
+    """Hostile edits of a checkpoint, with its manifest updated to match (the manifest sits in the same
+    folder, so it cannot help): ``train_state(ckpt, marker)`` adds an object that creates ``marker`` when
+    unpickled; ``file(ckpt, relpath, marker)`` replaces a file by such a pickle."""
+
+    @staticmethod
+    def _rehash(ckpt, relpath):
+        import json
+
+        from looplm.train.checkpoint import sha256_file
+
+        path = Path(ckpt) / relpath
+        manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+        manifest["files"][relpath] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        (Path(ckpt) / "manifest.json").write_text(json.dumps(manifest))
+
+    def train_state(self, ckpt, marker):
+        import torch
+
+        path = Path(ckpt) / "train_state.pt"
+        torch.save({**torch.load(path, weights_only=True), "hostile": _RunsCode(marker)}, path)
+        self._rehash(ckpt, "train_state.pt")
+
+    def file(self, ckpt, relpath, marker):
+        import pickle
+
+        (Path(ckpt) / relpath).write_bytes(pickle.dumps(_RunsCode(marker)))
+        self._rehash(ckpt, relpath)
+
+
+@pytest.fixture
+def poison():
+    return Poison()

@@ -285,6 +285,20 @@ def test_resume_is_exact(teacher_run, student_run, tmp_path):
         distill(teacher_run, out, DistillConfig(**SMALL), progress=False)
 
 
+def test_resume_refuses_a_train_state_that_runs_code(teacher_run, student_run, tmp_path, poison):
+    import shutil
+
+    from looplm.distill.train import distill
+    from looplm.train.checkpoint import CheckpointError, newest_valid_checkpoint
+
+    out, marker = tmp_path / "student", tmp_path / "ran"
+    shutil.copytree(student_run, out)
+    poison.train_state(newest_valid_checkpoint(out), marker)
+    with pytest.raises(CheckpointError, match="refused"):
+        distill(teacher_run, out, None, resume=True, progress=False)
+    assert not marker.exists()
+
+
 def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_path):
     import shutil
 

@@ -239,9 +239,11 @@ def test_rewards():
         get_reward("f1")
 
 
-def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys):
+def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     """`looplm rl pretrain` (the trainer on the task stream), `looplm rl train` interrupted after 2 of 3
     updates and resumed equals an uninterrupted run bit for bit; results.json, rl.png, `looplm rl eval`."""
+    import shutil
+
     from looplm.cli import main
     from looplm.train.checkpoint import load_checkpoint
 
@@ -261,6 +263,14 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys):
     assert main(["rl", "train", "--out", str(cut), "--resume", "--quiet"]) == 0
     a, b = (load_checkpoint(d)[0].state_dict() for d in (full, cut))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    from looplm.train.checkpoint import newest_valid_checkpoint
+
+    hostile = tmp_path / "hostile"  # a train_state.pt that runs code when unpickled: refused, never run
+    shutil.copytree(cut, hostile)
+    poison.train_state(newest_valid_checkpoint(hostile), tmp_path / "ran")
+    capsys.readouterr()
+    assert main(["rl", "train", "--out", str(hostile), "--resume", "--updates", "4", "--quiet"]) == 2
+    assert "refused" in capsys.readouterr().err and not (tmp_path / "ran").exists()
     res = json.loads((full / "results.json").read_text())
     assert res["updates"] == 3 and res["compare"]["updates"] == [1, 3]
     assert set(res["compare"]["time_s_median"]) == set(UPDATE_METHODS)
@@ -277,8 +287,6 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["rl", "train", "--out", str(tmp_path / "x")])  # --checkpoint needed without --resume
     # the task comes from the base's task.json; a checkpoint that is not an `rl pretrain` base is refused
-    import shutil
-
     from looplm.rl.runner import _task_of
     from looplm.train.checkpoint import newest_valid_checkpoint
 

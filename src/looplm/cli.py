@@ -559,6 +559,16 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_train_state(args: argparse.Namespace) -> int:
+    from looplm.train.checkpoint import convert_train_state
+
+    if not args.trust_pickle:
+        raise CliError("convert-train-state unpickles the file, which can run any code it holds: pass "
+                       "--trust-pickle only for a run folder you trust")
+    print(convert_train_state(args.checkpoint))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     prepare_out_file(args.out, "--out", companions=[args.out.with_suffix(".md")])
     from looplm.bench import run_bench, write_results
@@ -663,6 +673,13 @@ def _build_consolidate(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_consolidate)
 
 
+def _build_convert_train_state(p: argparse.ArgumentParser) -> None:
+    _add_checkpoint(p)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="required: you vouch that the file comes from a source you trust")
+    p.set_defaults(func=cmd_convert_train_state)
+
+
 def _build_info(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=parse_depths, default=[8, 48], help=DEPTHS_HELP + " (default 8,48)")
     p.add_argument("--list", action="store_true", help="list the presets and their model configs")
@@ -724,7 +741,16 @@ def build_parser() -> Parser:
                 "written under any number of ranks, and add them to it as model.safetensors (also "
                 "listed in its manifest), so the folder is a plain config.json + model.safetensors "
                 "model. Prints the file's path; does nothing when the checkpoint already has one. "
-                "Eval, diagnose and generate read sharded checkpoints without this step.")
+                "Eval, diagnose and generate read sharded checkpoints without this step. looplm reads a "
+                "sharded folder's DCP metadata with a restricted unpickler (DCP metadata types only), but "
+                "DCP is a format for your own storage: share the consolidated model.safetensors.")
+    add_command(sub, "convert-train-state", _build_convert_train_state,
+                help="rewrite a trusted checkpoint's pickled train_state.pt as data",
+                description="Resuming (train, rl train, distill) loads train_state.pt as data only "
+                "(torch.load weights_only=True) and refuses a file that holds other pickled objects, since "
+                "unpickling them could run code. For a run folder you trust, this command unpickles the "
+                "file once, rewrites it as tensors, numbers, strings and containers, and updates the "
+                "manifest, so the run resumes. Every train_state.pt written by looplm already loads as data.")
     add_command(sub, "info", _build_info,
                 help="parameter count and FLOP proxy of a config, as JSON",
                 description="Print JSON with `params` (trainable, tied embeddings once) and "

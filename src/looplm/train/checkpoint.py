@@ -23,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
@@ -330,18 +332,73 @@ def load_config(ckpt: str | Path) -> Config:
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
     """The training state of a checkpoint: step, scheduler, RNG, depth prior, and (consolidated only)
-    the optimizer; a sharded checkpoint keeps the optimizer in ``sharded/``.
+    the optimizer; a sharded checkpoint keeps the optimizer in ``sharded/``. Loaded as data
+    (``torch.load(weights_only=True)``: tensors, numbers, strings, containers), never by running pickled code.
 
     Raises:
-        CheckpointError: the checkpoint has no train state (weights only).
+        CheckpointError: the checkpoint has no train state (weights only), or it holds pickled objects
+            beyond data (refused; :func:`convert_train_state` rewrites a file you trust).
     """
     path = resolve_checkpoint(ckpt) / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and containers, and "
+            f"loading them could run code ({reason}). If you trust where this run folder came from, rewrite it "
+            f"as data once with `looplm convert-train-state --checkpoint {path.parent} --trust-pickle`") from None
     if isinstance(state.get("optimizer"), dict):
         state["optimizer"] = migrate_fused_mlp_optimizer_state(state["optimizer"])
     return state
+
+
+def _as_data(obj: Any, where: str = "train_state") -> Any:
+    """``obj`` with numpy arrays/scalars turned into tensors/numbers, so ``weights_only`` loading accepts it.
+
+    Raises:
+        CheckpointError: an object that is not data (``where`` names it).
+    """
+    if isinstance(obj, dict):
+        return {k: _as_data(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_data(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise CheckpointError(f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} is not data; cannot convert")
+
+
+def convert_train_state(ckpt: str | Path) -> Path:
+    """Rewrite a checkpoint's ``train_state.pt`` that :func:`load_train_state` refuses as data, after the
+    user vouched for it (``looplm convert-train-state --trust-pickle``): the one place looplm unpickles.
+    The new file and manifest are written to temporary names and renamed into place. Returns the path.
+
+    Raises:
+        CheckpointError: no train state, or an object in it that is not data.
+    """
+    ckpt = resolve_checkpoint(ckpt)
+    path = ckpt / STATE_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (nothing to convert)")
+    verify_checkpoint(ckpt, skip=frozenset({STATE_FILE}))  # the file being vouched for; rerunnable
+    state = _as_data(torch.load(path, map_location="cpu", weights_only=False))
+    tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    torch.load(tmp, map_location="cpu", weights_only=True)  # proves the new file loads as data
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"][STATE_FILE] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+    mtmp = ckpt / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
+    mtmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, path)
+    os.replace(mtmp, ckpt / MANIFEST_FILE)
+    _fsync_dir(ckpt)
+    return path
 
 
 def migrate_fused_mlp_optimizer_state(opt_sd: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,20 +226,75 @@ def save_shards(state_dict: dict[str, Any], path: Path, env: DistEnv) -> None:
         dcp.save(state_dict, checkpoint_id=path, no_dist=not env.enabled)
 
 
+#: every global a DCP ``.metadata`` file may name (torch 2.6–2.13): data classes, enums, torch.Size, layouts
+_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata with only :data:`_DCP_GLOBALS` and torch dtypes resolvable, so a crafted
+    ``.metadata`` cannot call arbitrary functions (DCP's own reader uses plain ``pickle.load``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} (only DCP metadata types are loaded)")
+
+
+def _safe_reader(path: Path):
+    """A DCP ``FileSystemReader`` whose metadata is read by :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def _safe_planner():
+    """DCP's default load planner, reading non-tensor entries with ``weights_only=True`` (not pickle)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
+
+
 def load_shards(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
     """``dcp.load`` from the directory ``path`` into ``state_dict`` in place: each tensor (plain, or a
     DTensor shard of any world size) gets exactly its piece. ``distributed=False`` reads in this
-    process alone; otherwise collective.
+    process alone; otherwise collective. Nothing is unpickled beyond data (:func:`_safe_reader`,
+    :func:`_safe_planner`).
 
     Raises:
-        RuntimeError: a requested key is not in the checkpoint, or its data cannot be read.
+        RuntimeError: a requested key is not in the checkpoint, its data cannot be read, or the metadata
+            names a global that is not a DCP metadata type.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _quiet_no_dist():
-            dcp.load(state_dict, checkpoint_id=path, no_dist=not distributed)
+            dcp.load(state_dict, storage_reader=_safe_reader(path), planner=_safe_planner(),
+                     no_dist=not distributed)
     except CheckpointException as exc:  # a BaseException carrying each failed rank's error and traceback
         reasons = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
         raise RuntimeError(reasons) from exc
@@ -246,15 +302,13 @@ def load_shards(state_dict: dict[str, Any], path: Path, *, distributed: bool) ->
 
 def shard_keys(path: Path) -> set[str]:
     """Flattened keys (``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ...) saved in the DCP
-    directory ``path``, read from its ``.metadata`` alone.
+    directory ``path``, read from its ``.metadata`` alone (:class:`_MetadataUnpickler`).
 
     Raises:
-        RuntimeError: the metadata cannot be read.
+        RuntimeError: the metadata cannot be read, or names a global that is not a DCP metadata type.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        return set(_safe_reader(path).read_metadata().state_dict_metadata)
     except Exception as exc:  # a missing or unpicklable .metadata raises several types
         raise RuntimeError(f"cannot read {path / '.metadata'} ({exc})") from exc
 

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -109,16 +110,30 @@ def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    """Every global RNG state (torch, CUDA, numpy, Python) as tensors, numbers and lists, so
+    ``train_state.pt`` loads with ``torch.load(weights_only=True)`` (no pickled objects)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+                             "python": {"version": version, "state": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`_rng_state` output (states saved before numpy/Python were recorded restore torch/CUDA)."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "python" in state:
+        p = state["python"]
+        random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
