@@ -11,8 +11,9 @@ scale from the loss (radial-gradient fraction ~1e-8 against ~1e-2 raw); per-loop
 huge final-loop norms (~4×10⁴–6×10⁴, perhaps L2), the norm penalty keeps them at 17–27 and raw readouts
 stay in the tens. Every table of PPL per loop opens with a depth-use column (issue 24: PPL at K = 1, at the
 training depth K = 4 and at the best K). A result that follows from the architecture alone (the radial
-fraction under an RMSNorm readout) is labelled "holds by construction". Paired comparisons are over seeds (looplm.analysis.stats.claim_verdict; ≥ 3 seeds,
-provisional below); the rule was fixed before the runs finished.
+fraction under an RMSNorm readout) is labelled "holds by construction". Paired comparisons are over seeds
+(looplm.analysis.stats.claim_verdict; ≥ 3 seeds, provisional below); the rule was fixed before the runs
+finished.
 
 Run: python experiments/readout-cpu/long_summary.py     (any time: it reports the seeds stored so far)
 """
