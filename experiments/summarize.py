@@ -7,6 +7,9 @@
 Each reads the sweep's ``results.db`` (``looplm sweep``), the runs' ``summary.json`` / ``metrics.jsonl`` and
 the ``diagnose`` / ``sharing`` JSON files written next to the runs, and writes ``results.md`` (+ PNG) into
 the experiment folder. Means are over the seeds present; every number comes from a stored evaluation.
+Every PPL table opens with a depth-use column (issue 24): the metric at T = 1, at the training depth and at
+the best T. The run folders are not committed: without them, the tables read from them (terminal sharing,
+token convergence, per-loop norms, halting) are left out, and the summary says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from looplm.analysis.claims import depth_use_cell  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,15 +53,18 @@ def mean_std(values) -> str:
 
 
 def runs(exp: Path) -> dict[str, Path]:
-    """{run id: run folder} of the finished runs under ``exp/runs``.
-
-    Raises:
-        SystemExit: no ``runs`` folder (run folders are not committed: re-run the sweep first).
-    """
+    """{run id: run folder} of the finished runs under ``exp/runs``; empty when the folder is missing (run
+    folders are not committed)."""
     if not (exp / "runs").is_dir():
-        raise SystemExit(f"{exp / 'runs'}: missing. This summary reads the run folders, which are not committed; "
-                         f"re-run the sweep (see {exp / 'README.md'}) first.")
+        return {}
     return {p.name: p for p in sorted((exp / "runs").iterdir()) if (p / "summary.json").exists()}
+
+
+def no_runs_note(exp: Path, what: str) -> list[str]:
+    """The line that replaces a table read from the run folders when they are not here."""
+    return ["", f"{what}: read from the run folders (`{exp.name}/runs/`), which are not committed and are not here; "
+            "no number of it is given here (earlier versions of this file had one, not from a committed file). "
+            "Re-run the sweep to get it back."]
 
 
 # ---------------------------------------------------------------------------------------------- huginn
@@ -68,20 +76,24 @@ def huginn() -> None:
              "`looplm eval kv-sharing --checkpoint experiments/huginn-cpu/runs/RUN --depths 5 --max-tokens 8192 "
              "--out experiments/huginn-cpu/runs/RUN/sharing.json`, then `python experiments/summarize.py huginn`.", "",
              "Brown test PPL (first 8,192 tokens), mean ± std over seeds:", "",
-             "| variant | seeds | R=1 | R=3 | R=5 | R=8 | R=16 | R=32 | R=64 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | depth use: R=1 · R=5 · best R | seeds | R=1 | R=3 | R=5 | R=8 | R=16 | R=32 | R=64 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     depths = [1, 3, 5, 8, 16, 32, 64]
+    use = {v: depth_use_cell(tab[v], 5) for v in tab}
     for v in sorted(tab):
         seeds = sorted(tab[v][5])
-        lines.append(f"| `{v}` | {len(seeds)} | " + " | ".join(mean_std(tab[v][d].values()) for d in depths) + " |")
+        lines.append(f"| `{v}` | {use[v]} | {len(seeds)} | " + " | ".join(mean_std(tab[v][d].values()) for d in depths) + " |")
     lines += ["", "Extrapolation: PPL at R / PPL at the training mean R = 5, minus 1 (mean over seeds):", "",
-              "| variant | R=8 | R=16 | R=32 | R=64 |", "|---|---:|---:|---:|---:|"]
+              "| variant | depth use (PPL) | R=8 | R=16 | R=32 | R=64 |", "|---|---|---:|---:|---:|---:|"]
     degr: dict[str, dict[int, float]] = {}
     for v in sorted(tab):
         degr[v] = {d: float(np.mean([tab[v][d][s] / tab[v][5][s] - 1 for s in tab[v][5]])) for d in (8, 16, 32, 64)}
-        lines.append(f"| `{v}` | " + " | ".join(f"{100 * degr[v][d]:+.1f}%" for d in (8, 16, 32, 64)) + " |")
+        lines.append(f"| `{v}` | {use[v]} | " + " | ".join(f"{100 * degr[v][d]:+.1f}%" for d in (8, 16, 32, 64))
+                     + " |")
     share = defaultdict(list)
     conv = defaultdict(list)
-    for name, run in runs(exp).items():
+    folders = runs(exp)
+    for name, run in folders.items():
         variant = name.rsplit("-s", 1)[0]
         f = run / "sharing.json"
         if f.exists():
@@ -94,22 +106,24 @@ def huginn() -> None:
     if share:
         lines += ["", "Terminal KV sharing at R = 5 (continuation protocol: prefill the first 64 tokens of each "
                   "128-token window into a terminal cache, score the last 64 in one pass):", "",
-                  "| variant | seeds | PPL full | PPL terminal | sharing penalty | KV bytes per_visit / terminal |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| variant | depth use (PPL) | seeds | PPL full | PPL terminal | sharing penalty "
+                  "| KV bytes per_visit / terminal |", "|---|---|---:|---:|---:|---:|---:|"]
         for v, items in sorted(share.items()):
             r = [it["depths"]["5"] for it in items]
-            lines.append(f"| `{v}` | {len(r)} | {mean_std(x['ppl_full'] for x in r)} | "
+            lines.append(f"| `{v}` | {use.get(v, '–')} | {len(r)} | {mean_std(x['ppl_full'] for x in r)} | "
                          f"{mean_std(x['ppl_terminal'] for x in r)} | "
                          f"{np.mean([x['sharing_penalty_pct'] for x in r]):+.1f}% | "
                          f"{r[0]['kv_bytes_full']:,} / {r[0]['kv_bytes_terminal']:,} |")
     if conv:
         lines += ["", "Token convergence (`looplm diagnose`, valid split, 2 × 8 windows, R_obs = 64, τ = 2%):", "",
-                  "| variant | mean convergence depth | never converged | Spearman(depth, position) |",
-                  "|---|---:|---:|---:|"]
+                  "| variant | depth use (PPL) | mean convergence depth | never converged | Spearman(depth, position) |",
+                  "|---|---|---:|---:|---:|"]
         for v, items in sorted(conv.items()):
-            lines.append(f"| `{v}` | {np.mean([c['depth_mean'] for c in items]):.1f} | "
+            lines.append(f"| `{v}` | {use.get(v, '–')} | {np.mean([c['depth_mean'] for c in items]):.1f} | "
                          f"{100 * np.mean([c['never_fraction'] for c in items]):.1f}% | "
                          f"{np.mean([c['spearman'] for c in items if c['spearman'] is not None]):+.3f} |")
+    if not folders:
+        lines += no_runs_note(exp, "Terminal KV sharing at R = 5 and token convergence")
     fig, ax = plt.subplots(figsize=(6, 4))
     for v in sorted(tab):
         ds = sorted(tab[v])
@@ -150,20 +164,36 @@ def _sweep_runs(folder: Path) -> dict[str, dict[int, dict]]:
     if not (folder / "results.db").exists():
         return out
     con = sqlite3.connect(folder / "results.db")
-    for run_id, variant, seed, summary, config in con.execute(
-            "SELECT run_id, variant, seed, summary_json, config_json FROM runs"):
+    for run_id, variant, seed, summary, config, chash in con.execute(
+            "SELECT run_id, variant, seed, summary_json, config_json, config_hash FROM runs"):
         summ = json.loads(summary)
         if summ.get("completed_steps") != summ.get("steps"):
             continue
         run = folder / "runs" / run_id
-        out[variant][int(seed)] = {"val_loss": summ["val_loss"], "val_ppl": summ["val_ppl"],
+        by_depth = dict(con.execute("SELECT depth, value FROM evaluations WHERE config_hash = ? AND seed = ? AND "
+                                    "protocol = 'ppl' AND dataset = 'brown' AND split = 'valid' AND metric = 'ppl'",
+                                    (chash, seed)).fetchall())
+        out[variant][int(seed)] = {"val_loss": summ["val_loss"], "val_ppl": summ["val_ppl"], "valid_by_depth": by_depth,
                                    "config": json.loads(config), "run": run if (run / "metrics.jsonl").exists() else None}
     con.close()
     return out
 
 
+def _depth_use(seeds: dict[int, dict], train_depth: int) -> str:
+    """Depth-use cell of Brown valid PPL (T = 1, 3, 5 stored) over the seeds of one variant."""
+    by_depth: dict[int, dict[int, float]] = defaultdict(dict)
+    for seed, r in seeds.items():
+        for d, x in r.get("valid_by_depth", {}).items():
+            by_depth[d][seed] = x
+    return depth_use_cell(by_depth, train_depth)
+
+
+DEEPLOOP_USE = "depth use: valid PPL at T=1 · T=R · best T"
+
+
 def _p_table(by_variant, floor: float) -> tuple[list[str], list[tuple[float, float, bool]]]:
-    lines = ["| p | α = (2N)^p | β = (8N)^-p | final val loss per seed | trains |", "|---:|---:|---:|---|---:|"]
+    lines = [f"| p | {DEEPLOOP_USE} | α = (2N)^p | β = (8N)^-p | final val loss per seed | trains |",
+             "|---:|---|---:|---:|---|---:|"]
     pts = []
     n = 6
     for v, p in P_OF.items():
@@ -174,7 +204,7 @@ def _p_table(by_variant, floor: float) -> tuple[list[str], list[tuple[float, flo
         ok = [seeds[s]["val_ppl"] < 0.8 * floor for s in sorted(seeds)]
         pts += [(p, x, t) for x, t in zip(losses, ok)]
         lines.append(f"| {p:.2f}{' (post_ln)' if p == 0 else ' (deeploop)' if p == 0.5 else ''} | "
-                     f"{(2 * n) ** p:.3f} | {(8 * n) ** -p:.3f} | " + ", ".join(f"{x:.3f}" for x in losses)
+                     f"{_depth_use(seeds, 3)} | {(2 * n) ** p:.3f} | {(8 * n) ** -p:.3f} | " + ", ".join(f"{x:.3f}" for x in losses)
                      + f" | {sum(ok)}/{len(ok)} |")
     return lines, pts
 
@@ -250,18 +280,21 @@ def deeploop() -> None:
     u_lines, u_pts = _p_table(untied, floor)
     lines += u_lines
     lines += ["", "## DeepLoop (p = 1/2) vs α = β = 1 (post_ln) at R = 1, 3, 5 (untied, 150 steps)", "",
-              "| R | N = 2R | post_ln val loss | deeploop val loss | seeds |", "|---:|---:|---:|---:|---:|"]
+              f"| R | {DEEPLOOP_USE}, post_ln / deeploop | N = 2R | post_ln val loss | deeploop val loss | seeds |",
+              "|---:|---|---:|---:|---:|---:|"]
     for R in (1, 3, 5):
         src = untied if R == 3 else depth
         a, b = src.get(f"post_ln-R{R}", {}), src.get(f"deeploop-R{R}", {})
         common = sorted(set(a) & set(b))
         if common:
-            lines.append(f"| {R} | {2 * R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
+            use = f"{_depth_use({s: a[s] for s in common}, R)} / {_depth_use({s: b[s] for s in common}, R)}"
+            lines.append(f"| {R} | {use} | {2 * R} | {np.mean([a[s]['val_loss'] for s in common]):.3f} | "
                          f"{np.mean([b[s]['val_loss'] for s in common]):.3f} | {len(common)} |")
     if "pre_ln-R3" in depth:
         ref = depth["pre_ln-R3"]
         lines += ["", "Pre-norm reference (rule plain, pre_ln, untied, R = 3, 150 steps): val loss "
-                  + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed)."]
+                  + ", ".join(f"{ref[s]['val_loss']:.3f}" for s in sorted(ref)) + f" ({len(ref)} seed); "
+                  f"depth use: valid PPL {_depth_use(ref, 3)}."]
     lines += ["", "![p-sweep](p_sweep.png)"]
     if tied64:
         lines += ["", "![tied embeddings at 4× the batch](tied_b64.png)"]
@@ -297,12 +330,14 @@ def readout() -> None:
     lines = ["# The readout blind spot at CPU scale (issue 5 §5)", "",
              "Command: `looplm sweep experiments/readout-cpu/sweep.toml --out experiments/readout-cpu`, then "
              "`python experiments/summarize.py readout`.", "",
-             "Final-loop hidden-state RMS (per token, `looplm diagnose` scale section, valid split, 2 × 8 windows) "
-             "and Brown test PPL per loop (first 8,192 tokens):", "",
-             "| variant | RMS loop 1 | RMS loop 4 (mean / p99 / max) | radial grad. fraction r_4 | PPL k=1 | k=2 | k=3 | k=4 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    norms = {}
-    for name, run in runs(exp).items():
+             "Brown test PPL per loop (first 8,192 tokens; one seed):", "",
+             "| variant | depth use: K=1 · K=4 · best K | PPL k=1 | k=2 | k=3 | k=4 |", "|---|---|---:|---:|---:|---:|"]
+    for v in sorted(tab):
+        lines.append(f"| `{v}` | {depth_use_cell(tab[v], 4)} | "
+                     + " | ".join(mean_std(tab[v][k].values()) if k in tab[v] else "–" for k in (1, 2, 3, 4)) + " |")
+    norms, norm_rows = {}, []
+    folders = runs(exp)
+    for name, run in folders.items():
         variant = name.rsplit("-s", 1)[0]
         d = run / "diagnose" / "diagnose.json"
         if not d.exists():
@@ -310,25 +345,37 @@ def readout() -> None:
         sc = json.loads(d.read_text())["scale"]["loops"]
         by_k = {x["k"]: x for x in sc}
         norms[variant] = [by_k[k]["rms_mean"] for k in sorted(by_k)]
-        ppl = tab.get(variant, {})
-        lines.append(f"| `{variant}` | {by_k[1]['rms_mean']:.2f} | {by_k[4]['rms_mean']:.2f} / {by_k[4]['rms_p99']:.2f} / "
-                     f"{by_k[4]['rms_max']:.2f} | {by_k[4]['radial_grad_fraction']:.2e} | "
-                     + " | ".join(mean_std(ppl[k].values()) if k in ppl else "–" for k in (1, 2, 3, 4)) + " |")
+        norm_rows.append(f"| `{variant}` | {depth_use_cell(tab.get(variant, {}), 4)} | {by_k[1]['rms_mean']:.2f} | "
+                     f"{by_k[4]['rms_mean']:.2f} / {by_k[4]['rms_p99']:.2f} / {by_k[4]['rms_max']:.2f} | "
+                     f"{by_k[4]['radial_grad_fraction']:.2e} |")
+    if norm_rows:
+        lines += ["", "Final-loop hidden-state RMS (per token, `looplm diagnose` scale section, valid split, 2 × 8 "
+                  "windows):", "", "| variant | depth use (PPL) | RMS loop 1 | RMS loop 4 (mean / p99 / max) "
+                  "| radial grad. fraction r_4 |", "|---|---|---:|---:|---:|"] + norm_rows
     halt = []
-    for name, run in runs(exp).items():
+    for name, run in folders.items():
         f = run / "halting" / "halting.json"
         if f.exists():
             h = json.loads(f.read_text())
             c, t = h["calibration"], h["timed"]
             tau = "∞" if c["tau"] is None else f"{c['tau']:.2f}"
-            halt.append(f"| `{name.rsplit('-s', 1)[0]}` | {h['k_max']} | {tau} | {c['mean_loops']:.2f} | "
+            halt.append(f"| `{name.rsplit('-s', 1)[0]}` | {depth_use_cell(tab.get(name.rsplit('-s', 1)[0], {}), 4)} "
+                        f"| {h['k_max']} | {tau} | {c['mean_loops']:.2f} | "
                         f"{t['dynamic']['mean_loops']:.2f} | {t['speedup']:.2f}× | {100 * (t['ppl_ratio'] - 1):+.2f}% | "
                         + " / ".join(f"{c['ppl_by_k'][str(k)]:.0f}" for k in range(1, h["k_max"] + 1)) + " |")
     if halt:
         lines += ["", "Logit-margin halting (`looplm eval halting`: τ calibrated on 160 Brown-valid windows to keep "
                   "PPL within 1% of K_max = 4; timed dynamic-batching run on Brown test):", "",
-                  "| variant | K_max | τ | mean loops (calib.) | mean loops (timed) | speedup | PPL vs K_max (timed) | "
-                  "calib. PPL at K = 1 / 2 / 3 / 4 |", "|---|---:|---:|---:|---:|---:|---:|---|"] + halt
+                  "| variant | depth use (PPL) | K_max | τ | mean loops (calib.) | mean loops (timed) | speedup "
+                  "| PPL vs K_max (timed) | calib. PPL at K = 1 / 2 / 3 / 4 |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---|"] + halt
+    if not folders:  # the norms and halting tables come from the run folders: the figure stays as drawn from them
+        lines += no_runs_note(exp, "Per-loop norms (`diagnose.json` scale sections) and logit-margin halting "
+                              "(`halting.json`)")
+        lines += ["", "![norms per loop, drawn from the run folders when they were here](norms_per_loop.png)"]
+        (exp / "results.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     for v, ys in sorted(norms.items()):
         ax.plot(range(len(ys)), ys, marker="o", label=v)

@@ -190,8 +190,8 @@ def test_format_delta():
 
 
 def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
-    from looplm.analysis.claims import (curves_by_variant, mean_std_cell, paired_claim, settled_ranking,
-                                        validation_curves)
+    from looplm.analysis.claims import (curves_by_variant, depth_use_cell, mean_std_cell, paired_claim,
+                                        settled_ranking, validation_curves)
 
     assert mean_std_cell([]) == "–" and mean_std_cell([2.0]) == "2.0" and mean_std_cell([1.0, 3.0], 2) == "2.00 ± 1.41"
     assert mean_std_cell([1e-10, 3e-10], 2, notation="e") == "2.00e-10 ± 1.41e-10"
@@ -202,6 +202,12 @@ def test_claim_helpers_cells_curves_and_settled_ranking(tmp_path):
     assert paired_claim({0: 7.0, 1: 8.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0}, expect="positive")[1] == "**opposite**"
     assert paired_claim({0: 1.0}, {0: 3.0}) == ("-2.0 (1 seed)", "provisional (1 pair): claimed side")
     assert paired_claim({0: 1.0}, {1: 3.0}) == ("–", "no data")
+    # depth use: means T=1 (10+20)/2 = 15, T=4 (8+6)/2 = 7, T=8 (9+9)/2 = 9 (best: T=4, lowest)
+    by_depth = {1: {0: 10.0, 1: 20.0}, 4: {0: 8.0, 1: 6.0}, 8: {0: 9.0, 1: 9.0}}
+    assert depth_use_cell(by_depth, 8) == "T=1 15.0 · T=8 9.0 · best 7.0 (T=4)"
+    assert depth_use_cell(by_depth, 8, higher_is_better=True, digits=0) == "T=1 15 · T=8 9 · best 15 (T=1)"
+    assert depth_use_cell(by_depth, 8, signed=True) == "T=1 +15.0 · T=8 +9.0 · best +7.0 (T=4)"
+    assert depth_use_cell(by_depth, 5) == "–" and depth_use_cell({}, 1) == "–"
 
     runs = tmp_path / "runs"
     for run_id, rows in {"a-s0": [(100, 50.0), (200, 30.0), (300, 20.0)], "a-s1": [(100, 50.0), (200, 30.0)],
@@ -262,6 +268,9 @@ def test_claim_tables_and_plot(tmp_path):
     rows = status_table(["a", "b"], {"a": 1234}, {"a": [0]}, curves)
     assert rows[2:] == ["| `a` | 1,234 | 0 | seed 1 (170) |", "| `b` | – | – | – |"]
     assert status_table(["a"], {}, {}, {})[0].startswith("**Not run yet:**")
+    rows = status_table(["a", "b"], {"a": 1234}, {"a": [0]}, curves, depth_use=("depth use", {"a": "x"}))
+    assert rows[:3] == ["| variant | depth use | params | seeds evaluated | runs in progress (step) |",
+                        "|---|---|---:|---|---|", "| `a` | x | 1,234 | 0 | seed 1 (170) |"] and rows[3].startswith("| `b` | – |")
     by = {"a": {100: [50.0, 52.0], 200: [30.0]}, "b": {100: [40.0], 200: [40.0]}}
     table = curves_table(by, ["a", "b"])
     assert table[:4] == ["| variant | 100 | 200 |", "|---|---:|---:|", "| `a` | 51 | 30 [1] |", "| `b` | 40 | 40 |"]

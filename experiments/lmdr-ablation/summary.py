@@ -10,6 +10,9 @@ R = 5 (one change) keeps both within 2–3%. Sampled depths (PLN-5, the learned 
 fixed-depth training (§5.2, Table 2). Verdicts: looplm.analysis.stats.claim_verdict on paired seeds
 (≥ 3 seeds; provisional below), the rule fixed before the runs finished.
 
+Every table opens with a depth-use column (issue 24): Brown test PPL at R = 1, at the training R = 5 and
+at the best R; in the claim table, that of the row's first model.
+
 Run: python experiments/lmdr-ablation/summary.py      (any time: it reports the seeds stored so far)
 """
 
@@ -17,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
-                                    paired_claim, plot_mean_curves, status_table, sweep_results)
+from looplm.analysis.claims import (curves_by_variant, curves_table, depth_use_cell, diagnose_sections,
+                                    mean_std_cell as fmt, paired_claim, plot_mean_curves, status_table, sweep_results)
 from looplm.analysis.stats import MIN_VERDICT_PAIRS
 
 EXP = Path(__file__).parent
@@ -65,21 +68,24 @@ def main() -> None:
     ppl = {v: {d: c(v, "ppl", "ppl", d) for d in (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)} for v in ORDER}
     extra = {v: {d: ratio_pct(ppl[v][d], ppl[v][R_TRAIN]) for d in EXTRA} for v in ORDER}
     share = {v: c(v, "kv_sharing", "sharing_penalty_pct", R_TRAIN) for v in ORDER}
+    use = {v: depth_use_cell(ppl[v], R_TRAIN) for v in ORDER}
+    use_head = "depth use: PPL at R=1 · R=5 · best R"
     lines = ["# LMDR's ablation at CPU scale (issue 11 §3): results so far", "",
              "Written by `python experiments/lmdr-ablation/summary.py` from `results.db` (curves and token "
              "convergence kept in `curves.json` / `convergence.json`). See `README.md` for the protocol.", "",
-             "## Status", ""] + status_table(ORDER, params, {v: ppl[v][R_TRAIN].keys() for v in ORDER}, curves)
+             "## Status", ""] + status_table(ORDER, params, {v: ppl[v][R_TRAIN].keys() for v in ORDER}, curves,
+                                             depth_use=(use_head, use))
     lines += ["", "## Brown test PPL by recurrence count R (mean ± std over seeds)", "",
-              "| variant | " + " | ".join(f"R={d}" for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |",
-              "|---|" + "---:|" * 8]
+              f"| variant | {use_head} | " + " | ".join(f"R={d}" for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |",
+              "|---|---|" + "---:|" * 8]
     for v in ORDER:
-        lines.append(f"| `{v}` | " + " | ".join(fmt(ppl[v][d].values()) for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |")
+        lines.append(f"| `{v}` | {use[v]} | " + " | ".join(fmt(ppl[v][d].values()) for d in (1, 2, 3, 5, 8, 16, 32, 64)) + " |")
     lines += ["", f"Extrapolation: PPL at R / PPL at R = {R_TRAIN}, minus 1, in % (mean ± std over seeds); terminal "
               f"KV sharing penalty at R = {R_TRAIN} (continuation protocol, document-aware, SPEC §6):", "",
-              "| variant | " + " | ".join(f"R={d}" for d in EXTRA) + " | sharing penalty | PPL full / terminal |",
-              "|---|" + "---:|" * (len(EXTRA) + 2)]
+              f"| variant | {use_head} | " + " | ".join(f"R={d}" for d in EXTRA)
+              + " | sharing penalty | PPL full / terminal |", "|---|---|" + "---:|" * (len(EXTRA) + 2)]
     for v in ORDER:
-        lines.append(f"| `{v}` | " + " | ".join(fmt(extra[v][d].values(), 2) for d in EXTRA)
+        lines.append(f"| `{v}` | {use[v]} | " + " | ".join(fmt(extra[v][d].values(), 2) for d in EXTRA)
                      + f" | {fmt(share[v].values(), 2)} | {fmt(c(v, 'kv_sharing', 'ppl_full', R_TRAIN).values())} / "
                      f"{fmt(c(v, 'kv_sharing', 'ppl_terminal', R_TRAIN).values())} |")
 
@@ -88,8 +94,8 @@ def main() -> None:
               "paired delta excludes 0 on the paper's side, *opposite* on the other side, *not resolved* "
               "otherwise; fewer seeds give a *provisional* sign. Absolute thresholds (e.g. > 25%) are checked on "
               "every seed.", "",
-              "| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) | verdict |",
-              "|---|---|---|---|---|"]
+              f"| # | claim (paper) | {use_head} (first model) | measured (mean ± std) "
+              "| paired delta [95% t] (95% bootstrap) | verdict |", "|---|---|---|---|---|---|"]
 
     def threshold(vals: dict[int, float], above: float | None = None, below: float | None = None) -> str:
         if not vals:
@@ -122,17 +128,18 @@ def main() -> None:
         cell, _ = paired_claim(ppl[v][R_TRAIN], ppl[b][R_TRAIN])
         rows.append((f"R5-{v.split('_')[0]}-{v.split('_')[1]}", f"(reference, no claim) PPL at R=5, `{v}` vs `{b}`",
                      f"{fmt(ppl[v][R_TRAIN].values())} vs {fmt(ppl[b][R_TRAIN].values())}", cell, "reported only"))
-    lines += [f"| {' | '.join(r)} |" for r in rows]
+    first = [b, t, t, b, t, t, "pln5_tbptt2", "learned_tbptt2", "fixed5_tbptt2", "pln5_tbptt2", "learned_tbptt2"]
+    lines += [f"| {' | '.join([r[0], r[1], use[v], *r[2:]])} |" for r, v in zip(rows, first, strict=True)]
 
     if conv:
         lines += ["", "## Token convergence (`looplm diagnose`, Brown valid, 2 × 8 windows, R_obs = 64, τ = 2%)", "",
-                  "| variant | seeds | mean convergence depth | never converged | Spearman(depth, position) |",
-                  "|---|---:|---:|---:|---:|"]
+                  f"| variant | {use_head} | seeds | mean convergence depth | never converged "
+                  "| Spearman(depth, position) |", "|---|---|---:|---:|---:|---:|"]
         for v in ORDER:
             items = [x for rid, x in conv.items() if rid.rsplit("-s", 1)[0] == v]
             if items:
                 sp = [x["spearman"] for x in items if x.get("spearman") is not None]
-                lines.append(f"| `{v}` | {len(items)} | {fmt(x['depth_mean'] for x in items)} | "
+                lines.append(f"| `{v}` | {use[v]} | {len(items)} | {fmt(x['depth_mean'] for x in items)} | "
                              f"{fmt([100 * x['never_fraction'] for x in items])}% | {fmt(sp, 3)} |")
 
     step_map = load_step_map()
@@ -142,12 +149,14 @@ def main() -> None:
                   "(unit v per example, ε = 1e-3, 4 directions; < 1 shrinks a perturbation of the state) and the "
                   "state's motion N⁻¹‖Δ₅ − Δ₄‖² along the ordinary trajectory (mean ± std over seeds). float32 "
                   "rounding can inflate gains this small (README.md has a float64 check of seed 0).", "",
-                  "| variant | seeds | gain t=0 | gain t=4 | motion t=4 |", "|---|---:|---:|---:|---:|"]
+                  f"| variant | {use_head} | seeds | gain t=0 | gain t=4 | motion t=4 |",
+                  "|---|---|---:|---:|---:|---:|"]
         for v in ORDER:
             items = [x for rid, x in step_map.items() if rid.rsplit("-s", 1)[0] == v]
             if items:
-                cells_ = [fmt([x["gain"][t] for x in items], 3) for t in ("0", "4")] + [fmt([x["motion"]["4"] for x in items], 2, notation="e")]
-                lines.append(f"| `{v}` | {len(items)} | " + " | ".join(cells_) + " |")
+                cells_ = ([fmt([x["gain"][t] for x in items], 3) for t in ("0", "4")]
+                          + [fmt([x["motion"]["4"] for x in items], 2, notation="e")])
+                lines.append(f"| `{v}` | {use[v]} | {len(items)} | " + " | ".join(cells_) + " |")
 
     by_variant = curves_by_variant(curves)
     if by_variant:

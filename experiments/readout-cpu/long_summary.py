@@ -9,8 +9,11 @@ folders. Writes long/results.md and long/norm_drift.png.
 The paper's claims (SPEC §10; the readout-blind-spot paper, §4): an RMSNorm readout hides the state's
 scale from the loss (radial-gradient fraction ~1e-8 against ~1e-2 raw); per-loop CE + RMSNorm drifts to
 huge final-loop norms (~4×10⁴–6×10⁴, perhaps L2), the norm penalty keeps them at 17–27 and raw readouts
-stay in the tens. Paired comparisons are over seeds (looplm.analysis.stats.claim_verdict; ≥ 3 seeds,
-provisional below); the rule was fixed before the runs finished.
+stay in the tens. Every table of PPL per loop opens with a depth-use column (issue 24: PPL at K = 1, at the
+training depth K = 4 and at the best K). A result that follows from the architecture alone (the radial
+fraction under an RMSNorm readout) is labelled "holds by construction". Paired comparisons are over seeds
+(looplm.analysis.stats.claim_verdict; ≥ 3 seeds, provisional below); the rule was fixed before the runs
+finished.
 
 Run: python experiments/readout-cpu/long_summary.py     (any time: it reports the seeds stored so far)
 """
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from looplm.analysis.claims import (curves_by_variant, curves_table, diagnose_sections, mean_std_cell as fmt,
-                                    paired_claim, plot_mean_curves, status_table, sweep_results)
+from looplm.analysis.claims import (curves_by_variant, curves_table, depth_use_cell, diagnose_sections,
+                                    mean_std_cell as fmt, paired_claim, plot_mean_curves, status_table, sweep_results)
 
 EXP = Path(__file__).parent / "long"
 SWEEP = "readout-long"
@@ -51,18 +54,20 @@ def main() -> None:
     def ppl(v: str, k: int) -> dict[int, float]:
         return cells.get(v, {}).get(("ppl", "brown", "ppl", k), {})
 
+    use = {v: depth_use_cell({k: ppl(v, k) for k in range(1, K + 1)}, K) for v in ORDER}
     complete = all(len(ppl(v, K)) == 3 for v in ORDER)
     lines = ["# The readout blind spot, 600 steps × 3 seeds (issue 11 §3): results" + ("" if complete else " so far"), "",
              "Written by `python experiments/readout-cpu/long_summary.py` from `long/results.db`, the runs' "
              "`diagnose.json` scale sections (kept in `scale.json`) and `metrics.jsonl` (kept in `curves.json`).", "",
-             "## Status", ""] + status_table(ORDER, params, {v: ppl(v, K).keys() for v in ORDER}, curves)
+             "## Status", ""] + status_table(ORDER, params, {v: ppl(v, K).keys() for v in ORDER}, curves,
+                                             depth_use=("depth use: Brown test PPL at K=1 · K=4 · best K", use))
     lines += ["", f"## Final-loop norms (k = {K}; `looplm diagnose`, 2 × 8 Brown-valid windows) and Brown test PPL",
-              "", "| variant | RMS mean | RMS p99 | RMS max | L2 mean (= √d·RMS) | radial grad. fraction | "
-              "PPL k=1 | k=2 | k=3 | k=4 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "", "| variant | depth use (PPL) | RMS mean | RMS p99 | RMS max | L2 mean (= √d·RMS) "
+              "| radial grad. fraction | PPL k=1 | k=2 | k=3 | k=4 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v in ORDER:
         rad = by_seed(scale, v, K, "radial_grad_fraction")
         rad_cell = "–" if not rad else ", ".join(f"{x:.1e}" for _, x in sorted(rad.items()))
-        lines.append(f"| `{v}` | {fmt(by_seed(scale, v, K, 'rms_mean').values(), 2)} | "
+        lines.append(f"| `{v}` | {use[v]} | {fmt(by_seed(scale, v, K, 'rms_mean').values(), 2)} | "
                      f"{fmt(by_seed(scale, v, K, 'rms_p99').values(), 2)} | {fmt(by_seed(scale, v, K, 'rms_max').values(), 2)} | "
                      f"{fmt(by_seed(scale, v, K, 'l2_mean').values(), 1)} | {rad_cell} | "
                      + " | ".join(fmt(ppl(v, k).values()) for k in range(1, K + 1)) + " |")
@@ -97,18 +102,40 @@ def main() -> None:
         cell, judged = paired_claim(late, early, digits=2, expect="positive")
         rows.append(f"| G | per-loop CE + RMSNorm's last-loop RMS grows with training (step {last} vs step {first}) | "
                     f"{fmt(late.values(), 2)} vs {fmt(early.values(), 2)} | {cell} | {judged} |")
-    for v in ORDER:
+    for v in ORDER:  # an RMSNorm readout is scale-invariant, so its radial gradient is 0 up to rounding
         rad = by_seed(scale, v, K, "radial_grad_fraction")
         if rad:
+            zero = max(rad.values()) < 1e-6
             rows.append(f"| R-{v} | radial-gradient fraction: ≈ 0 with an RMSNorm readout, ~1e-2 raw | "
                         f"{', '.join(f'{x:.1e}' for _, x in sorted(rad.items()))} | – | "
-                        f"{'≈ 0 (< 1e-6)' if max(rad.values()) < 1e-6 else 'clearly nonzero'} |")
+                        f"{'≈ 0 (< 1e-6): holds by construction' if zero else 'clearly nonzero'} |")
+    rows += matched_k_rows(ppl)
     lines += weight_decay_check(cells, curves, scale)
     lines += ["", "## Claims", "", "| # | claim (paper) | measured (mean ± std) | paired delta [95% t] (95% bootstrap) "
               "| verdict |", "|---|---|---|---|---|"] + rows
     text = "\n".join(lines) + "\n"
     (EXP / "results.md").write_text(text)
     print(text)
+
+
+def matched_k_rows(ppl) -> list[str]:
+    """Claim rows: the penalty model against per-loop RMSNorm at each matched K (paired over seeds, with the
+    seeds where the penalty is lower), and the K-invariance (PPL at K = 1 against K = 4) of every per-loop
+    model, not only the drifting one."""
+    rows = []
+    a, b = "per_loop-rmsnorm-penalty", "per_loop-rmsnorm"
+    for k in range(1, K + 1):
+        x, y = ppl(a, k), ppl(b, k)
+        cell, judged = paired_claim(x, y)
+        wins = sum(x[s] < y[s] for s in set(x) & set(y))
+        rows.append(f"| M{k} | (not a paper claim) the penalty model's PPL < per-loop RMSNorm's at matched K={k} | "
+                    f"{fmt(x.values())} vs {fmt(y.values())}; lower on {wins} of {len(set(x) & set(y))} seeds "
+                    f"| {cell} | {judged.replace('reproduces', 'holds')} |")
+    for v in [v for v in ORDER if v.startswith("per_loop")]:
+        cell, _ = paired_claim(ppl(v, 1), ppl(v, K))
+        rows.append(f"| KI-{v} | (reported) K-invariance: PPL at K=1 − PPL at K={K} | "
+                    f"{fmt(ppl(v, 1).values())} vs {fmt(ppl(v, K).values())} | {cell} | reported only |")
+    return rows
 
 
 def weight_decay_check(cells: dict, curves: dict, scale: dict) -> list[str]:
@@ -123,15 +150,17 @@ def weight_decay_check(cells: dict, curves: dict, scale: dict) -> list[str]:
     lines = ["", "## Check: weight decay 0 (`wd0.toml`, seed 0) against 0.1 (this sweep's seed 0)", "",
              "Last-loop RMS on Brown valid during training (`val_state_rms`), the final-loop RMS from "
              "`diagnose` and Brown test PPL.", "",
-             "| variant | weight decay | " + " | ".join(f"RMS @ {s}" for s in steps)
-             + " | final-loop RMS | PPL k=1 | k=4 |", "|---|---:|" + "---:|" * (len(steps) + 3)]
+             "| variant | depth use (PPL, 1 seed) | weight decay | " + " | ".join(f"RMS @ {s}" for s in steps)
+             + " | final-loop RMS | PPL k=1 | k=4 |", "|---|---|---:|" + "---:|" * (len(steps) + 3)]
     for v in ("terminal-rmsnorm", "per_loop-rmsnorm"):
         for wd, run, cl, sc, cc in ((0.1, f"{v}-s0", cells.get(v, {}), scale, curves),
                                     (0.0, f"{v}-wd0-s0", wd_cells.get(f"{v}-wd0", {}), wd_scale, wd_curves)):
             curve = cc.get(run, {}).get("val_state_rms", {})
             rec = sc.get(run, {}).get("k", {}).get(str(K), {})
             pk = [cl.get(("ppl", "brown", "ppl", k), {}).get(0) for k in (1, K)]
-            lines.append(f"| `{v}` | {wd} | " + " | ".join(f"{curve[str(s)]:.2f}" if str(s) in curve else "–"
+            use = depth_use_cell({k: {0: x[0]} for k in range(1, K + 1)
+                                  if 0 in (x := cl.get(("ppl", "brown", "ppl", k), {}))}, K)
+            lines.append(f"| `{v}` | {use} | {wd} | " + " | ".join(f"{curve[str(s)]:.2f}" if str(s) in curve else "–"
                                                         for s in steps)
                          + (f" | {rec['rms_mean']:.2f} | " if rec else " | – | "))
             lines[-1] += " | ".join("–" if x is None else f"{x:.1f}" for x in pk) + " |"

@@ -11,8 +11,9 @@ with the paper's 0.1. ``huginn-cpu``: the CPU protocol with the Huginn-style 1 +
 PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): warm-up–stable–decay over
 5% / last 10% of the steps, AdamW betas (0.9, 0.98), and for ``--train.depth_sampler learned`` the
 inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
-the preset has one microbatch per update, where the paper's one-update window leaves s = 1). No committed
-result uses this preset (experiments/huginn-cpu starts from ``cpu``). ``debug``: a tiny model on real text,
+the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
+committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
+starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1). ``debug``: a tiny model on real text,
 trains in seconds.
 """
 

@@ -9,6 +9,8 @@ and validation learning curves collected from a sweep's run folders.
 - :func:`diagnose_sections`: one section of each run's ``diagnose.json``, kept the same way.
 - :func:`settled_ranking`: the ranking of the variant means at the last step every variant reached, and
   the step since which it has not changed (how a budget is judged long enough, from validation data).
+- :func:`depth_use_cell`: a metric at T = 1, at the training depth and at the best T (issue 24's depth-use
+  column), so a table shows at once whether the loop is used.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def mean_std_cell(values: Iterable[float], digits: int = 1, *, notation: str = "
     if len(v) == 1:
         return f"{v[0]:.{digits}{notation}}"
     return f"{statistics.mean(v):.{digits}{notation}} ± {statistics.stdev(v):.{digits}{notation}}"
+
+
+def depth_use_cell(by_depth: Mapping[int, Mapping[int, float]], train_depth: int, *, digits: int = 1,
+                   higher_is_better: bool = False, signed: bool = False) -> str:
+    """``"T=1 a · T=train b · best c (T=k)"`` of the seed means of ``{depth: {seed: value}}``.
+
+    The best T is the evaluated depth with the best mean (lowest unless ``higher_is_better``); ``signed``
+    prints a sign (for deltas); ``"–"`` when T = 1 or ``train_depth`` was not evaluated (the loop's use
+    cannot be read off)."""
+    means = {d: statistics.mean(v.values()) for d, v in by_depth.items() if v}
+    if 1 not in means or train_depth not in means:
+        return "–"
+    best = (max if higher_is_better else min)(sorted(means), key=means.__getitem__)
+    f = f"{'+' if signed else ''}.{digits}f"
+    return f"T=1 {means[1]:{f}} · T={train_depth} {means[train_depth]:{f}} · best {means[best]:{f}} (T={best})"
 
 
 def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *, digits: int = 1,
@@ -162,19 +179,23 @@ def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tupl
 
 
 def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping[str, Iterable[int]],
-                 curves: Mapping[str, Mapping]) -> list[str]:
+                 curves: Mapping[str, Mapping], depth_use: tuple[str, Mapping[str, str]] | None = None) -> list[str]:
     """Markdown rows of a sweep's progress: per variant its parameter count, the seeds with stored test
     evaluations and the runs still training (seed and last logged step, from :func:`validation_curves`);
-    a first line says so when nothing has run yet."""
+    a first line says so when nothing has run yet. ``depth_use``: ``(header, {variant: cell})`` of a
+    first column (:func:`depth_use_cell`)."""
     lines = []
     if not params and not curves:
         lines = ["**Not run yet:** the results database holds no run of this sweep and no run folder exists.", ""]
-    lines += ["| variant | params | seeds evaluated | runs in progress (step) |", "|---|---:|---|---|"]
+    head, cells = depth_use if depth_use else (None, {})
+    lines += ["| variant | " + (f"{head} | " if head else "") + "params | seeds evaluated | runs in progress (step) |",
+              "|---|" + ("---|" if head else "") + "---:|---|---|"]
     for v in order:
         prog = [f"seed {rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
                 if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
         n = f"{params[v]:,}" if params.get(v) else "–"
-        lines.append(f"| `{v}` | {n} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
+        lines.append(f"| `{v}` | " + (f"{cells.get(v, '–')} | " if head else "")
+                     + f"{n} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
                      f"| {', '.join(prog) or '–'} |")
     return lines
 
