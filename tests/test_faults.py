@@ -278,7 +278,7 @@ def test_bench_flags_an_impossible_mfu_and_an_unstable_machine():
 
 # -- 8. demo --------------------------------------------------------------------------------------
 def test_readme_demo_table_is_the_rendering_of_the_committed_results():
-    from looplm.demo import readme_table
+    from looplm.demo import readme_table, results_markdown
 
     readme = (REPO / "README.md").read_text()
     begin, end = "<!-- demo-results:begin -->\n", "\n<!-- demo-results:end -->"
@@ -286,6 +286,12 @@ def test_readme_demo_table_is_the_rendering_of_the_committed_results():
     table = readme[readme.index(begin) + len(begin): readme.index(end)]
     committed = json.loads((REPO / "experiments/demo/results.json").read_text())
     assert table == readme_table(committed), "regenerate with: python experiments/demo/readme_table.py --write"
+    assert (REPO / "experiments/demo/results.md").read_text() == results_markdown(committed), \
+        "regenerate with: python experiments/demo/readme_table.py --write"
+    # the depth-use cell against the stored PPLs read directly (training depth: uniform 1..8 -> 8)
+    ppl = {int(T): r["ppl"] for T, r in committed["models"]["looped"]["eval"]["Brown test"].items()}
+    best = min(ppl, key=ppl.get)
+    assert f"| `looped` | T=1 {ppl[1]:.1f} · T=8 {ppl[8]:.1f} · best {ppl[best]:.1f} (T={best}) |" in table
 
 
 def _shape(obj):

@@ -1,10 +1,12 @@
 """Render the README's "Measured results" table from a demo results.json (looplm.demo.readme_table).
 
     python experiments/demo/readme_table.py                      # print the table of experiments/demo/results.json
-    python experiments/demo/readme_table.py RESULTS.json --write  # replace the table in README.md with it
+    python experiments/demo/readme_table.py RESULTS.json --write  # replace the table in README.md with it,
+                                                                  # and rewrite results.md beside RESULTS.json
 
 The table sits between ``<!-- demo-results:begin -->`` and ``<!-- demo-results:end -->`` in README.md;
-tests/test_faults.py checks that it equals the rendering of the committed experiments/demo/results.json.
+tests/test_faults.py checks that it, and experiments/demo/results.md (looplm.demo.results_markdown), equal
+the rendering of the committed experiments/demo/results.json.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from looplm.demo import readme_table
+from looplm.demo import readme_table, results_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- demo-results:begin -->", "<!-- demo-results:end -->"
@@ -38,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="replace the table in --readme instead of printing it")
     p.add_argument("--readme", type=Path, default=REPO / "README.md")
     args = p.parse_args(argv)
-    table = readme_table(json.loads(args.results.read_text()))
+    results = json.loads(args.results.read_text())
+    table = readme_table(results)
     if args.write:
         args.readme.write_text(replace_between_markers(args.readme.read_text(), table))
-        print(f"wrote the table of {args.results} into {args.readme}")
+        args.results.with_suffix(".md").write_text(results_markdown(results))
+        print(f"wrote the table of {args.results} into {args.readme} and {args.results.with_suffix('.md')}")
     else:
         print(table)
     return 0

@@ -5,13 +5,14 @@ checkpoint at every depth on Brown test and on the held-out WikiText-2 raw test 
 on it), and writes to OUT:
 
     results.json        per model × split × depth: ppl, nll, tokens; unigram baselines; timings
-    results.md          Markdown tables of PPL by depth
+    results.md          Markdown tables of PPL by depth (:func:`results_markdown`)
     ppl_vs_depth.png    PPL against loop depth on a log2 axis (SCSE Figure 3 style)
     runs/<rule>/        the training runs (checkpoints, metrics.jsonl, summary.json)
 
 Re-running skips finished training and resumes an interrupted training run (evaluation is rerun).
 :func:`readme_table` renders the README's "Measured results" table from a results.json
-(``python experiments/demo/readme_table.py``).
+(``python experiments/demo/readme_table.py``). Every PPL table opens with a depth-use column (issue 24):
+PPL at T = 1, at the training depth and at the best evaluated T.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from typing import Any, Sequence
 
 from tokenizers import Tokenizer
 
+from looplm.analysis.claims import depth_use_cell
 from looplm.analysis.plots import plot_ppl_vs_depth
 from looplm.config import Config, ConfigError, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
-from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
+from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, nonfinite_depths
 from looplm.finite import dumps
 from looplm.presets import get_preset
 from looplm.train.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
@@ -102,6 +104,7 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
                                                      warmup_steps=min(base.train.warmup_steps, steps // 10)))
     _log(f"preparing data: Brown (SPEC §11 split), byte-level BPE {base.data.bpe_vocab_size}")
     data = prepare_data(base, progress=progress)
+    base = base.replace(model=base.model.replace(vocab_size=data.vocab_size))  # as train() builds the models
     tok = Tokenizer.from_str(data.tokenizer_json)
     root, cache = resolve_data_root(base.data.data_root), resolve_cache_dir(base.data.cache_dir)
     eval_sets = {}
@@ -133,28 +136,16 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
                  + f" ({time.time() - t1:.0f}s)")
         results["models"][rule] = entry
 
-    md = [f"# looplm demo: {demo_title(rule_list)}", "",
-          f"Preset `{preset}` ({base.model.d_model}-wide, 1 core block, {base.train.steps} steps, batch "
-          f"{base.train.batch_size}×{base.model.seq_len}, uniform training depth "
-          f"{base.train.depth_lo}..{base.train.depth_hi}), trained on Brown train; byte-level BPE "
-          f"{data.vocab_size} trained on Brown train. Evaluation on the first {eval_tokens} tokens of each "
-          "test split (non-overlapping windows, token-weighted).", ""]
-    panels = {}
-    for title in eval_sets:
-        curves = {rule: {int(T): r["ppl"] for T, r in e["eval"][title].items()}
-                  for rule, e in results["models"].items()}
-        panels[title] = curves
-        table = {rule: {int(T): r for T, r in e["eval"][title].items()} for rule, e in results["models"].items()}
-        md += [f"## {title} — PPL by loop depth (unigram: {unigram[title]:.1f})", "",
-               markdown_table(table, list(depths)), ""]
+    panels = {title: {rule: {int(T): r["ppl"] for T, r in e["eval"][title].items()}
+                      for rule, e in results["models"].items()} for title in eval_sets}
     plot_ppl_vs_depth(panels, out / "ppl_vs_depth.png", train_range=(base.train.depth_lo, base.train.depth_hi),
                       baselines={t: {"unigram": v} for t, v in unigram.items()},
                       title="looplm demo: PPL vs loop depth")
     results["wall_s"] = time.time() - t0
-    md += ["![PPL vs depth](ppl_vs_depth.png)", "", f"Total wall time: {results['wall_s']:.0f} s."]
+    md = results_markdown(results)
     (out / "results.json").write_text(dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    (out / "results.md").write_text(md)
+    print(md, end="")
     _log(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'ppl_vs_depth.png'} "
          f"in {results['wall_s']:.0f} s")
     return results
@@ -164,19 +155,54 @@ def _ppl(x: Any) -> str:
     return f"{x:.1f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
+def _depth_use(entry: dict[str, Any], title: str, train_depth: int) -> str:
+    """Depth-use cell (:func:`~looplm.analysis.claims.depth_use_cell`) of one model's PPL on ``title``
+    over its finite evaluated depths."""
+    ppl = {int(T): _get_ppl(entry, title, int(T)) for T in entry["eval"].get(title, {})}
+    return depth_use_cell({T: {0: p} for T, p in ppl.items() if math.isfinite(p)}, train_depth)
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+    """The demo's ``results.md`` from its ``results.json`` dict: the setup, then per test split a table of
+    PPL by depth (a depth-use column first, ``n/a`` where the PPL is null), the plot and the wall time."""
+    cfg = Config.from_dict(results["preset"])
+    m, t = cfg.model, cfg.train
+    depths = [int(T) for T in results["depths"]]
+    md = [f"# looplm demo: {demo_title(list(results['models']))}", "",
+          f"Preset `{cfg.name}` ({m.d_model}-wide, 1 core block, {t.steps} steps, batch {t.batch_size}×{m.seq_len}, "
+          f"uniform training depth {t.depth_lo}..{t.depth_hi}), trained on Brown train; byte-level BPE "
+          f"{m.vocab_size} trained on Brown train. Evaluation on the first {results['eval_tokens']} tokens of each "
+          "test split (non-overlapping windows, token-weighted).", ""]
+    for title, uni in results["unigram_ppl"].items():
+        md += [f"## {title} — PPL by loop depth (unigram: {uni:.1f})", "",
+               f"| model | depth use: PPL at T=1 · T={t.nominal_depth} · best T | "
+               + " | ".join(f"T={T}" for T in depths) + " |", "|---|---|" + "---:|" * len(depths)]
+        for rule, e in results["models"].items():
+            md.append(f"| {rule} | {_depth_use(e, title, t.nominal_depth)} | "
+                      + " | ".join(f"{p:.2f}" if math.isfinite(p := _get_ppl(e, title, T)) else "n/a" for T in depths)
+                      + " |")
+        md.append("")
+    md += ["![PPL vs depth](ppl_vs_depth.png)", "", f"Total wall time: {results['wall_s']:.0f} s."]
+    return "\n".join(md) + "\n"
+
+
 def readme_table(results: dict[str, Any]) -> str:
     """The README's "Measured results" table from a demo ``results.json`` dict: one row for the unigram
-    baseline and one per model (parameters, then PPL at the :data:`README_COLUMNS` depths that were
-    evaluated; ``n/a`` where the PPL is null)."""
+    baseline and one per model (depth use on Brown test, parameters, then PPL at the :data:`README_COLUMNS`
+    depths that were evaluated; ``n/a`` where the PPL is null)."""
     evaluated = {int(T) for T in results["depths"]}
+    train_depth = Config.from_dict(results["preset"]).train.nominal_depth
+    brown = README_COLUMNS[0][0]
     cols = [(title, label, [T for T in shown if T in evaluated]) for title, label, shown in README_COLUMNS]
-    lines = ["| model | params | " + " | ".join(f"{label}, T={' / '.join(map(str, ds))}" for _, label, ds in cols)
-             + " |", "|---|---:|" + "---|" * len(cols),
-             "| unigram (add-one, Brown train) | – | "
+    lines = [f"| model | depth use: Brown test PPL at T=1 · T={train_depth} · best T | params | "
+             + " | ".join(f"{label}, T={' / '.join(map(str, ds))}" for _, label, ds in cols)
+             + " |", "|---|---|---:|" + "---|" * len(cols),
+             "| unigram (add-one, Brown train) | – | – | "
              + " | ".join(_ppl(results["unigram_ppl"][title]) for title, _, _ in cols) + " |"]
     for rule, entry in results["models"].items():
         cells = [" / ".join(_ppl(entry["eval"][title][str(T)]["ppl"]) for T in ds) for title, _, ds in cols]
-        lines.append(f"| `{rule}` | {entry['params']:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{rule}` | {_depth_use(entry, brown, train_depth)} | {entry['params']:,} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + readme_summary(results)
 
 
