@@ -1,5 +1,6 @@
-"""The init studies' tables (issue 11 §1): per variant, over the seeds stored so far, the depth use (issue 24:
-Brown *valid* PPL at T = 1, at the training depth T = 8 and at the best T), Brown valid PPL at T = 8 and T = 48, the random-direction gain at t = 0 and t = 47 and the forcing ratio R_47 (mean ± std
+"""The init studies' tables (issue 11 §1): per variant, over the seeds stored so far, the depth use
+(issue 24: Brown *valid* PPL at T = 1, at the training depth T = 8 and at the best T), Brown valid PPL at
+T = 8 and T = 48, the random-direction gain at t = 0 and t = 47 and the forcing ratio R_47 (mean ± std
 and the seed count), read from experiments/scse-cpu/init-study/results.db (source-module init) and
 experiments/scse-cpu/embed-study/results.db (embedding scale), and the embedding probe's paired deltas
 against the init study's runs of the same seeds (their depth use: the paired delta at T = 1 · 8 · best T).
@@ -46,8 +47,8 @@ def table(cells: dict[str, dict[str, dict[int, float]]], order: list[str]) -> st
     for v in order:
         c = cells.get(v, {})
         seeds = sorted(c.get("ppl8", {}))
-        lines.append(f"| `{v}` | {depth_use_cell(c.get('depths', {}), T_TRAIN)} | {', '.join(map(str, seeds)) or '–'} "
-                     f"| {fmt(list(c.get('ppl8', {}).values()))} "
+        lines.append(f"| `{v}` | {depth_use_cell(c.get('depths', {}), T_TRAIN)} "
+                     f"| {', '.join(map(str, seeds)) or '–'} | {fmt(list(c.get('ppl8', {}).values()))} "
                      f"| {fmt(list(c.get('ppl48', {}).values()))} | {fmt(list(c.get('gain0', {}).values()), 2)} "
                      f"| {fmt(list(c.get('gain47', {}).values()), 2)} | {fmt(list(c.get('ratio47', {}).values()), 2)} |")
     return "\n".join(lines)
