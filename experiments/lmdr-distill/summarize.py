@@ -1,5 +1,9 @@
 """Write experiments/lmdr-distill/results.md and its plots from results/*.json (run.sh writes them).
 
+Both tables of each teacher open with a depth-use column (issue 24): the teacher's Brown valid PPL (whole
+windows, ``ppl_<teacher>.json``) at R = 1, at its decoding depth and at the best R, on every row the teacher
+prefills; ``–`` on the distilled student's rows (one pass, no loop).
+
     python experiments/lmdr-distill/summarize.py
 """
 
@@ -7,6 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from looplm.analysis.claims import depth_use_cell
 
 EXP = Path(__file__).resolve().parent
 RES = EXP / "results"
@@ -56,15 +62,21 @@ def markdown() -> str:
            "with terminal KV sharing; the first continuation token is the prefill's own prediction; only "
            "tokens that continue the prompt's document; first 65,536 tokens of each split). Latency: one "
            "prefill of a 512- / 2,048-token prompt at the teacher's shape (batch 1, one CPU thread, random "
-           "weights, mean ± s.d. of six; `latency.py`).", ""]
+           "weights, mean ± s.d. of six; `latency.py`). Depth use (issue 24): the teacher's PPL by depth listed under "
+           "each teacher's tables, at R = 1, at its decoding R and at the best R; – for the distilled student (one "
+           "pass, no loop).", ""]
     for teacher, title in TEACHERS.items():
         if not (RES / f"eval_{teacher}_brown_test.json").exists():
             continue
         _, table = rows_for(teacher)
         depth = load(f"eval_{teacher}_brown_test.json")["depth"]
-        head = ["prefill path", "teacher recurrences", *(s for _, _, s in SPLITS), "Δ Brown test vs teacher",
+        ppl = load(f"ppl_{teacher}.json")["depths"] if (RES / f"ppl_{teacher}.json").exists() else {}
+        teacher_use = depth_use_cell({int(T): {0: r["ppl"]} for T, r in ppl.items()}, depth)
+        use = {path: "–" if path.startswith("distilled") else teacher_use for path in table}
+        use_head = f"depth use: teacher Brown valid PPL at R=1 · R={depth} · best R"
+        head = ["prefill path", use_head, "teacher recurrences", *(s for _, _, s in SPLITS), "Δ Brown test vs teacher",
                 *(f"{c}-token prefill (ms)" for c in ctx)]
-        out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
         ref = table["teacher"]["Brown test"]["ppl"]
         for path, cells in table.items():
             key = "distilled" if path == "distilled_random" else path
@@ -73,16 +85,15 @@ def markdown() -> str:
             for c in ctx:
                 ms = shape.get(f"prefill_ms_ctx{c}", {}).get(key)
                 lat_cells.append("–" if ms is None or path == "full" else f"{ms['mean']:.0f} ± {ms['sd']:.0f}")
-            row = [label(path, depth), str(rec), *(f"{cells[s]['ppl']:.2f}" for _, _, s in SPLITS),
+            row = [label(path, depth), use[path], str(rec), *(f"{cells[s]['ppl']:.2f}" for _, _, s in SPLITS),
                    f"{100 * (cells['Brown test']['ppl'] / ref - 1):+.3f}%", *lat_cells]
             out.append("| " + " | ".join(row) + " |")
         out += ["", "First continuation token (the prefill's own readout) / the remaining 63 tokens (decoded by "
                 "the teacher from the path's banks), Brown test PPL:", "",
-                "| prefill path | PPL first token | PPL rest |", "|---|---:|---:|"]
+                f"| prefill path | {use_head} | PPL first token | PPL rest |", "|---|---|---:|---:|"]
         for path, cells in table.items():
             c = cells["Brown test"]
-            out.append(f"| {label(path, depth)} | {c['ppl_first']:.2f} | {c['ppl_rest']:.2f} |")
-        ppl = load(f"ppl_{teacher}.json")["depths"] if (RES / f"ppl_{teacher}.json").exists() else {}
+            out.append(f"| {label(path, depth)} | {use[path]} | {c['ppl_first']:.2f} | {c['ppl_rest']:.2f} |")
         if ppl:
             out += ["", "Teacher PPL by depth (Brown valid, whole windows, no cache): "
                     + ", ".join(f"R={T}: {r['ppl']:.2f}" for T, r in ppl.items())]
