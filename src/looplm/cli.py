@@ -207,6 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    created = not args.out.exists()
     prepare_out_dir(args.out, "--out")
 
     from looplm.train.checkpoint import list_checkpoints
@@ -219,7 +220,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"{', '.join(ignored) or '--config'}", file=sys.stderr)
     elif list_checkpoints(args.out):
         raise ValueError(f"--out {args.out} already holds a run; continue it with --resume or choose another --out")
-    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
+    try:
+        summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
+    except BaseException:
+        if created and not any(args.out.iterdir()):
+            args.out.rmdir()  # nothing was written: leave no empty folder behind
+        raise
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))
     return 0

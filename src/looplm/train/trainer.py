@@ -159,18 +159,27 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     """
     out = Path(out_dir)
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
+    existed = out.exists()
+    empty = not existed or not any(out.iterdir())
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
     lock = RunLock(out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     trackers = Trackers([])  # filled by _train (rank 0); closed here whatever happens
+    ok = False
     try:
         if not resume and list_checkpoints(out):
             raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
-        return _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
-                      trackers=trackers)
+        result = _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
+                        trackers=trackers)
+        ok = True
+        return result
     finally:
         trackers.close(None)
         if lock is not None:
             lock.release()
+            if not ok and empty and [p.name for p in out.iterdir()] == [lock.path.name]:
+                lock.path.unlink()  # failed before writing anything (e.g. unreadable data): leave no trace
+                if not existed:
+                    out.rmdir()
 
 
 def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
