@@ -494,7 +494,8 @@ class _Runner:
         step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
         self.log(f"{spec.run_id}: {'resuming from step ' + str(step) if ckpt else 'training'} "
                  f"({cfg.train.steps} steps)")
-        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data)
+        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data,
+              overwrite=True)  # its own run folder: a run with no checkpoint starts again
         return ("resumed" if ckpt is not None else "trained"), newest_valid_checkpoint(run_dir)
 
     def record(self, spec: RunSpec, run_dir: Path, ckpt: Path, saved: Config) -> RunRecord:
