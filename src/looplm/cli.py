@@ -329,7 +329,7 @@ _SCALE_CLAMP = Opt(help="rescale each token's state after every loop to its loop
 
 
 def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
-    from looplm.eval.runner import evaluate_checkpoint
+    from looplm.eval.runner import EVAL_DTYPES, evaluate_checkpoint
 
     o = common_opts()
     _add_checkpoint(p)
@@ -337,7 +337,7 @@ def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
         **_pick(o, "depths", "dataset", "split", "batch_size", "max_tokens"),
         "stride": Opt(type=positive_int, metavar="S", help="sliding-window stride (default: non-overlapping)"),
         "scale_clamp": _SCALE_CLAMP,
-        "device": o["device"]})
+        "device": o["device"], "dtype": Opt(choices=EVAL_DTYPES)})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_ppl, _family="eval")
 
