@@ -443,6 +443,15 @@ def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], upd
     return rec
 
 
+def _cos_null_reason(cmp: list[dict[str, Any]]) -> str | None:
+    """Why some compared updates have no gradient cosine (None when every one has them all)."""
+    zero = [c for c in cmp if any(v == 0.0 for v in c["grad_norm"].values())]
+    if not zero:
+        return None
+    return (f"{len(zero)} of {len(cmp)} compared updates had a zero gradient, so their cosines are undefined (null): "
+            "every group's rewards were equal (e.g. all 0), so each Dr. GRPO advantage r - mean(r) is 0")
+
+
 def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *,
                   source: Path, params: int) -> dict[str, Any]:
     """The results of a finished run from its ``metrics.jsonl``."""
@@ -471,6 +480,7 @@ def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after
             "cos_median": {k: med([c["cos"][k] for c in cmp if c["cos"].get(k) is not None]) for k in pairs},
             "cos_min": {k: min((c["cos"][k] for c in cmp if c["cos"].get(k) is not None), default=None) for k in pairs},
             "policy_gap_median": med([c["policy_gap"] for c in cmp if c["policy_gap"] is not None]),
+            "cos_null_reason": _cos_null_reason(cmp),
         },
         "state_bytes_per_generated_token": state_bytes / gen if gen else None,
         "state_bytes_per_position": state_bytes / positions if positions else None,
