@@ -261,3 +261,27 @@ def test_init_from_starts_from_the_source_weights_with_a_fresh_optimizer(tmp_pat
     assert load_checkpoint(tmp_path / "ft")[1].model == load_checkpoint(src)[1].model
     with pytest.raises(ValueError, match="--init-from .* not with --resume"):
         train(tiny_cfg, tmp_path / "ft", progress=False, data=tiny_data, resume=True, init_from=src)
+
+
+def test_train_cli_continues_initializes_and_overwrites(tmp_path, tiny_cfg, tiny_data, capsys):
+    """The CLI forms: --resume --train.steps N (no 'ignoring' warning for it), --init-from, --overwrite."""
+    from looplm.cli import main
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(tiny_cfg.replace(train=tiny_cfg.train.replace(steps=2, eval_every=0)).to_json())
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(run), "--quiet"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--train.steps", "3", "--quiet"]) == 0
+    assert "ignoring" not in capsys.readouterr().err
+    assert [r["step"] for r in _trace(run)] == [1, 2, 3]
+    ft = tmp_path / "ft"
+    assert main(["train", "--config", str(cfg), "--out", str(ft), "--init-from", str(run), "--quiet"]) == 0
+    assert [r["step"] for r in _trace(ft)] == [1, 2]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg), "--out", str(bare), "--quiet"]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["train", "--config", str(cfg), "--out", str(bare), "--overwrite", "--quiet"]) == 0
+    assert [r["step"] for r in _trace(bare)] == [1, 2]
