@@ -62,7 +62,7 @@ def _seed(*key: object) -> int:
 
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
                   train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Supervised pretraining of ``cfg``'s model on the task's token stream with looplm's trainer.
 
     The trainer samples its windows from the stream at multiples of the record length
@@ -77,6 +77,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
         train_records: records (examples) in the training stream.
         resume: continue from the newest valid checkpoint in ``out``.
         stop_after: stop (with a checkpoint) after this many steps of this invocation.
+        overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
 
     Returns:
         The trainer's summary, plus ``task``.
@@ -102,7 +103,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
                      tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size(), window_stride=t.record_len)
     out.mkdir(parents=True, exist_ok=True)
     task_file.write_text(json.dumps(spec, indent=2) + "\n")
-    summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after)
+    summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after, overwrite=overwrite)
     return {**summary, "task": spec}
 
 
