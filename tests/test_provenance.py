@@ -48,10 +48,18 @@ def test_eval_json_records_versions_time_weights_and_token_stream(run):
     assert prov["tokens_sha256"] == hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
     assert (prov["looplm_version"], prov["torch_version"]) == (looplm.__version__, torch.__version__)
     assert t0 <= prov["time_utc"] <= t1
-    git = shutil.which("git")
-    head = subprocess.run([git, "-C", str(looplm.__path__[0]), "rev-parse", "HEAD"], capture_output=True,
-                          text=True) if git else None
-    assert prov["git_commit"] == (head.stdout.strip() if head and head.returncode == 0 else None)
+    assert prov["git_commit"] == _git_commit()
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout this looplm is imported from, with -dirty when tracked files differ (git diff HEAD)."""
+    git, pkg = shutil.which("git"), looplm.__path__[0]
+    if git is None or subprocess.run([git, "-C", pkg, "ls-files", "--error-unmatch", "__init__.py"],
+                                     capture_output=True).returncode != 0:
+        return None
+    head = subprocess.run([git, "-C", pkg, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([git, "-C", pkg, "diff", "--quiet", "HEAD"]).returncode != 0
+    return head + ("-dirty" if dirty else "")
 
 
 def test_lambada_json_records_the_data_file_hash(run):

@@ -19,10 +19,16 @@ import numpy as np
 
 @functools.cache
 def git_commit() -> str | None:
-    """The commit of the git checkout looplm is imported from (None for an installed copy or without git)."""
+    """The commit of the git checkout looplm is imported from, ``-dirty`` appended when tracked files differ
+    from it; None for a copy git does not track (an installed wheel, even inside another repository) or no git."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
+                              timeout=10)
+
     try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
+            return None
+        out = git("describe", "--always", "--dirty", "--abbrev=40", "--exclude=*")
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
