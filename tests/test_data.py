@@ -7,6 +7,7 @@ and hand-computed values. Offline; needs the shared data directory (skipped with
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import types
 from pathlib import Path
@@ -306,3 +307,33 @@ def test_tokenizing_progress_bar_follows_progress(gpt2, capsys):
     loud = np.concatenate(list(tokens_mod.encode_documents(docs, gpt2)))
     assert "tokenizing" in capsys.readouterr().err
     assert np.array_equal(quiet, loud)
+
+
+def test_non_utf8_text_corpus_names_file_and_offset_and_leaves_no_run_folder(tmp_path, capsys):
+    from looplm.cli import main
+
+    cfg = _text_cfg(tmp_path, "fine text .\n")
+    bad = Path(cfg.text_files[0])
+    body = b"caf\xc3\xa9 ok\nna\xefve latin-1\n"  # a valid 2-byte character, then a latin-1 byte
+    bad.write_bytes(body)
+    at = body.index(b"\xef")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: not UTF-8 text: byte offset {at} "):
+        load_split_text(cfg, "train", tmp_path)
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet", "--data.dataset", "text", "--data.tokenizer", "bpe",
+            "--data.text_files", ",".join(cfg.text_files), "--data.cache_dir", str(tmp_path / "cache")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{bad}: not UTF-8 text: byte offset {at}" in err
+    assert not out.exists()  # no folder with a stale .lock
+
+
+def test_non_utf8_local_hf_text_file_is_one_line(tmp_path):
+    bad = tmp_path / "corpus.txt"
+    body = b"first paragraph\n\nsecond \xff\n"
+    bad.write_bytes(body)
+    cfg = DataConfig(dataset="hf", hf_path=str(bad), hf_splits=["train", "train", "train"])
+    at = body.index(b"\xff")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: not UTF-8 text: byte offset {at} ") as info:
+        load_split_text(cfg, "train", tmp_path)
+    assert "\n" not in str(info.value)

@@ -304,3 +304,27 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     (ock / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="not the RL task's character vocabulary"):
         _task_of(ock, "addition", 3)
+
+
+def test_all_zero_rewards_say_why_the_cosines_are_null(tmp_path):
+    from pathlib import Path
+
+    from looplm.rl.runner import summarize_run
+
+    model = toy()
+    _, roll = rollouts(model)
+    roll.rewards.zero_()  # no response correct: every group's advantages r - mean(r) are 0
+    batch = pack(roll)
+    assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))
+    cmp = compare_methods(model, batch, depth=R, neumann_steps=B_NEUMANN, max_new_tokens=M)
+    assert set(cmp["cos"].values()) == {None} and set(cmp["grad_norm"].values()) == {0.0}
+    rec = {"update": 1, "reward": 0.0, "rollout_s": 0.1, "update_s": 0.1, "generated_tokens": 4, "state_bytes": 0,
+           "state_positions": 0, "compare": cmp}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    res = summarize_run(tmp_path, {}, {}, {}, source=Path("base"), params=1)["compare"]
+    assert set(res["cos_median"].values()) == {None}
+    assert res["cos_null_reason"].startswith("1 of 1 compared updates had a zero gradient") and "all 0" in \
+        res["cos_null_reason"]
+    rec["compare"] = {**cmp, "grad_norm": {m: 1.0 for m in cmp["grad_norm"]}}  # a nonzero gradient: no reason
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    assert summarize_run(tmp_path, {}, {}, {}, source=Path("base"), params=1)["compare"]["cos_null_reason"] is None

@@ -198,3 +198,49 @@ def test_sweep_cells_group_a_sweeps_evaluations_by_variant(tmp_path):
     (tmp_path / "results.db").write_bytes((tmp_path / "r.db").read_bytes())
     cells2, params2, curves = sweep_results(tmp_path, "s")
     assert (cells2, params2, curves) == (cells, params, {})
+
+
+def test_report_on_an_unrelated_sqlite_file_leaves_it_byte_identical(tmp_path, capsys):
+    """`looplm report` opens with mode=ro and checks the schema first: no tables added, no WAL switch."""
+    import sqlite3
+
+    from looplm.analysis.store import ResultStoreError
+    from looplm.cli import main
+
+    other = tmp_path / "other.sqlite"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE notes (x TEXT)")
+    con.execute("INSERT INTO notes VALUES ('mine')")
+    con.commit()
+    con.close()
+    before = other.read_bytes()
+    assert main(["report", "--db", str(other), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(other) in err and "not a looplm results database" in err
+    assert other.read_bytes() == before and not any(p.name.startswith("other.sqlite-") for p in tmp_path.iterdir())
+    with pytest.raises(ResultStoreError, match="no table"):
+        ResultStore(other, readonly=True)
+    assert other.read_bytes() == before
+
+
+def test_readonly_store_reads_and_refuses_writes(tmp_path):
+    import sqlite3
+
+    with ResultStore(tmp_path / "r.db") as store:
+        store.put(_ident(), {"ppl": 3.0})
+    before = (tmp_path / "r.db").read_bytes()
+    with ResultStore(tmp_path / "r.db", readonly=True) as store:
+        assert store.get(_ident()) == {"ppl": 3.0}
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            store._conn.execute("DELETE FROM evaluations")
+    assert (tmp_path / "r.db").read_bytes() == before
+
+
+def test_put_stores_provenance_per_identity(tmp_path):
+    prov = {"looplm_version": "0.1.0", "weights_sha256": "ab" * 32}
+    with ResultStore(tmp_path / "r.db") as store:
+        store.put(_ident(depth=4), {"ppl": 3.0}, provenance=prov)
+        store.put(_ident(depth=8), {"ppl": 2.0})
+        assert store.provenance(_ident(depth=4)) == prov and store.provenance(_ident(depth=8)) is None
+        store.put(_ident(depth=4), {"ppl": 3.5})  # re-evaluated without one: the old record is not kept
+        assert store.provenance(_ident(depth=4)) is None

@@ -3,6 +3,7 @@ again (everything skipped), then partly killed (resumed exactly) and partly un-e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -381,6 +382,13 @@ def test_kv_sharing_hook_stores_what_the_command_computes(tmp_path, tiny_cfg):
     for R in (2, 3):
         for metric in ("ppl_full", "ppl_terminal", "sharing_penalty_pct", "kv_bytes_terminal"):
             assert got[(R, metric)] == pytest.approx(ref["depths"][str(R)][metric], rel=1e-9)
+    with ResultStore(first.db) as store:  # every row traces to the weights and tokens it measured
+        from looplm.analysis.store import IDENTITY_COLUMNS, EvalIdentity
+
+        provs = [store.provenance(EvalIdentity(**{c: r[c] for c in IDENTITY_COLUMNS})) for r in rows]
+    weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    assert all(p["weights_sha256"] == weights and p["tokens_sha256"] == ref["provenance"]["tokens_sha256"]
+               for p in provs)
     second = run_sweep(path, out, progress=False)
     assert [r["status"] for r in second.runs] == ["skipped"]
     with ResultStore(first.db) as store:

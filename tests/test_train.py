@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+import time
 
 import pytest
 import torch
@@ -165,3 +168,120 @@ def test_weight_decay_on_matrices_only(tiny_cfg):
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     n = sum(p.numel() for g in opt.param_groups for p in g["params"])
     assert n == model.num_params()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_model_safetensors_gets_the_umask_mode_like_the_other_files(tmp_path, tiny_cfg, umask):
+    from looplm.train.checkpoint import save_checkpoint
+
+    old = os.umask(umask)
+    try:
+        ckpt = save_checkpoint(tmp_path, 1, build_model(tiny_cfg.model.replace(vocab_size=64)), tiny_cfg)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~umask == modes["config.json"], modes
+
+
+def test_wall_s_sums_every_invocation_after_resume(tmp_path, tiny_cfg, tiny_data):
+    from looplm.train.checkpoint import load_train_state
+
+    run = tmp_path / "run"
+    train(tiny_cfg, run, progress=False, data=tiny_data, stop_after=3)
+    first = load_train_state(list_checkpoints(run)[-1])["wall_s"]  # the first invocation, up to step 3
+    t0 = time.time()
+    summary = train(tiny_cfg, run, progress=False, data=tiny_data, resume=True)
+    second = time.time() - t0  # an upper bound of the training time of the second invocation
+    assert 0 < first < summary["wall_s"] <= first + second
+    assert json.loads((run / "summary.json").read_text())["wall_s"] == summary["wall_s"]
+
+
+def test_a_run_without_checkpoint_is_not_silently_replaced(tmp_path, tiny_cfg, tiny_data):
+    """A run that diverged (or was stopped) before its first checkpoint leaves only metrics.jsonl."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": null, "skipped": true}\n')
+    with pytest.raises(ValueError, match=rf"--out {run} holds the metrics.jsonl of a run that wrote no "
+                                         r"checkpoint.*--overwrite"):
+        train(tiny_cfg, run, progress=False, data=tiny_data)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": null, "skipped": true}\n'
+    train(tiny_cfg, run, progress=False, data=tiny_data, overwrite=True)
+    assert [r["step"] for r in _trace(run)] == list(range(1, 7))
+
+
+def test_resume_with_more_steps_trains_a_finished_run_on(tmp_path, tiny_cfg, tiny_data):
+    run = tmp_path / "run"
+    train(tiny_cfg, run, progress=False, data=tiny_data)
+    before = _trace(run)
+    with pytest.raises(ValueError, match="--train.steps 4: the run in .* is at step 6 already"):
+        train(tiny_cfg, run, progress=False, data=tiny_data, resume=True, steps=4)
+    summary = train(tiny_cfg, run, progress=False, data=tiny_data, resume=True, steps=10)
+    after = _trace(run)
+    assert after[:6] == before and [r["step"] for r in after] == list(range(1, 11))
+    assert summary["steps"] == summary["completed_steps"] == 10
+    new = tiny_cfg.train.replace(steps=10)  # the schedule follows the new total from step 6 on
+    for r in after[6:]:
+        assert r["lr"] == pytest.approx(tiny_cfg.train.lr * lr_factor(r["step"] - 1, new), rel=1e-12)
+    assert load_checkpoint(run)[1].train.steps == 10
+
+
+def _first_step_weights(monkeypatch):
+    """Capture the weights the first training step sees (a copy of the state dict)."""
+    import looplm.train.trainer as trainer
+
+    seen, real = [], trainer.training_loss
+
+    def spy(model, *args, **kwargs):
+        if not seen:
+            seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "training_loss", spy)
+    return seen
+
+
+@pytest.mark.parametrize("source", ["run", "hf_export"])
+def test_init_from_starts_from_the_source_weights_with_a_fresh_optimizer(tmp_path, tiny_cfg, tiny_data,
+                                                                           monkeypatch, source):
+    src = tmp_path / "src"
+    train(tiny_cfg, src, progress=False, data=tiny_data)
+    if source == "hf_export":
+        from looplm.hf.export import export_checkpoint
+
+        src = export_checkpoint(src, tmp_path / "hf")
+    want = load_checkpoint(src)[0].state_dict()
+    seen = _first_step_weights(monkeypatch)
+    other = tiny_cfg.replace(model=tiny_cfg.model.replace(d_model=48), name="ft")  # replaced by the source's
+    train(other, tmp_path / "ft", progress=False, data=tiny_data, init_from=src)
+    assert seen[0].keys() == want.keys()
+    for k, v in want.items():  # a copy of the same tensors: exact
+        assert torch.equal(seen[0][k], v), k
+    trace = _trace(tmp_path / "ft")
+    assert trace[0]["lr"] == pytest.approx(tiny_cfg.train.lr * lr_factor(0, tiny_cfg.train), rel=1e-12)  # fresh
+    assert load_checkpoint(tmp_path / "ft")[1].model == load_checkpoint(src)[1].model
+    with pytest.raises(ValueError, match="--init-from .* not with --resume"):
+        train(tiny_cfg, tmp_path / "ft", progress=False, data=tiny_data, resume=True, init_from=src)
+
+
+def test_train_cli_continues_initializes_and_overwrites(tmp_path, tiny_cfg, tiny_data, capsys):
+    """The CLI forms: --resume --train.steps N (no 'ignoring' warning for it), --init-from, --overwrite."""
+    from looplm.cli import main
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(tiny_cfg.replace(train=tiny_cfg.train.replace(steps=2, eval_every=0)).to_json())
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(run), "--quiet"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--train.steps", "3", "--quiet"]) == 0
+    assert "ignoring" not in capsys.readouterr().err
+    assert [r["step"] for r in _trace(run)] == [1, 2, 3]
+    ft = tmp_path / "ft"
+    assert main(["train", "--config", str(cfg), "--out", str(ft), "--init-from", str(run), "--quiet"]) == 0
+    assert [r["step"] for r in _trace(ft)] == [1, 2]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg), "--out", str(bare), "--quiet"]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["train", "--config", str(cfg), "--out", str(bare), "--overwrite", "--quiet"]) == 0
+    assert [r["step"] for r in _trace(bare)] == [1, 2]

@@ -207,19 +207,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    created = not args.out.exists()
     prepare_out_dir(args.out, "--out")
 
     from looplm.train.checkpoint import list_checkpoints
     from looplm.train.trainer import train
 
+    steps = cfg.train.steps if args.resume and "train.steps" in args.config_overrides else None
     if args.resume:
-        ignored = list(args.config_overrides)
+        ignored = [k for k in args.config_overrides if k != "train.steps"]  # train.steps: train on to it
         if ignored or args.config:
             print(f"looplm train: warning: --resume continues with the config saved in {args.out}; ignoring "
                   f"{', '.join(ignored) or '--config'}", file=sys.stderr)
     elif list_checkpoints(args.out):
         raise ValueError(f"--out {args.out} already holds a run; continue it with --resume or choose another --out")
-    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
+    try:
+        summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after,
+                        steps=steps, init_from=args.init_from, overwrite=args.overwrite)
+    except BaseException:
+        if created and not any(args.out.iterdir()):
+            args.out.rmdir()  # nothing was written: leave no empty folder behind
+        raise
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))
     return 0
@@ -321,7 +329,7 @@ _SCALE_CLAMP = Opt(help="rescale each token's state after every loop to its loop
 
 
 def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
-    from looplm.eval.runner import evaluate_checkpoint
+    from looplm.eval.runner import EVAL_DTYPES, evaluate_checkpoint
 
     o = common_opts()
     _add_checkpoint(p)
@@ -329,7 +337,7 @@ def _build_eval_ppl(p: argparse.ArgumentParser) -> None:
         **_pick(o, "depths", "dataset", "split", "batch_size", "max_tokens"),
         "stride": Opt(type=positive_int, metavar="S", help="sliding-window stride (default: non-overlapping)"),
         "scale_clamp": _SCALE_CLAMP,
-        "device": o["device"]})
+        "device": o["device"], "dtype": Opt(choices=EVAL_DTYPES)})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_ppl, _family="eval")
 
@@ -609,7 +617,12 @@ def _build_demo(p: argparse.ArgumentParser) -> None:
 def _build_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=out_dir, help="run directory (required unless --print_config)")
     p.add_argument("--name", help="run name (default: the preset's)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out "
+                   "(with --train.steps N: train a finished run on to N; the LR schedule follows the new total)")
+    p.add_argument("--init-from", type=Path, metavar="CKPT", help="start from these weights (run, checkpoint or HF "
+                   "export folder; its model config is used); fresh optimizer and schedule")
+    p.add_argument("--overwrite", action="store_true", help="replace the metrics of a run in --out that wrote no "
+                   "checkpoint (it diverged or stopped before its first)")
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop with a checkpoint after N steps of this invocation (continue with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

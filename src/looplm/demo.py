@@ -75,7 +75,8 @@ def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
         return
     _log(f"{cfg.name}: {'resuming from ' + ckpt.name if ckpt else 'training'} "
          f"({cfg.train.steps} steps, uniform depth {cfg.train.depth_lo}..{cfg.train.depth_hi})")
-    train(cfg, run_dir, resume=ckpt is not None, progress=progress, data=data)
+    train(cfg, run_dir, resume=ckpt is not None, progress=progress, data=data,
+          overwrite=True)  # its own run folder: a run with no checkpoint starts again
 
 
 def demo_title(rules: Sequence[str]) -> str:

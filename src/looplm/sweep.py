@@ -494,7 +494,8 @@ class _Runner:
         step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
         self.log(f"{spec.run_id}: {'resuming from step ' + str(step) if ckpt else 'training'} "
                  f"({cfg.train.steps} steps)")
-        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data)
+        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data,
+              overwrite=True)  # its own run folder: a run with no checkpoint starts again
         return ("resumed" if ckpt is not None else "trained"), newest_valid_checkpoint(run_dir)
 
     def record(self, spec: RunSpec, run_dir: Path, ckpt: Path, saved: Config) -> RunRecord:
@@ -537,7 +538,7 @@ class _Runner:
                                           device=self.device(), progress=self.progress)
                 self.store.put_many([(idents[T], {k: float(v) for k, v in res["depths"][str(T)].items()
                                                   if k in ("ppl", "nll", "tokens")}) for T in ev.depths],
-                                    config=saved, settings=settings)
+                                    config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append(f"ppl {dataset}/{split}: " + ", ".join(
                     f"T={T} {res['depths'][str(T)]['ppl']:.1f}" for T in ev.depths))
         if ev.lambada is not None:
@@ -550,7 +551,7 @@ class _Runner:
                 res = _hook("lambada")(ckpt, depths=list(ev.depths), progress=self.progress,
                                        **{"device": self.device(), **settings})
                 items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
-                self.store.put_many(items, config=saved, settings=settings)
+                self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append("lambada")
         if ev.kv_sharing is not None and saved.model.architecture == "shared":
             settings = dict(ev.kv_sharing)
@@ -566,7 +567,7 @@ class _Runner:
                 res = _hook("kv_sharing")(ckpt, depths, progress=self.progress,
                                           **{"device": self.device(), **settings})
                 self.store.put_many([(idents[R], _numeric(res["depths"][str(R)])) for R in depths],
-                                    config=saved, settings=settings)
+                                    config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append("kv_sharing: " + ", ".join(
                     f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%" for R in depths))
         if ev.diagnose is not None and saved.model.architecture == "shared":
@@ -598,7 +599,7 @@ class _Runner:
                 if not items:
                     raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records "
                                      "with a loop step t")
-                self.store.put_many(items, config=saved, settings=settings)
+                self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append("diagnose")
         return done
 

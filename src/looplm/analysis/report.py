@@ -330,7 +330,7 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
     else:
         if not Path(db).is_file():
             raise FileNotFoundError(f"--db: {db} does not exist")
-        with ResultStore(db) as store:
+        with ResultStore(db, readonly=True) as store:  # never changes the file
             report = build_report(store, baseline=baseline, sweep=sweep)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

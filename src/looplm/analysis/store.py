@@ -32,6 +32,12 @@ Schema (``SCHEMA_VERSION`` 1)::
                 seed, tag, metric))
     runs(sweep, run_id, variant, variant_order, grid_json, seed, config_hash, config_json, params,
          flops_json, run_dir, weights_sha256, summary_json, updated_at, PRIMARY KEY(sweep, run_id))
+    provenance(<identity columns>, provenance_json, PRIMARY KEY(<identity columns>))
+
+``provenance`` (added later without a version bump: ``CREATE TABLE IF NOT EXISTS`` adds it to older
+files) holds, per evaluation identity, :func:`looplm.provenance.provenance` of the evaluation that wrote it.
+Read-only users (``looplm report``) open the file with ``readonly=True``: SQLite ``mode=ro``, and the
+schema is checked before anything is read, so an unrelated database is never changed.
 """
 
 from __future__ import annotations
@@ -92,7 +98,16 @@ CREATE TABLE IF NOT EXISTS runs (
     summary_json TEXT NOT NULL, updated_at REAL NOT NULL,
     PRIMARY KEY (sweep, run_id)
 );
+CREATE TABLE IF NOT EXISTS provenance (
+    config_hash TEXT NOT NULL, protocol TEXT NOT NULL, protocol_hash TEXT NOT NULL,
+    dataset TEXT NOT NULL, split TEXT NOT NULL, depth INTEGER NOT NULL, seed INTEGER NOT NULL,
+    tag TEXT NOT NULL, provenance_json TEXT NOT NULL,
+    PRIMARY KEY (config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag)
+) WITHOUT ROWID;
 """
+
+#: the tables a file must hold to be read as a looplm results database (``provenance`` is optional: older files)
+REQUIRED_TABLES: tuple[str, ...] = ("meta", "configs", "protocols", "evaluations", "runs")
 
 
 def _canonical(obj: Any) -> str:
@@ -214,17 +229,22 @@ class ResultStore:
 
     Use as a context manager or call :meth:`close`. Every public write is one transaction: a write that
     fails midway (an exception, or the process killed) leaves the database as it was before it.
+    ``readonly=True`` opens an existing file with SQLite ``mode=ro`` (writes fail) after checking it holds
+    the looplm tables and schema version; the file is never changed.
 
     Raises:
-        ResultStoreError: the file is not a SQLite database or is damaged, or the database stays locked
-            longer than ``timeout`` seconds (opening or writing).
+        ResultStoreError: the file is not a SQLite database or is damaged (read-only: or lacks the looplm
+            tables), or the database stays locked longer than ``timeout`` seconds (opening or writing).
         ValueError: the file holds a different schema version.
     """
 
-    def __init__(self, path: str | Path, *, timeout: float = 60.0) -> None:
+    def __init__(self, path: str | Path, *, timeout: float = 60.0, readonly: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
+        if readonly:
+            self._open_readonly()
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
@@ -240,6 +260,28 @@ class ResultStore:
                 elif int(row[0]) != SCHEMA_VERSION:
                     raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            self._conn.close()
+            raise self._error(exc) from None
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _open_readonly(self) -> None:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: the results database does not exist")
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"
+        self._conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+        try:
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            missing = [t for t in REQUIRED_TABLES if t not in tables]
+            if missing:
+                raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
+                                       f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
+            row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None or row[0] != str(SCHEMA_VERSION):
+                raise ValueError(f"{self.path}: schema_version {row[0] if row else 'missing'}; this looplm reads "
+                                 f"{SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:
             self._conn.close()
             raise self._error(exc) from None
         except BaseException:
@@ -324,6 +366,8 @@ class ResultStore:
             for old, new, identity in moves:
                 c.execute("UPDATE OR IGNORE evaluations SET config_hash = ? WHERE config_hash = ?", (new, old))
                 c.execute("DELETE FROM evaluations WHERE config_hash = ?", (old,))  # the ignored duplicates
+                c.execute("UPDATE OR IGNORE provenance SET config_hash = ? WHERE config_hash = ?", (new, old))
+                c.execute("DELETE FROM provenance WHERE config_hash = ?", (old,))
                 c.execute("UPDATE runs SET config_hash = ? WHERE config_hash = ?", (new, old))
                 c.execute("DELETE FROM configs WHERE config_hash = ?", (old,))
                 c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new, _canonical(config_identity(identity))))
@@ -331,7 +375,7 @@ class ResultStore:
 
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
-            settings: Mapping[str, Any] | None = None) -> None:
+            settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
         """Store ``metrics`` as the evaluation ``identity``, replacing what it held before.
 
         Args:
@@ -339,11 +383,13 @@ class ResultStore:
             metrics: metric name → value (floats; NaN is stored as NULL and read back as NaN).
             config: the run config (``Config`` or dict); its identity JSON goes to ``configs``.
             settings: the protocol settings; stored in ``protocols``.
+            provenance: where the metrics came from (:func:`looplm.provenance.provenance`); stored in
+                ``provenance`` (an identity written without one loses its old record).
         """
-        self.put_many([(identity, metrics)], config=config, settings=settings)
+        self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
 
     def put_many(self, items: Iterable[tuple[EvalIdentity, Mapping[str, float]]], *, config: Any = None,
-                 settings: Mapping[str, Any] | None = None) -> int:
+                 settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> int:
         """:meth:`put` for several identities in one transaction. Returns the number of identities.
 
         Raises:
@@ -379,7 +425,18 @@ class ResultStore:
                     f"ON CONFLICT ({', '.join(IDENTITY_COLUMNS)}, metric) "  # UPSERT, SQLite >= 3.24
                     "DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
                     [(*ident.as_tuple(), name, _none_if_nan(metrics[name]), now) for name in names])
+                c.execute(f"DELETE FROM provenance WHERE {where}", ident.as_tuple())
+                if provenance is not None:
+                    c.execute("INSERT INTO provenance VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                              (*ident.as_tuple(), _canonical(dict(provenance))))
         return len(items)
+
+    def provenance(self, identity: EvalIdentity) -> dict[str, Any] | None:
+        """The provenance stored with ``identity`` (None when none was)."""
+        where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
+        row = self._conn.execute(f"SELECT provenance_json FROM provenance WHERE {where}",
+                                 identity.as_tuple()).fetchone()
+        return json.loads(row[0]) if row else None
 
     def get(self, identity: EvalIdentity) -> dict[str, float]:
         """The metrics stored for ``identity`` (empty dict when none)."""

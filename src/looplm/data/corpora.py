@@ -139,9 +139,26 @@ def file_sha256(path: Path) -> str:
 
 
 def read_text_lf(path: Path) -> str:
-    """Read a UTF-8 text file and normalize CRLF line endings to LF."""
-    with open(path, encoding="utf-8", newline="") as f:
-        return f.read().replace("\r\n", "\n")
+    """Read a UTF-8 text file and normalize CRLF line endings to LF.
+
+    Raises:
+        ValueError: the file is not UTF-8 (the message names it and the first bad byte's offset).
+    """
+    return check_utf8(path).replace("\r\n", "\n")
+
+
+def check_utf8(path: Path) -> str:
+    """The text of ``path``, decoded as UTF-8.
+
+    Raises:
+        ValueError: not UTF-8; one line naming the file, the byte offset and the bytes there.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text: byte offset {e.start} holds {data[e.start:e.end + 3]!r} "
+                         f"({e.reason}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 # --- brown ------------------------------------------------------------------------------------
@@ -403,7 +420,9 @@ def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
     spec = cfg.hf_splits[i]
     local = _hf_local(cfg)
     if local is not None:
-        builder, _ = _hf_local_files(local)
+        builder, files = _hf_local_files(local)
+        for f in files if builder in ("text", "json") else ():  # fail in one line, not in `datasets`
+            check_utf8(f)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}  # text: a paragraph is a document
         # a file is one split called train; a folder's split names come from its file names
         source = {"data_files": {"train": str(local)}} if local.is_file() else {"data_dir": str(local)}

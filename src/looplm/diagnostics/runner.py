@@ -39,6 +39,7 @@ from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plo
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
 from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
 from looplm.data.paths import atomic_write
+from looplm.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -275,8 +276,10 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
                          scale_loops=loops, convergence_tau=convergence_tau,
                          alignment_loss="per_loop" if cfg.train.supervision == "per_loop" else "terminal",
                          progress=progress)
+    windows_sha = tokens_sha256(torch.cat([x for x, _, _ in xs]).cpu().numpy())  # the tokens diagnosed
     result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
-              "split": split, "batch_size": batch_size, "params": model.num_params(), **res}
+              "split": split, "batch_size": batch_size, "params": model.num_params(), **res,
+              "provenance": provenance(ckpt, windows_sha256=windows_sha)}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -208,7 +208,7 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
                     "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset, "split": split,
                     "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2, "batch_size": batch_size,
                     "max_tokens": max_tokens, "doc_aware": doc_aware, "paths": res,
-                    "markdown": markdown_table(res, title)})
+                    "markdown": markdown_table(res, title), "provenance": opened.provenance(tokens)})
     if out_json is not None:
         write_json_markdown(result, out_json)
     return result

@@ -337,6 +337,7 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
         ValueError: as :func:`adaptive_depth`.
     """
     from looplm.eval.runner import open_checkpoint
+    from looplm.provenance import tokens_sha256
 
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
@@ -346,6 +347,6 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
                          criterion=criterion, scale_clamp=scale_clamp)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "params": model.num_params(),
-           **res}
+           **res, "provenance": opened.provenance(test, valid_tokens_sha256=tokens_sha256(valid))}
     res["markdown"] = markdown_table({f"{cfg.name} ({data_cfg.dataset})": res})
     return res

@@ -474,20 +474,23 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
         ValueError: too few full windows in a split, k_max/batch_size < 1, negative tolerance.
     """
     from looplm.eval.runner import open_checkpoint
+    from looplm.provenance import tokens_sha256
 
     opened = open_checkpoint(ckpt_dir, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     k_max = cfg.train.nominal_depth if k_max is None else int(k_max)
     L = cfg.model.seq_len
-    calib = make_windows(opened.tokens(split_calib), L, 0, n_calib)
+    calib_tokens, timed_tokens = opened.tokens(split_calib), opened.tokens(split_timed)
+    calib = make_windows(calib_tokens, L, 0, n_calib)
     first_timed = n_calib if split_timed == split_calib else 0
-    timed = make_windows(opened.tokens(split_timed), L, first_timed, n_timed)
+    timed = make_windows(timed_tokens, L, first_timed, n_timed)
     res = halting_eval(model, calib, timed, k_max, batch_size=batch_size, tolerance=tolerance, repeats=repeats,
                        device=device, progress=progress, criterion=criterion, scale_clamp=scale_clamp)
     res = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "readout": cfg.model.readout,
            "dataset": data_cfg.dataset, "params": model.num_params(), "split_calib": split_calib,
-           "split_timed": split_timed, "first_timed_window": first_timed, **res}
+           "split_timed": split_timed, "first_timed_window": first_timed, **res,
+           "provenance": opened.provenance(timed_tokens, calib_tokens_sha256=tokens_sha256(calib_tokens))}
     label = f"{cfg.name} ({res['rule']}, readout {res['readout']}, {data_cfg.dataset})"
     res["markdown"] = markdown_report(res, label)
     out = Path(out_dir)

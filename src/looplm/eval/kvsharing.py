@@ -206,7 +206,8 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
     result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
               "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
               "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
-              "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label)}
+              "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label),
+              "provenance": opened.provenance(tokens)}
     if out_json is not None:
         write_json_markdown(result, out_json)
     return result

@@ -252,6 +252,7 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
         ValueError: bad depths, an unparsable line, or a target longer than seq_len.
     """
     from looplm.eval.runner import load_tokenizer_for
+    from looplm.provenance import provenance
     from looplm.train.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
@@ -264,6 +265,6 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
            "file": str(path), "seq_len": cfg.model.seq_len, "examples": len(encoded),
            "target_tokens": sum(e.n_target for e in encoded),
            "truncated": sum(e.truncated for e in encoded),
-           "depths": {str(T): r for T, r in res.items()}}
+           "depths": {str(T): r for T, r in res.items()}, "provenance": provenance(ckpt, data_files=[path])}
     out["markdown"] = markdown_table({f"{cfg.name} (LAMBADA)": out})
     return out

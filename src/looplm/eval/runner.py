@@ -15,7 +15,12 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
 from looplm.finite import NonFiniteError, clean
+from looplm.provenance import provenance
 from looplm.train.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
+
+
+#: ``--dtype`` of ``looplm eval ppl``: the evaluation forward in float32, or under bf16 autocast
+EVAL_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
 def load_tokenizer_for(ckpt: Path) -> Tokenizer:
@@ -42,6 +47,10 @@ class OpenedCheckpoint:
     data: Any
     tokenizer: Tokenizer
 
+    def provenance(self, tokens: np.ndarray | None = None, **extra: Any) -> dict[str, Any]:
+        """:func:`looplm.provenance.provenance` of this checkpoint (and of the evaluated ``tokens``)."""
+        return provenance(self.ckpt, tokens=tokens, **extra)
+
     def tokens(self, split: str) -> np.ndarray:
         """The token stream of ``split`` of :attr:`data`, tokenized with the checkpoint's tokenizer (cached).
 
@@ -67,23 +76,31 @@ def open_checkpoint(checkpoint: str | Path, *, dataset: str | None = None, devic
 def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
                         dataset: str | None = None, split: str = "test", batch_size: int = 16,
                         max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
-                        progress: bool = True, scale_clamp: bool = False) -> dict[str, Any]:
+                        progress: bool = True, scale_clamp: bool = False, dtype: str = "float32") -> dict[str, Any]:
     """Multi-depth perplexity of a checkpoint on ``dataset``/``split``.
 
+    Args:
+        dtype: ``float32``, or ``bfloat16``: the forward under ``torch.autocast`` (CPU or GPU), as deployed.
+
     Returns:
-        JSON-ready dict: ``checkpoint``, ``dataset``, ``split``, ``params``, ``depths`` →
-        ``{"T": {"ppl", "nll", "tokens", "flops_per_token"}}`` and a ``markdown`` table.
+        JSON-ready dict: ``checkpoint``, ``dataset``, ``split``, ``dtype``, ``params``, ``depths`` →
+        ``{"T": {"ppl", "nll", "tokens", "flops_per_token"}}``, ``provenance`` and a ``markdown`` table.
 
     Raises:
         CheckpointError: damaged or missing checkpoint; FileNotFoundError: missing data split.
         NonFiniteError: the weights hold NaN/inf, or the NLL is NaN/inf at some depth.
+        ValueError: unknown ``dtype``.
     """
+    if dtype not in EVAL_DTYPES:
+        raise ValueError(f"--dtype: got {dtype!r}; allowed: {', '.join(EVAL_DTYPES)}")
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     tokens = opened.tokens(split)
-    res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
-                          device=torch.device(device), progress=progress,
-                          desc=f"eval {data_cfg.dataset}/{split}", scale_clamp=scale_clamp)
+    dev = torch.device(device)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        res = evaluate_depths(model, tokens, depths, batch_size=batch_size, max_tokens=max_tokens, stride=stride,
+                              device=dev, progress=progress, desc=f"eval {data_cfg.dataset}/{split}",
+                              scale_clamp=scale_clamp)
     bad = nonfinite_depths(res)
     if bad:
         raise NonFiniteError(f"{ckpt}: the NLL on {data_cfg.dataset}/{split} is not finite at loop depth(s) "
@@ -93,8 +110,8 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
     label = f"{cfg.name}: {kind} ({data_cfg.dataset} {split})"
     return clean({  # strict JSON: a PPL past float range (inf) becomes null, listed in "nonfinite"
         "checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
-        "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split,
+        "architecture": cfg.model.architecture, "dataset": data_cfg.dataset, "split": split, "dtype": dtype,
         "params": model.num_params(), "max_tokens": max_tokens, "stride": stride, "scale_clamp": scale_clamp,
         "depths": {str(T): {**r, "flops_per_token": flops_per_token(cfg.model, T)} for T, r in res.items()},
-        "markdown": markdown_table({label: res}, sorted(res)),
+        "markdown": markdown_table({label: res}, sorted(res)), "provenance": opened.provenance(tokens),
     })

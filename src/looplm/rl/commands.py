@@ -76,6 +76,8 @@ def _build_pretrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop with a checkpoint after N steps of this invocation (continue with --resume)")
+    p.add_argument("--overwrite", action="store_true", help="replace the metrics of a run in --out that wrote no "
+                   "checkpoint (it diverged or stopped before its first)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_pretrain, _takes_config=True)
     p.config_help = lambda: config_help("the built-in config (`--print_config` shows it) or --config")
@@ -97,7 +99,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.resume and (args.config_overrides or args.config):
         print(f"looplm rl pretrain: warning: --resume continues with the config saved in {args.out}", file=sys.stderr)
     summary = call_with_options(pretrain_task, args, args.out, cfg, resume=args.resume, stop_after=args.stop_after,
-                                progress=not args.quiet)
+                                progress=not args.quiet, overwrite=args.overwrite)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -62,7 +62,7 @@ def _seed(*key: object) -> int:
 
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
                   train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Supervised pretraining of ``cfg``'s model on the task's token stream with looplm's trainer.
 
     The trainer samples its windows from the stream at multiples of the record length
@@ -77,6 +77,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
         train_records: records (examples) in the training stream.
         resume: continue from the newest valid checkpoint in ``out``.
         stop_after: stop (with a checkpoint) after this many steps of this invocation.
+        overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
 
     Returns:
         The trainer's summary, plus ``task``.
@@ -102,7 +103,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
                      tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size(), window_stride=t.record_len)
     out.mkdir(parents=True, exist_ok=True)
     task_file.write_text(json.dumps(spec, indent=2) + "\n")
-    summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after)
+    summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after, overwrite=overwrite)
     return {**summary, "task": spec}
 
 
@@ -443,6 +444,15 @@ def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], upd
     return rec
 
 
+def _cos_null_reason(cmp: list[dict[str, Any]]) -> str | None:
+    """Why some compared updates have no gradient cosine (None when every one has them all)."""
+    zero = [c for c in cmp if any(v == 0.0 for v in c["grad_norm"].values())]
+    if not zero:
+        return None
+    return (f"{len(zero)} of {len(cmp)} compared updates had a zero gradient, so their cosines are undefined (null): "
+            "every group's rewards were equal (e.g. all 0), so each Dr. GRPO advantage r - mean(r) is 0")
+
+
 def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *,
                   source: Path, params: int) -> dict[str, Any]:
     """The results of a finished run from its ``metrics.jsonl``."""
@@ -471,6 +481,7 @@ def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after
             "cos_median": {k: med([c["cos"][k] for c in cmp if c["cos"].get(k) is not None]) for k in pairs},
             "cos_min": {k: min((c["cos"][k] for c in cmp if c["cos"].get(k) is not None), default=None) for k in pairs},
             "policy_gap_median": med([c["policy_gap"] for c in cmp if c["policy_gap"] is not None]),
+            "cos_null_reason": _cos_null_reason(cmp),
         },
         "state_bytes_per_generated_token": state_bytes / gen if gen else None,
         "state_bytes_per_position": state_bytes / positions if positions else None,

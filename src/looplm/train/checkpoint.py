@@ -66,6 +66,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _save_weights(model: torch.nn.Module, path: Path) -> None:
+    """``save_model`` with the mode every other file gets (0o666 less the umask; safetensors writes 0o600)."""
+    save_model(model, str(path))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _files(root: Path) -> list[str]:
     """Every file under ``root`` (recursive, hidden ones too) as sorted POSIX paths relative to it."""
     return sorted(str((Path(d) / f).relative_to(root).as_posix()) for d, _, fs in os.walk(root) for f in fs)
@@ -131,7 +139,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
+    _save_weights(model, tmp / MODEL_FILE)
     return _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json, extra_files)
 
 
@@ -511,7 +519,7 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()).model)
     _load_sharded_model(ckpt, model)
     tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
-    save_model(model, str(tmp))
+    _save_weights(model, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, target)

@@ -46,5 +46,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """:func:`lr_factor` as a scheduler whose next step is ``start`` (> 0: the groups need ``initial_lr``)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg), last_epoch=start - 1)

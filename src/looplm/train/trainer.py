@@ -136,6 +136,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
 
 
+def _check_init_vocab(ckpt: Path, vocab_size: int, data: TrainData) -> None:
+    """--init-from: the data's tokenizer must have the vocabulary the weights were trained with."""
+    from tokenizers import Tokenizer
+
+    saved = ckpt / "tokenizer.json"
+    if vocab_size != data.vocab_size or saved.is_file() and Tokenizer.from_file(str(saved)).get_vocab() != \
+            Tokenizer.from_str(data.tokenizer_json).get_vocab():
+        raise ValueError(f"--init-from {ckpt}: its tokenizer.json differs from the data's tokenizer "
+                         f"({data.vocab_size} entries); set data.tokenizer to the one the weights were trained with")
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records logged after ``last_step`` (they will be logged again by the resumed run)."""
     if not path.exists():
@@ -146,7 +157,8 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
-          data: TrainData | None = None, stop_after: int | None = None) -> dict[str, Any]:
+          data: TrainData | None = None, stop_after: int | None = None, steps: int | None = None,
+          init_from: str | Path | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
 
     Under ``torchrun`` (WORLD_SIZE > 1) this runs data-parallel with DDP or FSDP2
@@ -160,9 +172,19 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         data: pre-tokenized data (tests and the demo reuse it across runs).
         stop_after: stop (with a checkpoint) after this many steps of this invocation, e.g. to fit a
             time box; ``resume`` continues later exactly as if never stopped.
+        steps: with ``resume``, train on to this many steps (e.g. a finished run of 400 to 800). The
+            saved ``train.steps`` becomes ``steps`` and the LR schedule is recomputed for the new total
+            (:func:`~looplm.train.optim.lr_factor` at the resumed step; a cosine that had decayed rises to
+            its value there). Unchanged ``steps``: the ordinary, bit-exact resume.
+        init_from: a new run starts from this checkpoint's weights (run, checkpoint or HF export folder;
+            strict loading): its model config replaces ``cfg.model``; optimizer, schedule and step start
+            fresh. The data's tokenizer must have the checkpoint's vocabulary.
+        overwrite: a fresh run may replace the ``metrics.jsonl`` of a run in ``out_dir`` that wrote no
+            checkpoint (it diverged or stopped before its first); refused otherwise.
 
     Returns:
-        Summary: steps, final validation loss/PPL, wall time, tokens/s, parameter count.
+        Summary: steps, final validation loss/PPL, wall time (``wall_s``: summed over every invocation
+        up to the newest checkpoint), tokens/s of this invocation, parameter count.
 
     Raises:
         CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
@@ -170,27 +192,43 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         DivergenceError: ``train.max_nonfinite_steps`` consecutive non-finite steps.
         NonFiniteError: the weights became non-finite (no checkpoint is written from them).
         ValueError: ``train.batch_size`` not divisible by the world size; a fresh run (no ``resume``)
-            into a folder that already holds checkpoints.
+            into a folder that already holds checkpoints, or (without ``overwrite``) a ``metrics.jsonl``;
+            ``steps`` below the resumed step; ``init_from`` with ``resume`` or another vocabulary.
     """
     out = Path(out_dir)
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
+    existed = out.exists()
+    empty = not existed or not any(out.iterdir())
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
     lock = RunLock(out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     trackers = Trackers([])  # filled by _train (rank 0); closed here whatever happens
+    ok = False
     try:
         if not resume and list_checkpoints(out):
             raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
-        return _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
-                      trackers=trackers)
+        if not resume and not overwrite and (out / "metrics.jsonl").exists():
+            raise ValueError(f"--out {out} holds the metrics.jsonl of a run that wrote no checkpoint (it diverged "
+                             "or stopped before its first); pass --overwrite to replace it, or choose another --out")
+        if resume and init_from is not None:
+            raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
+        result = _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
+                        trackers=trackers, steps=steps, init_from=init_from)
+        ok = True
+        return result
     finally:
         trackers.close(None)
         if lock is not None:
             lock.release()
+            if not ok and empty and [p.name for p in out.iterdir()] == [lock.path.name]:
+                lock.path.unlink()  # failed before writing anything (e.g. unreadable data): leave no trace
+                if not existed:
+                    out.rmdir()
 
 
 def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
-           stop_after: int | None, trackers: Trackers) -> dict[str, Any]:
-    start_step, state, sharded_ckpt = 0, None, None
+           stop_after: int | None, trackers: Trackers, steps: int | None = None,
+           init_from: str | Path | None = None) -> dict[str, Any]:
+    start_step, state, sharded_ckpt, source = 0, None, None, None
     if resume:
         ckpt = newest_valid_checkpoint(out)
         if ckpt is None:
@@ -208,6 +246,15 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
             model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
             model.final_depth = None  # as built fresh: training sets the readout per forward
         start_step = int(state["step"])
+        if steps is not None and steps != cfg.train.steps:
+            if steps < start_step:
+                raise ValueError(f"--train.steps {steps}: the run in {out} is at step {start_step} already")
+            cfg = cfg.replace(train=cfg.train.replace(steps=steps))
+        else:
+            steps = None  # the saved schedule: an ordinary resume
+    elif init_from is not None:
+        source, source_cfg, _, source_ckpt = load_checkpoint(init_from)
+        cfg = cfg.replace(model=source_cfg.model)
     tcfg = cfg.train
     check_loggers(tcfg.logger)  # on resume: the saved config's loggers
     if tcfg.num_threads:
@@ -218,9 +265,13 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
     data = data or prepare_data(cfg, progress=progress and main)
     if cfg.model.vocab_size != data.vocab_size:
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
+    if source is not None:
+        _check_init_vocab(source_ckpt, source_cfg.model.vocab_size, data)
     if not resume:
         torch.manual_seed(tcfg.seed)
         model = build_model(cfg.model)
+        if source is not None:
+            model.load_state_dict(source.state_dict(), strict=True)  # same config: the same keys and shapes
     model.to(device)
     if tcfg.compile:
         compile_blocks(model)
@@ -237,7 +288,10 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
     elif state is not None:
         load_optimizer_state(wrapped, opt, state["optimizer"], tcfg.distributed, env)
     if state is not None:
-        sched.load_state_dict(state["scheduler"])
+        if steps is None:
+            sched.load_state_dict(state["scheduler"])
+        else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
+            sched = build_scheduler(opt, tcfg, start=start_step)
         _set_rng_state(state["rng"])
     sampler = build_sampler(tcfg)
     if state is not None and state.get("depth_prior"):
@@ -259,6 +313,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
     eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
 
     guard = dict(state.get("nonfinite", {})) if state is not None else {}
+    wall_before = float(state.get("wall_s", 0.0)) if state is not None else 0.0  # earlier invocations
     skipped, streak = int(guard.get("skipped_steps", 0)), int(guard.get("streak", 0))
 
     def checkpoint(step: int) -> None:
@@ -270,7 +325,8 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
                                  f"checkpoint under {out / 'checkpoints'} is left as it was")
         train_state = {"step": step, "scheduler": sched.state_dict(), "rng": _rng_state(),
                        "data_position": {"seed": tcfg.seed, "step": step}, "world_size": env.world_size,
-                       "depth_prior": sampler.state_dict(), "nonfinite": {"skipped_steps": skipped, "streak": streak}}
+                       "depth_prior": sampler.state_dict(), "nonfinite": {"skipped_steps": skipped, "streak": streak},
+                       "wall_s": wall_before + time.time() - t_start}
         if tcfg.checkpoint_format == "sharded":
             model_sd, opt_sd = sharded_state(wrapped, opt)
             save_sharded_checkpoint(out, step, {"model": model_sd, "optimizer": opt_sd}, cfg, env,
@@ -374,7 +430,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
     wall = time.time() - t_start
     summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "skipped_steps": skipped,
                "params": n_params,
-               "world_size": env.world_size, "wall_s": wall,
+               "world_size": env.world_size, "wall_s": wall_before + wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
     summary = clean(summary)  # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
