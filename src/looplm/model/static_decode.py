@@ -156,13 +156,13 @@ class DecodeStep:
             return self._fn(tok)
         if self._graph is None:  # warm up on a side stream (allocator, lazy tables), then capture
             self._tok = tok.clone()
-            snapshot = self._snapshot()
+            snapshot = self.state()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._step(self._tok)
             torch.cuda.current_stream().wait_stream(side)
-            self._restore(snapshot)  # the warm-up step wrote the cache: undo it
+            self.rewind(snapshot)  # the warm-up step wrote the cache: undo it
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 self._out = self._step(self._tok)  # recorded, not run
@@ -170,11 +170,14 @@ class DecodeStep:
         self._graph.replay()
         return self._out
 
-    def _snapshot(self) -> list[torch.Tensor]:
+    def state(self) -> list:
+        """The cache's position state (for :meth:`rewind`: decode the same tokens again)."""
         c = self.cache
-        return [c.valid.clone(), c.length.clone(), c.n_valid.clone(), *[s.clone() for s in c.stats.values()]]
+        return [c.steps_left, c.valid.clone(), c.length.clone(), c.n_valid.clone(),
+                *[s.clone() for s in c.stats.values()]]
 
-    def _restore(self, snap: list[torch.Tensor]) -> None:
+    def rewind(self, snap: list) -> None:
         c = self.cache  # K/V slots past `length` are masked until written again, so only these matter
-        for dst, src in zip([c.valid, c.length, c.n_valid, *c.stats.values()], snap):
+        c.steps_left = snap[0]
+        for dst, src in zip([c.valid, c.length, c.n_valid, *c.stats.values()], snap[1:]):
             dst.copy_(src)
