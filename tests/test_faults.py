@@ -274,6 +274,23 @@ def test_bench_flags_an_impossible_mfu_and_an_unstable_machine():
     assert not judged["mfu"]["met"]
     res = {**res, "loop_overhead_ratio": 0.5, "stability": {"stable": True}}
     assert judge_targets(res, targets)["loop_overhead_ratio"]["status"] == "not met"
+    # an interval (interleaved rounds) decides: met / not met only when every round agrees
+    for rounds, status in (([0.98, 1.0, 0.99], "met"), ([0.96, 0.98, 0.99], "undecided"), ([0.9, 0.95], "not met")):
+        res = {**res, "loop_overhead_ratio": sorted(rounds)[len(rounds) // 2],
+               "intervals": {"loop_overhead_ratio": {"rounds": rounds, "min": min(rounds), "max": max(rounds)}}}
+        assert judge_targets(res, targets)["loop_overhead_ratio"]["status"] == status
+
+
+def test_interleaved_rounds_ratio_of_known_sleeps():
+    import time
+
+    from looplm.bench import interleaved
+
+    iv = interleaved(lambda: time.sleep(0.002), lambda: 0.004, rounds=3, repeat=2, device=torch.device("cpu"),
+                     scale=0.5)
+    # B reports its own 4 ms; A sleeps ≥ 2 ms (a loaded machine only lengthens it): 0.5 × 4 / t_A ≤ 1
+    assert len(iv["rounds"]) == 3 and iv["min"] <= iv["median"] <= iv["max"] <= 1.0
+    assert iv["b_s"] == pytest.approx(0.004)
 
 
 # -- 8. demo --------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import platform
 import time
 from pathlib import Path
@@ -138,17 +139,23 @@ def spread(rates: list[float]) -> float:
 
 def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, dict[str, Any]]:
     """Status of each target ``name → (op, target)`` against ``res[name]``: ``met``, ``not met``,
-    ``invalid`` (not finite, or an MFU above 1: more FLOPs than the measured peak allows) or
-    ``unstable`` (a timed target, :data:`TIMED`, of a run whose ``res["stability"]["stable"]`` is False).
+    ``invalid`` (not finite, or an MFU above 1: more FLOPs than the measured peak allows),
+    ``unstable`` (a timed target, :data:`TIMED`, of a run whose ``res["stability"]["stable"]`` is False) or,
+    for a ratio with an interval (``res["intervals"][name]``, :func:`interleaved`), ``met`` / ``not met``
+    only when every round's ratio is on that side of the target, else ``undecided``.
     Returns ``name → {"op", "target", "value", "status", "met"}`` (``met``: status == "met")."""
     stable = res.get("stability", {}).get("stable", True)
     out = {}
     for k, (op, v) in targets.items():
         x = res[k]
-        if not math.isfinite(x) or (k in ("mfu", "huginn_shape_mfu") and x > 1):
+        iv = res.get("intervals", {}).get(k)
+        if not math.isfinite(x) or (k in ("mfu", "huginn_shape_mfu") and (iv["max"] if iv else x) > 1):
             status = "invalid"
         elif k in TIMED and not stable:
             status = "unstable"
+        elif iv is not None and op in (">=", "<="):  # every round on one side of the target, or undecided
+            sides = {(r >= v if op == ">=" else r <= v) for r in iv["rounds"]}
+            status = "undecided" if len(sides) == 2 else "met" if sides == {True} else "not met"
         elif op == "==":
             status = "met" if abs(x - v) <= 1e-9 * max(1.0, abs(v)) else "not met"
         else:
@@ -157,9 +164,40 @@ def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) ->
     return out
 
 
-def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, device: torch.device,
-                       dtype: str = "float32", warmup: int = 2) -> float:
-    """Training tokens/s (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
+def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repeat: int, device: torch.device,
+                scale: float = 1.0, warmup: int = 1) -> dict[str, Any]:
+    """The ratio ``scale × t_B / t_A`` measured in interleaved A/B/B/A rounds (issue 28 §3).
+
+    Each round times ``repeat`` calls of A, then of B, B again, A again (after ``warmup`` calls of each);
+    t_A, t_B are the round's mean seconds per call, so a drift of the machine's speed within a round
+    hits both alike. A call may return its own seconds (a float: the part it times itself).
+    Returns ``{"median", "min", "max", "rounds": per-round ratios, "a_s", "b_s": median seconds}``."""
+    def secs(fn: Callable[[], Any]) -> float:
+        total = 0.0
+        for _ in range(repeat):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn()
+            _sync(device)
+            total += out if isinstance(out, float) else time.perf_counter() - t0
+        return total / repeat
+
+    for _ in range(warmup):
+        a(), b()
+    ta, tb, ratios = [], [], []
+    for _ in range(rounds):
+        a1, b1, b2, a2 = secs(a), secs(b), secs(b), secs(a)
+        ta.append((a1 + a2) / 2)
+        tb.append((b1 + b2) / 2)
+        ratios.append(scale * tb[-1] / ta[-1])
+    med = statistics.median
+    return {"median": med(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios, "a_s": med(ta),
+            "b_s": med(tb)}
+
+
+def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
+               dtype: str = "float32") -> Callable[[], None]:
+    """One training step (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -172,17 +210,7 @@ def train_tokens_per_s(cfg: ModelConfig, depth: int, *, batch_size: int, steps: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sec = _timeit(step, warmup=warmup, repeat=steps, device=device)
-    return batch_size * cfg.seq_len / sec
-
-
-@torch.no_grad()
-def eval_seconds(model: LoopLM, depths: list[int], *, batch_size: int, repeat: int, device: torch.device) -> float:
-    """Seconds per evaluation batch reading out at ``depths`` from one unroll."""
-    model.eval()
-    x = torch.randint(0, model.cfg.vocab_size, (batch_size, model.cfg.seq_len), device=device)
-    return _timeit(lambda: model(x, depth=depths, targets=x, keep_logits=False), warmup=1, repeat=repeat,
-                   device=device)
+    return step
 
 
 def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int) -> int:
@@ -228,7 +256,7 @@ def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.devic
 
 @torch.no_grad()
 def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new_tokens: int = 32,
-                        device: torch.device) -> dict[str, float]:
+                        device: torch.device, rounds: int = 3) -> dict[str, Any]:
     """Greedy decoding of ``new_tokens`` after a prompt that fills a ``context``-token window, with the
     per_visit and terminal KV caches and without a cache (re-running the full forward on the growing
     sequence). ``decode_tokens_per_s_{mode}`` is the decode phase (one cached step per token after the
@@ -243,8 +271,8 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
     prompt = torch.randint(0, long.vocab_size, (1, context - new_tokens), device=device)
     res: dict[str, float] = {"decode_depth": depth, "decode_context": context, "decode_new_tokens": new_tokens}
 
-    def cached(mode: str) -> Callable[[], None]:
-        def run() -> None:
+    def cached(mode: str) -> Callable[[], float]:
+        def run() -> float:  # the decode phase's seconds
             cache = KVCache(mode)
             t0 = time.perf_counter()
             # the prefill reads out only the last position, as generate's does
@@ -259,6 +287,7 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
             res[f"decode_prefill_s_{mode}"] = t1 - t0
             res[f"decode_steps_s_{mode}"] = time.perf_counter() - t1
             res[f"kv_bytes_{mode}"] = cache.nbytes()
+            return res[f"decode_steps_s_{mode}"]
         return run
 
     def uncached() -> None:
@@ -271,8 +300,13 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
                                                                              device=device)
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
-    res["decode_tokens_per_s_uncached"] = new_tokens / _timeit(uncached, warmup=0, repeat=1, device=device)
-    res["decode_cache_speedup"] = res["decode_tokens_per_s_per_visit"] / res["decode_tokens_per_s_uncached"]
+    # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
+    iv = interleaved(cached("per_visit"), uncached, rounds=rounds, repeat=1, device=device,
+                     scale=(new_tokens - 1) / new_tokens)
+    res["intervals"] = {"decode_cache_speedup": iv}
+    res["decode_tokens_per_s_uncached"] = new_tokens / iv["b_s"]
+    res["decode_tokens_per_s_per_visit"] = (new_tokens - 1) / iv["a_s"]
+    res["decode_cache_speedup"] = iv["median"]
     res["decode_cache_speedup_with_prefill"] = (res["decode_tokens_per_s_with_prefill_per_visit"]
                                                 / res["decode_tokens_per_s_uncached"])
     res["terminal_kv_bytes_ratio"] = res["kv_bytes_terminal"] / res["kv_bytes_per_visit"]
@@ -290,19 +324,31 @@ def huginn_config(quick: bool = False) -> ModelConfig:
 
 
 def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat: int, device: torch.device,
-                            prefix: str = "") -> dict[str, float]:
+                            rounds: int, prefix: str = "") -> dict[str, Any]:
     """Multi-depth evaluation (one unroll read out at every depth) against one evaluation at the
-    largest depth, its FLOP-proportional time, and separate runs at every depth."""
-    cfg = model.cfg
-    multi = eval_seconds(model, depths, batch_size=batch_size, repeat=repeat, device=device)
-    single = eval_seconds(model, [max(depths)], batch_size=batch_size, repeat=repeat, device=device)
-    separate = sum(eval_seconds(model, [t], batch_size=batch_size, repeat=1, device=device) for t in depths)
+    largest depth, its FLOP-proportional time, and separate runs at every depth (interleaved rounds;
+    the per-round ratios under ``intervals``)."""
+    cfg = model.cfg.replace(dropout=0.0)
+    model.eval()
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+
+    @torch.no_grad()
+    def run(ds: list[int]) -> None:
+        model(x, depth=ds, targets=x, keep_logits=False)
+
     f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
-    return {f"{prefix}multidepth_eval_s": multi, f"{prefix}multidepth_single_s": single,
-            f"{prefix}multidepth_separate_s": separate, f"{prefix}multidepth_eval_ratio": multi / single,
+    single_multi = interleaved(lambda: run([max(depths)]), lambda: run(depths), rounds=rounds, repeat=repeat,
+                               device=device)
+    multi_sep = interleaved(lambda: run(depths), lambda: [run([t]) for t in depths], rounds=rounds, repeat=1,
+                            device=device)
+    flop = {k: v * f_single / f_multi if k in ("median", "min", "max") else v for k, v in single_multi.items()}
+    flop["rounds"] = [r * f_single / f_multi for r in single_multi["rounds"]]
+    iv = {f"{prefix}multidepth_eval_ratio": single_multi, f"{prefix}multidepth_flop_ratio": flop,
+          f"{prefix}multidepth_vs_separate_speedup": multi_sep}
+    return {f"{prefix}multidepth_eval_s": single_multi["b_s"], f"{prefix}multidepth_single_s": single_multi["a_s"],
+            f"{prefix}multidepth_separate_s": multi_sep["b_s"],
             f"{prefix}multidepth_flops_ratio_predicted": f_multi / f_single,
-            f"{prefix}multidepth_flop_ratio": multi / (single * f_multi / f_single),
-            f"{prefix}multidepth_vs_separate_speedup": separate / multi}
+            **{k: v["median"] for k, v in iv.items()}, "intervals": iv}
 
 
 @torch.no_grad()
@@ -317,11 +363,13 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
     last = (torch.arange(batch_size, device=device), torch.full((batch_size,), prompt.shape[1] - 1, device=device))
     cache = KVCache(mode, max_len=context)
     nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
-    nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)  # warm-up step
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        return model(tok, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+    nxt = step(nxt)  # warm-up step
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens - 2):
-        nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+        nxt = step(nxt)
     _sync(device)
     return batch_size * (new_tokens - 2) / (time.perf_counter() - t0)
 
@@ -339,8 +387,6 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
     Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` →
     path → blocks applied per token, and ``{prefix}distilled_prefill_speedup_ctx{C}`` (teacher / distilled
     medians)."""
-    import statistics
-
     from looplm.distill.config import DistillConfig
     from looplm.distill.prefill import prefill_paths
     from looplm.distill.student import build_student
@@ -374,6 +420,9 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
                 "median": statistics.median(t)} for n, t in times.items()}
         ms = res[f"{prefix}prefill_ms_ctx{c}"]
         res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = ms["teacher"]["median"] / ms["distilled"]["median"]
+        per_round = [t / d for t, d in zip(times["teacher"], times["distilled"])]  # the paths alternate per round
+        res[f"{prefix}prefill_rounds_ctx{c}"] = {"median": statistics.median(per_round), "min": min(per_round),
+                                                  "max": max(per_round), "rounds": per_round}
     return res
 
 
@@ -465,8 +514,8 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
     return int(value)
 
 
-def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: float, device: torch.device,
-                        quick: bool, log: Callable[..., None]) -> dict[str, Any]:
+def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                        quick: bool, rounds: int, log: Callable[..., None]) -> dict[str, Any]:
     """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding at
     batch 1 and 8 and 512- and 2,048-token contexts (and against uncached recompute at batch 1, 512),
     and peak training memory fused vs plain readout + loss."""
@@ -474,17 +523,23 @@ def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: floa
     B = 2 if quick else 16
     res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
         "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
-        "huginn_batch_size": B, "huginn_depth": depth}
-    tps = train_tokens_per_s(hcfg, depth, batch_size=B, steps=steps, device=device)
-    res["huginn_train_tokens_per_s"] = tps
-    res["huginn_shape_mfu"] = tps * 3 * flops_per_token(hcfg, depth)["body_head"] / (peak32 * 1e9)
-    log(f"huginn shape: train {tps:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
+        "huginn_batch_size": B, "huginn_depth": depth, "intervals": {}}
+    ma, mb = matmul
+    flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
+    iv = res["intervals"]["huginn_shape_mfu"] = interleaved(
+        train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb, rounds=rounds, repeat=steps,
+        device=device, scale=flops / (2 * ma.shape[0] ** 3))
+    res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
+    res["huginn_shape_mfu"] = iv["median"]
+    log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
 
     torch.manual_seed(0)
     model = build_model(hcfg).to(device)
     depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    res.update(multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
-                                       prefix="huginn_"))
+    md = multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
+                                 rounds=rounds, prefix="huginn_")
+    res["intervals"].update(md.pop("intervals"))
+    res.update(md)
     log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
         f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
 
@@ -504,12 +559,39 @@ def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: floa
 
     from looplm.train.trainer import compile_blocks
 
-    compiled = compile_blocks(copy.deepcopy(dec), backend="aot_eager" if quick else "inductor")
-    decode_tokens_per_s(compiled, batch_size=1, context=contexts[0], new_tokens=4, depth=depth, device=device)  # compile
-    res["decode_b1_compiled_tokens_per_s"] = decode_tokens_per_s(compiled, batch_size=1, context=contexts[0],
-                                                                 new_tokens=new, depth=depth, device=device)
-    res["decode_compile_speedup"] = res["decode_b1_compiled_tokens_per_s"] / res["decode_b1_tokens_per_s"]
-    log(f"huginn shape: decode batch 1 with compiled blocks ×{res['decode_compile_speedup']:.2f} of eager")
+    backend = "aot_eager" if quick else "inductor"
+    compiled = compile_blocks(copy.deepcopy(dec), backend=backend)
+
+    def b1(model=dec, how: str | None = None) -> Callable[[], float]:  # seconds of new − 2 batch-1 steps
+        if how is not None:  # one static step (compiled once), rewound to the prompt before every run
+            from looplm.model.kvcache import KVCache
+            from looplm.model.static_decode import DecodeStep, StaticKVCache
+
+            prompt = torch.randint(0, long.vocab_size, (1, contexts[0] - new), device=device)
+            cache = KVCache("per_visit")
+            first = model(prompt, depth=depth, cache=cache).logits[:, -1].argmax(-1)
+            step = DecodeStep(model, StaticKVCache(cache, contexts[0], long.seq_len), depth, how, backend)
+            start = step.state()
+            step(first)  # compiles
+            def run() -> float:
+                step.rewind(start)
+                tok = step(first).argmax(-1)
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(new - 2):
+                    tok = step(tok).argmax(-1)
+                _sync(device)
+                return time.perf_counter() - t0
+            return run
+        return lambda: (new - 2) / decode_tokens_per_s(model, batch_size=1, context=contexts[0], new_tokens=new,
+                                                       depth=depth, device=device)
+
+    for key, a in (("decode_compile_speedup", b1(compiled)), ("decode_static_compile_speedup", b1(how="compile"))):
+        iv = res["intervals"][key] = interleaved(a, b1(), rounds=rounds, repeat=1, device=device)
+        res[key] = iv["median"]
+        log(f"huginn shape: decode batch 1, {key} ×{iv['median']:.2f} [{iv['min']:.2f}, {iv['max']:.2f}] of eager")
+    res["decode_b1_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_compile_speedup"]["a_s"]
+    res["decode_b1_static_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_static_compile_speedup"]["a_s"]
     del compiled
 
     @torch.no_grad()
@@ -519,14 +601,17 @@ def huginn_measurements(*, depth: int, batch_size: int, steps: int, peak32: floa
             seq = torch.cat([seq, dec(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
 
     n_unc = 2 if quick else 4
-    res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / _timeit(uncached, warmup=0, repeat=1, device=device)
-    res["huginn_decode_cache_speedup"] = res["decode_b1_tokens_per_s"] / res["huginn_decode_b1_uncached_tokens_per_s"]
+    iv = res["intervals"]["huginn_decode_cache_speedup"] = interleaved(b1(), uncached, rounds=rounds, repeat=1,
+                                                                       device=device, scale=(new - 2) / n_unc)
+    res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / iv["b_s"]
+    res["huginn_decode_cache_speedup"] = iv["median"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
     del model, dec
 
     res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=1 if quick else steps,
                                     device=device, prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
+    res["intervals"]["distilled_prefill_speedup"] = res.pop(f"huginn_prefill_rounds_ctx{contexts[-1]}")
     log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at R={depth} "
         f"({contexts[-1]}-token prompt)")
 
@@ -548,13 +633,14 @@ def machine() -> dict[str, Any]:
 
 
 def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, steps: int = 5, matmul_n: int = 2048,
-              device: str = "auto", quick: bool = False, progress: bool = True) -> dict[str, Any]:
+              device: str = "auto", quick: bool = False, rounds: int = 3, progress: bool = True) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``).
 
-    ``quick``: a smoke test at toy shapes (the ``debug`` preset, depth ≤ 2, batch 2, one step, 64²
-    matmuls, the Huginn layout at toy sizes): checks that every measurement runs, not the targets."""
+    ``rounds``: interleaved A/B/B/A rounds of every timed ratio (:func:`interleaved`; ``steps`` calls
+    per position). ``quick``: a smoke test at toy shapes (the ``debug`` preset, depth ≤ 2, batch 2, one
+    step and round, 64² matmuls, the Huginn layout at toy sizes): every measurement runs, not the targets."""
     if quick:
-        preset, depth, batch_size, steps, matmul_n = "debug", min(depth, 2), 2, 1, 64
+        preset, depth, batch_size, steps, matmul_n, rounds = "debug", min(depth, 2), 2, 1, 64, 1
     dev = resolve_device(device, "--device")
     cfg = get_preset(preset).model.replace(dropout=0.0)
     log = print if progress else (lambda *a, **k: None)
@@ -573,29 +659,41 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
     log(f"matmul peak: fp32 {peak32:.1f} GFLOP/s, bf16 {peak16:.1f} GFLOP/s")
 
-    tps = train_tokens_per_s(cfg, depth, batch_size=batch_size, steps=steps, device=dev)
-    model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
-    res["train_tokens_per_s"] = tps
-    res["train_model_flops_per_token"] = model_flops
-    res["mfu"] = tps * model_flops / (peak32 * 1e9)
-    tps16 = train_tokens_per_s(cfg, depth, batch_size=batch_size, steps=1 if slow_bf16 else steps, device=dev,
-                               dtype="bfloat16", warmup=1 if slow_bf16 else 2)
-    res["train_tokens_per_s_bf16"] = tps16
-    res["bf16_train_speedup"] = tps16 / tps
-    log(f"train: {tps:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), {tps16:.0f} tok/s bf16")
+    res["intervals"] = {}
 
-    looped = cfg.replace(rule="looped")
-    unshared = cfg.replace(architecture="unshared", n_layers=depth)
-    t_looped = train_tokens_per_s(looped, depth, batch_size=batch_size, steps=steps, device=dev)
-    t_unshared = train_tokens_per_s(unshared, depth, batch_size=batch_size, steps=steps, device=dev)
-    res["loop_overhead_ratio"] = t_looped / t_unshared
-    res["scse_vs_looped_ratio"] = tps / t_looped
-    log(f"looped {t_looped:.0f} vs unshared-{depth} {t_unshared:.0f} tok/s; scse/looped {res['scse_vs_looped_ratio']:.3f}")
+    def ratio(key: str, a: Callable, b: Callable, scale: float = 1.0, repeat: int = steps) -> dict[str, Any]:
+        iv = res["intervals"][key] = interleaved(a, b, rounds=rounds, repeat=repeat, device=dev, scale=scale)
+        res[key] = iv["median"]
+        return iv
+
+    # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
+    ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
+    tokens = batch_size * cfg.seq_len
+    model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
+    fp32 = train_step(cfg, depth, batch_size=batch_size, device=dev)
+    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * peak_n ** 3))
+    res["train_tokens_per_s"] = tokens / iv["a_s"]
+    res["train_model_flops_per_token"] = model_flops
+    bf16 = train_step(cfg, depth, batch_size=batch_size, device=dev, dtype="bfloat16")
+    iv = ratio("bf16_train_speedup", bf16, fp32, repeat=1 if slow_bf16 else steps)
+    res["train_tokens_per_s_bf16"] = tokens / iv["a_s"]
+    log(f"train: {res['train_tokens_per_s']:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), "
+        f"{res['train_tokens_per_s_bf16']:.0f} tok/s bf16")
+
+    looped = train_step(cfg.replace(rule="looped"), depth, batch_size=batch_size, device=dev)
+    unshared = train_step(cfg.replace(architecture="unshared", n_layers=depth), depth, batch_size=batch_size,
+                          device=dev)
+    ratio("loop_overhead_ratio", looped, unshared)
+    ratio("scse_vs_looped_ratio", fp32, looped)
+    del fp32, bf16, looped, unshared
+    log(f"looped / unshared-{depth} {res['loop_overhead_ratio']:.3f}; scse/looped {res['scse_vs_looped_ratio']:.3f}")
 
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
     depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    res.update(multidepth_measurements(model, depths, batch_size=batch_size, repeat=steps, device=dev))
+    md = multidepth_measurements(model, depths, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds)
+    res["intervals"].update(md.pop("intervals"))
+    res.update(md)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
         f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
         f"×{res['multidepth_flop_ratio']:.3f}")
@@ -603,13 +701,17 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    res.update(decode_measurements(cfg, depth=depth, device=dev, **({"new_tokens": 8} if quick else {})))
+    dm = decode_measurements(cfg, depth=depth, device=dev, rounds=rounds, **({"new_tokens": 8} if quick else {}))
+    res["intervals"].update(dm.pop("intervals"))
+    res.update(dm)
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
 
-    res.update(huginn_measurements(depth=depth, batch_size=batch_size, steps=steps, peak32=peak32, device=dev,
-                                   quick=quick, log=log))
+    hm = huginn_measurements(depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds,
+                             log=log)
+    res["intervals"].update(hm.pop("intervals"))
+    res.update(hm)
 
     # the machine's speed again at the end: load that came or went during the run shows up here
     end32 = matmul_peak_gflops(torch.float32, peak_n, dev)
@@ -666,10 +768,12 @@ def markdown(res: dict[str, Any]) -> str:
              f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
              f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
              "", *prefill_markdown(res, "huginn_"),
-             "", "| target | value | target | status |", "|---|---:|---:|:---:|"]
+             "", "| target | median [min, max] of the interleaved rounds | target | status |", "|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
         status = t.get("status", "met" if t["met"] else "not met")
-        lines.append(f"| `{k}` | {t['value']:.3f} | {t['op']} {t['target']} | {status} |")
+        iv = res.get("intervals", {}).get(k)
+        span = f" [{iv['min']:.3f}, {iv['max']:.3f}]" if iv else ""
+        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {t['op']} {t['target']} | {status} |")
     st = res.get("stability")
     if st is not None:
         lines += ["", f"Status rule: `invalid` = impossible value (MFU > 1, or not finite); `unstable` = a timed "

@@ -712,6 +712,7 @@ def _build_bench(p: argparse.ArgumentParser) -> None:
         "steps": Opt(type=positive_int, metavar="N", help="timed repetitions per measurement (median)"),
         "matmul_n": Opt(type=positive_int, metavar="N", help="matmul size for the peak measurement"),
         "device": Opt(help="cpu, cuda or auto"),
+        "rounds": Opt(type=positive_int, metavar="N", help="interleaved A/B/B/A rounds per timed ratio"),
         "quick": Opt(help="smoke test at toy shapes (seconds): every measurement runs, the values mean nothing")})
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench)

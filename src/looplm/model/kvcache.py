@@ -126,6 +126,10 @@ class KVCache:
         """Bytes allocated for the banks (the whole capacity)."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.buffers.values())
 
+    def open_scope(self, key_valid: torch.Tensor | None, positions: torch.Tensor) -> "AttentionScope":
+        """The attention scope of a forward over the next chunk (a static cache hands out its own)."""
+        return AttentionScope(self, key_valid, positions)
+
     def n_banks(self) -> int:
         return len(self.buffers)
 
@@ -212,6 +216,8 @@ class AttentionScope:
     The model passes ``scope.at(visit)`` to every attention call of the forward and calls
     :meth:`commit` once the chunk is done, which appends its K/V to the cache.
     """
+
+    check_positions = True  # the model checks its positions against seq_len (a static cache bounds them)
 
     def __init__(self, cache: KVCache | None = None, key_valid: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None):

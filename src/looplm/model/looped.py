@@ -212,7 +212,7 @@ class DepthLM(nn.Module):
         if positions is None:
             if L > self.cfg.seq_len:
                 raise ValueError(f"sequence length {L} exceeds model.seq_len={self.cfg.seq_len}")
-        elif L and int(positions.max()) >= self.cfg.seq_len:
+        elif L and (scope is None or scope.check_positions) and int(positions.max()) >= self.cfg.seq_len:
             raise ValueError(f"position {int(positions.max())} exceeds model.seq_len={self.cfg.seq_len}: "
                              "prompt plus continuation must fit the context length")
         x = self.tok_emb(idx)  # (B, L, d)
@@ -492,7 +492,8 @@ class DepthLM(nn.Module):
         start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
         positions = chunk_positions(valid, start, idx.shape[1], idx.device)  # (B, L)
         key_valid = valid if attention_mask is not None else None
-        return AttentionScope(cache, key_valid, positions), positions, key_valid
+        scope = AttentionScope(None, key_valid, positions) if cache is None else cache.open_scope(key_valid, positions)
+        return scope, positions, key_valid
 
     calls_per_step = 1
 

@@ -1,0 +1,183 @@
+"""One decode step as one static region (issue 28 §1): a fixed-capacity ``per_visit`` KV cache whose
+length and positions are tensors, so a whole token step — prelude, R core visits with their cache
+writes, coda, readout — has the same shapes and the same Python path at every token. It can then run
+under ``torch.compile`` (one graph, no recompilation as the cache grows) or be captured once as a CUDA
+graph and replayed per token.
+
+The step is the model's own forward (``model(tok, depth=R, cache=static)``); only the cache differs:
+:class:`StaticKVCache` is filled from a prefilled :class:`~looplm.model.kvcache.KVCache` (the prompt's
+prefill keeps the eager path) and hands the forward a :class:`StaticScope`, whose attention writes the
+token's K/V at slot ``length`` with ``index_copy_`` and attends over the whole capacity under a mask
+(real cached tokens and the new one). Fixed depth only: adaptive-depth decoding keeps the eager path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from looplm.model.kvcache import KVCache
+from looplm.model.layers import attention
+
+
+class StaticKVCache:
+    """A ``per_visit`` cache of ``capacity`` positions built from a prefilled :class:`KVCache`.
+
+    Attributes (all tensors on the model's device, written in place by each step):
+        buffers: {(layer_id, visit): (K, V)}, each (B, H_kv, capacity, head_dim).
+        valid: (B, capacity) bool — real cached tokens. length: () int64 — positions used (the next slot).
+        n_valid: (B,) int64 — real tokens per row (the next token's position id).
+        stats: the per-sequence running sums of the prefix ({key: (B,)}).
+        steps_left: tokens that still fit (a Python count, checked outside the compiled step).
+
+    Raises:
+        ValueError: a cache that is not ``per_visit`` or is empty, or a capacity below the cached
+            length or above ``seq_len``.
+    """
+
+    mode = "per_visit"
+
+    def __init__(self, cache: KVCache, capacity: int, seq_len: int):
+        if cache.mode != "per_visit" or not cache.buffers:
+            raise ValueError(f"StaticKVCache: needs a prefilled per_visit KVCache, got mode {cache.mode!r} with "
+                             f"{cache.length} cached positions")
+        if not cache.length <= capacity <= seq_len:
+            raise ValueError(f"capacity: need {cache.length} (cached) <= capacity <= {seq_len} (model.seq_len), "
+                             f"got {capacity}")
+        L = cache.length
+        self.capacity, self.calls_per_step, self.steps_left = capacity, cache.calls_per_step, capacity - L
+        self.buffers = {}
+        for key, (k, v) in cache.buffers.items():
+            bk, bv = k.new_zeros(*k.shape[:2], capacity, k.shape[3]), v.new_zeros(*v.shape[:2], capacity, v.shape[3])
+            bk[:, :, :L], bv[:, :, :L] = k[:, :, :L], v[:, :, :L]
+            self.buffers[key] = (bk, bv)
+        dev = next(iter(self.buffers.values()))[0].device
+        self.valid = torch.zeros(cache.valid.shape[0], capacity, dtype=torch.bool, device=dev)
+        self.valid[:, :L] = cache.valid
+        self.length = torch.tensor(L, device=dev)
+        self.n_valid = cache.n_valid.clone()
+        self.stats = {key: s.clone() for key, s in cache.stats.items()}
+        for t in (*[t for kv in self.buffers.values() for t in kv], self.valid, self.length, self.n_valid,
+                  *self.stats.values()):
+            torch._dynamo.mark_static_address(t)  # written in place: CUDA graphs keep their addresses
+
+    def open_scope(self, key_valid: torch.Tensor | None, positions: torch.Tensor) -> "StaticScope":
+        if key_valid is not None:
+            raise ValueError("attention_mask: a static decode step takes no padding mask (the cache holds it)")
+        return StaticScope(self, positions)
+
+
+class _StaticVisit:
+    """The handle attention receives (as :class:`~looplm.model.kvcache.KVVisit`, traced, not eager)."""
+
+    def __init__(self, scope: "StaticScope", visit: int, record: bool):
+        self.scope, self.visit, self.record = scope, visit, record
+
+    def attend(self, layer_id: int, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
+        return self.scope.attend(layer_id, self.visit, q, k, v, record=self.record)
+
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        return self.scope.positions_
+
+
+class StaticScope:
+    """The attention scope of one static decode step (one token per row)."""
+
+    check_positions = False  # positions < capacity <= seq_len by construction (StaticKVCache)
+
+    def __init__(self, cache: StaticKVCache, positions: torch.Tensor):
+        self.cache, self.positions_, self.pending_stats = cache, positions, {}
+
+    def at(self, visit: int, record: bool = True) -> _StaticVisit:
+        return _StaticVisit(self, visit, record)
+
+    def attend(self, layer_id: int, visit: int, q, k, v, *, record: bool = True) -> torch.Tensor:
+        """q (B, H, 1, hd), k and v (B, H_kv, 1, hd) → (B, H, 1, hd): over the cached tokens and this one."""
+        c = self.cache
+        bk, bv = c.buffers[(layer_id, visit)]
+        slot = c.length.view(1)
+        if record:  # the token's own K/V at slot `length` (per_visit: its final value)
+            bk.index_copy_(2, slot, k)
+            bv.index_copy_(2, slot, v)
+        else:  # read-only: the token's K/V only in a copy
+            bk, bv = bk.index_copy(2, slot, k), bv.index_copy(2, slot, v)
+        here = torch.arange(c.capacity, device=q.device) == c.length  # (capacity,)
+        mask = (c.valid | here)[:, None, None, :]  # (B, 1, 1, capacity)
+        return attention(q, bk, bv, attn_mask=mask)
+
+    def accumulate(self, key, value: torch.Tensor) -> torch.Tensor:
+        total = self.cache.stats[key] + value
+        self.pending_stats[key] = total
+        return total
+
+    def commit(self) -> None:
+        c = self.cache
+        c.valid.index_fill_(1, c.length.view(1), True)
+        c.length.add_(1)
+        c.n_valid.add_(1)
+        for key, total in self.pending_stats.items():
+            c.stats[key].copy_(total)
+
+
+class DecodeStep:
+    """``step(tokens (B,)) → logits (B, V)``: one fixed-depth decode step on a :class:`StaticKVCache`.
+
+    ``how``: ``eager`` (the static step as is), ``compile`` (``torch.compile`` with ``backend``, static
+    shapes, ``fullgraph=True``: one graph or an error) or ``cuda_graph`` (captured once on CUDA after a warm-up step, then replayed; the logits
+    returned are a view of the graph's output buffer, overwritten by the next step).
+
+    Raises:
+        ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity.
+    """
+
+    HOW = ("eager", "compile", "cuda_graph")
+
+    def __init__(self, model, cache: StaticKVCache, depth: int, how: str = "compile", backend: str = "inductor"):
+        if how not in self.HOW:
+            raise ValueError(f"how: unknown {how!r}; allowed: {', '.join(self.HOW)}")
+        if how == "cuda_graph" and cache.length.device.type != "cuda":
+            raise ValueError("how: cuda_graph needs the model and cache on a CUDA device")
+        self.model, self.cache, self.depth, self.how = model, cache, depth, how
+        self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
+                                                                              dynamic=False, fullgraph=True)
+        self._graph = None
+
+    @torch.no_grad()
+    def _step(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.model(tok[:, None], depth=self.depth, cache=self.cache).logits[:, -1]  # (B, V)
+
+    @torch.no_grad()
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        if self.cache.steps_left < 1:
+            raise ValueError(f"decode step: the static cache is full ({self.cache.capacity} positions)")
+        self.cache.steps_left -= 1
+        if self.how != "cuda_graph":
+            return self._fn(tok)
+        if self._graph is None:  # warm up on a side stream (allocator, lazy tables), then capture
+            self._tok = tok.clone()
+            snapshot = self.state()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(self._tok)
+            torch.cuda.current_stream().wait_stream(side)
+            self.rewind(snapshot)  # the warm-up step wrote the cache: undo it
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = self._step(self._tok)  # recorded, not run
+        self._tok.copy_(tok)
+        self._graph.replay()
+        return self._out
+
+    def state(self) -> list:
+        """The cache's position state (for :meth:`rewind`: decode the same tokens again)."""
+        c = self.cache
+        return [c.steps_left, c.valid.clone(), c.length.clone(), c.n_valid.clone(),
+                *[s.clone() for s in c.stats.values()]]
+
+    def rewind(self, snap: list) -> None:
+        c = self.cache  # K/V slots past `length` are masked until written again, so only these matter
+        c.steps_left = snap[0]
+        for dst, src in zip([c.valid, c.length, c.n_valid, *c.stats.values()], snap[1:]):
+            dst.copy_(src)
