@@ -1131,15 +1131,6 @@ def _parse(tp: Any, key: str, text: str) -> Any:
         raise ConfigError(f"{key}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
 
 
-def parse_field_value(section: str, name: str, text: str) -> Any:
-    """Parse a command-line string for ``section.name`` into the field's type.
-
-    Raises:
-        ConfigError: unknown section/field, or text that does not parse as the field's type.
-    """
-    return _parse(_field_type(section, name), f"{section}.{name}", text)
-
-
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
 
