@@ -12,23 +12,23 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig
-from looplm.eval.adaptive import (adaptive_depth_checkpoint, calibrate_threshold, early_exit_eval,
-                                  stop_depths, trace_depths)
+from looplm.eval.adaptive import adaptive_depth_checkpoint, early_exit_eval, trace_depths
+from looplm.eval.exits import calibrate, halting_depths
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import RULES, LoopLM, build_model
 
 CEIL = 6
 
 
-def test_stop_depths_hand_computed():
+def test_halting_depths_below_hand_computed():
     u = np.array([[0.5, 0.2, 0.05, 0.01],
                   [0.1, 0.3, 0.3, 0.3],
                   [0.9, 0.9, 0.9, 0.05],   # only the last step is small: the ceiling either way
                   [0.0, 0.0, 0.0, 0.0]])
-    assert stop_depths(u, 0.15).tolist() == [3, 1, 4, 1]
-    assert stop_depths(u, 0.06).tolist() == [3, 4, 4, 1]
-    assert stop_depths(u, 0.0).tolist() == [4, 4, 4, 4]  # u < 0 never holds
-    assert stop_depths(u, 1.0).tolist() == [1, 1, 1, 1]
+    assert halting_depths(u, 0.15, "below").tolist() == [3, 1, 4, 1]
+    assert halting_depths(u, 0.06, "below").tolist() == [3, 4, 4, 1]
+    assert halting_depths(u, 0.0, "below").tolist() == [4, 4, 4, 4]  # u < 0 never holds
+    assert halting_depths(u, 1.0, "below").tolist() == [1, 1, 1, 1]
 
 
 def test_calibration_is_the_closest_attainable_mean_depth():
@@ -36,16 +36,17 @@ def test_calibration_is_the_closest_attainable_mean_depth():
     u = np.exp(rng.normal(-2.0, 1.0, size=(37, 10))) * np.linspace(1.0, 0.2, 10)  # decaying updates
     # brute force over every distinct mean depth τ can give
     taus = np.concatenate([[0.0], np.unique(u) * (1 + 1e-9), [10.0]])
-    attainable = np.unique([stop_depths(u, t).mean() for t in taus])
+    attainable = np.unique([halting_depths(u, t, "below").mean() for t in taus])
     for target in (1, 2.5, 4, 7, 10):
-        tau, depth = calibrate_threshold(u, target)
-        assert depth == stop_depths(u, tau).mean()
+        cal = calibrate(u, "below", target_depth=target)
+        tau, depth = cal.tau, cal.mean_depth
+        assert depth == halting_depths(u, tau, "below").mean()
         best = attainable[np.argmin(np.abs(attainable - target))]
         print(target, tau, depth, best)
         assert abs(depth - target) == pytest.approx(abs(best - target))
-    assert calibrate_threshold(u, 10)[1] == 10.0  # target = ceiling: every example at the ceiling
+    assert calibrate(u, "below", target_depth=10).mean_depth == 10.0  # target = ceiling: every example at the ceiling
     with pytest.raises(ValueError, match="outside"):
-        calibrate_threshold(u, 11)
+        calibrate(u, "below", target_depth=11)
 
 
 def _model(rule: str, vocab: int, **kw) -> LoopLM:
@@ -63,7 +64,7 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
     tokens = np.asarray(tiny_data.valid[:300])
     tr = trace_depths(model, tokens, CEIL, batch_size=4, progress=False)
     L = model.cfg.seq_len
-    assert tr.update.shape == tr.nll.shape == (math.ceil(299 / L), CEIL)
+    assert tr.scores.shape == tr.nll.shape == (math.ceil(299 / L), CEIL)
     for b in range(len(tr.tokens)):
         w = torch.from_numpy(tokens[b * L: (b + 1) * L + 1].astype(np.int64))
         x, y = w[:-1][None], w[1:][None]
@@ -72,10 +73,10 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
         for t in range(CEIL):
             h, h1 = out.states[t][0, :n], out.states[t + 1][0, :n]
             u = ((h1 - h).norm(dim=-1) / (h.norm(dim=-1) + 1e-8)).max()
-            assert tr.update[b, t] == pytest.approx(float(u), rel=1e-5)
+            assert tr.scores[b, t] == pytest.approx(float(u), rel=1e-5)
             assert tr.nll[b, t] == pytest.approx(float(out.nll_by_depth[t + 1].sum()), rel=1e-5)
         assert tr.tokens[b] == n
-    assert tr.update.std() > 0
+    assert tr.scores.std() > 0
 
 
 @pytest.mark.parametrize("rule", sorted(RULES) + ["unshared"])
@@ -84,8 +85,9 @@ def test_early_exit_equals_offline_accounting(rule, tiny_data):
     tokens = np.asarray(tiny_data.valid[:800])
     tr = trace_depths(model, tokens, CEIL, batch_size=8, progress=False)
     for target in (CEIL / 2, CEIL / 2 + 0.5, CEIL / 2 + 1, CEIL / 2 - 0.5):  # the first that splits examples
-        tau, _ = calibrate_threshold(tr.update, target)  # (rules started from h_0 = 0 halt in lockstep early)
-        offline = stop_depths(tr.update, tau)
+        # (rules started from h_0 = 0 halt in lockstep early)
+        tau = calibrate(tr.scores, "below", target_depth=target).tau
+        offline = halting_depths(tr.scores, tau, "below")
         if len(set(offline.tolist())) > 1:
             break
     ee = early_exit_eval(model, tokens, tau, CEIL, batch_size=8, progress=False)

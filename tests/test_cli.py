@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from looplm.cli import build_parser, eval_compat, main
+from looplm.cli import build_parser, main
 from looplm.cliutil import CliError, build_all, doc_args, split_config_overrides
 
 
@@ -32,19 +32,17 @@ def afile(tmp_path):
 # ---------------------------------------------------------------- output paths before any work
 @pytest.mark.parametrize("argv", [
     ["eval", "ppl", "--depths", "1", "--max-tokens", "200"],
-    ["eval", "--depths", "1", "--max-tokens", "200"],                       # no protocol = ppl
     ["eval", "kv-sharing", "--depths", "1", "--max-tokens", "200"],
     ["eval", "lambada", "--depths", "1", "--max-examples", "2"],
     ["eval", "adaptive", "--targets", "2", "--ceiling", "3", "--max-tokens", "300"],
     ["eval", "halting", "--k-max", "2", "--n-calib", "2", "--n-timed", "2"],
     ["diagnose", "--depth", "3", "--batches", "1", "--batch-size", "1"],
     ["generate", "--prompt", "The jury", "--max-new-tokens", "2", "--depth", "1"],
-], ids=["eval-ppl", "eval-default", "eval-kv-sharing", "eval-lambada", "eval-adaptive", "eval-halting",
+], ids=["eval-ppl", "eval-kv-sharing", "eval-lambada", "eval-adaptive", "eval-halting",
         "diagnose", "generate"])
 def test_unwritable_out_is_refused_before_the_work(ckpt, afile, argv, capsys):
     out = afile / "x.json"
-    flag = "--json" if argv[0] == "generate" else "--out"  # generate: the older name of its --out
-    rc = main([*argv, "--checkpoint", str(ckpt), flag, str(out)] + (["--quiet"] if argv[0] != "generate" else []))
+    rc = main([*argv, "--checkpoint", str(ckpt), "--out", str(out)] + (["--quiet"] if argv[0] != "generate" else []))
     err = capsys.readouterr().err
     assert rc == 2
     assert str(out) in err and "afile is a file, not a folder" in err and "Traceback" not in err
@@ -158,41 +156,33 @@ def test_eval_protocols_refuse_each_others_options(protocol, foreign, capsys):
     assert f"{foreign[0]} is an option of looplm eval" in err
 
 
-def test_old_eval_forms_map_to_protocols(capsys):
-    assert eval_compat(["eval", "--checkpoint", "c"]) == ["eval", "ppl", "--checkpoint", "c"]
-    assert eval_compat(["eval", "--task", "lambada", "--checkpoint", "c"]) == ["eval", "lambada", "--checkpoint", "c"]
-    assert eval_compat(["eval", "--checkpoint", "c", "--kv-sharing", "terminal"]) == \
-        ["eval", "kv-sharing", "--checkpoint", "c"]
-    assert eval_compat(["eval", "--task=halting", "--kv-sharing", "none"]) == ["eval", "halting"]
-    assert "looplm eval halting" in capsys.readouterr().err
-    assert eval_compat(["eval", "adaptive", "--checkpoint", "c"]) == ["eval", "adaptive", "--checkpoint", "c"]
-    with pytest.raises(CliError, match="protocols are subcommands: looplm eval ppl"):
-        eval_compat(["eval", "--task", "perplexity"])
-    with pytest.raises(CliError, match="does not combine with --task lambada"):
-        eval_compat(["eval", "--task", "lambada", "--kv-sharing", "terminal"])
-    with pytest.raises(CliError, match="eval: unknown protocol 'nosuch'; allowed: ppl, kv-sharing"):
-        eval_compat(["eval", "nosuch", "--checkpoint", "c"])
-
-
 def test_eval_options_come_from_the_driven_functions():
     """Defaults are the functions' own (lambada batches 32 windows, halting 160 calibration windows),
     and every generated option is a parameter with a default of the function its command calls."""
     import inspect
 
-    from looplm.cliutil import DRIVEN
+    import argparse
 
-    DRIVEN.clear()
     parser = build_all(build_parser())
-    assert {prog for prog, _, _ in DRIVEN} >= {"looplm eval ppl", "looplm eval kv-sharing", "looplm eval lambada",
+
+    def walk(p: argparse.ArgumentParser):  # every (sub)parser once (aliases share a parser)
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in {id(c): c for c in action.choices.values()}.values():
+                    yield from walk(sub)
+
+    driven = [(p.prog, func, names) for p in walk(parser) for func, names in p.get_default("_driven") or ()]
+    assert {prog for prog, _, _ in driven} >= {"looplm eval ppl", "looplm eval kv-sharing", "looplm eval lambada",
                                                 "looplm eval adaptive", "looplm eval halting", "looplm diagnose", "looplm gradcheck",
                                                 "looplm bench", "looplm demo", "looplm report"}
-    for prog, func, names in DRIVEN:
+    for prog, func, names in driven:
         params = inspect.signature(func).parameters
         for name in names:
             assert name in params, f"{prog}: {func.__name__} has no parameter {name}"
     lam = parser.parse_args(["eval", "lambada", "--checkpoint", "c"])
     assert lam.batch_size == 32 and lam._params == ("depths", "max_examples", "batch_size", "device")
-    halt = parser.parse_args(["eval", "halting", "--checkpoint", "c", "--ceiling", "5", "--split", "valid"])
+    halt = parser.parse_args(["eval", "halting", "--checkpoint", "c", "--k-max", "5", "--split-timed", "valid"])
     assert (halt.k_max, halt.split_timed, halt.n_calib, halt.tolerance) == (5, "valid", 160, 0.01)
 
 

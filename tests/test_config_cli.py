@@ -11,9 +11,8 @@ import torch
 
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
-from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, DecayOptions, ModelConfig,
-                           ParcaeDecayOptions, SCSELeakOptions, SCSEOptions, StepFilmOptions, TrainConfig,
-                           apply_overrides)
+from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, ModelConfig, SCSELeakOptions, SCSEOptions,
+                           TrainConfig, apply_overrides)
 from looplm.model import build_model
 from looplm.presets import PRESETS, get_preset
 
@@ -79,93 +78,7 @@ def test_overrides_parse_types():
         apply_overrides(cfg, {"optim.lr": "1"})
 
 
-# ---------------------------------------------------------------- rule options, format 2 and its migration
-def v1_model(**changes) -> dict:
-    """A format-1 ``model`` section as looplm wrote it before rule options (flat rule fields)."""
-    d = {"architecture": "shared", "rule": "scse", "vocab_size": 50257, "d_model": 384, "n_heads": 6,
-         "d_ff": 1536, "seq_len": 128, "dropout": 0.1, "n_prelude": 0, "n_core": 1, "n_coda": 0, "n_layers": 4,
-         "tie_embeddings": True, "norm_eps": 1e-06, "init_std": 0.02, "step_scale": -1.0, "anchor_scale": 0.1,
-         "init_scale": 0.1, "alpha_init": 0.15, "step_tau": 0.015, "scse_anchor": "learned", "scse_mask": True,
-         "scse_eps": 1e-08, "scse_leak": 0.0, "scse_kappa": 0.0, "film_sigma": 0.1, "film_steps": 8,
-         "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02, "subtract_step_tau": 0.0,
-         "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0, "parcae_delta_init": 0.0,
-         "parcae_alpha_init": 0.0, "residual": "pre_ln", "residual_p": -1.0, "residual_depth": 0,
-         "input_norm": False, "readout": "rmsnorm", "scale_control": "none", "damping_init": 0.9,
-         "exit_gate": False}
-    d.update(changes)
-    return d
-
-
-def v1_config(**model) -> dict:
-    d = Config().to_dict()  # data and train sections are the same in both formats
-    return {"format_version": 1, "name": "old", "model": v1_model(**model), "data": d["data"], "train": d["train"]}
-
-
-#: the source-module init of every file written before the init study (issue 11): format-1 files migrate to it
-GPT2 = {"source_init": "gpt2", "source_init_std": 0.0}
-
-
-def test_format1_config_migrates_into_rule_options():
-    old = v1_config(rule="scse_leak", d_model=64, n_heads=2, step_scale=0.3, scse_anchor="embedding",
-                    sc_leak=0.05, sc_kappa=0.2)
-    want = Config(name="old", model=ModelConfig(rule="scse_leak", d_model=64, n_heads=2, options=SCSELeakOptions(
-        step_scale=0.3, anchor="embedding", leak=0.05, kappa=0.2, **GPT2)))
-    got = Config.from_dict(old)
-    assert got == want
-    assert got.to_dict()["format_version"] == 2 and got.to_dict()["model"]["options"] == {
-        "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "source_init": "gpt2", "source_init_std": 0.0,
-        "anchor": "embedding", "mask": True, "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
-    # step_scale -1 is the rule's default; fields the rule does not read are dropped at their defaults
-    assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3,
-                                                                                                          **GPT2)
-    assert Config.from_dict(v1_config(rule="parcae", parcae_alpha_init=-1.0)).model.options == DecayOptions(
-        alpha_raw_init=-1.0)
-    assert Config.from_dict(v1_config(architecture="unshared")).model.options is None
-    # ... and refused away from them (they never had an effect)
-    with pytest.raises(ConfigError, match=r"model\.film_sigma: 0\.9 is not read by rule looped .*options: step_scale"):
-        Config.from_dict(v1_config(rule="looped", film_sigma=0.9))
-    with pytest.raises(ConfigError, match=r"model\.step_scale: 2\.0 is not read by rule plain"):
-        Config.from_dict(v1_config(rule="plain", step_scale=2.0))
-
-
-def test_format1_config_from_before_later_fields_and_todays_default():
-    """Format-1 files written before a field existed (e.g. ``residual``) take the default it came with;
-    a field of the first format-1 release missing is an error."""
-    old = v1_config()
-    for name in ("residual", "readout", "state_init", "film_sigma", "exit_gate"):
-        del old["model"][name]
-    for name in ("tbptt", "supervision", "checkpoint_format", "depth_cap"):
-        del old["train"][name]
-    assert Config.from_dict(old) == apply_overrides(Config(name="old"), {f"model.options.{k}": v for k, v in GPT2.items()})
-    del old["model"]["d_model"]
-    with pytest.raises(ConfigError, match=r"model\.d_model: missing"):
-        Config.from_dict(old)
-
-
-def test_migrated_format1_model_is_identical():
-    """Same seed: a model from a format-1 config and from the equivalent format-2 one have identical
-    weights and outputs."""
-    pairs = [(dict(rule="scse", scse_leak=0.02, scse_kappa=0.15, scse_mask=False),
-              dict(rule="scse", options=SCSEOptions(leak=0.02, kappa=0.15, mask=False, **GPT2))),
-             (dict(rule="step_film", film_steps=2, step_scale=0.2), dict(rule="step_film", options={"steps": 2,
-                                                                                                    "step_scale": 0.2, **GPT2})),
-             (dict(rule="parcae_decay", state_init="zeros", parcae_delta_init=0.5),
-              dict(rule="parcae_decay", options=ParcaeDecayOptions(state_init="zeros", delta_raw_init=0.5,
-                                                                   input_norm_affine=False)))]
-    shape = dict(vocab_size=97, d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.0, n_prelude=1, n_coda=1)
-    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    for flat, new in pairs:
-        models = []
-        for cfg in (Config.from_dict(v1_config(**shape, **flat)).model, ModelConfig(**shape, **new)):
-            torch.manual_seed(0)
-            models.append(build_model(cfg).eval())
-        a, b = models
-        assert a.state_dict().keys() == b.state_dict().keys()
-        assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
-        with torch.no_grad():
-            assert torch.equal(a(x, depth=3).logits, b(x, depth=3).logits)
-
-
+# ---------------------------------------------------------------- rule options and format 2
 def test_format2_round_trip_is_strict(tmp_path, capsys):
     for cfg in [*PRESETS.values(), *(Config(model=ModelConfig(rule=rule)) for rule in RULE_NAMES)]:
         assert Config.from_json(cfg.to_json()) == cfg
@@ -180,9 +93,8 @@ def test_format2_round_trip_is_strict(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^model\.options\.leak: missing"):
         Config.from_dict(broken)
     broken = json.loads(json.dumps(d))
-    broken["model"]["scse_leak"] = 0.0  # a format-1 name in a format-2 file
-    with pytest.raises(ConfigError, match=r"model\.scse_leak: a rule option since config format 2; set "
-                                          r"model\.options\.leak \(rules scse\)"):
+    broken["model"]["leak"] = 0.0  # an option outside model.options
+    with pytest.raises(ConfigError, match=r"^model\.leak: unknown field"):
         Config.from_dict(broken)
     del d["format_version"]
     with pytest.raises(ConfigError, match="^format_version: missing"):
@@ -241,14 +153,6 @@ def test_misspelled_names_get_a_suggestion():
     d["trian"] = d.pop("train")
     with pytest.raises(ConfigError, match=r"^trian: unknown section \(did you mean train\?\)"):
         Config.from_dict(d)
-
-
-def test_flat_rule_field_overrides_name_the_new_key():
-    with pytest.raises(ConfigError, match=r"^model\.scse_anchor: a rule option since config format 2; set "
-                                          r"model\.options\.anchor \(rules scse, sc_cond, sc_subtract, scse_leak\)"):
-        apply_overrides(Config(), {"model.scse_anchor": "init"})
-    with pytest.raises(ConfigError, match=r"model\.options\.film_sigma: a format-1 name; set model\.options\.sigma"):
-        apply_overrides(Config(), {"model.rule": "step_film", "model.options.film_sigma": "0.2"})
 
 
 def test_rule_change_rebuilds_options():
@@ -339,7 +243,7 @@ def test_cli_bad_values_give_clear_errors(capsys):
     assert main(["info", "--preset", "nope"]) == 2
     assert "known:" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["eval", "--checkpoint", "x", "--depths", "1,a"])
+        main(["eval", "ppl", "--checkpoint", "x", "--depths", "1,a"])
 
 
 def test_python_dash_m_help():
@@ -348,6 +252,7 @@ def test_python_dash_m_help():
     assert "--model.rule" in out and "recurrence rule" in out and "--resume" in out
 
 
+@pytest.mark.slow
 def test_debug_train_then_eval_end_to_end(tmp_path, capsys):
     """`looplm train --preset debug` on real Brown text, then `looplm eval` writes per-depth JSON."""
     run = tmp_path / "run"
@@ -357,7 +262,7 @@ def test_debug_train_then_eval_end_to_end(tmp_path, capsys):
     trace = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert trace[-1]["loss"] < trace[0]["loss"] - 0.5  # it learns
     out = tmp_path / "eval.json"
-    assert main(["eval", "--checkpoint", str(run), "--depths", "1,8,48", "--out", str(out), "--quiet",
+    assert main(["eval", "ppl", "--checkpoint", str(run), "--depths", "1,8,48", "--out", str(out), "--quiet",
                  "--max-tokens", "2000"]) == 0
     res = json.loads(out.read_text())
     assert set(res["depths"]) == {"1", "8", "48"}
@@ -366,7 +271,7 @@ def test_debug_train_then_eval_end_to_end(tmp_path, capsys):
     assert out.with_suffix(".md").read_text().startswith("| model |")
     # held-out corpus with the checkpoint's own tokenizer
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(run), "--dataset", "wikitext2", "--depths", "4", "--quiet",
+    assert main(["eval", "ppl", "--checkpoint", str(run), "--dataset", "wikitext2", "--depths", "4", "--quiet",
                  "--max-tokens", "500", "--json"]) == 0
     held_out = json.loads(capsys.readouterr().out)
     assert held_out["dataset"] == "wikitext2" and held_out["depths"]["4"]["tokens"] == 500
@@ -383,8 +288,8 @@ def test_eval_tasks_lambada_and_adaptive(tmp_path, capsys):
     for r in res["depths"].values():
         assert r["examples"] == 20 and 0.0 <= r["exact_acc"] <= 1.0 and 0.0 <= r["target_acc"] <= 1.0
         assert r["target_ppl"] > 1
-    out = tmp_path / "adaptive.json"  # the older --task form still selects the protocol
-    assert main(["eval", "--checkpoint", str(run), "--task", "adaptive", "--targets", "2,3", "--ceiling", "4",
+    out = tmp_path / "adaptive.json"
+    assert main(["eval", "adaptive", "--checkpoint", str(run), "--targets", "2,3", "--ceiling", "4",
                  "--max-tokens", "2000", "--quiet", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["targets"]) == {"2", "3"}
@@ -411,13 +316,13 @@ def test_cli_argument_and_run_dir_errors(tmp_path, capsys):
     assert main(["train", "--out", str(r2), "--quiet", "--resume"]) == 0
     err = capsys.readouterr().err
     assert "skipping damaged checkpoint step-000004" in err and "resuming from step-000002" in err
-    for bad in (["eval", "--checkpoint", str(run), "--batch-size", "0"],
-                ["eval", "--checkpoint", str(run), "--max-tokens", "-5"],
-                ["eval", "--checkpoint", str(run), "--depths", ""],
+    for bad in (["eval", "ppl", "--checkpoint", str(run), "--batch-size", "0"],
+                ["eval", "ppl", "--checkpoint", str(run), "--max-tokens", "-5"],
+                ["eval", "ppl", "--checkpoint", str(run), "--depths", ""],
                 ["train", "--preset", "debug", "--out", str(tmp_path / "x"), "--stop-after", "-3"]):
         with pytest.raises(SystemExit):
             main(bad)
-    assert main(["eval", "--checkpoint", str(run), "--device", "tpu", "--quiet"]) == 2
+    assert main(["eval", "ppl", "--checkpoint", str(run), "--device", "tpu", "--quiet"]) == 2
     assert "--device" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["train", "--preset", "debug", "--out", str(tmp_path / "y"), "--train.device", "cuda"]) == 2

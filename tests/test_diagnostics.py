@@ -164,6 +164,7 @@ def trained_run(tmp_path_factory, tiny_cfg, tiny_data):
     return run
 
 
+@pytest.mark.slow
 def test_diagnose_checkpoint_end_to_end(trained_run, tmp_path):
     from looplm.diagnostics.runner import diagnose_checkpoint
 

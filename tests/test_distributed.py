@@ -17,6 +17,8 @@ import torch
 from looplm.cli import main
 from looplm.train.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint
 
+pytestmark = pytest.mark.slow  # every test here starts torchrun subprocesses
+
 ARGS = ["--preset", "debug", "--quiet", "--train.steps", "4", "--train.batch_size", "4", "--train.ckpt_every", "2",
         "--train.eval_every", "2", "--train.eval_batches", "1", "--train.num_threads", "1",
         "--model.dropout", "0.0"]
@@ -111,7 +113,7 @@ def test_sharded_checkpoint_loads_for_eval_like_the_consolidated_one(single, sha
     scores = []
     for path in (ref, ckpt):
         capsys.readouterr()
-        assert main(["eval", "--checkpoint", str(path), "--depths", "1,4", "--max-tokens", "512", "--quiet",
+        assert main(["eval", "ppl", "--checkpoint", str(path), "--depths", "1,4", "--max-tokens", "512", "--quiet",
                      "--json"]) == 0
         scores.append(json.loads(capsys.readouterr().out)["depths"])
     print(scores)
@@ -146,7 +148,7 @@ LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n
            "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.supervision", "exit_weighted"]
 
 
-@pytest.mark.parametrize("estimator", [["--train.tbptt", "2"],
+@pytest.mark.parametrize("estimator", [["--train.gradient", "tbptt", "--train.gradient_steps", "2"],
                                        ["--train.gradient", "endpoint", "--train.gradient_steps", "2"]],
                          ids=["tbptt2", "endpoint2"])
 def test_learned_prior_tbptt_exit_gate_under_ddp_equals_single_process(tmp_path, estimator):

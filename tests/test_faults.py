@@ -191,7 +191,7 @@ def test_eval_of_a_nonfinite_model_is_an_error_exit(tmp_path, trained_run, capsy
     with torch.no_grad():
         next(model.parameters())[0] = math.nan
     save_model(model, str(export / "model.safetensors"))
-    args = ["eval", "--checkpoint", str(export), "--depths", "1,2", "--max-tokens", "64", "--quiet"]
+    args = ["eval", "ppl", "--checkpoint", str(export), "--depths", "1,2", "--max-tokens", "64", "--quiet"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "NaN" in err and str(export) in err
@@ -201,7 +201,8 @@ def test_eval_of_a_nonfinite_model_is_an_error_exit(tmp_path, trained_run, capsy
     real = runner.evaluate_depths
     monkeypatch.setattr(runner, "evaluate_depths", lambda *a, **k: {
         T: {**r, "nll": math.nan, "ppl": math.nan} if T == 2 else r for T, r in real(*a, **k).items()})
-    assert main(["eval", "--checkpoint", str(trained_run), "--depths", "1,2", "--max-tokens", "64", "--quiet"]) == 2
+    assert main(["eval", "ppl", "--checkpoint", str(trained_run), "--depths", "1,2", "--max-tokens", "64",
+                 "--quiet"]) == 2
     assert "not finite at loop depth(s) 2" in capsys.readouterr().err
 
 
@@ -318,6 +319,7 @@ def _shape(obj):
     return "number" if isinstance(obj, (int, float)) and not isinstance(obj, bool) else type(obj).__name__
 
 
+@pytest.mark.slow
 def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_its_rules(tmp_path, capsys):
     from looplm.demo import run_demo
 

@@ -297,7 +297,7 @@ def test_cli_generate(checkpoint, tmp_path, capsys):
     prompts_file.write_text("It was a\n\n")
     out = tmp_path / "gen.json"
     rc = main(["generate", "--checkpoint", str(checkpoint), "--prompt", "The man", "--prompts-file",
-               str(prompts_file), "--max-new-tokens", "5", "--depth", "3", "--json", str(out)])
+               str(prompts_file), "--max-new-tokens", "5", "--depth", "3", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
@@ -312,7 +312,7 @@ def test_cli_generate(checkpoint, tmp_path, capsys):
     # adaptive depth and sampling options
     rc = main(["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--max-new-tokens", "4",
                "--exit", "relative", "--exit-tau", "1e9", "--max-depth", "4", "--temperature", "0.8",
-               "--top-k", "10", "--top-p", "0.9", "--seed", "1", "--kv-cache", "terminal", "--json", str(out)])
+               "--top-k", "10", "--top-p", "0.9", "--seed", "1", "--kv-cache", "terminal", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["results"][0]["depths"] == [4, 1, 1, 1] and res["settings"]["exit"] == "relative"
@@ -330,7 +330,7 @@ def test_cli_generate_help(capsys):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     for opt in ("--prompt", "--prompts-file", "--max-new-tokens", "--depth", "--temperature", "--top-k",
-                "--top-p", "--seed", "--kv-cache", "--exit", "--exit-tau", "--max-depth", "--json"):
+                "--top-p", "--seed", "--kv-cache", "--exit", "--exit-tau", "--max-depth", "--out"):
         assert opt in text
 
 
@@ -357,15 +357,15 @@ def test_cli_output_paths_and_plain_export(checkpoint, tmp_path, capsys):
 
     afile = tmp_path / "afile"
     afile.write_text("")
-    for argv, message in ((["eval", "--checkpoint", str(checkpoint), "--out", str(tmp_path)], "is a directory"),
-                          (["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--json", str(tmp_path)],
+    for argv, message in ((["eval", "ppl", "--checkpoint", str(checkpoint), "--out", str(tmp_path)], "is a directory"),
+                          (["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--out", str(tmp_path)],
                            "is a directory"),
                           (["train", "--preset", "debug", "--out", str(afile)], "is a file")):
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # each eval protocol has only its own options
-        main(["eval", "--checkpoint", str(checkpoint), "--task", "lambada", "--scale-clamp"])
+        main(["eval", "lambada", "--checkpoint", str(checkpoint), "--scale-clamp"])
     assert exc.value.code == 2 and "--scale-clamp" in capsys.readouterr().err
     ckpt = resolve_checkpoint(checkpoint)
     plain = tmp_path / "plain"

@@ -1,8 +1,8 @@
 """Gradient estimators of the unroll (SPEC §5; LMDR §3.1, appendix A.2): endpoint (Neumann-b) gradients
 against the analytic truncated Neumann series on an exactly contractive linear recurrence, against a
 hand-unrolled detach-at-the-endpoint loop of a tiny LoopLM, and against TBPTT-b at depth T + b; the
-multi-depth readouts; the config fields (``train.gradient``, ``train.gradient_steps``, the older
-``train.tbptt``); the gradient-cosine diagnostic. (b ≥ T TBPTT = full BPTT:
+multi-depth readouts; the config fields (``train.gradient``, ``train.gradient_steps``); the
+gradient-cosine diagnostic. (b ≥ T TBPTT = full BPTT:
 ``test_objectives.py::test_tbptt_with_window_at_least_depth_equals_full_bptt``.)"""
 
 from __future__ import annotations
@@ -200,8 +200,7 @@ def test_forward_rejects_bad_estimators():
     x, y = batch()
     m = tiny(rule="looped")
     for kw, match in [(dict(gradient="neumann"), "allowed"), (dict(gradient="endpoint"), "needs b >= 1"),
-                      (dict(gradient_steps=2), "full BPTT"),
-                      (dict(tbptt=2, gradient="endpoint", gradient_steps=2), "conflicts")]:
+                      (dict(gradient_steps=2), "full BPTT")]:
         with pytest.raises(ValueError, match=match):
             m(x, depth=2, targets=y, **kw)
     with pytest.raises(ValueError, match="no recurrence to truncate"):
@@ -210,39 +209,21 @@ def test_forward_rejects_bad_estimators():
 
 
 # ------------------------------------------------------------------ config
-def test_gradient_config_fields_and_the_older_tbptt_spelling():
-    t = TrainConfig(tbptt=2)
-    assert (t.gradient, t.gradient_steps, t.tbptt) == ("tbptt", 2, 2)
-    t = TrainConfig(gradient="tbptt", gradient_steps=3)
-    assert t.tbptt == 3  # the older spelling is kept equal
-    t = TrainConfig(gradient="endpoint", gradient_steps=2)
-    assert t.tbptt == 0
-    # changing one spelling resets the other (replace and command-line overrides alike)
-    assert TrainConfig(tbptt=2).replace(gradient="endpoint").to_dict() == t.replace(gradient_steps=2).to_dict()
-    assert TrainConfig(tbptt=2).replace(gradient="bptt").gradient_steps == 0
-    assert (t.replace(tbptt=4).gradient, t.replace(tbptt=0).gradient) == ("tbptt", "bptt")
-    cfg = apply_overrides(Config(train=TrainConfig(tbptt=2)), {"train.gradient": "endpoint"})
-    assert (cfg.train.gradient, cfg.train.gradient_steps, cfg.train.tbptt) == ("endpoint", 2, 0)
-    cfg = apply_overrides(cfg, {"train.tbptt": "3"})
-    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("tbptt", 3)
+def test_gradient_config_fields():
+    t = TrainConfig(gradient="tbptt", gradient_steps=2)
+    # gradient=bptt alone clears b (replace and command-line overrides alike); another estimator keeps it
+    assert t.replace(gradient="endpoint").to_dict() == TrainConfig(gradient="endpoint", gradient_steps=2).to_dict()
+    assert t.replace(gradient="bptt").gradient_steps == 0
+    cfg = apply_overrides(Config(train=t), {"train.gradient": "endpoint"})
+    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("endpoint", 2)
+    cfg = apply_overrides(cfg, {"train.gradient": "bptt"})
+    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("bptt", 0)
     for kw, match in [(dict(gradient="endpoint"), r"train\.gradient_steps: .*needs b >= 1"),
                       (dict(gradient_steps=2), r"train\.gradient_steps: full BPTT"),
-                      (dict(tbptt=2, gradient="endpoint", gradient_steps=2), r"train\.tbptt: 2 is the older"),
+                      (dict(gradient="tbptt", gradient_steps=-1), r"train\.gradient_steps: must be an integer >= 0"),
                       (dict(gradient="neumann", gradient_steps=1), r"train\.gradient: got 'neumann'")]:
         with pytest.raises(ConfigError, match=match):
             TrainConfig(**kw)
-
-
-def test_format2_file_from_before_the_estimators_loads_with_its_tbptt():
-    """A format-2 config.json written before ``train.gradient`` / ``gradient_steps`` existed has only
-    ``tbptt``: it loads with the behaviour it was trained with, and round-trips."""
-    for b in (0, 2):
-        d = Config(train=TrainConfig(tbptt=b)).to_dict()
-        del d["train"]["gradient"], d["train"]["gradient_steps"]
-        cfg = Config.from_dict(d)
-        assert (cfg.train.gradient, cfg.train.gradient_steps, cfg.train.tbptt) == (
-            ("tbptt", 2, 2) if b else ("bptt", 0, 0))
-        assert Config.from_json(cfg.to_json()) == cfg
 
 
 # ------------------------------------------------------------------ the cosine diagnostic
@@ -278,7 +259,7 @@ def test_train_with_endpoint_gradient_then_gradcheck_cli(tmp_path, tiny_cfg, tin
     summary = train(cfg, run, progress=False, data=tiny_data)
     assert summary["val_loss"] is not None
     saved = Config.from_json((run / "config.json").read_text())
-    assert (saved.train.gradient, saved.train.gradient_steps, saved.train.tbptt) == ("endpoint", 2, 0)
+    assert (saved.train.gradient, saved.train.gradient_steps) == ("endpoint", 2)
     out = tmp_path / "g.json"
     assert main(["gradcheck", "--checkpoint", str(run), "--steps", "1,2", "--batches", "1", "--batch-size", "2",
                  "--out", str(out), "--quiet"]) == 0

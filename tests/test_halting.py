@@ -12,33 +12,34 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig
-from looplm.eval.halting import (calibrate_tau, dynamic_halting_run, evaluate_halting_checkpoint,
-                                 fixed_depth_run, halting_loops, make_windows, trace_margins)
+from looplm.eval.exits import calibrate, halting_depths
+from looplm.eval.halting import (dynamic_halting_run, evaluate_halting_checkpoint, fixed_depth_run, make_windows,
+                                 trace_margins)
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import RULES, LoopLM, build_model
 
 K_MAX = 4
 
 
-def test_halting_loops_first_loop_at_or_above_tau():
+def test_halting_depths_above_first_loop_at_or_above_tau():
     m = np.array([[0.1, 0.5, 0.9, 2.0],
                   [0.7, 0.1, 0.1, 0.1],
                   [0.1, 0.1, 0.1, 9.0],      # only the last loop is large: K either way
                   [0.3, 0.2, 0.6, 0.0],
                   [np.nan, 0.8, 0.1, 0.1]])  # NaN never halts
-    assert halting_loops(m, 0.5).tolist() == [2, 1, 4, 3, 2]
-    assert halting_loops(m, 0.3).tolist() == [2, 1, 4, 1, 2]  # ≥, not >
-    assert halting_loops(m, 0.0).tolist() == [1, 1, 1, 1, 2]
-    assert halting_loops(m, math.inf).tolist() == [4, 4, 4, 4, 4]
-    assert halting_loops(m[:, :1], 0.0).tolist() == [1] * 5  # K = 1: the ceiling is loop 1
+    assert halting_depths(m, 0.5, "above").tolist() == [2, 1, 4, 3, 2]
+    assert halting_depths(m, 0.3, "above").tolist() == [2, 1, 4, 1, 2]  # ≥, not >
+    assert halting_depths(m, 0.0, "above").tolist() == [1, 1, 1, 1, 2]
+    assert halting_depths(m, math.inf, "above").tolist() == [4, 4, 4, 4, 4]
+    assert halting_depths(m[:, :1], 0.0, "above").tolist() == [1] * 5  # K = 1: the ceiling is loop 1
 
 
 def _brute_force_tau(margins, nll_sum, n_tok, tolerance):
-    """Reference: try every τ in ascending order with halting_loops, keep the first within budget."""
+    """Reference: try every τ in ascending order with halting_depths, keep the first within budget."""
     K = margins.shape[1]
     ppl_max = math.exp(nll_sum[:, K - 1].sum() / n_tok.sum())
     for tau in sorted(set(margins[:, : K - 1].ravel().tolist())) + [math.inf]:
-        loops = halting_loops(margins, tau)
+        loops = halting_depths(margins, tau, "above")
         ppl = math.exp(nll_sum[np.arange(len(loops)), loops - 1].sum() / n_tok.sum())
         if ppl <= (1 + tolerance) * ppl_max:
             return tau, loops, ppl
@@ -47,7 +48,7 @@ def _brute_force_tau(margins, nll_sum, n_tok, tolerance):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("tolerance", [0.0, 0.01, 0.05])
-def test_calibrate_tau_matches_brute_force(seed, tolerance):
+def test_calibrate_tolerance_matches_brute_force(seed, tolerance):
     rng = np.random.default_rng(seed)
     N, K = 37, 5
     n_tok = rng.integers(5, 40, size=N)
@@ -55,37 +56,38 @@ def test_calibrate_tau_matches_brute_force(seed, tolerance):
     margins = np.round(rng.gamma(2.0, 0.5, size=(N, K)) * np.linspace(0.5, 1.5, K), 1)
     per_tok = 3.0 + rng.normal(0, 0.3, size=(N, 1)) - np.linspace(0, 0.2, K) + rng.normal(0, 0.05, size=(N, K))
     nll_sum = per_tok * n_tok[:, None]
-    cal = calibrate_tau(margins, nll_sum, n_tok, tolerance)
+    cal = calibrate(margins, "above", tolerance=tolerance, nll=nll_sum, tokens=n_tok)
     tau, loops, ppl = _brute_force_tau(margins, nll_sum, n_tok, tolerance)
-    print(f"tau {cal.tau} (ref {tau}), mean loops {cal.mean_loops:.3f}, ppl {cal.ppl:.5f} / {cal.ppl_max:.5f}")
+    print(f"tau {cal.tau} (ref {tau}), mean loops {cal.mean_depth:.3f}, ppl {cal.ppl:.5f} / {cal.ppl_max:.5f}")
     assert cal.tau == tau
-    np.testing.assert_array_equal(cal.loops, loops)
+    np.testing.assert_array_equal(cal.depths, loops)
     assert cal.ppl == pytest.approx(ppl, rel=1e-12)
     assert cal.ppl <= (1 + tolerance) * cal.ppl_max
-    assert cal.mean_loops == loops.mean()
+    assert cal.mean_depth == loops.mean()
     # every candidate's sweep entry matches the per-τ reference too
-    for t, p, ml in zip(cal.taus, cal.ppl_by_tau, cal.mean_loops_by_tau):
-        lp = halting_loops(margins, t)
+    for t, p, ml in zip(cal.taus, cal.ppl_by_tau, cal.mean_depth_by_tau):
+        lp = halting_depths(margins, t, "above")
         assert ml == lp.mean()
         assert p == pytest.approx(math.exp(nll_sum[np.arange(N), lp - 1].sum() / n_tok.sum()), rel=1e-12)
 
 
-def test_calibrate_tau_hand_built():
+def test_calibrate_tolerance_hand_built():
     # two sequences, 3 loops, 10 tokens each; K=3 NLL total 40 → ppl_max = e^2
     margins = np.array([[1.0, 2.0, 3.0],
                         [0.5, 4.0, 5.0]])
     nll_sum = np.array([[20.0, 20.0, 20.0],     # sequence 0 gains nothing from depth
                         [30.0, 20.1, 20.0]])    # sequence 1 needs loop 2
     n_tok = np.array([10, 10])
-    cal = calibrate_tau(margins, nll_sum, n_tok, 0.01)
+    cal = calibrate(margins, "above", tolerance=0.01, nll=nll_sum, tokens=n_tok)
     # τ=0.5: both at loop 1 → 50/20, too high; τ=1: seq 0 at 1, seq 1 at 2 → 40.1/20 nats, PPL × e^0.005 ≤ 1.01
-    assert cal.tau == 1.0 and cal.loops.tolist() == [1, 2]
+    assert cal.tau == 1.0 and cal.depths.tolist() == [1, 2]
     assert cal.ppl == pytest.approx(math.exp(40.1 / 20))
-    assert calibrate_tau(margins, nll_sum, n_tok, 0.0).tau == math.inf  # no slack: only τ = ∞ is exact
+    no_slack = calibrate(margins, "above", tolerance=0.0, nll=nll_sum, tokens=n_tok)
+    assert no_slack.tau == math.inf  # no slack: only τ = ∞ is exact
     with pytest.raises(ValueError, match="tolerance"):
-        calibrate_tau(margins, nll_sum, n_tok, -0.1)
+        calibrate(margins, "above", tolerance=-0.1, nll=nll_sum, tokens=n_tok)
     with pytest.raises(ValueError, match="shape|need"):
-        calibrate_tau(margins, nll_sum[:, :2], n_tok, 0.01)
+        calibrate(margins, "above", tolerance=0.01, nll=nll_sum[:, :2], tokens=n_tok)
 
 
 def _tiny_model(rule: str, **kw) -> LoopLM:
@@ -116,24 +118,24 @@ def test_dynamic_batching_equals_cached_per_loop_nll(rule, kw):
     # τ halfway between two observed margins (no ties under float rounding), the one spreading the
     # halting loops most, so rows leave the batch at several loops and the rest continue
     v = np.unique(margins[:, : K_MAX - 1])
-    spread = [(len(np.unique(halting_loops(margins, t))), -np.bincount(halting_loops(margins, t)).max(), t)
-              for t in (v[:-1] + v[1:]) / 2]
+    spread = [(len(np.unique(d)), -np.bincount(d).max(), t)
+              for t in (v[:-1] + v[1:]) / 2 for d in [halting_depths(margins, t, "above")]]
     tau = float(max(spread)[2])
-    ref_loops = halting_loops(margins, tau)
+    ref_loops = halting_depths(margins, tau, "above")
     run = dynamic_halting_run(model, batches, tau, K_MAX)
-    print(rule, kw, "loops", np.bincount(run.loops, minlength=K_MAX + 1)[1:].tolist(),
-          "max |Δnll|", np.abs(run.nll - nll_sum[np.arange(23), run.loops - 1]).max())
+    print(rule, kw, "loops", np.bincount(run.depth, minlength=K_MAX + 1)[1:].tolist(),
+          "max |Δnll|", np.abs(run.nll - nll_sum[np.arange(23), run.depth - 1]).max())
     assert len(np.unique(ref_loops)) > 1  # the check covers halted and continuing rows
-    np.testing.assert_array_equal(run.loops, ref_loops)
-    np.testing.assert_allclose(run.nll, nll_sum[np.arange(23), run.loops - 1], rtol=0, atol=1e-5 * 16)
-    seen = ~np.isnan(run.margins)
-    assert seen.sum() == sum(min(k, K_MAX - 1) for k in run.loops)  # margins at loops 1..halt (< K)
-    np.testing.assert_allclose(run.margins[seen], margins[seen], rtol=0, atol=1e-5)
-    assert run.row_loops == run.loops.sum()
+    np.testing.assert_array_equal(run.depth, ref_loops)
+    np.testing.assert_allclose(run.nll, nll_sum[np.arange(23), run.depth - 1], rtol=0, atol=1e-5 * 16)
+    seen = ~np.isnan(run.scores)
+    assert seen.sum() == sum(min(k, K_MAX - 1) for k in run.depth)  # margins at loops 1..halt (< K)
+    np.testing.assert_allclose(run.scores[seen], margins[seen], rtol=0, atol=1e-5)
+    assert run.row_steps == run.depth.sum()
     # τ = ∞: everything at K, equal to the cached K column and to the fixed-depth forward
     full = dynamic_halting_run(model, batches, math.inf, K_MAX)
     nll_fixed, _ = fixed_depth_run(model, batches, K_MAX)
-    assert (full.loops == K_MAX).all() and full.row_loops == 23 * K_MAX
+    assert (full.depth == K_MAX).all() and full.row_steps == 23 * K_MAX
     np.testing.assert_allclose(full.nll, nll_sum[:, -1], rtol=0, atol=1e-5 * 16)
     np.testing.assert_allclose(full.nll, nll_fixed, rtol=0, atol=1e-5 * 16)
 
@@ -190,7 +192,7 @@ def test_halting_checkpoint_report(checkpoint, tmp_path):
     x, y = make_windows(valid, L, 160, 48)
     margins, nll_sum, n_tok = trace_margins(model, [(x, y)], K)
     tau = math.inf if cal["tau"] is None else cal["tau"]
-    loops = halting_loops(margins, tau)
+    loops = halting_depths(margins, tau, "above")
     assert tm["dynamic"]["mean_loops"] == pytest.approx(loops.mean())
     assert tm["dynamic"]["ppl"] == pytest.approx(math.exp(nll_sum[np.arange(48), loops - 1].sum() / n_tok.sum()),
                                                  rel=1e-5)

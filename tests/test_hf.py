@@ -4,7 +4,7 @@ Offline, tiny random models: transformers logits equal LoopLM's for every rule, 
 LoopLMCache equals recompute and ``looplm.generate.generate`` (greedy, padded batches, terminal
 sharing), sampling and beam search with the cache equal their uncached runs, save → load is exact,
 ``AutoTokenizer`` / ``AutoModelForCausalLM`` / ``pipeline`` / remote code load an export, and looplm
-commands accept an export folder. The lm-eval part checks the harness against ``looplm eval --task
+commands accept an export folder. The lm-eval part checks the harness against ``looplm eval
 lambada`` and looplm's perplexity on local task YAMLs.
 """
 
@@ -330,7 +330,7 @@ def test_looplm_commands_accept_an_export(tiny_ckpt, exported, tmp_path, capsys)
     assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "The jury", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out == from_export
     out = tmp_path / "lambada.json"
-    assert main(["eval", "--checkpoint", str(exported), "--task", "lambada", "--max-examples", "3", "--depths", "1,2",
+    assert main(["eval", "lambada", "--checkpoint", str(exported), "--max-examples", "3", "--depths", "1,2",
                  "--out", str(out), "--quiet"]) == 0
     assert set(json.loads(out.read_text())["depths"]) == {"1", "2"}
 
@@ -354,7 +354,7 @@ N_LAMBADA = 24
 def harness_tasks(tmp_path_factory):
     """Local task YAMLs: the first 24 LAMBADA passages (lambada_openai's format) and two WikiText-2 raw
     test articles (cut at 2,500 characters), plus a generate_until task; and a data root holding the
-    same LAMBADA lines for ``looplm eval --task lambada``."""
+    same LAMBADA lines for ``looplm eval lambada``."""
     pytest.importorskip("lm_eval")
     from looplm.data.paths import resolve_data_root
     from looplm.hf.harness import write_local_tasks

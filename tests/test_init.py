@@ -4,7 +4,9 @@ hand computation, the ``matched`` RMS of Δ₀, and the configs that select them
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -195,55 +197,20 @@ def test_init_fields_are_validated():
     assert (cfg.model.options.source_init, cfg.model.options.source_init_std) == ("normal", 2.0)
 
 
-def _drop(d: dict, keys: dict) -> dict:
-    for section, names in keys.items():
-        target = d["model"]["options"] if section == "options" else d[section]
-        for n in names:
-            target.pop(n)
-    return d
-
-
 @pytest.mark.parametrize("rule", ["scse", "parcae_decay", "huginn_linear"])
-def test_format2_file_without_new_fields_rebuilds_the_old_model(rule):
-    """A format-2 config.json written before these fields loads with the values that rebuild its model:
-    gpt2 init, cosine schedule, no prior scaling, and parcae_decay's parameter-free RMSNorm(e)."""
-    cfg = Config(model=tiny(rule=rule))
-    d = cfg.to_dict()
-    opts = ["source_init", "source_init_std"] + (["input_norm_affine"] if rule == "parcae_decay" else [])
-    old = _drop(d, {"options": opts, "model": ["embed_init_std"],
-                    "train": ["schedule", "prior_scale", "prior_scale_window"]})
-    loaded = Config.from_dict(old)
-    assert loaded.model.options.source_init == "gpt2" and loaded.model.embed_init_std == -1.0
-    assert loaded.train.schedule == "cosine" and loaded.train.prior_scale is False
-    if rule == "parcae_decay":
-        assert loaded.model.options.input_norm_affine is False
-        assert "rule.in_norm.weight" not in build_model(loaded.model).state_dict()
-    with pytest.raises(ConfigError, match=r"model.options.anchor: missing|model.options.step_scale: missing|"
-                                          r"model.options.state_init: missing"):
-        bad = cfg.to_dict()
-        bad["model"]["options"].pop(next(iter(bad["model"]["options"])))
-        Config.from_dict(bad)
-
-
-def test_format1_parcae_decay_migrates_to_the_parameter_free_norm():
-    from looplm.config import V1_RULE_FIELDS
-
-    d = Config(model=tiny(rule="parcae_decay")).to_dict()
-    d["format_version"] = 1
-    m = d["model"]
-    m.pop("options")
-    m.pop("embed_init_std")
-    m.update(V1_RULE_FIELDS)
-    for k in ("schedule", "prior_scale", "prior_scale_window"):
-        d["train"].pop(k)
-    loaded = Config.from_dict(d)
-    assert loaded.model.options.input_norm_affine is False and loaded.model.options.source_init == "gpt2"
+def test_config_file_without_a_field_is_an_error_naming_it(rule):
+    d = Config(model=tiny(rule=rule)).to_dict()
+    for section, name in (("options", "source_init"), ("model", "embed_init_std"), ("train", "schedule")):
+        bad = json.loads(json.dumps(d))
+        (bad["model"]["options"] if section == "options" else bad[section]).pop(name)
+        key = f"model.options.{name}" if section == "options" else f"{section}.{name}"
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: missing"):
+            Config.from_dict(bad)
 
 
 def test_the_init_study_default_for_the_scse_family_and_adapters():
     """The SCSE family and the adapters default to the init study's N(0, 2.0) source modules (issue 11;
-    experiments/scse-cpu/init-study); the Huginn family keeps gpt2; a config file written before the
-    study (no source_init) still rebuilds its gpt2 model."""
+    experiments/scse-cpu/init-study); the Huginn family keeps gpt2."""
     assert ANCHORED == {"adapter", "step_adapter", "step_film", "scse", "sc_cond", "sc_subtract", "scse_leak",
                         "additive_subtract"}
     for rule in sorted(ANCHORED):
@@ -255,10 +222,6 @@ def test_the_init_study_default_for_the_scse_family_and_adapters():
         for module, _ in model.rule.source_modules():
             assert abs(float(module.weight.detach().std()) - 2.0) < 0.1, rule  # D·D ≥ 1,024 draws of N(0, 2)
     assert tiny(rule="huginn_linear").options.source_init == "gpt2"
-    old = Config(model=tiny(rule="scse")).to_dict()
-    for k in ("source_init", "source_init_std"):
-        del old["model"]["options"][k]
-    assert Config.from_dict(old).model.options.source_init == "gpt2"
     # another scheme takes the std's default without complaint and stores 0 (the config of a gpt2 run is
     # the same as before the study); a different std is refused
     assert tiny(rule="scse", options={"source_init": "matched"}).options.source_init_std == 0.0

@@ -1,7 +1,7 @@
 """KV caches (SPEC §6): per_visit incremental decoding against the full forward for every variant,
 left-padded batches against unpadded sequences, terminal-bank counts and bytes, terminal == per_visit
 at depth 1, terminal KV sharing against an explicit attention over hooked terminal K/V, and the
-continuation protocol (``looplm eval --kv-sharing terminal``) end to end."""
+continuation protocol (``looplm eval kv-sharing``) end to end."""
 
 from __future__ import annotations
 
@@ -323,7 +323,7 @@ def test_cli_eval_kv_sharing(checkpoint, tmp_path, capsys):
     from looplm.cli import main
 
     out = tmp_path / "kv.json"
-    rc = main(["eval", "--checkpoint", str(checkpoint), "--kv-sharing", "terminal", "--depths", "1,4",
+    rc = main(["eval", "kv-sharing", "--checkpoint", str(checkpoint), "--depths", "1,4",
                "--max-tokens", "300", "--batch-size", "4", "--out", str(out), "--quiet"])
     assert rc == 0
     res = json.loads(out.read_text())

@@ -45,7 +45,7 @@ def test_tbptt_with_window_at_least_depth_equals_full_bptt(kw):
         m(x, depth=5, targets=y).loss.backward()
         full = grads(m)
         m.zero_grad()
-        m(x, depth=5, targets=y, tbptt=b).loss.backward()
+        m(x, depth=5, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
         for n, g in grads(m).items():
             assert torch.equal(g, full[n]), n
 
@@ -69,7 +69,7 @@ def test_tbptt_matches_explicit_detach_reference_and_reaches_prelude():
     x, y = batch()
     T, b = 6, 2
     m = tiny(**HUGINN)
-    m(x, depth=T, targets=y, tbptt=b).loss.backward()
+    m(x, depth=T, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
     got = grads(m)
     ref = _detach_reference_grads(m, x, y, T, b)
     assert set(got) == set(ref)
@@ -87,7 +87,7 @@ def test_tbptt_gives_every_parameter_a_gradient_and_matches_detach_reference(kw)
     x, y = batch()
     T, b = 5, 2
     m = tiny(**kw)
-    m(x, depth=T, targets=y, tbptt=b).loss.backward()
+    m(x, depth=T, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
     got = grads(m)
     assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
     ref = _detach_reference_grads(m, x, y, T, b)
@@ -103,8 +103,8 @@ def _saved_activation_bytes(model, x, y, T, b):
         total += t.numel() * t.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, depth=T, targets=y, tbptt=b).loss.backward()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # b = 0: full BPTT
+        model(x, depth=T, targets=y, gradient="tbptt" if b else "bptt", gradient_steps=b).loss.backward()
     return total
 
 
@@ -157,7 +157,7 @@ def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg,
     cfg = tiny_cfg.replace(
         model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_core=1, n_coda=1, dropout=0.0),
         train=tiny_cfg.train.replace(depth_sampler="learned", depth_cap=6, depth_mean=3.0, prior_warmup=1,
-                                     prior_lr=0.05, tbptt=2, **extra))
+                                     prior_lr=0.05, gradient="tbptt", gradient_steps=2, **extra))
     full = tmp_path / "full"
     train(cfg, full, progress=False, data=tiny_data)
     part = tmp_path / "part"

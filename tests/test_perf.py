@@ -1,5 +1,5 @@
 """Issue 15 performance paths against their plain references: the fused gate+up projection (same
-initial values as the separate matrices, old checkpoints load), the fused chunked readout +
+initial values as the separate matrices), the fused chunked readout +
 cross-entropy (loss and gradients against ``F.cross_entropy`` on full logits for every readout mode,
 tied and untied, with ignored targets, fp32 and bf16 autocast), the static KV cache, prefill that
 reads out only the last position, compiled decoding and the FLOP proxy against ``FlopCounterMode``."""
@@ -67,28 +67,6 @@ def test_fused_gate_up_initializes_as_the_separate_matrices(kw, monkeypatch):
     torch.testing.assert_close(new(x, depth=2).logits, old(x, depth=2).logits, rtol=1e-6, atol=1e-6)
 
 
-def test_old_checkpoint_layout_loads_strictly(monkeypatch, tmp_path):
-    """A state dict (and a safetensors file) with separate gate/up matrices loads into the fused model
-    with strict=True; unrelated missing or unexpected keys still fail."""
-    from safetensors.torch import load_model, save_model
-
-    cfg = tiny(n_prelude=1, n_coda=1, rule="looped")
-    old = _old_model(cfg, 5, monkeypatch)
-    torch.manual_seed(0)
-    new = build_model(cfg)
-    new.load_state_dict(old.state_dict(), strict=True)
-    x = torch.randint(0, cfg.vocab_size, (2, 10))
-    torch.testing.assert_close(new(x, depth=3).logits, old(x, depth=3).logits, rtol=1e-6, atol=1e-6)
-    save_model(old, str(tmp_path / "old.safetensors"))
-    again = build_model(cfg)
-    load_model(again, str(tmp_path / "old.safetensors"), strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), new.state_dict().values()))
-    bad = old.state_dict()
-    bad.pop("core.blocks.0.mlp.up.weight")  # half of the pair: nothing is migrated, strict loading fails
-    with pytest.raises(RuntimeError):
-        build_model(cfg).load_state_dict(bad, strict=True)
-
-
 # ---------------------------------------------------------------------------------------------- fused CE
 def _plain_nll(model, x, y, depths, **kw):
     """Per-depth NLL through the plain readout (full logits, F.cross_entropy)."""
@@ -104,7 +82,7 @@ def test_fused_readout_cross_entropy_equals_plain(readout, tied, dtype, monkeypa
     """Loss (every depth) and gradients of the fused chunked readout + CE against the plain path.
     fp32: loss ≤ 1e-6 relative, gradients ≤ 1e-5; bf16 autocast: loss ≤ 1e-3 relative, gradients
     ≤ 2e-2 (bf16 logits and bf16 backward matmuls round differently in a different order)."""
-    from looplm.model import fused, looped
+    from looplm.model import fused
 
     monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 97 * 7)  # 7-token chunks: several chunks and a ragged one
     cfg = tiny(readout=readout, tie_embeddings=tied, n_prelude=1, n_coda=1, rule="looped")
@@ -119,10 +97,9 @@ def test_fused_readout_cross_entropy_equals_plain(readout, tied, dtype, monkeypa
     rtol, gtol = (1e-6, 1e-5) if dtype == "float32" else (1e-3, 2e-2)
 
     def run(use_fused: bool):
-        monkeypatch.setattr(looped, "FUSED_CE", use_fused)
         model.zero_grad(set_to_none=True)
         with ctx:
-            out = model(x, depth=depths, targets=y, keep_logits=False, final_depth=3)
+            out = model(x, depth=depths, targets=y, keep_logits=False, fused_ce=use_fused, final_depth=3)
         loss = out.loss + out.nll_by_depth[1].sum() / 7
         loss.backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -215,7 +192,9 @@ def test_prefill_last_position_readout_equals_full_logits():
         last = model(x, depth=3, cache=caches[1], attention_mask=mask,
                      readout_tokens=(torch.arange(2), torch.full((2,), 8))).logits
         none = model(x, depth=3, cache=caches[2], attention_mask=mask, keep_logits=False)
-    assert torch.equal(full, last) and none.logits is None
+    assert none.logits is None
+    # (B·L, d) and (B, d) readout matmuls: BLAS may block the rows differently, so equal to rounding
+    torch.testing.assert_close(last, full, rtol=1e-6, atol=1e-6)
     for c in caches[1:]:
         assert c.banks.keys() == caches[0].banks.keys()
         for key, (k, v) in c.banks.items():
@@ -290,57 +269,6 @@ def test_flop_proxy_equals_flop_counter(kw):
             assert rule == B * L * depths[-1] * 2 * 2 * cfg.d_model * cfg.d_model
 
 
-def test_old_optimizer_state_migrates_to_the_fused_layout(monkeypatch):
-    """AdamW state of the pre-fusion layout (FQN-keyed, as checkpoints store it) migrates: the fused
-    model's optimizer holds the stacked gate/up moments (gate rows first) and every other moment as
-    saved, and it steps. (The next step itself is not compared bitwise: the fused matmul sums ∂x over
-    2·d_ff in one reduction, and Adam's first steps amplify last-bit gradient differences.)"""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from looplm.train.checkpoint import migrate_fused_mlp_optimizer_state
-
-    cfg = tiny(rule="looped", n_core=2)
-    old = _old_model(cfg, 0, monkeypatch)
-    x = torch.randint(0, cfg.vocab_size, (2, 12))
-    opt = torch.optim.AdamW(old.parameters(), lr=1e-2)
-    old(x, depth=2, targets=x).loss.backward()
-    opt.step()
-    saved = get_optimizer_state_dict(old, opt)
-    sd = migrate_fused_mlp_optimizer_state(saved)
-    assert not any(k.endswith(("mlp.gate.weight", "mlp.up.weight")) for k in sd["state"])
-    new = build_model(cfg)
-    new.load_state_dict(old.state_dict())
-    new_opt = torch.optim.AdamW(new.parameters(), lr=1e-2)
-    set_optimizer_state_dict(new, new_opt, sd)
-    got = get_optimizer_state_dict(new, new_opt)["state"]
-    assert len(got) == len(saved["state"]) - cfg.n_core
-    for k, st in got.items():
-        if k.endswith("mlp.gate_up.weight"):
-            p = k[: -len("gate_up.weight")]
-            for m in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(st[m], torch.cat([saved["state"][p + "gate.weight"][m],
-                                                     saved["state"][p + "up.weight"][m]]))
-        else:
-            assert all(torch.equal(st[m], saved["state"][k][m]) for m in ("exp_avg", "exp_avg_sq", "step"))
-    new(x, depth=2, targets=x).loss.backward()
-    new_opt.step()
-    assert migrate_fused_mlp_optimizer_state(sd) is sd  # already fused: unchanged
-
-
-def test_old_sharded_weights_load_into_the_fused_model(monkeypatch, tmp_path):
-    """A sharded (DCP) checkpoint of the pre-fusion layout consolidates into the fused model."""
-    from looplm.train.checkpoint import SHARDED_DIR, _load_sharded_model
-    from looplm.train.dist import DistEnv, save_shards
-
-    cfg = tiny(rule="looped", n_core=2)
-    old = _old_model(cfg, 0, monkeypatch)
-    save_shards({"model": old.state_dict()}, tmp_path / SHARDED_DIR, DistEnv())
-    new = build_model(cfg)
-    _load_sharded_model(tmp_path, new)
-    x = torch.randint(0, cfg.vocab_size, (2, 12))
-    assert torch.equal(new(x, depth=2).logits, old(x, depth=2).logits)
-
-
 def _inductor_available() -> bool:
     try:
         import torch._inductor  # noqa: F401
@@ -381,7 +309,6 @@ def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
 
     calls = []
     real = looped.linear_cross_entropy
-    monkeypatch.setattr(looped, "FUSED_CE", True)
     monkeypatch.setattr(looped, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = tiny(tie_embeddings=False)
     torch.manual_seed(2)

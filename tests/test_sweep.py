@@ -177,6 +177,7 @@ def _weights(out: Path, run_id: str) -> bytes:
     return (resolve_checkpoint(out / "runs" / run_id) / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_end_to_end_sweep_skips_and_resumes(tmp_path, tiny_cfg, hooks, capsys):
     from looplm.cli import main
     from looplm.eval.runner import evaluate_checkpoint
@@ -314,6 +315,7 @@ device = "cpu"
 """
 
 
+@pytest.mark.slow
 def test_plan_and_concurrent_shards_fill_one_db(tmp_path, tiny_cfg, capsys):
     """--plan lists only pending runs after a partial run; two shards running at the same time in
     separate processes leave every run's results in the one DB exactly once."""

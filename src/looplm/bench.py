@@ -214,14 +214,15 @@ def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.d
 
 
 def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int) -> int:
-    """Activation memory of one training step: on CUDA the peak allocated bytes above the model's
-    resting memory; elsewhere the bytes of the tensors autograd saves for backward (unique storages,
-    counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    """Activation memory of one training step (truncated BPTT through the last ``tbptt`` steps; 0 = full):
+    on CUDA the peak allocated bytes above the model's resting memory; elsewhere the bytes of the tensors
+    autograd saves for backward (unique storages, counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
     if x.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        model(x, depth=depth, targets=x, keep_logits=False, tbptt=tbptt).loss.backward()
+        model(x, depth=depth, targets=x, keep_logits=False, gradient="tbptt" if tbptt else "bptt",
+              gradient_steps=tbptt).loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         model.zero_grad(set_to_none=True)
@@ -233,7 +234,8 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, depth=depth, targets=x, keep_logits=False, tbptt=tbptt).loss
+        loss = model(x, depth=depth, targets=x, keep_logits=False, gradient="tbptt" if tbptt else "bptt",
+                     gradient_steps=tbptt).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
@@ -449,10 +451,7 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
     before it."""
     import resource
 
-    from looplm.model import looped
-
     torch.set_num_threads(threads)
-    looped.FUSED_CE = fused
     cfg = ModelConfig(**cfg_dict)
     torch.manual_seed(0)
     model = build_model(cfg).train()
@@ -470,7 +469,7 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
     except OSError:
         pass
     before = status("VmRSS")
-    model(x, depth=depth, targets=x, keep_logits=False).loss.backward()
+    model(x, depth=depth, targets=x, keep_logits=False, fused_ce=fused).loss.backward()
     peak = status("VmHWM")
     if before is None or peak is None:  # no procfs: the process's lifetime peak
         before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -482,23 +481,16 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
     """Peak memory (bytes) of one training step (forward + backward) of ``cfg`` at loop depth ``depth``
     above the memory before it (module docstring: CUDA peak allocated; CPU peak RSS of a subprocess).
     ``fused=False``: with the plain readout + loss (full logits)."""
-    from looplm.model import looped
-
     if device.type == "cuda":
-        old = looped.FUSED_CE
-        looped.FUSED_CE = fused
-        try:
-            torch.manual_seed(0)
-            model = build_model(cfg).to(device).train()
-            x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            model(x, depth=depth, targets=x, keep_logits=False).loss.backward()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base
-        finally:
-            looped.FUSED_CE = old
+        torch.manual_seed(0)
+        model = build_model(cfg).to(device).train()
+        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x, depth=depth, targets=x, keep_logits=False, fused_ce=fused).loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     import dataclasses
     import multiprocessing as mp
 

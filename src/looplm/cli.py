@@ -284,9 +284,7 @@ def _register_eval(sub: argparse._SubParsersAction) -> None:
     add_command(sub, "eval", _build_eval,
                 help="evaluate a checkpoint: " + ", ".join(EVAL_PROTOCOLS) + " (one subcommand each)",
                 description="Evaluate a checkpoint with one protocol; each protocol is its own subcommand "
-                "with only its own options (`looplm eval PROTOCOL --help`). Without a protocol, "
-                "`looplm eval --checkpoint DIR ...` means `looplm eval ppl`; the older `--task NAME` and "
-                "`--kv-sharing terminal` forms still select a protocol. Prints the Markdown report "
+                "with only its own options (`looplm eval PROTOCOL --help`). Prints the Markdown report "
                 "(--json: the JSON); --out FILE.json also writes the JSON and FILE.md.")
 
 
@@ -398,12 +396,12 @@ def _build_eval_halting(p: argparse.ArgumentParser) -> None:
     o = common_opts()
     _add_checkpoint(p)
     add_function_options(p, evaluate_halting_checkpoint, {
-        "k_max": Opt(type=positive_int, metavar="K", aliases=("--ceiling",),
+        "k_max": Opt(type=positive_int, metavar="K",
                      help="K_max, the loop ceiling (default: the checkpoint's nominal training depth: train.depth, "
                      "depth_hi, or depth_mean rounded up for pln/learned)"),
         "tolerance": Opt(type=float, help="allowed relative PPL increase over K_max"),
         "split_calib": Opt(choices=SPLITS, help="split of the calibration windows"),
-        "split_timed": Opt(choices=SPLITS, aliases=("--split",), help="split of the timed windows"),
+        "split_timed": Opt(choices=SPLITS, help="split of the timed windows"),
         "n_calib": Opt(type=positive_int, metavar="N", help="calibration windows"),
         "n_timed": Opt(type=positive_int, metavar="N", help="timed windows"),
         "criterion": _criterion_opt("margin: the logit margin"),
@@ -433,54 +431,6 @@ def _build_eval_distill(p: argparse.ArgumentParser) -> None:
                          "(LMDR's protocol; --no-doc-aware scores every continuation target)")})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_distill, _family="eval")
-
-
-def eval_compat(argv: list[str]) -> list[str]:
-    """``looplm eval [--task NAME] [--kv-sharing terminal] ...`` → ``looplm eval PROTOCOL ...``.
-
-    The form without a protocol means ``ppl``; ``--task``/``--kv-sharing`` select one (with a note on
-    stderr naming the new form). Raises CliError for a task that is not a protocol.
-    """
-    if len(argv) < 2 or argv[0] != "eval" or argv[1] in EVAL_PROTOCOLS or argv[1] in ("-h", "--help"):
-        return argv
-    if not argv[1].startswith("-"):  # a word where the protocol goes
-        raise CliError(f"eval: unknown protocol {argv[1]!r}; allowed: {', '.join(EVAL_PROTOCOLS)} "
-                       "(`looplm eval PROTOCOL --help`)")
-    task = kv = None
-    rest: list[str] = []
-    i = 1
-    while i < len(argv):
-        tok = argv[i]
-        name, eq, val = tok.partition("=")
-        if name in ("--task", "--kv-sharing"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise CliError(f"{name}: expected a value")
-                val = argv[i + 1]
-                i += 1
-            if name == "--task":
-                task = val
-            else:
-                kv = val
-        else:
-            rest.append(tok)
-        i += 1
-    if kv not in (None, "none", "terminal"):
-        raise CliError(f"--kv-sharing: got {kv!r}; allowed: none, terminal (now `looplm eval kv-sharing`)")
-    if task is not None and task not in EVAL_PROTOCOLS:
-        raise CliError(f"--task: got {task!r}; the protocols are subcommands: "
-                       + ", ".join(f"looplm eval {p}" for p in EVAL_PROTOCOLS))
-    if kv == "terminal":
-        if task not in (None, "ppl", "kv-sharing"):
-            raise CliError(f"--kv-sharing terminal is its own protocol (`looplm eval kv-sharing`); it does not "
-                           f"combine with --task {task}")
-        proto = "kv-sharing"
-    else:
-        proto = task or "ppl"
-    if task is not None or kv is not None:
-        print(f"looplm eval: note: this is `looplm eval {proto} ...` (the protocol is a subcommand now)",
-              file=sys.stderr)
-    return ["eval", proto, *rest]
 
 
 # ---------------------------------------------------------------- generate and the rest
@@ -675,9 +625,8 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
                    help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--out", "--json", dest="out", type=out_file, metavar="FILE.json",
-                   help="also write prompts, token ids, continuations and loops per token as JSON (--json FILE "
-                   "is the older name)")
+    p.add_argument("--out", type=out_file, metavar="FILE.json",
+                   help="also write prompts, token ids, continuations and loops per token as JSON")
     p.set_defaults(func=cmd_generate)
 
 
@@ -831,7 +780,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = eval_compat(argv)
         argv, overrides = split_config_overrides(argv)
     except CliError as exc:  # reported by the (sub)command it was given to, with that command's usage
         _command_parser(parser, argv).error(str(exc))

@@ -170,7 +170,6 @@ class Opt:
     help: str | None = None
     type: Callable[[str], Any] | None = None
     default: Any = inspect.Parameter.empty
-    aliases: tuple[str, ...] = ()
     metavar: str | None = None
     choices: Sequence[Any] | None = None
     show_default: bool = True
@@ -182,19 +181,15 @@ def _fmt_default(value: Any) -> str:
     return str(value)
 
 
-#: (parser prog, driven function, parameter names) of every add_function_options call, for the test that
-#: keeps the command line in step with the library's signatures.
-DRIVEN: list[tuple[str, Callable[..., Any], tuple[str, ...]]] = []
-
-
 def add_function_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts: dict[str, Opt],
                          group: str | None = None) -> None:
     """Add one option per ``opts`` entry, each named after and defaulting like a parameter of ``func``.
 
     The parameter names are recorded on the parser (``args._params``) so :func:`call_with_options`
-    passes exactly these to ``func``. A parameter that ``func`` lacks (a stand-in function in a test,
-    or a library change) does not break the parser: its option defaults to ``Opt.default`` or None;
-    ``tests/test_cli.py`` checks every spec against the real signatures (:data:`DRIVEN`).
+    passes exactly these to ``func``, and ``(func, names)`` as ``_driven``. A parameter that ``func``
+    lacks (a stand-in function in a test, or a library change) does not break the parser: its option
+    defaults to ``Opt.default`` or None; ``tests/test_cli.py`` checks every ``_driven`` spec against
+    the real signatures.
     """
     try:
         params = inspect.signature(func).parameters
@@ -220,9 +215,9 @@ def add_function_options(parser: argparse.ArgumentParser, func: Callable[..., An
             if opt.show_default and default is not None and "default" not in help_text:
                 help_text += f" (default {_fmt_default(default)})"
         kw["help"] = help_text.replace("%", "%%")
-        target.add_argument("--" + name.replace("_", "-"), *opt.aliases, **kw)
-    parser.set_defaults(_params=tuple(parser.get_default("_params") or ()) + tuple(opts))
-    DRIVEN.append((parser.prog, func, tuple(opts)))
+        target.add_argument("--" + name.replace("_", "-"), **kw)
+    parser.set_defaults(_params=tuple(parser.get_default("_params") or ()) + tuple(opts),
+                        _driven=tuple(parser.get_default("_driven") or ()) + ((func, tuple(opts)),))
 
 
 def call_with_options(func: Callable[..., Any], args: argparse.Namespace, *positional: Any, **extra: Any) -> Any:

@@ -7,8 +7,7 @@ naming the field and what is allowed. Field help texts (``metadata["help"]``) be
 
 The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
 subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
-``--model.options.FIELD VALUE``. A config file (``config.json``, format 2) gives every field; format-1
-files (flat rule fields) are migrated on load by :func:`migrate_v1`.
+``--model.options.FIELD VALUE``. A config file (``config.json``, format 2) gives every field.
 
 The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
 """
@@ -23,8 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, get_args
 
-#: config.json layout: 2 keeps rule options under ``model.options``; 1 (flat rule fields) is migrated on
-#: load (:func:`migrate_v1`)
+#: config.json layout: 2 keeps rule options under ``model.options``
 FORMAT_VERSION = 2
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
@@ -115,46 +113,29 @@ def _check_literal(obj: Any, prefix: str) -> None:
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
 
-def resolve_gradient(gradient: str = "bptt", gradient_steps: int = 0, tbptt: int = 0, *,
-                     prefix: str = "") -> tuple[str, int]:
-    """The gradient estimator ``(gradient, b)`` from ``gradient``, ``gradient_steps`` and the older
-    ``tbptt`` (b > 0 is the spelling of ``gradient=tbptt, gradient_steps=b`` from before the estimators;
-    0 leaves the other two). ``prefix`` ("train.") goes in front of the field names of the messages.
+def check_gradient(gradient: str = "bptt", gradient_steps: int = 0, *, prefix: str = "") -> None:
+    """Check the gradient estimator ``(gradient, b = gradient_steps)``. ``prefix`` ("train.") goes in front
+    of the field names of the messages.
 
     Raises:
-        ConfigError: an unknown estimator, b < 0, b > 0 with ``bptt``, b = 0 with ``tbptt`` /
-            ``endpoint``, or ``tbptt`` together with a different estimator or b.
+        ConfigError: an unknown estimator, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
     """
     if gradient not in GRADIENTS:
         raise ConfigError(f"{prefix}gradient: got {gradient!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
-    for name, value in (("tbptt", tbptt), ("gradient_steps", gradient_steps)):
-        _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, prefix + name,
-               f"must be an integer >= 0, got {value!r}")
-    if tbptt:
-        _check((gradient, gradient_steps) in (("bptt", 0), ("tbptt", tbptt)), prefix + "tbptt",
-               f"{tbptt} is the older spelling of {prefix}gradient=tbptt, {prefix}gradient_steps={tbptt}; it "
-               f"conflicts with {prefix}gradient={gradient}, {prefix}gradient_steps={gradient_steps}: give one")
-        return "tbptt", tbptt
+    _check(isinstance(gradient_steps, int) and not isinstance(gradient_steps, bool) and gradient_steps >= 0,
+           prefix + "gradient_steps", f"must be an integer >= 0, got {gradient_steps!r}")
     _check(gradient != "bptt" or gradient_steps == 0, prefix + "gradient_steps",
            f"full BPTT ({prefix}gradient=bptt) has none; must be 0, got {gradient_steps}")
     _check(gradient == "bptt" or gradient_steps >= 1, prefix + "gradient_steps",
            f"{prefix}gradient={gradient} needs b >= 1, got {gradient_steps}")
-    return gradient, gradient_steps
 
 
 def couple_gradient_fields(train: dict[str, Any], changed: Iterable[str]) -> dict[str, Any]:
     """``train`` (a ``train`` section dict after a change to the fields ``changed``) with the estimator
-    fields kept consistent: a change of ``gradient`` / ``gradient_steps`` alone clears the older
-    ``tbptt`` (and ``gradient=bptt`` alone clears ``gradient_steps``); a change of ``tbptt`` alone
-    resets ``gradient`` / ``gradient_steps``, so the new ``tbptt`` decides."""
-    changed = set(changed)
+    fields kept consistent: ``gradient=bptt`` set without ``gradient_steps`` clears ``gradient_steps``."""
     train = dict(train)
-    if changed & {"gradient", "gradient_steps"} and "tbptt" not in changed:
-        train["tbptt"] = 0
-        if train.get("gradient") == "bptt" and "gradient_steps" not in changed:
-            train["gradient_steps"] = 0
-    elif "tbptt" in changed and not changed & {"gradient", "gradient_steps"}:
-        train["gradient"], train["gradient_steps"] = "bptt", 0
+    if "gradient" in changed and "gradient_steps" not in changed and train.get("gradient") == "bptt":
+        train["gradient_steps"] = 0
     return train
 
 
@@ -197,10 +178,9 @@ class _Base:
 
 
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
-def _o(default: Any, help: str, v1: str | None = None) -> Any:
-    """An option field; ``v1`` is its flat ``ModelConfig`` name in format-1 config files (None: an option
-    added after format 1, see :data:`LATE_OPTIONS`)."""
-    return field(default=default, metadata={"help": help, "v1": v1})
+def _o(default: Any, help: str) -> Any:
+    """An option field."""
+    return field(default=default, metadata={"help": help})
 
 
 #: step_scale defaults (SPEC §2): looped 1 (our choice), adapter 0.35, SCSE 0.5; for the controls the paper
@@ -272,24 +252,23 @@ class PlainOptions(RuleOptions):
 class LoopedOptions(RuleOptions):
     """``looped``: h + s·G(h + e)."""
 
-    step_scale: float = _o(1.0, _STEP_SCALE_HELP, "step_scale")
+    step_scale: float = _o(1.0, _STEP_SCALE_HELP)
 
 
 @dataclass(frozen=True)
 class NormResetOptions(LoopedOptions):
     """``norm_reset``: the looped step, then h ← RMSNorm(h) every ``period`` steps."""
 
-    period: int = _o(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step",
-                     "norm_reset_period")
+    period: int = _o(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
 
 
 @dataclass(frozen=True)
 class _AnchoredOptions(RuleOptions):
     """The learned anchor h* = e + c_a·A(e) and initial state h_0 = e + c_0·I(e) (SCSE eq. 3–4)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
-    anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)", "anchor_scale")
-    init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)", "init_scale")
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
+    anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)")
+    init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
     source_init: SourceInit = _o(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
         "A, I, and W_in, W_c, P_step where the rule has them", "; the default before the init study",
         "A, I ~ N(0, 1/√(d·(c_0² + c_a²))) (std) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
@@ -302,69 +281,68 @@ class _AnchoredOptions(RuleOptions):
 class AdapterOptions(_AnchoredOptions):
     """``adapter`` (tuned adapter): h + s·G(h + α·W_in h*)."""
 
-    step_scale: float = _o(0.35, _STEP_SCALE_HELP, "step_scale")
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α", "alpha_init")
+    step_scale: float = _o(0.35, _STEP_SCALE_HELP)
+    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
 
 
 @dataclass(frozen=True)
 class StepAdapterOptions(AdapterOptions):
     """``step_adapter``: the adapter plus τ·P_step γ_t in the core input."""
 
-    step_tau: float = _o(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t", "step_tau")
+    step_tau: float = _o(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
 
 
 @dataclass(frozen=True)
 class StepFilmOptions(AdapterOptions):
     """``step_film``: h + s·G((1 + σ·g_t)⊙u + σ·b_t), u = h + α·W_in h*."""
 
-    sigma: float = _o(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t", "film_sigma")
+    sigma: float = _o(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
     steps: int = _o(8, "rows of the learned step-embedding table (g_t, b_t); steps t >= steps reuse the "
-                    "last row", "film_steps")
+                    "last row")
 
 
 @dataclass(frozen=True)
 class _SourceCenteredOptions(_AnchoredOptions):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
     anchor: AnchorName = _o("learned", "anchor h*: learned (e + c_a·A(e)), embedding (h*=e), init (h*=h_0, "
-                            "Δ stays 0), frozen_random (A random, not trained)", "scse_anchor")
-    mask: bool = _o(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}", "scse_mask")
-    eps: float = _o(1e-8, "mask threshold ε on the per-example squared Frobenius norm", "scse_eps")
+                            "Δ stays 0), frozen_random (A random, not trained)")
+    mask: bool = _o(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
+    eps: float = _o(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
 
 
 @dataclass(frozen=True)
 class SCSEOptions(_SourceCenteredOptions):
     """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
 
-    leak: float = _o(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)",
-                     "scse_leak")
+    leak: float = _o(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
     kappa: float = _o(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main "
-                      "method); 0.15 in the leak diagnostic", "scse_kappa")
+                      "method); 0.15 in the leak diagnostic")
 
 
 @dataclass(frozen=True)
 class SCCondOptions(_SourceCenteredOptions):
     """``sc_cond``, ``sc_subtract``: the SCSE recurrence with the source conditioning c_sc = κ·W_c h*."""
 
-    kappa: float = _o(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*", "sc_kappa")
+    kappa: float = _o(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*")
 
 
 @dataclass(frozen=True)
 class SCSELeakOptions(SCCondOptions):
     """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
 
-    leak: float = _o(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t", "sc_leak")
+    leak: float = _o(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
 
 
 @dataclass(frozen=True)
 class AdditiveSubtractOptions(_AnchoredOptions):
     """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP, "step_scale")
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α", "alpha_init")
+    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
+    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
     step_tau: float = _o(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's "
-                         "control)", "subtract_step_tau")
+                         "control)")
 
 
 @dataclass(frozen=True)
@@ -373,16 +351,14 @@ class HuginnOptions(RuleOptions):
 
     state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (the prelude output e), "
                                "gaussian (N(0, state_init_std²)) or truncated_normal (N(0, state_init_std²) "
-                               "truncated to ±3·state_init_std, as torch.nn.init.trunc_normal_; Huginn-0125)",
-                               "state_init")
+                               "truncated to ±3·state_init_std, as torch.nn.init.trunc_normal_; Huginn-0125)")
     state_init_std: float = _o(0.02, "state_init=gaussian / truncated_normal: std of the initial state (of the "
                                "normal before truncation; Huginn-0125: √(2/5), its √(2/(5d)) times its embedding "
-                               "scale √d)", "state_init_std")
+                               "scale √d)")
     state_init_seed: int = _o(0, "state_init=gaussian / truncated_normal: seed of the evaluation-mode noise (a "
                               "fixed (seq_len, d) table indexed by position, so evaluation and cached decoding "
                               "are deterministic); -1 draws fresh noise from the global RNG in evaluation too "
-                              "(Huginn-0125)",
-                              "state_init_seed")
+                              "(Huginn-0125)")
     source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",
         "; the default", "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
@@ -404,8 +380,8 @@ class DecayOptions(HuginnOptions):
     """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw),
     α = exp(α_raw)."""
 
-    delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))", "parcae_delta_init")
-    alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))", "parcae_alpha_init")
+    delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))")
+    alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))")
 
 
 @dataclass(frozen=True)
@@ -426,21 +402,6 @@ RULE_OPTIONS: dict[str, type[RuleOptions]] = {
     "parcae_decay": ParcaeDecayOptions, "parcae": DecayOptions, "orthoinj": DecayOptions,
 }
 
-#: options added after format 2's first release, with the values that rebuild the models of config files
-#: written before them (which may lack these options, and only these)
-LATE_OPTIONS: dict[str, Any] = {"source_init": "gpt2", "source_init_std": 0.0, "input_norm_affine": False,
-                                "adapter_bias": True, "step_norm": True}
-
-#: the flat rule fields of format-1 ``ModelConfig`` and their (never changed) defaults
-V1_RULE_FIELDS: dict[str, Any] = {
-    "step_scale": -1.0, "anchor_scale": 0.1, "init_scale": 0.1, "alpha_init": 0.15, "step_tau": 0.015,
-    "scse_anchor": "learned", "scse_mask": True, "scse_eps": 1e-8, "scse_leak": 0.0, "scse_kappa": 0.0,
-    "film_sigma": 0.1, "film_steps": 8, "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02,
-    "subtract_step_tau": 0.0, "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0,
-    "parcae_delta_init": 0.0, "parcae_alpha_init": 0.0,
-}
-
-
 def _rules_of(cls: type[RuleOptions]) -> list[str]:
     return [r for r, c in RULE_OPTIONS.items() if c is cls]
 
@@ -456,30 +417,12 @@ def options_class(rule: str) -> type[RuleOptions]:
     return RULE_OPTIONS[rule]
 
 
-def _v1_names(cls: type[RuleOptions]) -> dict[str, str]:
-    """{format-1 flat name: option name} of ``cls``."""
-    return {f.metadata["v1"]: f.name for f in dataclasses.fields(cls) if f.metadata["v1"] is not None}
-
-
-def _moved(old: str) -> ConfigError:
-    """The error for a format-1 flat rule field used where format 2 expects ``model.options.*``."""
-    uses = {}
-    for rule, cls in RULE_OPTIONS.items():
-        new = _v1_names(cls).get(old)
-        if new is not None:
-            uses.setdefault(new, []).append(rule)
-    where = "; ".join(f"model.options.{new} (rules {', '.join(rules)})" for new, rules in uses.items())
-    return ConfigError(f"model.{old}: a rule option since config format 2; set {where or 'nothing (unused)'}")
-
-
 def _not_an_option(name: str, rule: str, cls: type[RuleOptions]) -> ConfigError:
     """``name`` is not an option of ``rule``: name it, say which rules have it, list the rule's options."""
     owners = [r for r, c in RULE_OPTIONS.items() if name in c.field_names()]
     own = cls.field_names()
     if owners:
         what = f"rule {rule} does not use it (an option of {', '.join(owners)})"
-    elif name in V1_RULE_FIELDS:
-        what = f"a format-1 name; {str(_moved(name)).split('; ', 1)[1]}"
     else:
         every = dict.fromkeys(n for c in RULE_OPTIONS.values() for n in c.field_names())
         what = f"unknown option{_suggest(name, every)}"
@@ -716,12 +659,8 @@ class ModelConfig(_Base):
         """Build from a complete format-2 ``model`` dict (every field, and every option of the rule).
 
         Raises:
-            ConfigError: an unknown or missing field or option (a format-1 flat rule field names its
-                ``model.options`` key), or a bad value.
+            ConfigError: an unknown or missing field or option, or a bad value.
         """
-        for key in d:
-            if key in V1_RULE_FIELDS:
-                raise _moved(key)
         cls._check_keys(d)
         d = dict(d)
         opts = d.pop("options")
@@ -824,8 +763,6 @@ class TrainConfig(_Base):
     prior_scale_window: int = _f(1, "learned, prior_scale: the stds of s pool the microbatches of the last W "
                                  "updates (1 = the previous update, the paper, which has several microbatches "
                                  "per update; with one, W >= 2 is needed for s to differ from 1)")
-    tbptt: int = _f(0, "truncated BPTT through the last b recurrences (0 = off): the older spelling of "
-                    "gradient=tbptt, gradient_steps=b, kept equal to it (0 for the other estimators)")
     gradient: Gradient = _f("bptt", "gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last "
                             "b of the T recurrences, from the visited state z^(T-b)), endpoint (Neumann-b: run "
                             "to the endpoint z^T without gradient, then b more recurrences with gradient from "
@@ -877,12 +814,9 @@ class TrainConfig(_Base):
         for name in ("prior_entropy", "prior_budget", "exit_entropy", "norm_penalty"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
         _check(self.prior_scale_window >= 1, p + "prior_scale_window", f"must be >= 1, got {self.prior_scale_window}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup", "tbptt"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        gradient, b = resolve_gradient(self.gradient, self.gradient_steps, self.tbptt, prefix=p)
-        object.__setattr__(self, "gradient", gradient)
-        object.__setattr__(self, "gradient_steps", b)
-        object.__setattr__(self, "tbptt", b if gradient == "tbptt" else 0)  # the older spelling, kept equal
+        check_gradient(self.gradient, self.gradient_steps, prefix=p)
         _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
                f"must be >= depth_lo={self.depth_lo}, got {self.depth_hi}")
         _check(self.lr > 0, p + "lr", "must be > 0")
@@ -907,7 +841,7 @@ class TrainConfig(_Base):
         """``dataclasses.replace``, keeping the estimator fields consistent (:func:`couple_gradient_fields`)."""
         merged = couple_gradient_fields({**self.to_dict(), **changes}, changes)
         return dataclasses.replace(self, **{k: v for k, v in merged.items()
-                                            if k in changes or k in ("tbptt", "gradient", "gradient_steps")})
+                                            if k in changes or k in ("gradient", "gradient_steps")})
 
     @property
     def max_depth(self) -> int:
@@ -956,25 +890,16 @@ class Config(_Base):
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """Build from a complete config dict, as ``to_dict`` writes it (a ``config.json``).
 
-        Format 2 must give every field (except those added since, :data:`V2_LATE_FIELDS` and
-        :data:`LATE_OPTIONS`, which take the values that rebuild the older model); format 1 is migrated
-        first (:func:`migrate_v1`).
-
         Raises:
             ConfigError: an unknown format, section, field or option (with the closest known name), a
                 missing one, or a bad value; the message names it.
         """
         d = dict(d)
         if "format_version" not in d:
-            raise ConfigError(f"format_version: missing; a config file states its format ({FORMAT_VERSION}, or "
-                              "1 for files written before rule options)")
+            raise ConfigError(f"format_version: missing; a config file states its format ({FORMAT_VERSION})")
         version = d.pop("format_version")
-        if version == 1:
-            d = migrate_v1(d)
-        elif version == FORMAT_VERSION:
-            d = _fill_late(d)
-        else:
-            raise ConfigError(f"format_version: this looplm reads versions 1 and {FORMAT_VERSION}, got {version!r}")
+        if version != FORMAT_VERSION:
+            raise ConfigError(f"format_version: this looplm reads version {FORMAT_VERSION}, got {version!r}")
         sections = ["name", *SECTIONS]
         for key in d:
             if key not in sections:
@@ -1002,109 +927,15 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": 
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
-#: fields that format 1 gained after its first release, with the defaults that reproduce the versions
-#: before them; a format-1 file may lack these (and only these)
-V1_LATE_FIELDS: dict[str, dict[str, Any]] = {
-    "model": {"film_sigma": 0.1, "film_steps": 8, "norm_reset_period": 4, "sc_kappa": 0.15, "sc_leak": 0.02,
-              "subtract_step_tau": 0.0, "state_init": "gaussian", "state_init_std": 0.02, "state_init_seed": 0,
-              "parcae_delta_init": 0.0, "parcae_alpha_init": 0.0, "residual": "pre_ln", "residual_p": -1.0,
-              "residual_depth": 0, "input_norm": False, "readout": "rmsnorm", "scale_control": "none",
-              "damping_init": 0.9, "exit_gate": False},
-    "data": {},
-    "train": {"distributed": "ddp", "compile": False, "depth_mean": 5.0, "pln_sigma": 0.5, "depth_cap": 64,
-              "prior_lr": 1e-3, "prior_entropy": 0.01, "prior_budget": 1.0, "prior_warmup": 32,
-              "prior_reward": "neg_ce", "tbptt": 0, "supervision": "terminal", "exit_entropy": 0.05,
-              "norm_penalty": 0.0, "checkpoint_format": "consolidated"},
-}
-
-
-#: fields that format 2 gained after its first release, with the defaults that reproduce the versions before
-#: them; a config file (format 1 or 2) may lack these (and only these). Their options: :data:`LATE_OPTIONS`.
-V2_LATE_FIELDS: dict[str, dict[str, Any]] = {
-    "model": {"embed_init_std": -1.0, "position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half",
-              "rope_scaling": "none", "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0,
-              "qk_bias": False, "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
-    "data": {"hf_path": "", "hf_name": "", "hf_splits": ["train", "validation", "test"], "text_column": "text"},
-    "train": {"schedule": "cosine", "prior_scale": False, "prior_scale_window": 1, "logger": ["jsonl"],
-              "gradient": "bptt", "gradient_steps": 0, "max_nonfinite_steps": 5},
-}
-
-
-def _fill_late(d: dict[str, Any]) -> dict[str, Any]:
-    """``d`` (a format-2 config dict) with the fields and options of :data:`V2_LATE_FIELDS` and
-    :data:`LATE_OPTIONS` it lacks set to the values that reproduce the files written before them."""
-    d = dict(d)
-    for section, late in V2_LATE_FIELDS.items():
-        if isinstance(d.get(section), dict):
-            d[section] = {**late, **d[section]}
-    m = d.get("model")
-    if isinstance(m, dict) and isinstance(m.get("options"), dict) and m.get("rule") in RULE_OPTIONS:
-        names = RULE_OPTIONS[m["rule"]].field_names()
-        m["options"] = {**{k: v for k, v in LATE_OPTIONS.items() if k in names}, **m["options"]}
-    return d
-
-
-def migrate_v1(d: dict[str, Any]) -> dict[str, Any]:
-    """A format-1 config dict (without its ``format_version``) as a complete format-2 one.
-
-    Format 1 kept every rule's fields flat in ``model``. Each one the rule reads moves into
-    ``model.options`` under its new name (``step_scale = -1``, "the rule's default", becomes that
-    default); one the rule does not read is dropped if it holds its format-1 default. Fields that format
-    1 gained after its first release (:data:`V1_LATE_FIELDS`) take the default they were introduced
-    with when absent; any other missing field is an error.
-
-    Raises:
-        ConfigError: a missing field, or a flat field the rule does not read set away from its default
-            (it never had an effect; the message names it and the rule's options).
-    """
-    out: dict[str, Any] = {k: v for k, v in d.items() if k not in SECTIONS}
-    for section in SECTIONS:
-        sec = d.get(section)
-        if not isinstance(sec, dict):
-            raise ConfigError(f"{section}: missing or not a JSON object (format 1)")
-        out[section] = {**V1_LATE_FIELDS[section], **sec}
-    m = out["model"]
-    for key in ("rule", "architecture"):
-        if key not in m:
-            raise ConfigError(f"model.{key}: missing (format 1)")
-    rule, arch = m["rule"], m["architecture"]
-    names = _v1_names(options_class(rule)) if arch == "shared" else {}
-    opts: dict[str, Any] = {}
-    for old, default in V1_RULE_FIELDS.items():
-        if old not in m:
-            raise ConfigError(f"model.{old}: missing (format 1)")
-        value = m.pop(old)
-        if old in names:
-            if not (old == "step_scale" and value == -1.0):  # -1: the rule's default
-                opts[names[old]] = value
-        elif value != default:
-            owner = f"rule {rule}" if arch == "shared" else "the unshared architecture"
-            own = ", ".join(names.values()) or "none"
-            raise ConfigError(f"model.{old}: {value!r} is not read by {owner} (it never had an effect); only its "
-                              f"default {default!r} can be migrated to format 2, where {owner} takes the options: "
-                              f"{own}")
-    # the rule's defaults for the options the file did not set (an option added later: the value that
-    # rebuilds the format-1 model)
-    if arch == "shared":
-        late = {k: v for k, v in LATE_OPTIONS.items() if k in options_class(rule).field_names()}
-        m["options"] = dataclasses.asdict(RULE_OPTIONS[rule](**{**late, **opts}))
-    else:
-        m["options"] = None
-    return _fill_late(out)
-
-
 def _field_type(section: str, name: str) -> Any:
     """The type of config field ``section.name``.
 
     Raises:
-        ConfigError: an unknown section or field (with the closest known name); a format-1 rule field
-            names its ``model.options`` key.
+        ConfigError: an unknown section or field (with the closest known name).
     """
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if section == "model" and name in V1_RULE_FIELDS:
-        raise _moved(name)
     if section == "model" and name == "options":
         raise ConfigError("model.options: set options one at a time, as model.options.FIELD")
     if name not in cls.field_names():
@@ -1131,15 +962,6 @@ def _parse(tp: Any, key: str, text: str) -> Any:
         raise ConfigError(f"{key}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
 
 
-def parse_field_value(section: str, name: str, text: str) -> Any:
-    """Parse a command-line string for ``section.name`` into the field's type.
-
-    Raises:
-        ConfigError: unknown section/field, or text that does not parse as the field's type.
-    """
-    return _parse(_field_type(section, name), f"{section}.{name}", text)
-
-
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
 
@@ -1149,8 +971,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
 
     Raises:
         ConfigError: an unknown key (with the closest known name), an option the rule does not have
-            (naming the rule and its options), a format-1 flat rule field (naming its new key), or a bad
-            value.
+            (naming the rule and its options), or a bad value.
     """
     d = cfg.to_dict()
     options: dict[str, Any] = {}

@@ -58,7 +58,7 @@ def _remove_run(run_dir: Path) -> None:
 def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
     ckpt = newest_valid_checkpoint(run_dir)
     if ckpt is not None:
-        try:  # through Config: format 1 is migrated, a field added since the run was saved takes its default
+        try:  # through Config, which validates it
             saved = Config.from_json((ckpt / "config.json").read_text()).to_dict()
         except ConfigError:
             saved = None

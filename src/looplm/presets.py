@@ -55,9 +55,9 @@ PRESETS: dict[str, Config] = {
                           dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
         train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98,
-                          depth_sampler="pln", depth_mean=5.0, depth_cap=64, tbptt=2, prior_reward="inv_ppl",
-                          prior_scale=True, prior_scale_window=8, eval_every=150, eval_batches=4, eval_depth=5,
-                          ckpt_every=100, device="cpu"),
+                          depth_sampler="pln", depth_mean=5.0, depth_cap=64, gradient="tbptt", gradient_steps=2,
+                          prior_reward="inv_ppl", prior_scale=True, prior_scale_window=8, eval_every=150,
+                          eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
     ),
     "debug": Config(
         name="debug",

@@ -68,6 +68,7 @@ import itertools
 import json
 import re
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, get_args
@@ -344,18 +345,11 @@ def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path =
 
 
 def toml_loads(text: str) -> dict[str, Any]:
-    """Parse TOML with the standard library's ``tomllib`` (Python >= 3.11; ``tomli`` before).
+    """Parse TOML with the standard library's ``tomllib``.
 
     Raises:
-        SweepError: invalid TOML, or no TOML parser available.
+        SweepError: invalid TOML.
     """
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise SweepError("reading sweep files needs Python >= 3.11 (tomllib) or `pip install tomli`") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -67,9 +67,8 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
 HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
 
 #: config fields added after results were first stored (issue 14's architecture options), left out of the
-#: identity while they hold the value that rebuilds the models made before them (their
-#: ``looplm.config.V2_LATE_FIELDS`` / ``LATE_OPTIONS`` value), so those configs hash as they did before
-#: the fields existed and their stored evaluations stay found. Section → field → that value.
+#: identity while they hold the value that rebuilds the models made before them, so those configs hash as
+#: they did before the fields existed and their stored evaluations stay found. Section → field → that value.
 LATE_IDENTITY_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half", "rope_scaling": "none",
               "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0, "qk_bias": False,

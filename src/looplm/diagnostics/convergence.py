@@ -25,7 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-RHO_EPS = 1e-8  # ε of ρ (LMDR §2)
+from looplm.eval.exits import relative_change
+
 DEFAULT_TAU = 0.02  # τ = 2% (LMDR Figure 2; SPEC §6)
 
 
@@ -42,9 +43,8 @@ def relative_changes(states: Sequence[torch.Tensor]) -> torch.Tensor:
         raise ValueError(f"states: need h^0 … h^R with R >= 1, got {len(states)} state(s)")
     if any(s.shape != states[0].shape for s in states):
         raise ValueError(f"states: all states must share one shape, got {[tuple(s.shape) for s in states]}")
-    h = torch.stack([s.detach().double() for s in states])  # (R+1, B, L, d)
-    step = (h[1:] - h[:-1]).norm(dim=-1)  # (R, B, L)
-    return step / (h[:-1].norm(dim=-1) + RHO_EPS)
+    h = torch.stack([s.detach() for s in states])  # (R+1, B, L, d)
+    return relative_change(h[:-1], h[1:], torch.float64)  # (R, B, L)
 
 
 def convergence_depths(rho: torch.Tensor, tau: float = DEFAULT_TAU) -> torch.Tensor:
@@ -135,13 +135,3 @@ class ConvergenceAccumulator:
             "never_fraction": float((depth == R + 1).mean()) if n else None,
             "spearman": rho, "spearman_p": p,
         }
-
-
-def token_convergence(states_by_batch: Sequence[Sequence[torch.Tensor]], tau: float = DEFAULT_TAU,
-                      masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
-    """Token convergence (SPEC §6) pooled over batches; each item holds states h^0 … h^R (B, L, d).
-    Returns :meth:`ConvergenceAccumulator.result`'s dict. Raises ValueError as it does."""
-    acc = ConvergenceAccumulator(tau)
-    for i, states in enumerate(states_by_batch):
-        acc.add(states, None if masks is None else masks[i])
-    return acc.result()

@@ -36,13 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from looplm.model import LoopLM
+from looplm.model.looped import token_rms
 
 DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
-
-
-def token_rms(h: torch.Tensor) -> torch.Tensor:
-    """Per-token RMS over the width: (B, L, d) → (B, L) float64."""
-    return h.detach().double().pow(2).mean(dim=-1).sqrt()
 
 
 def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, *,
@@ -100,7 +96,7 @@ class ScaleAccumulator:
         for k in range(K + 1):
             H = states[k].detach()
             H64 = H.double()
-            rms = token_rms(H)  # (B, L)
+            rms = token_rms(H.detach().double())[..., 0]  # (B, L) float64
             self.rms[k].append(rms[keep].cpu().numpy())
             ce, g = immediate_readout_gradient(model, H, targets, final=k == K)
             g64 = g.double()
@@ -116,7 +112,7 @@ class ScaleAccumulator:
             # ⟨u, ΔH⟩/d with u = H/‖H‖_rms = √d·H/‖H‖₂
             a = (H64 * step).sum(-1) / (norm.clamp_min(1e-300) * math.sqrt(d))  # (B, L)
             self.a_rad[k] += float(a[keep].sum())
-            self.rms_inc[k] += float((token_rms(states[k + 1]) - rms)[keep].sum())
+            self.rms_inc[k] += float((token_rms(states[k + 1].detach().double())[..., 0] - rms)[keep].sum())
 
     def result(self) -> dict[str, Any]:
         """JSON-ready summary: ``{"K": K, "d": width, "tokens": n, "loops": [{"k", "rms_mean", "rms_p50",

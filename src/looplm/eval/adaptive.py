@@ -17,8 +17,8 @@ the mean active depth is the plain mean of D over examples (windows).
 
 **Protocol (full-trace, offline accounting).** :func:`trace_depths` runs every window once to the
 ceiling and records u_t and the per-example NLL sum at every depth 1 … C (a readout at every depth;
-only (N, C) sums are kept). :func:`calibrate_threshold` picks τ on the validation trace so that the
-mean active depth is closest to each target (8, 16, 24); that τ is applied unchanged to the test
+only (N, C) sums are kept). :func:`~looplm.eval.exits.calibrate` (``target_depth``) picks τ on the
+validation trace so that the mean active depth is closest to each target (8, 16, 24); that τ is applied unchanged to the test
 trace, whose PPL is token-weighted over examples each read out at its own depth D_b.
 
 **Real early exit.** :func:`early_exit_eval` runs the loop and drops halted examples from the batch
@@ -37,73 +37,12 @@ import numpy as np
 import torch
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, HiddenUpdate, Trace, build_exit_criterion,
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, Trace, build_exit_criterion,
                                calibrate, halting_depths, run, trace)
 from looplm.model import DepthLM
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
-
-
-class DepthTrace(Trace):
-    """Full trace of one split to the ceiling C (N examples = evaluation windows, file order): an
-    :class:`~looplm.eval.exits.Trace` whose ``scores`` (alias ``update``) are the criterion's
-    statistic (u_t for the hidden-update rule: column t = step t → t+1, dimensionless)."""
-
-    @property
-    def update(self) -> np.ndarray:
-        return self.scores
-
-
-#: per-example outcome of :func:`early_exit_eval` (``depth``, ``nll``, ``tokens``, ``seconds``,
-#: ``row_steps``; see :class:`~looplm.eval.exits.ExitRun`)
-EarlyExitResult = ExitRun
-
-
-# ------------------------------------------------------------------ the stop rule
-
-
-def hidden_update(h_next: torch.Tensor, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """u_t per example: max over valid tokens of ‖h_{t+1} − h_t‖₂ / (‖h_t‖₂ + 1e-8) (SPEC §6).
-
-    Args:
-        h_next, h: (B, L, d) states after and before one loop step (readout coordinates).
-        valid: (B, L) bool, the tokens that take part in the max (the scored positions).
-
-    Returns:
-        (B,) float32; 0 for an example without valid tokens.
-    """
-    return HiddenUpdate(0.0).sequence_score(h, h_next, valid=valid)
-
-
-def stop_depths(update: np.ndarray, tau: float) -> np.ndarray:
-    """Active depth per example under threshold τ: ``min({t + 1 : u_t < τ} ∪ {C})``.
-
-    Args:
-        update: (N, C) u_t traces. tau: the threshold.
-
-    Returns:
-        (N,) int64 depths in [1, C].
-    """
-    return halting_depths(update, tau, "below")
-
-
-def calibrate_threshold(update: np.ndarray, target: float, direction: str = "below") -> tuple[float, float]:
-    """The τ whose mean active depth on ``update`` is closest to ``target`` (SCSE adaptive depth):
-    :func:`looplm.eval.exits.calibrate` with ``target_depth``.
-
-    Args:
-        update: (N, C) validation traces of a criterion. target: mean depth wanted, in [1, C].
-        direction: the criterion's direction ("below" for the hidden-update rule).
-
-    Returns:
-        ``(tau, mean_depth)`` with the achieved mean depth on ``update``.
-
-    Raises:
-        ValueError: empty trace or target outside [1, C].
-    """
-    cal = calibrate(update, direction, target_depth=target)
-    return cal.tau, cal.mean_depth
 
 
 # ------------------------------------------------------------------ full trace and real early exit
@@ -129,7 +68,7 @@ def _criterion(criterion: str | ExitCriterion, tau: float = 0.0) -> ExitCriterio
 def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
                  desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
-                 scale_clamp: bool = False) -> DepthTrace:
+                 scale_clamp: bool = False) -> Trace:
     """One unroll to ``ceiling`` per batch of windows, recording the criterion's statistic (u_t for
     ``hidden_update``) and the NLL at every depth (:func:`looplm.eval.exits.trace`).
 
@@ -143,7 +82,8 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
         scale_clamp: the evaluation-time scale clamp (SPEC §4) on every unroll.
 
     Returns:
-        :class:`DepthTrace` with N = number of windows.
+        :class:`~looplm.eval.exits.Trace` with N = number of windows; ``scores`` (N, C) is the criterion's
+        statistic (u_t for the hidden-update rule: column t = step t → t+1, dimensionless).
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.
@@ -158,13 +98,13 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
                    scale_clamp=scale_clamp)
     finally:
         model.train(was_training)
-    return DepthTrace(scores=tr.scores, nll=tr.nll, tokens=tr.tokens)
+    return tr
 
 
 def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, desc: str = "early exit",
-                    criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> EarlyExitResult:
+                    criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> ExitRun:
     """Per-example early exit under a criterion (default: the hidden-update rule), halted examples
     leaving the batch (:func:`looplm.eval.exits.run`).
 
@@ -173,11 +113,11 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
     steps process fewer rows. A τ that can never fire (``-inf`` for the hidden-update rule) makes
     every example run to the ceiling and be read out once (the reference for the speedup).
 
-    Same windows, depths and NLL as :func:`trace_depths` + :func:`stop_depths` (the offline
+    Same windows, depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths` (the offline
     accounting), up to float rounding from the smaller batches.
 
     Returns:
-        :class:`EarlyExitResult`; ``seconds`` times the compute only (windows are built first).
+        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only (windows are built first).
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.
@@ -249,8 +189,8 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
         "targets": {},
     }
     for target in targets:
-        tau, valid_depth = calibrate_threshold(tr_valid.update, target, direction)
-        d_valid, d_test = (halting_depths(tr.update, tau, direction) for tr in (tr_valid, tr_test))
+        tau = calibrate(tr_valid.scores, direction, target_depth=target).tau
+        d_valid, d_test = (halting_depths(tr.scores, tau, direction) for tr in (tr_valid, tr_test))
         entry: dict[str, Any] = {
             "target": target, "tau": tau,
             "valid_mean_depth": float(d_valid.mean()), "test_mean_depth": float(d_test.mean()),

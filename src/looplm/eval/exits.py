@@ -136,9 +136,9 @@ class ExitCriterion:
         return f"{type(self).__name__}(tau={self.tau})"
 
 
-def relative_change(prev_h: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """‖h − h_prev‖₂ / (‖h_prev‖₂ + 1e-8) over the last dim, in float32. (..., d) → (...)."""
-    prev_h, h = prev_h.float(), h.float()
+def relative_change(prev_h: torch.Tensor, h: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """‖h − h_prev‖₂ / (‖h_prev‖₂ + 1e-8) over the last dim, computed in ``dtype``. (..., d) → (...)."""
+    prev_h, h = prev_h.to(dtype), h.to(dtype)
     return (h - prev_h).norm(dim=-1) / (prev_h.norm(dim=-1) + UPDATE_EPS)
 
 

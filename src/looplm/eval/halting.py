@@ -14,9 +14,9 @@ logits; it equals the top-1 − top-2 log-probability gap since log-softmax shif
 
 1. *Calibration* (``split_calib``, ``n_calib`` = 160 windows): one forward per batch with
    ``depth=[1..K_max]`` gives the per-loop logits and NLL of every window (:func:`trace_margins`);
-   :func:`calibrate_tau` sweeps every threshold that gives a distinct halting pattern (the observed
-   margins of loops 1 … K_max−1, and ∞) from those cached arrays, without re-running the model, and
-   keeps the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max on the same windows.
+   :func:`~looplm.eval.exits.calibrate` (``tolerance``) sweeps every threshold that gives a distinct
+   halting pattern (the observed margins of loops 1 … K_max−1, and ∞) from those cached arrays,
+   without re-running the model, and keeps the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max on the same windows.
 2. *Timed run* (``split_timed``, ``n_timed`` windows disjoint from the calibration ones): the loop is
    run step by step; after each loop the margins of the still-active sequences are computed and the
    halted ones leave the batch (:func:`dynamic_halting_run`; their NLL is kept). The same windows are
@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, LogitMargin, _sync, build_exit_criterion, calibrate, halting_depths,
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, _sync, build_exit_criterion, calibrate,
                                run, trace)
 from looplm.model import DepthLM
 
@@ -59,83 +58,7 @@ DEFAULT_TOLERANCE = 0.01  # dynamic PPL within 1% of K_max (readout blind spot, 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
-# ------------------------------------------------------------------ the halting rule (pure numpy)
-
-
-def halting_loops(margins: np.ndarray, tau: float) -> np.ndarray:
-    """Halting loop per sequence: the first loop k < K with ``margins[:, k-1] ≥ τ``, else K
-    (:func:`looplm.eval.exits.halting_depths` with direction "above").
-
-    Args:
-        margins: (N, K) mean top-1 − top-2 logit margin of each sequence at loops 1 … K (the last
-            column cannot trigger a halt: loop K is the ceiling anyway). NaN never halts.
-        tau: threshold in logit units; ``inf`` never halts early.
-
-    Returns:
-        (N,) int64 loops in [1, K].
-
-    Raises:
-        ValueError: ``margins`` is not 2-D with K ≥ 1.
-    """
-    return halting_depths(margins, tau, "above")
-
-
-@dataclass
-class TauCalibration:
-    """Outcome of :func:`calibrate_tau` (N sequences, K loops, C candidate thresholds).
-
-    Attributes:
-        tau: the chosen threshold (logit units; ``inf`` = always run to K).
-        loops: (N,) int64 halting loops under ``tau``.
-        ppl: dynamic PPL under ``tau``; ppl_max: PPL with every sequence at loop K.
-        mean_loops: mean of ``loops``.
-        taus: (C,) candidate thresholds, ascending, the last ``inf``.
-        ppl_by_tau, mean_loops_by_tau: (C,) dynamic PPL and mean loops of each candidate.
-    """
-
-    tau: float
-    loops: np.ndarray
-    ppl: float
-    ppl_max: float
-    mean_loops: float
-    taus: np.ndarray
-    ppl_by_tau: np.ndarray
-    mean_loops_by_tau: np.ndarray
-
-
-def calibrate_tau(margins: np.ndarray, nll_sum: np.ndarray, n_tok: np.ndarray,
-                  tolerance: float = DEFAULT_TOLERANCE, direction: str = "above") -> TauCalibration:
-    """Smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL at loop K (readout blind spot, App. H):
-    :func:`looplm.eval.exits.calibrate` with ``tolerance`` (for a "below" criterion: the largest τ).
-
-    Dynamic PPL under τ = exp(Σ_b nll_sum[b, halt_b − 1] / Σ_b n_tok[b]) with ``halt`` from
-    :func:`halting_loops`: token-weighted over sequences, each at its own halting loop. Candidates
-    are every distinct finite margin of loops 1 … K−1 and ``inf`` (no early halt, which always meets
-    the budget for tolerance ≥ 0), all evaluated at once from the cached arrays.
-
-    Args:
-        margins: (N, K) float, the criterion's statistic per sequence and loop (mean logit margin).
-        nll_sum: (N, K) float, summed NLL (nats) of each sequence read out at loop k.
-        n_tok: (N,) int, scored tokens per sequence.
-        tolerance: relative PPL budget (0.01 = within 1% of loop K).
-
-    Returns:
-        :class:`TauCalibration`.
-
-    Raises:
-        ValueError: shape mismatch, no sequences or tokens, or a negative tolerance.
-    """
-    cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
-    return TauCalibration(tau=cal.tau, loops=cal.depths, ppl=cal.ppl, ppl_max=cal.ppl_max, mean_loops=cal.mean_depth,
-                          taus=cal.taus, ppl_by_tau=cal.ppl_by_tau, mean_loops_by_tau=cal.mean_depth_by_tau)
-
-
 # ------------------------------------------------------------------ model runs
-
-
-def sequence_margin(logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of the top-1 − top-2 logit gap. (B, L, V) → (B,) float32, logit units."""
-    return LogitMargin(0.0).sequence_score(None, None, None, logits)
 
 
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,31 +113,9 @@ def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress:
     return tr.scores, tr.nll, tr.tokens
 
 
-@dataclass
-class HaltingRun:
-    """Per-sequence outcome of :func:`dynamic_halting_run` (N windows, batch order).
-
-    Attributes:
-        loops: (N,) int64 halting loops. nll: (N,) float64 summed NLL (nats) at the halting loop.
-        margins: (N, K) float64 statistics the run computed (NaN after a sequence halted, and at K).
-        tokens: (N,) int64 scored tokens. seconds: wall time (batches prebuilt on the device).
-        row_loops: Σ over loops of the active batch rows (N·K when nothing halts early).
-    """
-
-    loops: np.ndarray
-    nll: np.ndarray
-    margins: np.ndarray
-    tokens: np.ndarray
-    seconds: float
-    row_loops: int
-
-    def ppl(self) -> float:
-        return math.exp(self.nll.sum() / self.tokens.sum())
-
-
 def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
                         progress: bool = False, criterion: str | ExitCriterion = "margin",
-                        scale_clamp: bool = False) -> HaltingRun:
+                        scale_clamp: bool = False) -> ExitRun:
     """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): halted sequences leave
     the batch.
 
@@ -229,17 +130,15 @@ def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max:
         tau: threshold (logit units for the margin); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
 
     Returns:
-        :class:`HaltingRun`.
+        :class:`~looplm.eval.exits.ExitRun`.
 
     Raises:
         ValueError: k_max < 1.
     """
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
-    res = run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
-              desc="dynamic halting", scale_clamp=scale_clamp)
-    return HaltingRun(loops=res.depth, nll=res.nll, margins=res.scores, tokens=res.tokens, seconds=res.seconds,
-                      row_loops=res.row_steps)
+    return run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
+               desc="dynamic halting", scale_clamp=scale_clamp)
 
 
 @torch.inference_mode()
@@ -286,7 +185,7 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     Args:
         model: the model (on ``device``; put in eval mode here, restored after).
         calib, timed: (x, y) windows, each (N, L) int64 (see :func:`make_windows`).
-        k_max: loop ceiling K_max ≥ 1. tolerance: relative PPL budget of :func:`calibrate_tau`.
+        k_max: loop ceiling K_max ≥ 1. tolerance: relative PPL budget of :func:`~looplm.eval.exits.calibrate`.
         repeats: timed passes over the timed windows per mode (interleaved); seconds are their median.
 
     Returns:
@@ -310,7 +209,7 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         cal_batches = _batches(*calib, batch_size, device)
         margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
                                                 scale_clamp=scale_clamp)
-        cal = calibrate_tau(margins, nll_sum, n_tok, tolerance, direction)
+        cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
         tau = cal.tau
 
         batches = _batches(*timed, batch_size, device)
@@ -349,18 +248,18 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         "calibration": {
             "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
             "halts_early": math.isfinite(tau), "candidates": len(cal.taus),
-            "mean_loops": cal.mean_loops, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+            "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
             "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
             "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
-            "loop_counts": _counts(cal.loops),
+            "loop_counts": _counts(cal.depths),
             "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
-                      "mean_loops": cal.mean_loops_by_tau.tolist()},
+                      "mean_loops": cal.mean_depth_by_tau.tolist()},
         },
         "timed": {
             "sequences": N, "tokens": n_tokens,
             "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
-                        "mean_loops": float(dyn.loops.mean()), "row_loops": dyn.row_loops,
-                        "loop_counts": _counts(dyn.loops)},
+                        "mean_loops": float(dyn.depth.mean()), "row_loops": dyn.row_steps,
+                        "loop_counts": _counts(dyn.depth)},
             "static": {"k": k_max, "seconds": static["seconds"], "tokens_per_s": static["tokens_per_s"],
                        "ppl": static["ppl"], "mean_loops": float(k_max), "row_loops": N * k_max},
             "speedup": static["seconds"] / dyn_seconds, "ppl_ratio": dyn_ppl / static["ppl"],

@@ -13,7 +13,7 @@
 
 ``loglikelihood``: context + continuation tokens (the harness's own ``_encode_pair``: the whole string
 encoded, the context's tokens split off), left-truncated to ``seq_len + 1`` tokens like
-``looplm eval --task lambada``, right-padded batches, only the continuation positions read out;
+``looplm eval lambada``, right-padded batches, only the continuation positions read out;
 returns (sum of log-probabilities, all tokens greedy) per request. ``loglikelihood_rolling``: the
 document's tokens after the prefix token (``<|endoftext|>``) cut into looplm's evaluation windows
 (:func:`looplm.data.tokens.eval_windows`, every token scored once). ``generate_until``: looplm's

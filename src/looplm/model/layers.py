@@ -150,9 +150,7 @@ class SwiGLU(nn.Module):
     """Bias-free SwiGLU MLP: ``W_down(silu(W_gate x) ⊙ W_up x)``. Shapes: (B, L, d) → (B, L, d).
 
     The gate and up projections are one fused matmul: ``gate_up.weight`` (2·d_ff, d) holds ``W_gate``
-    in rows ``[0, d_ff)`` and ``W_up`` in rows ``[d_ff, 2·d_ff)``. State dicts of the earlier layout
-    (``gate.weight`` and ``up.weight``, each (d_ff, d)) load: :meth:`_load_from_state_dict` stacks
-    them into ``gate_up.weight`` (every other key is loaded, strictly or not, as before).
+    in rows ``[0, d_ff)`` and ``W_up`` in rows ``[d_ff, 2·d_ff)``.
     """
 
     def __init__(self, d: int, d_ff: int):
@@ -164,12 +162,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # 2 × (B, L, d_ff)
         return self.down(F.silu(gate) * up)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        gate, up = prefix + "gate.weight", prefix + "up.weight"
-        if gate in state_dict and up in state_dict and prefix + "gate_up.weight" not in state_dict:
-            state_dict[prefix + "gate_up.weight"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], 0)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Block(nn.Module):

@@ -24,17 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig, resolve_gradient
+from looplm.config import ModelConfig, check_gradient
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm, Rope
 from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
-
-
-#: use the fused, chunked readout + cross-entropy (:mod:`looplm.model.fused`) in :meth:`DepthLM.forward`
-#: whenever targets are given, ``keep_logits=False`` and no ``on_depth`` hook wants the logits. Its
-#: losses equal the plain path's bitwise on CPU (gradients to rounding); False restores the plain path.
-FUSED_CE = True
 
 
 @dataclass
@@ -95,8 +89,8 @@ def _normal(name: str, p: torch.Tensor, std: float) -> None:
 
 
 def token_rms(h: torch.Tensor) -> torch.Tensor:
-    """Per-token RMS over the last dim: (..., d) → (..., 1)."""
-    return h.float().pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
+    """Per-token RMS over the last dim, computed in at least float32: (..., d) → (..., 1), h's dtype."""
+    return h.to(torch.promote_types(h.dtype, torch.float32)).pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
 
 
 class DepthLM(nn.Module):
@@ -289,7 +283,7 @@ class DepthLM(nn.Module):
 
     # ------------------------------------------------------------------ forward: the recurrence
     def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
-                return_states: bool = False, keep_logits: bool = True, tbptt: int = 0,
+                return_states: bool = False, keep_logits: bool = True, fused_ce: bool = True,
                 gradient: str = "bptt", gradient_steps: int = 0, scale_clamp: bool = False,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 final_depth: int | None = None,
@@ -308,21 +302,20 @@ class DepthLM(nn.Module):
             return_states: also return every hidden state h_0 … h_T (readout coordinates).
             keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory). With
                 targets and no ``on_depth`` hook, False also computes the loss by the fused chunked
-                readout + cross-entropy, which never forms the (B, L, V) logits (``FUSED_CE``);
+                readout + cross-entropy, which never forms the (B, L, V) logits;
                 without targets (a cached prefix) the readout matrix is skipped altogether (the coda
                 still runs and fills the cache).
-            tbptt: truncated BPTT (SPEC §5): with b ≥ 1, the first T − b steps run without autograd
-                and the state is detached before the last b steps (so activation memory scales with
-                b). Gradients still reach e and the prelude through the context (anchor, injection)
-                at every back-propagated step; a rule without injection (``plain``) trains its
-                prelude only through the untruncated steps, and parameters used only in the initial
-                state (e.g. an anchor projection) get a zero gradient rather than none (the detached
-                state carries ``0·Σ state_0``, so DDP needs no ``find_unused_parameters``).
-                0 = full BPTT. The older spelling of ``gradient="tbptt", gradient_steps=b``.
+            fused_ce: allow that fused readout + loss (:mod:`looplm.model.fused`; losses equal the
+                plain path's bitwise on CPU, gradients to rounding); False forces the plain path.
             gradient: the gradient estimator of the unroll (SPEC §5; LMDR §3.1, A.2), with
-                b = ``gradient_steps``: ``"bptt"`` (full; b must be 0), ``"tbptt"`` (as ``tbptt=b``:
-                b steps with autograd from the visited state z^{T−b}; the readouts stay at the
-                requested depths) or ``"endpoint"`` (Neumann-b, the paper's detached suffix: the
+                b = ``gradient_steps``: ``"bptt"`` (full; b must be 0), ``"tbptt"`` (truncated BPTT:
+                the first T − b steps run without autograd and the state is detached before the last
+                b, so activation memory scales with b; gradients still reach e and the prelude through
+                the context (anchor, injection) at every back-propagated step; a rule without
+                injection (``plain``) trains its prelude only through the untruncated steps, and
+                parameters used only in the initial state get a zero gradient rather than none (the
+                detached state carries ``0·Σ state_0``, so DDP needs no ``find_unused_parameters``);
+                the readouts stay at the requested depths) or ``"endpoint"`` (Neumann-b, the paper's detached suffix: the
                 loop runs to the endpoint z^T without autograd, the state is detached there,
                 z̄^0 = sg(z^T), and b further steps z̄^{k+1} = F(z̄^k) (loop steps T … T+b−1) run
                 with autograd; the readout of the largest requested depth T is taken at z̄^b, i.e.
@@ -372,9 +365,9 @@ class DepthLM(nn.Module):
 
         Raises:
             ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
-                the unshared reference, ``tbptt`` / a truncated ``gradient`` is given to the unshared
-                reference, an unknown ``gradient``, a ``gradient_steps`` that does not fit it, ``tbptt``
-                together with a different ``gradient``, or ``gradient="endpoint"`` with a cache;
+                the unshared reference, a truncated ``gradient`` is given to the unshared reference, an
+                unknown ``gradient``, a ``gradient_steps`` that does not fit it, or
+                ``gradient="endpoint"`` with a cache;
                 ``resume_from`` with a depth below T0, a state of the wrong shape, the unshared
                 reference, or ``scale_clamp`` (whose loop-1 RMS a resumed loop never sees).
         """
@@ -385,7 +378,8 @@ class DepthLM(nn.Module):
             raise ValueError("cache: KV caches need the shared architecture")
         if cache is not None and depths[-1] < 1:
             raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
-        gradient, b = resolve_gradient(gradient, gradient_steps, tbptt)
+        check_gradient(gradient, gradient_steps)
+        b = gradient_steps
         if gradient != "bptt" and not self.shared:
             raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
         if gradient == "endpoint" and cache is not None:
@@ -410,7 +404,7 @@ class DepthLM(nn.Module):
         out = LoopOutput(states=[] if return_states else None)
         # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
         logits_hooked = on_depth is not None and hook_logits
-        fused = FUSED_CE and targets is not None and not keep_logits and not logits_hooked
+        fused = fused_ce and targets is not None and not keep_logits and not logits_hooked
         # nobody reads the logits (a cached prefill of a prefix): run the coda (it fills the cache), skip W_out
         unread = targets is None and not keep_logits and not logits_hooked
 

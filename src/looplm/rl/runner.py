@@ -47,8 +47,8 @@ PRETRAIN_CONFIG = Config(
                       dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
     data=DataConfig(),
     train=TrainConfig(steps=800, batch_size=128, lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98,
-                      depth_sampler="pln", depth_mean=5.0, depth_cap=16, tbptt=4, eval_every=200,
-                      eval_batches=4, eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
+                      depth_sampler="pln", depth_mean=5.0, depth_cap=16, gradient="tbptt", gradient_steps=4,
+                      eval_every=200, eval_batches=4, eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
 )
 
 

@@ -211,26 +211,10 @@ def sharded_keys(ckpt: str | Path) -> set[str]:
         raise CheckpointError(f"{Path(ckpt) / SHARDED_DIR}: cannot read the DCP metadata ({exc})") from exc
 
 
-def _separate_mlp_keys(model) -> dict[str, tuple[str, str]]:
-    """{``…mlp.gate_up.weight``: (``…mlp.gate.weight``, ``…mlp.up.weight``)}: the pre-fusion names."""
-    return {k: (k[: -len("gate_up.weight")] + "gate.weight", k[: -len("gate_up.weight")] + "up.weight")
-            for k in model.state_dict() if k.endswith("mlp.gate_up.weight")}
-
-
 def _load_sharded_model(ckpt: Path, model: LoopLM) -> None:
     """Consolidate the sharded weights of ``ckpt`` into the plain ``model`` (strict: same key set)."""
     expected = set(model.state_dict())
     saved = {k[len("model."):] for k in sharded_keys(ckpt) if k.startswith("model.")}
-    legacy = _separate_mlp_keys(model) if saved != expected else {}
-    if legacy and saved == (expected - set(legacy)) | {k for pair in legacy.values() for k in pair}:
-        # weights of the layout before the SwiGLU fusion: read gate and up, stack them on loading
-        sd = {"model": {k: v for k, v in model.state_dict().items() if k not in legacy}}
-        for fused, (gate, up) in legacy.items():
-            w = model.state_dict()[fused]
-            sd["model"][gate], sd["model"][up] = w[: w.shape[0] // 2].clone(), w[w.shape[0] // 2:].clone()
-        load_sharded(ckpt, sd)
-        model.load_state_dict(sd["model"], strict=True)
-        return
     if saved != expected:
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
         raise CheckpointError(f"{ckpt / SHARDED_DIR}: weights do not match the model of config.json "
@@ -358,8 +342,6 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
             f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and containers, and "
             f"loading them could run code ({reason}). If you trust where this run folder came from, rewrite it "
             f"as data once with `looplm convert-train-state --checkpoint {path.parent} --trust-pickle`") from None
-    if isinstance(state.get("optimizer"), dict):
-        state["optimizer"] = migrate_fused_mlp_optimizer_state(state["optimizer"])
     return state
 
 
@@ -407,38 +389,6 @@ def convert_train_state(ckpt: str | Path) -> Path:
     os.replace(mtmp, ckpt / MANIFEST_FILE)
     _fsync_dir(ckpt)
     return path
-
-
-def migrate_fused_mlp_optimizer_state(opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """A consolidated (FQN-keyed) optimizer state of the layout before the SwiGLU fusion — separate
-    ``mlp.gate.weight`` and ``mlp.up.weight`` — in the fused layout: each pair's per-parameter
-    tensors (AdamW's moments) are stacked into ``mlp.gate_up.weight`` (gate rows first), its scalars
-    (``step``) kept, and the pair replaced by the fused name in the parameter groups. A state already
-    in the fused layout is returned unchanged."""
-    state, groups = opt_sd.get("state", {}), opt_sd.get("param_groups", [])
-    if not isinstance(state, dict) or not any(isinstance(k, str) and k.endswith("mlp.gate.weight") for k in state):
-        return opt_sd
-    state = dict(state)
-    renames: dict[str, str] = {}
-    for gate in [k for k in state if k.endswith("mlp.gate.weight")]:
-        prefix = gate[: -len("gate.weight")]
-        up = prefix + "up.weight"
-        if up not in state:
-            continue
-        g, u = state.pop(gate), state.pop(up)
-        state[prefix + "gate_up.weight"] = {
-            name: torch.cat([g[name], u[name]], 0) if torch.is_tensor(g[name]) and g[name].dim() > 0 else g[name]
-            for name in g}
-        renames[gate], renames[up] = prefix + "gate_up.weight", ""
-    new_groups = []
-    for grp in groups:
-        params = []
-        for name in grp["params"]:
-            new = renames.get(name, name) if isinstance(name, str) else name
-            if new and new not in params:
-                params.append(new)
-        new_groups.append({**grp, "params": params})
-    return {**opt_sd, "state": state, "param_groups": new_groups}
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
