@@ -22,13 +22,11 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from looplm.hf_folder import CONFIG_KEY, MODEL_TYPE
-
 
 class LoopLMConfig(PretrainedConfig):
     """See the module docstring. ``LoopLMConfig.from_looplm(cfg)`` builds one from a looplm Config."""
 
-    model_type = MODEL_TYPE
+    model_type = "looplm"  # looplm.hf_folder.MODEL_TYPE (this file is also remote code: no looplm import)
 
     def __init__(self, looplm: dict[str, Any] | None = None, num_steps: int | None = None,
                  kv_cache: str = "per_visit", final_depth: int | None = None, **kwargs: Any):
@@ -67,4 +65,4 @@ class LoopLMConfig(PretrainedConfig):
         """The looplm :class:`~looplm.config.Config` this config holds."""
         from looplm.config import Config
 
-        return Config.from_dict(getattr(self, CONFIG_KEY))
+        return Config.from_dict(self.looplm)
