@@ -141,6 +141,10 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
         fast.model_max_length = int(model_max_length)
     fast.save_pretrained(str(out))
     (Path(out) / "tokenizer.json").write_text(tok.to_str())  # exactly the checkpoint's tokenizer
+    path = Path(out) / "tokenizer_config.json"
+    d = json.loads(path.read_text())
+    d["tokenizer_class"] = TOKENIZER_CLASS
+    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
