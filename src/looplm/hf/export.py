@@ -148,19 +148,22 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
-                      kv_cache: str = "per_visit", device: str = "cpu") -> Path:
+                      kv_cache: str = "per_visit", device: str = "cpu", overwrite: bool = False) -> Path:
     """Write a checkpoint (or run directory, or an export) as a Hugging Face folder ``out``.
 
     Args:
         num_steps: default recurrence depth of the exported model (default: the checkpoint's
             ``train.eval_depth``, like ``looplm generate``).
         kv_cache: the cache layout ``generate`` uses by default (``per_visit`` or ``terminal``).
+        overwrite: write into a non-empty ``out`` (its weight files are removed first, so no stale shard
+            stays); without it a non-empty ``out`` is an error.
 
     Returns:
         ``out``.
 
     Raises:
-        CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file.
+        CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file, or a non-empty
+            folder without ``overwrite``.
     """
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
@@ -170,6 +173,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out}: the folder is not empty; give an empty or new folder, or --overwrite")
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     tok = load_tokenizer_for(ckpt)
     eot = eot_id(tok)
@@ -178,6 +183,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
     hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eot
     hf.generation_config.pad_token_id = eot
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        old.unlink()
     hf.save_pretrained(str(out))
     save_tokenizer(tok, out, model_max_length=cfg.model.seq_len)
     return out
