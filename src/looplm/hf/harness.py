@@ -35,7 +35,9 @@ memo (one unroll per batch in all). The result has one harness result per depth 
 ``"T"`` → ``results``), and with ``db=`` every numeric metric is stored in looplm's results store:
 protocol ``lm_eval``, dataset = the task name, split ``""``, depth T, settings (lm-eval version,
 few-shot, limit, stride) in the protocol hash, metric names without the harness's ``,none`` filter
-suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …).
+suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …). A checkpoint that is no run of a
+sweep in that database is added to its runs (sweep ``checkpoints``, variant ``NAME [config hash]``), so
+``looplm report`` shows it.
 
 **Definitions vs looplm's own evaluations.** LAMBADA (``lambada_openai``'s format): the harness's
 ``acc`` is looplm's ``exact_acc`` (every target token greedy-correct) and its ``perplexity`` is
@@ -63,6 +65,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 MODEL_NAME = "looplm"
+CHECKPOINT_SWEEP = "checkpoints"  # the runs-table sweep of checkpoints evaluated outside a sweep (``--db``)
 # offline tasks (write_local_tasks) over files of the data folder: ``looplm lm-eval --tasks`` writes them on demand
 LOCAL_TASKS = {"looplm_lambada": "lambada/lambada_test.jsonl", "looplm_wikitext": "wikitext-2-raw/wiki.test.raw"}
 
@@ -328,7 +331,7 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
     if db is not None:
         if lm.config is None:
             raise ValueError("db: storing results needs the checkpoint's looplm config")
-        from looplm.analysis.store import EvalIdentity, ResultStore
+        from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
 
         items = []
         for T, r in per_depth.items():
@@ -336,8 +339,13 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
                 if metrics:
                     items.append((EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T),
                                                     settings=settings, tag=tag), metrics))
+        run = RunRecord(sweep=CHECKPOINT_SWEEP, run_id=str(lm.checkpoint), variant="", seed=lm.config.train.seed,
+                        config=lm.config.to_dict(), run_dir=str(lm.checkpoint), params=lm.model.num_params())
+        run.variant = f"{lm.config.name or 'checkpoint'} [{run.config_hash[:8]}]"
         with ResultStore(db) as store:
             out["stored"] = store.put_many(items, config=lm.config, settings=settings)
+            if run.config_hash not in {r.config_hash for r in store.runs()}:  # a model of no sweep: `looplm report` lists it
+                store.put_run(run)
     out["markdown"] = markdown_table(per_depth)
     return out
 
