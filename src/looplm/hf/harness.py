@@ -293,7 +293,8 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
         checkpoint: checkpoint, run directory or export folder (or give ``lm``).
         tasks: harness task names (found in ``include_path`` and, with ``include_defaults``, the
             harness's own tasks); the offline tasks of :data:`LOCAL_TASKS` are written from ``data_root``
-            (default: :func:`looplm.data.paths.resolve_data_root`) into a temporary folder.
+            (default: :func:`looplm.data.paths.resolve_data_root`) into a temporary folder, unless
+            ``include_path`` defines them.
         depths: loop depths (default: the checkpoint's ``train.eval_depth``).
         db: a looplm results database: every numeric metric is stored per task and depth.
 
@@ -312,7 +313,9 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
     lm.depths = sorted(set(lm.depths) | set(run_depths))
     per_depth: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="looplm-tasks-") as local:
-        paths = [str(p) for p in (include_path, local if write_data_tasks(local, tasks, data_root) else None) if p]
+        # the data-folder tasks first: a later include path (the user's) that defines the same task wins
+        wrote = write_data_tasks(local, tasks, data_root, required=include_path is None)
+        paths = [str(p) for p in (local if wrote else None, include_path) if p]
         manager = TaskManager(include_path=paths or None, include_defaults=include_defaults)
         for T in sorted(set(run_depths)):
             lm.set_depth(T)
@@ -404,20 +407,23 @@ metadata:
 """
 
 
-def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | Path | None = None) -> bool:
+def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | Path | None = None, *,
+                     required: bool = True) -> bool:
     """Write the :data:`LOCAL_TASKS` among ``tasks`` into ``folder`` from the data folder (whole files);
-    returns whether there were any.
+    returns whether there were any. Without ``required`` a task whose file is missing is skipped.
 
     Raises:
-        FileNotFoundError: a task's file is missing from the data folder (named).
+        FileNotFoundError: with ``required``, a task's file is missing from the data folder (named).
     """
     from looplm.data.paths import resolve_data_root
 
     root = resolve_data_root(str(data_root or ""))
     files = {name: root / LOCAL_TASKS[name] for name in tasks if name in LOCAL_TASKS}
-    for name, path in files.items():
-        if not path.is_file():
+    for name, path in list(files.items()):
+        if not path.is_file() and required:
             raise FileNotFoundError(f"--tasks {name}: needs {path} (the data folder is $LOOPLM_DATA or ../shared/data)")
+        if not path.is_file():
+            del files[name]
     if files:
         write_local_tasks(folder, lambada_jsonl=files.get("looplm_lambada"), wikitext_raw=files.get("looplm_wikitext"))
     return bool(files)
