@@ -80,7 +80,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (transformers, AutoTokenizer)",
                        description="Write a checkpoint (or run directory) as a Hugging Face folder: config.json "
                        "(model_type looplm, auto_map, the looplm config), model.safetensors, generation_config.json, "
-                       "tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) and the remote-code shims. "
+                       "tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) and the remote code (generated from looplm: loads without it). "
                        "Load it with LoopLMForCausalLM.from_pretrained / AutoModelForCausalLM.from_pretrained; every "
                        "looplm command also accepts the folder as --checkpoint. Needs looplm[hf].")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
