@@ -16,6 +16,9 @@ $(BIN)/looplm: pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-cpu.txt
 	$(BIN)/pip install -q -e ".[dev,hf,lmeval,hub,tracking]"
+	# the oldest transformers of the hf extra, beside the venv: tests load an export with it in a subprocess
+	$(BIN)/pip install -q --no-deps --target $(VENV)/transformers-4.57 transformers==4.57.6 huggingface_hub==0.36.2 \
+		tokenizers==0.22.2
 	touch $(BIN)/looplm
 
 install: $(BIN)/looplm

@@ -459,7 +459,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prefill == "distilled" and args.kv_cache == "per_visit":
         raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
                          "use --kv-cache terminal (its default)")
-    args.kv_cache = args.kv_cache or ("terminal" if args.prefill == "distilled" else "per_visit")
+    if args.kv_cache is None:  # an export's own default (config.json kv_cache), as transformers uses
+        from looplm.hf_folder import export_kv_cache
+
+        args.kv_cache = "terminal" if args.prefill == "distilled" else export_kv_cache(args.checkpoint) or "per_visit"
     if args.out is not None:
         prepare_out_file(args.out, "--out")
 
@@ -600,7 +603,8 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
                    "probability reaches P, in (0, 1] (with --temperature > 0; applied after --top-k)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default=None,
-                   help="per_visit (the default with --prefill teacher): K/V of every loop visit, exact; terminal "
+                   help="per_visit (the default with --prefill teacher, unless an export's config.json says "
+                   "otherwise): K/V of every loop visit, exact; terminal "
                    "(the default, and the only cache, with --prefill distilled): terminal KV sharing, one bank per "
                    "physical layer holding each prefix token's last-visit K/V")
     p.add_argument("--prefill", choices=["teacher", "distilled"], default="teacher",

@@ -30,11 +30,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from looplm.cliutil import prepare_out_dir
 
     _need("transformers", "hf")
-    prepare_out_dir(args.out, "--out")  # before any work
+    prepare_out_dir(args.out, "--out")  # before any work (export_checkpoint refuses a non-empty one first thing)
     from looplm.hf.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, num_steps=args.num_steps, kv_cache=args.kv_cache,
-                            device=args.device)
+                            device=args.device, overwrite=args.overwrite)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained; "
           "trust_remote_code=True works without importing looplm)")
     return 0
@@ -49,13 +49,20 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
         prepare_out_file(args.out, "--out", [args.out.with_suffix(".md")])
     if args.db:
         prepare_out_file(args.db, "--db")
-    from looplm.hf.harness import evaluate_harness
+    from looplm.hf.harness import LOCAL_TASKS, evaluate_harness
 
-    res = evaluate_harness(args.checkpoint, tasks=args.tasks.split(","), depths=args.depths,
-                           include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
-                           batch_size=args.batch_size, device=args.device, db=args.db, tag=args.tag,
-                           kv_cache=args.kv_cache, seed=args.seed, include_defaults=not args.only_include_path,
-                           bootstrap_iters=args.bootstrap_iters)
+    try:
+        res = evaluate_harness(args.checkpoint, tasks=args.tasks.split(","), depths=args.depths,
+                               include_path=args.include_path, num_fewshot=args.num_fewshot, limit=args.limit,
+                               batch_size=args.batch_size, device=args.device, db=args.db, tag=args.tag,
+                               kv_cache=args.kv_cache, seed=args.seed, include_defaults=not args.only_include_path,
+                               bootstrap_iters=args.bootstrap_iters)
+    except OSError as exc:  # datasets / requests / the hub each raise their own ConnectionError
+        if not any(c.__name__ == "ConnectionError" for c in type(exc).__mro__):
+            raise
+        raise ValueError(f"--tasks {args.tasks}: the harness could not download the task data "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); offline, "
+                         f"use the tasks over the data folder: --tasks {','.join(LOCAL_TASKS)}") from None
     print(res["markdown"])
     if args.out:
         plain = json.loads(json.dumps({k: v for k, v in res.items() if k != "markdown"}, default=str))  # numpy → JSON
@@ -73,7 +80,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (transformers, AutoTokenizer)",
                        description="Write a checkpoint (or run directory) as a Hugging Face folder: config.json "
                        "(model_type looplm, auto_map, the looplm config), model.safetensors, generation_config.json, "
-                       "tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) and the remote-code shims. "
+                       "tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) and the remote code (generated from looplm: loads without it). "
                        "Load it with LoopLMForCausalLM.from_pretrained / AutoModelForCausalLM.from_pretrained; every "
                        "looplm command also accepts the folder as --checkpoint. Needs looplm[hf].")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint or run directory")
@@ -82,6 +89,8 @@ def register(sub) -> None:
                    help="default recurrence depth of the exported model (default: the checkpoint's train.eval_depth)")
     p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
                    help="KV cache layout generate() uses by default (default per_visit)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (files of the same names are replaced, old weight files removed)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.set_defaults(func=cmd_export, _parser=p)
 
@@ -92,7 +101,10 @@ def register(sub) -> None:
                        "depth; --out writes the JSON (harness results per depth), --db stores every task metric "
                        "per depth in a looplm results database (protocol lm_eval). Needs looplm[lmeval].")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
-    p.add_argument("--tasks", required=True, help="comma-separated harness task names")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated harness task names; looplm_lambada and looplm_wikitext run offline over "
+                   "the data folder (lambada/lambada_test.jsonl, wikitext-2-raw/wiki.test.raw; lambada_openai's "
+                   "format, WikiText articles undetokenized)")
     p.add_argument("--depths", type=_depths, default=None, metavar="T,T,...",
                    help=DEPTHS_HELP + " (default: train.eval_depth)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="a folder of extra task YAMLs")
@@ -104,8 +116,8 @@ def register(sub) -> None:
     p.add_argument("--limit", type=float, default=None, metavar="N",
                    help="documents per task, or a fraction of each task if < 1 (default: all)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="requests per forward (default 16)")
-    p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default="per_visit",
-                   help="generate_until: KV cache layout (default per_visit)")
+    p.add_argument("--kv-cache", choices=["per_visit", "terminal"], default=None,
+                   help="generate_until: KV cache layout (default: an export's config.json kv_cache, else per_visit)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the harness's samplers (default 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--db", type=out_file, default=None, metavar="FILE",

@@ -10,8 +10,8 @@ An export (``looplm export``, :func:`looplm.hf.export.export_checkpoint`) is wha
     generation_config.json   eos / pad / bos token ids
     tokenizer.json           the checkpoint's tokenizer (tokenizers JSON, unchanged)
     tokenizer_config.json    PreTrainedTokenizerFast settings and special tokens
-    configuration_looplm.py  remote-code shims (``trust_remote_code=True``): they import the classes
-    modeling_looplm.py       from the installed looplm package
+    configuration_looplm.py  remote code (``trust_remote_code=True``), generated from looplm's modules:
+    modeling_looplm.py       loads with torch + transformers alone (:mod:`looplm.hf.export`)
 
 :func:`is_hf_export` recognizes such a folder and :func:`load_hf_export` builds the plain looplm model
 from it, so every ``looplm`` command that takes ``--checkpoint`` takes an export folder too.
@@ -45,13 +45,26 @@ def is_hf_export(path: str | Path) -> bool:
 
 
 def hf_export_config(path: str | Path):
-    """The looplm :class:`~looplm.config.Config` stored in an export's ``config.json``."""
+    """The looplm :class:`~looplm.config.Config` stored in an export's ``config.json``, with ``train.eval_depth``
+    = its ``num_steps``: the depth transformers runs by default is every looplm command's default too."""
+    import dataclasses
+
     from looplm.config import Config
 
     d = _read_config(Path(path))
     if d is None or not isinstance(d.get(CONFIG_KEY), dict):
         raise ValueError(f"{path}: not a looplm Hugging Face export (config.json without a '{CONFIG_KEY}' entry)")
-    return Config.from_dict(d[CONFIG_KEY])
+    cfg = Config.from_dict(d[CONFIG_KEY])
+    if d.get("num_steps") is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_depth=int(d["num_steps"])))
+    return cfg
+
+
+def export_kv_cache(path: str | Path) -> str | None:
+    """The KV cache layout an export's ``generate`` uses by default (``config.json``'s ``kv_cache``), or None
+    when ``path`` is not an export: ``looplm generate`` / ``lm-eval`` default to it, as transformers does."""
+    d = _read_config(Path(path)) if is_hf_export(path) else None
+    return None if d is None else d.get("kv_cache", "per_visit")
 
 
 def load_hf_export(path: str | Path, *, device: str | torch.device = "cpu"):

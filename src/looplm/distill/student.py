@@ -119,8 +119,13 @@ def teacher_ref(teacher: LoopLM, checkpoint: str | Path, name: str) -> TeacherRe
 
 def default_student_dir(teacher_checkpoint: str | Path) -> Path:
     """``RUN/student`` for a teacher given as its run folder ``RUN`` or as one of its checkpoints
-    ``RUN/checkpoints/step-N``; ``DIR/student`` for any other folder ``DIR``."""
+    ``RUN/checkpoints/step-N``; ``DIR-student`` next to a Hugging Face export ``DIR`` (nothing is written
+    inside an export); ``DIR/student`` for any other folder ``DIR``."""
+    from looplm.hf_folder import is_hf_export
+
     path = Path(teacher_checkpoint)
+    if is_hf_export(path):
+        return path.parent / f"{path.name}-{STUDENT_DIR}"
     if path.parent.name == "checkpoints" and path.name.startswith("step-"):
         path = path.parent.parent
     return path / STUDENT_DIR

@@ -22,13 +22,20 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from looplm.hf_folder import CONFIG_KEY, MODEL_TYPE
+
+DERIVED = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+           "max_position_embeddings", "num_hidden_layers", "rule", "tie_word_embeddings")
+
+
+def _derived_error(key: str, value: Any) -> str:
+    return (f"{key}: derived from the looplm config ({value!r}) and not overridable; the overridable fields are "
+            "num_steps, kv_cache, final_depth, use_cache")
 
 
 class LoopLMConfig(PretrainedConfig):
     """See the module docstring. ``LoopLMConfig.from_looplm(cfg)`` builds one from a looplm Config."""
 
-    model_type = MODEL_TYPE
+    model_type = "looplm"  # looplm.hf_folder.MODEL_TYPE (this file is also remote code: no looplm import)
 
     def __init__(self, looplm: dict[str, Any] | None = None, num_steps: int | None = None,
                  kv_cache: str = "per_visit", final_depth: int | None = None, **kwargs: Any):
@@ -42,21 +49,24 @@ class LoopLMConfig(PretrainedConfig):
             raise ValueError(f"kv_cache: got {kv_cache!r}; allowed: per_visit, terminal")
         self.kv_cache = kv_cache
         self.final_depth = final_depth if final_depth is not None else int(cfg.train.nominal_depth)
-        self.vocab_size = m.vocab_size
-        self.hidden_size = m.d_model
-        self.num_attention_heads = m.n_heads
-        self.num_key_value_heads = m.kv_heads
-        self.intermediate_size = m.d_ff
-        self.max_position_embeddings = m.seq_len
-        self.num_hidden_layers = (m.n_prelude + m.n_core + m.n_coda) if m.architecture == "shared" else m.n_layers
-        self.rule = m.rule if m.architecture == "shared" else "unshared"
-        self.tie_word_embeddings = bool(kwargs.pop("tie_word_embeddings", m.tie_embeddings))
+        derived = {"vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
+                   "num_key_value_heads": m.kv_heads, "intermediate_size": m.d_ff,
+                   "max_position_embeddings": m.seq_len,
+                   "num_hidden_layers": (m.n_prelude + m.n_core + m.n_coda) if m.architecture == "shared" else m.n_layers,
+                   "rule": m.rule if m.architecture == "shared" else "unshared",
+                   "tie_word_embeddings": bool(m.tie_embeddings)}
+        for key, value in derived.items():  # stored for tools that read them; equal values pass (a saved config)
+            if key in kwargs and kwargs.pop(key) != value:
+                raise ValueError(_derived_error(key, value))
+            setattr(self, key, value)
         self.use_cache = bool(kwargs.pop("use_cache", m.architecture == "shared"))
-        for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                    "max_position_embeddings", "num_hidden_layers", "rule"):
-            kwargs.pop(key, None)  # derived from the looplm config, never stored twice
-        super().__init__(**kwargs)
-        self.tie_word_embeddings = bool(m.tie_embeddings)
+        super().__init__(tie_word_embeddings=derived["tie_word_embeddings"], **kwargs)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        """A derived field keeps its value (``from_pretrained(folder, hidden_size=7)`` is an error, not a no-op)."""
+        if key in DERIVED and key in self.__dict__ and value != self.__dict__[key]:
+            raise ValueError(_derived_error(key, self.__dict__[key]))
+        super().__setattr__(key, value)
 
     @classmethod
     def from_looplm(cls, cfg, **kwargs: Any) -> "LoopLMConfig":
@@ -67,4 +77,4 @@ class LoopLMConfig(PretrainedConfig):
         """The looplm :class:`~looplm.config.Config` this config holds."""
         from looplm.config import Config
 
-        return Config.from_dict(getattr(self, CONFIG_KEY))
+        return Config.from_dict(self.looplm)

@@ -4,11 +4,12 @@
 
 - ``checkpoint=DIR``: a checkpoint, run directory or Hugging Face export folder (required);
 - ``depth=T``: the loop depth whose answers the harness gets (default: the largest of ``depths``,
-  else the checkpoint's ``train.eval_depth``);
+  else the checkpoint's ``train.eval_depth``: an export's ``num_steps``);
 - ``depths=1;8;48``: depths scored together (``;``-separated, since the harness splits on commas):
   every ``loglikelihood`` / ``loglikelihood_rolling`` batch is **one unroll** read out at all of
   them, and the per-depth answers are memoized, so switching ``depth`` later costs no forward;
-- ``batch_size``, ``device``, ``kv_cache`` (``per_visit`` / ``terminal``, for ``generate_until``),
+- ``batch_size``, ``device``, ``kv_cache`` (``per_visit`` / ``terminal``, for ``generate_until``; default: an
+  export's ``config.json`` ``kv_cache``, else ``per_visit``),
   ``stride`` (sliding-window stride of ``loglikelihood_rolling``; default non-overlapping windows).
 
 ``loglikelihood``: context + continuation tokens (the harness's own ``_encode_pair``: the whole string
@@ -34,7 +35,9 @@ memo (one unroll per batch in all). The result has one harness result per depth 
 ``"T"`` → ``results``), and with ``db=`` every numeric metric is stored in looplm's results store:
 protocol ``lm_eval``, dataset = the task name, split ``""``, depth T, settings (lm-eval version,
 few-shot, limit, stride) in the protocol hash, metric names without the harness's ``,none`` filter
-suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …).
+suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …). A checkpoint that is no run of a
+sweep in that database is added to its runs (sweep ``checkpoints``, variant ``NAME [config hash]``), so
+``looplm report`` shows it.
 
 **Definitions vs looplm's own evaluations.** LAMBADA (``lambada_openai``'s format): the harness's
 ``acc`` is looplm's ``exact_acc`` (every target token greedy-correct) and its ``perplexity`` is
@@ -51,6 +54,7 @@ the shared files where the definitions can be compared.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,6 +65,9 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 MODEL_NAME = "looplm"
+CHECKPOINT_SWEEP = "checkpoints"  # the runs-table sweep of checkpoints evaluated outside a sweep (``--db``)
+# offline tasks (write_local_tasks) over files of the data folder: ``looplm lm-eval --tasks`` writes them on demand
+LOCAL_TASKS = {"looplm_lambada": "lambada/lambada_test.jsonl", "looplm_wikitext": "wikitext-2-raw/wiki.test.raw"}
 
 
 def parse_depths(value: Any) -> list[int]:
@@ -83,7 +90,7 @@ class LoopLMEvalHarness(TemplateLM):
     """The ``looplm`` harness backend (module docstring)."""
 
     def __init__(self, checkpoint: str | None = None, depth: int | str | None = None, depths: Any = None,
-                 batch_size: int | str | None = 16, device: str | None = "cpu", kv_cache: str = "per_visit",
+                 batch_size: int | str | None = 16, device: str | None = "cpu", kv_cache: str | None = None,
                  stride: int | None = None, max_batch_size: int | None = None, model=None, config=None,
                  tokenizer=None, **kwargs: Any):
         super().__init__()
@@ -119,7 +126,9 @@ class LoopLMEvalHarness(TemplateLM):
         self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
         self.depths = sorted(set(listed) | {self.depth})
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        self.kv_cache = kv_cache
+        from looplm.hf_folder import export_kv_cache
+
+        self.kv_cache = kv_cache or (checkpoint is not None and export_kv_cache(checkpoint)) or "per_visit"
         self.stride = None if stride in (None, "", "none") else int(stride)
         try:
             self.eot = eot_id(tokenizer)
@@ -275,15 +284,17 @@ def _metrics(task_result: dict[str, Any]) -> dict[str, float]:
 def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[str], depths: Sequence[int] | None = None,
                      include_path: str | Path | None = None, include_defaults: bool = True,
                      num_fewshot: int | None = None, limit: float | None = None, batch_size: int = 16,
-                     device: str = "cpu", kv_cache: str = "per_visit", stride: int | None = None, seed: int = 0,
+                     device: str = "cpu", kv_cache: str | None = None, stride: int | None = None, seed: int = 0,
                      bootstrap_iters: int = 1000, db: str | Path | None = None, tag: str = "",
-                     lm: LoopLMEvalHarness | None = None) -> dict[str, Any]:
+                     data_root: str | Path | None = None, lm: LoopLMEvalHarness | None = None) -> dict[str, Any]:
     """Harness tasks at several loop depths from one unroll per batch (module docstring).
 
     Args:
         checkpoint: checkpoint, run directory or export folder (or give ``lm``).
         tasks: harness task names (found in ``include_path`` and, with ``include_defaults``, the
-            harness's own tasks).
+            harness's own tasks); the offline tasks of :data:`LOCAL_TASKS` are written from ``data_root``
+            (default: :func:`looplm.data.paths.resolve_data_root`) into a temporary folder, unless
+            ``include_path`` defines them.
         depths: loop depths (default: the checkpoint's ``train.eval_depth``).
         db: a looplm results database: every numeric metric is stored per task and depth.
 
@@ -300,17 +311,20 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
                                batch_size=batch_size, device=device, kv_cache=kv_cache, stride=stride)
     run_depths = list(depths) if depths else [lm.depth]
     lm.depths = sorted(set(lm.depths) | set(run_depths))
-    manager = TaskManager(include_path=None if include_path is None else str(include_path),
-                          include_defaults=include_defaults)
     per_depth: dict[str, Any] = {}
-    for T in sorted(set(run_depths)):
-        lm.set_depth(T)
-        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
-        per_depth[str(T)] = {"results": {task: _metrics(r) for task, r in res["results"].items()},
-                             "n_samples": res.get("n-samples", {})}
+    with tempfile.TemporaryDirectory(prefix="looplm-tasks-") as local:
+        # the data-folder tasks first: a later include path (the user's) that defines the same task wins
+        wrote = write_data_tasks(local, tasks, data_root, required=include_path is None)
+        paths = [str(p) for p in (local if wrote else None, include_path) if p]
+        manager = TaskManager(include_path=paths or None, include_defaults=include_defaults)
+        for T in sorted(set(run_depths)):
+            lm.set_depth(T)
+            res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
+                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed)
+            per_depth[str(T)] = {"results": {task: _metrics(r) for task, r in res["results"].items()},
+                                 "n_samples": res.get("n-samples", {})}
     version = getattr(lm_eval, "__version__", "unknown")
     out: dict[str, Any] = {"checkpoint": lm.checkpoint, "tasks": list(tasks), "depths": per_depth,
                            "unrolls": lm.unrolls, "lm_eval_version": version, "stored": 0}
@@ -320,7 +334,7 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
     if db is not None:
         if lm.config is None:
             raise ValueError("db: storing results needs the checkpoint's looplm config")
-        from looplm.analysis.store import EvalIdentity, ResultStore
+        from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
 
         items = []
         for T, r in per_depth.items():
@@ -328,8 +342,13 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
                 if metrics:
                     items.append((EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T),
                                                     settings=settings, tag=tag), metrics))
+        run = RunRecord(sweep=CHECKPOINT_SWEEP, run_id=str(lm.checkpoint), variant="", seed=lm.config.train.seed,
+                        config=lm.config.to_dict(), run_dir=str(lm.checkpoint), params=lm.model.num_params())
+        run.variant = f"{lm.config.name or 'checkpoint'} [{run.config_hash[:8]}]"
         with ResultStore(db) as store:
             out["stored"] = store.put_many(items, config=lm.config, settings=settings)
+            if run.config_hash not in {r.config_hash for r in store.runs()}:  # a model of no sweep: `looplm report` lists it
+                store.put_run(run)
     out["markdown"] = markdown_table(per_depth)
     return out
 
@@ -388,11 +407,35 @@ metadata:
 """
 
 
-def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path, wikitext_raw: str | Path | None = None,
-                      max_chars: int | None = None, docs: int | None = None) -> dict[str, Path]:
+def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | Path | None = None, *,
+                     required: bool = True) -> bool:
+    """Write the :data:`LOCAL_TASKS` among ``tasks`` into ``folder`` from the data folder (whole files);
+    returns whether there were any. Without ``required`` a task whose file is missing is skipped.
+
+    Raises:
+        FileNotFoundError: with ``required``, a task's file is missing from the data folder (named).
+    """
+    from looplm.data.paths import resolve_data_root
+
+    root = resolve_data_root(str(data_root or ""))
+    files = {name: root / LOCAL_TASKS[name] for name in tasks if name in LOCAL_TASKS}
+    for name, path in list(files.items()):
+        if not path.is_file() and required:
+            raise FileNotFoundError(f"--tasks {name}: needs {path} (the data folder is $LOOPLM_DATA or ../shared/data)")
+        if not path.is_file():
+            del files[name]
+    if files:
+        write_local_tasks(folder, lambada_jsonl=files.get("looplm_lambada"), wikitext_raw=files.get("looplm_wikitext"))
+    return bool(files)
+
+
+def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = None,
+                      wikitext_raw: str | Path | None = None, max_chars: int | None = None,
+                      docs: int | None = None) -> dict[str, Path]:
     """Write offline harness tasks into ``folder`` (give it as ``include_path``):
 
-    - ``looplm_lambada``: ``lambada_openai``'s prompt and metrics over a local LAMBADA jsonl;
+    - ``looplm_lambada`` (with ``lambada_jsonl``): ``lambada_openai``'s prompt and metrics over a local
+      LAMBADA jsonl;
     - ``looplm_wikitext``: ``loglikelihood_rolling`` over the raw WikiText file cut into its articles
       (a line `` = Title = `` starts one), scored as they are (no detokenizer), with the stock task's
       word / byte perplexity and bits per byte; ``docs`` keeps the first N articles and ``max_chars``
@@ -404,9 +447,11 @@ def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path, wikitext
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
-    path = folder / "looplm_lambada.yaml"
-    path.write_text(LAMBADA_YAML.format(name="looplm_lambada", path=json.dumps(str(Path(lambada_jsonl).resolve()))))
-    out["looplm_lambada"] = path
+    if lambada_jsonl is not None:
+        path = folder / "looplm_lambada.yaml"
+        path.write_text(LAMBADA_YAML.format(name="looplm_lambada",
+                                            path=json.dumps(str(Path(lambada_jsonl).resolve()))))
+        out["looplm_lambada"] = path
     if wikitext_raw is not None:
         pages = wikitext_documents(Path(wikitext_raw).read_text(encoding="utf-8"))[:docs]
         if max_chars is not None:

@@ -282,7 +282,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         return LoopLMCausalLMOutput(**result)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code shims
+        """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code files
         (``trust_remote_code=True`` then loads without looplm's registration; see
         :mod:`looplm.hf.export`)."""
         from looplm.hf.export import AUTO_MAP, write_remote_code
