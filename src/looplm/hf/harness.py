@@ -64,6 +64,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+import lm_eval.models  # noqa: F401  lm-eval loads its own models only into an empty registry: fill it before ours
+
 MODEL_NAME = "looplm"
 CHECKPOINT_SWEEP = "checkpoints"  # the runs-table sweep of checkpoints evaluated outside a sweep (``--db``)
 # offline tasks (write_local_tasks) over files of the data folder: ``looplm lm-eval --tasks`` writes them on demand
