@@ -63,10 +63,10 @@ def heldout(task: str, k: int, split: str, size: int, seed: int) -> tuple[Instan
     return tuple(out.values())
 
 
-def heldout_keys(cfg: DataConfig, k: int) -> frozenset[str]:
+@lru_cache(maxsize=256)
+def heldout_keys(task: str, k: int, size: int, seed: int) -> frozenset[str]:
     """Prompts of every held-out instance (valid and test) at difficulty k."""
-    return frozenset(instance_key(i) for s in HELDOUT_SPLITS
-                     for i in heldout(cfg.task, k, s, cfg.task_heldout, cfg.task_seed))
+    return frozenset(instance_key(i) for s in HELDOUT_SPLITS for i in heldout(task, k, s, size, seed))
 
 
 def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
@@ -75,7 +75,7 @@ def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
     for r in range(n):
         rng = rng_for(cfg.task, "train", cfg.task_seed, *key, r)
         k = int(rng.integers(1, cfg.task_k + 1))
-        held = heldout_keys(cfg, k)
+        held = heldout_keys(cfg.task, k, cfg.task_heldout, cfg.task_seed)
         inst = family.make(k, rng)
         while instance_key(inst) in held:
             inst = family.make(k, rng)

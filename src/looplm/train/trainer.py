@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
 from looplm.train.runlock import RunLock
 from looplm.train.samplers import build_sampler
+
+if TYPE_CHECKING:
+    from looplm.tasks.data import TaskData
 
 
 class DivergenceError(NonFiniteError):
@@ -111,7 +114,7 @@ class TrainData:
                 "val_state_rms_max": res["state_rms_max"]}
 
 
-def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
+def prepare_data(cfg: Config, *, progress: bool = True) -> "TrainData | TaskData":
     """Tokenizer and memmapped train/valid token streams for ``cfg.data`` (cached on disk); for
     ``data.dataset=task`` the task's generated batches (:class:`looplm.tasks.data.TaskData`)."""
     if cfg.data.dataset == "task":
@@ -149,7 +152,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
-          data: TrainData | None = None, stop_after: int | None = None) -> dict[str, Any]:
+          data: "TrainData | TaskData | None" = None, stop_after: int | None = None) -> dict[str, Any]:
     """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
 
     Under ``torchrun`` (WORLD_SIZE > 1) this runs data-parallel with DDP or FSDP2
@@ -191,7 +194,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             lock.release()
 
 
-def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
+def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "TrainData | TaskData | None",
            stop_after: int | None, trackers: Trackers) -> dict[str, Any]:
     start_step, state, sharded_ckpt = 0, None, None
     if resume:
