@@ -123,7 +123,8 @@ def test_rows_put_the_answer_targets_at_the_right_places():
         scored = (y[r] != -100).nonzero().flatten()
         assert y[r, scored].tolist() == encode(inst.answer)
         assert x[r, scored[0]].item() == encode("=")[0]  # the answer is read after the prompt's last token
-    with pytest.raises(ValueError, match="model.seq_len: 8 is too short for a k=3 instance; need >= 11"):  # 3+1+3+1 prompt, 4 answer
+    # k = 3: an 8-token prompt "abc+def=" and a 4-digit answer, 11 inputs
+    with pytest.raises(ValueError, match="model.seq_len: 8 is too short for a k=3 instance; need >= 11"):
         rows(insts, 8)
 
 
@@ -160,7 +161,8 @@ def test_accuracy_protocol_equals_a_per_depth_loop():
             nll = torch.nn.functional.cross_entropy(logits[scored], y[scored])
             assert got[T]["correct"] == int(correct.sum()) and got[T]["n"] == len(insts)
             # one unroll vs T separate unrolls: the same ops, summed in another order (float64 vs mean)
-            torch.testing.assert_close(torch.tensor(got[T]["nll"], dtype=torch.float64), nll.double(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(got[T]["nll"], dtype=torch.float64), nll.double(),
+                                       rtol=1e-5, atol=1e-6)
 
 
 def _task_run_cfg() -> Config:
@@ -197,7 +199,8 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path):
     assert main(["eval", "tasks", "--checkpoint", str(full), "--ks", "1,2,5", "--depths", "1,3,6",
                  "--max-examples", "10", "--out", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
-    assert out.with_suffix(".png").stat().st_size > 0 and "| T \\ k | 1 | 2 | 5* |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| T \\ k | 1 | 2 | 5* |" in out.with_suffix(".md").read_text()
     ref = task_accuracy(ma, cfg.data, [1, 2, 5], [1, 3, 6], max_examples=10)
     assert {k: {T: r["correct"] for T, r in v.items()} for k, v in res["accuracy"].items()} == \
         {str(k): {str(T): r["correct"] for T, r in v.items()} for k, v in ref.items()}

@@ -8,7 +8,8 @@ accuracy by loop depth × k (:mod:`looplm.eval.tasks`).
 """
 
 from looplm.tasks import addition, modsum, phop, varchain  # noqa: F401  (each registers its family)
-from looplm.tasks.base import CHARS, EOT, PAD_ID, TASKS, VOCAB, Instance, TaskFamily, decode, encode, get_task, tokenizer
+from looplm.tasks.base import (CHARS, EOT, PAD_ID, TASKS, VOCAB, Instance, TaskFamily, decode, encode, get_task,
+                               tokenizer)
 
 __all__ = ["CHARS", "EOT", "PAD_ID", "TASKS", "VOCAB", "Instance", "TaskFamily", "decode", "encode", "get_task",
            "tokenizer"]
