@@ -128,6 +128,19 @@ def test_rows_put_the_answer_targets_at_the_right_places():
         rows(insts, 8)
 
 
+def test_task_fields_leave_other_configs_as_they_were():
+    """Configs written before the task fields load unchanged and keep their results-store hash."""
+    from looplm.analysis.store import config_hash
+    from looplm.presets import PRESETS
+
+    d = PRESETS["debug"].to_dict()
+    for name in ("task", "task_k", "task_heldout", "task_seed"):
+        del d["data"][name]
+    assert Config.from_dict(d) == PRESETS["debug"] and config_hash(d) == config_hash(PRESETS["debug"])
+    t = PRESETS["task-phop"]
+    assert config_hash(t) != config_hash(t.replace(data=t.data.replace(task_k=5)))
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="data.task_k.*only read with data.dataset=task"):
         DataConfig(dataset="brown", task_k=3)
