@@ -270,6 +270,16 @@ def cmd_eval_halting(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    check_report_out(args)
+    from looplm.eval.tasks import evaluate_task_checkpoint
+
+    plot = args.out.with_suffix(".png") if args.out else None
+    result = call_with_options(evaluate_task_checkpoint, args, args.checkpoint, progress=not args.quiet, plot=plot)
+    emit_report(args, result, write_report_files(args.out, result) + ([plot] if plot else []))
+    return 0
+
+
 EVAL_PROTOCOLS: dict[str, str] = {
     "ppl": "perplexity at every requested loop depth (the default protocol)",
     "kv-sharing": "terminal KV sharing: continuation PPL with a terminal KV cache vs the full forward",
@@ -277,6 +287,7 @@ EVAL_PROTOCOLS: dict[str, str] = {
     "adaptive": "adaptive depth (hidden-update stopping rule) with a real early-exit run",
     "halting": "logit-margin halting: calibrated threshold, timed dynamic batching, fixed-depth frontier",
     "distill": "distilled prefill: continuation PPL after the teacher's, early-stopped and distilled prefills",
+    "tasks": "synthetic-task exact-match accuracy by loop depth x difficulty k (data.dataset=task checkpoints)",
 }
 
 
@@ -320,6 +331,11 @@ def _build_eval(ev: argparse.ArgumentParser) -> None:
                 "into a terminal KV cache; the teacher then scores the continuation at R with terminal KV "
                 "sharing. JSON per path: ppl (first continuation token from the prefill's readout, plus the "
                 "rest), ppl_first, ppl_rest, prefill_ms per batch, kv_bytes; and the uncached full forward.")
+
+    add_command(protocols, "tasks", _build_eval_tasks, help=EVAL_PROTOCOLS["tasks"],
+                description="Exact-match accuracy of the answer tokens on the held-out instances of each "
+                "difficulty k, at every loop depth T from one unroll (looplm.eval.tasks). JSON has accuracy "
+                "per k and T; --out FILE.json also writes FILE.md and the heatmap FILE.png.")
 
 
 _SCALE_CLAMP = Opt(help="rescale each token's state after every loop to its loop-1 RMS before readout and "
@@ -366,6 +382,21 @@ def _build_eval_lambada(p: argparse.ArgumentParser) -> None:
         **_pick(o, "batch_size", "device")})
     _add_report_output(p)
     p.set_defaults(func=cmd_eval_lambada, _family="eval")
+
+
+def _build_eval_tasks(p: argparse.ArgumentParser) -> None:
+    from looplm.eval.tasks import evaluate_task_checkpoint
+
+    o = common_opts()
+    _add_checkpoint(p)
+    add_function_options(p, evaluate_task_checkpoint, {
+        "depths": Opt(type=parse_depths, metavar="T,T,...", help=DEPTHS_HELP + " (default 1 .. 2x training depth)"),
+        "ks": Opt(type=parse_depths, metavar="K,K,...", help="difficulties k (default 1 .. 2x data.task_k)"),
+        "split": Opt(choices=("valid", "test"), help="held-out split"),
+        "max_examples": Opt(type=positive_int, metavar="N", help="instances per k (default: all held out)"),
+        **_pick(o, "batch_size", "device")})
+    _add_report_output(p)
+    p.set_defaults(func=cmd_eval_tasks, _family="eval")
 
 
 def _criterion_opt(default_help: str) -> Opt:

@@ -52,7 +52,8 @@ SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 HUGINN_RULES: tuple[str, ...] = ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")
 #: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
-DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf"]
+DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf", "task"]
+TaskName = Literal["phop", "modsum", "varchain", "addition"]  # looplm.tasks.TASKS
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]
@@ -688,7 +689,8 @@ class DataConfig(_Base):
     dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
                               "wikitext103 (raw), text (local files, see text_files), openwebtext or c4 "
                               "(hub slices of SPEC §5, online only), hf (any Hugging Face dataset or local "
-                              "json/jsonl/parquet/text files, see hf_path)")
+                              "json/jsonl/parquet/text files, see hf_path), task (a synthetic task generated on the "
+                              "fly, see task; loss on the answer tokens only)")
     text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
     hf_path: str = _f("", "dataset=hf: a local .json/.jsonl/.parquet/.txt file or a folder of them (split "
                       "names from the file names: train, validation/valid/dev, test), else a hub dataset id "
@@ -697,6 +699,11 @@ class DataConfig(_Base):
     hf_splits: list = _f(["train", "validation", "test"], "dataset=hf: the [train, valid, test] splits as "
                          "datasets split specs, slicing allowed (e.g. train[:90%],train[90%:95%],train[95%:])")
     text_column: str = _f("text", "dataset=hf: the column holding each document's text")
+    task: TaskName = _f("phop", "dataset=task: the task family (looplm.tasks): phop (p-hop induction), modsum "
+                        "(running sum mod 10), varchain (variable-binding chains), addition (multi-digit)")
+    task_k: int = _f(4, "dataset=task: train on difficulties k = 1 … task_k (uniform)")
+    task_heldout: int = _f(256, "dataset=task: held-out instances per k in each of valid and test")
+    task_seed: int = _f(0, "dataset=task: seed of the held-out sets and of the training instances")
     tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
                                   "the training split with bpe_vocab_size entries")
     bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
@@ -720,6 +727,13 @@ class DataConfig(_Base):
             _check(bool(self.hf_path.strip()), p + "hf_path",
                    "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
             _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
+        if self.dataset == "task":
+            _check(self.task_k >= 1, p + "task_k", f"must be >= 1, got {self.task_k}")
+            _check(self.task_heldout >= 1, p + "task_heldout", f"must be >= 1, got {self.task_heldout}")
+        else:
+            for name in ("task", "task_k", "task_heldout", "task_seed"):
+                _check(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, p + name,
+                       f"only read with data.dataset=task (dataset is {self.dataset})")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ inverse-perplexity reward with the advantage scale s, its stds pooled over the l
 the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
 committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
 starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1). ``debug``: a tiny model on real text,
-trains in seconds.
+trains in seconds. ``task-<name>``: a 1-block looped model (d = 128) on a synthetic task of :mod:`looplm.tasks`
+(issue 24; k_train and sizes our choice, experiments/depth-testbed), depth uniform in 1..8.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ _PAPER_DATA = DataConfig(dataset="wikitext103", tokenizer="gpt2")
 def _paper(name: str, d: int, heads: int, d_ff: int, **model) -> Config:
     return Config(name=name, model=ModelConfig(d_model=d, n_heads=heads, d_ff=d_ff, **model),
                   data=_PAPER_DATA, train=_PAPER_TRAIN)
+
+
+def _task(task: str, k_train: int, seq_len: int, position_embedding: str) -> Config:
+    return Config(
+        name=f"task-{task}",
+        model=ModelConfig(rule="looped", vocab_size=64, d_model=128, n_heads=4, d_ff=512, seq_len=seq_len,
+                          dropout=0.0, position_embedding=position_embedding),
+        data=DataConfig(dataset="task", task=task, task_k=k_train),
+        train=TrainConfig(steps=2000, batch_size=64, lr=1e-3, warmup_steps=100, depth_sampler="uniform",
+                          depth_lo=1, depth_hi=8, eval_every=100, eval_batches=2, eval_depth=8, ckpt_every=250,
+                          device="cpu"),
+    )
 
 
 PRESETS: dict[str, Config] = {
@@ -68,6 +81,11 @@ PRESETS: dict[str, Config] = {
                           depth_lo=1, depth_hi=4, eval_every=20, eval_batches=2, eval_depth=4,
                           ckpt_every=20, device="cpu"),
     ),
+    # seq_len fits k up to 2·k_train (rows grow with k except for phop); rope where they do
+    "task-phop": _task("phop", 8, 68, "learned"),
+    "task-varchain": _task("varchain", 4, 80, "rope"),
+    "task-modsum": _task("modsum", 8, 40, "rope"),
+    "task-addition": _task("addition", 4, 32, "rope"),
 }
 
 

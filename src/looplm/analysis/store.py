@@ -7,7 +7,7 @@ An *evaluation identity* is the tuple
 - ``config_hash``: sha256 of the canonical JSON of the run config with the fields that do not change
   the trained weights removed (:data:`NON_IDENTITY_FIELDS`: the run name, the seed — it has its own
   column — and device, thread, logging, checkpoint and path settings; :data:`HF_DATA_FIELDS` unless
-  ``data.dataset`` is ``hf``). The JSON itself is kept in
+  ``data.dataset`` is ``hf``, :data:`TASK_DATA_FIELDS` unless it is ``task``). The JSON itself is kept in
   the ``configs`` table.
 - ``protocol``: what was measured (``"ppl"``, ``"lambada"``, ``"diagnose"``, ...) and
   ``protocol_hash``: sha256 of the protocol name plus its settings that change the numbers (e.g.
@@ -65,6 +65,8 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
 #: ``data`` fields read only when ``data.dataset == "hf"``; left out of the identity of other datasets (so
 #: configs hash as they did before these fields existed)
 HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
+#: ``data`` fields read only when ``data.dataset == "task"`` (likewise left out otherwise)
+TASK_DATA_FIELDS: tuple[str, ...] = ("task", "task_k", "task_heldout", "task_seed")
 
 #: config fields added after results were first stored (issue 14's architecture options), left out of the
 #: identity while they hold the value that rebuilds the models made before them, so those configs hash as
@@ -146,6 +148,9 @@ def config_identity(config: Any) -> dict[str, Any]:
     data = d.get("data", {})
     if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
         for name in HF_DATA_FIELDS:
+            data.pop(name, None)
+    if isinstance(data, dict) and data.get("dataset") != "task":  # read by dataset=task only
+        for name in TASK_DATA_FIELDS:
             data.pop(name, None)
     return d
 

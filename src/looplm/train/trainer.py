@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
 from looplm.train.runlock import RunLock
 from looplm.train.samplers import build_sampler
+
+if TYPE_CHECKING:
+    from looplm.tasks.data import TaskData
 
 
 class DivergenceError(NonFiniteError):
@@ -98,9 +101,27 @@ class TrainData:
     vocab_size: int
     window_stride: int = 1
 
+    def batch(self, batch_size: int, seq_len: int, *, seed: int, step: int, micro: int = 0):
+        """The training batch x, y (B, L) of (seed, step, micro) (:func:`sample_batch`)."""
+        return sample_batch(self.train, batch_size, seq_len, seed=seed, step=step, micro=micro,
+                            stride=self.window_stride)
 
-def prepare_data(cfg: Config, *, progress: bool = True) -> TrainData:
-    """Tokenizer and memmapped train/valid token streams for ``cfg.data`` (cached on disk)."""
+    def validate(self, model, depth: int, *, batch_size: int, batches: int, device) -> dict[str, float]:
+        """Validation loss, PPL and state RMS at ``depth`` on the first ``batches`` windows of ``valid``."""
+        res = evaluate_depths(model, self.valid, [depth], batch_size=batch_size,
+                              max_tokens=batches * batch_size * model.cfg.seq_len, device=device, progress=False,
+                              state_rms=True)[depth]
+        return {"val_loss": res["nll"], "val_ppl": res["ppl"], "val_state_rms": res["state_rms"],
+                "val_state_rms_max": res["state_rms_max"]}
+
+
+def prepare_data(cfg: Config, *, progress: bool = True) -> "TrainData | TaskData":
+    """Tokenizer and memmapped train/valid token streams for ``cfg.data`` (cached on disk); for
+    ``data.dataset=task`` the task's generated batches (:class:`looplm.tasks.data.TaskData`)."""
+    if cfg.data.dataset == "task":
+        from looplm.tasks.data import task_data
+
+        return task_data(cfg.data)
     root = resolve_data_root(cfg.data.data_root)
     cache = resolve_cache_dir(cfg.data.cache_dir)
     tok = get_tokenizer(cfg.data, root, cache)
@@ -157,7 +178,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
-          data: TrainData | None = None, stop_after: int | None = None, steps: int | None = None,
+          data: "TrainData | TaskData | None" = None, stop_after: int | None = None, steps: int | None = None,
           init_from: str | Path | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
 
@@ -225,7 +246,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
                     out.rmdir()
 
 
-def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainData | None,
+def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "TrainData | TaskData | None",
            stop_after: int | None, trackers: Trackers, steps: int | None = None,
            init_from: str | Path | None = None) -> dict[str, Any]:
     start_step, state, sharded_ckpt, source = 0, None, None, None
@@ -309,7 +330,6 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
         trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start_step,
                                           resume=resume).trackers
     L, B = cfg.model.seq_len, tcfg.batch_size
-    eval_tokens = tcfg.eval_batches * B * L
     eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
 
     guard = dict(state.get("nonfinite", {})) if state is not None else {}
@@ -343,10 +363,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
         barrier(env)
 
     def validate() -> dict[str, float]:
-        res = evaluate_depths(eval_model, data.valid, [tcfg.eval_depth], batch_size=B, max_tokens=eval_tokens,
-                              device=device, progress=False, state_rms=True)[tcfg.eval_depth]
-        return {"val_loss": res["nll"], "val_ppl": res["ppl"], "val_state_rms": res["state_rms"],
-                "val_state_rms_max": res["state_rms_max"]}
+        return data.validate(eval_model, tcfg.eval_depth, batch_size=B, batches=tcfg.eval_batches, device=device)
 
     wrapped.train()
     t_start = time.time()
@@ -363,8 +380,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: TrainD
             # every rank draws the same depth: a pure function of (seed, step, micro)
             T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
             depths.append(T)
-            x, y = sample_batch(data.train, B, L, seed=tcfg.seed, step=step, micro=micro,
-                                stride=data.window_stride)  # global batch
+            x, y = data.batch(B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
             x, y = x[rows], y[rows]
             if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
                 x, y = x.pin_memory(), y.pin_memory()

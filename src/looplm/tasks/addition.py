@@ -1,0 +1,40 @@
+"""Multi-digit addition with length generalization: k = the number of digits (the carry chain's length).
+
+Prompt ``"a+b="`` with a and b uniform among the k-digit numbers (0 … 9 at k = 1), written
+most-significant digit first; the answer is a + b with k + 1 digits (leading zero kept), written
+least-significant digit first, so each answer digit follows the carry it needs (our choice; the
+fixed-width RL task, :mod:`looplm.rl.task`, writes the sum forwards). Train on k ≤ k_train digits and
+test on longer numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from looplm.tasks.base import Instance, TaskFamily, register_task
+
+
+def _number(k: int, rng: np.random.Generator) -> int:
+    """Uniform among the k-digit numbers, digit by digit (10**k overflows int64 past k = 18)."""
+    digits = rng.integers(0, 10, k)
+    if k > 1:
+        digits[0] = rng.integers(1, 10)
+    return int("".join(map(str, digits)))
+
+
+class Addition(TaskFamily):
+    name = "addition"
+    max_k = 30
+
+    def make(self, k: int, rng: np.random.Generator) -> Instance:
+        a, b = _number(k, rng), _number(k, rng)
+        return Instance(prompt=f"{a}+{b}=", answer=f"{a + b:0{k + 1}d}"[::-1], k=k)
+
+    def row_len(self, k: int) -> int:
+        return 2 * k + 2 + k + 1
+
+    def space(self, k: int) -> int:
+        return min((10**k - (0 if k == 1 else 10 ** (k - 1))) ** 2, 10**9)
+
+
+register_task(Addition())

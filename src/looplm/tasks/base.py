@@ -1,0 +1,99 @@
+"""The generator interface shared by every task family, the task vocabulary and the registry.
+
+A family turns (k, rng) into one :class:`Instance`: a prompt and its answer, as text over
+:data:`CHARS`, whose answer needs k sequential steps (the family's docstring says which). Tokens are
+characters: id 0 is ``<|endoftext|>`` (padding), ids 1 … len(CHARS) the characters, the same ids for
+every family so one tokenizer serves all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+#: the characters of every task (ids 1 … len(CHARS)); id 0 is <|endoftext|>, the padding
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+=;?:"
+VOCAB: dict[str, int] = {EOT: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+PAD_ID = 0
+
+
+def encode(text: str) -> list[int]:
+    """Characters → ids. Raises ValueError on a character outside :data:`CHARS`."""
+    try:
+        return [VOCAB[c] for c in text]
+    except KeyError as exc:
+        raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARS!r}") from None
+
+
+def decode(ids: Sequence[int]) -> str:
+    """Ids → characters (padding dropped)."""
+    chars = {i: c for c, i in VOCAB.items() if c != EOT}
+    return "".join(chars.get(int(i), "") for i in ids)
+
+
+def tokenizer():
+    """:data:`VOCAB` as a ``tokenizers.Tokenizer`` (one token per character), saved with checkpoints."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel(dict(VOCAB), unk_token=EOT))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(EOT, special=True)])
+    return tok
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One problem: ``prompt`` (text the model reads), ``answer`` (the text scored by exact match), ``k``."""
+
+    prompt: str
+    answer: str
+    k: int
+
+
+class TaskFamily:
+    """A family of problems with a difficulty knob k ≥ 1 (the sequential steps the answer needs).
+
+    Subclasses set ``name`` and ``max_k`` and implement :meth:`make` (one instance from a numpy
+    generator), :meth:`row_len` (the longest prompt + answer at difficulty k, in tokens) and
+    :meth:`space` (the number of distinct instances at k, or a bound ≥ 10**9 where it is larger).
+    """
+
+    name: str = ""
+    max_k: int = 64
+
+    def make(self, k: int, rng: np.random.Generator) -> Instance:
+        raise NotImplementedError
+
+    def row_len(self, k: int) -> int:
+        raise NotImplementedError
+
+    def space(self, k: int) -> int:
+        raise NotImplementedError
+
+    def check_k(self, k: int, field: str = "k") -> None:
+        """ValueError naming ``field`` unless 1 ≤ k ≤ max_k."""
+        if not 1 <= k <= self.max_k:
+            raise ValueError(f"{field}: task {self.name} needs 1 <= k <= {self.max_k}, got {k}")
+
+
+TASKS: dict[str, TaskFamily] = {}
+
+
+def register_task(family: TaskFamily) -> TaskFamily:
+    """Add ``family`` to :data:`TASKS` under its name (ValueError if the name is taken)."""
+    if family.name in TASKS:
+        raise ValueError(f"task {family.name!r} is already registered")
+    TASKS[family.name] = family
+    return family
+
+
+def get_task(name: str) -> TaskFamily:
+    """The registered family ``name``; ValueError listing the known ones otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"data.task: unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    return TASKS[name]

@@ -1,0 +1,170 @@
+"""Task instances as training batches and held-out sets (pure functions of seeds).
+
+**Held-out sets** (``valid``, ``test``): for each k, ``data.task_heldout`` distinct instances (at most a
+quarter of the k's instances each, for the tiny spaces such as ``modsum`` at k = 1) drawn from the
+generator seeded by hash(task, k, split, ``data.task_seed``); ``valid`` excludes the ``test`` instances.
+**Training batches**: row r of step s (microbatch m) has k uniform in 1 … ``data.task_k`` and its
+instance drawn from the generator seeded by hash(task, "train", task_seed, train.seed, s, m, r), redrawn
+while it is in a held-out set of its k, so no training instance is ever a valid or test instance.
+
+**Rows**: one instance per row at position 0 (with learned positions the answer's place must not
+drift; :mod:`looplm.rl.task`), the prompt then the answer, padded with id 0 to seq_len + 1 tokens;
+x = row[:-1], y = row[1:] with every target but the answer's set to −100, so the loss and the
+exact-match score read the answer tokens only (the prompts of ``phop`` and ``varchain`` are random
+symbols no model can predict; a loss on them would only add noise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from looplm.config import DataConfig
+from looplm.tasks.base import PAD_ID, Instance, encode, get_task, tokenizer
+
+HELDOUT_SPLITS = ("valid", "test")
+
+
+def rng_for(*key: object) -> np.random.Generator:
+    """A numpy generator seeded by a hash of ``key`` (a pure function of it)."""
+    h = hashlib.blake2b("|".join(map(str, ("looplm-task", *key))).encode(), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(h, "little"))
+
+
+def instance_key(inst: Instance) -> str:
+    """The identity of an instance (its prompt; the answer is a function of it)."""
+    return inst.prompt
+
+
+@lru_cache(maxsize=256)
+def heldout(task: str, k: int, split: str, size: int, seed: int) -> tuple[Instance, ...]:
+    """The held-out instances of ``split`` ∈ {valid, test} at difficulty k (module docstring).
+
+    Raises:
+        ValueError: unknown task or split, or k outside 1 … the family's max_k.
+    """
+    family = get_task(task)
+    family.check_k(k)
+    if split not in HELDOUT_SPLITS:
+        raise ValueError(f"split: got {split!r}; allowed: {', '.join(HELDOUT_SPLITS)}")
+    n = min(size, family.space(k) // 4)
+    taken = {instance_key(i) for i in heldout(task, k, "test", size, seed)} if split == "valid" else set()
+    rng, out = rng_for(task, k, split, seed), {}
+    while len(out) < n:
+        inst = family.make(k, rng)
+        if instance_key(inst) not in taken:
+            out.setdefault(instance_key(inst), inst)
+    return tuple(out.values())
+
+
+@lru_cache(maxsize=256)
+def heldout_keys(task: str, k: int, size: int, seed: int) -> frozenset[str]:
+    """Prompts of every held-out instance (valid and test) at difficulty k."""
+    return frozenset(instance_key(i) for s in HELDOUT_SPLITS for i in heldout(task, k, s, size, seed))
+
+
+def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
+    """``n`` training instances for ``key`` (e.g. (seed, step, micro)), k uniform in 1 … task_k, none held out."""
+    family, out = get_task(cfg.task), []
+    for r in range(n):
+        rng = rng_for(cfg.task, "train", cfg.task_seed, *key, r)
+        k = int(rng.integers(1, cfg.task_k + 1))
+        held = heldout_keys(cfg.task, k, cfg.task_heldout, cfg.task_seed)
+        inst = family.make(k, rng)
+        while instance_key(inst) in held:
+            inst = family.make(k, rng)
+        out.append(inst)
+    return out
+
+
+def rows(instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y int64 (N, L): each instance at position 0, y = −100 except at the answer's targets; L is the
+    longest instance's length − 1 (≤ seq_len): attention is causal, so padding past it changes no score.
+
+    Raises:
+        ValueError: an instance longer than seq_len + 1 tokens (names model.seq_len and the length needed).
+    """
+    enc = [(encode(i.prompt), encode(i.answer), i.k) for i in instances]
+    L = max(len(p) + len(a) - 1 for p, a, _ in enc)
+    if L > seq_len:
+        k = max(k for p, a, k in enc if len(p) + len(a) - 1 == L)
+        raise ValueError(f"model.seq_len: {seq_len} is too short for a k={k} instance; need >= {L}")
+    x = torch.full((len(instances), L), PAD_ID, dtype=torch.long)
+    y = torch.full((len(instances), L), -100, dtype=torch.long)
+    for r, (p, a, _) in enumerate(enc):
+        ids = p + a
+        x[r, : len(ids) - 1] = torch.tensor(ids[:-1])
+        y[r, len(p) - 1: len(ids) - 1] = torch.tensor(a)  # target j is token j + 1: the answer's tokens
+    return x, y
+
+
+@torch.no_grad()
+def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int], *, batch_size: int = 64,
+                      device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
+    """Exact match and answer NLL at every depth in ``depths`` from ONE unroll per batch.
+
+    An instance is correct at depth T iff the argmax of the readout at T equals y at every answer
+    target (teacher forcing; for a multi-token answer this is exactly "greedy decoding returns the
+    answer": the first wrong token would be the first wrong greedy token).
+
+    Returns:
+        ``{T: {"acc": fraction correct, "correct": count, "n": instances, "nll": mean nats per answer token}}``.
+    """
+    was_training = model.training
+    model.eval()
+    depths = sorted(set(depths))
+    correct = {T: 0 for T in depths}
+    nll = {T: 0.0 for T in depths}
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+        scored = yb != -100
+
+        def read(T: int, _h, logits, yb=yb, scored=scored) -> None:  # forward's on_depth hook
+            if logits is not None:
+                hit = (logits.argmax(-1) == yb) | ~scored  # (B, L)
+                correct[T] += int(hit.all(-1).sum())
+
+        out = model(xb, depth=depths, targets=yb, keep_logits=False, on_depth=read)
+        for T in depths:
+            nll[T] += float(out.nll_by_depth[T][scored].double().sum())
+    model.train(was_training)
+    n, n_tok = len(x), int((y != -100).sum())
+    return {T: {"acc": correct[T] / n, "correct": correct[T], "n": n, "nll": nll[T] / n_tok} for T in depths}
+
+
+@dataclass
+class TaskData:
+    """The data of a task run, with the interface the trainer uses (:class:`looplm.train.trainer.TrainData`):
+    ``batch`` draws a training batch, ``validate`` scores the valid instances of k ≤ task_k."""
+
+    cfg: DataConfig
+    tokenizer_json: str
+    vocab_size: int
+
+    def batch(self, batch_size: int, seq_len: int, *, seed: int, step: int, micro: int = 0):
+        """Training rows (module docstring): x, y int64 (B, L)."""
+        return rows(train_instances(self.cfg, batch_size, seed, step, micro), seq_len)
+
+    def validate(self, model, depth: int, *, batch_size: int, batches: int, device) -> dict[str, Any]:
+        """``val_loss`` (answer NLL), ``val_ppl`` and ``val_acc`` (exact match) at ``depth`` on up to
+        batches × batch_size valid instances, the same number per k."""
+        per_k = max(1, batches * batch_size // self.cfg.task_k)
+        insts = [i for k in range(1, self.cfg.task_k + 1)
+                 for i in heldout(self.cfg.task, k, "valid", self.cfg.task_heldout, self.cfg.task_seed)[:per_k]]
+        r = accuracy_by_depth(model, *rows(insts, model.cfg.seq_len), [depth], batch_size=batch_size,
+                              device=device)[depth]
+        return {"val_loss": r["nll"], "val_ppl": math.exp(min(r["nll"], 700.0)), "val_acc": r["acc"]}
+
+
+def task_data(cfg: DataConfig) -> TaskData:
+    """The :class:`TaskData` of ``cfg`` (``dataset == "task"``)."""
+    family = get_task(cfg.task)
+    family.check_k(cfg.task_k, "data.task_k")
+    tok = tokenizer()
+    return TaskData(cfg=cfg, tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size())

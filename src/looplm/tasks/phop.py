@@ -1,0 +1,55 @@
+"""p-hop induction (Sanford et al. 2024; a looped-model benchmark of Saunshi et al., arXiv:2502.17416 §2.1;
+the paper is not in our shared copies, so this is the standard definition, not checked against its text).
+
+Over a sequence v_1 … v_n of symbols, one hop from position i goes to j + 1, where j < i is the last
+earlier position with v_j = v_i ("the token after the previous occurrence of the current token"). The
+answer of a p-hop problem is v at σ^p(n), p hops from the last position; k = p. Sequences are drawn
+uniformly among those where no symbol repeats its predecessor (so every hop moves back: with
+v_{i−1} = v_i a hop would stay at i), and redrawn until all p hops exist. The prompt states p, since
+one model serves every k: ``"pp:" + v_1 … v_n + "="`` (p with two digits); the answer is one symbol.
+Our sizes (CPU scale): :data:`N_SYMBOLS` = 64 positions over :data:`ALPHABET` (4 symbols).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from looplm.tasks.base import Instance, TaskFamily, register_task
+
+ALPHABET = "abcd"
+N_SYMBOLS = 64
+
+
+def hop_chain(seq: str, p: int) -> list[int] | None:
+    """Positions visited by p hops from the last one (0-based, p + 1 entries), None where a hop has no
+    earlier occurrence to follow."""
+    i, path = len(seq) - 1, [len(seq) - 1]
+    for _ in range(p):
+        j = seq.rfind(seq[i], 0, i)
+        if j < 0:
+            return None
+        i = j + 1
+        path.append(i)
+    return path
+
+
+class PHop(TaskFamily):
+    name = "phop"
+    max_k = 24  # draws redrawn for a missing hop: ~79% at k = 24, ~97% at k = 28 (64 symbols over 4)
+
+    def make(self, k: int, rng: np.random.Generator) -> Instance:
+        while True:
+            steps = rng.integers(1, len(ALPHABET), N_SYMBOLS)  # a nonzero shift: never the previous symbol
+            seq = "".join(ALPHABET[i] for i in np.cumsum(steps) % len(ALPHABET))
+            path = hop_chain(seq, k)
+            if path is not None:
+                return Instance(prompt=f"{k:02d}:{seq}=", answer=seq[path[-1]], k=k)
+
+    def row_len(self, k: int) -> int:
+        return 3 + N_SYMBOLS + 1 + 1
+
+    def space(self, k: int) -> int:
+        return 10**9  # 4**64 sequences
+
+
+register_task(PHop())

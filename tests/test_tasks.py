@@ -1,0 +1,220 @@
+"""Synthetic tasks (issue 24 §1, §4): generators checked by independent solvers, train/held-out
+separation, the one-unroll accuracy protocol against a per-depth loop, and exact resume of a task run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import get_args
+
+import pytest
+import torch
+
+from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TaskName, TrainConfig
+from looplm.model import build_model
+from looplm.tasks import TASKS, encode, get_task
+from looplm.tasks.data import accuracy_by_depth, heldout, rng_for, rows, task_data, train_instances
+
+
+# --- independent solvers: parse the prompt, return (answer, number of sequential steps) -----------
+def solve_phop(prompt: str) -> tuple[str, int]:
+    p, rest = prompt.split(":")
+    seq = rest[:-1]
+    i, visited = len(seq) - 1, []
+    for _ in range(int(p)):
+        j = next(j for j in range(i - 1, -1, -1) if seq[j] == seq[i])  # StopIteration: a hop is missing
+        assert j + 1 < i, "a hop must move back"
+        i = j + 1
+        visited.append(i)
+    return seq[i], len(set(visited))
+
+
+def solve_modsum(prompt: str) -> tuple[str, int]:
+    ops = prompt[:-1].split("+")
+    s = 0
+    for d in ops:
+        s = (s + int(d)) % 10
+    return str(s), len(ops)
+
+
+def solve_varchain(prompt: str) -> tuple[str, int]:
+    body, query = prompt[:-1].split("?")
+    env = {}
+    for stmt in body.split(";"):
+        name, value = stmt.split("=")
+        assert value.isdigit() or value in env, "every variable is bound before it is read"
+        env[name] = value
+    assert len(env) == len(body.split(";")), "each variable is bound once"
+    v, steps = query, 0
+    while not v.isdigit():
+        v, steps = env[v], steps + 1
+    values = {x for x in env.values() if x.isdigit()}
+    assert len(values) == 2 and len(env) == 2 * steps, "one distractor chain of the same length, another value"
+    return v, steps
+
+
+def solve_addition(prompt: str) -> tuple[str, int]:
+    a, b = prompt[:-1].split("+")
+    assert len(a) == len(b)
+    total = int(a) + int(b)
+    return str(total).zfill(len(a) + 1)[::-1], len(a)
+
+
+SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition}
+
+
+def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
+    return DataConfig(dataset="task", task=task, task_k=k, task_heldout=heldout_size)
+
+
+def test_registry_matches_config_literal():
+    assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
+    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, varchain"):
+        get_task("nope")
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_generators_are_deterministic_per_seed(task):
+    fam = get_task(task)
+    for k in (1, 3):
+        assert fam.make(k, rng_for("t", 1)) == fam.make(k, rng_for("t", 1))
+    cfg = _cfg(task)
+    a, b = train_instances(cfg, 16, 0, 5, 0), train_instances(cfg, 16, 0, 5, 0)
+    assert a == b and a != train_instances(cfg, 16, 0, 6, 0)
+    assert heldout(task, 2, "test", 8, 0) != heldout(task, 2, "test", 8, 1)  # the seed matters
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_independent_solver_agrees_on_answer_and_difficulty(task):
+    fam, solve = get_task(task), SOLVERS[task]
+    ks = sorted({1, 2, 3, 5, fam.max_k // 2, fam.max_k})
+    insts = [fam.make(k, rng_for("solver", task, k, i)) for k in ks for i in range(20)]
+    insts += list(train_instances(_cfg(task), 40, 0, 0, 0))
+    for inst in insts:
+        answer, steps = solve(inst.prompt)
+        assert (answer, steps) == (inst.answer, inst.k), inst
+        assert len(encode(inst.prompt + inst.answer)) <= fam.row_len(inst.k)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_train_and_heldout_instances_never_overlap(task):
+    """Held-out sets are drawn from their own seed streams and training redraws any instance whose prompt
+    hash is held out; modsum at k <= 2 (10 and 100 instances) would collide within a few draws otherwise."""
+    cfg = _cfg(task, k=3, heldout_size=64)
+
+    def digest(inst):
+        return hashlib.sha256(f"{inst.k}|{inst.prompt}".encode()).hexdigest()
+
+    held = {s: {digest(i) for k in range(1, 4) for i in heldout(task, k, s, 64, 0)} for s in ("valid", "test")}
+    assert held["valid"] and not held["valid"] & held["test"]
+    train = {digest(i) for step in range(60) for i in train_instances(cfg, 16, 0, step, 0)}
+    assert not train & (held["valid"] | held["test"])
+    if task == "modsum":  # the tiny spaces: a quarter held out in each split, the rest still trained on
+        assert len(heldout(task, 1, "test", 64, 0)) == 2 and len(heldout(task, 2, "test", 64, 0)) == 25
+        assert {i.prompt for i in train_instances(cfg, 400, 1, 0, 0) if i.k == 1} == \
+            {f"{d}=" for d in range(10)} - {i.prompt for s in ("valid", "test") for i in heldout(task, 1, s, 64, 0)}
+
+
+def test_rows_put_the_answer_targets_at_the_right_places():
+    insts = [get_task("addition").make(k, rng_for("rows", k)) for k in (1, 3)]
+    x, y = rows(insts, 16)
+    assert x.shape == (2, len(insts[1].prompt) + len(insts[1].answer) - 1)  # trimmed to the longest row
+    for r, inst in enumerate(insts):
+        scored = (y[r] != -100).nonzero().flatten()
+        assert y[r, scored].tolist() == encode(inst.answer)
+        assert x[r, scored[0]].item() == encode("=")[0]  # the answer is read after the prompt's last token
+    # k = 3: an 8-token prompt "abc+def=" and a 4-digit answer, 11 inputs
+    with pytest.raises(ValueError, match="model.seq_len: 8 is too short for a k=3 instance; need >= 11"):
+        rows(insts, 8)
+
+
+def test_task_fields_leave_other_configs_as_they_were():
+    """Configs written before the task fields load unchanged and keep their results-store hash."""
+    from looplm.analysis.store import config_hash
+    from looplm.presets import PRESETS
+
+    d = PRESETS["debug"].to_dict()
+    for name in ("task", "task_k", "task_heldout", "task_seed"):
+        del d["data"][name]
+    assert Config.from_dict(d) == PRESETS["debug"] and config_hash(d) == config_hash(PRESETS["debug"])
+    t = PRESETS["task-phop"]
+    assert config_hash(t) != config_hash(t.replace(data=t.data.replace(task_k=5)))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="data.task_k.*only read with data.dataset=task"):
+        DataConfig(dataset="brown", task_k=3)
+    with pytest.raises(ConfigError, match="data.task_k.*must be >= 1"):
+        DataConfig(dataset="task", task_k=0)
+    with pytest.raises(ConfigError, match="data.task"):
+        DataConfig(dataset="task", task="sudoku")
+    with pytest.raises(ValueError, match="data.task_k: task varchain needs 1 <= k <= 13, got 14"):
+        task_data(DataConfig(dataset="task", task="varchain", task_k=14))
+
+
+def test_accuracy_protocol_equals_a_per_depth_loop():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
+                                    dropout=0.0, position_embedding="rope")).eval()
+    insts = [i for k in (1, 2, 4) for i in heldout("modsum", k, "test", 12, 0)]
+    x, y = rows(insts, 24)
+    scored = y != -100
+    with torch.no_grad():  # half the rows answered as the model does at T = 2, so the counts are not all 0
+        y = torch.where(scored & (torch.arange(len(y)) % 2 == 0)[:, None], model(x, depth=2).logits.argmax(-1), y)
+    depths = [1, 2, 3, 5]
+    got = accuracy_by_depth(model, x, y, depths, batch_size=7)
+    assert got[2]["correct"] >= len(insts) // 2
+    with torch.no_grad():
+        for T in depths:  # the reference: a separate forward at each depth, full logits
+            logits = model(x, depth=T).logits
+            top2 = logits.topk(2, -1).values
+            # argmax flips only between logits closer than float rounding (~1e-6): none here
+            assert (top2[..., 0] - top2[..., 1])[scored].min() > 1e-4
+            correct = ((logits.argmax(-1) == y) | ~scored).all(-1)
+            nll = torch.nn.functional.cross_entropy(logits[scored], y[scored])
+            assert got[T]["correct"] == int(correct.sum()) and got[T]["n"] == len(insts)
+            # one unroll vs T separate unrolls: the same ops, summed in another order (float64 vs mean)
+            torch.testing.assert_close(torch.tensor(got[T]["nll"], dtype=torch.float64), nll.double(),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def _task_run_cfg() -> Config:
+    return Config(name="task-tiny",
+                  model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.1,
+                                    position_embedding="rope"),
+                  data=DataConfig(dataset="task", task="modsum", task_k=3, task_heldout=16),
+                  train=TrainConfig(steps=6, batch_size=8, lr=3e-3, warmup_steps=2, depth_lo=1, depth_hi=3,
+                                    eval_every=3, eval_batches=1, eval_depth=3, ckpt_every=2, device="cpu"))
+
+
+def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path):
+    from looplm.cli import main
+    from looplm.eval.tasks import task_accuracy
+    from looplm.train.checkpoint import load_checkpoint
+    from looplm.train.trainer import train
+
+    cfg = _task_run_cfg()
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(cfg, full, progress=False)
+    train(cfg, part, progress=False, stop_after=3)
+    train(cfg, part, progress=False, resume=True)
+    a, b = ([json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (full, part))
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for ra, rb in zip(a, b):
+        assert (ra["depths"], ra["loss"]) == (rb["depths"], rb["loss"])  # bit-identical on CPU
+        assert (ra.get("val_loss"), ra.get("val_acc")) == (rb.get("val_loss"), rb.get("val_acc"))
+    assert "val_acc" in a[2] and "val_acc" in a[5]
+    ma, mb = load_checkpoint(full)[0], load_checkpoint(part)[0]
+    for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+
+    out = tmp_path / "acc.json"
+    assert main(["eval", "tasks", "--checkpoint", str(full), "--ks", "1,2,5", "--depths", "1,3,6",
+                 "--max-examples", "10", "--out", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| T \\ k | 1 | 2 | 5* |" in out.with_suffix(".md").read_text()
+    ref = task_accuracy(ma, cfg.data, [1, 2, 5], [1, 3, 6], max_examples=10)
+    assert {k: {T: r["correct"] for T, r in v.items()} for k, v in res["accuracy"].items()} == \
+        {str(k): {str(T): r["correct"] for T, r in v.items()} for k, v in ref.items()}
+    assert (res["k_train"], res["train_depth"], res["accuracy"]["1"]["1"]["n"]) == (3, 3, 2)  # k=1: 10 // 4 per split
