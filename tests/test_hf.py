@@ -2,10 +2,11 @@
 
 Offline, tiny random models: transformers logits equal LoopLM's for every rule, ``generate`` with the
 LoopLMCache equals recompute and ``looplm.generate.generate`` (greedy, padded batches, terminal
-sharing), sampling and beam search with the cache equal their uncached runs, save → load is exact,
-``AutoTokenizer`` / ``AutoModelForCausalLM`` / ``pipeline`` / remote code load an export, and looplm
-commands accept an export folder. The lm-eval part checks the harness against ``looplm eval --task
-lambada`` and looplm's perplexity on local task YAMLs.
+sharing), sampling and beam search with the cache equal their uncached runs, save → load keeps the
+weights bit for bit (the logits to float32 rounding), ``AutoTokenizer`` / ``AutoModelForCausalLM`` /
+``pipeline`` / remote code load an export, and looplm commands accept an export folder. The lm-eval
+part checks the harness against ``looplm eval --task lambada`` and looplm's perplexity on local task
+YAMLs.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
     sd, sd2 = model.state_dict(), back.model.state_dict()
     assert sd.keys() == sd2.keys()
     for k in sd:
-        assert torch.equal(sd[k], sd2[k]), k
+        assert torch.equal(sd[k], sd2[k]), k  # exact: a copy
     for k, b in model.named_buffers():
         assert torch.equal(b, dict(back.model.named_buffers())[k]), k
     assert model.lm_head.weight is model.tok_emb.weight or not model.cfg.tie_embeddings
@@ -218,8 +219,12 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
         assert back.model.lm_head.weight is back.model.tok_emb.weight
     assert back.model.final_depth == model.final_depth
     x = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    # tolerant (different kernels): from_pretrained assigns the safetensors tensors as loaded, at
+    # 4-byte-aligned offsets, and MKL picks its matrix-vector kernel by alignment (step_adapter's
+    # P_step γ_t differs in the last bit); d = 32 sums: measured max 4e-7, so 1e-5 leaves a 25x margin
     with torch.no_grad():
-        assert torch.equal(back(x, use_cache=False).logits, hf(x, use_cache=False).logits)
+        torch.testing.assert_close(back(x, use_cache=False).logits, hf(x, use_cache=False).logits,
+                                   rtol=1e-5, atol=1e-5)
     from looplm.train.checkpoint import load_checkpoint
 
     plain, pcfg, _, _ = load_checkpoint(tmp_path)  # the core reads the export without transformers
