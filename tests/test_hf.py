@@ -76,6 +76,7 @@ def test_logits_states_and_loss_match_looplm(name):
     assert out.logits_by_depth is None and out.hidden_states is None
     multi = hf(x, num_steps=[1, 5], output_hidden_states=True, use_cache=False)
     ref5 = model(x, depth=[1, 5], return_states=True)
+    # exact: one tensor
     assert sorted(multi.logits_by_depth) == [1, 5] and torch.equal(multi.logits, multi.logits_by_depth[5])
     for T in (1, 5):
         assert (multi.logits_by_depth[T] - ref5.logits_by_depth[T]).abs().max() <= 1e-5
@@ -168,10 +169,10 @@ def test_sampling_and_beam_search_with_cache_equal_no_cache(name):
         torch.manual_seed(7)
         runs.append(hf.generate(ids, do_sample=True, temperature=0.9, top_k=20, top_p=0.95, use_cache=use_cache,
                                 **kw))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1])  # exact: token ids (discrete)
     beams = [hf.generate(ids, num_beams=3, num_return_sequences=2, do_sample=False, use_cache=use_cache,
                          return_dict_in_generate=True, output_scores=True, **kw) for use_cache in (True, False)]
-    assert torch.equal(beams[0].sequences, beams[1].sequences)
+    assert torch.equal(beams[0].sequences, beams[1].sequences)  # exact: token ids
     assert torch.allclose(beams[0].sequences_scores, beams[1].sequences_scores, atol=1e-5)
 
 
@@ -185,9 +186,9 @@ def test_cache_reorder_and_select():
     cache.reorder_cache(torch.tensor([2, 2, 0]))
     assert cache.batch_size == 3
     for k, v in cache.kv.banks.items():
-        assert torch.equal(v[0], rows[k][[2, 2, 0]])
+        assert torch.equal(v[0], rows[k][[2, 2, 0]])  # exact: copies
     for k, v in cache.kv.stats.items():
-        assert torch.equal(v, stats[k][[2, 2, 0]])
+        assert torch.equal(v, stats[k][[2, 2, 0]])  # exact: copies
     cache.batch_repeat_interleave(2)
     assert cache.batch_size == 6
     cache.batch_select_indices(torch.tensor([1]))
@@ -213,7 +214,7 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
     for k in sd:
         assert torch.equal(sd[k], sd2[k]), k  # exact: a copy
     for k, b in model.named_buffers():
-        assert torch.equal(b, dict(back.model.named_buffers())[k]), k
+        assert torch.equal(b, dict(back.model.named_buffers())[k]), k  # exact: a copy
     assert model.lm_head.weight is model.tok_emb.weight or not model.cfg.tie_embeddings
     if model.cfg.tie_embeddings:
         assert back.model.lm_head.weight is back.model.tok_emb.weight
@@ -230,7 +231,7 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
     plain, pcfg, _, _ = load_checkpoint(tmp_path)  # the core reads the export without transformers
     assert pcfg.model == model.cfg and plain.final_depth == model.final_depth
     for k, v in plain.state_dict().items():
-        assert torch.equal(v, sd[k]), k
+        assert torch.equal(v, sd[k]), k  # exact: a copy
 
 
 # ---------------------------------------------------------------------------------------------- export

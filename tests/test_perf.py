@@ -57,10 +57,10 @@ def test_fused_gate_up_initializes_as_the_separate_matrices(kw, monkeypatch):
     for k, v in new_sd.items():
         if k.endswith("mlp.gate_up.weight"):
             p = k[: -len("gate_up.weight")]
-            assert torch.equal(v, torch.cat([old_sd[p + "gate.weight"], old_sd[p + "up.weight"]]))
+            assert torch.equal(v, torch.cat([old_sd[p + "gate.weight"], old_sd[p + "up.weight"]]))  # exact: same draws
             n_fused += 1
         else:
-            assert torch.equal(v, old_sd[k]), k
+            assert torch.equal(v, old_sd[k]), k  # exact: same draws
     assert n_fused > 0
     # the outputs agree too (the fused matmul computes the same rows)
     x = torch.randint(0, cfg.vocab_size, (2, 10))
@@ -82,6 +82,7 @@ def test_old_checkpoint_layout_loads_strictly(monkeypatch, tmp_path):
     save_model(old, str(tmp_path / "old.safetensors"))
     again = build_model(cfg)
     load_model(again, str(tmp_path / "old.safetensors"), strict=True)
+    # exact: copies
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), new.state_dict().values()))
     bad = old.state_dict()
     bad.pop("core.blocks.0.mlp.up.weight")  # half of the pair: nothing is migrated, strict loading fails
@@ -325,6 +326,7 @@ def test_old_optimizer_state_migrates_to_the_fused_layout(monkeypatch):
                 assert torch.equal(st[m], torch.cat([saved["state"][p + "gate.weight"][m],
                                                      saved["state"][p + "up.weight"][m]]))
         else:
+            # exact: copies
             assert all(torch.equal(st[m], saved["state"][k][m]) for m in ("exp_avg", "exp_avg_sq", "step"))
     new(x, depth=2, targets=x).loss.backward()
     new_opt.step()
@@ -405,5 +407,5 @@ def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
                 torch.testing.assert_close(out.nll_by_depth[T], ref.nll_by_depth[T], rtol=1e-6, atol=1e-6)
     assert [T for T, _, _ in seen[False]] == [0, 1, 2, 3]
     for T, h, lg in seen[False]:
-        assert lg is None and torch.equal(h, ref.states[T])
+        assert lg is None and torch.equal(h, ref.states[T])  # exact: same computation
     assert [lg is None for _, _, lg in seen[True]] == [True, False, True, False]
