@@ -82,6 +82,7 @@ def test_exact_student_reproduces_the_teachers_terminal_prefill(name, padded):
     cont_diff = float((cont_d - cont_t).abs().max())
     print(f"{name} padded={padded}: max |Δ| banks {bank_diff:.2e}, prefill logits {logit_diff:.2e}, "
           f"continuation logits {cont_diff:.2e}")
+    # exact: the last recurrence runs the same kernels on the same z^R (the teacher's own state)
     assert bank_diff == 0.0 and logit_diff == 0.0 and cont_diff == 0.0
     # the distilled path fills one bank per physical layer: prelude + core + coda
     assert distilled.n_banks() == model.cfg.n_prelude + model.cfg.n_core + model.cfg.n_coda
@@ -97,7 +98,7 @@ def test_exact_student_at_a_fixed_point_equals_the_prefill_at_R():
     x = torch.randint(0, model.cfg.vocab_size, (2, 16))
     R, P = 4, 9
     states = model(x[:, :P], depth=R + 1, return_states=True).states
-    assert float((states[R + 1] - states[R]).abs().max()) == 0.0  # a fixed point
+    assert float((states[R + 1] - states[R]).abs().max()) == 0.0  # exact: a fixed point
     distilled, teacher = KVCache("terminal"), KVCache("terminal")
     distilled_prefill(model, Oracle(states[R]), x[:, :P], R, distilled)
     model(x[:, :P], depth=R, cache=teacher)
