@@ -252,6 +252,7 @@ def test_huginn_layout_round_trip_is_exact(tmp_path):
     assert sd.keys() == bsd.keys() and all(torch.equal(sd[k], bsd[k]) for k in sd)  # exact: copies
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        # exact: load_checkpoint copies the weights into fresh parameters, so the same computation
         assert torch.equal(model(ids, depth=[1, 5]).logits, back(ids, depth=[1, 5]).logits)
 
 
