@@ -52,7 +52,7 @@ def test_resume_is_exact_when_a_parameter_never_gets_a_gradient(tmp_path, tiny_c
     train(cfg, full, progress=False, data=tiny_data)
     train(cfg, part, progress=False, data=tiny_data, stop_after=3)
     train(cfg, part, progress=False, data=tiny_data, resume=True)
-    assert [r["loss"] for r in _trace(full)] == [r["loss"] for r in _trace(part)]  # bit-identical on CPU
+    assert [r["loss"] for r in _trace(full)] == [r["loss"] for r in _trace(part)]  # exact: resume runs the same steps
     ma, mb = load_checkpoint(full)[0], load_checkpoint(part)[0]
     assert torch.equal(ma.norm_f.weight, torch.ones_like(ma.norm_f.weight))  # exact: never trained
     for (na, pa), (nb, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
