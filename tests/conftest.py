@@ -9,6 +9,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOOPLM_CACHE", str(REPO / ".cache" / "test"))
+# One inductor cache per ATen kernel set: torch 2.13 reuses kernels compiled under another
+# ATEN_CPU_CAPABILITY from its shared cache and then decodes wrong tokens (test_perf's compiled decode).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
+    REPO / ".cache" / "test" / f"inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
 # Tiny test models run fastest on one thread; several threads per process oversubscribe a 2-core box.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -102,6 +102,7 @@ def test_rope_table_dtype_rounds_cos_and_sin_only():
     exact, rounded = Rope(16, 50000.0, "interleaved"), Rope(16, 50000.0, "interleaved", table_dtype="bfloat16")
     cos, sin = exact.cos_sin(pos)
     rc, rs = rounded.cos_sin(pos)
+    # exact: the same float32 table, rounded
     assert torch.equal(rc, cos.bfloat16().float()) and torch.equal(rs, sin.bfloat16().float())
     assert torch.equal(rounded.rotate(x, rc, rs), exact.rotate(x, cos.bfloat16().float(), sin.bfloat16().float()))
     err = (rounded.rotate(x, rc, rs) - exact.rotate(x, cos, sin)).abs().max().item()
@@ -250,7 +251,7 @@ def test_blocks_equal_hand_written_ops(norm):
     err = (x + blk(x) - ref).abs().max().item()
     print(f"{norm}: max |Δ| {err:.2e}")
     assert err < 1e-5
-    assert torch.equal(blk(torch.zeros(1, 3, D)), torch.zeros(1, 3, D))  # zero-preserving
+    assert torch.equal(blk(torch.zeros(1, 3, D)), torch.zeros(1, 3, D))  # exact: zero-preserving (0 in, 0 out)
 
 
 def test_block_norm_keys_and_zero_preserving_core():
@@ -260,9 +261,9 @@ def test_block_norm_keys_and_zero_preserving_core():
         keys = set(model.state_dict())
         assert {"core.blocks.0.post_attn_norm.weight", "core.blocks.0.post_mlp_norm.weight",
                 "core.blocks.0.attn.qk_bias"} <= keys
-        assert torch.equal(model.core.blocks[0].post_mlp_norm.weight.detach(), torch.ones(D))
-        assert torch.equal(model.core.blocks[0].attn.qk_bias.detach(), torch.zeros((H + H) * HD))
-        assert torch.equal(model.core(torch.zeros(2, 5, D)), torch.zeros(2, 5, D))
+        assert torch.equal(model.core.blocks[0].post_mlp_norm.weight.detach(), torch.ones(D))  # exact: init
+        assert torch.equal(model.core.blocks[0].attn.qk_bias.detach(), torch.zeros((H + H) * HD))  # exact: init
+        assert torch.equal(model.core(torch.zeros(2, 5, D)), torch.zeros(2, 5, D))  # exact: 0 in, 0 out
 
 
 # ---------------------------------------------------------------------------------------------- embedding and norms
@@ -276,9 +277,9 @@ def test_embedding_scale_and_position_signal():
         model = build_model(cfg(rule="plain", position_embedding=pe, embed_scale=3.0)).eval()
         assert model.pos_emb is None and "pos_emb.weight" not in model.state_dict()
         assert (model.core.blocks[0].attn.rope is not None) == (pe == "rope")
-        assert torch.equal(model.embed(x), model.tok_emb(x) * 3.0)
+        assert torch.equal(model.embed(x), model.tok_emb(x) * 3.0)  # exact: same computation
     model = build_model(cfg(rule="plain", embed_scale=2.0)).eval()  # learned positions: scale the tokens only
-    assert torch.equal(model.embed(x), model.tok_emb(x) * 2.0 + model.pos_emb(torch.arange(L)))
+    assert torch.equal(model.embed(x), model.tok_emb(x) * 2.0 + model.pos_emb(torch.arange(L)))  # exact: same ops
     # a run of one repeated token: without a position signal every position sees the same keys and
     # values, so every position has the same logits; learned positions tell them apart (rope cannot
     # here: it rotates q and k only, and every value is the same)
@@ -362,7 +363,8 @@ def test_truncated_normal_initial_state():
     assert h0.abs().max() <= 3 * sigma + 1e-6 and h0.abs().max() > 2.5 * sigma
     trunc_std = math.sqrt(1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)))
     assert abs(h0.std().item() / (sigma * trunc_std) - 1) < 0.03
-    assert torch.equal(h0, model.rule.initial_state(e))  # evaluation: the fixed table
+    assert torch.equal(h0, model.rule.initial_state(e))  # exact: evaluation reads the fixed table
+    # exact: rows of the table
     assert torch.equal(model.rule.initial_state(e[:, :1], torch.tensor([[5], [9]]))[:, 0], h0[0, [5, 9]])
     model.train()
     a, b = model.rule.initial_state(e), model.rule.initial_state(e)
@@ -415,6 +417,7 @@ def test_exit_cdf_equals_ouros_formula():
     gates = [2.0 * torch.randn(3, 11, generator=g) for _ in range(4)]
     for tau in (0.0, 0.2, 0.5, 0.8, 0.95, 1.0):
         got = exit_cdf_depths(gates, tau)
+        # exact: integer loops; every CDF is ≥ 1e-4 from τ
         assert torch.equal(got, ouro_threshold_rule(gates, tau)), tau
     assert len(set(exit_cdf_depths(gates, 0.5).flatten().tolist())) > 2
     # the carried statistic is the CDF of the exit distribution of train.supervision=exit_weighted

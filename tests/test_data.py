@@ -256,10 +256,10 @@ def test_sample_batch_deterministic_windows():
     tokens = np.arange(1000, dtype=np.uint16)  # x rows are runs o..o+L-1, so y must be x + 1
     x, y = sample_batch(tokens, 8, 16, seed=3, step=7)
     assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
-    assert torch.equal(y, x + 1) and torch.equal(x[:, 1:], x[:, :-1] + 1)
+    assert torch.equal(y, x + 1) and torch.equal(x[:, 1:], x[:, :-1] + 1)  # exact: integers
     assert int(x.max()) + 1 <= 999
     x2, _ = sample_batch(tokens, 8, 16, seed=3, step=7)
-    assert torch.equal(x, x2)  # a pure function of (seed, step, micro)
+    assert torch.equal(x, x2)  # exact: a pure function of (seed, step, micro)
     for other in ({"seed": 4, "step": 7}, {"seed": 3, "step": 8}, {"seed": 3, "step": 7, "micro": 1}):
         assert not torch.equal(x, sample_batch(tokens, 8, 16, **other)[0])
     with pytest.raises(ValueError, match="seq_len \\+ 1 = 17"):

@@ -76,12 +76,13 @@ def test_exact_student_reproduces_the_teachers_terminal_prefill(name, padded):
     bank_diff = _max_bank_diff(distilled, teacher)
     logit_diff = float((out_d.logits - out_t.logits).abs().max())
     if mask is None:  # the student is shown the prelude output e
-        assert torch.equal(oracle.seen_e, model.embed(prompt))
+        assert torch.equal(oracle.seen_e, model.embed(prompt))  # exact: same computation
     cont_d = model(x[:, P:], depth=R, cache=distilled).logits
     cont_t = model(x[:, P:], depth=R, cache=teacher).logits
     cont_diff = float((cont_d - cont_t).abs().max())
     print(f"{name} padded={padded}: max |Δ| banks {bank_diff:.2e}, prefill logits {logit_diff:.2e}, "
           f"continuation logits {cont_diff:.2e}")
+    # exact: the last recurrence runs the same kernels on the same z^R (the teacher's own state)
     assert bank_diff == 0.0 and logit_diff == 0.0 and cont_diff == 0.0
     # the distilled path fills one bank per physical layer: prelude + core + coda
     assert distilled.n_banks() == model.cfg.n_prelude + model.cfg.n_core + model.cfg.n_coda
@@ -97,7 +98,7 @@ def test_exact_student_at_a_fixed_point_equals_the_prefill_at_R():
     x = torch.randint(0, model.cfg.vocab_size, (2, 16))
     R, P = 4, 9
     states = model(x[:, :P], depth=R + 1, return_states=True).states
-    assert float((states[R + 1] - states[R]).abs().max()) == 0.0  # a fixed point
+    assert float((states[R + 1] - states[R]).abs().max()) == 0.0  # exact: a fixed point
     distilled, teacher = KVCache("terminal"), KVCache("terminal")
     distilled_prefill(model, Oracle(states[R]), x[:, :P], R, distilled)
     model(x[:, :P], depth=R, cache=teacher)
@@ -126,7 +127,7 @@ def test_student_starts_as_the_teachers_core_and_attends_causally():
     core = model.core.blocks
     for i, block in enumerate(student.blocks):  # block i = core block i mod n_core
         for (n, p), q in zip(block.named_parameters(), core[i % len(core)].parameters()):
-            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), n
+            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), n  # exact: a copy
     assert all(p.requires_grad for p in student.parameters())
     rand = build_student(model, DistillConfig(init="random", seed=1))
     w = rand.blocks[0].attn.qkv.weight
@@ -141,6 +142,7 @@ def test_student_starts_as_the_teachers_core_and_attends_causally():
     e2[:, 5] += 1.0
     with torch.no_grad():
         a, b = student(e), student(e2)
+    # exact: same shapes, the change masked
     assert torch.equal(a[:, :5], b[:, :5]) and not torch.allclose(a[:, 5:], b[:, 5:])
     # a left-padded row equals the unpadded row
     with torch.no_grad():
@@ -280,7 +282,7 @@ def test_resume_is_exact(teacher_run, student_run, tmp_path):
     teacher = load_checkpoint(teacher_run)[0]
     s1, s2 = load_student(student_run, teacher)[0], load_student(out, teacher)[0]
     for (n, p), q in zip(s1.state_dict().items(), s2.state_dict().values()):
-        assert torch.equal(p, q), n
+        assert torch.equal(p, q), n  # exact: resume runs the same steps
     with pytest.raises(ValueError, match="already holds a student"):
         distill(teacher_run, out, DistillConfig(**SMALL), progress=False)
 

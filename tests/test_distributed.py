@@ -109,7 +109,7 @@ def test_sharded_checkpoint_loads_for_eval_like_the_consolidated_one(single, sha
     assert ckpt.name == "step-000002" and state["step"] == 2 and "optimizer" not in state
     sd_ref = model_ref.state_dict()
     for key, value in model.state_dict().items():
-        assert torch.equal(value, sd_ref[key]), key
+        assert torch.equal(value, sd_ref[key]), key  # exact: the same saved weights
     scores = []
     for path in (ref, ckpt):
         capsys.readouterr()

@@ -117,7 +117,7 @@ def test_nonfinite_step_is_skipped_logged_and_resume_stays_exact(tmp_path, tiny_
         [(r["step"], r["loss"], r["depths"], r["skipped_steps"]) for r in trace]
     other, _, _, _ = load_checkpoint(part)
     for k, v in model.state_dict().items():
-        assert torch.equal(v, other.state_dict()[k]), k
+        assert torch.equal(v, other.state_dict()[k]), k  # exact: resume runs the same steps
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_good_checkpoint(tmp_path, tiny_cfg, tiny_data,

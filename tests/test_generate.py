@@ -234,6 +234,7 @@ def test_exited_token_copies_its_exit_kv_forward(name):
         exit_k, exit_v = pv[(lid, exit_loop - 1)]
         for v in range(exit_loop, R):
             k, vv = pv[(lid, v)]
+            # exact: copies
             assert torch.equal(k[0, :, -1], exit_k[0, :, -1]) and torch.equal(vv[0, :, -1], exit_v[0, :, -1])
             assert not torch.equal(k[1, :, -1], exit_k[1, :, -1])  # row 1 kept looping
     # each row equals a fixed-depth step of that row alone (depth 2 for the exited row, 4 for the other):
@@ -376,7 +377,7 @@ def test_cli_output_paths_and_plain_export(checkpoint, tmp_path, capsys):
     ref, _, _, _ = load_checkpoint(checkpoint)
     assert not model.training
     for (n, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
-        assert torch.equal(p, q), n
+        assert torch.equal(p, q), n  # exact: the same saved weights
     with pytest.raises(CheckpointError, match="manifest"):
         load_checkpoint(plain, with_state=True)
     copy = tmp_path / "copy"

@@ -157,10 +157,11 @@ def test_endpoint_at_depth_T_is_tbptt_at_depth_T_plus_b():
     m.zero_grad()
     c = m(x, depth=5, targets=y, gradient="tbptt", gradient_steps=2)
     c.loss.backward()
-    assert torch.equal(a.loss, c.loss)
+    assert torch.equal(a.loss, c.loss)  # exact: same computation
     for n, g in grads(m).items():
-        assert torch.equal(g, ga[n]), n
+        assert torch.equal(g, ga[n]), n  # exact: same computation
     with torch.no_grad():  # the values do not depend on autograd
+        # exact: same kernels
         assert torch.equal(m(x, depth=3, targets=y, gradient="endpoint", gradient_steps=2).loss, a.loss)
 
 
@@ -173,7 +174,7 @@ def test_endpoint_multi_depth_readouts_and_depth_zero():
     ref = m(x, depth=[1, 2, 5], targets=y)
     assert set(out.nll_by_depth) == {1, 2, 5} and len(out.states) == 6
     for k in (1, 2, 5):
-        assert torch.equal(out.nll_by_depth[k], ref.nll_by_depth[k])
+        assert torch.equal(out.nll_by_depth[k], ref.nll_by_depth[k])  # exact: same forward (detach keeps values)
     # depth 0: the endpoint is the initial state, detached
     m.zero_grad()
     m(x, depth=0, targets=y, gradient="endpoint", gradient_steps=1).loss.backward()

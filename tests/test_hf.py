@@ -2,10 +2,11 @@
 
 Offline, tiny random models: transformers logits equal LoopLM's for every rule, ``generate`` with the
 LoopLMCache equals recompute and ``looplm.generate.generate`` (greedy, padded batches, terminal
-sharing), sampling and beam search with the cache equal their uncached runs, save → load is exact,
-``AutoTokenizer`` / ``AutoModelForCausalLM`` / ``pipeline`` / remote code load an export, and looplm
-commands accept an export folder. The lm-eval part checks the harness against ``looplm eval
-lambada`` and looplm's perplexity on local task YAMLs.
+sharing), sampling and beam search with the cache equal their uncached runs, save → load keeps the
+weights bit for bit (the logits to float32 rounding), ``AutoTokenizer`` / ``AutoModelForCausalLM`` /
+``pipeline`` / remote code load an export, and looplm commands accept an export folder. The lm-eval
+part checks the harness against ``looplm eval lambada`` and looplm's perplexity on local task
+YAMLs.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def test_logits_states_and_loss_match_looplm(name):
     assert out.logits_by_depth is None and out.hidden_states is None
     multi = hf(x, num_steps=[1, 5], output_hidden_states=True, use_cache=False)
     ref5 = model(x, depth=[1, 5], return_states=True)
+    # exact: one tensor
     assert sorted(multi.logits_by_depth) == [1, 5] and torch.equal(multi.logits, multi.logits_by_depth[5])
     for T in (1, 5):
         assert (multi.logits_by_depth[T] - ref5.logits_by_depth[T]).abs().max() <= 1e-5
@@ -167,10 +169,10 @@ def test_sampling_and_beam_search_with_cache_equal_no_cache(name):
         torch.manual_seed(7)
         runs.append(hf.generate(ids, do_sample=True, temperature=0.9, top_k=20, top_p=0.95, use_cache=use_cache,
                                 **kw))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1])  # exact: token ids (discrete)
     beams = [hf.generate(ids, num_beams=3, num_return_sequences=2, do_sample=False, use_cache=use_cache,
                          return_dict_in_generate=True, output_scores=True, **kw) for use_cache in (True, False)]
-    assert torch.equal(beams[0].sequences, beams[1].sequences)
+    assert torch.equal(beams[0].sequences, beams[1].sequences)  # exact: token ids
     assert torch.allclose(beams[0].sequences_scores, beams[1].sequences_scores, atol=1e-5)
 
 
@@ -184,9 +186,9 @@ def test_cache_reorder_and_select():
     cache.reorder_cache(torch.tensor([2, 2, 0]))
     assert cache.batch_size == 3
     for k, v in cache.kv.banks.items():
-        assert torch.equal(v[0], rows[k][[2, 2, 0]])
+        assert torch.equal(v[0], rows[k][[2, 2, 0]])  # exact: copies
     for k, v in cache.kv.stats.items():
-        assert torch.equal(v, stats[k][[2, 2, 0]])
+        assert torch.equal(v, stats[k][[2, 2, 0]])  # exact: copies
     cache.batch_repeat_interleave(2)
     assert cache.batch_size == 6
     cache.batch_select_indices(torch.tensor([1]))
@@ -210,22 +212,27 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
     sd, sd2 = model.state_dict(), back.model.state_dict()
     assert sd.keys() == sd2.keys()
     for k in sd:
-        assert torch.equal(sd[k], sd2[k]), k
+        assert torch.equal(sd[k], sd2[k]), k  # exact: a copy
     for k, b in model.named_buffers():
-        assert torch.equal(b, dict(back.model.named_buffers())[k]), k
+        assert torch.equal(b, dict(back.model.named_buffers())[k]), k  # exact: a copy
     assert model.lm_head.weight is model.tok_emb.weight or not model.cfg.tie_embeddings
     if model.cfg.tie_embeddings:
         assert back.model.lm_head.weight is back.model.tok_emb.weight
     assert back.model.final_depth == model.final_depth
     x = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    # tolerant (different memory layout): from_pretrained keeps the safetensors tensors where they lie,
+    # at 4-byte-aligned offsets, and MKL picks its matrix-vector kernel by alignment: step_adapter's
+    # P_step γ_t differs in the last bit (bitwise again once the weights are cloned to fresh memory);
+    # O(1) logits, d = 32 sums: measured max 4e-7, so 1e-5 leaves a 25x margin
     with torch.no_grad():
-        assert torch.equal(back(x, use_cache=False).logits, hf(x, use_cache=False).logits)
+        torch.testing.assert_close(back(x, use_cache=False).logits, hf(x, use_cache=False).logits,
+                                   rtol=1e-5, atol=1e-5)
     from looplm.train.checkpoint import load_checkpoint
 
     plain, pcfg, _, _ = load_checkpoint(tmp_path)  # the core reads the export without transformers
     assert pcfg.model == model.cfg and plain.final_depth == model.final_depth
     for k, v in plain.state_dict().items():
-        assert torch.equal(v, sd[k]), k
+        assert torch.equal(v, sd[k]), k  # exact: a copy
 
 
 # ---------------------------------------------------------------------------------------------- export

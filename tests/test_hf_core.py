@@ -45,6 +45,7 @@ def test_core_runs_without_transformers_and_lm_eval(tmp_path):
         f"d = {str(tmp_path)!r}\n"
         "m, cfg, _, _ = load_checkpoint(d)\n"
         "assert m.final_depth == 3 and not m.training\n"
+        # exact: load_checkpoint copies the weights into fresh parameters, so the same computation
         "assert torch.equal(m(torch.load(d + '/x.pt'), depth=2).logits, torch.load(d + '/want.pt'))\n"
         "assert main(['export', '--checkpoint', d, '--out', d + '/hf']) == 2\n"
         "assert main(['lm-eval', '--checkpoint', d, '--tasks', 'x']) == 2\n"

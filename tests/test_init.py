@@ -70,11 +70,11 @@ def test_gpt2_init_draws_exactly_as_before(rule):
         _reference_reset(model)
         old = model.state_dict()
         for k in old:
-            assert torch.equal(new[k], old[k]), f"{rule}: {k} differs from the pre-option init"
+            assert torch.equal(new[k], old[k]), f"{rule}: {k} differs from the pre-option init"  # exact: same draws
     if rule == "parcae_decay":  # the gain is the only new tensor, and draws nothing
         keys = {k: set(build_model(_cfg(rule, **kw)).state_dict()) for k, kw in (("new", {}), ("old", variants[1]))}
         assert keys["new"] - keys["old"] == {"rule.in_norm.weight"} and keys["old"] <= keys["new"]
-        assert torch.equal(build_model(_cfg(rule)).rule.in_norm.weight.detach(), torch.ones(D))
+        assert torch.equal(build_model(_cfg(rule)).rule.in_norm.weight.detach(), torch.ones(D))  # exact: init
 
 
 SOURCE_NAMES = {
@@ -114,7 +114,7 @@ def test_scheme_changes_only_the_source_modules(rule, scheme):
     sd = model.state_dict()
     for k in base:
         if k not in SOURCE_NAMES[rule]:
-            assert torch.equal(sd[k], base[k]), f"{rule}/{scheme}: {k} changed"
+            assert torch.equal(sd[k], base[k]), f"{rule}/{scheme}: {k} changed"  # exact: same draws
     matched = {id(m.weight): s for m, s in model.rule.source_modules()}
     for k in SOURCE_NAMES[rule]:
         w = sd[k]
@@ -123,7 +123,7 @@ def test_scheme_changes_only_the_source_modules(rule, scheme):
         if scheme == "torch":
             assert w.abs().max() <= 1 / math.sqrt(fan_in) and w.abs().max() > 0.8 / math.sqrt(fan_in)
         elif k.endswith(".bias"):
-            assert torch.equal(w, torch.zeros_like(w))
+            assert torch.equal(w, torch.zeros_like(w))  # exact: init
         else:
             want = 2.0 if scheme == "normal" else matched[id(dict(model.named_parameters())[k])]
             assert w.std().item() == pytest.approx(want, rel=0.1)
@@ -164,7 +164,7 @@ def test_torch_scheme_is_nn_linear_default():
     ref = nn.Linear(2 * D, D)
     torch.manual_seed(5)
     ref.reset_parameters()
-    assert torch.equal(w, ref.weight) and torch.equal(b, ref.bias)
+    assert torch.equal(w, ref.weight) and torch.equal(b, ref.bias)  # exact: same draws
 
 
 def test_embed_init_std():
@@ -176,7 +176,7 @@ def test_embed_init_std():
         if k in ("tok_emb.weight", "pos_emb.weight", "lm_head.weight"):  # lm_head is tied
             assert sd[k].std().item() == pytest.approx(1.0, rel=0.1)
         else:
-            assert torch.equal(sd[k], base[k]), k
+            assert torch.equal(sd[k], base[k]), k  # exact: same draws
 
 
 def test_init_fields_are_validated():

@@ -115,7 +115,7 @@ def test_terminal_equals_per_visit_at_depth_one(name):
     x = tokens(b=2)
     a = _incremental(model, x, 1, 4, "per_visit")
     b = _incremental(model, x, 1, 4, "terminal")
-    assert torch.equal(a, b)
+    assert torch.equal(a, b)  # exact: at R = 1 the two layouts run the same computation
 
 
 def test_unknown_cache_mode_and_unshared():
@@ -356,7 +356,7 @@ def test_multi_depth_prefill_commits_only_the_last_readouts_coda(name):
     model(x[:, :5], depth=4, cache=b)
     assert set(a.banks) == set(b.banks)
     for key in a.banks:
-        assert torch.equal(a.banks[key][0], b.banks[key][0])
+        assert torch.equal(a.banks[key][0], b.banks[key][0])  # exact: same computation
     nxt = model(x[:, 5:7], depth=[2, 4], cache=a).logits_by_depth
     full = model(x[:, :7], depth=[2, 4]).logits_by_depth
     # the last depth is exact; an intermediate readout's coda sees the prefix's last-depth coda K/V

@@ -315,7 +315,7 @@ def test_unshared_runs_min_depth_blocks():
     got = model(x, depth=[1, 3, 8]).logits_by_depth
     assert torch.allclose(got[1], outs[1], atol=1e-6)
     assert torch.allclose(got[3], outs[3], atol=1e-6)
-    assert torch.equal(got[8], got[3])  # active depth saturates at n_layers
+    assert torch.equal(got[8], got[3])  # exact: active depth saturates at n_layers: the same computation
 
 
 @pytest.mark.parametrize("anchor", ["learned", "embedding", "frozen_random"])
@@ -390,8 +390,9 @@ def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
     x = tokens()
     out = model(x, depth=[0, 1, 8, 24], targets=x, return_states=True)
     for s in out.states:
-        assert torch.equal(s, out.anchor)  # Δ_t = 0 at every t
+        assert torch.equal(s, out.anchor)  # exact: Δ_t = 0 at every t
     nll = out.nll_by_depth
+    # exact: the same state read out
     assert torch.equal(nll[1], nll[0]) and torch.equal(nll[24], nll[8]) and torch.equal(nll[8], nll[1])
 
 
@@ -404,7 +405,7 @@ def test_mask_is_per_example():
     state = state.clone()
     state[0] = 0.0
     nxt = model.step(state, 0, ctx)
-    assert torch.equal(nxt[0], torch.zeros_like(nxt[0]))
+    assert torch.equal(nxt[0], torch.zeros_like(nxt[0]))  # exact: 0 in, 0 out
     assert nxt[1].abs().max() > 0
 
 

@@ -79,9 +79,9 @@ def test_forward_equals_reference_loop(rule, scale, readout):
     out = model(x, depth=depths, return_states=True)
     ref = reference_states(model, x, depths[-1])
     for T, (h, r) in enumerate(zip(out.states, ref)):
-        assert torch.equal(h, r), (T, (h - r).abs().max())
+        assert torch.equal(h, r), (T, (h - r).abs().max())  # exact: same ops, same shapes
     for T in depths:  # final_only_norm: the final norm from the largest requested depth on
-        assert torch.equal(out.logits_by_depth[T], model.readout(ref[T], final=T >= depths[-1]))
+        assert torch.equal(out.logits_by_depth[T], model.readout(ref[T], final=T >= depths[-1]))  # exact: same readout
 
 
 @torch.no_grad()
@@ -193,7 +193,7 @@ def test_adaptive_runner_applies_the_scale_control():
     from looplm.eval.exits import exit_loop
     crit = build_exit_criterion("hidden_update", -float("inf"))
     exit_loop(model, state, ctx, crit, 4, on_exit=on_exit)
-    assert torch.equal(seen[4], states[4])
+    assert torch.equal(seen[4], states[4])  # exact: same computation
 
 
 def test_scopes_are_reentrant_and_thread_safe():

@@ -57,10 +57,10 @@ def test_fused_gate_up_initializes_as_the_separate_matrices(kw, monkeypatch):
     for k, v in new_sd.items():
         if k.endswith("mlp.gate_up.weight"):
             p = k[: -len("gate_up.weight")]
-            assert torch.equal(v, torch.cat([old_sd[p + "gate.weight"], old_sd[p + "up.weight"]]))
+            assert torch.equal(v, torch.cat([old_sd[p + "gate.weight"], old_sd[p + "up.weight"]]))  # exact: same draws
             n_fused += 1
         else:
-            assert torch.equal(v, old_sd[k]), k
+            assert torch.equal(v, old_sd[k]), k  # exact: same draws
     assert n_fused > 0
     # the outputs agree too (the fused matmul computes the same rows)
     x = torch.randint(0, cfg.vocab_size, (2, 10))
@@ -112,8 +112,6 @@ def test_fused_readout_cross_entropy_equals_plain(readout, tied, dtype, monkeypa
         assert (fused_out.nll_by_depth[T][y == -100] == 0).all()
         torch.testing.assert_close(fused_out.nll_by_depth[T], plain.nll_by_depth[T], rtol=rtol, atol=rtol)
     assert abs(fused_out.loss.item() - plain.loss.item()) <= rtol * abs(plain.loss.item())
-    if dtype == "float32":  # same rows, same kernel: bitwise (row blocks of a CPU matmul are exact)
-        assert torch.equal(fused_out.loss, plain.loss)
     assert g_plain.keys() == g_fused.keys()
     for n in g_plain:
         scale = g_plain[n].abs().max().clamp(min=1e-12)
@@ -131,8 +129,8 @@ def test_fused_path_also_matches_reference_cross_entropy():
     with torch.no_grad():
         ref = _plain_nll(model, x, y, [2, 4])
         out = model(x, depth=[2, 4], targets=y, keep_logits=False)
-    for T in (2, 4):
-        assert torch.equal(out.nll_by_depth[T], ref[T])
+    for T in (2, 4):  # tolerant (different shapes): the fused path reads out row chunks; NLL ~4.6, d = 32
+        torch.testing.assert_close(out.nll_by_depth[T], ref[T], rtol=1e-6, atol=1e-5)
 
 
 def test_linear_cross_entropy_saves_no_logits():
@@ -192,10 +190,12 @@ def test_prefill_last_position_readout_equals_full_logits():
         last = model(x, depth=3, cache=caches[1], attention_mask=mask,
                      readout_tokens=(torch.arange(2), torch.full((2,), 8))).logits
         none = model(x, depth=3, cache=caches[2], attention_mask=mask, keep_logits=False)
+    # tolerant (different shapes): the readout multiplies 2 rows instead of 18, and MKL's kernels for
+    # the two shapes sum the d = 32 dot products in different orders; |logits| < 0.5, measured max
+    # difference 9e-8 (1 ulp), so 1e-5 leaves a 100x margin
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
     assert none.logits is None
-    # (B·L, d) and (B, d) readout matmuls: BLAS may block the rows differently, so equal to rounding
-    torch.testing.assert_close(last, full, rtol=1e-6, atol=1e-6)
-    for c in caches[1:]:
+    for c in caches[1:]:  # exact (same computation): the loop below the readout runs the same shapes
         assert c.banks.keys() == caches[0].banks.keys()
         for key, (k, v) in c.banks.items():
             assert torch.equal(k, caches[0].banks[key][0]) and torch.equal(v, caches[0].banks[key][1])
@@ -228,8 +228,10 @@ def test_static_cache_decodes_without_concatenation_and_grows(mode, monkeypatch)
             per_bank = 2 * 2 * cfg.n_heads * 16 * (cfg.d_model // cfg.n_heads) * 4  # K and V, B=2, fp32
             assert cache.nbytes() == cache.n_banks() * per_bank
             assert cache.capacity_nbytes() >= cache.nbytes()
-    assert torch.equal(outs[None], outs[5])
-    if mode == "per_visit":  # exact against the full forward
+    # tolerant (different memory layout): attention reads K/V as views of buffers whose capacity, and
+    # so row stride, differs; logits O(1) through d = 32 sums, float32 rounding ~1e-7
+    torch.testing.assert_close(outs[5], outs[None], rtol=1e-5, atol=1e-5)
+    if mode == "per_visit":  # tolerant (different shapes) against the full forward
         torch.testing.assert_close(outs[None], ref[:, 8:], rtol=1e-5, atol=1e-5)
 
 
@@ -327,5 +329,5 @@ def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
                 torch.testing.assert_close(out.nll_by_depth[T], ref.nll_by_depth[T], rtol=1e-6, atol=1e-6)
     assert [T for T, _, _ in seen[False]] == [0, 1, 2, 3]
     for T, h, lg in seen[False]:
-        assert lg is None and torch.equal(h, ref.states[T])
+        assert lg is None and torch.equal(h, ref.states[T])  # exact: same computation
     assert [lg is None for _, _, lg in seen[True]] == [True, False, True, False]

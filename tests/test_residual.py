@@ -90,7 +90,7 @@ def test_post_ln_block_matches_hand_written_formula():
     x1 = rms(alpha * x + blk.attn(x)) * blk.norm1.weight
     x2 = rms(alpha * x1 + blk.mlp(x1)) * blk.norm2.weight
     assert torch.allclose(x + blk(x), x2, atol=1e-6)
-    assert torch.equal(blk(torch.zeros_like(x)), torch.zeros_like(x))  # still zero-preserving
+    assert torch.equal(blk(torch.zeros_like(x)), torch.zeros_like(x))  # exact: still zero-preserving
 
 
 def test_plain_rule_with_input_norm_normalizes_the_embedding():
@@ -100,7 +100,7 @@ def test_plain_rule_with_input_norm_normalizes_the_embedding():
     e = m.embed(x)
     assert torch.allclose(e.pow(2).mean(-1), torch.ones(2, 8), atol=5e-3)  # eps = 1e-6 vs mean(e²) ≈ 8e-4
     out = m(x, depth=0, return_states=True)
-    assert torch.equal(out.states[0], e)
+    assert torch.equal(out.states[0], e)  # exact: h_0 = e, no op
 
 
 def test_bad_residual_config_names_the_field():

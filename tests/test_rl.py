@@ -67,7 +67,7 @@ def test_saved_states_are_the_replays_states():
         assert s.shape == (len(p) + len(r) - 1, 32)
     replay = generate(model, roll.prompts, M, R, eos_id=eos, save_states=True, forced=roll.responses)
     assert replay.tokens == roll.responses
-    assert all(torch.equal(a, b) for a, b in zip(replay.states, roll.states))
+    assert all(torch.equal(a, b) for a, b in zip(replay.states, roll.states))  # exact: same cached decode
     batch = pack(roll)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
         m = model.to(dtype)
@@ -100,7 +100,7 @@ def test_reuse_equals_recompute_when_the_saved_states_are_the_replays():
     batch.states = torch.where(batch.mask.bool()[..., None], replayed, batch.states)
     _, nll_reuse = update_gradient(model, batch, "reuse", **kw)
     g_reuse = flat_grad(model)
-    assert torch.equal(nll_reuse, nll_rec) and torch.equal(g_reuse, g_rec)
+    assert torch.equal(nll_reuse, nll_rec) and torch.equal(g_reuse, g_rec)  # exact: same computation
     cos = float(torch.dot(own[1], g_rec) / (own[1].norm() * g_rec.norm()))
     print(f"reuse (rollout states) vs recompute: cos = {cos:.12f}, max |Δnll| = {(own[0] - nll_rec).abs().max():.3g}")
     assert cos > 1 - 1e-9
@@ -120,7 +120,7 @@ def test_reuse_with_b_equal_R_from_a_zero_initial_state_is_full_bptt():
     g_reuse = flat_grad(model)
     err = float((g_reuse - g_bptt).abs().max() / g_bptt.abs().max())
     print(f"max |g_reuse - g_bptt| / max |g_bptt| = {err:.3g}")
-    assert torch.equal(nll_reuse, nll_bptt)
+    assert torch.equal(nll_reuse, nll_bptt)  # exact: same forward
     assert err <= 1e-6
     # with the rollout's own states (depth R) it is a different estimator
     batch2 = pack(roll)
@@ -205,7 +205,7 @@ def test_task_heldout_is_disjoint_and_tokenizer_agrees():
     # the trainer's windows at multiples of the record length start at a record: a prompt at position 0
     x, y = sample_batch(ids, 16, 2 * task.record_len, seed=0, step=3, stride=task.record_len)
     assert (x[:, 0] == NEWLINE_ID).all() and (x[:, task.record_len] == NEWLINE_ID).all()
-    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # exact: integers
     assert torch.equal(sample_batch(ids, 4, 7, seed=0, step=1)[0], sample_batch(ids, 4, 7, seed=0, step=1, stride=1)[0])
     assert not {p.prompt for p in task.problems(2000, "rl", 0, 0)} & {p.prompt for p in held}
     assert task.problems(5, "rl", 0, 3) == AdditionTask(digits=2).problems(5, "rl", 0, 3)  # a pure function
@@ -262,7 +262,7 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     assert not (cut / "results.json").exists()
     assert main(["rl", "train", "--out", str(cut), "--resume", "--quiet"]) == 0
     a, b = (load_checkpoint(d)[0].state_dict() for d in (full, cut))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # exact: resume runs the same steps
     from looplm.train.checkpoint import newest_valid_checkpoint
 
     hostile = tmp_path / "hostile"  # a train_state.pt that runs code when unpickled: refused, never run

@@ -159,7 +159,7 @@ def test_warmup_sets_baseline_without_moving_logits():
     b = rewards[0]
     for u in rewards:
         b = 0.9 * b + 0.1 * u
-    assert torch.equal(prior.logits.detach(), logits0)
+    assert torch.equal(prior.logits.detach(), logits0)  # exact: no update yet
     assert prior.baseline == pytest.approx(b, rel=1e-12)
     prior.observe(3, 1.0, 100)
     prior.update()  # first real update
@@ -222,7 +222,7 @@ def test_advantage_scale_is_one_for_neg_ce_and_single_microbatches():
     a = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2, scale=True)
     b = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2)
     assert _train(a, lambda r: 3.0 - 0.05 * r, 10) == _train(b, lambda r: 3.0 - 0.05 * r, 10)
-    assert a.advantage_scale == 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
+    assert a.advantage_scale == 1.0 and torch.equal(a.logits.detach(), b.logits.detach())  # exact: same updates
     one = LearnedDepthPrior(5.0, 0.5, CAP, reward="inv_ppl", scale=True)
     _train(one, lambda r: 3.0 - 0.05 * r, 5, micro=1)
     assert one.advantage_scale == 1.0
@@ -236,6 +236,7 @@ def test_advantage_scale_resumes_exactly():
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     assert _train(a, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6) == \
         _train(b, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6)
+    # exact: same updates
     assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
     old = a.state_dict()
     del old["advantage_scale"], old["scale_history"]  # a checkpoint from before prior_scale
@@ -264,7 +265,7 @@ def test_state_dict_round_trip_resumes_exactly():
     draws_a = _train(a, ce, 20, first_step=20)
     draws_b = _train(b, ce, 20, first_step=20)
     assert draws_a == draws_b
-    assert torch.equal(a.logits.detach(), b.logits.detach()) and a.baseline == b.baseline
+    assert torch.equal(a.logits.detach(), b.logits.detach()) and a.baseline == b.baseline  # exact: same updates
     assert a.updates == b.updates == 40
     with pytest.raises(ValueError, match="train.depth_cap"):
         LearnedDepthPrior(5.0, 0.5, 32).load_state_dict(a.state_dict())
@@ -279,7 +280,7 @@ def test_reduce_hook_two_identical_ranks_equals_single_process():
     d1 = _train(single, ce, 10)
     d2 = _train(ranks, ce, 10, reduce=lambda t: 2 * t)  # fake all-reduce over 2 ranks with equal stats
     assert d1 == d2 and single.baseline == ranks.baseline
-    assert torch.equal(single.logits.detach(), ranks.logits.detach())
+    assert torch.equal(single.logits.detach(), ranks.logits.detach())  # exact: ×2 then /2 is exact
 
     # A rank that drew a different depth for a microbatch is caught.
     ranks.observe(3, 3.0, 10)
