@@ -92,3 +92,36 @@ class Poison:
 @pytest.fixture
 def poison():
     return Poison()
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A saved (untrained) tiny SCSE checkpoint with a 300-entry byte-level BPE trained on Brown text."""
+    import torch
+
+    from looplm.config import Config, DataConfig, TrainConfig
+    from looplm.data.corpora import load_split_text
+    from looplm.data.paths import resolve_data_root
+    from looplm.data.tokenizer import train_bpe_tokenizer
+    from looplm.model import build_model
+    from looplm.train.checkpoint import save_checkpoint
+    from test_model import tiny
+
+    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=300)
+    tok = train_bpe_tokenizer(load_split_text(data, "train", resolve_data_root(""))[:60000], 300)
+    cfg = Config(name="tiny-hf", model=tiny(rule="scse", vocab_size=300, seq_len=48, init_std=0.1), data=data,
+                 train=TrainConfig(eval_depth=3, depth_lo=1, depth_hi=4))
+    torch.manual_seed(0)
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    save_checkpoint(run, 1, build_model(cfg.model).eval(), cfg, tokenizer_json=tok.to_str())
+    return run
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_ckpt, tmp_path_factory):
+    """``looplm export`` of :func:`tiny_ckpt` (an HF folder)."""
+    from looplm.cli import main
+
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert main(["export", "--checkpoint", str(tiny_ckpt), "--out", str(out)]) == 0
+    return out

@@ -156,3 +156,16 @@ def eot_id(tok: Tokenizer) -> int:
     """Id of the document separator of ``tok`` (:func:`eot_token`: ``<|endoftext|>``, or Huginn-0125's
     ``<|end_text|>``); ValueError when it has none."""
     return tok.token_to_id(eot_token(tok))
+
+
+def char_tokenizer(vocab: dict[str, int], eot: str = "<|endoftext|>"):
+    """A ``tokenizers.Tokenizer`` over ``vocab`` with one token per character (Fuse decoder; ``eot`` special
+    and the unknown token), saved with checkpoints of the synthetic tasks and the RL task."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel(dict(vocab), unk_token=eot))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(eot, special=True)])
+    return tok

@@ -36,14 +36,9 @@ def decode(ids: Sequence[int]) -> str:
 
 def tokenizer():
     """:data:`VOCAB` as a ``tokenizers.Tokenizer`` (one token per character), saved with checkpoints."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
+    from looplm.data.tokenizer import char_tokenizer
 
-    tok = Tokenizer(WordLevel(dict(VOCAB), unk_token=EOT))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(EOT, special=True)])
-    return tok
+    return char_tokenizer(VOCAB, EOT)
 
 
 @dataclass(frozen=True)
