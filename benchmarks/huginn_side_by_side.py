@@ -161,7 +161,8 @@ def main() -> None:
               flush=True)
     if a.profile:
         prompt = torch.randint(0, shape["vocab"], (1, a.prompt), generator=torch.Generator().manual_seed(1))
-        res["profile_b1"] = {how: profile_step(model, prompt, a.depth, how, a.prompt + a.new_tokens - 1) for how in ("eager", "compile")}
+        cap = a.prompt + a.new_tokens - 1
+        res["profile_b1"] = {how: profile_step(model, prompt, a.depth, how, cap) for how in ("eager", "compile")}
     res["machine"]["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     a.out.with_suffix(".md").write_text(markdown(res))
