@@ -277,6 +277,80 @@ def test_generate_errors():
     assert generate(model, [[1, 2]], 0, 2).tokens == [[]]
 
 
+# --- the static decode step (issue 28 §1) ------------------------------------------------------------
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """``torch.compile`` with the ``aot_eager`` backend: dynamo traces the same one graph (fullgraph: a
+    graph break is an error) without inductor's C++ code generation (minutes on a loaded 2-core box)."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_static_step_tokens_equal_cached_and_naive(name):
+    """The static step (eager) decodes the same greedy tokens as the KVCache path and recomputation."""
+    model = model_for(name)
+    ref = [naive_greedy(model, p, 8, 3) for p in PROMPTS]
+    assert generate(model, PROMPTS, 8, 3).tokens == ref
+    assert generate(model, PROMPTS, 8, 3, static_step="eager").tokens == ref
+
+
+@pytest.mark.parametrize("name", ["huginn-0125", "scse", "sc_subtract"])
+def test_compiled_static_step_tokens_equal_naive_without_recompiling(name, aot_eager):
+    """One compiled graph per shape: a second call with other prompts of the same padded shape reuses it."""
+    model = model_for(name)
+    other = [[9, 1, 4, 4, 2, 30], [3], [8, 8]]
+    assert generate(model, PROMPTS, 8, 3, static_step="compile").tokens == [naive_greedy(model, p, 8, 3)
+                                                                             for p in PROMPTS]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = generate(model, other, 8, 3, static_step="compile").tokens
+    assert got == [naive_greedy(model, p, 8, 3) for p in other]
+
+
+def test_static_step_eos_rows_stay_in_the_batch_and_are_dropped():
+    """Rows that emit EOS keep running in the static batch; the others' tokens equal recomputation."""
+    model = model_for("huginn_linear-huginn")
+    ref = [naive_greedy(model, p, 8, 3) for p in PROMPTS]
+    eos = ref[0][2]
+    got = generate(model, PROMPTS, 8, 3, eos_id=eos, static_step="eager").tokens
+    assert got == [r[:r.index(eos) + 1] if eos in r else r for r in ref]
+    assert len(got[0]) == 3 and max(len(g) for g in got) == 8
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_inductor_static_step_logits_equal_recomputation():
+    """The default backend (inductor, fused kernels): each step's logits equal the full forward's."""
+    from looplm.model.static_decode import DecodeStep, StaticKVCache
+
+    model = model_for("huginn-0125")
+    x = torch.randint(0, model.cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    full = model(x, depth=3).logits  # (2, SEQ, V)
+    cache = KVCache("per_visit")
+    model(x[:, :5], depth=3, cache=cache)
+    step = DecodeStep(model, StaticKVCache(cache, SEQ, SEQ), 3, "compile")
+    got = torch.stack([step(x[:, j]) for j in range(5, SEQ)], 1)  # (2, SEQ − 5, V)
+    print(f"max |Δlogits| {(got - full[:, 5:]).abs().max().item():.2e}")
+    # fp32 throughout; inductor fuses and reorders the reductions (RMSNorm, softmax, matmul accumulation)
+    # and attention runs over another key length (masked capacity): rounding ~1e-6 relative per op through
+    # 1 + 2·3 + 1 blocks, logits of O(1)
+    torch.testing.assert_close(got, full[:, 5:], rtol=1e-4, atol=1e-4)
+
+
+def test_static_step_errors():
+    model = model_for("scse")
+    with pytest.raises(ValueError, match="static_step: unknown 'graph'; allowed: eager, compile, cuda_graph"):
+        generate(model, PROMPTS, 2, 2, static_step="graph")
+    for kw in ({"cache_mode": "terminal"}, {"save_states": True}, {"exit_criterion": RelativeChange(0.1)}):
+        with pytest.raises(ValueError, match="static_step: needs fixed-depth decoding"):
+            generate(model, PROMPTS, 2, 2, static_step="eager", **kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graph needs"):
+            generate(model, PROMPTS, 2, 2, static_step="cuda_graph")
+
+
 # --- the CLI ---------------------------------------------------------------------------------------
 
 
@@ -331,8 +405,22 @@ def test_cli_generate_help(capsys):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     for opt in ("--prompt", "--prompts-file", "--max-new-tokens", "--depth", "--temperature", "--top-k",
-                "--top-p", "--seed", "--kv-cache", "--exit", "--exit-tau", "--max-depth", "--out"):
+                "--top-p", "--seed", "--kv-cache", "--exit", "--exit-tau", "--max-depth", "--static-step", "--out"):
         assert opt in text
+
+
+def test_cli_generate_static_step_equals_the_cached_path(checkpoint, tmp_path):
+    from looplm.cli import main
+
+    outs = {}
+    for how in (None, "eager"):
+        out = tmp_path / f"{how}.json"
+        extra = [] if how is None else ["--static-step", how]
+        assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--prompt", "It was a",
+                     "--max-new-tokens", "6", "--json", str(out), *extra]) == 0
+        outs[how] = json.loads(out.read_text())
+    assert outs["eager"]["settings"]["static_step"] == "eager"
+    assert [r["tokens"] for r in outs["eager"]["results"]] == [r["tokens"] for r in outs[None]["results"]]
 
 
 @pytest.mark.parametrize("args, message", [

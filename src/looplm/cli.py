@@ -522,7 +522,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     criterion = None if args.exit == "none" else build_exit_criterion(args.exit, args.exit_tau)
     gen = generate(model, ids, args.max_new_tokens, depth, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, cache_mode=args.kv_cache, exit_criterion=criterion,
-                   max_depth=args.max_depth, eos_id=eos, student=student, student_depth=student_depth)
+                   max_depth=args.max_depth, eos_id=eos, student=student, student_depth=student_depth,
+                   static_step=args.static_step)
     results = []
     for n, (p, i, toks, depths) in enumerate(zip(prompts, ids, gen.tokens, gen.depths), 1):
         text = tok.decode(toks)
@@ -537,7 +538,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "kv_cache": args.kv_cache,
                     "prefill": args.prefill, "student_depth": student_depth,
                     "exit": args.exit, "exit_tau": None if criterion is None else criterion.tau,
-                    "max_depth": (args.max_depth or depth) if criterion is not None else None, "eos_id": eos}
+                    "max_depth": (args.max_depth or depth) if criterion is not None else None, "eos_id": eos,
+                    "static_step": args.static_step}
         args.out.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
                                         "settings": settings, "results": results}, indent=2) + "\n")
         print(f"wrote {args.out}")
@@ -659,6 +661,10 @@ def _build_generate(p: argparse.ArgumentParser) -> None:
                        f"{n} {c.default_tau:g}" for n, c in EXIT_CRITERIA.items()) + ")")
     p.add_argument("--max-depth", type=positive_int, default=None, metavar="R",
                    help="with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)")
+    p.add_argument("--static-step", choices=["eager", "compile", "cuda_graph"], default=None,
+                   help="fixed-depth decoding with a per_visit cache: run each token step as one static region, "
+                   "compile = one torch.compile graph (compiling takes seconds to minutes: pays over long "
+                   "generations), cuda_graph = one captured CUDA graph; default: the eager cached path")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--out", type=out_file, metavar="FILE.json",
                    help="also write prompts, token ids, continuations and loops per token as JSON")

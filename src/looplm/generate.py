@@ -34,6 +34,16 @@ holds ``len(prompt_i) + len(tokens_i) − 1`` states, exactly the input position
 instead of sampling (a replay of a rollout through the same cached computation, with the same EOS
 policy).
 
+**Static decode step** (issue 28 §1): with ``static_step`` (``eager``, ``compile`` or ``cuda_graph``, see
+:class:`~looplm.model.static_decode.DecodeStep`) every fixed-depth token step after the prefill is one
+static region over a :class:`~looplm.model.static_decode.StaticKVCache` of capacity padded prompt +
+``max_new_tokens`` − 1: ``compile`` runs it as one ``torch.compile`` graph (compiled on the first step
+of a call, again for a new shape: batch, capacity, depth), ``cuda_graph`` replays one captured CUDA
+graph. Opt-in (None, the default, is the eager :class:`KVCache` path) because compiling costs seconds
+to minutes, which pays only over long generations. Rows that emit EOS stay in the static batch (its
+shapes are fixed) and their outputs are dropped. Needs a ``per_visit`` cache and fixed depth: adaptive
+depth, ``save_states`` and a distilled prefill keep the eager path.
+
 **Distilled prefill** (LMDR §3.2, §5.5): with a ``student`` the prompt is prefilled by
 :func:`looplm.distill.prefill.distilled_prefill` (the student's ẑ ≈ z^R, one teacher recurrence, the
 coda) into a ``terminal`` cache, and decoding runs the teacher unchanged with terminal KV sharing.
@@ -169,7 +179,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
              cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
              max_depth: int | None = None, eos_id: int | None = None, save_states: bool = False,
              forced: Sequence[Sequence[int]] | None = None, student=None,
-             student_depth: int | None = None) -> Generation:
+             student_depth: int | None = None, static_step: str | None = None) -> Generation:
     """Generate continuations of a batch of prompts (see the module docstring for the policies).
 
     Args:
@@ -191,6 +201,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
             prefilled through it (module docstring; needs ``cache_mode="terminal"``). None: the teacher's
             own prefill.
         student_depth: the depth R the student was distilled for (default ``depth``).
+        static_step: None (the eager cached path) or how the static decode step runs: ``eager``,
+            ``compile`` or ``cuda_graph`` (module docstring).
 
     Returns:
         :class:`Generation` (tokens and per-token depths, one list per prompt; states with
@@ -200,7 +212,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
             the unshared architecture (no KV cache), a prompt + continuation longer than seq_len,
             ``save_states`` with an exit criterion or a student, ``forced`` not one non-empty
-            continuation per prompt, or a student with a ``per_visit`` cache.
+            continuation per prompt, a student with a ``per_visit`` cache, or an unknown
+            ``static_step`` or one with an exit criterion, ``save_states`` or a ``terminal`` cache.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -215,6 +228,14 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     if student is not None and cache_mode != "terminal":
         raise ValueError(f"generate: a distilled prefill fills terminal KV banks; use cache_mode='terminal', "
                          f"got {cache_mode!r}")
+    if static_step is not None:
+        from looplm.model.static_decode import DecodeStep
+
+        if static_step not in DecodeStep.HOW:
+            raise ValueError(f"static_step: unknown {static_step!r}; allowed: {', '.join(DecodeStep.HOW)} (or None)")
+        if exit_criterion is not None or save_states or cache_mode != "per_visit":
+            raise ValueError("static_step: needs fixed-depth decoding with a per_visit cache and no save_states "
+                             "(adaptive depth, saved states and terminal caches keep the eager path)")
     seq_len = model.cfg.seq_len
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens - 1 > seq_len:
@@ -272,6 +293,14 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
             saved[i].append(kept[0][i, idx.shape[1] - len(p):])  # (len(p), d): the real positions
         step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
         active = list(range(len(prompts)))  # original row of each batch row
+        step = None
+        if static_step is not None and max_new_tokens > 1:
+            from looplm.model.static_decode import DecodeStep, StaticKVCache
+
+            static = StaticKVCache(cache, idx.shape[1] + max_new_tokens - 1, seq_len)
+            step = DecodeStep(model, static, depth, static_step)
+            feed = torch.zeros(len(prompts), dtype=torch.long, device=device)  # (B,): the static batch's tokens
+            rows = torch.arange(len(prompts), device=device)  # the static batch row of each active row
         for n in range(max_new_tokens):
             if forced is None:
                 tok = next_tokens(logits, temperature, top_k, top_p, gen)  # (B,)
@@ -290,10 +319,17 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
                 if len(keep) == 0:
                     break
                 if len(keep) < len(active):
-                    cache.select(keep)
+                    if step is None:
+                        cache.select(keep)
+                    else:
+                        rows = rows[keep]
                     active = [active[i] for i in keep.tolist()]
                     tok = tok[keep]
-            if adaptive:
+            if step is not None:
+                feed[rows] = tok
+                logits = step(feed)[rows]  # (B_active, V)
+                step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
+            elif adaptive:
                 logits, step_depth = adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
             else:
                 kept.clear()
