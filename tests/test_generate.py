@@ -417,7 +417,7 @@ def test_cli_generate_static_step_equals_the_cached_path(checkpoint, tmp_path):
         out = tmp_path / f"{how}.json"
         extra = [] if how is None else ["--static-step", how]
         assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "The", "--prompt", "It was a",
-                     "--max-new-tokens", "6", "--json", str(out), *extra]) == 0
+                     "--max-new-tokens", "6", "--out", str(out), *extra]) == 0
         outs[how] = json.loads(out.read_text())
     assert outs["eager"]["settings"]["static_step"] == "eager"
     assert [r["tokens"] for r in outs["eager"]["results"]] == [r["tokens"] for r in outs[None]["results"]]
