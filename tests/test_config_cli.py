@@ -114,6 +114,7 @@ def test_format1_config_migrates_into_rule_options():
     assert got == want
     assert got.to_dict()["format_version"] == 2 and got.to_dict()["model"]["options"] == {
         "step_scale": 0.3, "anchor_scale": 0.1, "init_scale": 0.1, "source_init": "gpt2", "source_init_std": 0.0,
+        "projection_init": "source",
         "anchor": "embedding", "mask": True, "eps": 1e-08, "kappa": 0.2, "leak": 0.05}
     # step_scale -1 is the rule's default; fields the rule does not read are dropped at their defaults
     assert Config.from_dict(v1_config(rule="step_film", film_sigma=0.3)).model.options == StepFilmOptions(sigma=0.3,
