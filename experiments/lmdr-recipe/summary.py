@@ -3,8 +3,8 @@
 Reads results.db (and frozen/results.db) and, where the run folders exist, each run's metrics.jsonl (the
 validation curve and the learned prior's per-step mean depth, entropy and advantage scale s, logged as
 prior_mean_depth / prior_entropy / prior_advantage_scale) and diagnose/diagnose.json (the step's
-random-direction gain); both are kept in committed JSON (curves.json, gain.json), because the run folders
-are not committed. Writes results.md.
+random-direction gain); both are kept in committed JSON (curves.json, frozen/curves.json, gain.json),
+because the run folders are not committed. Writes results.md.
 
 The claims (arXiv:2610.06833 §3.1, §5.2, Table 2): at fixed R = 5, TBPTT b = 2 extrapolates and shares KV
 better than full BPTT (one change); sampled depths share KV better than fixed-depth training; the learned
@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from looplm.analysis.claims import (depth_use_cell, diagnose_sections, mean_std_cell as fmt, paired_claim,
-                                    status_table, sweep_cells, sweep_results)
+                                    status_table, sweep_cells, sweep_results, validation_curves)
 
 EXP = Path(__file__).parent
 ORDER = ["fixed5_bptt", "fixed5_tbptt2", "pln5", "learned", "learned_prior_lr5x", "uniform64", "uniform10",
@@ -37,6 +37,7 @@ def main() -> None:
     cells, params, curves = loaded
     frozen_cells, frozen_params = sweep_cells(EXP / "frozen" / "results.db", "lmdr-recipe-frozen")
     cells, params = {**cells, **frozen_cells}, {**params, **frozen_params}
+    curves = {**curves, **validation_curves(EXP / "frozen" / "runs", EXP / "frozen" / "curves.json", extra=PRIOR_SERIES)}
     order = [v for v in ORDER if v in params]
 
     def c(v, protocol, metric, depth):
@@ -51,7 +52,7 @@ def main() -> None:
     use = {v: depth_use_cell(ppl[v], R_TRAIN) for v in order}
     lines = ["# LMDR's own recipe at CPU scale (issue 25 §1): results so far", "",
              "Written by `python experiments/lmdr-recipe/summary.py` from `results.db` and `frozen/results.db` "
-             "(curves, prior traces and step gains kept in `curves.json` / `gain.json`). Protocol: `sweep.toml` "
+             "(curves and prior traces kept in `curves.json` and `frozen/curves.json`, step gains in `gain.json`). Protocol: `sweep.toml` "
              "and the `lmdr` preset's docstring.", "", "## Status", ""]
     lines += status_table(order, params, {v: ppl[v][R_TRAIN].keys() for v in order}, curves, depth_use=(use_head, use))
     lines += ["", "## Brown test PPL by recurrence count R; terminal KV sharing at R = 5 (256-token prefill)", "",
