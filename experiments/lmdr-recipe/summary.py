@@ -1,4 +1,5 @@
-"""Summary of LMDR's own recipe at CPU scale (issue 25 §1; sweeps `lmdr-recipe` and `lmdr-recipe-frozen`).
+"""Summary of LMDR's own recipe at CPU scale (issue 25 §1; sweeps `lmdr-recipe`, `lmdr-recipe-frozen` and the
+one-seed probe `lmdr-recipe-probe`).
 
 Reads results.db (and frozen/results.db) and, where the run folders exist, each run's metrics.jsonl (the
 validation curve and the learned prior's per-step mean depth, entropy and advantage scale s, logged as
@@ -28,6 +29,23 @@ PRIORS = ["learned", "learned_prior_lr5x", "uniform64", "uniform10", "frozen_fin
 PRIOR_SERIES = ("prior_mean_depth", "prior_entropy", "prior_advantage_scale")
 R_TRAIN = 5
 DEPTHS = (1, 2, 3, 5, 8, 16, 32, 64)
+
+
+def probe_section() -> list[str]:
+    """The one-seed, 300-step probe (probe.toml): PPL vs R and the step's gain, labelled as a probe."""
+    cells, _ = sweep_cells(EXP / "probe" / "results.db", "lmdr-recipe-probe")
+    gain = diagnose_sections(EXP / "probe" / "runs", EXP / "probe" / "gain.json", "gain",
+                             lambda g: {str(x["t"]): x["gain"] for x in g})
+    ppl = {d: v for (p, _, m, d), x in cells.get("fixed5_tbptt2", {}).items() if (p, m) == ("ppl", "ppl") for v in x.values()}
+    if not ppl:
+        return []
+    share = cells["fixed5_tbptt2"].get(("kv_sharing", "brown", "sharing_penalty_pct", R_TRAIN), {})
+    g = gain.get("fixed5_tbptt2-s0", {})
+    return ["", "## PROBE: `fixed5_tbptt2`, seed 0, 300 steps (probe.toml; one seed, not a verdict)", "",
+            "| " + " | ".join(f"R={d}" for d in sorted(ppl)) + " | sharing penalty | gain t=0 | gain t=4 |",
+            "|" + "---:|" * (len(ppl) + 3),
+            "| " + " | ".join(f"{ppl[d]:.1f}" for d in sorted(ppl)) + f" | {fmt(share.values(), 2)}% | "
+            + " | ".join(f"{g[t]:.3f}" if t in g else "–" for t in ("0", "4")) + " |"]
 
 
 def main() -> None:
@@ -94,6 +112,7 @@ def main() -> None:
             if items:
                 lines.append(f"| `{v}` | {len(items)} | " + " | ".join(fmt([x[s] for x in items], 3) for s in ("0", "4"))
                              + " |")
+    lines += probe_section()
     text = "\n".join(lines) + "\n"
     (EXP / "results.md").write_text(text)
     print(text)
