@@ -476,7 +476,8 @@ def test_lmdr_preset_is_the_papers_recipe():
     assert (m.rule, m.tie_embeddings, m.position_embedding, m.exit_norm) == ("parcae", False, "rope", "none")
     assert (m.n_prelude, m.n_core, m.n_coda, m.head_dim) == (1, 2, 1, 64)
     assert (m.options.state_init, m.options.state_init_std) == ("truncated_normal", STATE_STD)
-    assert (t.gradient, t.gradient_steps, t.depth_sampler, t.depth_mean, t.depth_cap) == ("tbptt", 10, "learned", 5.0, 64)
+    assert (t.gradient, t.gradient_steps, t.depth_sampler) == ("tbptt", 10, "learned")
+    assert (t.depth_mean, t.depth_cap) == (5.0, 64)
     assert (t.prior_reward, t.prior_entropy, t.prior_lr, t.prior_warmup) == ("inv_ppl", 0.01, 1e-3, 32)
     assert m.seq_len >= 512 and m.seq_len // 2 >= 256
     assert m.seq_len * t.batch_size * t.grad_accum == ref.model.seq_len * ref.train.batch_size * ref.train.grad_accum

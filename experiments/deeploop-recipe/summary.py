@@ -42,7 +42,8 @@ def section(folder: str, sweep: str, floor: float) -> list[str]:
     grid = sorted({rid.rsplit("-s", 1)[0] for rid in curves} | set(cells), key=lambda v: (
         [i for i, x in enumerate(variants) if v.startswith(x)] or [len(variants)], v))
     lines = [f"## `{sweep}` ({folder}.toml)", "",
-             "| variant | R | seeds | final val PPL | trains | Brown test PPL at R | κ̂_R |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| variant | R | seeds | final val PPL | trains | Brown test PPL at R | κ̂_R |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for v in grid:
         r = int(re.search(r"-R(\d+)", v).group(1))
         runs = {rid: c for rid, c in curves.items() if rid.rsplit("-s", 1)[0] == v and c.get("finished")}

@@ -36,7 +36,8 @@ def probe_section() -> list[str]:
     cells, _ = sweep_cells(EXP / "probe" / "results.db", "lmdr-recipe-probe")
     gain = diagnose_sections(EXP / "probe" / "runs", EXP / "probe" / "gain.json", "gain",
                              lambda g: {str(x["t"]): x["gain"] for x in g})
-    ppl = {d: v for (p, _, m, d), x in cells.get("fixed5_tbptt2", {}).items() if (p, m) == ("ppl", "ppl") for v in x.values()}
+    ppl = {d: v for (p, _, m, d), x in cells.get("fixed5_tbptt2", {}).items() if (p, m) == ("ppl", "ppl")
+           for v in x.values()}
     if not ppl:
         return []
     share = cells["fixed5_tbptt2"].get(("kv_sharing", "brown", "sharing_penalty_pct", R_TRAIN), {})
@@ -70,7 +71,8 @@ def main() -> None:
     use = {v: depth_use_cell(ppl[v], R_TRAIN) for v in order}
     lines = ["# LMDR's own recipe at CPU scale (issue 25 §1): results so far", "",
              "Written by `python experiments/lmdr-recipe/summary.py` from `results.db` and `frozen/results.db` "
-             "(curves and prior traces kept in `curves.json` and `frozen/curves.json`, step gains in `gain.json`). Protocol: `sweep.toml` "
+             "(curves and prior traces kept in `curves.json` and `frozen/curves.json`, step gains in `gain.json`). "
+             "Protocol: `sweep.toml` "
              "and the `lmdr` preset's docstring.", "", "## Status", ""]
     lines += status_table(order, params, {v: ppl[v][R_TRAIN].keys() for v in order}, curves, depth_use=(use_head, use))
     lines += ["", "## Brown test PPL by recurrence count R; terminal KV sharing at R = 5 (256-token prefill)", "",

@@ -13,8 +13,8 @@ PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): w
 inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
 the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
 committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
-starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1). ``debug``: a tiny model on real text,
-trains in seconds.
+starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1): ``lmdr`` is. ``debug``: a tiny model
+on real text, trains in seconds.
 
 ``lmdr``: LMDR's own recipe (arXiv:2610.06833, App. B–C) at CPU scale, for experiments/lmdr-recipe: the
 1 + 2×R + 1 layout with Parcae-without-norm injection ζ = Λh + Δ⊙W·e (every depth-prior run, App. C.1,

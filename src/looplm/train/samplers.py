@@ -212,8 +212,8 @@ class LearnedDepthPrior(DepthSampler):
     """The learned depth prior (SPEC §5 ``learned``; LMDR §4.1 eq. 6, App. B.3).
 
     A categorical p_φ over depths 1..R_max with float64 logits φ, initialized to log p_PLN of
-    ``PoissonLogNormalDepth(budget_mean, sigma, r_max)`` (or to ``init``, normalized), trained by its own Adam (betas (0.9, 0.999),
-    no weight decay) on
+    ``PoissonLogNormalDepth(budget_mean, sigma, r_max)`` (or to ``init``, normalized), trained by its own Adam
+    (betas (0.9, 0.999), no weight decay) on
 
         J(φ) = −Ê_n[sg(A_n) log p_φ(r_n)] − λ_H H(p_φ) + λ_m (E_p[R] − R̄)²,
 
