@@ -44,6 +44,7 @@ def section(folder: str, sweep: str, floor: float) -> list[str]:
     lines = [f"## `{sweep}` ({folder}.toml)", "",
              "| variant | R | seeds | final val PPL | trains | Brown test PPL at R | κ̂_R |",
              "|---|---:|---:|---:|---:|---:|---:|"]
+    pivot: dict[str, dict[int, list[float]]] = {}  # family (the variant without -R<R>) → R → κ̂_R per seed
     for v in grid:
         r = int(re.search(r"-R(\d+)", v).group(1))
         runs = {rid: c for rid, c in curves.items() if rid.rsplit("-s", 1)[0] == v and c.get("finished")}
@@ -52,6 +53,11 @@ def section(folder: str, sweep: str, floor: float) -> list[str]:
         k = [x["kappa_hat"] for rid, x in kappa.items() if rid.rsplit("-s", 1)[0] == v and x["kappa_hat"] is not None]
         trains = f"{sum(x < 0.8 * floor for x in val)}/{len(val)}" if val else "–"
         lines.append(f"| `{v}` | {r} | {len(runs)} | {fmt(val)} | {trains} | {fmt(test.values())} | {fmt(k, 2)} |")
+        pivot.setdefault(re.sub(r"-R\d+", "", v), {})[r] = k
+    depths = sorted({r for row in pivot.values() for r in row})
+    lines += ["", "κ̂_R against R (does visit alignment grow with R, as DeepLoop argues?):", "",
+              "| family | " + " | ".join(f"R={r}" for r in depths) + " |", "|---|" + "---:|" * len(depths)]
+    lines += [f"| `{f}` | " + " | ".join(fmt(row.get(r, []), 2) for r in depths) + " |" for f, row in pivot.items()]
     return lines + [""]
 
 
