@@ -32,7 +32,7 @@ DEPTHS = (1, 2, 3, 5, 8, 16, 32, 64)
 
 
 def probe_section() -> list[str]:
-    """The one-seed, 300-step probe (probe.toml): PPL vs R and the step's gain, labelled as a probe."""
+    """The one-seed, 200-step probe (probe.toml): PPL vs R and the step's gain, labelled as a probe."""
     cells, _ = sweep_cells(EXP / "probe" / "results.db", "lmdr-recipe-probe")
     gain = diagnose_sections(EXP / "probe" / "runs", EXP / "probe" / "gain.json", "gain",
                              lambda g: {str(x["t"]): x["gain"] for x in g})
@@ -42,7 +42,7 @@ def probe_section() -> list[str]:
         return []
     share = cells["fixed5_tbptt2"].get(("kv_sharing", "brown", "sharing_penalty_pct", R_TRAIN), {})
     g = gain.get("fixed5_tbptt2-s0", {})
-    return ["", "## PROBE: `fixed5_tbptt2`, seed 0, 300 steps (probe.toml; one seed, not a verdict)", "",
+    return ["", "## PROBE: `fixed5_tbptt2`, seed 0, 200 steps (probe.toml; one seed, not a verdict)", "",
             "| " + " | ".join(f"R={d}" for d in sorted(ppl)) + " | sharing penalty | gain t=0 | gain t=4 |",
             "|" + "---:|" * (len(ppl) + 3),
             "| " + " | ".join(f"{ppl[d]:.1f}" for d in sorted(ppl)) + f" | {fmt(share.values(), 2)}% | "
