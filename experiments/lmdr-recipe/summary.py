@@ -49,9 +49,21 @@ def probe_section() -> list[str]:
             + " | ".join(f"{g[t]:.3f}" if t in g else "–" for t in ("0", "4")) + " |"]
 
 
+def write(lines: list[str]) -> None:
+    text = "\n".join(lines + probe_section()) + "\n"
+    (EXP / "results.md").write_text(text)
+    print(text)
+
+
 def main() -> None:
+    head = ["# LMDR's own recipe at CPU scale (issue 25 §1): results so far", "",
+            "Written by `python experiments/lmdr-recipe/summary.py` from `results.db`, `frozen/results.db` and "
+            "`probe/results.db` (curves and prior traces kept in `curves.json` and `frozen/curves.json`, step gains "
+            "in `gain.json` and `probe/gain.json`). Protocol: `sweep.toml` and the `lmdr` preset's docstring.", ""]
     loaded = sweep_results(EXP, "lmdr-recipe", extra=PRIOR_SERIES)
-    if loaded is None:
+    if loaded is None:  # the probe may have run before the sweep
+        if probe_section():
+            write(head + ["**The sweep has not run yet.**"])
         return
     cells, params, curves = loaded
     frozen_cells, frozen_params = sweep_cells(EXP / "frozen" / "results.db", "lmdr-recipe-frozen")
@@ -69,11 +81,7 @@ def main() -> None:
                for v in order}
     use_head = "depth use: PPL at R=1 · R=5 · best R"
     use = {v: depth_use_cell(ppl[v], R_TRAIN) for v in order}
-    lines = ["# LMDR's own recipe at CPU scale (issue 25 §1): results so far", "",
-             "Written by `python experiments/lmdr-recipe/summary.py` from `results.db` and `frozen/results.db` "
-             "(curves and prior traces kept in `curves.json` and `frozen/curves.json`, step gains in `gain.json`). "
-             "Protocol: `sweep.toml` "
-             "and the `lmdr` preset's docstring.", "", "## Status", ""]
+    lines = head + ["## Status", ""]
     lines += status_table(order, params, {v: ppl[v][R_TRAIN].keys() for v in order}, curves, depth_use=(use_head, use))
     lines += ["", "## Brown test PPL by recurrence count R; terminal KV sharing at R = 5 (256-token prefill)", "",
               f"| variant | {use_head} | " + " | ".join(f"R={d}" for d in DEPTHS)
@@ -114,10 +122,7 @@ def main() -> None:
             if items:
                 lines.append(f"| `{v}` | {len(items)} | " + " | ".join(fmt([x[s] for x in items], 3) for s in ("0", "4"))
                              + " |")
-    lines += probe_section()
-    text = "\n".join(lines) + "\n"
-    (EXP / "results.md").write_text(text)
-    print(text)
+    write(lines)
 
 
 if __name__ == "__main__":
