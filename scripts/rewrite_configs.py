@@ -1,21 +1,19 @@
-"""One-off (issue 26): rewrite every committed config and results identity to config format 2, complete
-(every field and option written out), without the older ``train.tbptt`` spelling.
-
-Run it with the looplm that still reads format 1 and the late fields (the commit before the migrations
-were deleted), from the repository root:
-
-    PYTHONPATH=<that checkout>/src python scripts/rewrite_configs.py
+"""Rewrite every committed config and results identity as a complete config of today's format: fields and
+rule options added since a file was written get their defaults (the values that rebuild the older
+models), and the older ``train.tbptt`` spelling is dropped (it must agree with ``train.gradient``). Run it
+from the repository root after adding a config field: ``python scripts/rewrite_configs.py``. Idempotent.
 
 It rewrites, in place: the sweep files' ``train.tbptt = b`` overrides (as ``train.gradient`` /
-``train.gradient_steps``); every config dict in ``experiments/**/sweep.json`` and ``report.json``
-(``config_hash`` recomputed beside it); ``train.tbptt`` in ``experiments/demo/results.json``; and in
-every ``experiments/**/results.db`` the stored configs, with their runs and evaluations re-keyed to the
-new hash. Each config is loaded by ``Config.from_dict`` (which migrates) and written as ``to_dict()``
-less ``train.tbptt``, so it describes the same model and training.
+``train.gradient_steps``); every config dict in ``experiments/**/*.json`` (``config_hash`` recomputed
+beside it); and in every ``experiments/**/results.db`` the stored configs, with their runs and evaluations
+re-keyed to the new hash (unchanged while :data:`looplm.analysis.store.LATE_IDENTITY_FIELDS` lists the
+new fields at their defaults).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 import sqlite3
@@ -23,15 +21,26 @@ import subprocess
 from pathlib import Path
 
 from looplm.analysis.store import _canonical, config_hash, config_identity
-from looplm.config import Config
+from looplm.config import RULE_OPTIONS, Config, DataConfig, ModelConfig, TrainConfig
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls) if f.name != "options"}
 
 
 def rewrite(d: dict) -> dict:
-    """A config dict of any stored format as complete format 2 without ``train.tbptt``."""
-    new = Config.from_dict(d).to_dict()
-    t = new["train"]
-    assert t.pop("tbptt") == (t["gradient_steps"] if t["gradient"] == "tbptt" else 0)
-    return new
+    """A stored config dict as a complete one of today's format (missing fields at their defaults)."""
+    d = copy.deepcopy(d)
+    t = d["train"]
+    if "tbptt" in t:
+        assert t.pop("tbptt") == (t.get("gradient_steps", 0) if t.get("gradient") == "tbptt" else 0)
+    for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+        d[section] = {**_defaults(cls), **d[section]}
+    m = d["model"]
+    if m["architecture"] == "shared" and m["rule"] in RULE_OPTIONS:
+        m["options"] = {**_defaults(RULE_OPTIONS[m["rule"]]), **m["options"]}
+    return Config.from_dict(d).to_dict()
 
 
 def walk(obj):
@@ -80,12 +89,12 @@ def main() -> None:
             new = re.sub(r'"train\.tbptt" = (\d+)', r'"train.gradient" = "tbptt", "train.gradient_steps" = \1', new)
             if new != text:
                 p.write_text(new)
-        elif p.name in ("sweep.json", "report.json") and '"format_version"' in p.read_text():
-            p.write_text(json.dumps(walk(json.loads(p.read_text())), indent=2) + "\n")
+        elif p.suffix == ".json" and '"format_version"' in p.read_text():
+            text = p.read_text()
+            new = json.dumps(walk(json.loads(text)), indent=2 if text.startswith("{\n  ") else None, ensure_ascii=False)
+            p.write_text(new + "\n" * text.endswith("\n"))
         elif p.suffix == ".db":
             rewrite_db(p)
-    demo = Path("experiments/demo/results.json")
-    demo.write_text(re.sub(r'\n *"tbptt": 0,', "", demo.read_text(), count=1))
 
 
 if __name__ == "__main__":

@@ -366,3 +366,24 @@ def test_closed_stdout_is_not_an_error():
         os.close(w)
     assert proc.returncode == 0, proc.stderr
     assert "Error" not in proc.stderr
+
+
+def test_lmdr_preset_is_the_papers_recipe():
+    """The ``lmdr`` preset against LMDR's appendix (arXiv:2610.06833) as the issue lists it: Parcae w/o norm
+    (App. C.1), untied embeddings (B.1), b_max = 10 (B.3), Huginn-0125's initial-state σ (the importer's
+    constant, a second source), RoPE with seq_len >= 512 at huginn-cpu's tokens per step, so the KV-sharing
+    evaluation (prefix = seq_len // 2) prefills >= 256 tokens; WSD with 5% warm-up and betas (0.9, 0.98)."""
+    from looplm.importers.huginn import STATE_STD
+
+    cfg, ref = get_preset("lmdr"), get_preset("huginn-cpu")
+    m, t = cfg.model, cfg.train
+    assert (m.rule, m.tie_embeddings, m.position_embedding, m.exit_norm) == ("parcae", False, "rope", "none")
+    assert (m.n_prelude, m.n_core, m.n_coda, m.head_dim) == (1, 2, 1, 64)
+    assert (m.options.state_init, m.options.state_init_std) == ("truncated_normal", STATE_STD)
+    assert (t.gradient, t.gradient_steps, t.depth_sampler) == ("tbptt", 10, "learned")
+    assert (t.depth_mean, t.depth_cap) == (5.0, 64)
+    assert (t.prior_reward, t.prior_entropy, t.prior_lr, t.prior_warmup) == ("inv_ppl", 0.01, 1e-3, 32)
+    assert m.seq_len >= 512 and m.seq_len // 2 >= 256
+    assert m.seq_len * t.batch_size * t.grad_accum == ref.model.seq_len * ref.train.batch_size * ref.train.grad_accum
+    assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2, t.min_lr_ratio) == ("wsd", 0.05, 0.9, 0.98, 0.1)
+    assert n_params(m) == 5_544_000  # the module docstring's 5.54M

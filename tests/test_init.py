@@ -230,3 +230,53 @@ def test_the_init_study_default_for_the_scse_family_and_adapters():
     assert Config.from_json(cfg.to_json()) == cfg
     with pytest.raises(ConfigError, match=r"source_init_std: read only by source_init=normal .* leave it at 2"):
         tiny(rule="scse", options={"source_init": "matched", "source_init_std": 1.0})
+
+
+def test_xavier_block_init_std_before_beta():
+    """block_init=xavier_normal (DeepNet's base, arXiv:2203.00555): every logical block matrix has std
+    √(2/(fan_in + fan_out)), times β = (8N)^-1/2 on v, proj and the MLP (q, k unscaled), N = K·R = 6,
+    against the formula computed here. Sample-std tolerance: n >= 128·128 entries give a relative standard
+    error 1/√(2n) <= 0.6%; 4% is > 6 standard errors."""
+    d, ff = 128, 384
+    cfg = tiny(d_model=d, n_heads=4, d_ff=ff, n_prelude=0, n_coda=0, residual="deeploop", residual_depth=3,
+               block_init="xavier_normal", rule="plain")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    beta = (8 * 2 * 3) ** -0.5
+    xav = lambda fi, fo: math.sqrt(2.0 / (fi + fo))  # noqa: E731
+    for i in range(2):
+        blk = model.core.blocks[i]
+        q, k, v = blk.attn.qkv.weight.split([d, d, d])
+        gate, up = blk.mlp.gate_up.weight.split([ff, ff])
+        for w, want in ((q, xav(d, d)), (k, xav(d, d)), (v, beta * xav(d, d)), (blk.attn.proj.weight, beta * xav(d, d)),
+                        (gate, beta * xav(d, ff)), (up, beta * xav(d, ff)), (blk.mlp.down.weight, beta * xav(ff, d))):
+            assert float(w.detach().std()) == pytest.approx(want, rel=0.04)
+
+
+def test_xavier_block_init_needs_post_ln():
+    with pytest.raises(ConfigError, match=r"model\.block_init: .*allowed with residual=pre_ln: 'normal'"):
+        tiny(block_init="xavier_normal")
+
+
+@pytest.mark.parametrize("rule,modules", [("adapter", ["in_proj"]), ("step_adapter", ["in_proj", "step_proj"]),
+                                          ("sc_cond", ["cond_proj"])])
+def test_projection_init_unit_gain(rule, modules):
+    """projection_init=unit under source_init=normal (issue 25 §3): W_in, W_c, P_step ~ N(0, 1/√d) (unit
+    gain), A and I keep N(0, source_init_std). Tolerance as above: d² = 16,384 entries, 4% > 6 standard errors."""
+    d = 128
+    torch.manual_seed(0)
+    model = build_model(tiny(d_model=d, rule=rule, options={"source_init": "normal", "source_init_std": 2.0,
+                                                            "projection_init": "unit"}))
+    for name in modules:
+        assert float(getattr(model.rule, name).weight.detach().std()) == pytest.approx(1 / math.sqrt(d), rel=0.04)
+    for name in ("anchor_proj", "init_proj"):
+        assert float(getattr(model.rule, name).weight.detach().std()) == pytest.approx(2.0, rel=0.04)
+    # the unit gain as the issue states it: rms(W_in h) = rms(h) for a random h (same tolerance)
+    h = torch.randn(64, d)
+    w = getattr(model.rule, modules[0]).weight.detach()
+    assert float((h @ w.T).pow(2).mean().sqrt() / h.pow(2).mean().sqrt()) == pytest.approx(1.0, rel=0.04)
+
+
+def test_projection_init_read_only_by_normal():
+    with pytest.raises(ConfigError, match=r"model\.options\.projection_init: read only by source_init=normal"):
+        tiny(rule="adapter", options={"source_init": "matched", "projection_init": "unit"})

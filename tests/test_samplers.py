@@ -295,3 +295,35 @@ def test_learned_prior_bad_arguments_name_the_field():
         LearnedDepthPrior(70.0, 0.5, CAP)
     with pytest.raises(ValueError, match="learned prior: depth"):
         LearnedDepthPrior(5.0, 0.5, CAP).observe(65, 3.0, 10)
+
+
+@pytest.mark.parametrize("cap,mean", [(64, 32.5), (10, 5.5)])
+def test_uniform_control_prior_init(cap, mean):
+    """LMDR App. B.3's uniform controls: U_{1:64} starts with mean 32.50, U_{1:10} with 5.50 (the paper's
+    numbers); prior_init = cap ones through the config path. Exact up to float64 rounding of a 64-term sum."""
+    cfg = TrainConfig(depth_sampler="learned", depth_mean=5.0, depth_cap=cap, prior_init=["1"] * cap)
+    prior = build_sampler(cfg)
+    np.testing.assert_allclose(prior.probs(), np.full(cap, 1.0 / cap), rtol=1e-12)
+    assert prior.mean_depth() == pytest.approx(mean, rel=1e-12)
+
+
+def test_prior_init_weights_normalized_and_frozen_through_warmup():
+    """prior_init weights w give p = w / Σw; with prior_warmup >= the updates (the frozen-prior ablation) the
+    logits never move. Same float64 computation on both sides up to the softmax's rounding."""
+    w = np.arange(1.0, CAP + 1.0)
+    prior = LearnedDepthPrior(5.0, 0.5, CAP, init=list(w), warmup=3, lr=1.0)
+    np.testing.assert_allclose(prior.probs(), w / w.sum(), rtol=1e-12)
+    before = prior.logits.detach().clone()
+    for step in range(3):
+        prior.observe(prior.sample(0, step), 4.0 + step, 100)
+        prior.update()
+    assert torch.equal(prior.logits.detach(), before)
+
+
+def test_prior_init_errors():
+    with pytest.raises(ConfigError, match=r"train\.prior_init: needs depth_cap=8 weights, got 3"):
+        TrainConfig(depth_sampler="learned", depth_mean=5.0, depth_cap=8, prior_init=[1, 1, 1])
+    with pytest.raises(ConfigError, match=r"train\.prior_init: weights must be finite numbers > 0"):
+        TrainConfig(depth_sampler="learned", depth_mean=2.0, depth_cap=3, prior_init=[1, 0, 1])
+    with pytest.raises(ConfigError, match=r"train\.prior_init: read only by depth_sampler=learned"):
+        TrainConfig(depth_sampler="pln", depth_mean=2.0, depth_cap=3, prior_init=[1, 1, 1])

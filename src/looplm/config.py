@@ -46,6 +46,8 @@ PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
 Schedule = Literal["cosine", "wsd"]
 Gradient = Literal["bptt", "tbptt", "endpoint"]
 SourceInit = Literal["gpt2", "torch", "matched", "normal"]
+ProjectionInit = Literal["source", "unit"]
+BlockInit = Literal["normal", "xavier_normal"]
 
 #: rules of the Huginn family (SPEC §2): injection at the core entrance, full-block core
 #: ``H^{r+1} = Core(ζ^r)``, initial state from ``state_init``.
@@ -276,6 +278,15 @@ class _AnchoredOptions(RuleOptions):
         "N(0, 1/√fan_in), output RMS = input RMS") + "; default normal with std 2.0, chosen by the init study "
         "(experiments/scse-cpu/init-study)")
     source_init_std: float = _o(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
+    projection_init: ProjectionInit = _o("source", "source_init=normal: the injection projections W_in, W_c, "
+                                         "P_step draw from source (N(0, source_init_std), as A and I) or unit "
+                                         "(N(0, 1/√fan_in): unit gain, so α, κ, τ alone set the injection's size, "
+                                         "SCSE arXiv:2607.27656's regime; issue 25 §3); read only by normal")
+
+    def validate(self) -> None:
+        super().validate()
+        _check(self.projection_init == "source" or self.source_init == "normal", self._prefix + "projection_init",
+               f"read only by source_init=normal (got source_init={self.source_init!r}); allowed: 'source'")
 
 
 @dataclass(frozen=True)
@@ -497,6 +508,10 @@ class ModelConfig(_Base):
     tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
     norm_eps: float = _f(1e-6, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
+    block_init: BlockInit = _f("normal", "post-LN family: initializer of the block matrices before the β scaling: "
+                               "normal (N(0, init_std)) or xavier_normal (N(0, √(2/(fan_in + fan_out))) per "
+                               "matrix, the fused qkv as q, k, v and gate_up as gate, up; DeepNet's base, "
+                               "arXiv:2203.00555); pre_ln allows normal only")
     embed_init_std: float = _f(-1.0, "std of the normal initialization of the token and position embeddings "
                                "(the tied readout too); -1 = init_std (GPT-2). The rule's source modules: "
                                "model.options.source_init")
@@ -564,6 +579,8 @@ class ModelConfig(_Base):
                f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
         _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",
                f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
+        _check(self.block_init == "normal" or self.residual != "pre_ln", p + "block_init",
+               "xavier_normal is the post-LN family's base initializer; allowed with residual=pre_ln: 'normal'")
         _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
         _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
         self._check_attention()
@@ -769,6 +786,10 @@ class TrainConfig(_Base):
     prior_entropy: float = _f(0.01, "learned: entropy weight λ_H")
     prior_budget: float = _f(1.0, "learned: budget weight λ_m of (E_p[R] − R̄)²")
     prior_warmup: int = _f(32, "learned: warm-up updates that only collect the reward baseline")
+    prior_init: list = _f([], "learned: initial weights of the prior over depths 1..depth_cap (normalized; "
+                          "[] = the capped PLN of depth_mean, pln_sigma). Uniform controls U{1..C} (LMDR App. B.3): "
+                          "C ones with depth_cap = C; the frozen-prior ablation: a trained prior's final p with "
+                          "prior_warmup >= steps, so the logits never move")
     prior_reward: PriorReward = _f("neg_ce", "learned: reward arm: neg_ce (−CE), log_ce (−log CE), "
                                    "exp_ce (−exp(CE)), inv_ppl (exp(−CE); LMDR's main setting, with prior_scale)")
     prior_scale: bool = _f(False, "learned: multiply the advantage by s = std(CE)/std(reward) of the previous "
@@ -827,6 +848,7 @@ class TrainConfig(_Base):
         _check(self.prior_lr > 0, p + "prior_lr", "must be > 0")
         for name in ("prior_entropy", "prior_budget", "exit_entropy", "norm_penalty"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        self._check_prior_init()
         _check(self.prior_scale_window >= 1, p + "prior_scale_window", f"must be >= 1, got {self.prior_scale_window}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
@@ -850,6 +872,23 @@ class TrainConfig(_Base):
         _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
+
+    def _check_prior_init(self) -> None:
+        """``prior_init``: [] or depth_cap positive finite numbers, only for the learned sampler; stored as floats."""
+        name, w = self._prefix + "prior_init", self.prior_init
+        _check(isinstance(w, list), name, f"must be a list of numbers, got {w!r}")
+        if not w:
+            return
+        _check(self.depth_sampler == "learned", name,
+               f"read only by depth_sampler=learned (got {self.depth_sampler!r}); allowed: []")
+        _check(len(w) == self.depth_cap, name, f"needs depth_cap={self.depth_cap} weights, got {len(w)}")
+        try:  # command-line lists arrive as strings
+            vals = [float(v) for v in w if not isinstance(v, bool)]
+        except (TypeError, ValueError):
+            vals = []
+        _check(len(vals) == len(w) and all(math.isfinite(v) and v > 0 for v in vals), name,
+               f"weights must be finite numbers > 0, got {w!r}")
+        object.__setattr__(self, "prior_init", vals)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """``dataclasses.replace``, keeping the estimator fields consistent (:func:`couple_gradient_fields`)."""

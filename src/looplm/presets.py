@@ -13,12 +13,31 @@ PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): w
 inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
 the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
 committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
-starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1). ``debug``: a tiny model on real text,
-trains in seconds. ``task-<name>``: a 1-block looped model (d = 128) on a synthetic task of :mod:`looplm.tasks`
-(issue 24; k_train and sizes our choice, experiments/depth-testbed), depth uniform in 1..8.
+starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1): ``lmdr`` is. ``debug``: a tiny model
+on real text, trains in seconds. ``task-<name>``: a 1-block looped model (d = 128) on a synthetic task of
+:mod:`looplm.tasks` (issue 24; k_train and sizes our choice, experiments/depth-testbed), depth uniform in 1..8.
+
+``lmdr``: LMDR's own recipe (arXiv:2610.06833, App. B–C) at CPU scale, for experiments/lmdr-recipe: the
+1 + 2×R + 1 layout with Parcae-without-norm injection ζ = Λh + Δ⊙W·e (every depth-prior run, App. C.1,
+Table 7; no exit norm), separate input and output embeddings (App. B.1), RoPE, WSD with 5% warm-up and the
+last 10% cosine to 0.1×, AdamW (0.9, 0.98), wd 0.1, clip 1 (Table 6), and the learned prior with the
+inverse-perplexity reward and advantage scale s (λ_H = 0.01, R̄ = 5, R_max = 64, prior Adam lr 1e-3, 32
+warm-up updates) backpropagating b_max = 10 recurrences (App. B.3; b = 2 belongs only to the fixed-R = 5
+one-change pair). The initial state: LMDR says only "Gaussian" (App. B.4), not its σ; we take Huginn-0125's
+truncated normal of std √(2/5) ≈ 0.63 (looplm.importers.huginn.STATE_STD), our choice. seq_len 512 × batch 4
+keeps huginn-cpu's 2,048 tokens per step and lets the terminal KV-sharing evaluation prefill 256 tokens
+(half a window). Remaining deviations from the paper: scale (d = 192, 3 heads of 64, SwiGLU 768 — not the
+paper's 2.83× FFN ratio nor its 4:1 grouped-query heads; 5.54M parameters against 304M at S); data (BPE
+8,192 on Brown, not Jais64k on the TxT360 mixture); context 512, not 8,192, so prefill is 256 tokens, not
+1,024–4,096; 1,000 steps of 2,048 tokens, not 5,120 of 4.2M; one microbatch per update, so s pools the
+last 8 updates (the paper's one-update window would leave s = 1); float32, not bfloat16; lr 2e-3, inside
+the paper's S range [0.5, 4]e-3 but not screened; the injection W, Δ and Λ start from looplm's defaults
+(N(0, 0.02), Δ_raw = α_raw = 0): LMDR takes Parcae's initialization code [54], which its text does not state.
 """
 
 from __future__ import annotations
+
+import math
 
 from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
 
@@ -71,6 +90,20 @@ PRESETS: dict[str, Config] = {
                           depth_sampler="pln", depth_mean=5.0, depth_cap=64, gradient="tbptt", gradient_steps=2,
                           prior_reward="inv_ppl", prior_scale=True, prior_scale_window=8, eval_every=150,
                           eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
+    ),
+    # LMDR's recipe (arXiv:2610.06833 App. B–C) at CPU scale; deviations in the module docstring
+    "lmdr": Config(
+        name="lmdr",
+        model=ModelConfig(rule="parcae", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=512,
+                          dropout=0.0, n_prelude=1, n_core=2, n_coda=1, tie_embeddings=False,
+                          position_embedding="rope",
+                          options=dict(state_init="truncated_normal",
+                                       state_init_std=math.sqrt(2.0 / 5.0))),  # Huginn-0125's σ
+        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
+        train=TrainConfig(steps=1000, batch_size=4, lr=2e-3, warmup_steps=50, schedule="wsd", beta2=0.98,
+                          depth_sampler="learned", depth_mean=5.0, depth_cap=64, gradient="tbptt",
+                          gradient_steps=10, prior_reward="inv_ppl", prior_scale=True, prior_scale_window=8,
+                          eval_every=100, eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
     ),
     "debug": Config(
         name="debug",

@@ -74,8 +74,9 @@ TASK_DATA_FIELDS: tuple[str, ...] = ("task", "task_k", "task_heldout", "task_see
 LATE_IDENTITY_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half", "rope_scaling": "none",
               "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0, "qk_bias": False,
-              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none"},
-    "options": {"adapter_bias": True, "step_norm": True},
+              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none", "block_init": "normal"},
+    "options": {"adapter_bias": True, "step_norm": True, "projection_init": "source"},
+    "train": {"prior_init": []},
 }
 
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
@@ -141,7 +142,7 @@ def config_identity(config: Any) -> dict[str, Any]:
             d.get(section, {}).pop(name, None)
     model = d.get("model", {})
     if isinstance(model, dict):
-        for section, fields in (("model", model), ("options", model.get("options"))):
+        for section, fields in (("model", model), ("options", model.get("options")), ("train", d.get("train"))):
             for name, late in LATE_IDENTITY_FIELDS[section].items():
                 if isinstance(fields, dict) and name in fields and fields[name] == late:
                     fields.pop(name)

@@ -88,6 +88,23 @@ def _normal(name: str, p: torch.Tensor, std: float) -> None:
         nn.init.normal_(p, 0.0, std)
 
 
+def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
+    """Xavier-normal (Glorot & Bengio 2010; DeepNet's base initializer, arXiv:2203.00555) into the block
+    matrix ``p`` (out, in): N(0, √(2/(fan_in + fan_out))) per logical matrix, the fused ``attn.qkv`` drawn
+    as its q, k, v row blocks and ``mlp.gate_up`` as gate, up (each with its own fan_out)."""
+    rows = p.shape[0]
+    if name.endswith("attn.qkv.weight"):
+        kv = cfg.kv_heads * cfg.head_dim
+        splits = [rows - 2 * kv, kv, kv]
+    elif name.endswith("mlp.gate_up.weight"):
+        splits = [rows // 2, rows // 2]
+    else:
+        splits = [rows]
+    with torch.no_grad():
+        for chunk in p.split(splits):
+            nn.init.normal_(chunk, 0.0, math.sqrt(2.0 / (p.shape[1] + chunk.shape[0])))
+
+
 def token_rms(h: torch.Tensor) -> torch.Tensor:
     """Per-token RMS over the last dim, computed in at least float32: (..., d) → (..., 1), h's dtype."""
     return h.to(torch.promote_types(h.dtype, torch.float32)).pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
@@ -138,7 +155,8 @@ class DepthLM(nn.Module):
 
         Pre-LN (GPT-2): N(0, init_std) for every matrix and embedding; the residual output projections
         (attention ``proj``, MLP ``down``) get init_std/√(2·blocks), blocks counted physically.
-        Post-LN family (SPEC §3, DeepNet/DeepLoop): N(0, init_std) everywhere, then the value rows of
+        Post-LN family (SPEC §3, DeepNet/DeepLoop): N(0, init_std) everywhere (``model.block_init=xavier_normal``:
+        the block matrices Xavier-normal, :func:`_xavier`), then the value rows of
         ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate_up``: gate and up, and ``down``) of every block are
         multiplied once by β = (8N)^-p (q and k are not). Gains are 1, biases 0; the adapter gain α
         keeps its configured value.
@@ -159,7 +177,10 @@ class DepthLM(nn.Module):
                 continue
             in_block = ".attn." in name or ".mlp." in name
             if post_ln and in_block:
-                _normal(name, p, std)
+                if self.cfg.block_init == "xavier_normal":
+                    _xavier(name, p, self.cfg)
+                else:
+                    _normal(name, p, std)
                 with torch.no_grad():
                     if name.endswith("attn.qkv.weight"):
                         p[p.shape[0] - self.cfg.kv_heads * self.cfg.head_dim:].mul_(beta)  # value rows only
@@ -543,7 +564,8 @@ class LoopLM(DepthLM):
             nn.init.normal_(self.rule.anchor_proj.weight, 0.0, self.cfg.init_std)  # frozen_random keeps this draw
         opts = self.cfg.options
         if hasattr(opts, "source_init"):
-            init_source_modules(self.rule, opts.source_init, opts.source_init_std)
+            init_source_modules(self.rule, opts.source_init, opts.source_init_std,
+                                unit_projections=getattr(opts, "projection_init", "source") == "unit")
 
     def start(self, e, positions=None, *, scope=None, valid=None):
         state, ctx = self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)

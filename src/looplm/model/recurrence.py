@@ -135,7 +135,7 @@ def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
     return [(m, 1.0 / math.sqrt(m.in_features)) for m in modules if m is not None]
 
 
-def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0) -> None:
+def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, unit_projections: bool = False) -> None:
     """Initialize the rule's source modules (:meth:`RecurrenceRule.source_modules`) by ``scheme``
     (option ``source_init``; SPEC §1, our choice; the papers do not state it).
 
@@ -143,7 +143,8 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0) -> 
       matrix (the default; it reproduces the models built before this option).
     - ``torch``: ``nn.Linear.reset_parameters``, PyTorch's default: weight and bias U(±1/√fan_in)
       (kaiming-uniform with a = √5; std 1/√(3·fan_in)).
-    - ``normal``: weight N(0, ``std``), bias 0.
+    - ``normal``: weight N(0, ``std``), bias 0; with ``unit_projections`` (option ``projection_init=unit``)
+      only A and I take ``std`` and every other module its unit-gain σ_m = 1/√fan_in below.
     - ``matched``: weight N(0, σ_m), bias 0, with σ_m chosen so that what the module feeds into the loop
       has the scale of the embedding.
 
@@ -172,11 +173,13 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0) -> 
         raise ValueError(f"model.options.source_init: unknown scheme {scheme!r}; known: gpt2, torch, matched, normal")
     if scheme == "normal" and not std > 0:
         raise ValueError(f"model.options.source_init_std: must be > 0 with source_init=normal, got {std}")
+    state_modules = [getattr(rule, "anchor_proj", None), getattr(rule, "init_proj", None)]  # A, I
     for module, matched in rule.source_modules():
         if scheme == "torch":
             module.reset_parameters()
             continue
-        nn.init.normal_(module.weight, 0.0, matched if scheme == "matched" else std)
+        unit = unit_projections and not any(module is m for m in state_modules)
+        nn.init.normal_(module.weight, 0.0, matched if scheme == "matched" or unit else std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -212,8 +212,8 @@ class LearnedDepthPrior(DepthSampler):
     """The learned depth prior (SPEC §5 ``learned``; LMDR §4.1 eq. 6, App. B.3).
 
     A categorical p_φ over depths 1..R_max with float64 logits φ, initialized to log p_PLN of
-    ``PoissonLogNormalDepth(budget_mean, sigma, r_max)``, trained by its own Adam (betas (0.9, 0.999),
-    no weight decay) on
+    ``PoissonLogNormalDepth(budget_mean, sigma, r_max)`` (or to ``init``, normalized), trained by its own Adam
+    (betas (0.9, 0.999), no weight decay) on
 
         J(φ) = −Ê_n[sg(A_n) log p_φ(r_n)] − λ_H H(p_φ) + λ_m (E_p[R] − R̄)²,
 
@@ -244,6 +244,7 @@ class LearnedDepthPrior(DepthSampler):
         lr, entropy_weight, budget_weight, warmup, reward: train.prior_lr, prior_entropy (λ_H),
             prior_budget (λ_m), prior_warmup, prior_reward.
         scale, scale_window: train.prior_scale, prior_scale_window (the advantage scale s above).
+        init: train.prior_init, the initial weights over 1..R_max (normalized); None or [] = the PLN.
 
     Raises:
         ValueError: bad arguments, naming the train.* field.
@@ -253,7 +254,8 @@ class LearnedDepthPrior(DepthSampler):
 
     def __init__(self, budget_mean: float, sigma: float, r_max: int, *, lr: float = 1e-3,
                  entropy_weight: float = 0.01, budget_weight: float = 1.0, warmup: int = 32,
-                 reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1):
+                 reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1,
+                 init: list[float] | None = None):
         if reward not in REWARDS:
             raise ValueError(f"train.prior_reward: unknown {reward!r}; known: {', '.join(REWARDS)}")
         if not lr > 0:
@@ -267,7 +269,12 @@ class LearnedDepthPrior(DepthSampler):
             raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
         if scale_window < 1:
             raise ValueError(f"train.prior_scale_window: must be >= 1, got {scale_window}")
-        init = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()  # validates mean/σ/cap
+        pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()  # validates mean/σ/cap
+        if init:
+            w = np.asarray(init, dtype=np.float64)
+            if w.shape != (r_max,) or not (np.isfinite(w) & (w > 0)).all():
+                raise ValueError(f"train.prior_init: need {r_max} finite weights > 0, got {list(init)}")
+        init = w / w.sum() if init else pln
         self.r_max, self.budget_mean = int(r_max), float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
         self.warmup, self.reward, self.baseline_decay = int(warmup), reward, float(baseline_decay)
@@ -450,5 +457,5 @@ def build_sampler(cfg: TrainConfig) -> DepthSampler:
         return LearnedDepthPrior(cfg.depth_mean, cfg.pln_sigma, cfg.depth_cap, lr=cfg.prior_lr,
                                  entropy_weight=cfg.prior_entropy, budget_weight=cfg.prior_budget,
                                  warmup=cfg.prior_warmup, reward=cfg.prior_reward, scale=cfg.prior_scale,
-                                 scale_window=cfg.prior_scale_window)
+                                 scale_window=cfg.prior_scale_window, init=cfg.prior_init)
     raise KeyError(f"train.depth_sampler: unknown {cfg.depth_sampler!r}; known: {', '.join(SAMPLERS)}")
