@@ -189,10 +189,9 @@ def test_adaptive_runner_applies_the_scale_control():
     def on_exit(rows, k, h, logits):
         seen[k] = h
 
-    state, ctx = model.start(model.embed(x))
     from looplm.eval.exits import exit_loop
     crit = build_exit_criterion("hidden_update", -float("inf"))
-    exit_loop(model, state, ctx, crit, 4, on_exit=on_exit)
+    exit_loop(model.loop(x), crit, 4, on_exit=on_exit)
     assert torch.equal(seen[4], states[4])
 
 

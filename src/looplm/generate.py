@@ -53,6 +53,7 @@ import torch
 
 from looplm.eval.exits import (EXIT_CRITERIA, EntropyChange, ExitCriterion, ExitGate, HiddenUpdate, KLDivergence,
                                LogitMargin, RelativeChange, build_exit_criterion, check_criterion, exit_loop)
+from looplm.model.cursor import Loop
 from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
 
 __all__ = ["EXIT_CRITERIA", "EntropyChange", "ExitCriterion", "ExitGate", "HiddenUpdate", "KLDivergence",
@@ -157,7 +158,7 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
     scope = AttentionScope(cache, None)
     cache.calls_per_step = model.calls_per_step
     state, ctx = model.start(model.embed(idx, positions, scope=scope), positions, scope=scope)
-    res = exit_loop(model, state, ctx, criterion, max_depth, drop=False)
+    res = exit_loop(Loop(model, state, ctx), criterion, max_depth, drop=False)
     out = model.readout(res.h, final=True, scope=scope)[:, -1]  # (B, V), each row at its own exit state
     scope.commit()
     return out, res.depth

@@ -89,13 +89,11 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     check_shared(model, "forcing bias", steps)
     was_training = model.training
     model.eval()
-    state, ctx = model.start(model.embed(idx))
-    wanted = set(steps)
-    records = []
-    for t in range(max(steps) + 1):
-        nxt = model.step(state, t, ctx)
+    loop, wanted, records = model.loop(idx), set(steps), []
+    while loop.t <= max(steps):
+        t, state = loop.t, loop.state
+        loop.advance()
         if t in wanted:
-            records.append(forcing_record(model, state, nxt, t, ctx))
-        state = nxt
+            records.append(forcing_record(model, state, loop.state, t, loop.ctx))
     model.train(was_training)
     return records

@@ -82,12 +82,13 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()
-    state, ctx = model.start(model.embed(idx))
-    dirs = random_directions(state.shape, n_directions, seed=seed, dtype=state.dtype, device=state.device)
+    loop = model.loop(idx)
+    dirs = random_directions(loop.state.shape, n_directions, seed=seed, dtype=loop.state.dtype,
+                             device=loop.state.device)
     records, wanted = [], set(steps)
-    for t in range(max(steps) + 1):
-        if t in wanted:
-            records.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
-        state = model.step(state, t, ctx)
+    while loop.t <= max(steps):
+        if loop.t in wanted:
+            records.append({"t": loop.t, "gain": direction_gain(model, loop.state, loop.t, loop.ctx, dirs, eps=eps)})
+        loop.advance()
     model.train(was_training)
     return records

@@ -156,16 +156,16 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
         idx, targets, mask = _unpack(item)
         idx, targets = idx.to(device), targets.to(device)
         mask = None if mask is None else mask.to(device)
-        state, ctx = model.start(model.embed(idx))
-        dirs = random_directions(state.shape, n_directions, seed=seed + n_directions * i,
-                                 dtype=state.dtype, device=device)
+        loop = model.loop(idx)
+        dirs = random_directions(loop.state.shape, n_directions, seed=seed + n_directions * i,
+                                 dtype=loop.state.dtype, device=device)
         f_recs, g_recs = [], []
-        for t in range(steps[-1] + 1):
-            nxt = model.step(state, t, ctx)
+        while loop.t <= steps[-1]:
+            t, state = loop.t, loop.state
+            loop.advance()
             if t in steps:
-                f_recs.append(forcing_record(model, state, nxt, t, ctx))
-                g_recs.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
-            state = nxt
+                f_recs.append(forcing_record(model, state, loop.state, t, loop.ctx))
+                g_recs.append({"t": t, "gain": direction_gain(model, state, t, loop.ctx, dirs, eps=eps)})
         forcing.append(f_recs)
         gain.append(g_recs)
         roll = anchor_rollouts(model, idx, depth, gains=gains)

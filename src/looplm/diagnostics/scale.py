@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.model import LoopLM
-from looplm.model.looped import token_rms
+from looplm.model.cursor import token_rms
 
 DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
