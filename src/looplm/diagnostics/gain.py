@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from looplm.diagnostics.forcing import check_shared
+from looplm.diagnostics.forcing import along_trajectory, check_shared
 from looplm.model import LoopLM
 from looplm.model.recurrence import LoopContext
 
@@ -82,13 +82,9 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()
-    loop = model.loop(idx)
-    dirs = random_directions(loop.state.shape, n_directions, seed=seed, dtype=loop.state.dtype,
-                             device=loop.state.device)
-    records, wanted = [], set(steps)
-    while loop.t <= max(steps):
-        if loop.t in wanted:
-            records.append({"t": loop.t, "gain": direction_gain(model, loop.state, loop.t, loop.ctx, dirs, eps=eps)})
-        loop.advance()
+    dirs = random_directions((*idx.shape, model.cfg.d_model), n_directions, seed=seed,
+                             dtype=model.tok_emb.weight.dtype, device=idx.device)  # the loop state's
+    records = along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
+        "t": t, "gain": direction_gain(model, s, t, ctx, dirs, eps=eps)})
     model.train(was_training)
     return records

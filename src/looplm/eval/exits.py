@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from looplm.model.cursor import Loop, select_rows
+from looplm.model.cursor import Loop, Readout, select_rows
 
 UPDATE_EPS = 1e-8  # the denominator guard of the relative change (SPEC §6)
 
@@ -672,7 +672,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
           desc: str = "trace", scale_clamp: bool = False) -> Trace:
     """One multi-depth forward per batch (``depth=[1..C]``, plus 0 when the criterion compares loop 1
     with loop 0 through the logits), recording the criterion statistic and the per-example NLL at every
-    depth through ``forward``'s ``on_depth`` hook (only (N, C) arrays are kept).
+    depth through :meth:`~looplm.model.DepthLM.read`'s ``on_depth`` hook (only (N, C) arrays are kept).
 
     Raises:
         ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
@@ -693,7 +693,9 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
                 s[:, T - 1] = criterion.reduce(tok, mask).double().cpu()
             prev["h"], prev["logits"] = h, logits
 
-        out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth, scale_clamp=scale_clamp)
+        # the plain readout: the hook reads every requested depth's logits
+        out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y,
+                         readout=Readout(logits=False, fused_ce=False), on_depth=on_depth)
         all_scores.append(s)
         nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
         counts.append(mask.sum(dim=1).cpu())

@@ -73,6 +73,34 @@ class Gradient:
 BPTT = Gradient()
 
 
+@dataclass(frozen=True)
+class Readout:
+    """How an unroll is read out at its requested depths (SPEC §4): a value, like :class:`Gradient`.
+
+    Attributes:
+        logits: keep the (B, L, V) logits. False with targets computes the NLL by the fused chunked
+            readout + cross-entropy (:mod:`looplm.model.fused`; bitwise the plain path's on CPU) unless
+            ``fused_ce=False``; False without targets skips the readout matrix (the coda still runs and
+            fills a KV cache).
+        states: also return every hidden state h_t (readout coordinates) on the way.
+        final_depth: with ``readout="final_only_norm"`` a readout at T normalizes iff T ≥ final_depth
+            (:meth:`DepthLM.resolve_final_depth`), so a depth's logits do not depend on the others requested.
+        tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda, which sees
+            the whole sequence): logits (N, V), targets (N,).
+        fused_ce: allow the fused readout + loss.
+    """
+
+    logits: bool = True
+    states: bool = False
+    final_depth: int | None = None
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    fused_ce: bool = True
+
+
+#: the loss-only readout of training and evaluation: per-token NLL, no logits kept
+NLL = Readout(logits=False)
+
+
 class Loop:
     """A cursor on one unroll: ``state`` (B, L, d) after ``t`` loop steps, its ``ctx``
     (:class:`~looplm.model.LoopContext`) and hidden state ``h`` (readout coordinates).
@@ -101,6 +129,11 @@ class Loop:
         """The attention scope (KV cache, padding) the steps attend through, or None."""
         return self.ctx.scope
 
+    @property
+    def cached(self) -> bool:
+        """Whether the steps write a KV cache (the read commits it)."""
+        return self.scope is not None and self.scope.cache is not None
+
     def resume(self, t: int, h: torch.Tensor) -> Loop:
         """Jump to loop step t with hidden state h (B, L, d) (readout coordinates), skipping steps
         0 … t − 1; the context is kept. A detached h of a rule whose state is h is exactly z̄ = sg(z^t)
@@ -111,14 +144,14 @@ class Loop:
                 with t > 0 (the loop-1 RMS is never computed).
         """
         if not self.model.shared:
-            raise ValueError("resume_from: the unshared reference has no loop state to resume")
+            raise ValueError("resume: the unshared reference has no loop state to resume")
         if t < 0:
-            raise ValueError(f"resume_from: T0 must be >= 0, got {t}")
+            raise ValueError(f"resume: T0 must be >= 0, got {t}")
         if self.scale_clamp and t > 0:
-            raise ValueError("resume_from: scale_clamp needs the loop-1 RMS, which a loop resumed at "
+            raise ValueError("resume: scale_clamp needs the loop-1 RMS, which a loop resumed at "
                              f"T0 = {t} never computes")
         if h.shape != self.state.shape:
-            raise ValueError(f"resume_from: the state must have shape {tuple(self.state.shape)}, "
+            raise ValueError(f"resume: the state must have shape {tuple(self.state.shape)}, "
                              f"got {tuple(h.shape)}")
         self.state, self.t = self.model.to_state(h, self.ctx), t
         self.h = self.model.hidden(self.state, self.ctx)

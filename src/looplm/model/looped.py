@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig, check_gradient
-from looplm.model.cursor import BPTT, Gradient, Loop, token_rms
+from looplm.model.cursor import BPTT, Gradient, Loop, Readout, token_rms
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm, Rope
@@ -37,13 +37,13 @@ class LoopOutput:
     """What :meth:`LoopLM.forward` returns.
 
     Attributes:
-        logits: (B, L, V) at the largest requested depth (None when ``keep_logits=False``).
+        logits: (B, L, V) at the largest requested depth (None with ``Readout(logits=False)``).
         loss: mean cross-entropy over targets != -100 at the largest requested depth (None without
             targets).
-        logits_by_depth: {T: (B, L, V)} for every requested depth (when ``keep_logits``).
+        logits_by_depth: {T: (B, L, V)} for every requested depth (with ``Readout(logits=True)``).
         nll_by_depth: {T: (B, L)} per-token negative log-likelihood in nats (with targets).
         states: hidden states h_0 … h_T, each (B, L, d), in readout coordinates (h = h* + Δ for SCSE),
-            before the coda (``return_states=True``).
+            before the coda (``Readout(states=True)``).
         anchor: the anchor h* (B, L, d) (looped models only).
         exit_logits_by_depth: {T: (B, L)} exit-gate logits at each requested depth T ≥ 1 (models with
             ``exit_gate``; SPEC §4 exit_weighted supervision).
@@ -299,76 +299,58 @@ class DepthLM(nn.Module):
         state, ctx = self.start(e, positions, scope=scope, valid=valid)
         return Loop(self, state, ctx, e=e, scale_clamp=scale_clamp)
 
-    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
-                return_states: bool = False, keep_logits: bool = True, fused_ce: bool = True,
-                gradient: str = "bptt", gradient_steps: int = 0, scale_clamp: bool = False,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                final_depth: int | None = None,
-                readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
-                hook_logits: bool = True,
-                resume_from: tuple[int, torch.Tensor | Callable[[torch.Tensor], torch.Tensor]] | None = None
-                ) -> LoopOutput:
-        """Run the model at one or several loop depths in a single unroll (a :class:`Loop` advanced to
-        the largest depth, read out on the way).
+    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, targets: torch.Tensor | None = None, *,
+                gradient: Gradient = BPTT, readout: Readout = Readout()) -> LoopOutput:
+        """The reading path of training and evaluation: :meth:`read` of a fresh :meth:`loop` on ``idx``
+        (B, L) int64, L ≤ seq_len. A cached, padded, clamped, resumed or hooked unroll opens its cursor
+        itself: ``model.read(model.loop(idx, cache=cache), depth)``."""
+        return self.read(self.loop(idx), depth, targets, gradient=gradient, readout=readout)
+
+    def read(self, loop: Loop, depth: int | Sequence[int], targets: torch.Tensor | None = None, *,
+             gradient: Gradient = BPTT, readout: Readout = Readout(),
+             on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
+        """Advance ``loop`` to the largest requested depth, reading out at every requested depth on the way.
 
         Args:
-            idx: (B, L) int64 token ids, L ≤ seq_len.
-            depth: loop depth T ≥ 0, or a sequence of depths.
-            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout_tokens``); -100 ignored.
-            return_states: also return h_0 … h_T (readout coordinates).
-            keep_logits: keep the logits. False with targets computes the loss by the fused readout + CE
-                (:mod:`looplm.model.fused`, unless ``fused_ce=False``); without targets the readout
-                matrix is skipped (a cached prefill: the coda still fills the cache).
-            gradient, gradient_steps: the :class:`Gradient` estimator (kind, b); ``endpoint`` keys the
-                largest readout at T + b.
-            scale_clamp, cache, attention_mask: as for :meth:`loop`.
-            final_depth: with ``readout="final_only_norm"``, a readout at T normalizes iff T ≥ final_depth
-                (:meth:`resolve_final_depth`).
-            readout_tokens: ``(rows, cols)`` (N,) int64: read out only these tokens (logits (N, V)).
-            on_depth: ``on_depth(T, h_T, logits_T)`` at every T = 0 … max(depth) (logits None where T is not
-                requested, or always with ``hook_logits=False``, which keeps the fused path).
-            resume_from: ``(T0, h)``: :meth:`Loop.resume` at T0 with h (B, L, d), or a callable h(e) of the
-                prelude output; every requested depth must be ≥ T0.
+            loop: a cursor of this model (:meth:`loop`) at step t0 (0, or T0 after :meth:`Loop.resume`).
+            depth: loop depth T ≥ t0, or a sequence of depths.
+            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout.tokens``); -100 ignored.
+            gradient: the :class:`Gradient` estimator; ``endpoint`` reads the largest depth T at
+                ``gradient.key(T)`` = T + b. readout: what to read (:class:`Readout`).
+            on_depth: called as ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None
+                where they are not formed (T not requested, fused or skipped readout): lets a consumer
+                reduce each depth to statistics without keeping it.
 
         Raises:
-            ValueError: a negative or missing depth, a cached forward at depth 0, a truncated gradient on
-                the unshared reference, an endpoint gradient with a cache, a bad ``resume_from``.
+            ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
+                gradient, or a truncated gradient on the unshared reference.
         """
         depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
-        if not depths or depths[0] < 0:
-            raise ValueError(f"depth: need one or more loop depths >= 0, got {depth!r}")
-        if cache is not None and depths[-1] < 1:
+        if not depths or depths[0] < loop.t:
+            raise ValueError(f"depth: need one or more loop depths >= t0 = {loop.t}, got {depth!r}")
+        if loop.cached and depths[-1] < 1:
             raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
-        grad = Gradient(gradient, gradient_steps)
-        if grad.kind != "bptt" and not self.shared:
-            raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{gradient_steps}")
-        if grad.kind == "endpoint" and cache is not None:
+        if gradient.kind != "bptt" and not self.shared:
+            raise ValueError("gradient: the unshared reference has no recurrence to truncate, got "
+                             f"{gradient.kind}-{gradient.steps}")
+        if gradient.kind == "endpoint" and loop.cached:
             raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
-        first = 0 if resume_from is None else int(resume_from[0])
-        if depths[0] < first:
-            raise ValueError(f"resume_from: every requested depth must be >= T0 = {first}, got {depth!r}")
-        loop = self.loop(idx, cache=cache, attention_mask=attention_mask, scale_clamp=scale_clamp)
-        if resume_from is not None:
-            h = resume_from[1]
-            loop.resume(first, h(loop.e) if callable(h) else h)
-        depths = [*depths[:-1], grad.key(depths[-1])]
-        last, wanted = depths[-1], set(depths)
-        loop.window(grad, last)
-        out = LoopOutput(states=[] if return_states else None, anchor=loop.ctx.anchor)
-        read = _Reader(self, out, targets, final=self.resolve_final_depth(final_depth, last), last=last,
-                       keep_logits=keep_logits, tokens=readout_tokens, fused_ce=fused_ce,
-                       hooked=on_depth is not None and hook_logits, scope=loop.scope)
+        last = gradient.key(depths[-1])
+        wanted = {*depths[:-1], last}
+        loop.window(gradient, last)
+        out = LoopOutput(states=[] if readout.states else None, anchor=loop.ctx.anchor)
+        read = _Reader(self, out, targets, readout, final=self.resolve_final_depth(readout.final_depth, last),
+                       last=last, scope=loop.scope)
         while True:
-            if return_states:
+            if readout.states:
                 out.states.append(loop.h)
             logits = read(loop.t, loop.h) if loop.t in wanted else None
             if on_depth is not None:
-                on_depth(loop.t, loop.h, logits if hook_logits else None)
+                on_depth(loop.t, loop.h, logits)
             if loop.t == last:
                 break
             loop.advance()
-        if cache is not None:
+        if loop.cached:
             loop.scope.commit()
         out.logits = out.logits_by_depth.get(last)
         if targets is not None:
@@ -546,12 +528,12 @@ class _Reader:
     + loss (with targets) or the coda alone (it fills the KV cache). Only the last readout's coda enters
     the cache."""
 
-    def __init__(self, model: DepthLM, out: LoopOutput, targets: torch.Tensor | None, *, final: int, last: int,
-                 keep_logits: bool, tokens, fused_ce: bool, hooked: bool, scope: AttentionScope | None):
+    def __init__(self, model: DepthLM, out: LoopOutput, targets: torch.Tensor | None, readout: Readout, *,
+                 final: int, last: int, scope: AttentionScope | None):
         self.model, self.out, self.targets, self.final, self.last = model, out, targets, final, last
-        self.keep_logits, self.tokens, self.scope = keep_logits, tokens, scope
-        self.fused = fused_ce and targets is not None and not keep_logits and not hooked
-        self.unread = targets is None and not keep_logits and not hooked
+        self.keep_logits, self.tokens, self.scope = readout.logits, readout.tokens, scope
+        self.fused = readout.fused_ce and targets is not None and not readout.logits
+        self.unread = targets is None and not readout.logits
 
     def __call__(self, T: int, h: torch.Tensor) -> torch.Tensor | None:
         model, out, targets = self.model, self.out, self.targets
