@@ -83,7 +83,7 @@ def profile_step(model, prompt: torch.Tensor, depth: int, how: str, capacity: in
 
     cache = KVCache("per_visit")
     with torch.no_grad():
-        tok = model(prompt, depth=depth, cache=cache).logits[:, -1].argmax(-1)
+        tok = model.read(model.loop(prompt, cache=cache), depth).logits[:, -1].argmax(-1)
     step = DecodeStep(model, StaticKVCache(cache, capacity, model.cfg.seq_len), depth, how)
     res = {}
     if how == "compile":

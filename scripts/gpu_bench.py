@@ -31,7 +31,7 @@ from looplm.analysis.flops import flops_per_token
 from looplm.bench import machine, matmul_rates
 from looplm.config import ModelConfig
 from looplm.finite import write_json_markdown
-from looplm.model import build_model
+from looplm.model import NLL, Readout, build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.static_decode import DecodeStep, StaticKVCache
 from looplm.train.trainer import compile_blocks
@@ -67,7 +67,7 @@ def train_tokens_per_s(model, cfg: ModelConfig, depth: int, batch: int, steps: i
         _sync(dev)
         t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(x, depth=depth, targets=x, keep_logits=False).loss
+            loss = model(x, depth, x, readout=NLL).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -84,10 +84,10 @@ def decode_tokens_per_s(model, depth: int, batch: int, context: int, new: int, h
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, context - new), device=dev)
     last = (torch.arange(batch, device=dev), torch.full((batch,), prompt.shape[1] - 1, device=dev))
     cache = KVCache("per_visit", max_len=context)
-    tok = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)  # (B,)
+    tok = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last)).logits.argmax(-1)  # (B,)
     if how == "kvcache":
         def step(t):
-            return model(t[:, None], depth=depth, cache=cache).logits[:, -1]
+            return model.read(model.loop(t[:, None], cache=cache), depth).logits[:, -1]
     else:
         step = DecodeStep(model, StaticKVCache(cache, context, model.cfg.seq_len), depth,
                           "eager" if how == "static" else how)

@@ -16,6 +16,7 @@ from looplm.eval.adaptive import adaptive_depth_checkpoint, early_exit_eval, tra
 from looplm.eval.exits import calibrate, halting_depths
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import RULES, LoopLM, build_model
+from looplm.model.cursor import Readout
 
 CEIL = 6
 
@@ -69,7 +70,7 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
         w = torch.from_numpy(tokens[b * L: (b + 1) * L + 1].astype(np.int64))
         x, y = w[:-1][None], w[1:][None]
         n = y.shape[1]
-        out = model(x[:, :n], depth=list(range(1, CEIL + 1)), targets=y, return_states=True, keep_logits=False)
+        out = model(x[:, :n], list(range(1, CEIL + 1)), y, readout=Readout(logits=False, states=True))
         for t in range(CEIL):
             h, h1 = out.states[t][0, :n], out.states[t + 1][0, :n]
             u = ((h1 - h).norm(dim=-1) / (h.norm(dim=-1) + 1e-8)).max()

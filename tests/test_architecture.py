@@ -23,6 +23,7 @@ from looplm.model import build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.layers import Block, CausalSelfAttention, Rope
 from looplm.train.losses import exit_distribution
+from looplm.model.cursor import Readout
 
 V, D, H, L = 61, 32, 4, 10
 HD = D // H
@@ -207,7 +208,7 @@ def test_kv_cache_holds_rotated_grouped_keys():
     model = build_model(cfg(rule="looped", n_prelude=1, n_kv_heads=2, position_embedding="rope")).eval()
     x = tokens()
     cache = KVCache("per_visit")
-    model(x, depth=2, cache=cache)
+    model.read(model.loop(x, cache=cache), 2)
     k_bank, _ = cache.banks[(0, 0)]
     assert k_bank.shape == (2, 2, L, HD)
     blk = model.prelude[0]
@@ -385,7 +386,7 @@ def test_huginn_linear_options():
     with torch.no_grad():
         e = m.embed(x)
         z = torch.cat([torch.zeros_like(e), e], -1) @ m.rule.adapter.weight.T
-        assert torch.allclose(m(x, depth=1, return_states=True).states[1], z + m.core(z), atol=1e-6)
+        assert torch.allclose(m(x, 1, readout=Readout(states=True)).states[1], z + m.core(z), atol=1e-6)
     default = cfg(rule="huginn_linear").options
     assert default.adapter_bias and default.step_norm  # LMDR's huginn_linear, unchanged
 
@@ -466,9 +467,9 @@ def test_exit_cdf_in_decoding_is_ouros_per_token_rule():
     nxt = tokens(4, n=1, seed=4)
     C = 4
     ref_cache, cache = KVCache("per_visit"), KVCache("per_visit")
-    model(prompts, depth=C, cache=ref_cache)
-    model(prompts, depth=C, cache=cache)
-    fixed = model(nxt, depth=list(range(1, C + 1)), cache=ref_cache)
+    model.read(model.loop(prompts, cache=ref_cache), C)
+    model.read(model.loop(prompts, cache=cache), C)
+    fixed = model.read(model.loop(nxt, cache=ref_cache), list(range(1, C + 1)))
     gates = [fixed.exit_logits_by_depth[k][:, -1] for k in range(1, C + 1)]
     cdf2 = 1 - (1 - torch.sigmoid(gates[0])) * (1 - torch.sigmoid(gates[1]))
     tau = float(cdf2.median())  # a threshold that splits the rows

@@ -26,6 +26,7 @@ from looplm.model import build_model
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import KVCache
 from looplm.model.static_decode import DecodeStep, StaticKVCache
+from looplm.model.cursor import NLL
 
 DEVICE = os.environ.get("LOOPLM_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
@@ -60,7 +61,7 @@ def _loss_and_grads(model, x: torch.Tensor, dtype: torch.dtype | None = None):
     """Loss (fused readout + loss at depth 3) and every parameter's gradient (fp32, on CPU)."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        out = model(x, depth=3, targets=x, keep_logits=False)
+        out = model(x, 3, x, readout=NLL)
     out.loss.backward()
     return out.loss.float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -103,13 +104,13 @@ def test_cached_decoding_equals_recomputation(name):
     x = _tokens(b=2, n=16).to(DEVICE)
     full = model(x, depth=3).logits  # (B, 16, V)
     cache = KVCache("per_visit")
-    model(x[:, :4], depth=3, cache=cache)
-    eager = torch.stack([model(x[:, j:j + 1], depth=3, cache=cache).logits[:, -1] for j in range(4, 16)], 1)
+    model.read(model.loop(x[:, :4], cache=cache), 3)
+    eager = torch.stack([model.read(model.loop(x[:, j:j + 1], cache=cache), 3).logits[:, -1] for j in range(4, 16)], 1)
     hows = ["eager", "compile"] + (["cuda_graph"] if x.device.type == "cuda" else [])
     static = {}
     for how in hows:
         cache = KVCache("per_visit")
-        model(x[:, :4], depth=3, cache=cache)
+        model.read(model.loop(x[:, :4], cache=cache), 3)
         # aot_eager traces the one graph (fullgraph); inductor's code generation only once (compile time)
         step = DecodeStep(model, StaticKVCache(cache, 16, 16), 3, how,
                           backend="inductor" if x.device.type == "cuda" and name == "scse" else "aot_eager")
@@ -233,7 +234,7 @@ def _wrapped_training(mode: str, out: str) -> None:
         traces[wrap] = []
         for step in range(3):
             x = _tokens(b=4, n=16, seed=step).to(dev)
-            loss = model(x, depth=3, targets=x, keep_logits=False).loss
+            loss = model(x, 3, x, readout=NLL).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

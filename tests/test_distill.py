@@ -23,6 +23,7 @@ from looplm.distill import (DistillConfig, StudentMismatchError, build_student, 
                             load_student, teacher_fingerprint)
 from looplm.distill.loss import VarianceAccumulator
 from looplm.model import KVCache, build_model
+from looplm.model.cursor import Readout
 from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
 
 HUGINN = ["huginn_linear-huginn", "parcae_decay-huginn", "parcae-huginn", "orthoinj-huginn", "deq_qkv-huginn",
@@ -68,17 +69,17 @@ def test_exact_student_reproduces_the_teachers_terminal_prefill(name, padded):
         mask = torch.ones(3, P, dtype=torch.long)
         mask[1, :4], mask[2, :2] = 0, 0
     prompt = x[:, :P]
-    z_R = model(prompt, depth=R, attention_mask=mask, return_states=True).states[R]
+    z_R = model.read(model.loop(prompt, attention_mask=mask), R, readout=Readout(states=True)).states[R]
     oracle = Oracle(z_R)
     distilled, teacher = KVCache("terminal"), KVCache("terminal")
     out_d = distilled_prefill(model, oracle, prompt, R, distilled, attention_mask=mask)
-    out_t = model(prompt, depth=R + 1, cache=teacher, attention_mask=mask)
+    out_t = model.read(model.loop(prompt, cache=teacher, attention_mask=mask), R + 1)
     bank_diff = _max_bank_diff(distilled, teacher)
     logit_diff = float((out_d.logits - out_t.logits).abs().max())
     if mask is None:  # the student is shown the prelude output e
         assert torch.equal(oracle.seen_e, model.embed(prompt))  # exact: same computation
-    cont_d = model(x[:, P:], depth=R, cache=distilled).logits
-    cont_t = model(x[:, P:], depth=R, cache=teacher).logits
+    cont_d = model.read(model.loop(x[:, P:], cache=distilled), R).logits
+    cont_t = model.read(model.loop(x[:, P:], cache=teacher), R).logits
     cont_diff = float((cont_d - cont_t).abs().max())
     print(f"{name} padded={padded}: max |Δ| banks {bank_diff:.2e}, prefill logits {logit_diff:.2e}, "
           f"continuation logits {cont_diff:.2e}")
@@ -97,11 +98,11 @@ def test_exact_student_at_a_fixed_point_equals_the_prefill_at_R():
     model.rule.adapter.weight[:, :model.cfg.d_model] = 0.0
     x = torch.randint(0, model.cfg.vocab_size, (2, 16))
     R, P = 4, 9
-    states = model(x[:, :P], depth=R + 1, return_states=True).states
+    states = model(x[:, :P], R + 1, readout=Readout(states=True)).states
     assert float((states[R + 1] - states[R]).abs().max()) == 0.0  # exact: a fixed point
     distilled, teacher = KVCache("terminal"), KVCache("terminal")
     distilled_prefill(model, Oracle(states[R]), x[:, :P], R, distilled)
-    model(x[:, :P], depth=R, cache=teacher)
+    model.read(model.loop(x[:, :P], cache=teacher), R)
     assert _max_bank_diff(distilled, teacher) == 0.0
 
 
@@ -112,10 +113,10 @@ def test_distilled_prefill_refuses_bad_caches():
     with pytest.raises(ValueError, match="needs a terminal KV cache"):
         distilled_prefill(model, Oracle(z), x, 3, KVCache("per_visit"))
     cache = KVCache("terminal")
-    model(x, depth=2, cache=cache)
+    model.read(model.loop(x, cache=cache), 2)
     with pytest.raises(ValueError, match="already holds 8 positions"):
         distilled_prefill(model, Oracle(z), x, 3, cache)
-    with pytest.raises(ValueError, match="resume_from: the state must have shape"):
+    with pytest.raises(ValueError, match="resume: the state must have shape"):
         distilled_prefill(model, Oracle(z[:, :5]), x, 3, KVCache("terminal"))
 
 
@@ -347,7 +348,7 @@ def test_generate_with_a_student_equals_a_hand_run_prefill(teacher_run, student_
         nxt = distilled_prefill(teacher, student, torch.tensor(prompts), R, cache).logits[:, -1].argmax(-1)
         ref = [nxt]
         for _ in range(n - 1):
-            nxt = teacher(nxt[:, None], depth=R, cache=cache).logits[:, -1].argmax(-1)
+            nxt = teacher.read(teacher.loop(nxt[:, None], cache=cache), R).logits[:, -1].argmax(-1)
             ref.append(nxt)
     assert got.tokens == torch.stack(ref, 1).tolist()
     assert got.depths == [[1] + [R] * (n - 1)] * 2

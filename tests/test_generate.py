@@ -79,11 +79,11 @@ def test_terminal_cache_generation(name):
     for p, got in zip(PROMPTS, term):
         cache = KVCache("terminal")
         with torch.no_grad():
-            logits = model(torch.tensor([p]), depth=4, cache=cache).logits[0, -1]
+            logits = model.read(model.loop(torch.tensor([p]), cache=cache), 4).logits[0, -1]
             seq = []
             for _ in range(6):
                 seq.append(int(logits.argmax()))
-                logits = model(torch.tensor([[seq[-1]]]), depth=4, cache=cache).logits[0, -1]
+                logits = model.read(model.loop(torch.tensor([[seq[-1]]]), cache=cache), 4).logits[0, -1]
         assert got == seq
     with pytest.raises(ValueError, match="allowed"):
         generate(model, PROMPTS, 2, 2, cache_mode="nope")
@@ -188,11 +188,11 @@ def test_adaptive_huge_tau_exits_after_one_loop(name):
     for p, toks in zip(PROMPTS, got.tokens):
         cache = KVCache("per_visit")
         with torch.no_grad():
-            logits = model(torch.tensor([p]), depth=R, cache=cache).logits[0, -1]
+            logits = model.read(model.loop(torch.tensor([p]), cache=cache), R).logits[0, -1]
             seq = []
             for _ in range(n):
                 seq.append(int(logits.argmax()))
-                logits = model(torch.tensor([[seq[-1]]]), depth=1, cache=cache).logits[0, -1]
+                logits = model.read(model.loop(torch.tensor([[seq[-1]]]), cache=cache), 1).logits[0, -1]
         assert toks == seq
 
 
@@ -224,7 +224,7 @@ def test_exited_token_copies_its_exit_kv_forward(name):
     caches, logits = {}, {}
     for mode in ("per_visit", "terminal"):
         caches[mode] = KVCache(mode)
-        model(prompts, depth=R, cache=caches[mode])
+        model.read(model.loop(prompts, cache=caches[mode]), R)
         logits[mode], depth = adaptive_decode_step(model, nxt, caches[mode], R, FireAt(0, exit_loop))
         assert depth.tolist() == [exit_loop, R]
     pv = caches["per_visit"].banks
@@ -242,8 +242,8 @@ def test_exited_token_copies_its_exit_kv_forward(name):
     for mode in ("per_visit", "terminal"):
         for row, d in ((0, exit_loop), (1, R)):
             c = KVCache(mode)
-            model(prompts[row:row + 1], depth=R, cache=c)
-            ref = model(nxt[row:row + 1], depth=d, cache=c).logits[0, -1]
+            model.read(model.loop(prompts[row:row + 1], cache=c), R)
+            ref = model.read(model.loop(nxt[row:row + 1], cache=c), d).logits[0, -1]
             assert torch.allclose(logits[mode][row], ref, atol=1e-5)
             for key, (k, v) in caches[mode].banks.items():
                 rk, rv = c.banks[key]
@@ -329,7 +329,7 @@ def test_inductor_static_step_logits_equal_recomputation():
     x = torch.randint(0, model.cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
     full = model(x, depth=3).logits  # (2, SEQ, V)
     cache = KVCache("per_visit")
-    model(x[:, :5], depth=3, cache=cache)
+    model.read(model.loop(x[:, :5], cache=cache), 3)
     step = DecodeStep(model, StaticKVCache(cache, SEQ, SEQ), 3, "compile")
     got = torch.stack([step(x[:, j]) for j in range(5, SEQ)], 1)  # (2, SEQ − 5, V)
     print(f"max |Δlogits| {(got - full[:, 5:]).abs().max().item():.2e}")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from looplm.config import Config, ConfigError, ModelConfig, TrainConfig, apply_overrides
 from looplm.model import DepthLM, LoopContext, build_model
 from looplm.train.losses import training_loss
+from looplm.model.cursor import Gradient, Readout
 
 V, L = 61, 10
 HUGINN = dict(rule="parcae_decay", n_prelude=1, n_core=2, n_coda=1)
@@ -86,7 +87,7 @@ def test_endpoint_on_contractive_linear_recurrence_equals_truncated_neumann_seri
     m, (x, y) = toy(), batch()
     R = 80  # 0.5^80 ≈ 1e-24: z^R is the fixed point to float64 precision
     m.zero_grad()
-    out = m(x, depth=R, targets=y, gradient="endpoint", gradient_steps=b)
+    out = m(x, R, y, gradient=Gradient("endpoint", b))
     out.loss.backward()
     assert set(out.nll_by_depth) == {R + b}
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_endpoint_matches_hand_unrolled_detach_at_endpoint_and_every_parameter_g
     x, y = batch()
     T, b = 4, 2
     m = tiny(**kw)
-    m(x, depth=T, targets=y, gradient="endpoint", gradient_steps=b).loss.backward()
+    m(x, T, y, gradient=Gradient("endpoint", b)).loss.backward()
     got = grads(m)
     assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
     ref = _endpoint_reference_grads(m, x, y, T, b)
@@ -151,18 +152,18 @@ def test_endpoint_at_depth_T_is_tbptt_at_depth_T_plus_b():
     differ in where they start relative to the depth R that is called the endpoint, LMDR §3.1)."""
     x, y = batch()
     m = tiny(**HUGINN)
-    a = m(x, depth=3, targets=y, gradient="endpoint", gradient_steps=2)
+    a = m(x, 3, y, gradient=Gradient("endpoint", 2))
     a.loss.backward()
     ga = grads(m)
     m.zero_grad()
-    c = m(x, depth=5, targets=y, gradient="tbptt", gradient_steps=2)
+    c = m(x, 5, y, gradient=Gradient("tbptt", 2))
     c.loss.backward()
     assert torch.equal(a.loss, c.loss)  # exact: same computation
     for n, g in grads(m).items():
         assert torch.equal(g, ga[n]), n  # exact: same computation
     with torch.no_grad():  # the values do not depend on autograd
         # exact: same kernels
-        assert torch.equal(m(x, depth=3, targets=y, gradient="endpoint", gradient_steps=2).loss, a.loss)
+        assert torch.equal(m(x, 3, y, gradient=Gradient("endpoint", 2)).loss, a.loss)
 
 
 def test_endpoint_multi_depth_readouts_and_depth_zero():
@@ -170,14 +171,14 @@ def test_endpoint_multi_depth_readouts_and_depth_zero():
     the visited states (their values equal full BPTT's); states hold h_0 … h_{T+b}."""
     x, y = batch()
     m = tiny(rule="looped")
-    out = m(x, depth=[1, 2, 3], targets=y, gradient="endpoint", gradient_steps=2, return_states=True)
+    out = m(x, [1, 2, 3], y, gradient=Gradient("endpoint", 2), readout=Readout(states=True))
     ref = m(x, depth=[1, 2, 5], targets=y)
     assert set(out.nll_by_depth) == {1, 2, 5} and len(out.states) == 6
     for k in (1, 2, 5):
         assert torch.equal(out.nll_by_depth[k], ref.nll_by_depth[k])  # exact: same forward (detach keeps values)
     # depth 0: the endpoint is the initial state, detached
     m.zero_grad()
-    m(x, depth=0, targets=y, gradient="endpoint", gradient_steps=1).loss.backward()
+    m(x, 0, y, gradient=Gradient("endpoint", 1)).loss.backward()
     ref = _endpoint_reference_grads(m, x, y, 0, 1)
     for n, g in grads(m).items():
         assert torch.allclose(g, ref.get(n, torch.zeros_like(g)), atol=1e-6, rtol=1e-5), n
@@ -189,7 +190,7 @@ def test_training_loss_with_endpoint_gradient(sup):
     m = tiny(rule="looped")
     tcfg = TrainConfig(gradient="endpoint", gradient_steps=2, supervision=sup, norm_penalty=0.1)
     res = training_loss(m, x, y, 3, tcfg)
-    out = m(x, depth=[1, 2, 5], targets=y, return_states=True)
+    out = m(x, [1, 2, 5], y, readout=Readout(states=True))
     keys = [3 + 2] if sup == "terminal" else [1, 2, 5]
     ce = [F.cross_entropy(out.logits_by_depth[k].flatten(0, 1), y.flatten()) for k in keys]
     pen = 0.1 * sum(out.states[k].pow(2).mean() for k in [1, 2, 5]) / 3
@@ -197,16 +198,15 @@ def test_training_loss_with_endpoint_gradient(sup):
     assert res.ce == pytest.approx(float(ce[-1].detach()), rel=1e-6)
 
 
-def test_forward_rejects_bad_estimators():
-    x, y = batch()
-    m = tiny(rule="looped")
-    for kw, match in [(dict(gradient="neumann"), "allowed"), (dict(gradient="endpoint"), "needs b >= 1"),
-                      (dict(gradient_steps=2), "full BPTT")]:
+def test_bad_estimators_are_refused():
+    x, _ = batch()
+    for kw, match in [(dict(kind="neumann"), "allowed"), (dict(kind="endpoint"), "needs b >= 1"),
+                      (dict(steps=2), "full BPTT")]:
         with pytest.raises(ValueError, match=match):
-            m(x, depth=2, targets=y, **kw)
+            Gradient(**kw)
     with pytest.raises(ValueError, match="no recurrence to truncate"):
         build_model(ModelConfig(architecture="unshared", vocab_size=V, d_model=32, n_heads=4, d_ff=64,
-                                seq_len=L))(x, depth=2, gradient="endpoint", gradient_steps=1)
+                                seq_len=L))(x, 2, gradient=Gradient("endpoint", 1))
 
 
 # ------------------------------------------------------------------ config

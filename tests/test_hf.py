@@ -31,6 +31,7 @@ from looplm.config import RULE_NAMES, Config, TrainConfig  # noqa: E402
 from looplm.generate import generate  # noqa: E402
 from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
 from looplm.model import build_model  # noqa: E402
+from looplm.model.cursor import Readout
 from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
 
 SEQ = 24
@@ -71,11 +72,11 @@ def test_logits_states_and_loss_match_looplm(name):
     model, hf, _ = pair(name)
     x = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     out = hf(x)  # config.num_steps = train.eval_depth = 3
-    ref = model(x, depth=3, return_states=True)
+    ref = model(x, 3, readout=Readout(states=True))
     assert (out.logits - ref.logits).abs().max() <= 1e-5
     assert out.logits_by_depth is None and out.hidden_states is None
     multi = hf(x, num_steps=[1, 5], output_hidden_states=True, use_cache=False)
-    ref5 = model(x, depth=[1, 5], return_states=True)
+    ref5 = model(x, [1, 5], readout=Readout(states=True))
     # exact: one tensor
     assert sorted(multi.logits_by_depth) == [1, 5] and torch.equal(multi.logits, multi.logits_by_depth[5])
     for T in (1, 5):

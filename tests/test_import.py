@@ -3,7 +3,7 @@ computed in fp32 by the original code; docs/importers-layout.md), strictness of 
 diagnostics commands on imported models.
 
 Determinism: Huginn's initial state is random in the original. Logits at a depth start the loop from the
-fixture's saved ``initial_state`` (``forward(resume_from=(0, s0))``: the Huginn rule's loop state is h
+fixture's saved ``initial_state`` (``model.loop(ids).resume(0, s0)``: the Huginn rule's loop state is h
 itself, so the loop starts exactly there); its decoding fixture used ``init_scale=0``, i.e. the zero state
 for every token (``--initial-state zeros``). Ouro has no randomness at inference.
 """
@@ -26,6 +26,7 @@ from looplm.importers.huginn import import_huginn, write_huginn_folder
 from looplm.importers.ouro import import_ouro
 from looplm.train.checkpoint import load_checkpoint
 from looplm.train.losses import exit_distribution
+from looplm.model.cursor import Readout
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
 TOL = 1e-4  # absolute, fp32 (logits std ≈ 2.5 for Huginn, 1.2 for Ouro)
@@ -55,7 +56,7 @@ def test_huginn_logits_and_latents_equal_the_original_at_every_depth(imported):
     assert cfg.train.eval_depth == 4 and cfg.model.rope_table_dtype == "bfloat16"
     ids, s0 = exp["input_ids"], exp["initial_state"]
     with torch.no_grad():
-        out = model(ids, depth=[1, 2, 4, 8], resume_from=(0, s0), return_states=True)
+        out = model.read(model.loop(ids).resume(0, s0), [1, 2, 4, 8], readout=Readout(states=True))
     for n in (1, 2, 4, 8):
         assert _report(f"logits n={n}", out.logits_by_depth[n], exp[f"logits_steps{n}"]) <= TOL
         # the original's latent_states: ln_f of the state after n steps, the coda's input
@@ -85,7 +86,7 @@ def test_huginn_needs_the_bf16_rope_table(imported):
     other = build_model(exact).eval()
     other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        logits = other(exp["input_ids"], depth=4, resume_from=(0, exp["initial_state"])).logits
+        logits = other.read(other.loop(exp["input_ids"]).resume(0, exp["initial_state"]), 4).logits
     assert _report("float32 table, n=4", logits, exp["logits_steps4"]) > 1e-3
 
 
@@ -94,7 +95,7 @@ def test_ouro_logits_hidden_states_and_exit_distribution_equal_the_original(impo
     model, cfg, _, exp = imported["ouro"]
     assert cfg.train.eval_depth == 4 and cfg.model.kv_heads == 2
     with torch.no_grad():
-        out = model(exp["input_ids"], depth=[1, 2, 3, 4], return_states=True)
+        out = model(exp["input_ids"], [1, 2, 3, 4], readout=Readout(states=True))
     for u in (1, 2, 3, 4):
         assert _report(f"logits ut={u}", out.logits_by_depth[u], exp[f"logits_ut{u}"]) <= TOL
         assert _report(f"hidden ut={u}", out.states[u], exp[f"hidden_ut{u}"]) <= TOL

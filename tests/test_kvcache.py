@@ -26,9 +26,9 @@ DEPTHS = (1, 3, 5)
 def _incremental(model: LoopLM, x: torch.Tensor, depth: int, prompt: int, mode: str = "per_visit") -> torch.Tensor:
     """Prefill x[:, :prompt], then one token at a time; the logits of every position (B, L, V)."""
     cache = KVCache(mode)
-    outs = [model(x[:, :prompt], depth=depth, cache=cache).logits]
+    outs = [model.read(model.loop(x[:, :prompt], cache=cache), depth).logits]
     for j in range(prompt, x.shape[1]):
-        outs.append(model(x[:, j:j + 1], depth=depth, cache=cache).logits)
+        outs.append(model.read(model.loop(x[:, j:j + 1], cache=cache), depth).logits)
     return torch.cat(outs, dim=1)
 
 
@@ -61,12 +61,12 @@ def test_left_padded_batch_equals_unpadded_sequences(name):
         pad[i, L - n:], mask[i, L - n:] = x[i, :n], 1
     R, split = 3, L - 2  # prefill the first L−2 columns (padding included), then 2 single tokens
     cache = KVCache("per_visit")
-    batched = [model(pad[:, :split], depth=R, cache=cache, attention_mask=mask[:, :split]).logits]
+    batched = [model.read(model.loop(pad[:, :split], cache=cache, attention_mask=mask[:, :split]), R).logits]
     for j in range(split, L):
-        batched.append(model(pad[:, j:j + 1], depth=R, cache=cache).logits)
+        batched.append(model.read(model.loop(pad[:, j:j + 1], cache=cache), R).logits)
     batched = torch.cat(batched, dim=1)  # (3, L, V)
     # uncached masked forward of the whole padded batch
-    masked = model(pad, depth=R, attention_mask=mask).logits
+    masked = model.read(model.loop(pad, attention_mask=mask), R).logits
     for i, n in enumerate(lengths):
         ref = model(x[i:i + 1, :n], depth=R).logits[0]  # (n, V)
         err = max((batched[i, L - n:] - ref).abs().max().item(), (masked[i, L - n:] - ref).abs().max().item())
@@ -88,7 +88,7 @@ def test_terminal_bank_count_and_bytes(name):
     R, n = 5, 6
     caches = {mode: KVCache(mode) for mode in ("per_visit", "terminal")}
     for c in caches.values():
-        model(x[:, :n], depth=R, cache=c)
+        model.read(model.loop(x[:, :n], cache=c), R)
     pv, term = caches["per_visit"], caches["terminal"]
     calls = _core_visits_per_step(model)
     physical = cfg.n_prelude + cfg.n_core * calls + cfg.n_coda  # terminal: one bank per core call of a step
@@ -122,9 +122,10 @@ def test_unknown_cache_mode_and_unshared():
     with pytest.raises(ValueError, match="allowed"):
         KVCache("nope")
     with pytest.raises(ValueError, match="shared"):
-        make("unshared")(tokens(b=1), depth=2, cache=KVCache())
+        make("unshared").loop(tokens(b=1), cache=KVCache())
+    model = make("scse")
     with pytest.raises(ValueError, match="depth"):
-        make("scse")(tokens(b=1), depth=0, cache=KVCache())
+        model.read(model.loop(tokens(b=1), cache=KVCache()), 0)
 
 
 # --- an independent reference for terminal sharing -------------------------------------------------
@@ -208,8 +209,8 @@ def test_terminal_sharing_matches_explicit_reference(name, chunk):
     x = tokens(b=2)
     R, n = 4, 6
     cache = KVCache("terminal")
-    model(x[:, :n], depth=R, cache=cache)
-    got = model(x[:, n:n + chunk], depth=R, cache=cache).logits
+    model.read(model.loop(x[:, :n], cache=cache), R)
+    got = model.read(model.loop(x[:, n:n + chunk], cache=cache), R).logits
     visits = _hooked_visits(model, x[:, :n], R)
     kv = {lid: calls[-1] for lid, calls in visits.items()}
     for lid, (k, v) in kv.items():  # the terminal banks are the last visit's K/V
@@ -242,8 +243,8 @@ def test_kv_sharing_eval_matches_hand_protocol():
             xi, y = x[:, :-1], x[:, 1:]
             full += float(model(xi, depth=R, targets=y).nll_by_depth[R][:, P:].sum())
             cache = KVCache("terminal")
-            model(xi[:, :P], depth=R, cache=cache)
-            term += float(model(xi[:, P:], depth=R, cache=cache, targets=y[:, P:]).nll_by_depth[R].sum())
+            model.read(model.loop(xi[:, :P], cache=cache), R)
+            term += float(model.read(model.loop(xi[:, P:], cache=cache), R, y[:, P:]).nll_by_depth[R].sum())
         r = res[R]
         n = 3 * (L - P)
         assert r["tokens"] == n and r["sequences"] == 3 and r["prefix_tokens"] == P
@@ -287,8 +288,8 @@ def test_kv_sharing_doc_aware_scores_only_the_prompts_document():
             keep = torch.tensor(want[w], dtype=torch.float64)
             full += float((model(xi, depth=R, targets=y).nll_by_depth[R][0, P:].double() * keep).sum())
             cache = KVCache("terminal")
-            model(xi[:, :P], depth=R, cache=cache)
-            term += float((model(xi[:, P:], depth=R, cache=cache, targets=y[:, P:]).nll_by_depth[R][0].double()
+            model.read(model.loop(xi[:, :P], cache=cache), R)
+            term += float((model.read(model.loop(xi[:, P:], cache=cache), R, y[:, P:]).nll_by_depth[R][0].double()
                            * keep).sum())
         assert res[R]["tokens"] == 8 and res[R]["sequences"] == 3
         assert res[R]["ppl_full"] == pytest.approx(math.exp(full / 8), rel=1e-6)
@@ -352,12 +353,12 @@ def test_multi_depth_prefill_commits_only_the_last_readouts_coda(name):
     model = make(name)
     x = tokens(b=2)
     a, b = KVCache("per_visit"), KVCache("per_visit")
-    out_multi = model(x[:, :5], depth=[1, 4], cache=a)
-    model(x[:, :5], depth=4, cache=b)
+    out_multi = model.read(model.loop(x[:, :5], cache=a), [1, 4])
+    model.read(model.loop(x[:, :5], cache=b), 4)
     assert set(a.banks) == set(b.banks)
     for key in a.banks:
         assert torch.equal(a.banks[key][0], b.banks[key][0])  # exact: same computation
-    nxt = model(x[:, 5:7], depth=[2, 4], cache=a).logits_by_depth
+    nxt = model.read(model.loop(x[:, 5:7], cache=a), [2, 4]).logits_by_depth
     full = model(x[:, :7], depth=[2, 4]).logits_by_depth
     # the last depth is exact; an intermediate readout's coda sees the prefix's last-depth coda K/V
     assert torch.allclose(nxt[4], full[4][:, 5:], atol=1e-5)

@@ -15,6 +15,7 @@ from looplm.config import RULE_NAMES, RULE_OPTIONS, ModelConfig
 from looplm.diagnostics.forcing import forcing_profile
 from looplm.model import RULES, LoopLM, build_model
 from looplm.model.layers import sinusoidal_step_embedding
+from looplm.model.cursor import Readout
 
 V, D, L = 97, 32, 12
 
@@ -86,7 +87,7 @@ def test_registry_matches_config_literal():
 def test_shapes_and_states(name):
     model = make(name)
     x = tokens()
-    out = model(x, depth=[1, 3], targets=x, return_states=True)
+    out = model(x, [1, 3], x, readout=Readout(states=True))
     assert out.logits.shape == (3, L, V)
     assert set(out.logits_by_depth) == {1, 3} and set(out.nll_by_depth) == {1, 3}
     assert len(out.states) == 4 and all(s.shape == (3, L, D) for s in out.states)
@@ -255,7 +256,7 @@ def test_rule_matches_unrolled_reference(name):
     model = make(name).eval()
     x = tokens()
     for T in (1, 2, 5):
-        got = model(x, depth=T, return_states=True).states[-1]
+        got = model(x, T, readout=Readout(states=True)).states[-1]
         ref = _reference_hidden(model, x, T)
         err = (got - ref).abs().max().item()
         print(f"{name} T={T}: max |h - h_ref| = {err:.2e}")
@@ -388,7 +389,7 @@ def test_scse_init_anchor_keeps_deviation_zero_and_ppl_flat():
     torch.manual_seed(0)
     model = build_model(tiny(rule="scse", options=dict(anchor="init"))).eval()
     x = tokens()
-    out = model(x, depth=[0, 1, 8, 24], targets=x, return_states=True)
+    out = model(x, [0, 1, 8, 24], x, readout=Readout(states=True))
     for s in out.states:
         assert torch.equal(s, out.anchor)  # exact: Δ_t = 0 at every t
     nll = out.nll_by_depth
@@ -432,10 +433,9 @@ def test_final_only_norm_readout_does_not_depend_on_the_requested_depths(final_d
     x = tokens()
     if final_depth is None:
         model.final_depth = 4  # what load_checkpoint sets from train.eval_depth
-    kw = {} if final_depth is None else {"final_depth": final_depth}
-    multi = model(x, depth=[1, 2, 4, 6], targets=x, return_states=True, **kw)
+    multi = model(x, [1, 2, 4, 6], x, readout=Readout(states=True, final_depth=final_depth))
     for T in (1, 2, 4, 6):
-        single = model(x, depth=T, targets=x, **kw)
+        single = model(x, T, x, readout=Readout(final_depth=final_depth))
         assert torch.allclose(multi.logits_by_depth[T], single.logits, atol=1e-5, rtol=1e-5), T
         h = multi.states[T]
         for block in model.coda:
@@ -448,7 +448,7 @@ def test_unshared_multi_depth_with_attention_mask():
     model = make("unshared")
     x = tokens()
     mask = torch.ones_like(x)
-    out = model(x, depth=[1, 3], attention_mask=mask, targets=x)
+    out = model.read(model.loop(x, attention_mask=mask), [1, 3], x)
     ref = model(x, depth=[1, 3], targets=x)
     for T in (1, 3):
         assert torch.allclose(out.nll_by_depth[T], ref.nll_by_depth[T], atol=1e-5), T

@@ -13,6 +13,7 @@ from looplm.config import ModelConfig, TrainConfig
 from looplm.model import LoopLM, build_model
 from looplm.train.losses import exit_distribution, training_loss
 from looplm.train.trainer import train
+from looplm.model.cursor import Gradient, Readout
 
 V, L = 61, 10
 
@@ -45,7 +46,7 @@ def test_tbptt_with_window_at_least_depth_equals_full_bptt(kw):
         m(x, depth=5, targets=y).loss.backward()
         full = grads(m)
         m.zero_grad()
-        m(x, depth=5, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
+        m(x, 5, y, gradient=Gradient("tbptt", b)).loss.backward()
         for n, g in grads(m).items():
             assert torch.equal(g, full[n]), n  # exact: b ≥ depth detaches nothing: the same graph
 
@@ -69,7 +70,7 @@ def test_tbptt_matches_explicit_detach_reference_and_reaches_prelude():
     x, y = batch()
     T, b = 6, 2
     m = tiny(**HUGINN)
-    m(x, depth=T, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
+    m(x, T, y, gradient=Gradient("tbptt", b)).loss.backward()
     got = grads(m)
     ref = _detach_reference_grads(m, x, y, T, b)
     assert set(got) == set(ref)
@@ -87,7 +88,7 @@ def test_tbptt_gives_every_parameter_a_gradient_and_matches_detach_reference(kw)
     x, y = batch()
     T, b = 5, 2
     m = tiny(**kw)
-    m(x, depth=T, targets=y, gradient="tbptt", gradient_steps=b).loss.backward()
+    m(x, T, y, gradient=Gradient("tbptt", b)).loss.backward()
     got = grads(m)
     assert set(got) == {n for n, p in m.named_parameters() if p.requires_grad}
     ref = _detach_reference_grads(m, x, y, T, b)
@@ -104,7 +105,7 @@ def _saved_activation_bytes(model, x, y, T, b):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # b = 0: full BPTT
-        model(x, depth=T, targets=y, gradient="tbptt" if b else "bptt", gradient_steps=b).loss.backward()
+        model(x, T, y, gradient=Gradient("tbptt" if b else "bptt", b)).loss.backward()
     return total
 
 
@@ -122,7 +123,7 @@ def test_per_loop_and_norm_penalty_losses_match_direct_computation():
     m = tiny(rule="plain", readout="raw")
     tcfg = TrainConfig(supervision="per_loop", norm_penalty=0.3)
     res = training_loss(m, x, y, 3, tcfg)
-    out = m(x, depth=[1, 2, 3], targets=y, return_states=True)
+    out = m(x, [1, 2, 3], y, readout=Readout(states=True))
     ce = [torch.nn.functional.cross_entropy(out.logits_by_depth[k].flatten(0, 1), y.flatten()) for k in (1, 2, 3)]
     pen = 0.3 * sum(h.pow(2).mean() for h in out.states[1:]) / 3
     assert torch.allclose(res.loss, sum(ce) / 3 + pen, atol=1e-6)
@@ -180,8 +181,8 @@ def test_scale_clamp_keeps_every_loop_at_the_loop_one_rms():
     m = tiny(rule="plain", readout="raw")
     with torch.no_grad():
         m.core.blocks[0].mlp.down.weight.mul_(50.0)  # make the hidden norm drift
-        free = m(x, depth=4, return_states=True).states
-        clamped = m(x, depth=4, return_states=True, scale_clamp=True).states
+        free = m(x, 4, readout=Readout(states=True)).states
+        clamped = m.read(m.loop(x, scale_clamp=True), 4, readout=Readout(states=True)).states
     rms = [h.pow(2).mean(-1).sqrt() for h in clamped[1:]]
     for r in rms[1:]:
         assert torch.allclose(r, rms[0], rtol=1e-5)

@@ -18,6 +18,7 @@ from looplm.eval.exits import build_exit_criterion, halting_depths, run, trace
 from looplm.generate import generate
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
+from looplm.model.cursor import Gradient, Readout
 from test_kvcache import _hooked_visits, _terminal_reference  # noqa: E402 (tests/ is on sys.path)
 
 RULES = sorted(RULE_NAMES)
@@ -76,7 +77,7 @@ def test_forward_equals_reference_loop(rule, scale, readout):
     model = model_for(rule, scale, readout)
     x = tokens()
     depths = [0, 1, 3, 5]
-    out = model(x, depth=depths, return_states=True)
+    out = model(x, depths, readout=Readout(states=True))
     ref = reference_states(model, x, depths[-1])
     for T, (h, r) in enumerate(zip(out.states, ref)):
         assert torch.equal(h, r), (T, (h - r).abs().max())  # exact: same ops, same shapes
@@ -124,8 +125,8 @@ def test_cached_decoding_equals_recompute(rule, scale, readout, mode):
     x = tokens()
     n = 7
     cache = KVCache(mode)
-    model(x[:, :n], depth=R, cache=cache)
-    got = torch.cat([model(x[:, j:j + 1], depth=R, cache=cache).logits for j in range(n, SEQ)], dim=1)
+    model.read(model.loop(x[:, :n], cache=cache), R)
+    got = torch.cat([model.read(model.loop(x[:, j:j + 1], cache=cache), R).logits for j in range(n, SEQ)], dim=1)
     if mode == "per_visit":
         full = model(x, depth=R).logits[:, n:]
         assert (got - full).abs().max() <= 1e-5
@@ -133,8 +134,8 @@ def test_cached_decoding_equals_recompute(rule, scale, readout, mode):
         assert generate(model, [prompt], 5, R).tokens[0] == _greedy_recompute(model, prompt, 5, R)
     else:
         cache = KVCache("terminal")
-        model(x[:, :n], depth=R, cache=cache)
-        got = model(x[:, n:n + 1], depth=R, cache=cache).logits
+        model.read(model.loop(x[:, :n], cache=cache), R)
+        got = model.read(model.loop(x[:, n:n + 1], cache=cache), R).logits
         ref = _terminal_reference(model, _hooked_visits(model, x[:, :n], R), x[:, n:n + 1], n, R)
         assert (got - ref).abs().max() <= 1e-5
 
@@ -183,16 +184,15 @@ def test_adaptive_runner_applies_the_scale_control():
     states at every depth equal the forward's (the runner's halted rows read out at those states)."""
     model = model_for("scse", "inter_loop_norm", "rmsnorm")
     x = tokens(3)
-    states = model(x, depth=4, return_states=True).states
+    states = model(x, 4, readout=Readout(states=True)).states
     seen = {}
 
     def on_exit(rows, k, h, logits):
         seen[k] = h
 
-    state, ctx = model.start(model.embed(x))
     from looplm.eval.exits import exit_loop
     crit = build_exit_criterion("hidden_update", -float("inf"))
-    exit_loop(model, state, ctx, crit, 4, on_exit=on_exit)
+    exit_loop(model.loop(x), crit, 4, on_exit=on_exit)
     assert torch.equal(seen[4], states[4])  # exact: same computation
 
 
@@ -302,16 +302,16 @@ def test_every_criterion_in_every_place(criterion, tiny_data):
     assert len(g.tokens[0]) == 4 and all(1 <= d <= 4 for d in g.depths[0])
 
 
-# --------------------------------------------------------------------------- resume_from (LMDR §3.2, §5.5)
+# --------------------------------------------------------------------------- Loop.resume (LMDR §3.2, §5.5)
 @pytest.mark.parametrize("rule", RULES)
-def test_resume_from_equals_the_uninterrupted_loop(rule):
+def test_resume_equals_the_uninterrupted_loop(rule):
     """Resuming at depth T0 from the hidden state h_T0 an uninterrupted forward visited gives that
     forward's states and logits at every later depth (every rule, so every to_state/hidden pair)."""
     model = model_for(rule, "inter_loop_norm", "rmsnorm")
     x = tokens()
     with torch.no_grad():
-        full = model(x, depth=[3, 5], return_states=True)
-        resumed = model(x, depth=[3, 5], return_states=True, resume_from=(3, full.states[3]))
+        full = model(x, [3, 5], readout=Readout(states=True))
+        resumed = model.read(model.loop(x).resume(3, full.states[3]), [3, 5], readout=Readout(states=True))
     assert len(resumed.states) == 3  # h_3, h_4, h_5
     for a, b in zip(resumed.states, full.states[3:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -319,7 +319,7 @@ def test_resume_from_equals_the_uninterrupted_loop(rule):
         torch.testing.assert_close(resumed.logits_by_depth[T], full.logits_by_depth[T], rtol=1e-5, atol=1e-5)
 
 
-def test_resume_from_a_detached_endpoint_is_the_endpoint_gradient():
+def test_resume_a_detached_endpoint_is_the_endpoint_gradient():
     """For a rule whose loop state is h (the Huginn family), resuming at R from sg(h_R) and taking the
     endpoint-b gradient equals ``gradient="endpoint"`` run from the start: the reuse estimator of LMDR
     §3.2 (the saved endpoint state replaces the no-grad replay)."""
@@ -327,31 +327,32 @@ def test_resume_from_a_detached_endpoint_is_the_endpoint_gradient():
     x, y = tokens(), tokens(seed=1)
     R, b = 4, 2
 
-    def grads(**kw):
+    def grads(h_R=None):
         model.zero_grad()
-        model(x, depth=R, targets=y, gradient="endpoint", gradient_steps=b, **kw).loss.backward()
+        loop = model.loop(x) if h_R is None else model.loop(x).resume(R, h_R)
+        model.read(loop, R, y, gradient=Gradient("endpoint", b)).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     replay = grads()
     with torch.no_grad():
-        h_R = model(x, depth=R, return_states=True).states[R]
-    reuse = grads(resume_from=(R, h_R.detach()))
+        h_R = model(x, R, readout=Readout(states=True)).states[R]
+    reuse = grads(h_R.detach())
     assert replay.keys() == reuse.keys()
     for n in replay:
         torch.testing.assert_close(reuse[n], replay[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_resume_from_refuses_bad_input():
+def test_resume_refuses_bad_input():
     model = model_for("looped", "none", "rmsnorm")
     x = tokens()
     h = torch.zeros(*x.shape, model.cfg.d_model)
-    with pytest.raises(ValueError, match="resume_from: every requested depth"):
-        model(x, depth=[1, 4], resume_from=(2, h))
-    with pytest.raises(ValueError, match="resume_from: the state must have shape"):
-        model(x, depth=4, resume_from=(2, h[:, :-1]))
-    with pytest.raises(ValueError, match="resume_from: scale_clamp"):
-        model(x, depth=4, resume_from=(2, h), scale_clamp=True)
+    with pytest.raises(ValueError, match="depth: need one or more loop depths >= t0 = 2"):
+        model.read(model.loop(x).resume(2, h), [1, 4])
+    with pytest.raises(ValueError, match="resume: the state must have shape"):
+        model.read(model.loop(x).resume(2, h[:, :-1]), 4)
+    with pytest.raises(ValueError, match="resume: scale_clamp"):
+        model.read(model.loop(x, scale_clamp=True).resume(2, h), 4)
     unshared = build_model(ModelConfig(architecture="unshared", vocab_size=V, d_model=24, n_heads=2, d_ff=48,
                                        seq_len=SEQ, n_layers=2))
-    with pytest.raises(ValueError, match="resume_from: the unshared reference"):
-        unshared(x, depth=2, resume_from=(1, h))
+    with pytest.raises(ValueError, match="resume: the unshared reference"):
+        unshared.read(unshared.loop(x).resume(1, h), 2)

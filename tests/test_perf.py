@@ -14,6 +14,7 @@ from torch import nn
 from looplm.config import ModelConfig
 from looplm.model import build_model
 from looplm.model import layers as layers_mod
+from looplm.model.cursor import NLL, Readout
 
 
 def tiny(**kw) -> ModelConfig:
@@ -68,9 +69,9 @@ def test_fused_gate_up_initializes_as_the_separate_matrices(kw, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- fused CE
-def _plain_nll(model, x, y, depths, **kw):
+def _plain_nll(model, x, y, depths):
     """Per-depth NLL through the plain readout (full logits, F.cross_entropy)."""
-    out = model(x, depth=depths, keep_logits=True, **kw)
+    out = model(x, depths)
     return {T: F.cross_entropy(lg.float().flatten(0, -2), y.flatten(), ignore_index=-100,
                                reduction="none").view(y.shape) for T, lg in out.logits_by_depth.items()}
 
@@ -99,7 +100,7 @@ def test_fused_readout_cross_entropy_equals_plain(readout, tied, dtype, monkeypa
     def run(use_fused: bool):
         model.zero_grad(set_to_none=True)
         with ctx:
-            out = model(x, depth=depths, targets=y, keep_logits=False, fused_ce=use_fused, final_depth=3)
+            out = model(x, depths, y, readout=Readout(logits=False, final_depth=3, fused_ce=use_fused))
         loss = out.loss + out.nll_by_depth[1].sum() / 7
         loss.backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -128,7 +129,7 @@ def test_fused_path_also_matches_reference_cross_entropy():
     y[:, -1] = -100
     with torch.no_grad():
         ref = _plain_nll(model, x, y, [2, 4])
-        out = model(x, depth=[2, 4], targets=y, keep_logits=False)
+        out = model(x, [2, 4], y, readout=NLL)
     for T in (2, 4):  # tolerant (different shapes): the fused path reads out row chunks; NLL ~4.6, d = 32
         torch.testing.assert_close(out.nll_by_depth[T], ref[T], rtol=1e-6, atol=1e-5)
 
@@ -186,10 +187,10 @@ def test_prefill_last_position_readout_equals_full_logits():
     mask[0, :3] = 0
     caches = [KVCache("per_visit") for _ in range(3)]
     with torch.no_grad():
-        full = model(x, depth=3, cache=caches[0], attention_mask=mask).logits[:, -1]
-        last = model(x, depth=3, cache=caches[1], attention_mask=mask,
-                     readout_tokens=(torch.arange(2), torch.full((2,), 8))).logits
-        none = model(x, depth=3, cache=caches[2], attention_mask=mask, keep_logits=False)
+        full = model.read(model.loop(x, cache=caches[0], attention_mask=mask), 3).logits[:, -1]
+        last = model.read(model.loop(x, cache=caches[1], attention_mask=mask), 3,
+                          readout=Readout(tokens=(torch.arange(2), torch.full((2,), 8)))).logits
+        none = model.read(model.loop(x, cache=caches[2], attention_mask=mask), 3, readout=NLL)
     # tolerant (different shapes): the readout multiplies 2 rows instead of 18, and MKL's kernels for
     # the two shapes sum the d = 32 dot products in different orders; |logits| < 0.5, measured max
     # difference 9e-8 (1 ulp), so 1e-5 leaves a 100x margin
@@ -217,11 +218,12 @@ def test_static_cache_decodes_without_concatenation_and_grows(mode, monkeypatch)
         outs = {}
         for max_len in (None, 5):
             cache = KVCache(mode, max_len=max_len)
-            model(x[:, :8], depth=3, cache=cache)
+            model.read(model.loop(x[:, :8], cache=cache), 3)
             calls = []
             real_cat = torch.cat
             monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: calls.append(len(ts)) or real_cat(ts, *a, **k))
-            outs[max_len] = real_cat([model(x[:, j:j + 1], depth=3, cache=cache).logits for j in range(8, 16)], 1)
+            outs[max_len] = real_cat([model.read(model.loop(x[:, j:j + 1], cache=cache), 3).logits
+                                      for j in range(8, 16)], 1)
             monkeypatch.setattr(torch, "cat", real_cat)
             assert not calls  # no concatenation in the decode steps
             assert cache.length == 16 and cache.capacity >= 16
@@ -258,7 +260,7 @@ def test_flop_proxy_equals_flop_counter(kw):
     x = torch.randint(0, cfg.vocab_size, (B, L))
     for depths in ([3], [1, 2, 4]):
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-            model(x, depth=depths, keep_logits=True)
+            model(x, depths)
         want = (flops_per_token(cfg, depths[0])["body_head"] if len(depths) == 1
                 else multidepth_flops_per_token(cfg, depths))
         counts = fc.get_flop_counts()
@@ -304,9 +306,9 @@ def test_compiled_decode_equals_eager_token_for_token(mode):
     assert again.tokens == generate(eager, [[3, 1, 4, 1, 5], [9, 2, 6]], 10, depth=3, cache_mode=mode).tokens
 
 
-def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
-    """``on_depth`` with ``hook_logits=False`` (validation's state RMS) sees every h_T with None logits
-    and leaves the fused readout + loss in use; with logits hooked, the plain path computes them."""
+def test_on_depth_hook_keeps_the_fused_readout(monkeypatch):
+    """``on_depth`` (validation's state RMS) sees every h_T, with None logits under the fused readout +
+    loss; with ``fused_ce=False`` the plain path computes the logits and hands the requested ones over."""
     from looplm.model import looped
 
     calls = []
@@ -319,11 +321,11 @@ def test_state_only_on_depth_hook_keeps_the_fused_readout(monkeypatch):
     y = x.roll(-1, 1)
     seen = {True: [], False: []}
     with torch.no_grad():
-        ref = model(x, depth=[1, 3], targets=y, keep_logits=False, return_states=True)
+        ref = model(x, [1, 3], y, readout=Readout(logits=False, states=True))
         for hooked in (False, True):
             calls.clear()
-            out = model(x, depth=[1, 3], targets=y, keep_logits=False, hook_logits=hooked,
-                        on_depth=lambda T, h, lg, s=seen[hooked]: s.append((T, h, lg)))
+            out = model.read(model.loop(x), [1, 3], y, readout=Readout(logits=False, fused_ce=not hooked),
+                             on_depth=lambda T, h, lg, s=seen[hooked]: s.append((T, h, lg)))
             assert len(calls) == (0 if hooked else 2)
             for T in (1, 3):
                 torch.testing.assert_close(out.nll_by_depth[T], ref.nll_by_depth[T], rtol=1e-6, atol=1e-6)

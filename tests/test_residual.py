@@ -11,6 +11,7 @@ import torch
 
 from looplm.config import Config, ConfigError, ModelConfig, TrainConfig
 from looplm.model import build_model
+from looplm.model.cursor import Readout
 
 
 def cfg(**kw) -> ModelConfig:
@@ -99,7 +100,7 @@ def test_plain_rule_with_input_norm_normalizes_the_embedding():
     x = torch.randint(0, 64, (2, 8))
     e = m.embed(x)
     assert torch.allclose(e.pow(2).mean(-1), torch.ones(2, 8), atol=5e-3)  # eps = 1e-6 vs mean(e²) ≈ 8e-4
-    out = m(x, depth=0, return_states=True)
+    out = m(x, 0, readout=Readout(states=True))
     assert torch.equal(out.states[0], e)  # exact: h_0 = e, no op
 
 

@@ -25,6 +25,7 @@ from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, dr_grpo_loss, flat_
                             pass_at_k, sample_rollouts, score, update_gradient)
 from looplm.rl.rewards import REWARDS, exact_match, get_reward, numeric
 from looplm.rl.task import CHARS, NEWLINE_ID, VOCAB, AdditionTask, decode, encode, tokenizer
+from looplm.model.cursor import NLL, Readout
 
 R, B_NEUMANN, M = 4, 2, 4
 
@@ -74,7 +75,7 @@ def test_saved_states_are_the_replays_states():
         _, r2 = rollouts(m, eos=eos)
         b2 = pack(r2)
         with torch.no_grad():
-            full = m(b2.idx, depth=R, attention_mask=b2.mask, return_states=True).states[-1]
+            full = m.read(m.loop(b2.idx, attention_mask=b2.mask), R, readout=Readout(states=True)).states[-1]
         keep = b2.mask.bool()
         diff = (full - b2.states)[keep].abs().max().item()
         print(f"{dtype}: max |saved - non-cached replay| = {diff:.3g}")
@@ -92,7 +93,8 @@ def test_reuse_equals_recompute_when_the_saved_states_are_the_replays():
     batch = pack(roll)
     batch.advantages = torch.linspace(-1, 1, len(batch.advantages))  # every row contributes
     with torch.no_grad():
-        replayed = model(batch.idx, depth=R, attention_mask=batch.mask, return_states=True).states[-1]
+        replayed = model.read(model.loop(batch.idx, attention_mask=batch.mask), R,
+                              readout=Readout(states=True)).states[-1]
     kw = dict(depth=R, neumann_steps=B_NEUMANN, max_new_tokens=M)
     _, nll_rec = update_gradient(model, batch, "recompute", **kw)
     g_rec = flat_grad(model)
@@ -162,7 +164,7 @@ def test_scoring_batch_reads_each_response_token_where_an_unpadded_forward_does(
         y = torch.full_like(x, -100)
         y[0, len(p) - 1:] = torch.tensor(r)
         with torch.no_grad():
-            ref = model(x, depth=R, targets=y, keep_logits=False).nll_by_depth[R][0, len(p) - 1:]
+            ref = model(x, R, y, readout=NLL).nll_by_depth[R][0, len(p) - 1:]
         got = nll[i][batch.targets[i] != -100]
         assert torch.allclose(got, ref, atol=1e-5), (i, got, ref)
     assert int((batch.targets != -100).sum()) == roll.generated_tokens

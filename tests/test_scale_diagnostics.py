@@ -18,6 +18,7 @@ from looplm.diagnostics.alignment import core_sublayers, kappa_hat, visit_alignm
 from looplm.diagnostics.convergence import ConvergenceAccumulator, convergence_depths, relative_changes
 from looplm.diagnostics.scale import ScaleAccumulator, scale_diagnostic
 from looplm.model import LoopLM, build_model
+from looplm.model.cursor import NLL, Readout
 
 V, D, L = 64, 32, 16
 
@@ -68,7 +69,7 @@ def _reference_visit_grads(model: LoopLM, idx, targets, depth: int) -> dict[str,
                 return output + F.linear(args[0], delta)
             handles.append(mod.register_forward_hook(hook))
     try:
-        loss = model(idx, depth=depth, targets=targets, keep_logits=False).loss  # the loss path visit_alignment uses
+        loss = model(idx, depth, targets, readout=NLL).loss  # the loss path visit_alignment uses
         flat = [d for ds in deltas.values() for d in ds]
         grads = dict(zip(map(id, flat), torch.autograd.grad(loss, flat)))
     finally:
@@ -128,7 +129,7 @@ def _ce(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, final: bool) -> f
 def test_scale_statistics_against_direct_computation():
     model, (idx, targets), K = tiny(rule="plain", readout="raw"), batch(), 4
     res = scale_diagnostic(model, [(idx, targets)], K)
-    states = model(idx, depth=K + 1, return_states=True).states
+    states = model(idx, K + 1, readout=Readout(states=True)).states
     assert [r["k"] for r in res["loops"]] == list(range(K + 1)) and res["tokens"] == idx.numel()
     for r in res["loops"]:
         H = states[r["k"]]
@@ -294,7 +295,7 @@ def test_evaluate_depths_state_rms_is_the_mean_token_rms_of_the_read_state(rule)
         rms = []
         with torch.no_grad():
             for x, _, mask in eval_windows(tokens, L, 2):
-                h = model(x, depth=T, return_states=True).states[T].numpy().astype(np.float64)
+                h = model(x, T, readout=Readout(states=True)).states[T].numpy().astype(np.float64)
                 rms.append(np.sqrt((h ** 2).mean(-1))[mask.numpy()])
         rms = np.concatenate(rms)
         assert res[T]["tokens"] == rms.size == 5 * L + 6

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.model import build_model
+from looplm.model import Readout, build_model
 from looplm.rl.grpo import compare_methods, pack, sample_rollouts, update_gradient
 from looplm.rl.task import NEWLINE_ID, AdditionTask
 from looplm.train.checkpoint import load_checkpoint
@@ -42,7 +42,8 @@ def main() -> None:
                                max_new_tokens=task.digits + 2, seed=0, eos_id=NEWLINE_ID)
         batch = pack(roll)
         with torch.no_grad():
-            hs = model(batch.idx, depth=R + 1, attention_mask=batch.mask, return_states=True).states
+            loop = model.loop(batch.idx, attention_mask=batch.mask)
+            hs = model.read(loop, R + 1, readout=Readout(states=True)).states
         keep = batch.mask.bool()
         residual = float(((hs[R + 1] - hs[R]).norm(dim=-1) / hs[R].norm(dim=-1))[keep].median())
         for b in map(int, args.steps.split(",")):

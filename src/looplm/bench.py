@@ -72,6 +72,7 @@ from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
 from looplm.finite import write_json_markdown
 from looplm.model import LoopLM, build_model
+from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.presets import get_preset
 from looplm.train.trainer import autocast_context, resolve_device
 
@@ -205,7 +206,7 @@ def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.d
 
     def step() -> None:
         with autocast_context(device, dtype):
-            loss = model(x, depth=depth, targets=x, keep_logits=False).loss
+            loss = model(x, depth, x, readout=NLL).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -221,8 +222,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        model(x, depth=depth, targets=x, keep_logits=False, gradient="tbptt" if tbptt else "bptt",
-              gradient_steps=tbptt).loss.backward()
+        model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         model.zero_grad(set_to_none=True)
@@ -234,8 +234,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, depth=depth, targets=x, keep_logits=False, gradient="tbptt" if tbptt else "bptt",
-                     gradient_steps=tbptt).loss
+        loss = model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
@@ -280,11 +279,12 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
             # the prefill reads out only the last position, as generate's does
             last = (torch.zeros(1, dtype=torch.long, device=device),
                     torch.full((1,), prompt.shape[1] - 1, dtype=torch.long, device=device))
-            nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
+            nxt = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last))
+            nxt = nxt.logits.argmax(-1)[:, None]
             _sync(device)
             t1 = time.perf_counter()
             for _ in range(new_tokens - 1):
-                nxt = model(nxt, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+                nxt = model.read(model.loop(nxt, cache=cache), depth).logits[:, -1:].argmax(-1)
             _sync(device)
             res[f"decode_prefill_s_{mode}"] = t1 - t0
             res[f"decode_steps_s_{mode}"] = time.perf_counter() - t1
@@ -336,7 +336,7 @@ def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat
 
     @torch.no_grad()
     def run(ds: list[int]) -> None:
-        model(x, depth=ds, targets=x, keep_logits=False)
+        model(x, ds, x, readout=NLL)
 
     f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
     single_multi = interleaved(lambda: run([max(depths)]), lambda: run(depths), rounds=rounds, repeat=repeat,
@@ -364,9 +364,9 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
     prompt = torch.randint(0, model.cfg.vocab_size, (batch_size, context - new_tokens), device=device)
     last = (torch.arange(batch_size, device=device), torch.full((batch_size,), prompt.shape[1] - 1, device=device))
     cache = KVCache(mode, max_len=context)
-    nxt = model(prompt, depth=depth, cache=cache, readout_tokens=last).logits.argmax(-1)[:, None]
+    nxt = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last)).logits.argmax(-1)[:, None]
     def step(tok: torch.Tensor) -> torch.Tensor:
-        return model(tok, depth=depth, cache=cache).logits[:, -1:].argmax(-1)
+        return model.read(model.loop(tok, cache=cache), depth).logits[:, -1:].argmax(-1)
     nxt = step(nxt)  # warm-up step
     _sync(device)
     t0 = time.perf_counter()
@@ -413,7 +413,7 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
                 cache = KVCache("terminal", max_len=c)
                 _sync(device)
                 t0 = time.perf_counter()
-                prefill(prompt, cache, readout_tokens=last)
+                prefill(prompt, cache, readout=Readout(tokens=last))
                 _sync(device)
                 if rnd:
                     times[name].append(1000 * (time.perf_counter() - t0))
@@ -469,7 +469,7 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
     except OSError:
         pass
     before = status("VmRSS")
-    model(x, depth=depth, targets=x, keep_logits=False, fused_ce=fused).loss.backward()
+    model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
     peak = status("VmHWM")
     if before is None or peak is None:  # no procfs: the process's lifetime peak
         before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -488,7 +488,7 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        model(x, depth=depth, targets=x, keep_logits=False, fused_ce=fused).loss.backward()
+        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     import dataclasses
@@ -561,7 +561,7 @@ def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, t
 
             prompt = torch.randint(0, long.vocab_size, (1, contexts[0] - new), device=device)
             cache = KVCache("per_visit")
-            first = model(prompt, depth=depth, cache=cache).logits[:, -1].argmax(-1)
+            first = model.read(model.loop(prompt, cache=cache), depth).logits[:, -1].argmax(-1)
             step = DecodeStep(model, StaticKVCache(cache, contexts[0], long.seq_len), depth, how, backend)
             start = step.state()
             step(first)  # compiles

@@ -63,6 +63,7 @@ import torch
 
 from looplm.eval.exits import (EXIT_CRITERIA, EntropyChange, ExitCriterion, ExitGate, HiddenUpdate, KLDivergence,
                                LogitMargin, RelativeChange, build_exit_criterion, check_criterion, exit_loop)
+from looplm.model.cursor import Loop, Readout
 from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
 
 __all__ = ["EXIT_CRITERIA", "EntropyChange", "ExitCriterion", "ExitGate", "HiddenUpdate", "KLDivergence",
@@ -167,7 +168,7 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
     scope = AttentionScope(cache, None)
     cache.calls_per_step = model.calls_per_step
     state, ctx = model.start(model.embed(idx, positions, scope=scope), positions, scope=scope)
-    res = exit_loop(model, state, ctx, criterion, max_depth, drop=False)
+    res = exit_loop(Loop(model, state, ctx), criterion, max_depth, drop=False)
     out = model.readout(res.h, final=True, scope=scope)[:, -1]  # (B, V), each row at its own exit state
     scope.commit()
     return out, res.depth
@@ -264,7 +265,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     saved: list[list[torch.Tensor]] = [[] for _ in prompts]  # per row: (L_k, d) pieces in position order
     kept: list[torch.Tensor] = []  # the depth-R state of the current forward, (B, L, d)
 
-    def keep_state(T: int, h: torch.Tensor, _logits) -> None:  # forward's on_depth hook
+    def keep_state(T: int, h: torch.Tensor, _logits) -> None:  # read's on_depth hook
         if T == depth:
             kept.append(h)
 
@@ -281,13 +282,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         # the prefill reads out only the last position (left padding: every row's last token is real)
         last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
         if student is None:
-            logits = model(idx, depth=prefill_depth, cache=cache, attention_mask=mask, readout_tokens=last,
-                           on_depth=hook).logits  # (B, V)
+            logits = model.read(model.loop(idx, cache=cache, attention_mask=mask), prefill_depth,
+                                readout=Readout(tokens=last), on_depth=hook).logits  # (B, V)
         else:
             from looplm.distill.prefill import distilled_prefill
 
             logits = distilled_prefill(model, student, idx, student_depth or depth, cache, attention_mask=mask,
-                                       readout_tokens=last).logits  # (B, V)
+                                       readout=Readout(tokens=last)).logits  # (B, V)
             prefill_depth = 1  # the one teacher recurrence after the student
         for i, p in enumerate(prompts if save_states else ()):
             saved[i].append(kept[0][i, idx.shape[1] - len(p):])  # (len(p), d): the real positions
@@ -333,7 +334,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
                 logits, step_depth = adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
             else:
                 kept.clear()
-                logits = model(tok[:, None], depth=depth, cache=cache, on_depth=hook).logits[:, -1]
+                logits = model.read(model.loop(tok[:, None], cache=cache), depth, on_depth=hook).logits[:, -1]
                 step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
                 for j, row in enumerate(active if save_states else ()):
                     saved[row].append(kept[0][j])  # (1, d)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from looplm.model import LoopLM
+from looplm.model.cursor import NLL
 
 LOSSES = ("terminal", "per_loop")
 
@@ -111,8 +112,8 @@ class _VisitRecorder:
 
 def _loss(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, loss: str) -> torch.Tensor:
     if loss == "terminal":
-        return model(idx, depth=depth, targets=targets, keep_logits=False).loss
-    out = model(idx, depth=list(range(1, depth + 1)), targets=targets, keep_logits=False)
+        return model(idx, depth, targets, readout=NLL).loss
+    out = model(idx, list(range(1, depth + 1)), targets, readout=NLL)
     valid = (targets != -100).sum().clamp(min=1)
     return torch.stack([out.nll_by_depth[t].sum() / valid for t in range(1, depth + 1)]).mean()
 

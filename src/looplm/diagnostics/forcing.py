@@ -11,7 +11,7 @@ of the SCSE family disabled (raw pre-mask response). Along the ordinary trajecto
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -71,6 +71,19 @@ def forcing_record(model: LoopLM, state: torch.Tensor, nxt: torch.Tensor, t: int
             "bias_max_abs": float(b.abs().max()), "raw_bias_max_abs": float(b_raw.abs().max())}
 
 
+def along_trajectory(model: LoopLM, idx: torch.Tensor, steps: Sequence[int],
+                     record: Callable[[int, torch.Tensor, torch.Tensor, LoopContext], Any]) -> list[Any]:
+    """``record(t, state_t, state_{t+1}, ctx)`` at each loop step t in ``steps`` of the ordinary trajectory
+    of ``idx`` (B, L): one cursor (:meth:`LoopLM.loop`) advanced to max(steps) + 1, in the model's mode."""
+    loop, wanted, records = model.loop(idx), set(steps), []
+    while loop.t <= max(steps):
+        t, state = loop.t, loop.state
+        loop.advance()
+        if t in wanted:
+            records.append(record(t, state, loop.state, loop.ctx))
+    return records
+
+
 @torch.no_grad()
 def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> list[dict[str, float]]:
     """Forcing-bias records at loop steps ``steps`` of one unroll of ``idx`` (dropout off).
@@ -89,13 +102,6 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     check_shared(model, "forcing bias", steps)
     was_training = model.training
     model.eval()
-    state, ctx = model.start(model.embed(idx))
-    wanted = set(steps)
-    records = []
-    for t in range(max(steps) + 1):
-        nxt = model.step(state, t, ctx)
-        if t in wanted:
-            records.append(forcing_record(model, state, nxt, t, ctx))
-        state = nxt
+    records = along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))
     model.train(was_training)
     return records

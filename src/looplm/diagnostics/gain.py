@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from looplm.diagnostics.forcing import check_shared
+from looplm.diagnostics.forcing import along_trajectory, check_shared
 from looplm.model import LoopLM
 from looplm.model.recurrence import LoopContext
 
@@ -82,12 +82,9 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()
-    state, ctx = model.start(model.embed(idx))
-    dirs = random_directions(state.shape, n_directions, seed=seed, dtype=state.dtype, device=state.device)
-    records, wanted = [], set(steps)
-    for t in range(max(steps) + 1):
-        if t in wanted:
-            records.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
-        state = model.step(state, t, ctx)
+    dirs = random_directions((*idx.shape, model.cfg.d_model), n_directions, seed=seed,
+                             dtype=model.tok_emb.weight.dtype, device=idx.device)  # the loop state's
+    records = along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
+        "t": t, "gain": direction_gain(model, s, t, ctx, dirs, eps=eps)})
     model.train(was_training)
     return records

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from looplm.diagnostics.forcing import check_shared
+from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 
 GROUPS: tuple[str, ...] = ("embeddings/readout", "prelude", "core", "rule", "coda", "other")
 ESTIMATORS: tuple[str, ...] = ("tbptt", "endpoint")
@@ -53,10 +54,10 @@ def parameter_group(name: str) -> str:
     return "other"
 
 
-def _grads(model, x, y, depth: int, **kw) -> tuple[dict[str, torch.Tensor], float]:
+def _grads(model, x, y, depth: int, gradient: Gradient = BPTT) -> tuple[dict[str, torch.Tensor], float]:
     """{group: flat gradient} of the mean terminal CE, and the CE (float)."""
     model.zero_grad(set_to_none=True)
-    out = model(x, depth=depth, targets=y, keep_logits=False, **kw)
+    out = model(x, depth, y, gradient=gradient, readout=NLL)
     out.loss.backward()
     flat: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
     seen: set[int] = set()
@@ -129,14 +130,14 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     for x, y in it:
         n += 1
         with torch.no_grad():
-            hs = m(x, depth=depth + 1, keep_logits=False, return_states=True).states
+            hs = m(x, depth + 1, readout=Readout(logits=False, states=True)).states
             r = (hs[depth + 1] - hs[depth]).double().norm(dim=-1) / hs[depth].double().norm(dim=-1).clamp(min=1e-30)
             residuals.append(r[y != -100].flatten())
         full, ce = _grads(m, x, y, depth)
         ces[("bptt", 0)].append(ce)
         _accumulate(sums, ("bptt", 0), full)
         for key in keys:
-            g, ce = _grads(m, x, y, depth, gradient=key[0], gradient_steps=key[1])
+            g, ce = _grads(m, x, y, depth, Gradient(*key))
             ces[key].append(ce)
             _accumulate(sums, key, g)
             per_batch[key].append({grp: _cos(g[grp], full[grp]) for grp in full})

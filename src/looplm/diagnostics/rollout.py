@@ -28,6 +28,7 @@ import torch
 
 from looplm.diagnostics.forcing import check_shared, deviation_step, energy
 from looplm.model import LoopLM
+from looplm.model.cursor import Loop
 
 DOSE_GAINS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
 KEEP_EXAMPLES = 6  # sequences kept for the 2-D views (the paper's case study uses six inputs)
@@ -82,9 +83,9 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
         raise ValueError(f"gains: injection gains must be >= 0, got {list(gains)}")
     was_training = model.training
     model.eval()
-    _, ctx = model.start(model.embed(idx))
+    ctx = model.loop(idx).ctx
     run_gains = sorted({float(g) for g in gains} | {0.0, 1.0})
-    states = {g: model.to_state(ctx.anchor, ctx) for g in run_gains}  # Δ_0 = 0
+    loops = {g: Loop(model, model.to_state(ctx.anchor, ctx), ctx) for g in run_gains}  # Δ_0 = 0
     b0 = deviation_step(model, torch.zeros_like(ctx.anchor), 0, ctx)  # (B, L, d)
     k = min(keep_examples, idx.shape[0])
 
@@ -98,8 +99,7 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
     deltas = {g: zero for g in run_gains}
     for t in range(depth):
         for g in run_gains:
-            states[g] = model.step(states[g], t, ctx, injection_gain=g)
-            deltas[g] = model.hidden(states[g], ctx) - ctx.anchor  # (B, L, d)
+            deltas[g] = loops[g].advance(injection_gain=g) - ctx.anchor  # (B, L, d)
             disp_by_t[g].append(_rms(deltas[g] - deltas[0.0]))
             paths[g].append(seq_mean(deltas[g]))
         records.append({"t": t + 1, **_cos_summary(_cosines(deltas[1.0], b0)), "delta_rms": _rms(deltas[1.0]),

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from looplm.diagnostics.alignment import LOSSES, merge_alignment, visit_alignment
 from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
-from looplm.diagnostics.forcing import check_shared, forcing_record
+from looplm.diagnostics.forcing import along_trajectory, check_shared, forcing_record
 from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
 from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
@@ -41,6 +41,7 @@ from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
 from looplm.data.paths import atomic_write
 from looplm.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
+from looplm.model.cursor import Readout
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -81,7 +82,9 @@ def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float], n_dire
         raise ValueError(f"eps: need > 0, got {eps}")
 
 
-def _check_scale_args(scale_loops: int, convergence_tau: float, alignment_loss: str) -> None:
+def _check_scale_args(scale_loops: int, convergence_tau: float, alignment_loss: str, dtype: str = "float64") -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if scale_loops < 1:
         raise ValueError(f"scale_loops: need a loop count K >= 1, got {scale_loops}")
     if convergence_tau <= 0:
@@ -93,16 +96,32 @@ def _check_scale_args(scale_loops: int, convergence_tau: float, alignment_loss: 
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def _unpack(item: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(idx, targets, mask) from a batch: a bare (B, L) idx gets next-token targets from the window
-    itself (``targets[:, :-1] = idx[:, 1:]``, the last position ignored) and no mask; a tuple is
+def _step_records(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], n_directions: int, seed: int,
+                  eps: float) -> tuple[list[dict], list[dict]]:
+    """Forcing and gain records at loop steps ``steps`` of one unroll of ``idx`` (directions seeded
+    ``seed`` …): :func:`forcing_record` and :func:`direction_gain` along one trajectory."""
+    shape = (*idx.shape, model.cfg.d_model)
+    dirs = random_directions(shape, n_directions, seed=seed, dtype=model.tok_emb.weight.dtype, device=idx.device)
+
+    def both(t: int, state: torch.Tensor, nxt: torch.Tensor, ctx) -> tuple[dict, dict]:
+        return (forcing_record(model, state, nxt, t, ctx),
+                {"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
+
+    records = along_trajectory(model, idx, steps, both)
+    return [f for f, _ in records], [g for _, g in records]
+
+
+def _unpack(item: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(idx, targets, mask) on ``device`` from a batch: a bare (B, L) idx gets next-token targets from the
+    window itself (``targets[:, :-1] = idx[:, 1:]``, the last position ignored) and no mask; a tuple is
     (idx, targets) or (idx, targets, mask) with mask (B, L) bool marking real tokens."""
     if isinstance(item, torch.Tensor):
         targets = torch.full_like(item, -100)
         targets[:, :-1] = item[:, 1:]
-        return item, targets, None
+        return item.to(device), targets.to(device), None
     idx, targets, *rest = item
-    return idx, targets, rest[0] if rest else None
+    mask = rest[0] if rest else None
+    return idx.to(device), targets.to(device), None if mask is None else mask.to(device)
 
 
 @torch.no_grad()
@@ -144,28 +163,14 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     check_shared(model, "mechanism diagnostics")
     steps = sorted({int(t) for t in steps})
     _check_args(steps, depth, gains, n_directions, eps)
-    _check_scale_args(scale_loops, convergence_tau, alignment_loss)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    _check_scale_args(scale_loops, convergence_tau, alignment_loss, dtype)
     model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
     device = next(model.parameters()).device
-    forcing, gain, rollout, dose = [], [], [], []
-    views = None
+    forcing, gain, rollout, dose, views = [], [], [], [], None
     scale, convergence, alignment = ScaleAccumulator(scale_loops), ConvergenceAccumulator(convergence_tau), []
     for i, item in enumerate(tqdm(list(batches), desc="diagnose", unit="batch", disable=not progress)):
-        idx, targets, mask = _unpack(item)
-        idx, targets = idx.to(device), targets.to(device)
-        mask = None if mask is None else mask.to(device)
-        state, ctx = model.start(model.embed(idx))
-        dirs = random_directions(state.shape, n_directions, seed=seed + n_directions * i,
-                                 dtype=state.dtype, device=device)
-        f_recs, g_recs = [], []
-        for t in range(steps[-1] + 1):
-            nxt = model.step(state, t, ctx)
-            if t in steps:
-                f_recs.append(forcing_record(model, state, nxt, t, ctx))
-                g_recs.append({"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
-            state = nxt
+        idx, targets, mask = _unpack(item, device)
+        f_recs, g_recs = _step_records(model, idx, steps, n_directions, seed + n_directions * i, eps)
         forcing.append(f_recs)
         gain.append(g_recs)
         roll = anchor_rollouts(model, idx, depth, gains=gains)
@@ -174,7 +179,7 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
         if views is None:
             views = pca_views(roll["paths"], gains)
         # one unroll serves both: the scale diagnostic needs F(H_K) = H_{K+1}
-        states = model(idx, depth=max(depth, scale_loops + 1), return_states=True, keep_logits=False).states
+        states = model(idx, max(depth, scale_loops + 1), readout=Readout(logits=False, states=True)).states
         scale.add(model, states[:scale_loops + 2], targets, mask)
         convergence.add(states[:depth + 1], mask)
         alignment.append(visit_alignment(model, idx, targets, scale_loops, loss=alignment_loss))

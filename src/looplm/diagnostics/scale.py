@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.model import LoopLM
-from looplm.model.looped import token_rms
+from looplm.model.cursor import Readout, token_rms
 
 DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
@@ -153,7 +153,7 @@ class ScaleAccumulator:
 @torch.no_grad()
 def unroll_states(model: LoopLM, idx: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """Hidden states h_0 … h_depth (each (B, L, d), readout coordinates) from one unroll."""
-    return list(model(idx, depth=depth, return_states=True, keep_logits=False).states)
+    return list(model(idx, depth, readout=Readout(logits=False, states=True)).states)
 
 
 def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int, *,

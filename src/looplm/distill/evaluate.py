@@ -39,6 +39,7 @@ from looplm.distill.student import Student, default_student_dir, load_student
 from looplm.eval.kvsharing import continuation_mask
 from looplm.finite import clean, write_json_markdown
 from looplm.model import KVCache, LoopLM
+from looplm.model.cursor import NLL, Readout
 
 #: row labels of the Markdown table (Table 5's wording)
 LABELS = {"full": "Teacher, full forward (no cache)", "teacher": "Teacher (R={R})",
@@ -106,7 +107,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
             rest = continuation_mask(x, P, eot_id)  # (B, L − P): targets y_P … y_{L−1}
             first = (torch.ones(B, dtype=torch.bool, device=dev) if eot_id is None
                      else x[:, P - 1] != eot_id)  # (B,): target y_{P−1} = x_P
-            out = teacher(x, depth=depth, targets=y, keep_logits=False)
+            out = teacher(x, depth, y, readout=NLL)
             nll = out.nll_by_depth[depth].double()  # (B, L)
             sums["full"]["first"] += float((nll[:, P - 1] * first).sum())
             sums["full"]["rest"] += float((nll[:, P:] * rest).sum())
@@ -115,13 +116,13 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
                 cache = KVCache("terminal")
                 _sync(dev)
                 t0 = time.perf_counter()
-                pre = prefill(x[:, :P], cache, readout_tokens=last, targets=y[:, P - 1], keep_logits=False)
+                pre = prefill(x[:, :P], cache, targets=y[:, P - 1], readout=Readout(logits=False, tokens=last))
                 _sync(dev)
                 sums[name]["prefill_s"] += time.perf_counter() - t0
                 sums[name]["kv_bytes"] = cache.nbytes() // B
                 (first_nll,) = pre.nll_by_depth.values()  # (B,), the prefill's only readout
                 sums[name]["first"] += float((first_nll.double() * first).sum())
-                cont = teacher(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False)
+                cont = teacher.read(teacher.loop(x[:, P:], cache=cache), depth, y[:, P:], readout=NLL)
                 sums[name]["rest"] += float((cont.nll_by_depth[depth].double() * rest).sum())
             n_first += int(first.sum())
             n_rest += int(rest.sum())

@@ -4,8 +4,8 @@
 teacher recurrence from ẑ and the coda follow, and each physical attention layer's K/V of that pass
 fill a ``terminal`` :class:`~looplm.model.kvcache.KVCache` (prelude and coda: their only visit; core:
 the one recurrence). Decoding is unchanged: the teacher runs at its depth R and reads those banks
-through terminal KV sharing. This is one call of the one loop,
-``teacher(x, depth=R + 1, resume_from=(R, S_ψ), cache=...)``: the loop starts at depth R from ẑ (the
+through terminal KV sharing. This is one read of the one loop: the cursor
+``teacher.loop(x, cache=...)`` resumes at depth R from ẑ (:meth:`~looplm.model.cursor.Loop.resume`; the
 student is called on e after the prelude) and runs loop step t = R, the recurrence that follows z^R.
 So a student that returns the teacher's exact z^R gives exactly the banks and logits of the
 teacher's terminal-sharing prefill with R + 1 recurrences, which at a fixed point (z^{R+1} = z^R) is the
@@ -21,12 +21,12 @@ import torch
 
 from looplm.distill.student import Student
 from looplm.model import KVCache, LoopLM, LoopOutput
+from looplm.model.cursor import Readout
 
 
-def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, depth: int, cache: KVCache, *,
-                      attention_mask: torch.Tensor | None = None,
-                      readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      targets: torch.Tensor | None = None, keep_logits: bool = True) -> LoopOutput:
+def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, depth: int, cache: KVCache,
+                      targets: torch.Tensor | None = None, *, attention_mask: torch.Tensor | None = None,
+                      readout: Readout = Readout()) -> LoopOutput:
     """Prefill ``idx`` into the empty terminal ``cache`` through the student (module docstring).
 
     Args:
@@ -34,7 +34,8 @@ def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, dept
         idx: (B, L) int64 prompt ids (left-padded with ``attention_mask``).
         depth: the teacher depth R the student stands for (its ẑ ≈ z^R); the pass runs recurrence R + 1.
         cache: an empty ``terminal`` KV cache; filled here.
-        attention_mask, readout_tokens, targets, keep_logits: as for :meth:`looplm.model.DepthLM.forward`.
+        targets, readout: as for :meth:`looplm.model.DepthLM.read`; attention_mask: as for
+            :meth:`looplm.model.DepthLM.loop`.
 
     Returns:
         The forward's :class:`~looplm.model.LoopOutput` (its readout at depth R + 1, the one recurrence).
@@ -53,18 +54,16 @@ def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, dept
     if depth < 1:
         raise ValueError(f"distilled prefill: depth R must be >= 1, got {depth}")
     key_valid = None if attention_mask is None else attention_mask.bool()
-
-    def z_hat(e: torch.Tensor) -> torch.Tensor:  # (B, L, d) → (B, L, d), called once after the prelude
-        return student(e, key_valid)
-
-    return teacher(idx, depth=depth + 1, resume_from=(depth, z_hat), cache=cache, attention_mask=attention_mask,
-                   readout_tokens=readout_tokens, targets=targets, keep_logits=keep_logits)
+    loop = teacher.loop(idx, cache=cache, attention_mask=attention_mask)
+    loop.resume(depth, student(loop.e, key_valid))  # ẑ (B, L, d) from the prelude output, which runs once
+    return teacher.read(loop, depth + 1, targets, readout=readout)
 
 
-def teacher_prefill(teacher: LoopLM, idx: torch.Tensor, depth: int, cache: KVCache, **kw) -> LoopOutput:
+def teacher_prefill(teacher: LoopLM, idx: torch.Tensor, depth: int, cache: KVCache,
+                    targets: torch.Tensor | None = None, *, readout: Readout = Readout()) -> LoopOutput:
     """The teacher's own prefill at ``depth`` recurrences (R, or fewer: early-stopped) into ``cache``;
-    ``kw`` as for :meth:`looplm.model.DepthLM.forward`."""
-    return teacher(idx, depth=depth, cache=cache, **kw)
+    ``targets``, ``readout`` as for :meth:`looplm.model.DepthLM.read`."""
+    return teacher.read(teacher.loop(idx, cache=cache), depth, targets, readout=readout)
 
 
 def prefill_paths(teacher: LoopLM, student: Student | None, depth: int, early_depths: tuple[int, ...] = (3, 2, 1)
@@ -88,15 +87,9 @@ def teacher_targets(teacher: LoopLM, x: torch.Tensor, depth: int, *, logits: boo
     (B, L, d), logits (B, L, V). e is the prelude output (:meth:`~looplm.model.DepthLM.embed`), z^R the
     hidden state at depth R (readout coordinates) of the teacher's forward; the teacher is used as is
     (put it in eval mode: dropout off, and the Huginn family's fixed evaluation noise table)."""
-    e = teacher.embed(x)
-    seen: dict[str, torch.Tensor] = {}
-
-    def keep(T: int, h: torch.Tensor, _logits) -> None:
-        if T == depth:
-            seen["z"] = h
-
-    out = teacher(x, depth=depth, keep_logits=logits, on_depth=keep)
-    return e, seen["z"], out.logits if logits else None
+    loop = teacher.loop(x)
+    out = teacher.read(loop, depth, readout=Readout(logits=logits))
+    return loop.e, loop.h, out.logits if logits else None
 
 
 def student_readout(teacher: LoopLM, z_hat: torch.Tensor, depth: int) -> torch.Tensor:

@@ -34,7 +34,6 @@ writes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from looplm.model.looped import token_rms
+from looplm.model.cursor import Loop, Readout, select_rows
 
 UPDATE_EPS = 1e-8  # the denominator guard of the relative change (SPEC §6)
 
@@ -483,19 +482,6 @@ def _gate(model, h: torch.Tensor, criterion: ExitCriterion) -> torch.Tensor | No
     return model.exit_gate(h).squeeze(-1) if criterion.needs_gate else None  # (B, L)
 
 
-def _select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
-    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list, dataclass
-    such as :class:`~looplm.model.LoopContext`, or None); other values pass through."""
-    if isinstance(obj, torch.Tensor):
-        return obj.index_select(0, keep) if obj.dim() > 0 and obj.shape[0] == batch else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_select_rows(o, keep, batch) for o in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _select_rows(getattr(obj, f.name), keep, batch)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
 @dataclass
 class LoopExit:
     """What :func:`exit_loop` returns for one batch of B rows.
@@ -513,24 +499,23 @@ class LoopExit:
     h: torch.Tensor | None = None
 
 
-def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling: int, *, drop: bool = True,
+def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool = True,
               valid: torch.Tensor | None = None,
-              on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None,
-              scale_clamp: bool = False) -> LoopExit:
-    """The early-exit runner: loop steps 1 … ``ceiling`` with :meth:`LoopLM.step`, testing ``criterion``
-    after every loop k < ceiling (module docstring).
+              on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None
+              ) -> LoopExit:
+    """The early-exit runner: advance ``loop`` (a :class:`~looplm.model.cursor.Loop` at t = 0, its scale
+    clamp as opened) through loops 1 … ``ceiling``, testing ``criterion`` after every loop k < ceiling
+    (module docstring).
 
     Args:
-        model: a :class:`~looplm.model.DepthLM` in eval mode. state, ctx: from ``model.start``.
+        loop: the cursor of a :class:`~looplm.model.DepthLM` in eval mode.
         criterion: the exit test (its ``tau`` is the threshold). ceiling: C ≥ 1 loops at most.
-        drop: True removes halted rows from the batch (state, context, ``valid``); False freezes
-            them (state kept, ``ctx.scope.freeze`` for copy-forward K/V) and stops once all exited.
+        drop: True removes halted rows from the batch (:meth:`Loop.select`); False freezes them
+            (:meth:`Loop.freeze`: state kept, copy-forward K/V) and stops once all exited.
         valid: (B, L) bool tokens a sequence statistic aggregates over (None = all).
         on_exit: called as ``on_exit(rows, k, h, logits)`` when rows halt at loop k: ``rows`` (n,)
             their indices in the input batch, ``h`` (n, L, d) their hidden states, ``logits`` (n, L, V)
             their readout at k when the criterion computed it (else None).
-        scale_clamp: the evaluation-time scale clamp (SPEC §4), as ``forward(scale_clamp=True)``:
-            from loop 2 on each token's state is rescaled to its loop-1 RMS.
 
     Returns:
         :class:`LoopExit`.
@@ -538,16 +523,15 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
     Raises:
         ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
     """
+    model = loop.model
     if ceiling < 1:
         raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     check_criterion(model, criterion)
-    B = state.shape[0]
-    device = state.device
+    B, device = loop.state.shape[0], loop.state.device
     final_from = model.resolve_final_depth(None, ceiling)
-    scope = ctx.scope if ctx is not None else None
 
     def read(h: torch.Tensor, k: int) -> torch.Tensor:  # an extra readout: leaves no trace in a cache
-        return model.readout(h, final=k >= final_from, scope=scope, record=False)
+        return model.readout(h, final=k >= final_from, scope=loop.scope, record=False)
 
     fires = not criterion.never_fires()
     use_logits = fires and criterion.needs_logits
@@ -555,18 +539,13 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
     depth = torch.full((B,), ceiling, dtype=torch.int64, device=device)
     scores = torch.full((B, ceiling), math.nan, dtype=torch.float64, device=device)
     exited = torch.zeros(B, dtype=torch.bool, device=device)
-    h = model.hidden(state, ctx)
-    logits = read(h, 0) if use_logits and criterion.needs_previous else None
-    clamp_rms = carry = None  # carry: a cumulative criterion's per-token state (ExitCriterion.carry_score)
+    logits = read(loop.h, 0) if use_logits and criterion.needs_previous else None
+    carry = None  # a cumulative criterion's per-token state (ExitCriterion.carry_score)
     row_steps = 0
     for t in range(ceiling):
         k = t + 1
         row_steps += len(rows)
-        new = model.step(state, t, ctx, **({} if clamp_rms is None else {"clamp_rms": clamp_rms}))
-        state = new if drop else torch.where(exited[:, None, None], state, new)  # exited rows keep theirs
-        prev_h, h = h, model.hidden(state, ctx)
-        if scale_clamp and clamp_rms is None:
-            clamp_rms = token_rms(h)
+        prev_h, h = loop.h, loop.advance()
         prev_logits, logits = logits, (read(h, k) if use_logits and k < ceiling else None)
         if k == ceiling:
             halt = ~exited
@@ -587,17 +566,15 @@ def exit_loop(model, state: torch.Tensor, ctx, criterion: ExitCriterion, ceiling
                 keep = (~halt).nonzero().squeeze(1)
                 if len(keep) == 0:
                     break
-                b = len(rows)
-                state, ctx, h, logits, valid, rows, clamp_rms, carry = (
-                    _select_rows(o, keep, b) for o in (state, ctx, h, logits, valid, rows, clamp_rms, carry))
+                logits, valid, rows, carry = select_rows((logits, valid, rows, carry), keep, len(rows))
+                loop.select(keep)
                 exited = exited.index_select(0, keep)
             else:
                 exited = exited | halt
-                if scope is not None:
-                    scope.freeze(exited)  # later visits of exited rows write their exit visit's K/V
+                loop.freeze(exited)  # later visits of exited rows write their exit visit's K/V
                 if bool(exited.all()):
                     break
-    return LoopExit(depth=depth, scores=scores, row_steps=row_steps, h=None if drop else h)
+    return LoopExit(depth=depth, scores=scores, row_steps=row_steps, h=None if drop else loop.h)
 
 
 def _sync(device: torch.device) -> None:
@@ -653,9 +630,8 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
                 logits = model.readout(h, final=k >= final_from)
             nll[rows] = _sequence_nll(logits, y.index_select(0, rows))
 
-        state, ctx = model.start(model.embed(x))
-        res = exit_loop(model, state, ctx, criterion, ceiling, drop=True, valid=mask, on_exit=score,
-                        scale_clamp=scale_clamp)
+        res = exit_loop(model.loop(x, scale_clamp=scale_clamp), criterion, ceiling, drop=True, valid=mask,
+                        on_exit=score)
         row_steps += res.row_steps
         depths.append(res.depth)
         nlls.append(nll)
@@ -696,7 +672,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
           desc: str = "trace", scale_clamp: bool = False) -> Trace:
     """One multi-depth forward per batch (``depth=[1..C]``, plus 0 when the criterion compares loop 1
     with loop 0 through the logits), recording the criterion statistic and the per-example NLL at every
-    depth through ``forward``'s ``on_depth`` hook (only (N, C) arrays are kept).
+    depth through :meth:`~looplm.model.DepthLM.read`'s ``on_depth`` hook (only (N, C) arrays are kept).
 
     Raises:
         ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
@@ -717,7 +693,9 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
                 s[:, T - 1] = criterion.reduce(tok, mask).double().cpu()
             prev["h"], prev["logits"] = h, logits
 
-        out = model(x, depth=depths, targets=y, keep_logits=False, on_depth=on_depth, scale_clamp=scale_clamp)
+        # the plain readout: the hook reads every requested depth's logits
+        out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y,
+                         readout=Readout(logits=False, fused_ce=False), on_depth=on_depth)
         all_scores.append(s)
         nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
         counts.append(mask.sum(dim=1).cpu())

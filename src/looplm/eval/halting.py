@@ -50,6 +50,7 @@ from looplm.data.tokens import eval_windows
 from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, _sync, build_exit_criterion, calibrate,
                                run, trace)
 from looplm.model import DepthLM
+from looplm.model.cursor import NLL
 
 DEFAULT_N_CALIB = 160
 DEFAULT_N_TIMED = 160
@@ -154,7 +155,7 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     _sync(device)
     t0 = time.perf_counter()
     for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
-        out = model(x, depth=depth, targets=y, keep_logits=False, scale_clamp=scale_clamp)
+        out = model.read(model.loop(x, scale_clamp=scale_clamp), depth, y, readout=NLL)
         nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
     _sync(device)
     seconds = time.perf_counter() - t0

@@ -42,6 +42,7 @@ from looplm.data.tokens import eval_windows
 from looplm.finite import write_json_markdown
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
+from looplm.model.cursor import Readout
 
 
 def continuation_mask(x: torch.Tensor, P: int, eot_id: int | None) -> torch.Tensor:
@@ -64,9 +65,10 @@ def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: in
     second-half targets, or those marked in ``scored`` (B, L − P) (float64 scalar), prefix cache bytes,
     prefix cache banks)."""
     cache = KVCache(mode)
-    model(x[:, :P], depth=depth, cache=cache, keep_logits=False, final_depth=final_depth)
+    read = Readout(logits=False, final_depth=final_depth)
+    model.read(model.loop(x[:, :P], cache=cache), depth, readout=read)
     nbytes, banks = cache.nbytes(), cache.n_banks()
-    out = model(x[:, P:], depth=depth, cache=cache, targets=y[:, P:], keep_logits=False, final_depth=final_depth)
+    out = model.read(model.loop(x[:, P:], cache=cache), depth, y[:, P:], readout=read)
     nll = out.nll_by_depth[depth].double()
     return (nll if scored is None else nll * scored).sum(), nbytes, banks
 
@@ -128,7 +130,7 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
                 continue
             x, y = x[full].to(device), y[full].to(device)
             scored = continuation_mask(x, P, eot_id)  # (B, L − P)
-            out = model(x, depth=depths, targets=y, keep_logits=False, final_depth=final_depth)
+            out = model(x, depths, y, readout=Readout(logits=False, final_depth=final_depth))
             for R in depths:
                 sums[R]["full"] += float((out.nll_by_depth[R][:, P:].double() * scored).sum())
                 for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from looplm.data.paths import resolve_data_root
 from looplm.model import LoopLM
+from looplm.model.cursor import Readout
 
 LAMBADA_FILE = "lambada/lambada_test.jsonl"
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
@@ -156,7 +157,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
     """Teacher-forced target-token metrics at each depth, one unroll per batch (module docstring).
 
     Examples are batched in length order (less padding); the metrics are sums, so order-free.
-    Only the target positions are read out (``readout_tokens``; the coda still sees every token).
+    Only the target positions are read out (``Readout(tokens=...)``; the coda still sees every token).
 
     Returns:
         ``{T: {"target_ppl", "target_acc", "exact_acc", "nll", "examples", "target_tokens"}}``,
@@ -181,7 +182,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
                   unit="batch"):
         chunk = [examples[k] for k in order[i:i + batch_size]]
         x, rows, cols, tgt = _batch(chunk, device)
-        out = model(x, depth=depths, readout_tokens=(rows, cols))  # logits (N, V) per depth
+        out = model(x, depths, readout=Readout(tokens=(rows, cols)))  # logits (N, V) per depth
         for T in depths:
             logits = out.logits_by_depth[T]
             logits = logits.float()

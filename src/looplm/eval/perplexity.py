@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
 from looplm.model import LoopLM
+from looplm.model.cursor import NLL
 
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
@@ -70,15 +71,14 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         x, y, mask = x.to(device), y.to(device), mask.to(device)
         y = y.masked_fill(~mask, -100)
 
-        def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # forward's on_depth hook
+        def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # read's on_depth hook
             if T in rms_sum:  # reduce h_T at once: no state is kept past its step
                 rms = h.double().pow(2).mean(-1).sqrt()[mask]
                 rms_sum[T] += float(rms.sum())
                 rms_max[T] = max(rms_max[T], float(rms.max()))
 
-        out = model(x, depth=depths, targets=y, keep_logits=False,
-                    **({"on_depth": measure, "hook_logits": False} if state_rms else {}),
-                    **({"scale_clamp": True} if scale_clamp else {}))
+        out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y, readout=NLL,
+                         on_depth=measure if state_rms else None)
         for T in depths:
             total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
         count += int(mask.sum())

@@ -65,6 +65,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 import lm_eval.models  # noqa: F401  lm-eval loads its own models only into an empty registry: fill it before ours
+from looplm.model.cursor import NLL, Readout
 
 MODEL_NAME = "looplm"
 CHECKPOINT_SWEEP = "checkpoints"  # the runs-table sweep of checkpoints evaluated outside a sweep (``--db``)
@@ -187,7 +188,7 @@ class LoopLMEvalHarness(TemplateLM):
                     cols.append(j)
                     tgt.append(s[j + 1])
             rows_t, cols_t, tgt_t = (torch.tensor(v, dtype=torch.long, device=self.device_) for v in (rows, cols, tgt))
-            out = self.model(x.to(self.device_), depth=self.depths, readout_tokens=(rows_t, cols_t))
+            out = self.model(x.to(self.device_), self.depths, readout=Readout(tokens=(rows_t, cols_t)))
             self.unrolls += 1
             per_depth = {}
             for T in self.depths:
@@ -220,7 +221,7 @@ class LoopLMEvalHarness(TemplateLM):
                 total = {T: 0.0 for T in self.depths}
                 for x, y, mask in eval_windows(stream, self.seq_len, self.batch_size_, stride=self.stride):
                     x, y, mask = x.to(self.device_), y.to(self.device_), mask.to(self.device_)
-                    o = self.model(x, depth=self.depths, targets=y.masked_fill(~mask, -100), keep_logits=False)
+                    o = self.model(x, self.depths, y.masked_fill(~mask, -100), readout=NLL)
                     self.unrolls += 1
                     for T in self.depths:
                         total[T] -= float(o.nll_by_depth[T][mask].double().sum())

@@ -7,7 +7,7 @@ largest depth's and ``logits_by_depth`` maps each depth to its logits. ``generat
 passes it to every forward. ``output_loop_logits=True`` reads out every depth 0 … T.
 
 **Per-loop states.** ``output_hidden_states=True`` returns ``hidden_states`` = (h_0, …, h_T): the loop
-state after each loop step in readout coordinates (before the coda), as looplm's ``return_states``;
+state after each loop step in readout coordinates (before the coda), as looplm's ``Readout(states=True)``;
 ``len(hidden_states) == T + 1``, like transformers' "embeddings + one per layer".
 
 **Cache.** With ``use_cache`` (default for the shared architecture) a forward appends its chunk to a
@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looplm.hf.configuration import LoopLMConfig
+from looplm.model.cursor import Readout
 from looplm.model.kvcache import CACHE_MODES, KVCache
 
 
@@ -272,8 +273,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         targets = None
         if labels is not None:
             targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), -100)], dim=1)
-        out = self.model(input_ids, depth=depths if multi else depths[0], targets=targets,
-                         return_states=bool(output_hidden_states), cache=kv, attention_mask=mask)
+        out = self.model.read(self.model.loop(input_ids, cache=kv, attention_mask=mask), depths if multi else depths[0],
+                              targets, readout=Readout(states=bool(output_hidden_states)))
         result = {"loss": out.loss, "logits": out.logits, _cache_field(): hf_cache,
                   "hidden_states": tuple(out.states) if output_hidden_states else None,
                   "logits_by_depth": dict(out.logits_by_depth) if multi else None}

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig, check_gradient
+from looplm.model.cursor import BPTT, Gradient, Loop, Readout, token_rms
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
 from looplm.model.layers import Block, CausalSelfAttention, Core, RMSNorm, Rope
@@ -36,13 +37,13 @@ class LoopOutput:
     """What :meth:`LoopLM.forward` returns.
 
     Attributes:
-        logits: (B, L, V) at the largest requested depth (None when ``keep_logits=False``).
+        logits: (B, L, V) at the largest requested depth (None with ``Readout(logits=False)``).
         loss: mean cross-entropy over targets != -100 at the largest requested depth (None without
             targets).
-        logits_by_depth: {T: (B, L, V)} for every requested depth (when ``keep_logits``).
+        logits_by_depth: {T: (B, L, V)} for every requested depth (with ``Readout(logits=True)``).
         nll_by_depth: {T: (B, L)} per-token negative log-likelihood in nats (with targets).
         states: hidden states h_0 … h_T, each (B, L, d), in readout coordinates (h = h* + Δ for SCSE),
-            before the coda (``return_states=True``).
+            before the coda (``Readout(states=True)``).
         anchor: the anchor h* (B, L, d) (looped models only).
         exit_logits_by_depth: {T: (B, L)} exit-gate logits at each requested depth T ≥ 1 (models with
             ``exit_gate``; SPEC §4 exit_weighted supervision).
@@ -103,11 +104,6 @@ def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
     with torch.no_grad():
         for chunk in p.split(splits):
             nn.init.normal_(chunk, 0.0, math.sqrt(2.0 / (p.shape[1] + chunk.shape[0])))
-
-
-def token_rms(h: torch.Tensor) -> torch.Tensor:
-    """Per-token RMS over the last dim, computed in at least float32: (..., d) → (..., 1), h's dtype."""
-    return h.to(torch.promote_types(h.dtype, torch.float32)).pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
 
 
 class DepthLM(nn.Module):
@@ -303,195 +299,84 @@ class DepthLM(nn.Module):
         return h
 
     # ------------------------------------------------------------------ forward: the recurrence
-    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, *, targets: torch.Tensor | None = None,
-                return_states: bool = False, keep_logits: bool = True, fused_ce: bool = True,
-                gradient: str = "bptt", gradient_steps: int = 0, scale_clamp: bool = False,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                final_depth: int | None = None,
-                readout_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
-                on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None,
-                hook_logits: bool = True,
-                resume_from: tuple[int, torch.Tensor | Callable[[torch.Tensor], torch.Tensor]] | None = None
-                ) -> LoopOutput:
-        """Run the model at one or several loop depths in a single unroll.
+    def loop(self, idx: torch.Tensor, *, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+             scale_clamp: bool = False) -> Loop:
+        """A :class:`~looplm.model.cursor.Loop` at t = 0 on ``idx`` (B, L) int64: embed → prelude → start.
 
         Args:
-            idx: (B, L) int64 token ids, L ≤ seq_len.
-            depth: loop depth T ≥ 0, or a sequence of depths (read out on the way to the largest).
-            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout_tokens``); -100
-                marks positions to ignore.
-            return_states: also return every hidden state h_0 … h_T (readout coordinates).
-            keep_logits: keep the (B, L, V) logits (set False in evaluation to save memory). With
-                targets and no ``on_depth`` hook, False also computes the loss by the fused chunked
-                readout + cross-entropy, which never forms the (B, L, V) logits;
-                without targets (a cached prefix) the readout matrix is skipped altogether (the coda
-                still runs and fills the cache).
-            fused_ce: allow that fused readout + loss (:mod:`looplm.model.fused`; losses equal the
-                plain path's bitwise on CPU, gradients to rounding); False forces the plain path.
-            gradient: the gradient estimator of the unroll (SPEC §5; LMDR §3.1, A.2), with
-                b = ``gradient_steps``: ``"bptt"`` (full; b must be 0), ``"tbptt"`` (truncated BPTT:
-                the first T − b steps run without autograd and the state is detached before the last
-                b, so activation memory scales with b; gradients still reach e and the prelude through
-                the context (anchor, injection) at every back-propagated step; a rule without
-                injection (``plain``) trains its prelude only through the untruncated steps, and
-                parameters used only in the initial state get a zero gradient rather than none (the
-                detached state carries ``0·Σ state_0``, so DDP needs no ``find_unused_parameters``);
-                the readouts stay at the requested depths) or ``"endpoint"`` (Neumann-b, the paper's detached suffix: the
-                loop runs to the endpoint z^T without autograd, the state is detached there,
-                z̄^0 = sg(z^T), and b further steps z̄^{k+1} = F(z̄^k) (loop steps T … T+b−1) run
-                with autograd; the readout of the largest requested depth T is taken at z̄^b, i.e.
-                after T + b steps, and is keyed ``T + b`` in ``logits_by_depth`` / ``nll_by_depth`` /
-                ``exit_logits_by_depth``; ``loss`` and ``logits`` are that readout's. Its gradient
-                through the state is Σ_{k<b} J^k B along z̄ (= Σ_{k<b} J_T^k B_T at a fixed point).
-                The smaller requested depths are read on the way at the visited states z^k (k < T),
-                which carry no gradient through the recurrence (only through the readout/coda);
-                ``states`` holds h_0 … h_{T+b}. The values do not depend on whether autograd is on:
-                endpoint-b at depth T computes exactly what tbptt-b at depth T + b computes).
-            gradient_steps: b ≥ 1 for ``tbptt`` / ``endpoint``.
-            scale_clamp: the evaluation-time scale clamp (SPEC §4): after every loop each token's
-                state is rescaled to its loop-1 RMS.
             cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
-                positions continue the cache's, and the chunk is appended to the cache (SPEC §6). With
-                several depths only the last readout's coda enters the cache; the coda of an
-                intermediate readout attends to the prefix's last-depth coda K/V.
+                positions continue the cache's, and the chunk's visits are appended to it (SPEC §6).
             attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
                 position ids count real tokens only.
-            final_depth: for ``readout="final_only_norm"`` (SPEC §4), a readout at depth T applies
-                the final RMSNorm iff T ≥ final_depth, so each depth's logits do not depend on which
-                other depths are requested. None: ``self.final_depth`` (set from the checkpoint's
-                nominal depth when loaded), else the largest requested depth (training).
-            readout_tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens; logits
-                are then (N, V) and ``targets`` (N,).
-            on_depth: called as ``on_depth(T, h_T, logits_T)`` at every depth T = 0 … max(depth),
-                with the logits when T is a requested depth (else None): lets a consumer reduce each
-                depth's state and logits to statistics without keeping them (early-exit traces).
-            hook_logits: False: ``on_depth`` only reads the states and is always handed None for the
-                logits, so the hook does not stop the fused readout + loss (no (B, L, V) logits when
-                ``keep_logits=False``); used by validation's state-RMS measurement.
-            resume_from: ``(T0, h)``: start the loop at depth T0 from the hidden state h (B, L, d)
-                (readout coordinates, as ``states`` / ``on_depth`` give it) instead of from the
-                initial state; loop steps 0 … T0 − 1 are skipped (the prelude still runs: the
-                context, e.g. the injected e or the anchor, is computed as usual). Every requested
-                depth must be ≥ T0, and the depths count from the start as usual (``depth=T0 + b``
-                runs b steps). ``states`` then holds h_T0 … h_T. The state enters as
-                ``to_state(h)``: for rules whose loop state is h itself (the Huginn family) a
-                detached h is exactly z̄ = sg(z^T0); SCSE-family states are Δ = h − h*, so the
-                gradient also reaches the anchor through Δ. A cached forward records visits of the
-                steps it runs, t ≥ T0 (visit t·calls_per_step + call, as always). Used by rollout-state
-                reuse (LMDR §3.2: the update starts from the sampler's saved endpoint states) and
-                distilled prefill (LMDR §5.5: one teacher step from the student's ẑ ≈ z^R);
-                arXiv:2610.06833. h may also be a callable ``h(e)`` of the prelude output e
-                (B, L, d), called once after the prelude (the distilled prefill's student reads e
-                there, so the prelude runs once).
+            scale_clamp: the evaluation-time scale clamp (SPEC §4; :class:`Loop`).
 
         Raises:
-            ValueError: a depth is negative, no depth is given, a cache is given with depth 0 or to
-                the unshared reference, a truncated ``gradient`` is given to the unshared reference, an
-                unknown ``gradient``, a ``gradient_steps`` that does not fit it, or
-                ``gradient="endpoint"`` with a cache;
-                ``resume_from`` with a depth below T0, a state of the wrong shape, the unshared
-                reference, or ``scale_clamp`` (whose loop-1 RMS a resumed loop never sees).
+            ValueError: a cache given to the unshared reference, or a position reaching ``seq_len``.
         """
-        depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
-        if not depths or depths[0] < 0:
-            raise ValueError(f"depth: need one or more loop depths >= 0, got {depth!r}")
         if cache is not None and not self.shared:
             raise ValueError("cache: KV caches need the shared architecture")
-        if cache is not None and depths[-1] < 1:
-            raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
-        check_gradient(gradient, gradient_steps)
-        b = gradient_steps
-        if gradient != "bptt" and not self.shared:
-            raise ValueError(f"gradient: the unshared reference has no recurrence to truncate, got {gradient}-{b}")
-        if gradient == "endpoint" and cache is not None:
-            raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
-        first = 0  # the depth the loop starts at (T0 of resume_from)
-        if resume_from is not None:
-            first, resume_h = int(resume_from[0]), resume_from[1]
-            if not self.shared:
-                raise ValueError("resume_from: the unshared reference has no loop state to resume")
-            if first < 0 or depths[0] < first:
-                raise ValueError(f"resume_from: every requested depth must be >= T0 = {first}, got {depth!r}")
-            if scale_clamp and first > 0:
-                raise ValueError("resume_from: scale_clamp needs the loop-1 RMS, which a loop resumed at "
-                                 f"T0 = {first} never computes")
-            if not callable(resume_h):
-                self._check_resume_state(idx, resume_h)
         scope, positions, valid = self._attention(idx, cache, attention_mask)
-        if gradient == "endpoint":  # the largest depth is the endpoint; its readout moves b steps past it
-            depths = [*depths[:-1], depths[-1] + b]
-        last, wanted = depths[-1], set(depths)
-        final_from = self.resolve_final_depth(final_depth, last)
-        out = LoopOutput(states=[] if return_states else None)
-        # the fused readout + loss when nobody needs the logits (kept, or handed to on_depth)
-        logits_hooked = on_depth is not None and hook_logits
-        fused = fused_ce and targets is not None and not keep_logits and not logits_hooked
-        # nobody reads the logits (a cached prefill of a prefix): run the coda (it fills the cache), skip W_out
-        unread = targets is None and not keep_logits and not logits_hooked
-
-        def read(T: int, h: torch.Tensor) -> torch.Tensor:  # the readout at a requested depth T
-            if self.exit_gate is not None and T >= 1:
-                out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
-            # only the last readout's coda enters the KV cache
-            if fused or unread:  # no (B, L, V) logits: the fused readout + loss, or the coda only
-                feats = self.readout_features(h, final=T >= final_from, scope=scope, record=T == last,
-                                              tokens=readout_tokens)
-                if fused:
-                    out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
-                return None
-            logits = self.readout(h, final=T >= final_from, scope=scope, record=T == last, tokens=readout_tokens)
-            if keep_logits:
-                out.logits_by_depth[T] = logits
-            if targets is not None:
-                nll = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100,
-                                      reduction="none").view(targets.shape).clone()  # returned tensors
-                # must not be views: FSDP2 hooks the root module's outputs for backward
-                out.nll_by_depth[T] = nll
-            return logits
-
-        e = self.embed(idx, positions, scope=scope)
+        e = self.embed(idx, positions, scope=scope)  # (B, L, d)
         state, ctx = self.start(e, positions, scope=scope, valid=valid)
-        out.anchor = ctx.anchor
-        state0 = state
-        if resume_from is not None:
-            if callable(resume_h):
-                resume_h = self._check_resume_state(idx, resume_h(e))
-            state = self.to_state(resume_h, ctx)
-        h = self.hidden(state, ctx)
-        # the steps t < no_grad_steps run without autograd and the state is detached before step
-        # no_grad_steps = last − b (TBPTT with b < last; endpoint always, the endpoint being last − b)
-        no_grad_steps = -1
-        if torch.is_grad_enabled() and (gradient == "endpoint" or (gradient == "tbptt" and b < last)):
-            no_grad_steps = last - b
-        clamp_rms = None
-        for T in range(first, last + 1):
-            if T > first:  # loop step t = T − 1
-                if T - 1 == no_grad_steps:
-                    # exact zero that keeps the initial state's parameters in the graph (DDP)
-                    state = state.detach() + 0.0 * state0.sum()
-                with torch.set_grad_enabled(torch.is_grad_enabled() and T - 1 >= no_grad_steps):
-                    state = self.step(state, T - 1, ctx, clamp_rms=clamp_rms)
-                h = self.hidden(state, ctx)
-                if scale_clamp and clamp_rms is None:
-                    clamp_rms = token_rms(h).detach()
-            if return_states:
-                out.states.append(h)
-            logits = read(T, h) if T in wanted else None
+        return Loop(self, state, ctx, e=e, scale_clamp=scale_clamp)
+
+    def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, targets: torch.Tensor | None = None, *,
+                gradient: Gradient = BPTT, readout: Readout = Readout()) -> LoopOutput:
+        """The reading path of training and evaluation: :meth:`read` of a fresh :meth:`loop` on ``idx``
+        (B, L) int64, L ≤ seq_len. A cached, padded, clamped, resumed or hooked unroll opens its cursor
+        itself: ``model.read(model.loop(idx, cache=cache), depth)``."""
+        return self.read(self.loop(idx), depth, targets, gradient=gradient, readout=readout)
+
+    def read(self, loop: Loop, depth: int | Sequence[int], targets: torch.Tensor | None = None, *,
+             gradient: Gradient = BPTT, readout: Readout = Readout(),
+             on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
+        """Advance ``loop`` to the largest requested depth, reading out at every requested depth on the way.
+
+        Args:
+            loop: a cursor of this model (:meth:`loop`) at step t0 (0, or T0 after :meth:`Loop.resume`).
+            depth: loop depth T ≥ t0, or a sequence of depths.
+            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout.tokens``); -100 ignored.
+            gradient: the :class:`Gradient` estimator; ``endpoint`` reads the largest depth T at
+                ``gradient.key(T)`` = T + b. readout: what to read (:class:`Readout`).
+            on_depth: called as ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None
+                where they are not formed (T not requested, fused or skipped readout): lets a consumer
+                reduce each depth to statistics without keeping it.
+
+        Raises:
+            ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
+                gradient, or a truncated gradient on the unshared reference.
+        """
+        depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
+        if not depths or depths[0] < loop.t:
+            raise ValueError(f"depth: need one or more loop depths >= t0 = {loop.t}, got {depth!r}")
+        if loop.cached and depths[-1] < 1:
+            raise ValueError(f"depth: a cached forward needs a loop depth >= 1, got {depth!r}")
+        if gradient.kind != "bptt" and not self.shared:
+            raise ValueError("gradient: the unshared reference has no recurrence to truncate, got "
+                             f"{gradient.kind}-{gradient.steps}")
+        if gradient.kind == "endpoint" and loop.cached:
+            raise ValueError("gradient: endpoint gradients are a training estimator; a cached forward has none")
+        last = gradient.key(depths[-1])
+        wanted = {*depths[:-1], last}
+        loop.window(gradient, last)
+        out = LoopOutput(states=[] if readout.states else None, anchor=loop.ctx.anchor)
+        read = _Reader(self, out, targets, readout, final=self.resolve_final_depth(readout.final_depth, last),
+                       last=last, scope=loop.scope)
+        while True:
+            if readout.states:
+                out.states.append(loop.h)
+            logits = read(loop.t, loop.h) if loop.t in wanted else None
             if on_depth is not None:
-                on_depth(T, h, logits if hook_logits else None)
-        if cache is not None:
-            scope.commit()
+                on_depth(loop.t, loop.h, logits)
+            if loop.t == last:
+                break
+            loop.advance()
+        if loop.cached:
+            loop.scope.commit()
         out.logits = out.logits_by_depth.get(last)
         if targets is not None:
-            n_valid = (targets != -100).sum().clamp(min=1)
-            out.loss = out.nll_by_depth[last].sum() / n_valid
+            out.loss = out.nll_by_depth[last].sum() / (targets != -100).sum().clamp(min=1)
         return out
-
-    def _check_resume_state(self, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        if tuple(h.shape) != (*idx.shape, self.cfg.d_model):
-            raise ValueError(f"resume_from: the state must have shape {(*idx.shape, self.cfg.d_model)}, "
-                             f"got {tuple(h.shape)}")
-        return h
 
     def _attention(self, idx: torch.Tensor, cache: KVCache | None, attention_mask: torch.Tensor | None
                    ) -> tuple[AttentionScope | None, torch.Tensor | None, torch.Tensor | None]:
@@ -657,6 +542,39 @@ class TransformerLM(DepthLM):
         if t >= len(self.layers):
             return state
         return state + self.layers[t](state, None, None if ctx.scope is None else ctx.scope.at(0))
+
+
+class _Reader:
+    """The readouts of one forward into ``out`` at a requested depth T: the exit-gate logits, then the
+    logits (kept) and per-token NLL (with targets); or, when nobody reads the logits, the fused readout
+    + loss (with targets) or the coda alone (it fills the KV cache). Only the last readout's coda enters
+    the cache."""
+
+    def __init__(self, model: DepthLM, out: LoopOutput, targets: torch.Tensor | None, readout: Readout, *,
+                 final: int, last: int, scope: AttentionScope | None):
+        self.model, self.out, self.targets, self.final, self.last = model, out, targets, final, last
+        self.keep_logits, self.tokens, self.scope = readout.logits, readout.tokens, scope
+        self.fused = readout.fused_ce and targets is not None and not readout.logits
+        self.unread = targets is None and not readout.logits
+
+    def __call__(self, T: int, h: torch.Tensor) -> torch.Tensor | None:
+        model, out, targets = self.model, self.out, self.targets
+        if model.exit_gate is not None and T >= 1:
+            out.exit_logits_by_depth[T] = model.exit_gate(h).squeeze(-1)  # (B, L)
+        kw = dict(final=T >= self.final, scope=self.scope, record=T == self.last, tokens=self.tokens)
+        if self.fused or self.unread:  # no (B, L, V) logits
+            feats = model.readout_features(h, **kw)
+            if self.fused:
+                out.nll_by_depth[T] = linear_cross_entropy(feats, model.lm_head.weight, targets)
+            return None
+        logits = model.readout(h, **kw)
+        if self.keep_logits:
+            out.logits_by_depth[T] = logits
+        if targets is not None:
+            # returned tensors must not be views: FSDP2 hooks the root module's outputs for backward
+            out.nll_by_depth[T] = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100,
+                                                  reduction="none").view(targets.shape).clone()
+        return logits
 
 
 def build_model(cfg: ModelConfig) -> DepthLM:

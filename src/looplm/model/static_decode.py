@@ -4,7 +4,7 @@ writes, coda, readout — has the same shapes and the same Python path at every 
 under ``torch.compile`` (one graph, no recompilation as the cache grows) or be captured once as a CUDA
 graph and replayed per token.
 
-The step is the model's own forward (``model(tok, depth=R, cache=static)``); only the cache differs:
+The step is the model's own forward (``model.read(model.loop(tok, cache=static), R)``); only the cache differs:
 :class:`StaticKVCache` is filled from a prefilled :class:`~looplm.model.kvcache.KVCache` (the prompt's
 prefill keeps the eager path) and hands the forward a :class:`StaticScope`, whose attention writes the
 token's K/V at slot ``length`` with ``index_copy_`` and attends over the whole capacity under a mask
@@ -145,7 +145,7 @@ class DecodeStep:
 
     @torch.no_grad()
     def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        return self.model(tok[:, None], depth=self.depth, cache=self.cache).logits[:, -1]  # (B, V)
+        return self.model.read(self.model.loop(tok[:, None], cache=self.cache), self.depth).logits[:, -1]  # (B, V)
 
     @torch.no_grad()
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ and back-propagates L:
 
 - ``bptt``: full BPTT, the forward at depth R with gradient through all R recurrences (D̃_R);
 - ``recompute``: recompute + Neumann-b, R recurrences replayed without gradient to the endpoint z^R,
-  then b recurrences with gradient from sg(z^R) (``gradient="endpoint", gradient_steps=b``);
+  then b recurrences with gradient from sg(z^R) (``Gradient("endpoint", b)``);
 - ``reuse``: reuse + Neumann-b, the same b recurrences from the saved rollout states
-  (``resume_from=(R, saved)``): no replay.
+  (:meth:`~looplm.model.cursor.Loop.resume` at R from the saved states): no replay.
 
 Reuse and recompute both read the log-probabilities out at z̄^b, i.e. after R + b recurrences, as the
 paper's "apply b recurrences from z̄" (its gradient is Σ_{k<b} J^k B along z̄ = Σ_{k<b} J_R^k B_R at a
@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import torch
 
 from looplm.generate import generate
+from looplm.model.cursor import NLL, Gradient
 from looplm.rl.rewards import get_reward
 from looplm.rl.task import Problem, decode, encode
 
@@ -218,19 +219,19 @@ def score(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: i
     Raises:
         ValueError: an unknown method, or ``reuse`` without saved states.
     """
-    kw: dict[str, Any] = dict(targets=batch.targets, attention_mask=batch.mask, keep_logits=False)
+    if method not in UPDATE_METHODS:
+        raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
+    if method == "reuse" and batch.states is None:
+        raise ValueError("reuse: the rollouts carry no saved states (sample with save_states=True)")
+    loop = model.loop(batch.idx, attention_mask=batch.mask)
     if method == "bptt":
-        out = model(batch.idx, depth=depth, **kw)
-    elif method in ("recompute", "reuse"):
+        out = model.read(loop, depth, batch.targets, readout=NLL)
+    else:
         T0 = depth if state_depth is None else state_depth
         if method == "reuse":
-            if batch.states is None:
-                raise ValueError("reuse: the rollouts carry no saved states (sample with save_states=True)")
-            kw["resume_from"] = (T0, batch.states.detach())
-        out = model(batch.idx, depth=T0 if method == "reuse" else depth, gradient="endpoint",
-                    gradient_steps=neumann_steps, **kw)
-    else:
-        raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
+            loop.resume(T0, batch.states.detach())
+        out = model.read(loop, T0 if method == "reuse" else depth, batch.targets,
+                         gradient=Gradient("endpoint", neumann_steps), readout=NLL)
     return out.nll_by_depth[max(out.nll_by_depth)]
 
 

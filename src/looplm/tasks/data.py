@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from looplm.config import DataConfig
+from looplm.model.cursor import Readout
 from looplm.tasks.base import PAD_ID, Instance, encode, get_task, tokenizer
 
 HELDOUT_SPLITS = ("valid", "test")
@@ -125,12 +126,12 @@ def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int]
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
         scored = yb != -100
 
-        def read(T: int, _h, logits, yb=yb, scored=scored) -> None:  # forward's on_depth hook
+        def read(T: int, _h, logits, yb=yb, scored=scored) -> None:  # read's on_depth hook
             if logits is not None:
                 hit = (logits.argmax(-1) == yb) | ~scored  # (B, L)
                 correct[T] += int(hit.all(-1).sum())
 
-        out = model(xb, depth=depths, targets=yb, keep_logits=False, on_depth=read)
+        out = model.read(model.loop(xb), depths, yb, readout=Readout(logits=False, fused_ce=False), on_depth=read)
         for T in depths:
             nll[T] += float(out.nll_by_depth[T][scored].double().sum())
     model.train(was_training)

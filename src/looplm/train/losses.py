@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from looplm.config import TrainConfig
+from looplm.model.cursor import Gradient, Readout
 
 
 @dataclass
@@ -67,10 +68,9 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
     """
     sup, lam = tcfg.supervision, tcfg.norm_penalty
     depths = list(range(1, depth + 1)) if sup != "terminal" else depth
-    out = model(x, depth=depths, targets=y, keep_logits=False, gradient=tcfg.gradient,
-                gradient_steps=tcfg.gradient_steps, return_states=lam > 0, final_depth=depth)
-    # the readouts of loops 1..T: with endpoint gradients the last is taken b steps past the endpoint
-    keys = [*range(1, depth), depth + (tcfg.gradient_steps if tcfg.gradient == "endpoint" else 0)]
+    gradient = Gradient(tcfg.gradient, tcfg.gradient_steps)
+    out = model(x, depths, y, gradient=gradient, readout=Readout(logits=False, states=lam > 0, final_depth=depth))
+    keys = [*range(1, depth), gradient.key(depth)]  # the readouts of loops 1..T
     valid = (y != -100)
     n = valid.sum().clamp(min=1)
     ce_T = out.nll_by_depth[keys[-1]].sum() / n

@@ -1,0 +1,189 @@
+"""The loop cursor: one unroll of a :class:`~looplm.model.DepthLM`, one realized step at a time (SPEC §1–2).
+
+Every loop driver iterates a :class:`Loop`: :meth:`DepthLM.forward`, the early-exit runner
+(:func:`looplm.eval.exits.exit_loop`) and the diagnostics (:mod:`looplm.diagnostics`). The cursor holds
+the loop state, its context, the step count t and the hidden state h; :meth:`Loop.advance` runs
+:meth:`LoopLM.step` once. The scale-clamp target, the gradient window and the row selection of the
+exit runner live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from looplm.config import check_gradient
+
+
+def token_rms(h: torch.Tensor) -> torch.Tensor:
+    """Per-token RMS over the last dim, computed in at least float32: (..., d) → (..., 1), h's dtype."""
+    return h.to(torch.promote_types(h.dtype, torch.float32)).pow(2).mean(-1, keepdim=True).sqrt().to(h.dtype)
+
+
+def select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
+    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list, dataclass
+    such as :class:`~looplm.model.LoopContext`, or None); other values pass through."""
+    if isinstance(obj, torch.Tensor):
+        return obj.index_select(0, keep) if obj.dim() > 0 and obj.shape[0] == batch else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(select_rows(o, keep, batch) for o in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: select_rows(getattr(obj, f.name), keep, batch)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """The gradient estimator of an unroll (SPEC §5; LMDR §3.1, A.2, arXiv:2610.06833), b = ``steps``.
+
+    - ``bptt``: full backpropagation (b = 0).
+    - ``tbptt``: the first T − b steps run without autograd and the state is detached before the last
+      b; the context (anchor, injection) still carries gradient at every back-propagated step, and
+      the detached state carries ``0·Σ state_0`` so DDP sees every parameter.
+    - ``endpoint`` (Neumann-b): the loop runs to z^T without autograd, z̄^0 = sg(z^T), then b steps
+      with autograd; the readout of the largest requested depth T is taken after T + b steps and is
+      keyed T + b (:meth:`key`). Its values equal tbptt-b at depth T + b.
+
+    Raises:
+        ConfigError: an unknown kind or a ``steps`` that does not fit it.
+    """
+
+    kind: str = "bptt"
+    steps: int = 0
+
+    def __post_init__(self):
+        check_gradient(self.kind, self.steps)
+
+    def key(self, depth: int) -> int:
+        """The depth the readout of requested depth ``depth`` is taken (and keyed) at."""
+        return depth + self.steps if self.kind == "endpoint" else depth
+
+    def grad_from(self, last: int) -> int:
+        """The first loop step run with autograd when the unroll reads out at ``last`` (the state is
+        detached before it); -1 when every step is."""
+        if self.kind == "endpoint" or (self.kind == "tbptt" and self.steps < last):
+            return last - self.steps
+        return -1
+
+
+BPTT = Gradient()
+
+
+@dataclass(frozen=True)
+class Readout:
+    """How an unroll is read out at its requested depths (SPEC §4): a value, like :class:`Gradient`.
+
+    Attributes:
+        logits: keep the (B, L, V) logits. False with targets computes the NLL by the fused chunked
+            readout + cross-entropy (:mod:`looplm.model.fused`; bitwise the plain path's on CPU) unless
+            ``fused_ce=False``; False without targets skips the readout matrix (the coda still runs and
+            fills a KV cache).
+        states: also return every hidden state h_t (readout coordinates) on the way.
+        final_depth: with ``readout="final_only_norm"`` a readout at T normalizes iff T ≥ final_depth
+            (:meth:`DepthLM.resolve_final_depth`), so a depth's logits do not depend on the others requested.
+        tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda, which sees
+            the whole sequence): logits (N, V), targets (N,).
+        fused_ce: allow the fused readout + loss.
+    """
+
+    logits: bool = True
+    states: bool = False
+    final_depth: int | None = None
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    fused_ce: bool = True
+
+
+#: the loss-only readout of training and evaluation: per-token NLL, no logits kept
+NLL = Readout(logits=False)
+
+
+class Loop:
+    """A cursor on one unroll: ``state`` (B, L, d) after ``t`` loop steps, its ``ctx``
+    (:class:`~looplm.model.LoopContext`) and hidden state ``h`` (readout coordinates).
+
+    Open one with :meth:`DepthLM.loop` (embed → prelude → start), or from a state and context.
+
+    Args:
+        e: the prelude output (B, L, d) (what :meth:`resume` may compute its state from).
+        scale_clamp: the evaluation-time scale clamp (SPEC §4): after loop 1 every later step rescales
+            each token's state to its loop-1 RMS (:attr:`clamp_rms`, the clamp target).
+    """
+
+    def __init__(self, model, state: torch.Tensor, ctx, *, e: torch.Tensor | None = None,
+                 scale_clamp: bool = False):
+        self.model, self.state, self.ctx, self.e = model, state, ctx, e
+        self.t = 0
+        self.h = model.hidden(state, ctx)
+        self.scale_clamp = scale_clamp
+        self.clamp_rms: torch.Tensor | None = None  # (B, L, 1) once loop 1 has run
+        self.grad_from = -1
+        self.frozen: torch.Tensor | None = None  # (B,) bool rows that keep their state
+        self._state0 = state
+
+    @property
+    def scope(self):
+        """The attention scope (KV cache, padding) the steps attend through, or None."""
+        return self.ctx.scope
+
+    @property
+    def cached(self) -> bool:
+        """Whether the steps write a KV cache (the read commits it)."""
+        return self.scope is not None and self.scope.cache is not None
+
+    def resume(self, t: int, h: torch.Tensor) -> Loop:
+        """Jump to loop step t with hidden state h (B, L, d) (readout coordinates), skipping steps
+        0 … t − 1; the context is kept. A detached h of a rule whose state is h is exactly z̄ = sg(z^t)
+        (LMDR §3.2, §5.5); the SCSE family's state Δ = h − h* also carries gradient to the anchor.
+
+        Raises:
+            ValueError: the unshared reference, t < 0, a state of the wrong shape, or ``scale_clamp``
+                with t > 0 (the loop-1 RMS is never computed).
+        """
+        if not self.model.shared:
+            raise ValueError("resume: the unshared reference has no loop state to resume")
+        if t < 0:
+            raise ValueError(f"resume: T0 must be >= 0, got {t}")
+        if self.scale_clamp and t > 0:
+            raise ValueError("resume: scale_clamp needs the loop-1 RMS, which a loop resumed at "
+                             f"T0 = {t} never computes")
+        if h.shape != self.state.shape:
+            raise ValueError(f"resume: the state must have shape {tuple(self.state.shape)}, "
+                             f"got {tuple(h.shape)}")
+        self.state, self.t = self.model.to_state(h, self.ctx), t
+        self.h = self.model.hidden(self.state, self.ctx)
+        return self
+
+    def window(self, gradient: Gradient, last: int) -> None:
+        """Open the gradient window of ``gradient`` for an unroll read out at ``last`` (when autograd is on)."""
+        self.grad_from = gradient.grad_from(last) if torch.is_grad_enabled() else -1
+
+    def advance(self, **variant) -> torch.Tensor:
+        """One realized step (:meth:`LoopLM.step`, with ``variant``: ``mask``, ``injection_gain``):
+        t → t + 1; frozen rows keep their state. Returns the new h (B, L, d)."""
+        if self.t == self.grad_from:  # an exact zero keeps the initial state's parameters in the graph (DDP)
+            self.state = self.state.detach() + 0.0 * self._state0.sum()
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.t >= self.grad_from):
+            new = self.model.step(self.state, self.t, self.ctx, clamp_rms=self.clamp_rms, **variant)
+        self.state = new if self.frozen is None else torch.where(self.frozen[:, None, None], self.state, new)
+        self.t += 1
+        self.h = self.model.hidden(self.state, self.ctx)
+        if self.scale_clamp and self.clamp_rms is None:
+            self.clamp_rms = token_rms(self.h).detach()
+        return self.h
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the rows ``keep`` (n,) int64 of the batch (the exit runner drops halted rows)."""
+        B = self.state.shape[0]
+        self.state, self.ctx, self.h, self.e, self.clamp_rms, self.frozen, self._state0 = select_rows(
+            (self.state, self.ctx, self.h, self.e, self.clamp_rms, self.frozen, self._state0), keep, B)
+
+    def freeze(self, rows: torch.Tensor) -> None:
+        """Freeze the rows where ``rows`` (B,) bool is set: they keep their state, and their later KV-cache
+        visits copy their exit visit's K/V (:meth:`~looplm.model.kvcache.AttentionScope.freeze`)."""
+        self.frozen = rows
+        if self.scope is not None:
+            self.scope.freeze(rows)
