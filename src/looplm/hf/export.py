@@ -27,7 +27,8 @@ AUTO_MAP = {"AutoConfig": "configuration_looplm.LoopLMConfig",
 # remote-code file → the looplm modules it holds, in dependency order
 REMOTE_FILES = {"configuration_looplm": ("looplm.config", "looplm.hf.configuration"),
                 "modeling_looplm": ("looplm.model.fused", "looplm.model.layers", "looplm.model.kvcache",
-                                    "looplm.model.recurrence", "looplm.model.looped", "looplm.hf.modeling")}
+                                    "looplm.model.recurrence", "looplm.model.cursor", "looplm.model.looped",
+                                    "looplm.hf.modeling")}
 ALIASES = {"looplm.model": "looplm.model.looped"}  # a package whose imported names live in a listed module
 PACKAGE_ONLY = {"looplm.hf.modeling": ("LoopLMForCausalLM.from_checkpoint", "LoopLMForCausalLM.save_pretrained")}
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # what transformers 4.57 and 5 both read (5 writes TokenizersBackend)
