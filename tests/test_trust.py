@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from looplm.cli import main
-from looplm.train.checkpoint import (CheckpointError, load_train_state, newest_valid_checkpoint,
-                                     sha256_file)
+from looplm.run.checkpoint import (CheckpointError, load_train_state, newest_valid_checkpoint,
+                                   sha256_file)
 from looplm.train.trainer import train
 
 
@@ -81,7 +81,7 @@ def _save(obj):
 
 def test_sharded_metadata_that_names_another_global_is_refused(tmp_path, tiny_cfg, tiny_data, poison, capsys):
     """DCP's own reader unpickles .metadata with plain pickle; looplm's allows only DCP metadata types."""
-    from looplm.train.dist import shard_keys
+    from looplm.run.dist import shard_keys
 
     cfg = tiny_cfg.replace(train=tiny_cfg.train.replace(checkpoint_format="sharded"))
     run, marker = tmp_path / "run", tmp_path / "ran"

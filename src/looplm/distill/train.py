@@ -14,7 +14,7 @@ into ẑ, the teacher's weights stay frozen); loss eq. 4 (:func:`~looplm.distill
 AdamW with gradient clipping and the trainer's schedule.
 
 **Checkpoints and resume.** Every ``ckpt_every`` steps and at the end, atomically
-(:func:`looplm.train.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
+(:func:`looplm.run.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
 (resolved config, teacher fingerprint, σ_T²) and the training state (optimizer, scheduler, RNG,
 step). ``resume=True`` continues from the newest valid checkpoint with the saved config and σ_T²;
 batches being functions of the step, the loss trace equals the uninterrupted run's. The run folder
@@ -43,10 +43,10 @@ from looplm.distill.student import (Student, StudentMismatchError, build_student
                                     load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
 from looplm.finite import NonFiniteError, clean, dumps
 from looplm.model import LoopLM
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, list_checkpoints, load_checkpoint,
-                                     load_train_state, newest_valid_checkpoint, save_checkpoint)
+from looplm.run.checkpoint import (CheckpointError, checkpoint_problems, list_checkpoints, load_checkpoint,
+                                   load_train_state, newest_valid_checkpoint, save_checkpoint)
 from looplm.train.optim import build_optimizer, build_scheduler
-from looplm.train.runlock import RunLock
+from looplm.run.lock import RunLock
 from looplm.train.trainer import _rng_state, _set_rng_state, _truncate_metrics, resolve_device
 
 

@@ -157,7 +157,7 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
             model), or it has no task.json and ``digits`` is not given.
     """
     from looplm.rl.task import VOCAB
-    from looplm.train.checkpoint import TOKENIZER_FILE
+    from looplm.run.checkpoint import TOKENIZER_FILE
 
     tok = ckpt / TOKENIZER_FILE
     vocab = json.loads(tok.read_text()).get("model", {}).get("vocab") if tok.exists() else None
@@ -194,7 +194,7 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
     Returns:
         :func:`evaluate_passk`'s dict plus ``checkpoint``, ``task``, ``digits`` and ``markdown``.
     """
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     t = _task_of(Path(ckpt), task, digits)
@@ -331,9 +331,9 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         ValueError: a fresh run into a folder that holds checkpoints, or bad options.
         CheckpointError: missing or damaged checkpoint; ``resume`` with none to resume.
     """
-    from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
-                                         newest_valid_checkpoint, save_checkpoint)
-    from looplm.train.runlock import RunLock
+    from looplm.run.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
+                                       newest_valid_checkpoint, save_checkpoint)
+    from looplm.run.lock import RunLock
 
     out = Path(out)
     with RunLock(out):

@@ -4,7 +4,7 @@ Exact resume: batches and depth draws are pure functions of (seed, step, micro);
 weights, optimizer, scheduler and the torch RNG (dropout) state, so a run resumed from step k
 reproduces the loss trace of the uninterrupted run bit for bit on CPU.
 
-Faults: the run folder is locked while a process trains into it (:mod:`looplm.train.runlock`). A step
+Faults: the run folder is locked while a process trains into it (:mod:`looplm.run.lock`). A step
 whose loss or gradient norm is NaN/inf is skipped (no optimizer update, no depth-prior update; its batch
 is not retried and the schedule advances, so resume stays exact) and logged with ``"skipped": true``;
 ``train.max_nonfinite_steps`` such steps in a row stop the run with :class:`DivergenceError`. A
@@ -36,17 +36,17 @@ from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
 from looplm.finite import NonFiniteError, clean, dumps, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, list_checkpoints,
-                                     load_checkpoint, load_config, load_sharded, load_train_state,
-                                     newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint,
-                                     sharded_keys)
-from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
-                               mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
-                               wrap_model, all_reduce_sum)
+from looplm.run.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, list_checkpoints,
+                                   load_checkpoint, load_config, load_sharded, load_train_state,
+                                   newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint,
+                                   sharded_keys)
+from looplm.run.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
+                             mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
+                             wrap_model, all_reduce_sum)
 from looplm.train.optim import build_optimizer, build_scheduler
 from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
-from looplm.train.runlock import RunLock
+from looplm.run.lock import RunLock
 from looplm.train.samplers import build_sampler
 
 if TYPE_CHECKING:
