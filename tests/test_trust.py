@@ -61,11 +61,11 @@ def test_convert_train_state_rewrites_a_trusted_file_as_data_and_resume_stays_ex
 def test_rng_state_round_trips_numpy_and_python(tiny_cfg):
     import random
 
-    from looplm.train.trainer import _rng_state, _set_rng_state
+    from looplm.run.folder import rng_state, set_rng_state
 
-    saved = _rng_state()
+    saved = rng_state()
     expect = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
-    _set_rng_state(torch.load(_save(saved), weights_only=True))  # through a weights_only round trip
+    set_rng_state(torch.load(_save(saved), weights_only=True))  # through a weights_only round trip
     got = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     assert torch.equal(expect[0], got[0]) and np.array_equal(expect[1], got[1]) and expect[2] == got[2]
 

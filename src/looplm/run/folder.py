@@ -92,7 +92,8 @@ class RunFolder:
             ValueError: the folder holds checkpoints.
         """
         if list_checkpoints(self.path):
-            raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose another --out")
+            raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose another "
+                             "--out")
 
     def resume_checkpoint(self, what: str = "checkpoint") -> Path:
         """The newest checkpoint that passes verification; newer damaged ones are skipped with a warning.
