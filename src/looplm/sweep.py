@@ -451,7 +451,7 @@ class _Runner:
         return self.data[key]
 
     def device(self) -> str:
-        from looplm.train.trainer import resolve_device
+        from looplm.run.dist import resolve_device
 
         return resolve_device(self.ev.device).type
 

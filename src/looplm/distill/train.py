@@ -43,9 +43,9 @@ from looplm.distill.student import (Student, StudentMismatchError, build_student
 from looplm.finite import NonFiniteError, clean
 from looplm.model import LoopLM
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
+from looplm.run.dist import resolve_device
 from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
 from looplm.train.optim import build_optimizer, build_scheduler
-from looplm.train.trainer import resolve_device
 
 
 def resolve_config(cfg: DistillConfig, teacher_cfg) -> DistillConfig:

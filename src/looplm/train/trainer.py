@@ -37,8 +37,8 @@ from looplm.model import Block, LoopLM, build_model
 from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, load_sharded, load_train_state,
                                    newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint, sharded_keys)
 from looplm.run.dist import (all_reduce_sum, barrier, full_state, init_distributed, load_optimizer_state,
-                             local_rows, mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
-                             wrap_model)
+                             local_rows, mean_across_ranks, resolve_device, set_sharded_state, sharded_state,
+                             shutdown, unwrap, wrap_model)
 from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
 from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
@@ -61,21 +61,6 @@ def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
         if isinstance(module, Block):
             module.compile(backend=backend)
     return model
-
-
-def resolve_device(name: str, field: str = "train.device") -> torch.device:
-    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (cuda when available) as a torch device.
-
-    Raises:
-        ValueError: unknown device name, or cuda requested on a machine without CUDA.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
-        raise ValueError(f"{field}: got {name!r}; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{field}={name} but no CUDA device is available; use cpu or auto")
-    return torch.device(name)
 
 
 def autocast_context(device: torch.device, dtype: str):
