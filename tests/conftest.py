@@ -68,7 +68,7 @@ class Poison:
     def _rehash(ckpt, relpath):
         import json
 
-        from looplm.train.checkpoint import sha256_file
+        from looplm.run.checkpoint import sha256_file
 
         path = Path(ckpt) / relpath
         manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
@@ -104,7 +104,7 @@ def tiny_ckpt(tmp_path_factory):
     from looplm.data.paths import resolve_data_root
     from looplm.data.tokenizer import train_bpe_tokenizer
     from looplm.model import build_model
-    from looplm.train.checkpoint import save_checkpoint
+    from looplm.run.checkpoint import save_checkpoint
     from test_model import tiny
 
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=300)

@@ -123,7 +123,7 @@ def test_adaptive_depth_checkpoint_report(checkpoint):
     # static columns agree with the multi-depth perplexity evaluator (an independent code path)
     from looplm.data import load_tokens, resolve_cache_dir, resolve_data_root
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint)
     test = load_tokens(cfg.data, "test", load_tokenizer_for(ckpt), resolve_data_root(""), resolve_cache_dir(""))

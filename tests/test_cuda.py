@@ -207,7 +207,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
 
 def _wrapped_training(mode: str, out: str) -> None:
     """torchrun's worker: 3 AdamW steps of the unwrapped model, then of the DDP- or FSDP2-wrapped one
-    (wrapped as looplm.train.dist.wrap_model wraps it for several ranks; wrap_model leaves a single
+    (wrapped as looplm.run.dist.wrap_model wraps it for several ranks; wrap_model leaves a single
     process unwrapped), losses to ``out``."""
     import torch.distributed as dist
 

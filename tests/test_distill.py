@@ -247,7 +247,7 @@ def _metrics(run):
 
 def test_distill_writes_a_student_next_to_the_teacher(teacher_run, student_run):
     from looplm.distill.student import read_record
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     record, ckpt = read_record(student_run)
     teacher = load_checkpoint(teacher_run)[0]
@@ -278,7 +278,7 @@ def test_resume_is_exact(teacher_run, student_run, tmp_path):
     distill(teacher_run, out, None, resume=True, progress=False)
     a, b = _metrics(student_run), _metrics(out)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     teacher = load_checkpoint(teacher_run)[0]
     s1, s2 = load_student(student_run, teacher)[0], load_student(out, teacher)[0]
@@ -292,7 +292,7 @@ def test_resume_refuses_a_train_state_that_runs_code(teacher_run, student_run, t
     import shutil
 
     from looplm.distill.train import distill
-    from looplm.train.checkpoint import CheckpointError, newest_valid_checkpoint
+    from looplm.run.checkpoint import CheckpointError, newest_valid_checkpoint
 
     out, marker = tmp_path / "student", tmp_path / "ran"
     shutil.copytree(student_run, out)
@@ -307,7 +307,7 @@ def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_
 
     from safetensors.torch import load_file, save_file
 
-    from looplm.train.checkpoint import CheckpointError, load_checkpoint
+    from looplm.run.checkpoint import CheckpointError, load_checkpoint
 
     teacher = load_checkpoint(teacher_run)[0]
     other = load_checkpoint(teacher_run)[0]
@@ -322,7 +322,7 @@ def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_
     weights["extra.weight"] = torch.zeros(2)
     save_file(weights, str(bad / "model.safetensors"))
     manifest = json.loads((bad / "manifest.json").read_text())
-    from looplm.train.checkpoint import sha256_file
+    from looplm.run.checkpoint import sha256_file
 
     manifest["files"]["model.safetensors"] = {"bytes": (bad / "model.safetensors").stat().st_size,
                                               "sha256": sha256_file(bad / "model.safetensors")}
@@ -336,7 +336,7 @@ def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_
 # --------------------------------------------------------------------------- generate, eval, CLI
 def test_generate_with_a_student_equals_a_hand_run_prefill(teacher_run, student_run):
     from looplm.generate import generate
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     teacher = load_checkpoint(teacher_run)[0]
     student, record, _ = load_student(student_run, teacher)
@@ -365,7 +365,7 @@ def test_eval_teacher_row_matches_kv_sharing_and_full_first_token(teacher_run, s
     from looplm.distill.evaluate import distill_continuation_eval
     from looplm.eval.kvsharing import kv_sharing_eval
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     teacher, cfg, _, ckpt = load_checkpoint(teacher_run)
     student = load_student(student_run, teacher)[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from looplm.cli import main
-from looplm.train.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint
+from looplm.run.checkpoint import CheckpointError, consolidate_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun subprocesses
 

@@ -19,7 +19,7 @@ import torch
 from looplm.cli import main
 from looplm.data.tokens import sample_batch
 from looplm.train import trainer as trainer_mod
-from looplm.train.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint, save_checkpoint
+from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from looplm.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +239,7 @@ def test_a_store_write_that_fails_midway_leaves_the_database_as_it_was(tmp_path)
 
 # -- 6. checkpoint manifest mismatch --------------------------------------------------------------
 def test_an_edited_config_json_is_reported_field_by_field(tmp_path, trained_run):
-    from looplm.train.checkpoint import CheckpointError
+    from looplm.run.checkpoint import CheckpointError
 
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)

@@ -366,7 +366,7 @@ def checkpoint(tmp_path_factory, tiny_cfg, tiny_data):
 def test_cli_generate(checkpoint, tmp_path, capsys):
     from looplm.cli import main
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("It was a\n\n")
@@ -442,7 +442,7 @@ def test_cli_output_paths_and_plain_export(checkpoint, tmp_path, capsys):
     import shutil
 
     from looplm.cli import main
-    from looplm.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+    from looplm.run.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -177,7 +177,7 @@ def test_halting_checkpoint_report(checkpoint, tmp_path):
     # the fixed-K frontier PPL and the calibration PPL by K agree with the multi-depth evaluator
     from looplm.data import load_tokens, resolve_cache_dir, resolve_data_root
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint)
     valid = load_tokens(cfg.data, "valid", load_tokenizer_for(ckpt), resolve_data_root(""), resolve_cache_dir(""))

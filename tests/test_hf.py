@@ -228,7 +228,7 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(x, use_cache=False).logits, hf(x, use_cache=False).logits,
                                    rtol=1e-5, atol=1e-5)
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     plain, pcfg, _, _ = load_checkpoint(tmp_path)  # the core reads the export without transformers
     assert pcfg.model == model.cfg and plain.final_depth == model.final_depth
@@ -242,7 +242,7 @@ def test_save_pretrained_round_trip_is_exact(name, tmp_path):
 def test_export_tokenizer_and_auto_classes(tiny_ckpt, exported):
     from tokenizers import Tokenizer
 
-    from looplm.train.checkpoint import load_checkpoint, resolve_checkpoint
+    from looplm.run.checkpoint import load_checkpoint, resolve_checkpoint
 
     names = {p.name for p in exported.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -375,7 +375,7 @@ def test_lm_eval_lambada_agrees_with_looplm_eval(tiny_ckpt, harness_tasks, harne
     scorer (looplm's own target_ppl is token-weighted: a different definition, also checked here)."""
     from looplm.eval.lambada import encode_examples, evaluate_lambada_checkpoint, load_lambada, score_lambada
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     res, _ = harness_run
     _, data_root = harness_tasks
@@ -403,7 +403,7 @@ def test_lm_eval_rolling_perplexity_agrees_with_looplm_windows(tiny_ckpt, harnes
 
     from looplm.eval.perplexity import evaluate_depths
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     res, _ = harness_run
     tasks, _ = harness_tasks
@@ -445,7 +445,7 @@ def test_lm_eval_multi_depth_is_one_unroll_and_lands_in_the_store(tiny_ckpt, har
         # like any other evaluation, `looplm report` tabulates it for a stored run of that config
         from looplm.analysis.report import build_report
         from looplm.analysis.store import RunRecord
-        from looplm.train.checkpoint import load_config
+        from looplm.run.checkpoint import load_config
 
         cfg = load_config(tiny_ckpt)
         store.put_run(RunRecord(sweep="s", run_id="r0", variant="scse", seed=cfg.train.seed, config=cfg.to_dict(),

@@ -40,7 +40,7 @@ def test_core_runs_without_transformers_and_lm_eval(tmp_path):
     code = HIDE + (
         "import torch, looplm, looplm.hf\n"
         "from looplm.cli import build_parser, main\n"
-        "from looplm.train.checkpoint import load_checkpoint\n"
+        "from looplm.run.checkpoint import load_checkpoint\n"
         "build_parser()\n"
         f"d = {str(tmp_path)!r}\n"
         "m, cfg, _, _ = load_checkpoint(d)\n"

@@ -102,7 +102,7 @@ def huginn_export(folder: Path):
 @pytest.mark.parametrize("kind", ["scse-export", "huginn-save_pretrained"])
 def test_export_loads_where_looplm_cannot_be_imported(kind, tf_path, exported, tiny_ckpt, tmp_path):
     """Logits and greedy tokens of the remote code (no looplm) equal looplm's own model's."""
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     if kind == "scse-export":
         folder = exported
@@ -177,7 +177,7 @@ def test_one_default_depth_and_kv_layout(tiny_ckpt, tmp_path, capsys):
     run depth 5 with terminal sharing, and give the text of the checkpoint run with those flags."""
     import looplm.hf  # noqa: F401
     from looplm.hf.harness import LoopLMEvalHarness
-    from looplm.train.checkpoint import load_config
+    from looplm.run.checkpoint import load_config
 
     folder = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(tiny_ckpt), "--out", str(folder), "--num-steps", "5",

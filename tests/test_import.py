@@ -24,7 +24,7 @@ from looplm.generate import generate
 from looplm.importers.common import ImporterError
 from looplm.importers.huginn import import_huginn, write_huginn_folder
 from looplm.importers.ouro import import_ouro
-from looplm.train.checkpoint import load_checkpoint
+from looplm.run.checkpoint import load_checkpoint
 from looplm.train.losses import exit_distribution
 from looplm.model.cursor import Readout
 

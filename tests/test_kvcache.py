@@ -339,7 +339,7 @@ def test_cli_eval_kv_sharing(checkpoint, tmp_path, capsys):
 
 
 def test_loaded_checkpoint_sets_the_final_only_norm_threshold(checkpoint):
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, _ = load_checkpoint(checkpoint)
     assert model.final_depth == cfg.train.nominal_depth

@@ -157,7 +157,7 @@ def test_batched_scores_equal_unbatched_reference(layout, lambada, bpe):
 
 
 def test_evaluate_lambada_checkpoint(tmp_path, tiny_cfg, tiny_data):
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
     from looplm.train.trainer import train
 
     run = tmp_path / "run"

@@ -17,7 +17,7 @@ import looplm
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens
 from looplm.eval.runner import evaluate_checkpoint
-from looplm.train.checkpoint import resolve_checkpoint
+from looplm.run.checkpoint import resolve_checkpoint
 from looplm.train.trainer import train
 
 

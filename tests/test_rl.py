@@ -247,7 +247,7 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     import shutil
 
     from looplm.cli import main
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     base = tmp_path / "base"
     tiny = ["--model.d_model", "32", "--model.d_ff", "64", "--model.seq_len", "20", "--train.steps", "3",
@@ -265,7 +265,7 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     assert main(["rl", "train", "--out", str(cut), "--resume", "--quiet"]) == 0
     a, b = (load_checkpoint(d)[0].state_dict() for d in (full, cut))
     assert all(torch.equal(a[k], b[k]) for k in a)  # exact: resume runs the same steps
-    from looplm.train.checkpoint import newest_valid_checkpoint
+    from looplm.run.checkpoint import newest_valid_checkpoint
 
     hostile = tmp_path / "hostile"  # a train_state.pt that runs code when unpickled: refused, never run
     shutil.copytree(cut, hostile)
@@ -290,7 +290,7 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
         main(["rl", "train", "--out", str(tmp_path / "x")])  # --checkpoint needed without --resume
     # the task comes from the base's task.json; a checkpoint that is not an `rl pretrain` base is refused
     from looplm.rl.runner import _task_of
-    from looplm.train.checkpoint import newest_valid_checkpoint
+    from looplm.run.checkpoint import newest_valid_checkpoint
 
     ckpt = newest_valid_checkpoint(base)
     assert _task_of(ckpt, None, None).digits == 2

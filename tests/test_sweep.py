@@ -172,7 +172,7 @@ def _mtimes(out: Path) -> dict[str, int]:
 
 
 def _weights(out: Path, run_id: str) -> bytes:
-    from looplm.train.checkpoint import resolve_checkpoint
+    from looplm.run.checkpoint import resolve_checkpoint
 
     return (resolve_checkpoint(out / "runs" / run_id) / "model.safetensors").read_bytes()
 
@@ -366,7 +366,7 @@ def test_kv_sharing_hook_stores_what_the_command_computes(tmp_path, tiny_cfg):
     protocol) and stores exactly what ``evaluate_kv_sharing_checkpoint`` returns for that checkpoint;
     a second run skips it."""
     from looplm.eval.kvsharing import evaluate_kv_sharing_checkpoint
-    from looplm.train.checkpoint import resolve_checkpoint
+    from looplm.run.checkpoint import resolve_checkpoint
 
     text = TOML.replace('scse = {model.rule = "scse"}\n', "").replace("seeds = [0, 1]", "seeds = [0]")
     text = text.replace("lambada = {max_examples = 4}", "kv_sharing = {depths = [2, 3], max_tokens = 256}")

@@ -194,7 +194,7 @@ def _task_run_cfg() -> Config:
 def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path):
     from looplm.cli import main
     from looplm.eval.tasks import task_accuracy
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
     from looplm.train.trainer import train
 
     cfg = _task_run_cfg()

@@ -13,8 +13,8 @@ import torch
 
 from looplm.config import ConfigError, TrainConfig
 from looplm.model import build_model
-from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
-                                     newest_valid_checkpoint, save_checkpoint)
+from looplm.run.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
+                                   newest_valid_checkpoint, save_checkpoint)
 from looplm.train.optim import build_optimizer, lr_factor
 from looplm.train.samplers import FixedDepth, UniformDepth, build_sampler
 from looplm.train.trainer import train
@@ -63,7 +63,7 @@ def test_resume_is_exact_when_a_parameter_never_gets_a_gradient(tmp_path, tiny_c
 
 
 def test_resume_refuses_an_optimizer_state_from_another_model(tiny_cfg):
-    from looplm.train.dist import DistEnv, full_state, load_optimizer_state
+    from looplm.run.dist import DistEnv, full_state, load_optimizer_state
 
     model = build_model(tiny_cfg.model)
     opt = build_optimizer(model, tiny_cfg.train)
@@ -172,7 +172,7 @@ def test_weight_decay_on_matrices_only(tiny_cfg):
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_model_safetensors_gets_the_umask_mode_like_the_other_files(tmp_path, tiny_cfg, umask):
-    from looplm.train.checkpoint import save_checkpoint
+    from looplm.run.checkpoint import save_checkpoint
 
     old = os.umask(umask)
     try:
@@ -184,7 +184,7 @@ def test_model_safetensors_gets_the_umask_mode_like_the_other_files(tmp_path, ti
 
 
 def test_wall_s_sums_every_invocation_after_resume(tmp_path, tiny_cfg, tiny_data):
-    from looplm.train.checkpoint import load_train_state
+    from looplm.run.checkpoint import load_train_state
 
     run = tmp_path / "run"
     train(tiny_cfg, run, progress=False, data=tiny_data, stop_after=3)

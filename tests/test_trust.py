@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from looplm.cli import main
-from looplm.train.checkpoint import (CheckpointError, load_train_state, newest_valid_checkpoint,
-                                     sha256_file)
+from looplm.run.checkpoint import (CheckpointError, load_train_state, newest_valid_checkpoint,
+                                   sha256_file)
 from looplm.train.trainer import train
 
 
@@ -61,11 +61,11 @@ def test_convert_train_state_rewrites_a_trusted_file_as_data_and_resume_stays_ex
 def test_rng_state_round_trips_numpy_and_python(tiny_cfg):
     import random
 
-    from looplm.train.trainer import _rng_state, _set_rng_state
+    from looplm.run.folder import rng_state, set_rng_state
 
-    saved = _rng_state()
+    saved = rng_state()
     expect = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
-    _set_rng_state(torch.load(_save(saved), weights_only=True))  # through a weights_only round trip
+    set_rng_state(torch.load(_save(saved), weights_only=True))  # through a weights_only round trip
     got = (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)])
     assert torch.equal(expect[0], got[0]) and np.array_equal(expect[1], got[1]) and expect[2] == got[2]
 
@@ -81,7 +81,7 @@ def _save(obj):
 
 def test_sharded_metadata_that_names_another_global_is_refused(tmp_path, tiny_cfg, tiny_data, poison, capsys):
     """DCP's own reader unpickles .metadata with plain pickle; looplm's allows only DCP metadata types."""
-    from looplm.train.dist import shard_keys
+    from looplm.run.dist import shard_keys
 
     cfg = tiny_cfg.replace(train=tiny_cfg.train.replace(checkpoint_format="sharded"))
     run, marker = tmp_path / "run", tmp_path / "ran"

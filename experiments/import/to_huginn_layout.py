@@ -12,7 +12,7 @@ from pathlib import Path
 
 from looplm.eval.runner import load_tokenizer_for
 from looplm.importers.huginn import write_huginn_folder
-from looplm.train.checkpoint import load_checkpoint
+from looplm.run.checkpoint import load_checkpoint
 
 
 def main(argv: list[str]) -> None:

@@ -22,7 +22,7 @@ import torch
 from looplm.model import Readout, build_model
 from looplm.rl.grpo import compare_methods, pack, sample_rollouts, update_gradient
 from looplm.rl.task import NEWLINE_ID, AdditionTask
-from looplm.train.checkpoint import load_checkpoint
+from looplm.run.checkpoint import load_checkpoint
 
 HERE = Path(__file__).resolve().parent
 

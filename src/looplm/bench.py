@@ -74,7 +74,8 @@ from looplm.finite import write_json_markdown
 from looplm.model import LoopLM, build_model
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.presets import get_preset
-from looplm.train.trainer import autocast_context, resolve_device
+from looplm.run.dist import resolve_device
+from looplm.train.trainer import autocast_context
 
 TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),

@@ -210,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     created = not args.out.exists()
     prepare_out_dir(args.out, "--out")
 
-    from looplm.train.checkpoint import list_checkpoints
+    from looplm.run.checkpoint import list_checkpoints
     from looplm.train.trainer import train
 
     steps = cfg.train.steps if args.resume and "train.steps" in args.config_overrides else None
@@ -491,7 +491,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
                          "use --kv-cache terminal (its default)")
     if args.kv_cache is None:  # an export's own default (config.json kv_cache), as transformers uses
-        from looplm.hf_folder import export_kv_cache
+        from looplm.run.hf_folder import export_kv_cache
 
         args.kv_cache = "terminal" if args.prefill == "distilled" else export_kv_cache(args.checkpoint) or "per_visit"
     if args.out is not None:
@@ -500,7 +500,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.generate import build_exit_criterion, generate
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(args.checkpoint, device=args.device)
     tok = load_tokenizer_for(ckpt)
@@ -547,14 +547,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from looplm.train.checkpoint import consolidate_checkpoint
+    from looplm.run.checkpoint import consolidate_checkpoint
 
     print(consolidate_checkpoint(args.checkpoint))
     return 0
 
 
 def cmd_convert_train_state(args: argparse.Namespace) -> int:
-    from looplm.train.checkpoint import convert_train_state
+    from looplm.run.checkpoint import convert_train_state
 
     if not args.trust_pickle:
         raise CliError("convert-train-state unpickles the file, which can run any code it holds: pass "
@@ -846,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{getattr(args, '_parser', parser).prog}: error: {msg}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - surface checkpoint errors without a traceback
-        from looplm.train.checkpoint import CheckpointError
+        from looplm.run.checkpoint import CheckpointError
 
         if isinstance(exc, CheckpointError):
             print(f"{getattr(args, '_parser', parser).prog}: error: {exc}", file=sys.stderr)

@@ -34,8 +34,8 @@ from looplm.data.tokens import load_tokens, unigram_ppl
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, nonfinite_depths
 from looplm.finite import dumps
 from looplm.presets import get_preset
-from looplm.train.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
-from looplm.train.runlock import RunLock
+from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
+from looplm.run.lock import RunLock
 from looplm.train.trainer import prepare_data, train
 
 EVAL_SPLITS = (("brown", "Brown test"), ("wikitext2", "WikiText-2 raw test (held out)"))

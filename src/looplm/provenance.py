@@ -37,7 +37,7 @@ def git_commit() -> str | None:
 def weights_sha256(ckpt: str | Path) -> str | None:
     """sha256 of a checkpoint's ``model.safetensors``: from its manifest when it has one (verified on load),
     else hashed from the file; None for a sharded checkpoint without one."""
-    from looplm.train.checkpoint import MANIFEST_FILE, MODEL_FILE, sha256_file
+    from looplm.run.checkpoint import MANIFEST_FILE, MODEL_FILE, sha256_file
 
     ckpt = Path(ckpt)
     manifest = ckpt / MANIFEST_FILE
@@ -60,7 +60,7 @@ def provenance(ckpt: str | Path | None = None, *, tokens: np.ndarray | None = No
     import torch
 
     import looplm
-    from looplm.train.checkpoint import sha256_file
+    from looplm.run.checkpoint import sha256_file
 
     out: dict[str, Any] = {"looplm_version": looplm.__version__, "git_commit": git_commit(),
                            "torch_version": torch.__version__,

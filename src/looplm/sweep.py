@@ -451,7 +451,7 @@ class _Runner:
         return self.data[key]
 
     def device(self) -> str:
-        from looplm.train.trainer import resolve_device
+        from looplm.run.dist import resolve_device
 
         return resolve_device(self.ev.device).type
 
@@ -475,7 +475,7 @@ class _Runner:
 
     def train(self, spec: RunSpec, run_dir: Path) -> tuple[str | None, Path]:
         """Train or resume as needed. Returns (what was done or None, newest checkpoint)."""
-        from looplm.train.checkpoint import newest_valid_checkpoint
+        from looplm.run.checkpoint import newest_valid_checkpoint
         from looplm.train.trainer import train
 
         cfg = spec.config
@@ -603,7 +603,7 @@ class _Runner:
         Raises:
             SweepError: the run directory holds a run with a different config.
         """
-        from looplm.train.checkpoint import newest_valid_checkpoint
+        from looplm.run.checkpoint import newest_valid_checkpoint
 
         run_dir = self.out / "runs" / spec.run_id
         ckpt = newest_valid_checkpoint(run_dir)

@@ -9,7 +9,7 @@ one pass, so causal full-sequence attention is what it can use). A left-padded b
 mask of its real tokens.
 
 **Checkpoints** (:func:`save_student`, :func:`load_student`): a run folder, by default ``RUN/student/``
-next to the teacher's ``RUN``, written by :func:`looplm.train.checkpoint.save_checkpoint` (atomic:
+next to the teacher's ``RUN``, written by :func:`looplm.run.checkpoint.save_checkpoint` (atomic:
 temporary folder, rename, ``latest``; manifest with sha256; the newest two kept). ``config.json`` is a
 :class:`~looplm.distill.config.StudentRecord`: the resolved distillation config, σ_T² and the teacher's
 :func:`teacher_fingerprint`. Loading checks the manifest, refuses a student of another teacher
@@ -32,8 +32,8 @@ from looplm.config import ConfigError
 from looplm.distill.config import DistillConfig, StudentRecord, TeacherRef
 from looplm.model import Block, LoopLM, RMSNorm
 from looplm.model.kvcache import AttentionScope
-from looplm.train.checkpoint import (CONFIG_FILE, MODEL_FILE, CheckpointError, resolve_checkpoint,
-                                     verify_checkpoint)
+from looplm.run.checkpoint import CONFIG_FILE, MODEL_FILE, CheckpointError, resolve_checkpoint, verify_checkpoint
+from looplm.run.hf_folder import is_hf_export
 
 #: the folder of a teacher run that holds its student by default
 STUDENT_DIR = "student"
@@ -121,8 +121,6 @@ def default_student_dir(teacher_checkpoint: str | Path) -> Path:
     """``RUN/student`` for a teacher given as its run folder ``RUN`` or as one of its checkpoints
     ``RUN/checkpoints/step-N``; ``DIR-student`` next to a Hugging Face export ``DIR`` (nothing is written
     inside an export); ``DIR/student`` for any other folder ``DIR``."""
-    from looplm.hf_folder import is_hf_export
-
     path = Path(teacher_checkpoint)
     if is_hf_export(path):
         return path.parent / f"{path.name}-{STUDENT_DIR}"

@@ -14,17 +14,17 @@ into ẑ, the teacher's weights stay frozen); loss eq. 4 (:func:`~looplm.distill
 AdamW with gradient clipping and the trainer's schedule.
 
 **Checkpoints and resume.** Every ``ckpt_every`` steps and at the end, atomically
-(:func:`looplm.train.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
+(:func:`looplm.run.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
 (resolved config, teacher fingerprint, σ_T²) and the training state (optimizer, scheduler, RNG,
 step). ``resume=True`` continues from the newest valid checkpoint with the saved config and σ_T²;
 batches being functions of the step, the loss trace equals the uninterrupted run's. The run folder
-is locked while a process trains into it. ``metrics.jsonl`` gets one line per step (loss, hidden, kl,
-lr, grad_norm, tokens/s; ``val_*`` at each measurement) and ``summary.json`` the final figures.
+(:mod:`looplm.run.folder`: lock, step loop) is locked while a process trains into it. ``metrics.jsonl``
+gets one line per step (loss, hidden, kl, lr, grad_norm, tokens/s; ``val_*`` at each measurement) and
+``summary.json`` the final figures.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import eval_windows, load_tokens, sample_batch
@@ -41,13 +40,12 @@ from looplm.distill.loss import VarianceAccumulator, distill_loss
 from looplm.distill.prefill import student_readout, teacher_targets
 from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
                                     load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
-from looplm.finite import NonFiniteError, clean, dumps
+from looplm.finite import NonFiniteError, clean
 from looplm.model import LoopLM
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, list_checkpoints, load_checkpoint,
-                                     load_train_state, newest_valid_checkpoint, save_checkpoint)
+from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
+from looplm.run.dist import resolve_device
+from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
 from looplm.train.optim import build_optimizer, build_scheduler
-from looplm.train.runlock import RunLock
-from looplm.train.trainer import _rng_state, _set_rng_state, _truncate_metrics, resolve_device
 
 
 def resolve_config(cfg: DistillConfig, teacher_cfg) -> DistillConfig:
@@ -135,25 +133,19 @@ def distill(teacher_checkpoint: str | Path, out: str | Path | None = None, cfg: 
         NonFiniteError: the loss or gradient became NaN/inf.
         ValueError: a fresh run into a folder that already holds checkpoints; an unshared teacher.
     """
-    out = Path(out) if out is not None else default_student_dir(teacher_checkpoint)
-    lock = RunLock(out).acquire()
-    try:
-        if not resume and list_checkpoints(out):
-            raise ValueError(f"--out {out} already holds a student; continue it with --resume or choose another --out")
-        return _distill(teacher_checkpoint, out, cfg or DistillConfig(), resume=resume, stop_after=stop_after,
+    folder = RunFolder(out if out is not None else default_student_dir(teacher_checkpoint))
+    with folder.locked():
+        if not resume:
+            folder.check_fresh("a student")
+        return _distill(teacher_checkpoint, folder, cfg or DistillConfig(), resume=resume, stop_after=stop_after,
                         progress=progress)
-    finally:
-        lock.release()
 
 
-def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool, stop_after: int | None,
+def _distill(teacher_checkpoint, folder: RunFolder, cfg: DistillConfig, *, resume: bool, stop_after: int | None,
              progress: bool) -> dict[str, Any]:
-    state = None
+    out, state = folder.path, None
     if resume:
-        ckpt = newest_valid_checkpoint(out)
-        if ckpt is None:
-            reasons = "; ".join(f"{c.name}: {e}" for c, e in checkpoint_problems(out)) or "none written yet"
-            raise CheckpointError(f"--resume: no valid student checkpoint under {out / 'checkpoints'} ({reasons})")
+        ckpt = folder.resume_checkpoint("student checkpoint")
         cfg = read_record(ckpt)[0].distill
     device = resolve_device(cfg.device, "distill.device")
     if cfg.num_threads:
@@ -186,25 +178,18 @@ def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool,
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    if resume:
-        _truncate_metrics(metrics_path, start_step)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+        set_rng_state(state["rng"])
 
     def checkpoint(step: int) -> None:
         save_checkpoint(out, step, student, record,  # type: ignore[arg-type] (record has to_json/to_dict)
                         train_state={"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                     "rng": _rng_state(), "data_position": {"seed": cfg.seed, "step": step}})
+                                     "rng": rng_state(), "data_position": {"seed": cfg.seed, "step": step}})
 
-    end_step = cfg.steps if stop_after is None else min(cfg.steps, start_step + stop_after)
-    bar = tqdm(total=cfg.steps, initial=start_step, desc="distill", disable=not progress, unit="step",
-               dynamic_ncols=True)
+    fit = Fit(folder, start=start_step, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
+              save=checkpoint, desc="distill", progress=progress)
     t_start, last = time.time(), {}
-    with metrics_path.open("a") as log:
-        for step in range(start_step, end_step):
+    with fit:
+        for step in fit:
             t0 = time.time()
             x, _ = sample_batch(train_tokens, cfg.batch_size, L, seed=cfg.seed, step=step)
             res, _ = student_step(teacher, student, x.to(device), cfg, sigma2)
@@ -223,14 +208,9 @@ def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool,
                     "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / dt}
             if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
                 last.update(validate(teacher, student, valid_tokens, cfg, sigma2, L, device))
-            log.write(dumps(last) + "\n")
-            log.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
-                            **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))
-            if cfg.ckpt_every and done % cfg.ckpt_every == 0 or done in (cfg.steps, end_step):
-                checkpoint(done)
-    bar.close()
+            fit.log(last, loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
+                    **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))
+    end_step = fit.end
     wall = time.time() - t_start
     summary = clean({"steps": cfg.steps, "completed_steps": end_step, "depth": cfg.depth, "sigma2": sigma2,
                      "params": sum(p.numel() for p in student.parameters()), "wall_s": wall,
@@ -238,11 +218,7 @@ def _distill(teacher_checkpoint, out: Path, cfg: DistillConfig, *, resume: bool,
                      **{k: v for k, v in last.items() if k.startswith("val_")},
                      "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
                      "out": str(out)})
-    if end_step == cfg.steps and end_step > start_step:
-        (out / "summary.json").write_text(dumps(summary, indent=2) + "\n")
-    elif end_step == cfg.steps and (out / "summary.json").exists():
-        summary = json.loads((out / "summary.json").read_text())
-    return summary
+    return folder.summary(summary, start=start_step, end=end_step, total=cfg.steps)
 
 
 __all__ = ["distill", "resolve_config", "estimate_sigma2", "student_step", "validate", "StudentMismatchError"]

@@ -254,7 +254,7 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
     """
     from looplm.eval.runner import load_tokenizer_for
     from looplm.provenance import provenance
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     path = lambada_path(resolve_data_root(cfg.data.data_root) if data_root is None else data_root)

@@ -16,7 +16,7 @@ from looplm.data.tokens import load_tokens
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
 from looplm.finite import NonFiniteError, clean
 from looplm.provenance import provenance
-from looplm.train.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
+from looplm.run.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
 
 
 #: ``--dtype`` of ``looplm eval ppl``: the evaluation forward in float32, or under bf16 autocast

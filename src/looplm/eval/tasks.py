@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
-from looplm.train.checkpoint import load_checkpoint
+from looplm.run.checkpoint import load_checkpoint
 
 
 def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, split: str = "test",

@@ -1,6 +1,6 @@
 """Hugging Face interop: transformers classes, the export folder, and the lm-evaluation-harness backend.
 
-Needs the ``hf`` extra (``pip install looplm[hf]``) (:mod:`looplm.hf_folder`, outside this package, reads an
+Needs the ``hf`` extra (``pip install looplm[hf]``) (:mod:`looplm.run.hf_folder`, outside this package, reads an
 export without transformers). Importing this package registers ``LoopLMConfig`` and
 ``LoopLMForCausalLM`` with ``AutoConfig`` / ``AutoModelForCausalLM`` (model type ``looplm``) when
 transformers is installed, and does nothing otherwise. ``import looplm`` registers them too, but only

@@ -35,7 +35,7 @@ def _derived_error(key: str, value: Any) -> str:
 class LoopLMConfig(PretrainedConfig):
     """See the module docstring. ``LoopLMConfig.from_looplm(cfg)`` builds one from a looplm Config."""
 
-    model_type = "looplm"  # looplm.hf_folder.MODEL_TYPE (this file is also remote code: no looplm import)
+    model_type = "looplm"  # looplm.run.hf_folder.MODEL_TYPE (this file is also remote code: no looplm import)
 
     def __init__(self, looplm: dict[str, Any] | None = None, num_steps: int | None = None,
                  kv_cache: str = "per_visit", final_depth: int | None = None, **kwargs: Any):

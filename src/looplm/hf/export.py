@@ -1,4 +1,4 @@
-"""``looplm export``: a checkpoint → a Hugging Face folder (:mod:`looplm.hf_folder` describes it).
+"""``looplm export``: a checkpoint → a Hugging Face folder (:mod:`looplm.run.hf_folder` describes it).
 
 The tokenizer is saved as a ``PreTrainedTokenizerFast`` around the checkpoint's own ``tokenizers``
 object (GPT-2 BPE or the trained byte-level BPE): ``tokenizer.json`` is that tokenizer unchanged, and
@@ -169,7 +169,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.hf.modeling import LoopLMForCausalLM
-    from looplm.train.checkpoint import load_checkpoint
+    from looplm.run.checkpoint import load_checkpoint
 
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -109,7 +109,7 @@ class LoopLMEvalHarness(TemplateLM):
             if checkpoint is None:
                 raise ValueError("looplm: give checkpoint=DIR in --model_args")
             from looplm.eval.runner import load_tokenizer_for
-            from looplm.train.checkpoint import load_checkpoint
+            from looplm.run.checkpoint import load_checkpoint
 
             model, config, _, ckpt = load_checkpoint(checkpoint, device=device or "cpu")
             tokenizer = load_tokenizer_for(ckpt)
@@ -129,7 +129,7 @@ class LoopLMEvalHarness(TemplateLM):
         self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
         self.depths = sorted(set(listed) | {self.depth})
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        from looplm.hf_folder import export_kv_cache
+        from looplm.run.hf_folder import export_kv_cache
 
         self.kv_cache = kv_cache or (checkpoint is not None and export_kv_cache(checkpoint)) or "per_visit"
         self.stride = None if stride in (None, "", "none") else int(stride)

@@ -193,7 +193,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     def from_checkpoint(cls, path, *, device: str = "cpu", **config_kwargs: Any) -> "LoopLMForCausalLM":
         """A looplm checkpoint, run directory or export folder as a transformers model (no export needed;
         ``config_kwargs`` such as ``num_steps`` or ``kv_cache`` go to :class:`LoopLMConfig`)."""
-        from looplm.train.checkpoint import load_checkpoint
+        from looplm.run.checkpoint import load_checkpoint
 
         model, cfg, _, _ = load_checkpoint(path, device=device)
         return cls.from_looplm(model, cfg, **config_kwargs)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from looplm.train.checkpoint import sha256_file
+from looplm.run.checkpoint import sha256_file
 
 #: generic keys that transformers' ``PretrainedConfig`` (and the Hub) writes into every config.json: ids,
 #: generation defaults and bookkeeping; none of them changes the forward pass
@@ -348,7 +348,7 @@ def write_checkpoint(out: str | Path, model: torch.nn.Module, cfg, source: Sourc
     ``out/checkpoints/step-000000``) with the source's ``tokenizer.json`` and ``import.json`` (provenance:
     the source folder, config and tokenizer sha256, shard sizes, and ``record``). Returns the checkpoint."""
     from looplm import __version__
-    from looplm.train.checkpoint import save_checkpoint
+    from looplm.run.checkpoint import save_checkpoint
 
     info = {"looplm_version": __version__, **source.provenance(), **record}
     return save_checkpoint(out, 0, model, cfg, tokenizer_json=source.tokenizer_json,

@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
 from looplm.data.paths import atomic_write
 from looplm.finite import dumps
+from looplm.run.checkpoint import TOKENIZER_FILE, load_checkpoint, save_checkpoint
+from looplm.run.folder import Fit, RunFolder
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
                             update_gradient)
 from looplm.rl.rewards import get_reward
@@ -157,7 +159,6 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
             model), or it has no task.json and ``digits`` is not given.
     """
     from looplm.rl.task import VOCAB
-    from looplm.train.checkpoint import TOKENIZER_FILE
 
     tok = ckpt / TOKENIZER_FILE
     vocab = json.loads(tok.read_text()).get("model", {}).get("vocab") if tok.exists() else None
@@ -194,8 +195,6 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
     Returns:
         :func:`evaluate_passk`'s dict plus ``checkpoint``, ``task``, ``digits`` and ``markdown``.
     """
-    from looplm.train.checkpoint import load_checkpoint
-
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     t = _task_of(Path(ckpt), task, digits)
     held = t.heldout()[:problems]
@@ -294,12 +293,6 @@ def training_problems(task, opts: dict[str, Any], update: int) -> list:
     return out
 
 
-def _truncate(path: Path, last: int) -> None:
-    if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["update"] <= last]
-        path.write_text("".join(ln + "\n" for ln in keep))
-
-
 def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = False, stop_after: int | None = None,
              progress: bool = True, device: str = "cpu", **options: Any) -> dict[str, Any]:
     """Dr. GRPO post-training of a looped checkpoint on a verifiable task (:mod:`looplm.rl.grpo`).
@@ -331,23 +324,17 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
         ValueError: a fresh run into a folder that holds checkpoints, or bad options.
         CheckpointError: missing or damaged checkpoint; ``resume`` with none to resume.
     """
-    from looplm.train.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
-                                         newest_valid_checkpoint, save_checkpoint)
-    from looplm.train.runlock import RunLock
-
-    out = Path(out)
-    with RunLock(out):
+    folder = RunFolder(out)
+    out = folder.path
+    with folder.locked():
         state = None
         if resume:
-            ckpt = newest_valid_checkpoint(out)
-            if ckpt is None:
-                raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'}")
+            ckpt = folder.resume_checkpoint()
             model, cfg, state, ckpt = load_checkpoint(ckpt, device=device, with_state=True)
             opts = state["rl"]
             source = Path(state["source"])
         else:
-            if list_checkpoints(out):
-                raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
+            folder.check_fresh()
             if checkpoint is None:
                 raise ValueError("checkpoint: needed to start a run")
             model, cfg, _, source = load_checkpoint(checkpoint, device=device)
@@ -371,12 +358,6 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
             start, before = int(state["step"]), state["before"]
         else:
             start, before = 0, evaluate()
-        metrics = out / "metrics.jsonl"
-        out.mkdir(parents=True, exist_ok=True)
-        if resume:
-            _truncate(metrics, start)
-        elif metrics.exists():
-            metrics.unlink()
         (out / "rl_config.json").write_text(json.dumps({**opts, "source": str(source)}, indent=2) + "\n")
         (out / "task.json").write_text(json.dumps({"task": task.name, "digits": task.digits}, indent=2) + "\n")
 
@@ -385,23 +366,15 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = F
                             train_state={"step": update, "optimizer": opt.state_dict(), "rl": opts,
                                          "source": str(source), "before": before})
 
-        end = opts["updates"] if stop_after is None else min(opts["updates"], start + stop_after)
-        bar = tqdm(total=opts["updates"], initial=start, desc=f"rl {method}", unit="update", disable=not progress,
-                   dynamic_ncols=True)
+        fit = Fit(folder, start=start, total=opts["updates"], stop_after=stop_after, ckpt_every=opts["ckpt_every"],
+                  save=save, desc=f"rl {method}", unit="update", key="update", progress=progress)
         model.eval()  # dropout off; the Huginn initial state from the table the sampler used (grpo docstring)
-        with metrics.open("a") as log:
-            for update in range(start, end):
+        with fit:
+            for update in fit:
                 rec = rl_update(model, opt, task, opts, update, device=device)
-                log.write(dumps(rec) + "\n")
-                log.flush()
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward']:.3f}", update_s=f"{rec['update_s']:.3f}")
-                done = update + 1
-                if opts["ckpt_every"] and done % opts["ckpt_every"] == 0 or done == end:
-                    save(done)
-        bar.close()
-        if end < opts["updates"]:
-            return {"completed_updates": end, "updates": opts["updates"], "out": str(out)}
+                fit.log(rec, reward=f"{rec['reward']:.3f}", update_s=f"{rec['update_s']:.3f}")
+        if fit.end < opts["updates"]:
+            return {"completed_updates": fit.end, "updates": opts["updates"], "out": str(out)}
         after = evaluate()
         results = summarize_run(out, opts, before, after, source=source, params=model.num_params())
         with atomic_write(out / "results.json") as fh:

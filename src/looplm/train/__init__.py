@@ -1,1 +1,1 @@
-"""Training: depth samplers, optimizer and schedule, checkpoints, the trainer loop."""
+"""Training: depth samplers, losses, optimizer and schedule, trackers, the trainer loop."""

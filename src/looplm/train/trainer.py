@@ -4,7 +4,9 @@ Exact resume: batches and depth draws are pure functions of (seed, step, micro);
 weights, optimizer, scheduler and the torch RNG (dropout) state, so a run resumed from step k
 reproduces the loss trace of the uninterrupted run bit for bit on CPU.
 
-Faults: the run folder is locked while a process trains into it (:mod:`looplm.train.runlock`). A step
+The run folder, its lock, the metrics log, the RNG state and the step loop are :mod:`looplm.run.folder`'s.
+
+Faults: the run folder is locked while a process trains into it (:mod:`looplm.run.lock`). A step
 whose loss or gradient norm is NaN/inf is skipped (no optimizer update, no depth-prior update; its batch
 is not retried and the schedule advances, so resume stays exact) and logged with ``"skipped": true``;
 ``train.max_nonfinite_steps`` such steps in a row stop the run with :class:`DivergenceError`. A
@@ -15,11 +17,8 @@ under ``"nonfinite"``).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,26 +26,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from looplm.config import Config
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
-from looplm.finite import NonFiniteError, clean, dumps, nonfinite_tensors
+from looplm.finite import NonFiniteError, clean, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
-from looplm.train.checkpoint import (CheckpointError, checkpoint_problems, is_sharded, list_checkpoints,
-                                     load_checkpoint, load_config, load_sharded, load_train_state,
-                                     newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint,
-                                     sharded_keys)
-from looplm.train.dist import (barrier, full_state, init_distributed, load_optimizer_state, local_rows,
-                               mean_across_ranks, set_sharded_state, sharded_state, shutdown, unwrap,
-                               wrap_model, all_reduce_sum)
-from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, load_sharded, load_train_state,
+                                   newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint, sharded_keys)
+from looplm.run.dist import (all_reduce_sum, barrier, full_state, init_distributed, load_optimizer_state,
+                             local_rows, mean_across_ranks, resolve_device, set_sharded_state, sharded_state,
+                             shutdown, unwrap, wrap_model)
+from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
 from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
-from looplm.train.runlock import RunLock
+from looplm.train.optim import build_optimizer, build_scheduler
 from looplm.train.samplers import build_sampler
 
 if TYPE_CHECKING:
@@ -65,21 +61,6 @@ def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
         if isinstance(module, Block):
             module.compile(backend=backend)
     return model
-
-
-def resolve_device(name: str, field: str = "train.device") -> torch.device:
-    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (cuda when available) as a torch device.
-
-    Raises:
-        ValueError: unknown device name, or cuda requested on a machine without CUDA.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
-        raise ValueError(f"{field}: got {name!r}; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{field}={name} but no CUDA device is available; use cpu or auto")
-    return torch.device(name)
 
 
 def autocast_context(device: torch.device, dtype: str):
@@ -130,33 +111,6 @@ def prepare_data(cfg: Config, *, progress: bool = True) -> "TrainData | TaskData
     return TrainData(train=train, valid=valid, tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size())
 
 
-def _rng_state() -> dict[str, Any]:
-    """Every global RNG state (torch, CUDA, numpy, Python) as tensors, numbers and lists, so
-    ``train_state.pt`` loads with ``torch.load(weights_only=True)`` (no pickled objects)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
-                             "python": {"version": version, "state": list(internal), "gauss_next": gauss_next}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`_rng_state` output (states saved before numpy/Python were recorded restore torch/CUDA)."""
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        n = state["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "python" in state:
-        p = state["python"]
-        random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-
-
 def _check_init_vocab(ckpt: Path, vocab_size: int, data: TrainData) -> None:
     """--init-from: the data's tokenizer must have the vocabulary the weights were trained with."""
     from tokenizers import Tokenizer
@@ -166,15 +120,6 @@ def _check_init_vocab(ckpt: Path, vocab_size: int, data: TrainData) -> None:
             Tokenizer.from_str(data.tokenizer_json).get_vocab():
         raise ValueError(f"--init-from {ckpt}: its tokenizer.json differs from the data's tokenizer "
                          f"({data.vocab_size} entries); set data.tokenizer to the one the weights were trained with")
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records logged after ``last_step`` (they will be logged again by the resumed run)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip()
-            and (json.loads(line).get("step") or 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
@@ -216,49 +161,33 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             into a folder that already holds checkpoints, or (without ``overwrite``) a ``metrics.jsonl``;
             ``steps`` below the resumed step; ``init_from`` with ``resume`` or another vocabulary.
     """
-    out = Path(out_dir)
+    folder = RunFolder(out_dir)
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
-    existed = out.exists()
-    empty = not existed or not any(out.iterdir())
-    # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
-    lock = RunLock(out).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     trackers = Trackers([])  # filled by _train (rank 0); closed here whatever happens
-    ok = False
-    try:
-        if not resume and list_checkpoints(out):
-            raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
-        if not resume and not overwrite and (out / "metrics.jsonl").exists():
-            raise ValueError(f"--out {out} holds the metrics.jsonl of a run that wrote no checkpoint (it diverged "
-                             "or stopped before its first); pass --overwrite to replace it, or choose another --out")
-        if resume and init_from is not None:
-            raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
-        result = _train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after,
-                        trackers=trackers, steps=steps, init_from=init_from)
-        ok = True
-        return result
-    finally:
-        trackers.close(None)
-        if lock is not None:
-            lock.release()
-            if not ok and empty and [p.name for p in out.iterdir()] == [lock.path.name]:
-                lock.path.unlink()  # failed before writing anything (e.g. unreadable data): leave no trace
-                if not existed:
-                    out.rmdir()
+    # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
+    with folder.locked(hold=int(os.environ.get("RANK", "0")) == 0):
+        try:
+            if not resume:
+                folder.check_fresh()
+            if not resume and not overwrite and folder.metrics.exists():
+                raise ValueError(f"--out {folder.path} holds the metrics.jsonl of a run that wrote no checkpoint (it "
+                                 "diverged or stopped before its first); pass --overwrite to replace it, or choose "
+                                 "another --out")
+            if resume and init_from is not None:
+                raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
+            return _train(cfg, folder, resume=resume, progress=progress, data=data, stop_after=stop_after,
+                          trackers=trackers, steps=steps, init_from=init_from)
+        finally:
+            trackers.close(None)
 
 
-def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "TrainData | TaskData | None",
+def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data: "TrainData | TaskData | None",
            stop_after: int | None, trackers: Trackers, steps: int | None = None,
            init_from: str | Path | None = None) -> dict[str, Any]:
+    out = folder.path
     start_step, state, sharded_ckpt, source = 0, None, None, None
     if resume:
-        ckpt = newest_valid_checkpoint(out)
-        if ckpt is None:
-            reasons = "; ".join(f"{c.name}: {e}" for c, e in checkpoint_problems(out)) or "none written yet"
-            raise CheckpointError(f"--resume: no valid checkpoint under {out / 'checkpoints'} ({reasons})")
-        for bad, err in checkpoint_problems(out):
-            if bad.name > ckpt.name:
-                print(f"looplm: warning: skipping damaged checkpoint {bad.name} ({err}); resuming from {ckpt.name}",
-                      file=sys.stderr)
+        ckpt = folder.resume_checkpoint()
         if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
             sharded_ckpt = ckpt
             cfg, state = load_config(ckpt), load_train_state(ckpt)
@@ -313,19 +242,14 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "Train
             sched.load_state_dict(state["scheduler"])
         else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
             sched = build_scheduler(opt, tcfg, start=start_step)
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
     sampler = build_sampler(tcfg)
     if state is not None and state.get("depth_prior"):
         sampler.load_state_dict(state["depth_prior"])
-    metrics_path = out / "metrics.jsonl"
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(cfg.to_json())
         (out / "tokenizer.json").write_text(data.tokenizer_json)
-        if resume:
-            _truncate_metrics(metrics_path, start_step)
-        elif metrics_path.exists():
-            metrics_path.unlink()
         # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
         trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start_step,
                                           resume=resume).trackers
@@ -343,7 +267,7 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "Train
             raise NonFiniteError(f"step {step}: refusing to write a checkpoint: non-finite weights"
                                  f"{' in ' + ', '.join(bad[:5]) if bad else ' on another rank'}; the newest "
                                  f"checkpoint under {out / 'checkpoints'} is left as it was")
-        train_state = {"step": step, "scheduler": sched.state_dict(), "rng": _rng_state(),
+        train_state = {"step": step, "scheduler": sched.state_dict(), "rng": rng_state(),
                        "data_position": {"seed": tcfg.seed, "step": step}, "world_size": env.world_size,
                        "depth_prior": sampler.state_dict(), "nonfinite": {"skipped_steps": skipped, "streak": streak},
                        "wall_s": wall_before + time.time() - t_start}
@@ -369,91 +293,78 @@ def _train(cfg: Config, out: Path, *, resume: bool, progress: bool, data: "Train
     t_start = time.time()
     tokens_done = 0
     last: dict[str, Any] = {}
-    end_step = tcfg.steps if stop_after is None else min(tcfg.steps, start_step + stop_after)
-    bar = tqdm(total=tcfg.steps, initial=start_step, desc=cfg.name, disable=not (progress and main),
-               unit="step", dynamic_ncols=True)
-    log = metrics_path.open("a") if main else None
-    for step in range(start_step, end_step):
-        t0 = time.time()
-        loss_sum, depths, extras, observed = 0.0, [], {}, []
-        for micro in range(tcfg.grad_accum):
-            # every rank draws the same depth: a pure function of (seed, step, micro)
-            T = cfg.model.n_layers if cfg.model.architecture == "unshared" else sampler.sample(tcfg.seed, step, micro)
-            depths.append(T)
-            x, y = data.batch(B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
-            x, y = x[rows], y[rows]
-            if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
-                x, y = x.pin_memory(), y.pin_memory()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            sync = contextlib.nullcontext()
-            if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                sync = wrapped.no_sync()
-            with sync, autocast_context(device, tcfg.dtype):
-                res = training_loss(wrapped, x, y, T, tcfg)
-            with sync:
-                (res.loss / tcfg.grad_accum).backward()
-            loss_sum += res.ce
-            observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
-            for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
-                extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
-        lr = sched.get_last_lr()[0]
-        loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
-        keep = math.isfinite(loss) and math.isfinite(grad_norm)
-        prior: dict[str, float] = {}
-        if keep:
-            opt.step()
-            for obs in observed:
-                sampler.observe(*obs)
-            prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
-            streak = 0
-        else:  # skip the update (as large-scale trainers do); the batch is not retried
-            skipped, streak = skipped + 1, streak + 1
-        sched.step()  # the schedule is a function of the step, kept or skipped
-        opt.zero_grad(set_to_none=True)
-        dt = time.time() - t0
-        n_tok = B * L * tcfg.grad_accum
-        tokens_done += n_tok
-        done = step + 1
-        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "depths": depths,
-                "tokens_per_s": n_tok / dt, **extras, **{f"prior_{k}": v for k, v in prior.items()},
-                "skipped_steps": skipped, **({} if keep else {"skipped": True})}
-        if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
-            last.update(validate())
-        if log is not None:
-            log.write(dumps(last) + "\n")
-            log.flush()
-            trackers.log(last)
-        if streak >= tcfg.max_nonfinite_steps:
-            bar.close()
-            if log is not None:
-                log.close()
-            newest = newest_valid_checkpoint(out) if main else None
-            shutdown(env)
-            raise DivergenceError(
-                f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
-                f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm}); each was skipped, and "
-                f"train.max_nonfinite_steps={tcfg.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
-                f"weights): {newest or 'none'}. Lower train.lr, raise train.warmup_steps or set train.grad_clip")
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}", skipped=skipped,
-                        **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
-        if tcfg.ckpt_every and done % tcfg.ckpt_every == 0 or done in (tcfg.steps, end_step):
-            checkpoint(done)
-    bar.close()
-    if log is not None:
-        log.close()
+    fit = Fit(folder, start=start_step, total=tcfg.steps, stop_after=stop_after, ckpt_every=tcfg.ckpt_every,
+              save=checkpoint, desc=cfg.name, progress=progress and main, write=main)
+    with fit:
+        for step in fit:
+            t0 = time.time()
+            loss_sum, depths, extras, observed = 0.0, [], {}, []
+            for micro in range(tcfg.grad_accum):
+                # every rank draws the same depth: a pure function of (seed, step, micro)
+                T = (cfg.model.n_layers if cfg.model.architecture == "unshared"
+                     else sampler.sample(tcfg.seed, step, micro))
+                depths.append(T)
+                x, y = data.batch(B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
+                x, y = x[rows], y[rows]
+                if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
+                    x, y = x.pin_memory(), y.pin_memory()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                sync = contextlib.nullcontext()
+                if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                    sync = wrapped.no_sync()
+                with sync, autocast_context(device, tcfg.dtype):
+                    res = training_loss(wrapped, x, y, T, tcfg)
+                with sync:
+                    (res.loss / tcfg.grad_accum).backward()
+                loss_sum += res.ce
+                observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
+                for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
+                    extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
+            lr = sched.get_last_lr()[0]
+            loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
+            keep = math.isfinite(loss) and math.isfinite(grad_norm)
+            prior: dict[str, float] = {}
+            if keep:
+                opt.step()
+                for obs in observed:
+                    sampler.observe(*obs)
+                prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
+                streak = 0
+            else:  # skip the update (as large-scale trainers do); the batch is not retried
+                skipped, streak = skipped + 1, streak + 1
+            sched.step()  # the schedule is a function of the step, kept or skipped
+            opt.zero_grad(set_to_none=True)
+            dt = time.time() - t0
+            n_tok = B * L * tcfg.grad_accum
+            tokens_done += n_tok
+            done = step + 1
+            last = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "depths": depths,
+                    "tokens_per_s": n_tok / dt, **extras, **{f"prior_{k}": v for k, v in prior.items()},
+                    "skipped_steps": skipped, **({} if keep else {"skipped": True})}
+            if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
+                last.update(validate())
+            fit.log(last, loss=f"{loss:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}", skipped=skipped,
+                    **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
+            if main:
+                trackers.log(last)
+            if streak >= tcfg.max_nonfinite_steps:
+                newest = newest_valid_checkpoint(out) if main else None
+                shutdown(env)
+                raise DivergenceError(
+                    f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
+                    f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm}); each was skipped, and "
+                    f"train.max_nonfinite_steps={tcfg.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
+                    f"weights): {newest or 'none'}. Lower train.lr, raise train.warmup_steps or set train.grad_clip")
+    end_step = fit.end
     wall = time.time() - t_start
     summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "skipped_steps": skipped,
                "params": n_params,
                "world_size": env.world_size, "wall_s": wall_before + wall,
                "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
                "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
-    summary = clean(summary)  # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
-    if main and end_step == tcfg.steps and end_step > start_step:
-        (out / "summary.json").write_text(dumps(summary, indent=2))
-    elif (out / "summary.json").exists() and end_step == tcfg.steps:  # nothing left to train
-        summary = json.loads((out / "summary.json").read_text())
+    # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
+    summary = folder.summary(clean(summary), start=start_step, end=end_step, total=tcfg.steps, write=main)
     trackers.close(summary)  # the summary as run metadata
     shutdown(env)
     return summary

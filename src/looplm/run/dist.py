@@ -46,6 +46,21 @@ class DistEnv:
         return self.world_size > 1
 
 
+def resolve_device(name: str, field: str = "train.device") -> torch.device:
+    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (cuda when available) as a torch device.
+
+    Raises:
+        ValueError: unknown device name, or cuda requested on a machine without CUDA.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
+        raise ValueError(f"{field}: got {name!r}; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{field}={name} but no CUDA device is available; use cpu or auto")
+    return torch.device(name)
+
+
 def init_distributed(device: torch.device) -> DistEnv:
     """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1); otherwise a no-op.
 

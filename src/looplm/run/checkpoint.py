@@ -30,13 +30,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 
 from looplm.config import Config
 from looplm.data.paths import atomic_write
 from looplm.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
-from looplm.train.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
+from looplm.run.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
+from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export_config, is_hf_export, read_hf_config
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
     "model.safetensors", "config.json", "train_state.pt", "tokenizer.json", "manifest.json")
@@ -149,7 +150,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str
     """Write sharded checkpoint ``step`` atomically under ``run_dir``; every rank must call it.
 
     Every rank writes its shards of ``state_dict`` (e.g. ``{"model": ..., "optimizer": ...}`` from
-    :func:`looplm.train.dist.sharded_state`; DTensors under FSDP2) with ``dcp.save`` into
+    :func:`looplm.run.dist.sharded_state`; DTensors under FSDP2) with ``dcp.save`` into
     ``sharded/`` of a hidden temporary directory that all ranks see; after a barrier rank 0 adds
     ``config.json``, ``train_state`` (only rank 0's), the tokenizer and the manifest, renames the
     directory into place and updates ``latest``. Returns the checkpoint directory (on every rank, once
@@ -315,8 +316,6 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
-    from looplm.hf_folder import hf_export_config, is_hf_export
-
     if is_hf_export(ckpt):
         return hf_export_config(ckpt)
     return Config.from_json((ckpt / CONFIG_FILE).read_text())
@@ -391,6 +390,44 @@ def convert_train_state(ckpt: str | Path) -> Path:
     return path
 
 
+def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Config]:
+    """``(model, config)`` of an export folder (:mod:`looplm.run.hf_folder`): weights loaded strictly, in eval
+    mode, with ``final_depth`` from the export's config (the checkpoint's nominal training depth).
+
+    Raises:
+        CheckpointError: missing or unreadable weights, or weights that do not match the config.
+        NonFiniteError: the weights hold NaN or ±inf.
+    """
+    cfg = hf_export_config(path)
+    hf = read_hf_config(path) or {}
+    model = build_model(cfg.model)
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no model.safetensors in this Hugging Face export")
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for f in files:
+            state.update(load_file(str(f), device=str(device)))
+    except Exception as exc:  # safetensors raises several types for damaged files
+        raise CheckpointError(f"{path}: cannot load weights ({exc})") from exc
+    state = {k[len(WEIGHTS_PREFIX):] if k.startswith(WEIGHTS_PREFIX) else k: v for k, v in state.items()}
+    if cfg.model.tie_embeddings and "lm_head.weight" not in state and "tok_emb.weight" in state:
+        state["lm_head.weight"] = state["tok_emb.weight"]  # save_pretrained drops the tied copy
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the model of config.json "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.load_state_dict(state, strict=True)
+    bad = nonfinite_tensors(model.state_dict().items())
+    if bad:
+        raise NonFiniteError(f"{path}: the weights hold NaN/inf values (in {', '.join(bad[:5])})")
+    model.to(device)
+    model.final_depth = hf.get("final_depth", cfg.train.nominal_depth)
+    model.eval()
+    return model, cfg
+
+
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     with_state: bool = False) -> tuple[LoopLM, Config, dict[str, Any] | None, Path]:
     """Load ``(model, config, train_state or None, checkpoint_dir)``; weights loaded with strict=True.
@@ -401,7 +438,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     Without ``with_state`` the training state is not needed (nor verified), and a plain export (a
     folder with ``config.json`` and ``model.safetensors``, no manifest) loads unverified. The model
     comes back in eval mode (dropout off) with ``final_depth`` set to the nominal training depth. A
-    Hugging Face export folder (``looplm export``; :mod:`looplm.hf_folder`) loads too, without
+    Hugging Face export folder (``looplm export``; :mod:`looplm.run.hf_folder`) loads too, without
     transformers.
 
     Raises:
@@ -416,12 +453,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
-    if not with_state and not (ckpt / MANIFEST_FILE).exists():
-        from looplm.hf_folder import is_hf_export, load_hf_export
-
-        if is_hf_export(ckpt):  # a Hugging Face export (`looplm export`): transformers not needed
-            model, cfg = load_hf_export(ckpt, device=device)
-            return model, cfg, None, ckpt
+    if not with_state and not (ckpt / MANIFEST_FILE).exists() and is_hf_export(ckpt):
+        model, cfg = _load_hf_export(ckpt, device)  # a Hugging Face export (`looplm export`): no transformers
+        return model, cfg, None, ckpt
     if not (ckpt / MANIFEST_FILE).exists() and not with_state and (ckpt / CONFIG_FILE).exists() \
             and (ckpt / MODEL_FILE).exists():
         manifest = {"files": {MODEL_FILE: {}}}  # a plain export: config.json + model.safetensors (+ tokenizer)

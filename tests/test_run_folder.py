@@ -1,0 +1,81 @@
+"""The run layer's folder and step loop (looplm.run.folder): resume, metrics truncation, checkpoint cadence, lock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
+from looplm.run.lock import RunLockedError
+
+
+def _toy_run(folder: RunFolder, saved: dict, *, start: int = 0, stop_after: int | None = None) -> Fit:
+    """A loop of 7 steps whose record draws from the global torch RNG; ``saved`` plays the checkpoints
+    (step → the RNG state at that step)."""
+    if start:
+        set_rng_state(saved[start])
+    else:
+        torch.manual_seed(0)
+    fit = Fit(folder, start=start, total=7, stop_after=stop_after, ckpt_every=3, progress=False, desc="toy",
+              save=lambda done: saved.__setitem__(done, rng_state()))
+    with fit:
+        for step in fit:
+            fit.log({"step": step + 1, "x": torch.rand(()).item()})
+    return fit
+
+
+def test_fit_stopped_and_resumed_logs_what_the_uninterrupted_loop_logs(tmp_path):
+    full, saved_full = RunFolder(tmp_path / "full"), {}
+    full.path.mkdir()
+    assert _toy_run(full, saved_full).end == 7
+    assert sorted(saved_full) == [3, 6, 7]  # every ckpt_every steps and at the end
+
+    part, saved = RunFolder(tmp_path / "part"), {}
+    part.path.mkdir()
+    assert _toy_run(part, saved, stop_after=4).end == 4
+    assert sorted(saved) == [3, 4]  # a stopped invocation checkpoints where it stops
+    with part.metrics.open("a") as f:  # a crash after step 5 was logged but before its checkpoint
+        f.write(json.dumps({"step": 5, "x": -1.0}) + "\n")
+    _toy_run(part, saved, start=4)
+    assert sorted(saved) == [3, 4, 6, 7]
+    # the same computation twice: the resumed log is the uninterrupted one, byte for byte
+    assert part.metrics.read_text() == full.metrics.read_text()
+    assert [json.loads(line)["step"] for line in full.metrics.read_text().splitlines()] == list(range(1, 8))
+
+
+def test_fit_fresh_start_replaces_an_old_log_and_a_rank_that_does_not_write_leaves_it(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.metrics.write_text('{"step": 9}\n')
+    with Fit(folder, start=0, total=0, stop_after=None, ckpt_every=0, save=print, desc="", progress=False,
+             write=False):
+        pass
+    assert folder.metrics.read_text() == '{"step": 9}\n'
+    with Fit(folder, start=0, total=0, stop_after=None, ckpt_every=0, save=print, desc="", progress=False):
+        pass
+    assert folder.metrics.read_text() == ""
+
+
+def test_locked_is_exclusive_and_a_failed_start_leaves_no_folder(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="boom"):
+        with folder.locked():
+            raise RuntimeError("boom")
+    assert not folder.path.exists()  # nothing was written: no folder with a stale .lock
+    with folder.locked():
+        with pytest.raises(RunLockedError, match="in use by another training process"):
+            RunFolder(folder.path).locked().__enter__()
+        (folder.path / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError):
+        with folder.locked():
+            raise RuntimeError("later failure")
+    assert (folder.path / "config.json").exists()  # a folder with content stays
+
+
+def test_summary_is_written_once_finished_and_read_back_when_nothing_is_left(tmp_path):
+    folder = RunFolder(tmp_path)
+    assert folder.summary({"a": 1}, start=0, end=3, total=5) == {"a": 1}
+    assert not (tmp_path / "summary.json").exists()  # stopped early: no summary yet
+    assert folder.summary({"a": 2}, start=3, end=5, total=5) == {"a": 2}
+    assert folder.summary({"a": 3}, start=5, end=5, total=5) == {"a": 2}  # finished before: the stored one
