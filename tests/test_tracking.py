@@ -61,13 +61,13 @@ def test_logger_field(tiny_cfg):
         base.replace(logger="wandb,wandb")
     with pytest.raises(ConfigError, match="train.logger: must be a list of names"):
         base.replace(logger=3)
-    # a format-2 file from before the field loads with the old behaviour (metrics.jsonl only), and the
-    # field is not part of the results store's config identity
+    # the field is not part of the results store's config identity (a config file must state it)
     from looplm.analysis.store import config_hash
 
     d = tiny_cfg.to_dict()
     del d["train"]["logger"]
-    assert Config.from_dict(d).train.logger == ["jsonl"]
+    with pytest.raises(ConfigError, match="train.logger: missing"):
+        Config.from_dict(d)
     assert config_hash(cfg) == config_hash(tiny_cfg) == config_hash(d)
 
 
