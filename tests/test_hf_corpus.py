@@ -92,15 +92,15 @@ def test_split_errors_and_config_checks(tmp_path, docs):
     (tmp_path / "bin" / "a.csv").write_text("text\nx\n")
     with pytest.raises(ValueError, match="data.hf_path: .*bin holds no data files"):
         load_split_documents(cfg.replace(hf_path=str(tmp_path / "bin")), "train", ROOT)
-    # format-2 files from before these fields load (as the brown/wikitext runs they were), and the fields
-    # do not change the results-store identity of other datasets
+    # the fields do not change the results-store identity of other datasets (a config file states them)
     from looplm.analysis.store import config_hash
     from looplm.presets import PRESETS
 
     d = PRESETS["debug"].to_dict()
     for name in ("hf_path", "hf_name", "hf_splits", "text_column"):
         del d["data"][name]
-    assert Config.from_dict(d) == PRESETS["debug"]
+    with pytest.raises(ConfigError, match="data.hf_path: missing"):
+        Config.from_dict(d)
     assert config_hash(d) == config_hash(PRESETS["debug"])
     hf = PRESETS["debug"].replace(data=cfg)
     assert config_hash(hf) != config_hash(hf.replace(data=cfg.replace(text_column="body")))
