@@ -125,3 +125,17 @@ def exported(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "hf"
     assert main(["export", "--checkpoint", str(tiny_ckpt), "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(autouse=True)
+def _drop_closed_log_handlers():
+    """Libraries (lm-eval, transformers) attach logging handlers to the sys.stderr of the moment, which
+    under pytest is a capture stream closed after its test; later log records would print 'Logging
+    error' tracebacks into other tests' stderr. Drop handlers whose stream is closed."""
+    import logging
+
+    for logger in (logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))):
+        for h in list(getattr(logger, "handlers", [])):
+            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
+                logger.removeHandler(h)
+    yield

@@ -148,14 +148,16 @@ def test_lr_schedule_wsd_by_hand():
 
 
 def test_huginn_cpu_preset_has_lmdr_optimization():
-    """LMDR §5.1 / App. B.3 in the Huginn-family preset; every other preset keeps cosine, (0.9, 0.95), neg_ce."""
+    """LMDR §5.1 / App. B.3 in the Huginn-family presets (huginn-cpu, lmdr); every other preset keeps
+    cosine, (0.9, 0.95), neg_ce."""
     from looplm.presets import PRESETS
 
-    t = PRESETS["huginn-cpu"].train
-    assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2) == ("wsd", 0.05, 0.9, 0.98)
-    assert (t.prior_reward, t.prior_scale) == ("inv_ppl", True)
+    for name in ("huginn-cpu", "lmdr"):
+        t = PRESETS[name].train
+        assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2) == ("wsd", 0.05, 0.9, 0.98), name
+        assert (t.prior_reward, t.prior_scale) == ("inv_ppl", True), name
     for name, cfg in PRESETS.items():
-        if name != "huginn-cpu":
+        if name not in ("huginn-cpu", "lmdr"):
             assert (cfg.train.schedule, cfg.train.beta2, cfg.train.prior_reward, cfg.train.prior_scale) == \
                 ("cosine", 0.95, "neg_ce", False), name
 
