@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from looplm.data.tokens import eval_windows
 from looplm.model import LoopLM
 from looplm.model.cursor import NLL
+from looplm.run.dist import unsharded
 
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
@@ -77,8 +78,9 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
                 rms_sum[T] += float(rms.sum())
                 rms_max[T] = max(rms_max[T], float(rms.max()))
 
-        out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y, readout=NLL,
-                         on_depth=measure if state_rms else None)
+        with unsharded(model):  # an FSDP-wrapped model (validation during training) bypasses its forward here
+            out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y, readout=NLL,
+                             on_depth=measure if state_rms else None)
         for T in depths:
             total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
         count += int(mask.sum())

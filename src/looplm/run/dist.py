@@ -124,6 +124,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """FSDP2: gather the root module's own parameters (embedding, readout, norms) for calls that bypass its
+    ``forward`` (``model.read(model.loop(...))``); the blocks gather theirs in their own forward hooks.
+    A no-op for any other module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def mean_across_ranks(value: float, env: DistEnv) -> float:
     """Average a Python float over ranks (for logging)."""
     if not env.enabled:

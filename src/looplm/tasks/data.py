@@ -27,6 +27,7 @@ import torch
 
 from looplm.config import DataConfig
 from looplm.model.cursor import Readout
+from looplm.run.dist import unsharded
 from looplm.tasks.base import PAD_ID, Instance, encode, get_task, tokenizer
 
 HELDOUT_SPLITS = ("valid", "test")
@@ -131,7 +132,8 @@ def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int]
                 hit = (logits.argmax(-1) == yb) | ~scored  # (B, L)
                 correct[T] += int(hit.all(-1).sum())
 
-        out = model.read(model.loop(xb), depths, yb, readout=Readout(logits=False, fused_ce=False), on_depth=read)
+        with unsharded(model):  # validation of an FSDP-wrapped model bypasses its forward
+            out = model.read(model.loop(xb), depths, yb, readout=Readout(logits=False, fused_ce=False), on_depth=read)
         for T in depths:
             nll[T] += float(out.nll_by_depth[T][scored].double().sum())
     model.train(was_training)
