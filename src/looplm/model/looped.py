@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig, check_gradient
+from looplm.config import ModelConfig
 from looplm.model.cursor import BPTT, Gradient, Loop, Readout, token_rms
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
