@@ -191,7 +191,7 @@ def _task_run_cfg() -> Config:
                                     eval_every=3, eval_batches=1, eval_depth=3, ckpt_every=2, device="cpu"))
 
 
-def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path):
+def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):
     from looplm.cli import main
     from looplm.eval.tasks import task_accuracy
     from looplm.run.checkpoint import load_checkpoint
@@ -222,3 +222,6 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path):
     assert {k: {T: r["correct"] for T, r in v.items()} for k, v in res["accuracy"].items()} == \
         {str(k): {str(T): r["correct"] for T, r in v.items()} for k, v in ref.items()}
     assert (res["k_train"], res["train_depth"], res["accuracy"]["1"]["1"]["n"]) == (3, 3, 2)  # k=1: 10 // 4 per split
+    # a task checkpoint has no text to score: a one-line error naming `eval tasks`
+    assert main(["eval", "ppl", "--checkpoint", str(full), "--depths", "1", "--quiet"]) == 2
+    assert "looplm eval tasks" in capsys.readouterr().err

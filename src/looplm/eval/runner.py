@@ -95,6 +95,9 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
         raise ValueError(f"--dtype: got {dtype!r}; allowed: {', '.join(EVAL_DTYPES)}")
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
+    if data_cfg.dataset == "task":
+        raise ValueError(f"{ckpt}: trained on the synthetic task {data_cfg.task!r} (data.dataset=task), which has no "
+                         "text to score: use `looplm eval tasks`, or --dataset to score it on a corpus")
     tokens = opened.tokens(split)
     dev = torch.device(device)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
