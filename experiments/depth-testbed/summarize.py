@@ -79,6 +79,8 @@ def main() -> None:
         acc, meta = load(store)
     variants = sorted((v for v in meta if meta[v]["seeds"]), key=lambda v: meta[v]["order"])
     total = sum(len(m["seeds"]) for m in meta.values())
+    if not total:
+        raise SystemExit(f"{DB}: no evaluated run of sweep {SWEEP} yet")
     any_meta = next(iter(meta.values()))
     k_train = any_meta["k_train"]
     lines = ["# Depth testbed headline: results", "",
@@ -115,8 +117,7 @@ def main() -> None:
             lines.append(f"| {depth_use_cell(by_T, T, higher_is_better=True)} | {k}{'*' if k > k_train else ''} "
                          f"| `{v}` | {mean_std_cell(by_T.get(T, {}).values())} | {cell} | {verdict} |")
     lines += ["", "\\* k beyond training.", "", "![accuracy vs T](acc_vs_T.png)", ""]
-    if variants:
-        plot(acc, meta, variants, HERE / "acc_vs_T.png")
+    plot(acc, meta, variants, HERE / "acc_vs_T.png")
     (HERE / "results.md").write_text("\n".join(lines))
     print(f"wrote {HERE / 'results.md'} ({total} runs)")
 
