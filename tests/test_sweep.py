@@ -405,3 +405,62 @@ def test_kv_sharing_hook_stores_what_the_command_computes(tmp_path, tiny_cfg):
 def test_kv_sharing_hook_errors(value, match):
     with pytest.raises(SweepError, match=match):
         parse_sweep({"variants": {"a": {}}, "eval": {"kv_sharing": value}})
+
+
+TASK_TOML = """
+name = "tasks"
+seeds = [0]
+
+[base]
+config = "task.json"
+
+[variants]
+looped = {}
+unshared = {"model.architecture" = "unshared", "model.n_layers" = 2, "train.depth_sampler" = "fixed", "train.depth" = 2}
+
+[eval]
+depths = [1, 2, 3]
+device = "cpu"
+tasks = {ks = [1, 2, 4], max_examples = 6}
+"""
+
+
+def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
+    """``eval.tasks``: two shards of a task sweep fill one DB with one row set per (k, T), equal to what
+    ``evaluate_task_checkpoint`` (``looplm eval tasks``) computes; no ppl rows; a re-run skips everything."""
+    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+    from looplm.eval.tasks import evaluate_task_checkpoint
+
+    cfg = Config(name="task", model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12,
+                                                 dropout=0.0, position_embedding="rope"),
+                 data=DataConfig(dataset="task", task="modsum", task_k=2, task_heldout=8),
+                 train=TrainConfig(steps=4, batch_size=8, lr=3e-3, warmup_steps=1, depth_lo=1, depth_hi=2,
+                                   eval_every=2, eval_batches=1, eval_depth=2, ckpt_every=2, device="cpu"))
+    (tmp_path / "task.json").write_text(cfg.to_json())
+    path = tmp_path / "tasks.toml"
+    path.write_text(TASK_TOML)
+    out = tmp_path / "out"
+    for i in (0, 1):
+        res = run_sweep(path, out, progress=False, shard=(i, 2), report=False)
+        assert [r["status"] for r in res.runs] == ["trained"]
+    with ResultStore(out / "results.db") as store:
+        assert store.count(protocol="ppl") == 0
+        assert store.count(protocol="tasks") == 2 * 3 * 3 * 4  # runs × k × T × (acc, correct, n, nll)
+        for run in store.runs("tasks"):
+            got = {(r["dataset"], r["depth"], r["metric"]): r["value"]
+                   for r in store.evaluations(protocol="tasks", config_hash=run.config_hash)}
+            ref = evaluate_task_checkpoint(run.run_dir, depths=[1, 2, 3], ks=[1, 2, 4], max_examples=6,
+                                           progress=False)["accuracy"]
+            # the same function on the same weights and instances: exact
+            assert got == {(f"modsum-k{k}", int(T), m): float(v) for k, by_T in ref.items()
+                           for T, r in by_T.items() for m, v in r.items()}
+            assert got[("modsum-k1", 1, "n")] == 2 and got[("modsum-k4", 3, "n")] == 6  # k=1: 10 // 4 held out
+    again = run_sweep(path, out, progress=False)
+    assert [r["status"] for r in again.runs] == ["skipped", "skipped"]
+    md = (out / "report" / "report.md").read_text()
+    assert "## acc — modsum-k4 test" in md and "nll" not in md  # the report tabulates acc only
+
+
+def test_tasks_hook_errors():
+    with pytest.raises(SweepError, match=r"eval\.tasks\.depths: set by the sweep"):
+        parse_sweep({"variants": {"a": {}}, "eval": {"tasks": {"depths": [1]}}})

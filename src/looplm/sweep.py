@@ -33,6 +33,9 @@ fields and the evaluation protocol::
     lambada = {max_examples = 500}       # LAMBADA completion; true, or keyword arguments
     kv_sharing = {depths = [5], max_tokens = 8192}  # terminal KV sharing (continuation protocol) at
                                          # these recurrences R; keyword arguments of the hook
+    tasks = {split = "test"}             # runs with data.dataset = "task": exact match by depth × k
+                                         # (keyword arguments of evaluate_task_checkpoint: ks, split,
+                                         # max_examples, batch_size); such runs get no ppl evaluation
 
 The grid is variants × seeds × grid fields; runs are trained and evaluated one after another, seed
 by seed (all variants of seed 0 first, so that a partial sweep already has paired comparisons), into
@@ -59,6 +62,9 @@ protocols ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` a
 The ``kv_sharing`` hook (``looplm.eval.kvsharing.evaluate_kv_sharing_checkpoint``; its own ``depths``,
 default [5]) stores protocol ``kv_sharing`` (metrics ``ppl_full``, ``ppl_terminal``,
 ``sharing_penalty_pct``, KV bytes; depth column = R) for shared variants.
+The ``tasks`` hook (``looplm.eval.tasks.evaluate_task_checkpoint``) stores protocol ``tasks`` for runs
+trained on a synthetic task: one row per difficulty k (dataset ``<task>-k<k>``, e.g. ``modsum-k3``) and
+depth T, metrics ``acc`` (exact match), ``correct``, ``n`` and ``nll`` (nats per answer token).
 '''
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ from looplm.finite import dumps
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
 EVAL_KEYS = ("depths", "datasets", "splits", "max_tokens", "stride", "batch_size", "tag", "device", "diagnose",
-             "lambada", "kv_sharing")
+             "lambada", "kv_sharing", "tasks")
 SPLITS = ("train", "valid", "test")
 DEFAULT_SEEDS = (0, 1, 2)
 #: hook protocols: name → (module, function), imported only when the sweep file enables them.
@@ -90,6 +96,7 @@ HOOKS: dict[str, tuple[str, str]] = {
     "diagnose": ("looplm.diagnostics.runner", "diagnose_checkpoint"),
     "lambada": ("looplm.eval.lambada", "evaluate_lambada_checkpoint"),
     "kv_sharing": ("looplm.eval.kvsharing", "evaluate_kv_sharing_checkpoint"),
+    "tasks": ("looplm.eval.tasks", "evaluate_task_checkpoint"),
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -114,6 +121,12 @@ class EvalProtocol:
     lambada: dict[str, Any] | None = None  # keyword arguments of evaluate_lambada_checkpoint; None = off
     kv_sharing: dict[str, Any] | None = None  # keyword arguments of evaluate_kv_sharing_checkpoint
     # (its own ``depths``, default [5]); None = off
+    tasks: dict[str, Any] | None = None  # keyword arguments of evaluate_task_checkpoint; None = off
+
+    def ppl_datasets(self, data) -> tuple[str, ...]:
+        """Datasets of the ppl evaluation of a run with data config ``data``: ``datasets``, else the training
+        corpus (none for a synthetic task, which the ``tasks`` hook scores)."""
+        return self.datasets or (() if data.dataset == "task" else (data.dataset,))
 
     def ppl_settings(self) -> dict[str, Any]:
         """Settings that change a perplexity (hashed into the evaluation identity)."""
@@ -258,7 +271,8 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         tag=tag, device=device,
         diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
         lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
-        kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)))
+        kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)),
+        tasks=_hook_kwargs(d.get("tasks", False), "eval.tasks"))
 
 
 def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
@@ -516,7 +530,7 @@ class _Runner:
         done = []
         ev, tag = self.ev, self.ev.tag
         settings = ev.ppl_settings()
-        for dataset in ev.datasets or (saved.data.dataset,):
+        for dataset in ev.ppl_datasets(saved.data):
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
                                                settings=settings, tag=tag) for T in ev.depths}
@@ -547,6 +561,25 @@ class _Runner:
                 items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
                 self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append("lambada")
+        if ev.tasks is not None and saved.data.dataset == "task":
+            from looplm.eval.tasks import default_ks
+
+            settings = dict(ev.tasks)
+            ks = settings.get("ks") or default_ks(saved.data)
+            idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}",
+                                                split=str(settings.get("split", "test")), depth=T,
+                                                settings=settings, tag=tag) for k in ks for T in ev.depths}
+            todo = force or not all(self.store.has(i, ["acc"]) for i in idents.values())
+            if dry and todo:
+                done.append("tasks")
+            elif todo:
+                res = _hook("tasks")(ckpt, depths=list(ev.depths), progress=self.progress,
+                                     **{"device": self.device(), **settings})
+                self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
+                                     for (k, T), ident in idents.items()], config=saved, settings=settings)
+                T = ev.depths[-1]
+                done.append(f"tasks: acc (%) at T={T} " + ", ".join(
+                    f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks))
         if ev.kv_sharing is not None and saved.model.architecture == "shared":
             settings = dict(ev.kv_sharing)
             depths = settings.pop("depths")
@@ -753,7 +786,7 @@ def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
     seen: set[tuple[str, str, str]] = set()
     for spec in specs:
         data = spec.config.data
-        for dataset in ev.datasets or (data.dataset,):
+        for dataset in ev.ppl_datasets(data):
             for split in ev.splits:
                 key = (dataset, split, data.data_root)
                 if key in seen:
@@ -797,7 +830,7 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     all_specs = sweep.runs()
     specs = select_runs(all_specs, only=only, shard=shard)
     for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada),
-                          ("kv_sharing", sweep.eval.kv_sharing)):
+                          ("kv_sharing", sweep.eval.kv_sharing), ("tasks", sweep.eval.tasks)):
         if enabled is not None:
             _hook(name)  # fail before training anything
     _check_eval_sources(sweep.eval, specs)

@@ -34,7 +34,7 @@ from looplm.analysis.store import ResultStore, RunRecord, record_dict
 TABLE_METRICS: dict[str, tuple[str, ...] | None] = {
     "ppl": ("ppl",), "lambada": ("target_ppl", "target_acc", "exact_acc"),
     "diagnose": ("forcing.ratio", "gain", "forcing.bias_energy", "forcing.raw_bias_energy",
-                 "forcing.anchor_energy")}
+                 "forcing.anchor_energy"), "tasks": ("acc",)}
 #: (protocol, metric) pairs that get a paired-delta table and a depth plot.
 PAIRED_METRICS: frozenset[tuple[str, str]] = frozenset({("ppl", "ppl"), ("lambada", "target_ppl")})
 METRIC_TITLES: dict[str, str] = {

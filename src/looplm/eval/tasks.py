@@ -31,6 +31,11 @@ def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, 
     return out
 
 
+def default_ks(data_cfg) -> list[int]:
+    """Difficulties evaluated by default: 1 … 2 × data.task_k (depth extrapolation), at most the family's max_k."""
+    return list(range(1, min(2 * data_cfg.task_k, get_task(data_cfg.task).max_k) + 1))
+
+
 def markdown_table(acc: dict[int, dict[int, dict[str, float]]], k_train: int, title: str = "") -> str:
     """Accuracy (%) with one row per depth T and one column per k (k > k_train marked *)."""
     ks = sorted(acc)
@@ -96,7 +101,7 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
         raise ValueError(f"--checkpoint: {ckpt} was trained on data.dataset={data.dataset}; this protocol needs "
                          "data.dataset=task")
     family = get_task(data.task)
-    ks = list(ks or range(1, min(2 * data.task_k, family.max_k) + 1))
+    ks = list(ks or default_ks(data))
     for k in ks:
         family.check_k(k, "--ks")
     train_depth = cfg.train.max_depth
