@@ -12,7 +12,7 @@ import sys
 import torch
 
 from looplm.tasks.data import heldout, rows
-from looplm.train.checkpoint import load_checkpoint
+from looplm.run.checkpoint import load_checkpoint
 
 
 def main(run: str, out: str, depths=(1, 2, 4, 8, 16)) -> None:
