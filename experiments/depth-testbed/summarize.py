@@ -31,6 +31,11 @@ def train_depth(config: dict) -> int:
     return t["depth"] if t["depth_sampler"] == "fixed" else t["depth_hi"]
 
 
+def per_seed(by_seed: dict) -> str:
+    """``"s0 a · s1 b · …"`` of ``{seed: value}``."""
+    return " · ".join(f"s{s} {v:.1f}" for s, v in sorted(by_seed.items()))
+
+
 def load(store: ResultStore) -> tuple[dict, dict]:
     """``acc[variant][k][T][seed]`` (%) and per-variant metadata (params, FLOPs, training depth, k_train)."""
     acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
@@ -40,7 +45,8 @@ def load(store: ResultStore) -> tuple[dict, dict]:
         meta.setdefault(run.variant, {"order": run.variant_order, "params": run.params, "T": T_train,
                                       "flops": run.flops.get(T_train, {}).get("body_head"),
                                       "k_train": run.config["data"]["task_k"], "task": run.config["data"]["task"],
-                                      "seeds": set()})
+                                      "seeds": set(), "wall_s": []})
+        meta[run.variant]["wall_s"].append(run.summary.get("wall_s", float("nan")))
         rows = store.evaluations(protocol="tasks", config_hash=run.config_hash, seed=run.seed, metric="acc",
                                  split="test")
         if rows:
@@ -96,7 +102,7 @@ def main() -> None:
              "Depth use: accuracy at T = 1 · at the model's training depth · at the best T (seed means).", "",
              "## Per model: mean over k = 1 … k_train (in distribution) and k > k_train (extrapolation)", "",
              "| depth use, k ≤ k_train | model | seeds | params | FLOPs/token at T_train | acc at T_train, "
-             "k ≤ k_train | depth use, k > k_train |", "|---|---|---:|---:|---:|---:|---|"]
+             "k ≤ k_train | depth use, k > k_train | training wall (s) |", "|---|---|---:|---:|---:|---:|---|---:|"]
     for v in variants:
         m = meta[v]
 
@@ -109,18 +115,20 @@ def main() -> None:
         ind, ext = pooled(lambda k: k <= k_train), pooled(lambda k: k > k_train)
         lines.append(f"| {depth_use_cell(ind, m['T'], higher_is_better=True)} | `{v}` | {len(m['seeds'])} "
                      f"| {m['params']:,} | {m['flops']:,} | {mean_std_cell(ind.get(m['T'], {}).values())} "
-                     f"| {depth_use_cell(ext, m['T'], higher_is_better=True)} |")
+                     f"| {depth_use_cell(ext, m['T'], higher_is_better=True)} "
+                     f"| {min(m['wall_s']):.0f}–{max(m['wall_s']):.0f} |")
     lines += ["", f"## Per difficulty k (Δ: model − `{BASELINE}`, each at its training depth, paired over seeds: "
               "mean [95% t interval] (bootstrap))", "",
-              "| depth use | k | model | acc at T_train | Δ vs looped | verdict (looped higher) |",
-              "|---|---:|---|---:|---|---|"]
+              "| depth use | k | model | acc at T_train | per seed | Δ vs looped | verdict (looped higher) |",
+              "|---|---:|---|---:|---|---|---|"]
     for k in sorted({k for v in variants for k in acc[v]}):
         for v in variants:
             by_T, T = acc[v].get(k, {}), meta[v]["T"]
             base = acc.get(BASELINE, {}).get(k, {}).get(meta.get(BASELINE, {}).get("T"), {})
             cell, verdict = ("", "") if v == BASELINE else paired_claim(by_T.get(T, {}), base, expect="negative")
             lines.append(f"| {depth_use_cell(by_T, T, higher_is_better=True)} | {k}{'*' if k > k_train else ''} "
-                         f"| `{v}` | {mean_std_cell(by_T.get(T, {}).values())} | {cell} | {verdict} |")
+                         f"| `{v}` | {mean_std_cell(by_T.get(T, {}).values())} | {per_seed(by_T.get(T, {}))} "
+                         f"| {cell} | {verdict} |")
     lines += ["", "\\* k beyond training.", "", "![accuracy vs T](acc_vs_T.png)", ""]
     plot(acc, meta, variants, HERE / "acc_vs_T.png")
     (HERE / "results.md").write_text("\n".join(lines))
