@@ -158,6 +158,31 @@ def eot_id(tok: Tokenizer) -> int:
     return tok.token_to_id(eot_token(tok))
 
 
+class CharVocab:
+    """One token per character of ``chars`` (ids 1 … len(chars)) and ``eot`` at id 0 (the padding): the
+    vocabularies of the synthetic tasks (:mod:`looplm.tasks`) and of the RL task (:mod:`looplm.rl.task`)."""
+
+    def __init__(self, chars: str, eot: str = "<|endoftext|>"):
+        self.chars, self.eot = chars, eot
+        self.vocab: dict[str, int] = {eot: 0, **{c: i + 1 for i, c in enumerate(chars)}}
+        self.id_to_char: dict[int, str] = {i: c for c, i in self.vocab.items() if c != eot}
+
+    def encode(self, text: str) -> list[int]:
+        """Characters → ids. Raises ValueError on a character outside ``chars``."""
+        try:
+            return [self.vocab[c] for c in text]
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {self.chars!r}") from None
+
+    def decode(self, ids) -> str:
+        """Ids → characters (``eot``/padding and unknown ids are dropped)."""
+        return "".join(self.id_to_char.get(int(i), "") for i in ids)
+
+    def tokenizer(self):
+        """The vocabulary as a ``tokenizers.Tokenizer`` (:func:`char_tokenizer`), saved with checkpoints."""
+        return char_tokenizer(self.vocab, self.eot)
+
+
 def char_tokenizer(vocab: dict[str, int], eot: str = "<|endoftext|>"):
     """A ``tokenizers.Tokenizer`` over ``vocab`` with one token per character (Fuse decoder; ``eot`` special
     and the unknown token), saved with checkpoints of the synthetic tasks and the RL task."""

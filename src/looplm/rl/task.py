@@ -35,36 +35,19 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
+
+from looplm.data.tokenizer import CharVocab
 
 EOT = "<|endoftext|>"
 #: the characters of the task vocabulary, ids 1 … len(CHARS) (id 0 is <|endoftext|>)
 CHARS = "\n0123456789+="
-VOCAB: dict[str, int] = {EOT: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-ID_TO_CHAR: dict[int, str] = {i: c for c, i in VOCAB.items() if c != EOT}
+_VOCAB = CharVocab(CHARS, EOT)
+VOCAB: dict[str, int] = _VOCAB.vocab
+ID_TO_CHAR: dict[int, str] = _VOCAB.id_to_char
 NEWLINE_ID = VOCAB["\n"]
-
-
-def encode(text: str) -> list[int]:
-    """Characters → ids. Raises ValueError on a character outside ``CHARS``."""
-    try:
-        return [VOCAB[c] for c in text]
-    except KeyError as exc:
-        raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARS!r}") from None
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Ids → characters (``<|endoftext|>`` and unknown ids are dropped)."""
-    return "".join(ID_TO_CHAR.get(int(i), "") for i in ids)
-
-
-def tokenizer():
-    """The vocabulary as a ``tokenizers.Tokenizer`` (one token per character, Fuse decoder)."""
-    from looplm.data.tokenizer import char_tokenizer
-
-    return char_tokenizer(VOCAB, EOT)
+encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
 
 
 def _rng(*key: object) -> np.random.Generator:

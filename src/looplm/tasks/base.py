@@ -9,36 +9,18 @@ every family so one tokenizer serves all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
+
+from looplm.data.tokenizer import CharVocab
 
 EOT = "<|endoftext|>"
 #: the characters of every task (ids 1 … len(CHARS)); id 0 is <|endoftext|>, the padding
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+=;?:"
-VOCAB: dict[str, int] = {EOT: 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+_VOCAB = CharVocab(CHARS, EOT)
+VOCAB: dict[str, int] = _VOCAB.vocab
 PAD_ID = 0
-
-
-def encode(text: str) -> list[int]:
-    """Characters → ids. Raises ValueError on a character outside :data:`CHARS`."""
-    try:
-        return [VOCAB[c] for c in text]
-    except KeyError as exc:
-        raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARS!r}") from None
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Ids → characters (padding dropped)."""
-    chars = {i: c for c, i in VOCAB.items() if c != EOT}
-    return "".join(chars.get(int(i), "") for i in ids)
-
-
-def tokenizer():
-    """:data:`VOCAB` as a ``tokenizers.Tokenizer`` (one token per character), saved with checkpoints."""
-    from looplm.data.tokenizer import char_tokenizer
-
-    return char_tokenizer(VOCAB, EOT)
+encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
 
 
 @dataclass(frozen=True)
