@@ -58,7 +58,7 @@ def test_convert_train_state_rewrites_a_trusted_file_as_data_and_resume_stays_ex
     assert _trace(full) == _trace(part)
 
 
-def test_rng_state_round_trips_numpy_and_python(tiny_cfg):
+def test_rng_state_round_trips_numpy_and_python():
     import random
 
     from looplm.run.folder import rng_state, set_rng_state
