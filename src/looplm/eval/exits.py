@@ -577,7 +577,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     return LoopExit(depth=depth, scores=scores, row_steps=row_steps, h=None if drop else loop.h)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -620,7 +620,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
     depths, nlls, all_scores, counts = [], [], [], []
     row_steps = 0
     final_from = model.resolve_final_depth(None, ceiling)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
         nll = torch.zeros(len(x), dtype=torch.float64, device=device)
@@ -637,7 +637,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
         nlls.append(nll)
         all_scores.append(res.scores)
         counts.append(mask.sum(dim=1))
-    _sync(device)
+    sync_device(device)
     seconds = time.perf_counter() - t0
     return ExitRun(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
                    scores=torch.cat(all_scores).cpu().numpy(), tokens=torch.cat(counts).cpu().numpy().astype(np.int64),

@@ -47,8 +47,8 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, _sync, build_exit_criterion, calibrate,
-                               run, trace)
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, build_exit_criterion, calibrate,
+                               run, sync_device, trace)
 from looplm.model import DepthLM
 from looplm.model.cursor import NLL
 
@@ -152,12 +152,12 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     """
     device = batches[0][0].device
     nlls = []
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
         out = model.read(model.loop(x, scale_clamp=scale_clamp), depth, y, readout=NLL)
         nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
-    _sync(device)
+    sync_device(device)
     seconds = time.perf_counter() - t0
     return torch.cat(nlls).cpu().numpy(), seconds
 
@@ -213,23 +213,8 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
         tau = cal.tau
 
-        batches = _batches(*timed, batch_size, device)
-        # warm-up (untimed): one batch through every code path timed below
-        dynamic_halting_run(model, batches[:1], tau, k_max, criterion=criterion, scale_clamp=scale_clamp)
-        for K in range(1, k_max + 1):
-            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
-        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
-        dyn_s: list[float] = []
-        fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
-        fixed_nll: dict[int, np.ndarray] = {}
-        for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, criterion=criterion,
-                                      scale_clamp=scale_clamp)
-            dyn_s.append(dyn.seconds)
-            for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
-                                                        scale_clamp=scale_clamp)
-                fixed_s[K].append(seconds)
+        dyn, dyn_s, fixed_s, fixed_nll = _timed_runs(model, _batches(*timed, batch_size, device), tau, k_max,
+                                                     repeats, progress, criterion=criterion, scale_clamp=scale_clamp)
     finally:
         model.train(was_training)
     n_tokens = int(dyn.tokens.sum())
@@ -243,19 +228,9 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
     return {
-        "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats,
-        "device": str(device),
-        "seq_len": int(calib[0].shape[1]),
-        "calibration": {
-            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
-            "halts_early": math.isfinite(tau), "candidates": len(cal.taus),
-            "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
-            "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
-            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
-            "loop_counts": _counts(cal.depths),
-            "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
-                      "mean_loops": cal.mean_depth_by_tau.tolist()},
-        },
+        "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance,
+        "batch_size": batch_size, "repeats": repeats, "device": str(device), "seq_len": int(calib[0].shape[1]),
+        "calibration": _calibration_summary(cal, nll_sum, n_tok, tolerance, k_max),
         "timed": {
             "sequences": N, "tokens": n_tokens,
             "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
@@ -266,6 +241,39 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
             "speedup": static["seconds"] / dyn_seconds, "ppl_ratio": dyn_ppl / static["ppl"],
         },
         "frontier": frontier,
+    }
+
+
+def _timed_runs(model: DepthLM, batches: list[Batch], tau: float, k_max: int, repeats: int, progress: bool,
+                **kw: Any) -> tuple[ExitRun, list[float], dict[int, list[float]], dict[int, np.ndarray]]:
+    """Dynamic halting and every fixed depth 1 … K_max, ``repeats`` times, after an untimed warm-up batch."""
+    dynamic_halting_run(model, batches[:1], tau, k_max, **kw)
+    for K in range(1, k_max + 1):
+        fixed_depth_run(model, batches[:1], K, scale_clamp=kw["scale_clamp"])
+    # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+    dyn_s: list[float] = []
+    fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
+    fixed_nll: dict[int, np.ndarray] = {}
+    for r in range(repeats):
+        dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
+        dyn_s.append(dyn.seconds)
+        for K in range(1, k_max + 1):
+            fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                                                    scale_clamp=kw["scale_clamp"])
+            fixed_s[K].append(seconds)
+    return dyn, dyn_s, fixed_s, fixed_nll
+
+
+def _calibration_summary(cal, nll_sum: np.ndarray, n_tok: np.ndarray, tolerance: float, k_max: int) -> dict[str, Any]:
+    return {
+        "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
+        "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
+        "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+        "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
+        "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+        "loop_counts": _counts(cal.depths),
+        "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
+                  "mean_loops": cal.mean_depth_by_tau.tolist()},
     }
 
 

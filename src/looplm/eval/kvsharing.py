@@ -81,13 +81,10 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
 
     Args:
         model: a shared-architecture model (put in eval mode here, restored after).
-        tokens: 1-D token stream of the split.
-        depths: loop depths R ≥ 1.
-        batch_size: windows per forward.
+        tokens: 1-D token stream of the split. depths: loop depths R ≥ 1.
         max_tokens: use only the first ``max_tokens + 1`` tokens of the stream (None = all).
-        eot_id: the ``<|endoftext|>`` id: score only targets that continue the prompt's document
-            (document-aware scoring, module docstring; :func:`continuation_mask`). None scores every
-            second-half target.
+        eot_id: the ``<|endoftext|>`` id: document-aware scoring (:func:`continuation_mask`); None scores
+            every second-half target.
 
     Returns:
         ``{R: {ppl_full, ppl_terminal, ppl_per_visit, sharing_penalty_pct, nll_full, nll_terminal,
@@ -133,9 +130,9 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
             out = model(x, depths, y, readout=Readout(logits=False, final_depth=final_depth))
             for R in depths:
                 sums[R]["full"] += float((out.nll_by_depth[R][:, P:].double() * scored).sum())
-                for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
+                for mode in ("terminal", "per_visit"):
                     nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode, final_depth, scored)
-                    sums[R][key] += float(nll)
+                    sums[R][mode] += float(nll)
                     mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
             count += int(scored.sum())
             n_seq += x.shape[0]
@@ -146,18 +143,20 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
-    res = {}
-    for R in depths:
-        nll = {k: v / count for k, v in sums[R].items()}
-        ppl = {k: math.exp(v) for k, v in nll.items()}
-        full_b, full_n = mem[R]["per_visit"]
-        term_b, term_n = mem[R]["terminal"]
-        res[R] = {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
-                  "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
-                  "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
-                  "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
-                  "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
-    return res
+    return {R: _depth_result(sums[R], mem[R], count, n_seq, P) for R in depths}
+
+
+def _depth_result(sums: dict[str, float], mem: dict[str, tuple[int, int]], count: int, n_seq: int,
+                  P: int) -> dict[str, float]:
+    nll = {k: v / count for k, v in sums.items()}
+    ppl = {k: math.exp(v) for k, v in nll.items()}
+    full_b, full_n = mem["per_visit"]
+    term_b, term_n = mem["terminal"]
+    return {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
+            "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
+            "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
+            "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
+            "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
 
 
 def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:

@@ -285,8 +285,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code files
         (``trust_remote_code=True`` then loads without looplm's registration; see
-        :mod:`looplm.hf.export`)."""
-        from looplm.hf.export import AUTO_MAP, write_remote_code
+        :mod:`looplm.hf.remote`)."""
+        from looplm.hf.remote import AUTO_MAP, write_remote_code
 
         self.config.auto_map = dict(AUTO_MAP)
         result = super().save_pretrained(save_directory, *args, **kwargs)
