@@ -1,11 +1,45 @@
 '''Sweeps (``looplm sweep FILE.toml``): train and evaluate a grid of runs, resumably, into one results DB.
 
-The file format is ``looplm sweep --help`` (``analysis/commands.SWEEP_EXAMPLE``); ``[eval]`` also takes
-``kv_sharing = {depths = [5], ...}`` and ``tasks = {split = "test", ...}`` (keyword arguments of the hooks
-in :data:`HOOKS`, imported only when enabled). The grid is variants × seeds × grid fields, run seed by seed
-(all variants of seed 0 first, so a partial sweep already has paired comparisons) into
-``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``; evaluations go to ``OUT/results.db``
-(:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
+A sweep file (TOML) names a base config, the variants to compare, the seeds, optional extra grid
+fields and the evaluation protocol::
+
+    # scse-vs-looped.toml
+    name = "scse-vs-looped"     # optional; default: the file name without .toml
+    seeds = [0, 1, 2]           # training seeds (train.seed); default [0, 1, 2]
+    baseline = "looped"         # variant the report's paired deltas compare with; default: the first
+
+    [base]
+    preset = "cpu"              # a preset (`looplm info --list`), or config = "path/config.json"
+    "train.steps" = 400         # any config field as "section.field" = value ...
+    model.dropout = 0.1         # ... or as a TOML dotted key
+
+    [variants]                  # name → config overrides applied on top of the base
+    looped = {"model.rule" = "looped"}
+    scse = {"model.rule" = "scse"}
+    unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
+
+    [grid]                      # optional: every combination of these values is a separate run
+    "train.lr" = [1e-3, 2e-3]
+
+    [eval]
+    depths = [1, 2, 4, 8, 16, 32, 48]    # loop depths T; default 1,2,4,8,12,16,24,32,48
+    datasets = ["brown", "wikitext2"]    # default: the training corpus
+    splits = ["test"]                    # default ["test"]; every dataset × split is evaluated
+    max_tokens = 16384                   # score the first N tokens of each split; default: all
+    tag = "v1"                           # free label stored with every evaluation; default ""
+    batch_size = 16                      # windows per forward; default 16
+    device = "auto"                      # cpu, cuda or auto; default auto
+    diagnose = true                      # forcing bias and gain; or a table of keyword arguments
+    lambada = {max_examples = 500}       # LAMBADA completion; true, or keyword arguments
+    kv_sharing = {depths = [5], max_tokens = 8192}  # terminal KV sharing (continuation protocol) at
+                                         # these recurrences R; keyword arguments of the hook
+    tasks = {split = "test"}             # runs with data.dataset = "task": exact match by depth × k
+                                         # (keyword arguments of evaluate_task_checkpoint: ks, split,
+                                         # max_examples, batch_size); such runs get no ppl evaluation
+
+The grid is variants × seeds × grid fields, run seed by seed (all variants of seed 0 first, so a
+partial sweep already has paired comparisons) into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``;
+evaluations go to ``OUT/results.db`` (:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
 
 Resumable: a run whose training is complete and whose evaluations are all stored (for the weights on
 disk) is skipped; a killed run resumes from its newest valid checkpoint. A run directory whose saved
@@ -15,8 +49,7 @@ token caches and ``sweep.json``, a results DB that takes concurrent writers); pa
 
 Stored protocols: ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``;
 shared variants only), ``lambada`` (dataset ``lambada``, split ``test``), ``kv_sharing`` (depth column =
-R; shared variants only) and ``tasks`` (runs on a synthetic task: dataset ``<task>-k<k>``, metrics
-``acc``, ``correct``, ``n``, ``nll``; such runs get no ppl evaluation).
+R; shared variants only) and ``tasks`` (dataset ``<task>-k<k>``, metrics ``acc``, ``correct``, ``n``, ``nll``).
 '''
 
 from __future__ import annotations

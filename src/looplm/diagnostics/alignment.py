@@ -1,24 +1,15 @@
 """Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop,
 arXiv:2607.13491, §3.4, eq. 12).
 
-A looped model visits each physical sublayer j of its core once per loop step (twice for the
-two-call rules ``sc_subtract`` and ``additive_subtract``), so the weight gradient of j is a sum of
-visit-wise contributions G_{r,j}, r = 1 … R_j. SPEC §7 measures the alignment of these contributions
-with
+A core sublayer j visited R_j times per forward has weight gradient Σ_r G_{r,j}; SPEC §7 measures
 
     κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖²,      κ̂_R = max_j κ̂_j,
 
-which is 1 for mutually orthogonal visits of equal norm and R for identical ones (0 ≤ κ̂_j ≤ R by
-Cauchy–Schwarz). This is the measurable stand-in for DeepLoop's κ_R (eq. 12), whose bound uses
-the gradients *and* sensitivities of the visits.
-
-Sublayers: for every block i of ``model.core``, ``core.blocks.i.attn`` (the weights of every
-``nn.Linear`` inside the attention, i.e. ``qkv`` and ``proj``) and ``core.blocks.i.mlp`` (``gate_up``
-— the fused gate and up projections — and ``down``). G_{r,j} is the concatenation of those weights' gradients flattened; the visit index
-r is the order of the module's forward calls. Visit-wise gradients are captured without a second
-backward: a forward hook saves each call's input x (M tokens × d_in) and hooks the output's gradient
-g (M × d_out); a bias-free Linear's weight gradient from that call is gᵀx (d_out × d_in), and the sum
-over calls is exactly autograd's ``.grad`` (checked by the tests).
+1 for orthogonal visits of equal norm, R for identical ones: the measurable stand-in for DeepLoop's κ_R.
+Sublayers: ``core.blocks.i.attn`` (``qkv``, ``proj``) and ``core.blocks.i.mlp`` (``gate_up``, ``down``);
+G_{r,j} concatenates their flattened gradients, r in forward-call order. Captured without a second
+backward: a forward hook saves each call's input x and hooks its output gradient g, so a bias-free
+Linear's per-call gradient is gᵀx; their sum is autograd's ``.grad`` (tests).
 """
 
 from __future__ import annotations
