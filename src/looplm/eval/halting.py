@@ -1,37 +1,22 @@
 """Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §6 and Appendix H).
 Source: the readout-blind-spot paper (§6, Appendix H); our copy of it has no arXiv id.
 
-Per sequence b (one evaluation window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits
-the model reads out at loop k:
+Per sequence b (one window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits read out at loop k:
 
     margin_k(b) = mean over the window's L tokens i of (top-1 − top-2 of z_{k,i})     [logit units]
     halt(b)     = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max})
 
-A sequence is scored (NLL summed over its tokens) at its halting loop. The margin is taken on the raw
-logits; it equals the top-1 − top-2 log-probability gap since log-softmax shifts a row uniformly.
+scored (summed NLL) at its halting loop. **Protocol.** (1) *Calibration* (``n_calib`` = 160 windows): one
+``depth=[1..K_max]`` forward per batch (:func:`trace_margins`); :func:`~looplm.eval.exits.calibrate` keeps
+the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max. (2) *Timed run* (``n_timed``
+disjoint windows): :func:`dynamic_halting_run` (halted sequences leave the batch) against every fixed
+depth K = 1 … K_max (:func:`fixed_depth_run`; K_max is the static reference); speedup = static seconds /
+dynamic seconds. (3) *Frontier*: (tokens/s, PPL) per fixed K plus the dynamic point.
 
-**Protocol.**
-
-1. *Calibration* (``split_calib``, ``n_calib`` = 160 windows): one forward per batch with
-   ``depth=[1..K_max]`` gives the per-loop logits and NLL of every window (:func:`trace_margins`);
-   :func:`~looplm.eval.exits.calibrate` (``tolerance``) sweeps every threshold that gives a distinct
-   halting pattern (the observed margins of loops 1 … K_max−1, and ∞) from those cached arrays,
-   without re-running the model, and keeps the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max on the same windows.
-2. *Timed run* (``split_timed``, ``n_timed`` windows disjoint from the calibration ones): the loop is
-   run step by step; after each loop the margins of the still-active sequences are computed and the
-   halted ones leave the batch (:func:`dynamic_halting_run`; their NLL is kept). The same windows are
-   run at every fixed depth K = 1 … K_max with the model's forward (:func:`fixed_depth_run`); the
-   K_max run is the static reference. Speedup = static seconds / dynamic seconds.
-3. *Frontier*: (tokens/s, PPL) at each fixed K plus the dynamic point (``halting_frontier.png``).
-
-**Choices (ours).** Windows are full non-overlapping ``seq_len`` windows (partial tail dropped), so
-every sequence has L scored tokens and tokens/s = windows × L / seconds. When both splits are the
-same, the timed windows are the ``n_timed`` that follow the calibration windows. Intermediate loops
-are read out with ``final=False`` and K_max with ``final=True`` (what ``forward`` does for
-``depth=[1..K_max]``), so the timed run reproduces the cached calibration logits; a fixed-K run is
-``model(x, depth=K)`` (its own final readout at K). Timings: ``torch.inference_mode``, batches
-prebuilt on the device, one untimed warm-up batch per mode, CUDA synchronized around each run, the
-median of ``repeats`` interleaved passes; no autocast (the model's parameter dtype).
+**Choices (ours).** Full non-overlapping windows; with one split for both, the timed windows follow the
+calibration ones. Intermediate loops read out with ``final=False``, K_max with ``final=True``, as
+``forward`` does. Timings: ``torch.inference_mode``, batches prebuilt on the device, one untimed warm-up
+batch per mode, CUDA synchronized, the median of ``repeats`` interleaved passes, no autocast.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6; arXiv:2610.06833).
 
-Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only
-its last-recurrence K/V per physical attention layer, and every recurrence of later tokens attends
-to those terminal K/V.
+Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only its
+last-recurrence K/V per physical attention layer, which every recurrence of later tokens attends to.
 
-**Continuation protocol.** Every full, non-overlapping window of L = ``seq_len`` tokens of a split
-(``eval_windows``; a partial last window is dropped) is cut at P = L // 2:
-
-1. *full*: one uncached forward over the whole window at depth R (what training sees); its NLL on
-   the targets of positions P … L−1.
-2. *terminal*: prefill positions 0 … P−1 at depth R into a ``terminal`` :class:`KVCache`, then score
-   positions P … L−1 in **one** parallel forward at depth R: the second-half tokens read the prefix
-   through its terminal banks, and each other as in training (visit r of the chunk sees visit r of
-   earlier chunk tokens).
-3. *per_visit* (control): the same two passes with a ``per_visit`` cache; this reproduces the full
-   forward exactly, so ``ppl_per_visit == ppl_full`` up to float rounding.
-
-PPL = exp(token-weighted mean NLL) over the same second-half targets for all three. **Document-aware
-scoring** (LMDR Table 8 caption: "only the tokens after a prompt that continue a document begun inside
-it"; given the ``<|endoftext|>`` id that separates documents in the token stream, ``data/tokens.py``):
-a second-half target x_{j+1} (j ≥ P) is scored only if no ``<|endoftext|>`` occurs in x_{P−1} … x_j,
-i.e. it belongs to the document of the prompt's last token (an end-of-text target closing that
-document counts; a document that began before the window counts too, since the window is the
-model's whole context — our reading). Unscored tokens stay in every pass as context. Sharing penalty
-``100 · (PPL_terminal / PPL_full − 1)`` (percent). Memory: the bytes of the prefix's K/V banks per
-sequence (``KVCache.nbytes() / B``), for per_visit (K·R core banks plus one per prelude/coda layer)
-and terminal (one bank per physical layer) caches, in the model's parameter dtype.
+**Continuation protocol.** Every full window of L = ``seq_len`` tokens is cut at P = L // 2: (1) *full*:
+one uncached forward at depth R, NLL on positions P … L−1; (2) *terminal*: prefill 0 … P−1 into a
+``terminal`` :class:`KVCache`, then score P … L−1 in one parallel forward; (3) *per_visit* (control): the
+same with a ``per_visit`` cache, which reproduces the full forward (``ppl_per_visit == ppl_full`` to rounding).
+**Document-aware scoring** (LMDR Table 8 caption; our reading): a second-half target x_{j+1} counts only
+if no ``<|endoftext|>`` occurs in x_{P−1} … x_j; unscored tokens stay as context. Sharing penalty
+``100 · (PPL_terminal / PPL_full − 1)`` (%). Memory: the prefix's K/V bytes per sequence
+(``KVCache.nbytes() / B``) for both layouts, in the parameter dtype.
 """
 
 from __future__ import annotations
