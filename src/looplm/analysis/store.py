@@ -366,15 +366,9 @@ class ResultStore:
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
             settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        """Store ``metrics`` as the evaluation ``identity``, replacing what it held before.
-
-        Args:
-            identity: the evaluation identity.
-            metrics: metric name → value (floats; NaN is stored as NULL and read back as NaN).
-            config: the run config (``Config`` or dict); its identity JSON goes to ``configs``.
-            settings: the protocol settings; stored in ``protocols``.
-            provenance: where the metrics came from (:func:`looplm.provenance.provenance`); stored in
-                ``provenance`` (an identity written without one loses its old record).
+        """Store ``metrics`` (NaN stored as NULL, read back as NaN) as ``identity``, replacing what it held;
+        ``config`` and ``settings`` go to ``configs`` / ``protocols``, ``provenance`` (an identity written
+        without one loses its old record) to ``provenance``.
         """
         self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
 

@@ -166,18 +166,10 @@ def _kappa_from(stats: dict[str, Any]) -> float | None:
 
 def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
                     loss: str = "terminal") -> dict[str, Any]:
-    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form).
-
-    Args: as :func:`visit_gradients`.
-
-    Returns:
-        JSON-ready ``{"kappa_hat": max_j κ̂_j (None when no sublayer has a nonzero gradient),
-        "depth": R, "loss": loss, "per_sublayer": [{"name": "core.blocks.0.attn", "kappa": κ̂_j,
-        "visits": R_j, "visit_grad_norm": [‖G_{r,j}‖ for r = 1 … R_j]}, …]}``. R_j = R, or 2R for the
-        two-call rules.
-
-    Raises:
-        ValueError: as :func:`visit_gradients`.
+    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form); args and errors as
+    :func:`visit_gradients`. Returns ``{"kappa_hat": max_j κ̂_j (None: no nonzero gradient), "depth",
+    "loss", "per_sublayer": [{"name", "kappa", "visits": R_j (R, or 2R for two-call rules),
+    "visit_grad_norm": [‖G_{r,j}‖ …]}, …]}``.
     """
     stats = visit_gradients(model, idx, targets, depth, loss=loss)
     per = [{"name": name, "kappa": _kappa_from(s), "visits": s["visits"],

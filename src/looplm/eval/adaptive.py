@@ -57,21 +57,16 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
                  desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
                  scale_clamp: bool = False) -> Trace:
-    """One unroll to ``ceiling`` per batch of windows, recording the criterion's statistic (u_t for
-    ``hidden_update``) and the NLL at every depth (:func:`looplm.eval.exits.trace`).
-
-    Windows are the non-overlapping ``seq_len`` windows of :func:`~looplm.data.tokens.eval_windows`
-    (the last may be partial); a sequence statistic aggregates over each window's scored positions.
+    """One unroll to ``ceiling`` per batch of :func:`~looplm.data.tokens.eval_windows` windows (the last may
+    be partial), recording the criterion's statistic and the NLL at every depth (:func:`looplm.eval.exits.trace`).
 
     Args:
-        model: put in eval mode here (dropout off). tokens: 1-D token stream.
-        ceiling: C ≥ 1 loop steps. max_tokens: use only ``tokens[: max_tokens + 1]``.
-        criterion: a registered exit-criterion name or an :class:`ExitCriterion`.
-        scale_clamp: the evaluation-time scale clamp (SPEC §4) on every unroll.
+        model: put in eval mode here. tokens: 1-D token stream. ceiling: C ≥ 1 loop steps.
+        max_tokens: use only ``tokens[: max_tokens + 1]``. criterion: a registered name or an
+        :class:`ExitCriterion`. scale_clamp: the evaluation-time scale clamp (SPEC §4).
 
     Returns:
-        :class:`~looplm.eval.exits.Trace` with N = number of windows; ``scores`` (N, C) is the criterion's
-        statistic (u_t for the hidden-update rule: column t = step t → t+1, dimensionless).
+        :class:`~looplm.eval.exits.Trace`, N = windows; ``scores`` (N, C), column t = step t → t+1.
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.
@@ -93,19 +88,12 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, desc: str = "early exit",
                     criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> ExitRun:
-    """Per-example early exit under a criterion (default: the hidden-update rule), halted examples
-    leaving the batch (:func:`looplm.eval.exits.run`).
-
-    At each step the rows still running are advanced with :meth:`LoopLM.step`; rows whose criterion
-    fires (all rows at the last step) are read out at depth t + 1 and removed from the batch, so later
-    steps process fewer rows. A τ that can never fire (``-inf`` for the hidden-update rule) makes
-    every example run to the ceiling and be read out once (the reference for the speedup).
-
-    Same windows, depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths` (the offline
-    accounting), up to float rounding from the smaller batches.
+    """Per-example early exit, halted examples leaving the batch (:func:`looplm.eval.exits.run`): the same
+    depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths`, to float rounding.
+    A τ that never fires (``-inf`` for hidden_update) runs every example to the ceiling: the speedup's reference.
 
     Returns:
-        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only (windows are built first).
+        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only.
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.

@@ -48,16 +48,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full non-overlapping windows ``first … first + n − 1`` of a token stream.
-
-    Window i covers inputs ``tokens[i·L : (i+1)·L]`` and targets shifted by one, as in
-    :func:`~looplm.data.tokens.eval_windows`.
-
-    Returns:
-        (x, y), each (n, L) int64 on the CPU.
-
-    Raises:
-        ValueError: n < 1, or the stream holds fewer than ``first + n`` full windows.
+    """Full non-overlapping windows ``first … first + n − 1`` (inputs and shifted targets, as
+    :func:`~looplm.data.tokens.eval_windows`): (x, y), each (n, L) int64 on the CPU. Raises ValueError for
+    n < 1 or fewer than ``first + n`` full windows.
     """
     available = (len(tokens) - 1) // seq_len
     if n < 1 or first + n > available:
@@ -84,15 +77,9 @@ def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
 def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
                   criterion: str | ExitCriterion = "margin",
                   scale_clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-loop criterion statistic (the mean logit margin by default) and NLL of every window from one
-    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`; only (N, K) arrays kept).
-
-    Args:
-        model: put in eval mode by the caller. batches: (x, y) pairs, (B, L) int64 each.
-
-    Returns:
-        ``(margins, nll_sum, n_tok)``: (N, K) float64 statistic, (N, K) float64 summed NLL (nats) per
-        window and loop, (N,) int64 scored tokens (= L).
+    """Per-loop criterion statistic (mean logit margin by default) and NLL of every window from one
+    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`). Returns ``(margins, nll_sum,
+    n_tok)``: (N, K) float64, (N, K) float64 summed NLL (nats), (N,) int64 scored tokens (= L).
     """
     tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
                desc="calibration trace", scale_clamp=scale_clamp)
@@ -102,24 +89,10 @@ def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress:
 def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
                         progress: bool = False, criterion: str | ExitCriterion = "margin",
                         scale_clamp: bool = False) -> ExitRun:
-    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): halted sequences leave
-    the batch.
-
-    After loop k < K_max the criterion (by default the mean logit margin of the active rows' readout,
-    ``final=False`` below the model's final depth) is tested; rows that halt are scored at k and
-    removed from the loop state, the loop context and the targets; the rest continue. At K_max every
-    remaining row is read out and scored. The per-sequence NLL equals :func:`trace_margins`' NLL at
-    the same loops (to float rounding of the smaller batches).
-
-    Args:
-        model: put in eval mode by the caller. batches: (x, y) pairs on the model's device.
-        tau: threshold (logit units for the margin); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
-
-    Returns:
-        :class:`~looplm.eval.exits.ExitRun`.
-
-    Raises:
-        ValueError: k_max < 1.
+    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): after loop k < K_max rows whose
+    criterion fires are scored at k and leave the batch; the rest are scored at K_max. Per-sequence NLL
+    equals :func:`trace_margins`' (to rounding). ``tau``: logit units for the margin, ``inf`` never halts.
+    Raises ValueError for k_max < 1.
     """
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")

@@ -225,16 +225,10 @@ class DepthLM(nn.Module):
 
     def readout(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                 record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Coda, then the readout (SPEC §4). (B, L, d) → (B, L, V) logits, or (N, V) with ``tokens``.
+        """Coda, then the readout (SPEC §4): (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols).
 
-        ``readout="rmsnorm"``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw
-        when ``final=False`` (an intermediate loop), RMSNorm at the last loop.
-
-        Args:
-            scope: the forward's attention scope; coda layers attend at visit 0. ``record=False``
-                reads the KV cache without writing it (extra readouts leave no trace).
-            tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda,
-                which sees the whole sequence), so the (B, L, V) logits are never formed.
+        ``rmsnorm``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw unless ``final``.
+        Coda layers attend through ``scope`` at visit 0; ``record=False`` reads the KV cache without writing.
         """
         return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
 
@@ -286,15 +280,10 @@ class DepthLM(nn.Module):
              scale_clamp: bool = False) -> Loop:
         """A :class:`~looplm.model.cursor.Loop` at t = 0 on ``idx`` (B, L) int64: embed → prelude → start.
 
-        Args:
-            cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
-                positions continue the cache's, and the chunk's visits are appended to it (SPEC §6).
-            attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
-                position ids count real tokens only.
-            scale_clamp: the evaluation-time scale clamp (SPEC §4; :class:`Loop`).
-
-        Raises:
-            ValueError: a cache given to the unshared reference, or a position reaching ``seq_len``.
+        ``cache``: ``idx`` continues the cached tokens and its visits are appended (SPEC §6).
+        ``attention_mask``: (B, L) 0 marks left padding (masked keys; positions count real tokens).
+        ``scale_clamp``: the evaluation-time scale clamp (SPEC §4). Raises ValueError for a cache on the
+        unshared reference, or a position reaching ``seq_len``.
         """
         if cache is not None and not self.shared:
             raise ValueError("cache: KV caches need the shared architecture")
