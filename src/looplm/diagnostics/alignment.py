@@ -26,17 +26,9 @@ LOSSES = ("terminal", "per_loop")
 
 
 def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
-    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of visit-wise gradients of one sublayer (SPEC §7).
-
-    Args:
-        visit_grads: R tensors of one shape (any), the visit-wise gradients G_1 … G_R.
-
-    Returns:
-        κ̂ in [0, R] (float64 accumulation). R identical vectors give R; mutually orthogonal vectors of
-        equal norm give 1.
-
-    Raises:
-        ValueError: no visits, mismatched shapes, or all visits zero (κ̂ undefined).
+    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of one sublayer's R visit-wise gradients (SPEC §7), in [0, R], float64:
+    R identical vectors give R, orthogonal ones of equal norm 1. Raises ValueError for no visits,
+    mismatched shapes, or all visits zero.
     """
     if not visit_grads:
         raise ValueError("visit_grads: need at least one visit-wise gradient")

@@ -33,15 +33,8 @@ DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
 def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, *,
                                final: bool) -> tuple[float, torch.Tensor]:
-    """The immediate readout loss at one loop and its gradient with respect to that loop's state.
-
-    Args:
-        h: (B, L, d) hidden state H_k (detached here; the recurrence is not differentiated).
-        targets: (B, L) int64 next-token ids, -100 ignored.
-        final: True at the last loop K (``final_only_norm`` normalizes only there).
-
-    Returns:
-        (mean CE in nats, g = ∂L_k/∂H_k of shape (B, L, d) in h's dtype).
+    """The immediate readout loss at loop k and its gradient: (mean CE in nats, g = ∂L_k/∂H_k (B, L, d) in
+    h's dtype), with h detached (the recurrence is not differentiated) and ``final`` True at the last loop.
     """
     with torch.enable_grad():
         x = h.detach().requires_grad_(True)

@@ -234,17 +234,9 @@ EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (
 
 
 def exit_cdf_depths(exit_logits: Sequence[torch.Tensor], tau: float) -> torch.Tensor:
-    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (a forward's
-    ``exit_logits_by_depth``): the first loop k < T whose cumulative exit probability reaches τ
-    (:class:`ExitCDF`), else T. Reading each token out at its loop is Ouro's thresholded forward (every
-    token runs all T loops; the threshold picks the readout).
-
-    Args:
-        exit_logits: T tensors of the same shape, e.g. (B, L). tau: the threshold.
-    Returns:
-        int64 loops in [1, T], the shape of one logit tensor.
-    Raises:
-        ValueError: no logits.
+    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (T tensors, e.g.
+    (B, L)): the first k < T whose cumulative exit probability reaches τ (:class:`ExitCDF`), else T; int64
+    of one logit tensor's shape. Reading each token there is Ouro's thresholded forward. ValueError: no logits.
     """
     if not exit_logits:
         raise ValueError("exit_cdf_depths: need the exit logits of at least one loop")
@@ -282,16 +274,8 @@ def check_criterion(model, criterion: ExitCriterion) -> None:
 def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.ndarray:
     """Halting depth per example: the first loop k < C whose score fires, else C.
 
-    Args:
-        scores: (N, C) statistic of loops 1 … C (column k − 1 = loop k; the last column cannot
-            trigger a halt: loop C is the ceiling anyway). NaN never fires.
-        tau: the threshold. direction: "below" fires on score < τ, "above" on score ≥ τ.
-
-    Returns:
-        (N,) int64 depths in [1, C].
-
-    Raises:
-        ValueError: ``scores`` is not 2-D with C ≥ 1, or an unknown direction.
+    ``scores`` (N, C): column k − 1 = loop k (the last never fires: C is the ceiling; NaN never fires).
+    Returns (N,) int64 depths in [1, C]. Raises ValueError for scores not (N, C ≥ 1) or a bad direction.
     """
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[1] < 1:
