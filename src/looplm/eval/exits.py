@@ -355,25 +355,17 @@ def _depths_all(scores: np.ndarray, taus: np.ndarray, direction: Direction) -> n
 def calibrate(scores: np.ndarray, direction: Direction, *, target_depth: float | None = None,
               tolerance: float | None = None, nll: np.ndarray | None = None,
               tokens: np.ndarray | None = None) -> Calibration:
-    """τ for an exit criterion from a trace, by one of two objectives.
+    """τ for an exit criterion from a trace, by one of two objectives, every candidate (:func:`_candidates`)
+    evaluated at once from the cached arrays.
 
-    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE's protocol). The
-      mean depth is monotone in τ, so a bisection over the candidates finds the first one at or below
-      the target; the closer of it and its neighbour wins (ties go to the one not above the target).
-    - ``tolerance``: the earliest-halting τ (smallest for "above", largest for "below") whose dynamic
-      PPL ≤ (1 + tolerance) × the PPL with every example at the ceiling (the blind spot's protocol,
-      Appendix H). Dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]), token-weighted. The
-      never-halting candidate always qualifies (tolerance ≥ 0).
-
-    Candidates: :func:`_candidates`. Every candidate is evaluated at once from the cached arrays.
+    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE): bisection over the
+      monotone mean depth, the closer of the two neighbours winning (ties: the one not above the target).
+    - ``tolerance``: the earliest-halting τ whose dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]) ≤
+      (1 + tolerance) × the PPL at the ceiling (the blind spot, Appendix H); never halting always qualifies.
 
     Args:
-        scores: (N, C) criterion statistic per example and loop (see :func:`halting_depths`).
-        direction: the criterion's direction. nll: (N, C) summed NLL (nats) per example and loop;
-        tokens: (N,) scored tokens per example (both needed for ``tolerance``, optional otherwise).
-
-    Returns:
-        :class:`Calibration`.
+        scores: (N, C) statistic per example and loop (:func:`halting_depths`). direction: the criterion's.
+        nll: (N, C) summed NLL (nats); tokens: (N,) scored tokens (both needed for ``tolerance``).
 
     Raises:
         ValueError: not exactly one objective, an empty trace, a target outside [1, C], a negative
