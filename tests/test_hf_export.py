@@ -135,7 +135,7 @@ def test_remote_code_is_generated_from_the_package(exported):
     """The folder's code is looplm's modules with only the looplm imports rewritten (no looplm import left)."""
     import ast
 
-    from looplm.hf.export import REMOTE_FILES, remote_code
+    from looplm.hf.remote import REMOTE_FILES, remote_code
 
     files = remote_code()
     assert set(files) == {f"{name}.py" for name in REMOTE_FILES}

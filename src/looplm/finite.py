@@ -57,15 +57,8 @@ def dumps(obj: Any, *, indent: int | None = None) -> str:
 
 
 def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: str | None = None) -> list[Path]:
-    """Write a report pair: ``out`` ← the strict JSON (:func:`dumps`) of ``result``, and ``out`` with the
-    suffix ``.md`` ← ``markdown`` (default ``result["markdown"]``). Parent folders are created.
-
-    Returns:
-        ``[out, out.md]`` as paths.
-
-    Raises:
-        KeyError: no ``markdown`` given and ``result`` has no ``"markdown"``. TypeError: see :func:`dumps`.
-        OSError: a file cannot be written.
+    """Write ``out`` ← the strict JSON (:func:`dumps`) of ``result`` and ``out.md`` ← ``markdown`` (default
+    ``result["markdown"]``, KeyError without one), creating parent folders. Returns ``[out, out.md]``.
     """
     out = Path(out)
     md = out.with_suffix(".md")

@@ -37,34 +37,19 @@ fields and the evaluation protocol::
                                          # (keyword arguments of evaluate_task_checkpoint: ks, split,
                                          # max_examples, batch_size); such runs get no ppl evaluation
 
-The grid is variants × seeds × grid fields; runs are trained and evaluated one after another, seed
-by seed (all variants of seed 0 first, so that a partial sweep already has paired comparisons), into
-``OUT/runs/<run-id>/`` with run id ``<variant>[-<field>=<value>...]-s<seed>``. Evaluations go to the
-results database ``OUT/results.db`` (:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
+The grid is variants × seeds × grid fields, run seed by seed (all variants of seed 0 first, so a
+partial sweep already has paired comparisons) into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``;
+evaluations go to ``OUT/results.db`` (:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
 
-Resumable: a run whose training is complete and whose evaluations are all stored (for the weights
-now on disk) is skipped; a run killed midway resumes from its newest valid checkpoint. Tokenized
-data is prepared once per distinct data config. A run directory whose saved config differs from the
-sweep's raises :class:`SweepError` (delete the directory or use another ``--out``).
+Resumable: a run whose training is complete and whose evaluations are all stored (for the weights on
+disk) is skipped; a killed run resumes from its newest valid checkpoint. A run directory whose saved
+config differs from the sweep's raises :class:`SweepError`. ``only=[run ids]``, ``shard=(i, n)`` and
+:func:`plan_sweep` split a sweep into parts that may run at once into one ``OUT`` (run locks, atomic
+token caches and ``sweep.json``, a results DB that takes concurrent writers); parts write no report.
 
-In parallel: ``run_sweep(only=[run ids])`` / ``looplm sweep FILE --only RUN_ID`` runs some runs,
-``run_sweep(shard=(i, n))`` / ``--shard i/n`` the runs whose index in the run order is ≡ i (mod n),
-and :func:`plan_sweep` / ``--plan`` lists the pending runs (one ``looplm sweep FILE --out OUT --only
-RUN_ID`` command each, :func:`plan_commands`) without running anything. Any number of these may run
-at the same time into one ``OUT``: each run trains in its own folder (under its run lock), token
-caches and ``sweep.json`` are written atomically, and the results DB takes concurrent writers. Such
-partial runs write no report; ``looplm report --db OUT/results.db`` makes it at the end.
-
-The ``diagnose`` and ``lambada`` hooks import ``looplm.diagnostics.runner.diagnose_checkpoint`` and
-``looplm.eval.lambada.evaluate_lambada_checkpoint`` only when enabled; their numbers are stored as
-protocols ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``) and
-``lambada`` (dataset ``lambada``, split ``test``). ``diagnose`` is skipped for unshared variants.
-The ``kv_sharing`` hook (``looplm.eval.kvsharing.evaluate_kv_sharing_checkpoint``; its own ``depths``,
-default [5]) stores protocol ``kv_sharing`` (metrics ``ppl_full``, ``ppl_terminal``,
-``sharing_penalty_pct``, KV bytes; depth column = R) for shared variants.
-The ``tasks`` hook (``looplm.eval.tasks.evaluate_task_checkpoint``) stores protocol ``tasks`` for runs
-trained on a synthetic task: one row per difficulty k (dataset ``<task>-k<k>``, e.g. ``modsum-k3``) and
-depth T, metrics ``acc`` (exact match), ``correct``, ``n`` and ``nll`` (nats per answer token).
+Stored protocols: ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``;
+shared variants only), ``lambada`` (dataset ``lambada``, split ``test``), ``kv_sharing`` (depth column =
+R; shared variants only) and ``tasks`` (dataset ``<task>-k<k>``, metrics ``acc``, ``correct``, ``n``, ``nll``).
 '''
 
 from __future__ import annotations
@@ -523,17 +508,21 @@ class _Runner:
                          weights_sha256=_weights_sha(ckpt), summary=summary)
 
     def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool = False) -> list[str]:
-        """Run every evaluation that is missing (all of them when ``force``). Returns what ran.
+        """Run every evaluation that is missing (all of them when ``force``). Returns what ran; with ``dry``,
+        nothing runs and the labels of what would run are returned."""
+        done = self._eval_ppl(ckpt, saved, force, dry)
+        for protocol in ("lambada", "tasks", "kv_sharing", "diagnose"):
+            if getattr(self.ev, protocol) is not None:
+                done += getattr(self, f"_eval_{protocol}")(spec, ckpt, saved, force, dry)
+        return done
 
-        With ``dry``, nothing runs: the labels of the evaluations that would run are returned.
-        """
-        done = []
-        ev, tag = self.ev, self.ev.tag
+    def _eval_ppl(self, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
+        done, ev = [], self.ev
         settings = ev.ppl_settings()
         for dataset in ev.ppl_datasets(saved.data):
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
-                                               settings=settings, tag=tag) for T in ev.depths}
+                                               settings=settings, tag=ev.tag) for T in ev.depths}
                 if not force and all(self.store.has(i, ["ppl"]) for i in idents.values()):
                     continue
                 if dry:
@@ -549,86 +538,95 @@ class _Runner:
                                     config=saved, settings=settings, provenance=res.get("provenance"))
                 done.append(f"ppl {dataset}/{split}: " + ", ".join(
                     f"T={T} {res['depths'][str(T)]['ppl']:.1f}" for T in ev.depths))
-        if ev.lambada is not None:
-            settings = dict(ev.lambada)
-            idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
-                                           settings=settings, tag=tag) for T in ev.depths}
-            if dry and (force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values())):
-                done.append("lambada")
-            elif force or not all(self.store.has(i, ["target_ppl"]) for i in idents.values()):
-                res = _hook("lambada")(ckpt, depths=list(ev.depths), progress=self.progress,
-                                       **{"device": self.device(), **settings})
-                items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
-                self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
-                done.append("lambada")
-        if ev.tasks is not None and saved.data.dataset == "task":
-            from looplm.eval.tasks import default_ks
-
-            settings = dict(ev.tasks)
-            ks = settings.get("ks") or default_ks(saved.data)
-            idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}",
-                                                split=str(settings.get("split", "test")), depth=T,
-                                                settings=settings, tag=tag) for k in ks for T in ev.depths}
-            todo = force or not all(self.store.has(i, ["acc"]) for i in idents.values())
-            if dry and todo:
-                done.append("tasks")
-            elif todo:
-                res = _hook("tasks")(ckpt, depths=list(ev.depths), progress=self.progress,
-                                     **{"device": self.device(), **settings})
-                self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
-                                     for (k, T), ident in idents.items()], config=saved, settings=settings)
-                T = ev.depths[-1]
-                done.append(f"tasks: acc (%) at T={T} " + ", ".join(
-                    f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks))
-        if ev.kv_sharing is not None and saved.model.architecture == "shared":
-            settings = dict(ev.kv_sharing)
-            depths = settings.pop("depths")
-            dataset = str(settings.get("dataset") or saved.data.dataset)
-            split = str(settings.get("split", "test"))
-            idents = {R: EvalIdentity.make(saved, "kv_sharing", dataset=dataset, split=split, depth=R,
-                                           settings=settings, tag=tag) for R in depths}
-            todo = force or not all(self.store.has(i, ["ppl_terminal"]) for i in idents.values())
-            if dry and todo:
-                done.append("kv_sharing")
-            elif todo:
-                res = _hook("kv_sharing")(ckpt, depths, progress=self.progress,
-                                          **{"device": self.device(), **settings})
-                self.store.put_many([(idents[R], _numeric(res["depths"][str(R)])) for R in depths],
-                                    config=saved, settings=settings, provenance=res.get("provenance"))
-                done.append("kv_sharing: " + ", ".join(
-                    f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%" for R in depths))
-        if ev.diagnose is not None and saved.model.architecture == "shared":
-            settings = dict(ev.diagnose)
-            probe = EvalIdentity.make(saved, "diagnose", dataset="", split="", depth=0, settings=settings, tag=tag)
-            stored = self.store.count(config_hash=probe.config_hash, protocol="diagnose",
-                                      protocol_hash=probe.protocol_hash, seed=probe.seed, tag=tag)
-            if dry and (force or not stored):
-                done.append("diagnose")
-            elif force or not stored:
-                res = _hook("diagnose")(ckpt, out_dir=ckpt.parent.parent / "diagnose", progress=self.progress,
-                                        **{"device": self.device(), **settings})
-                dataset = str(res.get("dataset", settings.get("dataset", saved.data.dataset)))
-                split = str(res.get("split", settings.get("split", "-")))
-                per_t: dict[int, dict[str, float]] = {}
-                for key, records in res.items():
-                    if not isinstance(records, list):
-                        continue
-                    for rec in records:
-                        if isinstance(rec, dict) and "t" in rec:
-                            for m, v in _numeric(rec).items():
-                                if m != "t":
-                                    per_t.setdefault(int(rec["t"]), {})[m if m == key else f"{key}.{m}"] = v
-                if force:
-                    self.store.delete(config_hash=probe.config_hash, protocol="diagnose",
-                                      protocol_hash=probe.protocol_hash, seed=probe.seed, tag=tag)
-                items = [(EvalIdentity.make(saved, "diagnose", dataset=dataset, split=split, depth=t,
-                                            settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
-                if not items:
-                    raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records "
-                                     "with a loop step t")
-                self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
-                done.append("diagnose")
         return done
+
+    def _todo(self, idents, metric: str, force: bool) -> bool:
+        return force or not all(self.store.has(i, [metric]) for i in idents.values())
+
+    def _run_hook(self, protocol: str, ckpt: Path, *args, **settings) -> dict:
+        return _hook(protocol)(ckpt, *args, progress=self.progress, **{"device": self.device(), **settings})
+
+    def _eval_lambada(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
+        ev, settings = self.ev, dict(self.ev.lambada)
+        idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
+                                       settings=settings, tag=ev.tag) for T in ev.depths}
+        if not self._todo(idents, "target_ppl", force):
+            return []
+        if not dry:
+            res = self._run_hook("lambada", ckpt, depths=list(ev.depths), **settings)
+            items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
+            self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
+        return ["lambada"]
+
+    def _eval_tasks(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
+        if saved.data.dataset != "task":
+            return []
+        from looplm.eval.tasks import default_ks
+
+        ev, settings = self.ev, dict(self.ev.tasks)
+        ks = settings.get("ks") or default_ks(saved.data)
+        idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}",
+                                            split=str(settings.get("split", "test")), depth=T,
+                                            settings=settings, tag=ev.tag) for k in ks for T in ev.depths}
+        if not self._todo(idents, "acc", force):
+            return []
+        if dry:
+            return ["tasks"]
+        res = self._run_hook("tasks", ckpt, depths=list(ev.depths), **settings)
+        self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
+                             for (k, T), ident in idents.items()], config=saved, settings=settings)
+        T = ev.depths[-1]
+        return [f"tasks: acc (%) at T={T} " + ", ".join(
+            f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks)]
+
+    def _eval_kv_sharing(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
+        if saved.model.architecture != "shared":
+            return []
+        settings = dict(self.ev.kv_sharing)
+        depths = settings.pop("depths")
+        dataset = str(settings.get("dataset") or saved.data.dataset)
+        split = str(settings.get("split", "test"))
+        idents = {R: EvalIdentity.make(saved, "kv_sharing", dataset=dataset, split=split, depth=R,
+                                       settings=settings, tag=self.ev.tag) for R in depths}
+        if not self._todo(idents, "ppl_terminal", force):
+            return []
+        if dry:
+            return ["kv_sharing"]
+        res = self._run_hook("kv_sharing", ckpt, depths, **settings)
+        self.store.put_many([(idents[R], _numeric(res["depths"][str(R)])) for R in depths],
+                            config=saved, settings=settings, provenance=res.get("provenance"))
+        return ["kv_sharing: " + ", ".join(f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%"
+                                           for R in depths)]
+
+    def _eval_diagnose(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
+        if saved.model.architecture != "shared":
+            return []
+        tag, settings = self.ev.tag, dict(self.ev.diagnose)
+        probe = EvalIdentity.make(saved, "diagnose", dataset="", split="", depth=0, settings=settings, tag=tag)
+        where = dict(config_hash=probe.config_hash, protocol="diagnose", protocol_hash=probe.protocol_hash,
+                     seed=probe.seed, tag=tag)
+        if not force and self.store.count(**where):
+            return []
+        if dry:
+            return ["diagnose"]
+        res = self._run_hook("diagnose", ckpt, out_dir=ckpt.parent.parent / "diagnose", **settings)
+        dataset = str(res.get("dataset", settings.get("dataset", saved.data.dataset)))
+        split = str(res.get("split", settings.get("split", "-")))
+        per_t: dict[int, dict[str, float]] = {}
+        for key, records in res.items():
+            for rec in records if isinstance(records, list) else []:
+                if isinstance(rec, dict) and "t" in rec:
+                    for m, v in _numeric(rec).items():
+                        if m != "t":
+                            per_t.setdefault(int(rec["t"]), {})[m if m == key else f"{key}.{m}"] = v
+        if force:
+            self.store.delete(**where)
+        items = [(EvalIdentity.make(saved, "diagnose", dataset=dataset, split=split, depth=t,
+                                    settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
+        if not items:
+            raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records with a loop step t")
+        self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
+        return ["diagnose"]
 
     def pending(self, spec: RunSpec) -> list[str]:
         """What :meth:`run_one` would do for ``spec`` (empty: nothing; the run is done). Runs nothing.

@@ -53,20 +53,10 @@ def depth_use_cell(by_depth: Mapping[int, Mapping[int, float]], train_depth: int
 
 def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *, digits: int = 1,
                  expect: str = "negative") -> tuple[str, str]:
-    """A paper's claim "variant − baseline is ``expect``" over the seeds both have.
-
-    Args:
-        variant, baseline: ``{seed: value}``.
-        digits: decimals of the cell.
-        expect: ``"negative"`` (e.g. the paper's method has the lower PPL) or ``"positive"``.
-
-    Returns:
-        ``(cell, verdict)``: cell ``"+m [t lo, t hi] (boot. lo, hi)"`` (``"+m (1 seed)"`` for one pair,
-        ``"–"`` for none); verdict from :func:`looplm.analysis.stats.claim_verdict`, in bold when it is
-        ``reproduces`` or ``opposite``.
-
-    Raises:
-        ValueError: a bad ``expect`` (see :func:`claim_verdict`).
+    """A paper's claim "variant − baseline is ``expect``" (``"negative"`` or ``"positive"``) over the seeds
+    both have (``{seed: value}`` each). Returns ``(cell, verdict)``: ``"+m [t lo, t hi] (boot. lo, hi)"``
+    (``"+m (1 seed)"``, ``"–"`` for none) and :func:`~looplm.analysis.stats.claim_verdict`'s verdict, bold
+    when ``reproduces`` or ``opposite``. Raises ValueError for a bad ``expect``.
     """
     s = summarize_paired(variant, baseline)
     judged = claim_verdict(s, expect=expect)
@@ -120,23 +110,15 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
 
 def diagnose_sections(runs_dir: str | Path, cache: str | Path, section: str,
                       pick: Callable[[Any], Any]) -> dict[str, Any]:
-    """One section of each run's ``diagnose/diagnose.json``, merged into (and written back to) ``cache``.
-
-    Run folders are not committed, so a summary keeps what it reads from them in a committed JSON file;
-    a run folder present now replaces its entry, and the cache answers once the folders are gone.
+    """One section of each run's ``diagnose/diagnose.json``, merged into (and written back to) ``cache``:
+    run folders are not committed, so the committed cache answers once they are gone.
 
     Args:
-        runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/diagnose/diagnose.json``); may be missing.
-        cache: JSON file holding the records collected so far (not written while there are none).
-        section: top-level key of ``diagnose.json`` (e.g. ``"convergence"``, ``"scale"``); runs without it
-            (or with it empty) are skipped.
-        pick: maps the section to the JSON-serializable record kept for the run.
+        runs_dir: the sweep's ``runs/`` (``<variant>-s<seed>/diagnose/diagnose.json``); may be missing.
+        cache: JSON of the records so far (not written while there are none). section: top-level key
+            (``"convergence"``, ``"scale"``; runs without it are skipped). pick: section → kept record.
 
-    Returns:
-        ``{run_id: pick(section)}``.
-
-    Raises:
-        json.JSONDecodeError: a damaged cache or ``diagnose.json``. OSError: ``cache`` cannot be written.
+    Returns ``{run_id: pick(section)}``; raises json.JSONDecodeError (damaged file) or OSError (cache).
     """
     cache = Path(cache)
     records = json.loads(cache.read_text()) if cache.exists() else {}

@@ -151,7 +151,41 @@ def build_report(store: ResultStore, *, baseline: str | None = None, sweep: str 
     elif baseline not in variants:
         raise ValueError(f"--baseline: unknown variant {baseline!r}; known: {', '.join(variants)}")
 
-    # (protocol, protocol_hash, tag, dataset, split, metric) → label → depth → seed → value
+    table = _eval_table(store, groups)
+    hashes_per_set = defaultdict(set)
+    for (proto, phash, tag, ds, split, _m) in table:
+        hashes_per_set[(proto, tag, ds, split)].add(phash)
+    base_of = {g.grid_key: g.label for g in groups if g.variant == baseline}
+    paired = dict(confidence=confidence, n_resamples=n_resamples, seed=bootstrap_seed)
+
+    def metric_order(m: str, proto: str) -> tuple:
+        wanted = TABLE_METRICS.get(proto)
+        return (wanted.index(m) if wanted else 0, m)
+
+    sections = []
+    for key in sorted(table, key=lambda k: (_PROTOCOL_ORDER.get(k[0], 9), k[0], k[3], k[4], k[2], k[1],
+                                              metric_order(k[5], k[0]))):
+        proto, phash, tag, ds, split, metric = key
+        data = table[key]
+        cells, deltas = _cells(data, groups), {}
+        for g in groups:
+            base_label = base_of.get(g.grid_key)
+            if g.label in data and (proto, metric) in PAIRED_METRICS and g.variant != baseline and base_label in data:
+                deltas[g.label] = _deltas(data[g.label], data[base_label], base_label, paired)
+        sections.append({
+            "protocol": proto, "protocol_hash": phash, "settings": store.protocol_settings(phash),
+            "ambiguous_settings": len(hashes_per_set[(proto, tag, ds, split)]) > 1,
+            "dataset": ds, "split": split, "tag": tag, "metric": metric,
+            "depth_name": "t" if proto == "diagnose" else "T",
+            "depths": sorted({t for per in data.values() for t in per}), "cells": cells, "deltas": deltas})
+    return {"db": str(store.path), "sweeps": sorted({r.sweep for r in runs}), "baseline": baseline,
+            "variants": [g.label for g in groups], "seeds": sorted({r.seed for r in runs}),
+            "confidence": confidence, "bootstrap": {"resamples": n_resamples, "seed": bootstrap_seed},
+            "train_range": _train_range(runs), "models": [_model_entry(g) for g in groups], "sections": sections}
+
+
+def _eval_table(store: ResultStore, groups: list[_Group]) -> dict[tuple, dict[str, dict[int, dict[int, float]]]]:
+    """(protocol, protocol_hash, tag, dataset, split, metric) → label → depth → seed → value."""
     table: dict[tuple, dict[str, dict[int, dict[int, float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(dict)))
     for g in groups:
@@ -164,62 +198,40 @@ def build_report(store: ResultStore, *, baseline: str | None = None, sweep: str 
                 continue
             key = (row["protocol"], row["protocol_hash"], row["tag"], row["dataset"], row["split"], row["metric"])
             table[key][g.label][row["depth"]][row["seed"]] = row["value"]
+    return table
 
-    hashes_per_set = defaultdict(set)
-    for (proto, phash, tag, ds, split, _m) in table:
-        hashes_per_set[(proto, tag, ds, split)].add(phash)
-    base_of = {g.grid_key: g.label for g in groups if g.variant == baseline}
 
-    def metric_order(m: str, proto: str) -> tuple:
-        wanted = TABLE_METRICS.get(proto)
-        return (wanted.index(m) if wanted else 0, m)
-
-    sections = []
-    for key in sorted(table, key=lambda k: (_PROTOCOL_ORDER.get(k[0], 9), k[0], k[3], k[4], k[2], k[1],
-                                              metric_order(k[5], k[0]))):
-        proto, phash, tag, ds, split, metric = key
-        data = table[key]
-        depths = sorted({t for per in data.values() for t in per})
-        cells: dict[str, dict[str, Any]] = {}
-        deltas: dict[str, dict[str, Any]] = {}
-        for g in groups:
-            if g.label not in data:
-                continue
-            cells[g.label] = {}
-            for t, per_seed in sorted(data[g.label].items()):
-                seeds = sorted(per_seed)
-                values = [per_seed[s] for s in seeds]
-                m, s = mean_std(values)
-                cells[g.label][str(t)] = {"n": len(values), "mean": m, "std": s, "seeds": seeds, "values": values}
-            base_label = base_of.get(g.grid_key)
-            if (proto, metric) not in PAIRED_METRICS or g.variant == baseline or base_label not in data:
-                continue
-            deltas[g.label] = {}
-            for t, per_seed in sorted(data[g.label].items()):
-                summary = summarize_paired(per_seed, data[base_label].get(t, {}), confidence=confidence,
-                                           n_resamples=n_resamples, seed=bootstrap_seed)
-                if summary is not None:
-                    deltas[g.label][str(t)] = {**summary.to_dict(), "baseline": base_label}
-        sections.append({
-            "protocol": proto, "protocol_hash": phash, "settings": store.protocol_settings(phash),
-            "ambiguous_settings": len(hashes_per_set[(proto, tag, ds, split)]) > 1,
-            "dataset": ds, "split": split, "tag": tag, "metric": metric,
-            "depth_name": "t" if proto == "diagnose" else "T", "depths": depths, "cells": cells,
-            "deltas": deltas})
-
-    models = []
+def _cells(data: dict[str, dict[int, dict[int, float]]], groups: list[_Group]) -> dict[str, dict[str, Any]]:
+    cells: dict[str, dict[str, Any]] = {}
     for g in groups:
-        r = g.runs[0]
-        models.append({"label": g.label, "variant": g.variant, "grid": g.grid,
-                       "architecture": r.config["model"].get("architecture"), "rule": r.config["model"].get("rule"),
-                       "params": r.params, "flops": {str(k): v for k, v in sorted(r.flops.items())},
-                       "config_hash": r.config_hash, "config": r.config,
-                       "runs": [{k: v for k, v in record_dict(x).items() if k not in ("config", "flops")}
-                                for x in g.runs]})
-    return {"db": str(store.path), "sweeps": sorted({r.sweep for r in runs}), "baseline": baseline,
-            "variants": [g.label for g in groups], "seeds": sorted({r.seed for r in runs}),
-            "confidence": confidence, "bootstrap": {"resamples": n_resamples, "seed": bootstrap_seed},
-            "train_range": _train_range(runs), "models": models, "sections": sections}
+        if g.label not in data:
+            continue
+        cells[g.label] = {}
+        for t, per_seed in sorted(data[g.label].items()):
+            seeds = sorted(per_seed)
+            values = [per_seed[s] for s in seeds]
+            m, s = mean_std(values)
+            cells[g.label][str(t)] = {"n": len(values), "mean": m, "std": s, "seeds": seeds, "values": values}
+    return cells
+
+
+def _deltas(ours: dict[int, dict[int, float]], base: dict[int, dict[int, float]], base_label: str,
+            paired: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for t, per_seed in sorted(ours.items()):
+        summary = summarize_paired(per_seed, base.get(t, {}), **paired)
+        if summary is not None:
+            out[str(t)] = {**summary.to_dict(), "baseline": base_label}
+    return out
+
+
+def _model_entry(g: _Group) -> dict[str, Any]:
+    r = g.runs[0]
+    return {"label": g.label, "variant": g.variant, "grid": g.grid,
+            "architecture": r.config["model"].get("architecture"), "rule": r.config["model"].get("rule"),
+            "params": r.params, "flops": {str(k): v for k, v in sorted(r.flops.items())},
+            "config_hash": r.config_hash, "config": r.config,
+            "runs": [{k: v for k, v in record_dict(x).items() if k not in ("config", "flops")} for x in g.runs]}
 
 
 def _section_title(sec: dict[str, Any]) -> str:

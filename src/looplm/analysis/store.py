@@ -1,26 +1,12 @@
 """Results store: one embedded SQLite database of evaluations keyed by their identity (SPEC §9).
 
-An *evaluation identity* is the tuple
-
-    (config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag)
-
-- ``config_hash``: sha256 of the canonical JSON of the run config with the fields that do not change
-  the trained weights removed (:data:`NON_IDENTITY_FIELDS`: the run name, the seed — it has its own
-  column — and device, thread, logging, checkpoint and path settings; :data:`HF_DATA_FIELDS` unless
-  ``data.dataset`` is ``hf``, :data:`TASK_DATA_FIELDS` unless it is ``task``). The JSON itself is kept in
-  the ``configs`` table.
-- ``protocol``: what was measured (``"ppl"``, ``"lambada"``, ``"diagnose"``, ...) and
-  ``protocol_hash``: sha256 of the protocol name plus its settings that change the numbers (e.g.
-  ``max_tokens``, ``stride``); the settings JSON is kept in the ``protocols`` table.
-- ``dataset``, ``split``: the evaluation text; ``depth``: the loop depth T (for ``diagnose``: the
-  0-based loop step t of the record); ``seed``: the training seed; ``tag``: a free label.
-
-Each identity holds one set of metrics (name → float). :meth:`ResultStore.put` replaces an
-identity's metric set in one transaction (UPSERT; stale metric names are dropped), so re-running an
-evaluation updates it and never double-counts a seed. Writers from several processes are safe: the
-database runs in WAL mode with a busy timeout and every write is one ``BEGIN IMMEDIATE``
-transaction. The ``runs`` table holds per-run metadata written by sweeps: variant, grid point, seed,
-config, parameter count, FLOP proxy per depth, run directory, weights sha256, training summary.
+An *evaluation identity* is ``(config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag)``:
+``config_hash`` hashes the run config without the fields that leave the trained weights unchanged
+(:data:`NON_IDENTITY_FIELDS`; :data:`HF_DATA_FIELDS` / :data:`TASK_DATA_FIELDS` unless that dataset);
+``protocol_hash`` the protocol name plus its settings that change the numbers; ``depth`` is the loop depth T
+(for ``diagnose``: the 0-based loop step t). Each identity holds one set of metrics (name → float);
+:meth:`ResultStore.put` replaces it in one transaction (stale metric names dropped), so a re-run never
+double-counts a seed. Several writer processes are safe (WAL mode, busy timeout, ``BEGIN IMMEDIATE``).
 
 Schema (``SCHEMA_VERSION`` 1)::
 
@@ -34,10 +20,9 @@ Schema (``SCHEMA_VERSION`` 1)::
          flops_json, run_dir, weights_sha256, summary_json, updated_at, PRIMARY KEY(sweep, run_id))
     provenance(<identity columns>, provenance_json, PRIMARY KEY(<identity columns>))
 
-``provenance`` (added later without a version bump: ``CREATE TABLE IF NOT EXISTS`` adds it to older
-files) holds, per evaluation identity, :func:`looplm.provenance.provenance` of the evaluation that wrote it.
-Read-only users (``looplm report``) open the file with ``readonly=True``: SQLite ``mode=ro``, and the
-schema is checked before anything is read, so an unrelated database is never changed.
+``provenance`` (``CREATE TABLE IF NOT EXISTS`` adds it to older files) holds each evaluation's
+:func:`looplm.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
+after checking the schema, so an unrelated database is never changed.
 """
 
 from __future__ import annotations
@@ -381,15 +366,9 @@ class ResultStore:
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
             settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        """Store ``metrics`` as the evaluation ``identity``, replacing what it held before.
-
-        Args:
-            identity: the evaluation identity.
-            metrics: metric name → value (floats; NaN is stored as NULL and read back as NaN).
-            config: the run config (``Config`` or dict); its identity JSON goes to ``configs``.
-            settings: the protocol settings; stored in ``protocols``.
-            provenance: where the metrics came from (:func:`looplm.provenance.provenance`); stored in
-                ``provenance`` (an identity written without one loses its old record).
+        """Store ``metrics`` (NaN stored as NULL, read back as NaN) as ``identity``, replacing what it held;
+        ``config`` and ``settings`` go to ``configs`` / ``protocols``, ``provenance`` (an identity written
+        without one loses its old record) to ``provenance``.
         """
         self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
 

@@ -1,39 +1,26 @@
 """Corpus registry: raw text of the train / valid / test split of each dataset (SPEC §5, §11).
 
-Every corpus returns a split as a list of *documents* (strings); the token stream puts the
-end-of-text token between documents. ``load_split_text`` joins them with the corpus's separator,
-which gives back the split's text as a user would read it.
+A corpus returns a split as a list of *documents*; the token stream puts the end-of-text token between
+them, and ``load_split_text`` joins them with the corpus's separator. Registered names (the
+``DataConfig.dataset`` Literal; a test checks that the two agree):
 
-Registered names (the ``DataConfig.dataset`` Literal; a test checks that the two agree):
+- ``brown``: ``<data_root>/brown/brown_untagged.txt``, 500 documents (sentences joined with ``"\\n"``) split
+  by 0-based index i: ``i % 20`` 18 → valid, 19 → test, else train (450 / 25 / 25; SPEC §11, our choice).
+- ``wikitext2`` / ``wikitext103``: ``<data_root>/wikitext-2-raw/wiki.{train,valid,test}.raw``
+  (``wikitext-103-raw/``), CRLF → LF, else the hub (``Salesforce/wikitext``). One document per split.
+- ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8 (CRLF → LF). One document per split.
+- ``openwebtext``: hub only (``Skylion007/openwebtext`` ``train``, hub order): rows [0, 200,000) → train,
+  the next 4,096 → valid, the next 4,096 → test (SPEC §5).
+- ``c4``: hub only (``allenai/c4``, ``en``): the first 100,000 ``train`` rows → train; ``validation`` rows
+  [0, 4,096) → valid (the SCSE paper's held-out slice), [4,096, 8,192) → test (SPEC §5).
+- ``hf``: anything ``datasets.load_dataset`` reads: ``hf_path`` a local ``.json``/``.jsonl``/``.parquet``/
+  ``.txt`` file (split ``train``) or folder of them, else a hub id (config ``hf_name``); ``hf_splits`` the
+  three split specs (slicing allowed), ``text_column`` the text; one document per row (per paragraph of a
+  ``.txt``), joined with ``"\n\n"``; fingerprint: the files' sha256, or the hub id and config.
 
-- ``brown``: ``<data_root>/brown/brown_untagged.txt``, 500 documents split by 0-based document
-  index i: ``i % 20 == 18`` → valid, ``i % 20 == 19`` → test, others → train (450 / 25 / 25;
-  SPEC §11, our choice). A document is its sentences joined with ``"\\n"``; documents are joined
-  with ``"\\n\\n"`` in ``load_split_text``.
-- ``wikitext2`` / ``wikitext103``: the raw variants, local files
-  ``<data_root>/wikitext-2-raw/wiki.{train,valid,test}.raw`` (``wikitext-103-raw/`` for 103),
-  CRLF → LF; when a file is missing, the Hugging Face hub (``Salesforce/wikitext``) if the
-  ``datasets`` package is installed. One document per split.
-- ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8 files (CRLF → LF;
-  relative paths are relative to the current directory). One document per split.
-- ``openwebtext``: hub only (``Skylion007/openwebtext``, its one ``train`` split, in hub order):
-  rows [0, 200,000) → train, the next 4,096 → valid, the next 4,096 → test (SPEC §5).
-- ``c4``: hub only (``allenai/c4``, config ``en``): the first 100,000 ``train`` rows → train; rows
-  [0, 4,096) of ``validation`` → valid and rows [4,096, 8,192) → test (SPEC §5: two disjoint slices;
-  valid is the SCSE paper's held-out C4 slice).
-
-- ``hf``: any dataset ``datasets.load_dataset`` reads: ``DataConfig.hf_path`` is a local ``.json``,
-  ``.jsonl``, ``.parquet`` or ``.txt`` file (one split, ``train``) or a folder of them (split names
-  from the file names), else a hub dataset id (config ``hf_name``); ``hf_splits`` are the train,
-  valid and test split specs (slicing allowed, e.g. ``train[:90%]``), ``text_column`` the text. One
-  document per row (per paragraph in a ``.txt`` file), joined with ``"\n\n"``. Fingerprint: the
-  files' sha256 (local) or the hub id and config (hub), with the split spec and column.
-
-The hub corpora are read through ``datasets`` in streaming mode (only the rows used are fetched),
-one document per row (its ``text``), documents joined with ``"\\n\\n"``. Their fingerprint describes
-the hub source and slice without network access, so a token stream built once online is reused
-offline from the token cache; with no cache, ``datasets`` missing or the hub unreachable, loading
-raises FileNotFoundError naming the dataset and the ``pip install datasets`` + online remedy.
+Hub corpora stream through ``datasets`` (only the rows used are fetched), one document per row joined
+with ``"\\n\\n"``; their fingerprint needs no network, so a token cache built online is reused offline.
+Without a cache, ``datasets`` or the hub, loading raises FileNotFoundError naming the remedy.
 """
 
 from __future__ import annotations

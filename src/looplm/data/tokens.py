@@ -87,15 +87,10 @@ def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
 
 def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path, *,
                 progress: bool = True) -> np.ndarray:
-    """The token stream of ``split`` as a read-only 1-D memmap (uint16 or uint32, see module doc).
-
-    Built on first use (documents of :func:`~looplm.data.corpora.load_split_documents`, EOT between
-    documents: Brown's documents are separated, the single-document splits have no EOT) and written
-    atomically, so a killed build never leaves a half file; later calls map the cached file without
-    reading the source text.
-
-    Raises:
-        ValueError: unknown dataset / split. FileNotFoundError: missing source (names the file).
+    """The token stream of ``split`` as a read-only 1-D memmap (uint16 or uint32, module doc), built on first
+    use (EOT between the documents of :func:`~looplm.data.corpora.load_split_documents`) and written
+    atomically; later calls map the cached file. Raises ValueError (unknown dataset / split) or
+    FileNotFoundError (missing source, named).
     """
     path = tokens_cache_path(cfg, split, tok, data_root, cache_dir)
     dtype = token_dtype(tok.get_vocab_size())
@@ -117,14 +112,10 @@ def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int
                  micro: int = 0, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Random contiguous training windows: x, y int64 (B, L), y the next tokens of x in the stream.
 
-    Each row is ``tokens[o : o + L + 1]`` with offset o uniform over the multiples of ``stride`` in
-    [0, len − L − 1], drawn from a ``torch.Generator`` seeded by :func:`batch_seed` (seed, step,
-    micro): resuming at step k, or another rank, draws exactly the same batches. ``stride`` > 1 keeps
-    windows aligned to fixed-length records (a synthetic task's examples, :mod:`looplm.rl.task`); 1
-    draws exactly what the function drew before it had the argument.
-
-    Raises:
-        ValueError: the stream has fewer than L + 1 tokens, or stride < 1.
+    Row offsets are uniform over the multiples of ``stride`` in [0, len − L − 1], drawn from a generator
+    seeded by :func:`batch_seed` (seed, step, micro), so a resumed run or another rank draws the same
+    batches; ``stride`` > 1 aligns windows to fixed-length records (:mod:`looplm.rl.task`). Raises
+    ValueError for a stream shorter than L + 1 or stride < 1.
     """
     n = len(tokens)
     if n < seq_len + 1:

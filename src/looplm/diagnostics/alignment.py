@@ -1,24 +1,15 @@
 """Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop,
 arXiv:2607.13491, §3.4, eq. 12).
 
-A looped model visits each physical sublayer j of its core once per loop step (twice for the
-two-call rules ``sc_subtract`` and ``additive_subtract``), so the weight gradient of j is a sum of
-visit-wise contributions G_{r,j}, r = 1 … R_j. SPEC §7 measures the alignment of these contributions
-with
+A core sublayer j visited R_j times per forward has weight gradient Σ_r G_{r,j}; SPEC §7 measures
 
     κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖²,      κ̂_R = max_j κ̂_j,
 
-which is 1 for mutually orthogonal visits of equal norm and R for identical ones (0 ≤ κ̂_j ≤ R by
-Cauchy–Schwarz). This is the measurable stand-in for DeepLoop's κ_R (eq. 12), whose bound uses
-the gradients *and* sensitivities of the visits.
-
-Sublayers: for every block i of ``model.core``, ``core.blocks.i.attn`` (the weights of every
-``nn.Linear`` inside the attention, i.e. ``qkv`` and ``proj``) and ``core.blocks.i.mlp`` (``gate_up``
-— the fused gate and up projections — and ``down``). G_{r,j} is the concatenation of those weights' gradients flattened; the visit index
-r is the order of the module's forward calls. Visit-wise gradients are captured without a second
-backward: a forward hook saves each call's input x (M tokens × d_in) and hooks the output's gradient
-g (M × d_out); a bias-free Linear's weight gradient from that call is gᵀx (d_out × d_in), and the sum
-over calls is exactly autograd's ``.grad`` (checked by the tests).
+1 for orthogonal visits of equal norm, R for identical ones: the measurable stand-in for DeepLoop's κ_R.
+Sublayers: ``core.blocks.i.attn`` (``qkv``, ``proj``) and ``core.blocks.i.mlp`` (``gate_up``, ``down``);
+G_{r,j} concatenates their flattened gradients, r in forward-call order. Captured without a second
+backward: a forward hook saves each call's input x and hooks its output gradient g, so a bias-free
+Linear's per-call gradient is gᵀx; their sum is autograd's ``.grad`` (tests).
 """
 
 from __future__ import annotations
@@ -35,17 +26,9 @@ LOSSES = ("terminal", "per_loop")
 
 
 def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
-    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of visit-wise gradients of one sublayer (SPEC §7).
-
-    Args:
-        visit_grads: R tensors of one shape (any), the visit-wise gradients G_1 … G_R.
-
-    Returns:
-        κ̂ in [0, R] (float64 accumulation). R identical vectors give R; mutually orthogonal vectors of
-        equal norm give 1.
-
-    Raises:
-        ValueError: no visits, mismatched shapes, or all visits zero (κ̂ undefined).
+    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of one sublayer's R visit-wise gradients (SPEC §7), in [0, R], float64:
+    R identical vectors give R, orthogonal ones of equal norm 1. Raises ValueError for no visits,
+    mismatched shapes, or all visits zero.
     """
     if not visit_grads:
         raise ValueError("visit_grads: need at least one visit-wise gradient")
@@ -175,18 +158,10 @@ def _kappa_from(stats: dict[str, Any]) -> float | None:
 
 def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
                     loss: str = "terminal") -> dict[str, Any]:
-    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form).
-
-    Args: as :func:`visit_gradients`.
-
-    Returns:
-        JSON-ready ``{"kappa_hat": max_j κ̂_j (None when no sublayer has a nonzero gradient),
-        "depth": R, "loss": loss, "per_sublayer": [{"name": "core.blocks.0.attn", "kappa": κ̂_j,
-        "visits": R_j, "visit_grad_norm": [‖G_{r,j}‖ for r = 1 … R_j]}, …]}``. R_j = R, or 2R for the
-        two-call rules.
-
-    Raises:
-        ValueError: as :func:`visit_gradients`.
+    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form); args and errors as
+    :func:`visit_gradients`. Returns ``{"kappa_hat": max_j κ̂_j (None: no nonzero gradient), "depth",
+    "loss", "per_sublayer": [{"name", "kappa", "visits": R_j (R, or 2R for two-call rules),
+    "visit_grad_norm": [‖G_{r,j}‖ …]}, …]}``.
     """
     stats = visit_gradients(model, idx, targets, depth, loss=loss)
     per = [{"name": name, "kappa": _kappa_from(s), "visits": s["visits"],

@@ -1,20 +1,12 @@
 """Token convergence along the recurrence (SPEC §6 "Token convergence"; Looped Models Done Right,
 arXiv:2610.06833, §2, Figure 2).
 
-The tokenwise relative change between consecutive recurrences is
-
-    ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖₂ / (‖h_t^{r−1}‖₂ + 1e-8),   r = 1 … R,
-
-for the hidden states h^0 … h^R in readout coordinates. Token t is *converged from depth r* when
-ρ_{r',t} < τ for every r' in [r, R] (R = R_obs, the observation horizon); its convergence depth is
-the smallest such r. A token with ρ_{R,t} ≥ τ never converges within the horizon: it gets depth
-R + 1 **(our choice)**, so every token has a depth, the histogram has an explicit "never" bin, and
-the rank correlation with position keeps those tokens (as the latest-converging ones) instead of
-dropping them; the share of such tokens is reported separately.
-
-:class:`ConvergenceAccumulator` pools tokens over batches and reports the mean ρ per recurrence, the
-convergence-depth histogram, mean and median, and the Spearman rank correlation of depth with token
-position (``scipy.stats.spearmanr``, with its two-sided p-value), as the paper's Figure 2c.
+ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖₂ / (‖h_t^{r−1}‖₂ + 1e-8), r = 1 … R, on readout-coordinate states. Token t's
+convergence depth is the smallest r with ρ_{r',t} < τ for all r' in [r, R]; a token with ρ_{R,t} ≥ τ gets
+R + 1 (**our choice**: an explicit "never" bin, kept in the rank correlation as the latest; its share is
+reported). :class:`ConvergenceAccumulator` pools tokens over batches: mean ρ per recurrence, the depth
+histogram, mean and median, and Spearman's ρ of depth with position (``scipy.stats.spearmanr``, two-sided
+p-value; Figure 2c).
 """
 
 from __future__ import annotations

@@ -38,15 +38,9 @@ def check_shared(model: LoopLM, what: str, steps: Sequence[int] | None = None) -
 
 def deviation_step(model: LoopLM, delta: torch.Tensor, t: int, ctx: LoopContext, *,
                    mask: bool = True) -> torch.Tensor:
-    """``T_t(Δ; e)``: the model's realized step t (:meth:`LoopLM.step`) applied at ``h = h* + Δ``, minus h*.
-
-    Args:
-        delta: Δ (B, L, d) in anchor coordinates. For Δ = 0, h* + 0 == h* exactly and ``to_state(h*)``
-            is exactly 0 for rules whose state is Δ, so b_t is computed without rounding.
-        mask: False gives the raw pre-mask map of the SCSE family.
-
-    Returns:
-        (B, L, d) next deviation Δ_{t+1}.
+    """``T_t(Δ; e)``: the realized step t at ``h = h* + Δ``, minus h*: Δ (B, L, d) → Δ_{t+1}. For Δ = 0 the
+    state is exactly h* (and ``to_state(h*)`` exactly 0 for Δ-state rules), so b_t has no rounding;
+    ``mask=False`` gives the SCSE family's raw pre-mask map.
     """
     state = model.to_state(ctx.anchor + delta, ctx)
     return model.hidden(model.step(state, t, ctx, mask=mask), ctx) - ctx.anchor
@@ -86,18 +80,8 @@ def along_trajectory(model: LoopLM, idx: torch.Tensor, steps: Sequence[int],
 
 @torch.no_grad()
 def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> list[dict[str, float]]:
-    """Forcing-bias records at loop steps ``steps`` of one unroll of ``idx`` (dropout off).
-
-    Args:
-        model: a shared-architecture LoopLM.
-        idx: (B, L) token ids.
-        steps: 0-based loop steps t at which to measure (unroll runs to max(steps) + 1).
-
-    Returns:
-        One :func:`forcing_record` per t.
-
-    Raises:
-        ValueError: unshared architecture (no anchor) or a negative step.
+    """Forcing-bias records (:func:`forcing_record`) at 0-based loop steps ``steps`` of one unroll of ``idx``
+    (B, L), dropout off. Raises ValueError for the unshared architecture or a negative step.
     """
     check_shared(model, "forcing bias", steps)
     was_training = model.training

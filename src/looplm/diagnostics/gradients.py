@@ -1,29 +1,15 @@
 """Gradient cosines of the truncated estimators against full BPTT (LMDR §3.1, §5.4, appendix A.2).
 
-For a looped checkpoint at depth R and each b, on a few batches (dropout off):
+For a looped checkpoint at depth R and each b, on a few batches (dropout off): ``bptt`` (terminal CE at R
+through all R recurrences, the reference); ``tbptt``-b (autograd through the last b recurrences from
+z^{R−b}; b ≥ R is full BPTT); ``endpoint``-b (Neumann-b: R recurrences without autograd, then b with
+autograd from sg(z^R), CE read at depth R + b; = D_b = Σ_{k<b} J_R^k B_R at a fixed point).
 
-- ``bptt``: the gradient of the terminal CE at depth R through all R recurrences (the reference);
-- ``tbptt``-b: the last b of the R recurrences with autograd, from the visited state z^{R−b}
-  (D̃_b = Σ_{i=R−b}^{R−1} J_{R−1}⋯J_{i+1} B_i); b ≥ R is full BPTT;
-- ``endpoint``-b (Neumann-b, the paper's detached suffix): R recurrences without autograd to the
-  endpoint z^R, then b recurrences with autograd from sg(z^R), the CE read at z̄^b (depth R + b);
-  Σ_{k<b} J^k B along z̄, = D_b = Σ_{k<b} J_R^k B_R when z^R is a fixed point.
-
-Reported per parameter group and for the whole model: the cosine between each estimator's gradient
-and full BPTT's (``cos``: of the gradients summed over the measured batches, i.e. of the mean loss;
-``cos_batch_mean`` / ``cos_batch_min`` over batches) and the norm ratio ‖g‖/‖g_bptt‖. Context: the
-terminal CE at R and at R + b, and the endpoint residual ‖h_{R+1} − h_R‖/‖h_R‖ (token-pooled) that
-says how near the endpoint is to a fixed point.
-
-Parameter groups (by name): ``embeddings/readout`` (token and position embeddings, input norm, final
-norm, readout head; tied weights count here), ``prelude``, ``core`` (the shared blocks and the
-between-loop scale control), ``rule`` (the recurrence rule's own parameters: injection, adapter,
-anchor), ``coda``, ``other`` (e.g. an exit gate).
-
-The paper's whole-model cosines 0.997–0.999 (§5.4) compare *reuse* (Neumann-b from endpoint states
-saved during rollout) with *recompute* (Neumann-b from a replayed endpoint): the same estimator from two
-computations of the same endpoint. This diagnostic compares different estimators (TBPTT-b, Neumann-b)
-with full BPTT, which the paper reports no cosine for.
+Reported per parameter group (``embeddings/readout``, ``prelude``, ``core`` incl. scale control, ``rule``,
+``coda``, ``other``) and for the whole model: the cosine with full BPTT (``cos``: of the summed gradients;
+``cos_batch_mean`` / ``cos_batch_min``), the norm ratio ‖g‖/‖g_bptt‖, the CE at R and R + b, and the
+endpoint residual ‖h_{R+1} − h_R‖/‖h_R‖. The paper's 0.997–0.999 (§5.4) compare *reuse* with *recompute* of
+one estimator; this compares different estimators with full BPTT, for which the paper reports no cosine.
 """
 
 from __future__ import annotations

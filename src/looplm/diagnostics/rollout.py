@@ -1,21 +1,16 @@
 """Anchor-start rollouts and the injection-gain dose response (SCSE Figure 4; SPEC §7).
 Source: SCSE, arXiv:2607.27656 (Figure 4).
 
-Every rollout starts at the anchor, Δ_0 = 0 (h_0 = h*), instead of the model's own initial state,
-and runs the realized map (dropout off) for ``depth`` steps:
+Every rollout starts at the anchor (Δ_0 = 0) and runs the realized map (dropout off) for ``depth`` steps:
 
-- **forcing-ray alignment**: per example b, the cosine between Δ_t^(b) and the forcing ray
-  t·b_0^(b)(e) (b_0 = T_0(0; e), the forcing bias at t = 0), as the Frobenius inner product over the
-  example's (L, d) slice; undefined (None) where either is zero, e.g. for every example of SCSE.
-- **dose response**: the same rollout with the rule's injection scaled by a gain g at evaluation
-  (``LoopLM.step(..., injection_gain=g)``; g = 0 is the injection-removed rollout, g = 1 the
-  trained map). The displacement D_{g,t} = Δ_t^(g) − Δ_t^(0) is reported as its RMS per step, at the
-  last step relative to the anchor push ‖Δ_T^(1)‖ (RMS ratio), and by its per-example cosine with
-  D_{1,T} (collinearity). A rule without an injection (main SCSE) has D ≡ 0 by construction.
+- **forcing-ray alignment**: per example, cos(Δ_t, t·b_0(e)) over its (L, d) slice (b_0 = T_0(0; e)); None
+  where either is zero (every example of SCSE).
+- **dose response**: the injection scaled by g (``LoopLM.step(..., injection_gain=g)``; g = 0 removes it).
+  D_{g,t} = Δ_t^(g) − Δ_t^(0) is reported as its RMS per step, relative to ‖Δ_T^(1)‖ at the last step,
+  and by its per-example cosine with D_{1,T}. A rule without an injection has D ≡ 0.
 
-For the 2-D views of Figure 4 the sequence-mean (over L) trajectories of the first few examples are
-kept and projected on the top two principal directions of the uncentered point cloud (numpy SVD), so
-the anchor stays at the origin.
+Figure 4's 2-D views project the sequence-mean trajectories of the first examples on the top two
+principal directions of the uncentered cloud (numpy SVD), so the anchor stays at the origin.
 """
 
 from __future__ import annotations

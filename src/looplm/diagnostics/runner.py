@@ -1,24 +1,13 @@
 """Mechanism diagnostics of a trained model (SPEC §7; SCSE Table 3, Table 22, Figures 4–5).
 
-:func:`diagnose_model` measures, on a few batches and in the model's own anchor coordinates:
-
-- forcing bias b_t, raw pre-mask response b̃_t, energy ratio R_t (eq. 9) and anchor energy E_Δ,t at
-  the chosen loop steps t of the ordinary trajectory (:mod:`looplm.diagnostics.forcing`);
-- the random-direction gain at the same steps (:mod:`looplm.diagnostics.gain`);
-- anchor-start rollouts (Δ_0 = 0) with their forcing-ray cosines, and the injection-gain dose
-  response (:mod:`looplm.diagnostics.rollout`);
-- per-loop hidden-state scale, radial-gradient fraction, final radial derivative g_K and radial
-  increment over K loops (:mod:`looplm.diagnostics.scale`);
-- the visit alignment κ̂_R of the core's weight gradients at depth R = K
-  (:mod:`looplm.diagnostics.alignment`);
-- token convergence (ρ_{r,t}, convergence depths, Spearman with position) along the T-step unroll
-  (:mod:`looplm.diagnostics.convergence`).
-
-Batch-level values are averaged over the measured batches (R_t as the mean of batch-level ratios, as
-in the paper; max-abs entries as the max); the scale and convergence statistics pool tokens over
-batches, and κ̂_j is averaged over batches. Everything runs with dropout off, by default on a float64
-copy of the model (see :mod:`looplm.diagnostics.gain` for why). :func:`diagnose_checkpoint` loads a
-checkpoint, cuts batches from a split of its corpus, and writes Markdown and plots.
+:func:`diagnose_model` measures, on a few batches and in the model's anchor coordinates, the forcing
+bias (:mod:`~looplm.diagnostics.forcing`), random-direction gain (:mod:`~looplm.diagnostics.gain`),
+anchor-start rollouts and dose response (:mod:`~looplm.diagnostics.rollout`), hidden-state scale
+(:mod:`~looplm.diagnostics.scale`), visit alignment at R = K (:mod:`~looplm.diagnostics.alignment`) and
+token convergence (:mod:`~looplm.diagnostics.convergence`). Batch-level values are averaged over batches
+(R_t as the mean of batch ratios, as the paper; max-abs entries as the max); scale and convergence pool
+tokens. Dropout off, by default on a float64 copy (:mod:`~looplm.diagnostics.gain` says why).
+:func:`diagnose_checkpoint` loads a checkpoint, cuts batches from its corpus and writes Markdown and plots.
 """
 
 from __future__ import annotations
@@ -130,31 +119,19 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
                    gains: Sequence[float] = DOSE_GAINS, dtype: str = "float64", label: str = "model",
                    scale_loops: int = DEFAULT_LOOPS, convergence_tau: float = DEFAULT_TAU,
                    alignment_loss: str = "terminal", progress: bool = False) -> dict[str, Any]:
-    """All SPEC §6–7 mechanism diagnostics of ``model`` on ``batches``.
+    """All SPEC §6–7 mechanism diagnostics of ``model`` (not modified: a copy in ``dtype``, eval mode).
 
-    Each batch is a (B, L) int64 tensor of token ids (next-token targets are then taken from the
-    window itself, the last position unscored) or a tuple (idx, targets[, mask]) with targets
-    (B, L) int64 (-100 ignored) and mask (B, L) bool marking real (non-padding) tokens.
-
-    The model is not modified (a copy is cast to ``dtype`` and put in eval mode). Batch i uses the
-    random directions seeded ``seed + n_directions·i`` … (+ n_directions − 1). ``scale_loops`` is
-    the loop count K of the scale diagnostic and the depth R of the visit alignment (whose loss is
-    ``alignment_loss``: terminal or per_loop CE); token convergence runs along the ``depth``-step
-    unroll with threshold ``convergence_tau``.
+    Each batch is (B, L) int64 ids (targets from the window itself) or (idx, targets[, mask]) with -100
+    ignored and mask marking real tokens. Batch i uses random directions seeded ``seed + n_directions·i`` ….
+    ``scale_loops`` is the K of the scale diagnostic and the R of the visit alignment (loss
+    ``alignment_loss``); token convergence runs along the ``depth``-step unroll at ``convergence_tau``.
 
     Returns:
-        JSON-ready dict: ``steps``, ``depth``, ``eps``, ``n_directions``, ``seed``, ``gains``,
-        ``dtype``, ``batches`` (count), ``forcing`` (per step: ``t``, ``bias_energy``,
-        ``raw_bias_energy``, ``ratio``, ``anchor_energy``, ``bias_max_abs``, ``raw_bias_max_abs``),
-        ``gain`` (per step: ``t``, ``gain``), ``rollout`` (``depth``, ``bias0_rms``, ``records`` per
-        t = 0 … depth, ``pca``), ``dose_response`` (``gains``, ``push_rms``, ``records`` per gain,
-        ``pca``) — field meanings in :func:`looplm.diagnostics.rollout.anchor_rollouts` —,
-        ``scale`` (:meth:`looplm.diagnostics.scale.ScaleAccumulator.result`: per-loop RMS stats,
-        radial-gradient fraction, radial derivative and increment for k = 0 … K, and ``g_K``),
-        ``visit_alignment`` (:func:`looplm.diagnostics.alignment.merge_alignment`: ``kappa_hat``,
-        ``per_sublayer``), ``convergence``
-        (:meth:`looplm.diagnostics.convergence.ConvergenceAccumulator.result`) and ``markdown``
-        (tables in the layout of SCSE Tables 3 and 22, then scale, alignment and convergence).
+        JSON-ready dict: the settings, ``batches``, ``forcing`` and ``gain`` (per step), ``rollout`` and
+        ``dose_response`` (:func:`~looplm.diagnostics.rollout.anchor_rollouts`), ``scale``
+        (:meth:`~looplm.diagnostics.scale.ScaleAccumulator.result`), ``visit_alignment``
+        (:func:`~looplm.diagnostics.alignment.merge_alignment`), ``convergence`` and ``markdown`` (SCSE
+        Tables 3 and 22 layout, then scale, alignment and convergence).
 
     Raises:
         ValueError: unshared model, steps outside 0..depth−1, no batches, or a bad

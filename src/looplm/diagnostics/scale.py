@@ -1,29 +1,19 @@
 """Hidden-state scale along the loop (SPEC §4 and §7 "Scale"; readout-blind-spot paper §2–3, Table 3,
 Figure 3, Appendix D; our copy of that paper carries no arXiv id).
 
-For the hidden states H_0 … H_K in readout coordinates (after the between-loop scale controls, before
-the coda), per loop k = 0 … K:
+For the hidden states H_0 … H_K in readout coordinates (after scale control, before the coda), per loop k:
 
-- **RMS**: each token's ‖H_{k,t}‖_rms = (d⁻¹ Σ_i H_{k,t,i}²)^{1/2}; reported as the token mean and the
-  token percentiles p50, p99 and the max (Appendix D's per-token statistics).
-- **L2**: the same statistics of each token's ‖H_{k,t}‖₂ = √d·‖H_{k,t}‖_rms, next to the RMS: the paper's
-  final-loop norms (4×10⁴–6×10⁴ for per-loop + RMSNorm readouts) may be L2 norms (SPEC §10).
-- **Radial-gradient fraction** r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², û_t = H_t / ‖H_t‖₂, where
-  g = ∂L_k/∂H_k is the gradient of the *immediate* readout loss at loop k only:
-  L_k = mean CE of ``model.readout(H_k, final=(k == K))`` against the targets, with H_k detached
-  from the loop (future-loop losses and the recurrence are not differentiated). An RMSNorm readout
-  without a coda is scale invariant up to its epsilon, so r_k ≈ 0 there (paper Lemma 1); a raw
-  readout gives r_k clearly above 0.
-- **Radial derivative** ∂L_k/∂log s at s = 1 for H_k → s·H_k, i.e. Σ_t ⟨g_t, H_t⟩ (nats per unit
-  log-scale); at k = K this is the paper's signed final radial derivative g_K = ∂L/∂log‖H_K‖.
-- **Radial increment** a_rad,k = mean_t ⟨u_t, F(H_k)_t − H_{k,t}⟩ / d with u_t = H_t/‖H_t‖_rms
-  (unit RMS, the paper's convention, so a_rad,k is the first-order change of the token RMS per loop,
-  Lemma 2) and F one loop step: F(H_k) = H_{k+1}. At k = K one extra loop step is run to get
-  F(H_K). ``rms_increment`` is the measured mean change of the token RMS, for comparison.
+- **RMS** and **L2** of each token (mean, p50, p99, max; Appendix D): the paper's final-loop norms
+  (4×10⁴–6×10⁴) may be L2 norms (SPEC §10).
+- **Radial-gradient fraction** r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², û_t = H_t / ‖H_t‖₂, g = ∂L_k/∂H_k of the
+  *immediate* readout loss at loop k (H_k detached; final norm iff k = K). An RMSNorm readout without a coda
+  gives r_k ≈ 0 (Lemma 1); a raw readout clearly above 0.
+- **Radial derivative** Σ_t ⟨g_t, H_t⟩ = ∂L_k/∂log s at s = 1 (H_k → s·H_k); at k = K the paper's g_K.
+- **Radial increment** a_rad,k = mean_t ⟨u_t, F(H_k)_t − H_{k,t}⟩ / d, u_t = H_t/‖H_t‖_rms, F one loop step
+  (one extra step at k = K; Lemma 2); ``rms_increment`` is the measured mean change of the token RMS.
 
-:class:`ScaleAccumulator` pools tokens over batches: means and percentiles over all real tokens,
-r_k as a ratio of pooled sums, the radial derivative as the mean of the per-batch derivatives (the
-derivative of the batch-mean loss).
+:class:`ScaleAccumulator` pools over batches: token means and percentiles, r_k as a ratio of pooled sums,
+the radial derivative as the mean of per-batch derivatives.
 """
 
 from __future__ import annotations
@@ -43,15 +33,8 @@ DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
 def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, *,
                                final: bool) -> tuple[float, torch.Tensor]:
-    """The immediate readout loss at one loop and its gradient with respect to that loop's state.
-
-    Args:
-        h: (B, L, d) hidden state H_k (detached here; the recurrence is not differentiated).
-        targets: (B, L) int64 next-token ids, -100 ignored.
-        final: True at the last loop K (``final_only_norm`` normalizes only there).
-
-    Returns:
-        (mean CE in nats, g = ∂L_k/∂H_k of shape (B, L, d) in h's dtype).
+    """The immediate readout loss at loop k and its gradient: (mean CE in nats, g = ∂L_k/∂H_k (B, L, d) in
+    h's dtype), with h detached (the recurrence is not differentiated) and ``final`` True at the last loop.
     """
     with torch.enable_grad():
         x = h.detach().requires_grad_(True)

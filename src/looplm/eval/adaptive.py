@@ -1,30 +1,18 @@
 """Adaptive depth with the hidden-update stopping rule (SPEC §6; SCSE appendix, Tables 9–10).
 Source: SCSE, arXiv:2607.27656 (appendix Adaptive-Depth Evaluation, Tables 9–10).
 
-Per example b (one evaluation window of L tokens) and loop step t = 0 … C−1 (C = the ceiling, 48):
+Per example b (one window) and loop step t = 0 … C−1 (C = the ceiling, 48), on readout-coordinate states:
 
     u_t(b) = max over the window's scored tokens i of ‖h_{t+1,i} − h_{t,i}‖₂ / (‖h_{t,i}‖₂ + 1e-8)
 
-with h in readout coordinates (h = h* + Δ for SCSE). Every other registered exit criterion
-(:mod:`looplm.eval.exits`) runs through the same protocol with ``criterion=``.
-
-**Depth convention (our choice).** Step t maps h_t to h_{t+1}, so u_t is known once h_{t+1} has
-been computed. The example stops at the first t with ``u_t < τ`` and is read out at the state it
-has just computed, h_{t+1}: its *active depth* is ``D = t + 1``, the number of loop steps it ran.
-Without such a t it runs to the ceiling, ``D = C``. So ``D = min({t + 1 : u_t < τ} ∪ {C})`` ∈
-[1, C]; a larger τ never gives a larger depth, τ ≤ 0 gives D = C for every example (u_t ≥ 0), and
-the mean active depth is the plain mean of D over examples (windows).
-
-**Protocol (full-trace, offline accounting).** :func:`trace_depths` runs every window once to the
-ceiling and records u_t and the per-example NLL sum at every depth 1 … C (a readout at every depth;
-only (N, C) sums are kept). :func:`~looplm.eval.exits.calibrate` (``target_depth``) picks τ on the
-validation trace so that the mean active depth is closest to each target (8, 16, 24); that τ is applied unchanged to the test
-trace, whose PPL is token-weighted over examples each read out at its own depth D_b.
-
-**Real early exit.** :func:`early_exit_eval` runs the loop and drops halted examples from the batch
-(``index_select``), so later steps process fewer rows. It gives the same depths and NLL as the
-offline accounting (to float rounding) and its wall time against running every example to the
-ceiling is the reported speedup.
+Any other registered exit criterion (:mod:`looplm.eval.exits`) runs the same protocol via ``criterion=``.
+**Depth (our choice):** u_t is known once h_{t+1} is, so the example is read out at h_{t+1}:
+``D = min({t + 1 : u_t < τ} ∪ {C})`` ∈ [1, C] (τ ≤ 0 gives D = C); the mean active depth is the mean of D.
+**Protocol:** :func:`trace_depths` runs every window to the ceiling once, keeping u_t and per-depth NLL
+sums; :func:`~looplm.eval.exits.calibrate` picks τ on the validation trace for each target mean depth
+(8, 16, 24), applied unchanged to the test trace (token-weighted PPL, each example at its own D).
+:func:`early_exit_eval` really drops halted examples (same depths and NLL to rounding); its wall time
+against running to the ceiling is the reported speedup.
 """
 
 from __future__ import annotations
@@ -69,21 +57,16 @@ def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEIL
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
                  desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
                  scale_clamp: bool = False) -> Trace:
-    """One unroll to ``ceiling`` per batch of windows, recording the criterion's statistic (u_t for
-    ``hidden_update``) and the NLL at every depth (:func:`looplm.eval.exits.trace`).
-
-    Windows are the non-overlapping ``seq_len`` windows of :func:`~looplm.data.tokens.eval_windows`
-    (the last may be partial); a sequence statistic aggregates over each window's scored positions.
+    """One unroll to ``ceiling`` per batch of :func:`~looplm.data.tokens.eval_windows` windows (the last may
+    be partial), recording the criterion's statistic and the NLL at every depth (:func:`looplm.eval.exits.trace`).
 
     Args:
-        model: put in eval mode here (dropout off). tokens: 1-D token stream.
-        ceiling: C ≥ 1 loop steps. max_tokens: use only ``tokens[: max_tokens + 1]``.
-        criterion: a registered exit-criterion name or an :class:`ExitCriterion`.
-        scale_clamp: the evaluation-time scale clamp (SPEC §4) on every unroll.
+        model: put in eval mode here. tokens: 1-D token stream. ceiling: C ≥ 1 loop steps.
+        max_tokens: use only ``tokens[: max_tokens + 1]``. criterion: a registered name or an
+        :class:`ExitCriterion`. scale_clamp: the evaluation-time scale clamp (SPEC §4).
 
     Returns:
-        :class:`~looplm.eval.exits.Trace` with N = number of windows; ``scores`` (N, C) is the criterion's
-        statistic (u_t for the hidden-update rule: column t = step t → t+1, dimensionless).
+        :class:`~looplm.eval.exits.Trace`, N = windows; ``scores`` (N, C), column t = step t → t+1.
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.
@@ -105,19 +88,12 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, desc: str = "early exit",
                     criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> ExitRun:
-    """Per-example early exit under a criterion (default: the hidden-update rule), halted examples
-    leaving the batch (:func:`looplm.eval.exits.run`).
-
-    At each step the rows still running are advanced with :meth:`LoopLM.step`; rows whose criterion
-    fires (all rows at the last step) are read out at depth t + 1 and removed from the batch, so later
-    steps process fewer rows. A τ that can never fire (``-inf`` for the hidden-update rule) makes
-    every example run to the ceiling and be read out once (the reference for the speedup).
-
-    Same windows, depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths` (the offline
-    accounting), up to float rounding from the smaller batches.
+    """Per-example early exit, halted examples leaving the batch (:func:`looplm.eval.exits.run`): the same
+    depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths`, to float rounding.
+    A τ that never fires (``-inf`` for hidden_update) runs every example to the ceiling: the speedup's reference.
 
     Returns:
-        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only (windows are built first).
+        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only.
 
     Raises:
         ValueError: ceiling < 1 or fewer than two tokens.

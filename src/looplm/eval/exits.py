@@ -1,35 +1,21 @@
 """One exit-criterion system: criteria, calibration, offline traces and the early-exit runner (SPEC §6).
 
-Every per-example or per-token adaptive-depth method in looplm is built from the four pieces here:
-
-- **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (comparing it with loop k − 1), its
-  aggregation over a sequence's tokens and its direction. ``hidden_update`` is the SCSE stopping rule
-  (arXiv:2607.27656, appendix "Adaptive-Depth Evaluation", Tables 9–10: u = max over tokens of
-  ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin`` is the readout blind spot's
-  logit-margin rule (the readout-blind-spot paper, §6 and Appendix H; our copy has no arXiv id: mean top-1 − top-2 logit gap, halt when
-  ≥ τ); ``relative``, ``kl`` and ``entropy`` are Huginn's exit criteria (arXiv:2502.05171 §6; latent
-  change, KL between successive readouts, entropy change; per token in decoding, mean over tokens
-  for a sequence); ``exit_gate`` reads a model's learned exit gate (Ouro-style, arXiv:2510.25741:
-  λ_k = σ(gate(h_k)), halt when λ_k ≥ τ); ``exit_cdf`` is Ouro's own threshold rule on the same gate
-  (the cumulative exit probability CDF_k = 1 − ∏_{j≤k}(1 − λ_j) reaches τ; a statistic carried from loop
-  to loop, see :meth:`ExitCriterion.carry_score`). :func:`exit_cdf_depths` is Ouro's per-token rule over
-  the exit logits of one forward.
+- **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (vs loop k − 1), aggregated over a sequence's
+  tokens, with a direction. ``hidden_update``: SCSE's rule (arXiv:2607.27656, Tables 9–10: u = max
+  over tokens of ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin``: the readout
+  blind spot's mean top-1 − top-2 logit gap, halt when ≥ τ (§6, Appendix H); ``relative``, ``kl``,
+  ``entropy``: Huginn's (arXiv:2502.05171 §6); ``exit_gate``: a learned gate λ_k = σ(gate(h_k)) ≥ τ
+  (Ouro, arXiv:2510.25741); ``exit_cdf``: Ouro's CDF_k = 1 − ∏_{j≤k}(1 − λ_j) ≥ τ, carried loop to
+  loop (:meth:`ExitCriterion.carry_score`; per token over one forward: :func:`exit_cdf_depths`).
 - **halting depths** (:func:`halting_depths`): ``D = min({k < C : criterion fires at k} ∪ {C})``.
-  Loop C (the ceiling) is never tested: an example still running there stops anyway.
-- **calibration** (:func:`calibrate`): τ from a trace, either to a target mean depth (the closest
-  attainable; SCSE's protocol) or to a PPL tolerance (the earliest-halting τ whose dynamic PPL stays
-  within (1 + tolerance) × the PPL at the ceiling; the blind spot's protocol).
-- **the runner** (:func:`exit_loop`): advances a batch with :meth:`looplm.model.LoopLM.step` and
-  applies the criterion after every loop. ``drop=True`` (evaluation) removes halted rows from the
-  batch, so later steps process fewer rows; ``drop=False`` (cached decoding) freezes them: they keep
-  their state and their later KV-cache visits copy their exit visit's K/V (see
-  :mod:`looplm.model.kvcache`). :func:`trace` is the offline accounting of the same criterion from one
-  multi-depth forward; :func:`run` applies the runner to evaluation batches. The two agree (tests).
+- **calibration** (:func:`calibrate`): τ to a target mean depth (SCSE) or to a PPL tolerance (the blind spot).
+- **the runner** (:func:`exit_loop`): advances a batch with :meth:`LoopLM.step`, testing after every loop;
+  ``drop=True`` removes halted rows, ``drop=False`` (cached decoding) freezes them (their later KV visits copy
+  the exit visit's, :mod:`looplm.model.kvcache`). :func:`trace` is the offline accounting from one multi-depth
+  forward; :func:`run` the runner over evaluation batches; the two agree (tests).
 
-**Readouts.** A criterion that reads logits sees the model's readout at loop k with the final norm
-iff k ≥ the final depth (:meth:`LoopLM.resolve_final_depth`, the ceiling unless the model sets
-one), as :meth:`LoopLM.forward` reads out; the coda of such an extra readout reads the KV cache and
-writes nothing.
+A logits criterion reads loop k with the final norm iff k ≥ the final depth
+(:meth:`LoopLM.resolve_final_depth`), as ``forward`` does; the coda of that extra readout writes no KV.
 """
 
 from __future__ import annotations
@@ -60,14 +46,9 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class ExitCriterion:
     """An exit test: a per-token statistic of loop k, aggregated over a sequence, compared with τ.
 
-    Args:
-        tau: the threshold. ``direction="below"`` criteria fire when the statistic is < τ (so τ = −∞
-            never fires); ``"above"`` criteria fire when it is ≥ τ (τ = +∞ never fires).
-
-    Subclasses set ``name``, ``direction``, ``aggregate`` ("max" or "mean" over a sequence's valid
-    tokens), ``needs_logits`` / ``needs_gate`` and ``default_tau``, and implement :meth:`score`. A
-    criterion whose statistic accumulates over loops 1 … k (``exit_cdf``) overrides :meth:`carry_score`;
-    the runner and the trace carry its per-token state from loop to loop.
+    ``direction="below"`` fires when the statistic is < τ (τ = −∞ never fires), ``"above"`` when ≥ τ.
+    Subclasses set ``name``, ``direction``, ``aggregate`` ("max" or "mean"), ``needs_logits`` /
+    ``needs_gate``, ``default_tau`` and implement :meth:`score`; a cumulative one overrides :meth:`carry_score`.
     """
 
     name = ""
@@ -94,22 +75,17 @@ class ExitCriterion:
 
     def carry_score(self, prev_h, h, prev_logits=None, logits=None, gate=None, carry=None
                     ) -> tuple[torch.Tensor, Any]:
-        """The per-token statistic of loop k and the state carried to loop k + 1: ``(score, carry)``.
-        ``carry`` is what loop k − 1 returned (None at loop 1). The default is :meth:`score` with no
-        state; a cumulative criterion overrides it (its carry holds per-token tensors, batch first)."""
+        """``(score, carry)`` of loop k; ``carry`` is loop k − 1's (None at loop 1), per-token tensors,
+        batch first."""
         return self.score(prev_h, h, prev_logits, logits, gate), None
 
     def sequence_score(self, prev_h, h, prev_logits=None, logits=None, gate=None,
                        valid: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`score` aggregated over the token dimension (dim 1) when the inputs have one: (B, L, ·)
-        → (B,) with ``valid`` (B, L) bool selecting the tokens (max: 0 and mean: NaN for a row without
-        one); (N, ·) → (N,) per token. (A cumulative criterion's statistic here is its loop-1 value; the
-        runner carries it with :meth:`carry_score` and :meth:`reduce`.)"""
+        """:meth:`score` reduced over tokens (dim 1, ``valid`` (B, L) bool; cumulative: its loop-1 value)."""
         return self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid)
 
     def reduce(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token statistics (B, L) → (B,) by ``aggregate`` over the ``valid`` tokens (see
-        :meth:`sequence_score`); (N,) stays per token."""
+        """(B, L) → (B,) by ``aggregate`` over ``valid`` tokens (a row without one: max 0, mean NaN)."""
         s = s.float()
         if s.dim() < 2:
             return s
@@ -258,17 +234,9 @@ EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (
 
 
 def exit_cdf_depths(exit_logits: Sequence[torch.Tensor], tau: float) -> torch.Tensor:
-    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (a forward's
-    ``exit_logits_by_depth``): the first loop k < T whose cumulative exit probability reaches τ
-    (:class:`ExitCDF`), else T. Reading each token out at its loop is Ouro's thresholded forward (every
-    token runs all T loops; the threshold picks the readout).
-
-    Args:
-        exit_logits: T tensors of the same shape, e.g. (B, L). tau: the threshold.
-    Returns:
-        int64 loops in [1, T], the shape of one logit tensor.
-    Raises:
-        ValueError: no logits.
+    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (T tensors, e.g.
+    (B, L)): the first k < T whose cumulative exit probability reaches τ (:class:`ExitCDF`), else T; int64
+    of one logit tensor's shape. Reading each token there is Ouro's thresholded forward. ValueError: no logits.
     """
     if not exit_logits:
         raise ValueError("exit_cdf_depths: need the exit logits of at least one loop")
@@ -306,16 +274,8 @@ def check_criterion(model, criterion: ExitCriterion) -> None:
 def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.ndarray:
     """Halting depth per example: the first loop k < C whose score fires, else C.
 
-    Args:
-        scores: (N, C) statistic of loops 1 … C (column k − 1 = loop k; the last column cannot
-            trigger a halt: loop C is the ceiling anyway). NaN never fires.
-        tau: the threshold. direction: "below" fires on score < τ, "above" on score ≥ τ.
-
-    Returns:
-        (N,) int64 depths in [1, C].
-
-    Raises:
-        ValueError: ``scores`` is not 2-D with C ≥ 1, or an unknown direction.
+    ``scores`` (N, C): column k − 1 = loop k (the last never fires: C is the ceiling; NaN never fires).
+    Returns (N,) int64 depths in [1, C]. Raises ValueError for scores not (N, C ≥ 1) or a bad direction.
     """
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[1] < 1:
@@ -395,25 +355,17 @@ def _depths_all(scores: np.ndarray, taus: np.ndarray, direction: Direction) -> n
 def calibrate(scores: np.ndarray, direction: Direction, *, target_depth: float | None = None,
               tolerance: float | None = None, nll: np.ndarray | None = None,
               tokens: np.ndarray | None = None) -> Calibration:
-    """τ for an exit criterion from a trace, by one of two objectives.
+    """τ for an exit criterion from a trace, by one of two objectives, every candidate (:func:`_candidates`)
+    evaluated at once from the cached arrays.
 
-    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE's protocol). The
-      mean depth is monotone in τ, so a bisection over the candidates finds the first one at or below
-      the target; the closer of it and its neighbour wins (ties go to the one not above the target).
-    - ``tolerance``: the earliest-halting τ (smallest for "above", largest for "below") whose dynamic
-      PPL ≤ (1 + tolerance) × the PPL with every example at the ceiling (the blind spot's protocol,
-      Appendix H). Dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]), token-weighted. The
-      never-halting candidate always qualifies (tolerance ≥ 0).
-
-    Candidates: :func:`_candidates`. Every candidate is evaluated at once from the cached arrays.
+    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE): bisection over the
+      monotone mean depth, the closer of the two neighbours winning (ties: the one not above the target).
+    - ``tolerance``: the earliest-halting τ whose dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]) ≤
+      (1 + tolerance) × the PPL at the ceiling (the blind spot, Appendix H); never halting always qualifies.
 
     Args:
-        scores: (N, C) criterion statistic per example and loop (see :func:`halting_depths`).
-        direction: the criterion's direction. nll: (N, C) summed NLL (nats) per example and loop;
-        tokens: (N,) scored tokens per example (both needed for ``tolerance``, optional otherwise).
-
-    Returns:
-        :class:`Calibration`.
+        scores: (N, C) statistic per example and loop (:func:`halting_depths`). direction: the criterion's.
+        nll: (N, C) summed NLL (nats); tokens: (N,) scored tokens (both needed for ``tolerance``).
 
     Raises:
         ValueError: not exactly one objective, an empty trace, a target outside [1, C], a negative
@@ -577,7 +529,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     return LoopExit(depth=depth, scores=scores, row_steps=row_steps, h=None if drop else loop.h)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -620,7 +572,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
     depths, nlls, all_scores, counts = [], [], [], []
     row_steps = 0
     final_from = model.resolve_final_depth(None, ceiling)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
         nll = torch.zeros(len(x), dtype=torch.float64, device=device)
@@ -637,7 +589,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
         nlls.append(nll)
         all_scores.append(res.scores)
         counts.append(mask.sum(dim=1))
-    _sync(device)
+    sync_device(device)
     seconds = time.perf_counter() - t0
     return ExitRun(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
                    scores=torch.cat(all_scores).cpu().numpy(), tokens=torch.cat(counts).cpu().numpy().astype(np.int64),

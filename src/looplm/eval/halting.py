@@ -1,37 +1,22 @@
 """Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §6 and Appendix H).
 Source: the readout-blind-spot paper (§6, Appendix H); our copy of it has no arXiv id.
 
-Per sequence b (one evaluation window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits
-the model reads out at loop k:
+Per sequence b (one window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits read out at loop k:
 
     margin_k(b) = mean over the window's L tokens i of (top-1 − top-2 of z_{k,i})     [logit units]
     halt(b)     = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max})
 
-A sequence is scored (NLL summed over its tokens) at its halting loop. The margin is taken on the raw
-logits; it equals the top-1 − top-2 log-probability gap since log-softmax shifts a row uniformly.
+scored (summed NLL) at its halting loop. **Protocol.** (1) *Calibration* (``n_calib`` = 160 windows): one
+``depth=[1..K_max]`` forward per batch (:func:`trace_margins`); :func:`~looplm.eval.exits.calibrate` keeps
+the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max. (2) *Timed run* (``n_timed``
+disjoint windows): :func:`dynamic_halting_run` (halted sequences leave the batch) against every fixed
+depth K = 1 … K_max (:func:`fixed_depth_run`; K_max is the static reference); speedup = static seconds /
+dynamic seconds. (3) *Frontier*: (tokens/s, PPL) per fixed K plus the dynamic point.
 
-**Protocol.**
-
-1. *Calibration* (``split_calib``, ``n_calib`` = 160 windows): one forward per batch with
-   ``depth=[1..K_max]`` gives the per-loop logits and NLL of every window (:func:`trace_margins`);
-   :func:`~looplm.eval.exits.calibrate` (``tolerance``) sweeps every threshold that gives a distinct
-   halting pattern (the observed margins of loops 1 … K_max−1, and ∞) from those cached arrays,
-   without re-running the model, and keeps the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max on the same windows.
-2. *Timed run* (``split_timed``, ``n_timed`` windows disjoint from the calibration ones): the loop is
-   run step by step; after each loop the margins of the still-active sequences are computed and the
-   halted ones leave the batch (:func:`dynamic_halting_run`; their NLL is kept). The same windows are
-   run at every fixed depth K = 1 … K_max with the model's forward (:func:`fixed_depth_run`); the
-   K_max run is the static reference. Speedup = static seconds / dynamic seconds.
-3. *Frontier*: (tokens/s, PPL) at each fixed K plus the dynamic point (``halting_frontier.png``).
-
-**Choices (ours).** Windows are full non-overlapping ``seq_len`` windows (partial tail dropped), so
-every sequence has L scored tokens and tokens/s = windows × L / seconds. When both splits are the
-same, the timed windows are the ``n_timed`` that follow the calibration windows. Intermediate loops
-are read out with ``final=False`` and K_max with ``final=True`` (what ``forward`` does for
-``depth=[1..K_max]``), so the timed run reproduces the cached calibration logits; a fixed-K run is
-``model(x, depth=K)`` (its own final readout at K). Timings: ``torch.inference_mode``, batches
-prebuilt on the device, one untimed warm-up batch per mode, CUDA synchronized around each run, the
-median of ``repeats`` interleaved passes; no autocast (the model's parameter dtype).
+**Choices (ours).** Full non-overlapping windows; with one split for both, the timed windows follow the
+calibration ones. Intermediate loops read out with ``final=False``, K_max with ``final=True``, as
+``forward`` does. Timings: ``torch.inference_mode``, batches prebuilt on the device, one untimed warm-up
+batch per mode, CUDA synchronized, the median of ``repeats`` interleaved passes, no autocast.
 """
 
 from __future__ import annotations
@@ -47,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, _sync, build_exit_criterion, calibrate,
-                               run, trace)
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, build_exit_criterion, calibrate,
+                               run, sync_device, trace)
 from looplm.model import DepthLM
 from looplm.model.cursor import NLL
 
@@ -63,16 +48,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full non-overlapping windows ``first … first + n − 1`` of a token stream.
-
-    Window i covers inputs ``tokens[i·L : (i+1)·L]`` and targets shifted by one, as in
-    :func:`~looplm.data.tokens.eval_windows`.
-
-    Returns:
-        (x, y), each (n, L) int64 on the CPU.
-
-    Raises:
-        ValueError: n < 1, or the stream holds fewer than ``first + n`` full windows.
+    """Full non-overlapping windows ``first … first + n − 1`` (inputs and shifted targets, as
+    :func:`~looplm.data.tokens.eval_windows`): (x, y), each (n, L) int64 on the CPU. Raises ValueError for
+    n < 1 or fewer than ``first + n`` full windows.
     """
     available = (len(tokens) - 1) // seq_len
     if n < 1 or first + n > available:
@@ -99,15 +77,9 @@ def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
 def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
                   criterion: str | ExitCriterion = "margin",
                   scale_clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-loop criterion statistic (the mean logit margin by default) and NLL of every window from one
-    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`; only (N, K) arrays kept).
-
-    Args:
-        model: put in eval mode by the caller. batches: (x, y) pairs, (B, L) int64 each.
-
-    Returns:
-        ``(margins, nll_sum, n_tok)``: (N, K) float64 statistic, (N, K) float64 summed NLL (nats) per
-        window and loop, (N,) int64 scored tokens (= L).
+    """Per-loop criterion statistic (mean logit margin by default) and NLL of every window from one
+    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`). Returns ``(margins, nll_sum,
+    n_tok)``: (N, K) float64, (N, K) float64 summed NLL (nats), (N,) int64 scored tokens (= L).
     """
     tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
                desc="calibration trace", scale_clamp=scale_clamp)
@@ -117,24 +89,10 @@ def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress:
 def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
                         progress: bool = False, criterion: str | ExitCriterion = "margin",
                         scale_clamp: bool = False) -> ExitRun:
-    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): halted sequences leave
-    the batch.
-
-    After loop k < K_max the criterion (by default the mean logit margin of the active rows' readout,
-    ``final=False`` below the model's final depth) is tested; rows that halt are scored at k and
-    removed from the loop state, the loop context and the targets; the rest continue. At K_max every
-    remaining row is read out and scored. The per-sequence NLL equals :func:`trace_margins`' NLL at
-    the same loops (to float rounding of the smaller batches).
-
-    Args:
-        model: put in eval mode by the caller. batches: (x, y) pairs on the model's device.
-        tau: threshold (logit units for the margin); ``inf`` never halts early. k_max: ceiling K_max ≥ 1.
-
-    Returns:
-        :class:`~looplm.eval.exits.ExitRun`.
-
-    Raises:
-        ValueError: k_max < 1.
+    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): after loop k < K_max rows whose
+    criterion fires are scored at k and leave the batch; the rest are scored at K_max. Per-sequence NLL
+    equals :func:`trace_margins`' (to rounding). ``tau``: logit units for the margin, ``inf`` never halts.
+    Raises ValueError for k_max < 1.
     """
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -152,12 +110,12 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     """
     device = batches[0][0].device
     nlls = []
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
         out = model.read(model.loop(x, scale_clamp=scale_clamp), depth, y, readout=NLL)
         nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
-    _sync(device)
+    sync_device(device)
     seconds = time.perf_counter() - t0
     return torch.cat(nlls).cpu().numpy(), seconds
 
@@ -213,23 +171,8 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
         tau = cal.tau
 
-        batches = _batches(*timed, batch_size, device)
-        # warm-up (untimed): one batch through every code path timed below
-        dynamic_halting_run(model, batches[:1], tau, k_max, criterion=criterion, scale_clamp=scale_clamp)
-        for K in range(1, k_max + 1):
-            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
-        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
-        dyn_s: list[float] = []
-        fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
-        fixed_nll: dict[int, np.ndarray] = {}
-        for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, criterion=criterion,
-                                      scale_clamp=scale_clamp)
-            dyn_s.append(dyn.seconds)
-            for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
-                                                        scale_clamp=scale_clamp)
-                fixed_s[K].append(seconds)
+        dyn, dyn_s, fixed_s, fixed_nll = _timed_runs(model, _batches(*timed, batch_size, device), tau, k_max,
+                                                     repeats, progress, criterion=criterion, scale_clamp=scale_clamp)
     finally:
         model.train(was_training)
     n_tokens = int(dyn.tokens.sum())
@@ -243,19 +186,9 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
     return {
-        "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance, "batch_size": batch_size, "repeats": repeats,
-        "device": str(device),
-        "seq_len": int(calib[0].shape[1]),
-        "calibration": {
-            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(tau),
-            "halts_early": math.isfinite(tau), "candidates": len(cal.taus),
-            "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
-            "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
-            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
-            "loop_counts": _counts(cal.depths),
-            "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
-                      "mean_loops": cal.mean_depth_by_tau.tolist()},
-        },
+        "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance,
+        "batch_size": batch_size, "repeats": repeats, "device": str(device), "seq_len": int(calib[0].shape[1]),
+        "calibration": _calibration_summary(cal, nll_sum, n_tok, tolerance, k_max),
         "timed": {
             "sequences": N, "tokens": n_tokens,
             "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
@@ -266,6 +199,39 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
             "speedup": static["seconds"] / dyn_seconds, "ppl_ratio": dyn_ppl / static["ppl"],
         },
         "frontier": frontier,
+    }
+
+
+def _timed_runs(model: DepthLM, batches: list[Batch], tau: float, k_max: int, repeats: int, progress: bool,
+                **kw: Any) -> tuple[ExitRun, list[float], dict[int, list[float]], dict[int, np.ndarray]]:
+    """Dynamic halting and every fixed depth 1 … K_max, ``repeats`` times, after an untimed warm-up batch."""
+    dynamic_halting_run(model, batches[:1], tau, k_max, **kw)
+    for K in range(1, k_max + 1):
+        fixed_depth_run(model, batches[:1], K, scale_clamp=kw["scale_clamp"])
+    # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+    dyn_s: list[float] = []
+    fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
+    fixed_nll: dict[int, np.ndarray] = {}
+    for r in range(repeats):
+        dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
+        dyn_s.append(dyn.seconds)
+        for K in range(1, k_max + 1):
+            fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                                                    scale_clamp=kw["scale_clamp"])
+            fixed_s[K].append(seconds)
+    return dyn, dyn_s, fixed_s, fixed_nll
+
+
+def _calibration_summary(cal, nll_sum: np.ndarray, n_tok: np.ndarray, tolerance: float, k_max: int) -> dict[str, Any]:
+    return {
+        "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
+        "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
+        "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+        "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
+        "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+        "loop_counts": _counts(cal.depths),
+        "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
+                  "mean_loops": cal.mean_depth_by_tau.tolist()},
     }
 
 

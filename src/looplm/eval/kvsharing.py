@@ -1,31 +1,16 @@
 """Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6; arXiv:2610.06833).
 
-Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only
-its last-recurrence K/V per physical attention layer, and every recurrence of later tokens attends
-to those terminal K/V.
+Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only its
+last-recurrence K/V per physical attention layer, which every recurrence of later tokens attends to.
 
-**Continuation protocol.** Every full, non-overlapping window of L = ``seq_len`` tokens of a split
-(``eval_windows``; a partial last window is dropped) is cut at P = L // 2:
-
-1. *full*: one uncached forward over the whole window at depth R (what training sees); its NLL on
-   the targets of positions P … L−1.
-2. *terminal*: prefill positions 0 … P−1 at depth R into a ``terminal`` :class:`KVCache`, then score
-   positions P … L−1 in **one** parallel forward at depth R: the second-half tokens read the prefix
-   through its terminal banks, and each other as in training (visit r of the chunk sees visit r of
-   earlier chunk tokens).
-3. *per_visit* (control): the same two passes with a ``per_visit`` cache; this reproduces the full
-   forward exactly, so ``ppl_per_visit == ppl_full`` up to float rounding.
-
-PPL = exp(token-weighted mean NLL) over the same second-half targets for all three. **Document-aware
-scoring** (LMDR Table 8 caption: "only the tokens after a prompt that continue a document begun inside
-it"; given the ``<|endoftext|>`` id that separates documents in the token stream, ``data/tokens.py``):
-a second-half target x_{j+1} (j ≥ P) is scored only if no ``<|endoftext|>`` occurs in x_{P−1} … x_j,
-i.e. it belongs to the document of the prompt's last token (an end-of-text target closing that
-document counts; a document that began before the window counts too, since the window is the
-model's whole context — our reading). Unscored tokens stay in every pass as context. Sharing penalty
-``100 · (PPL_terminal / PPL_full − 1)`` (percent). Memory: the bytes of the prefix's K/V banks per
-sequence (``KVCache.nbytes() / B``), for per_visit (K·R core banks plus one per prelude/coda layer)
-and terminal (one bank per physical layer) caches, in the model's parameter dtype.
+**Continuation protocol.** Every full window of L = ``seq_len`` tokens is cut at P = L // 2: (1) *full*:
+one uncached forward at depth R, NLL on positions P … L−1; (2) *terminal*: prefill 0 … P−1 into a
+``terminal`` :class:`KVCache`, then score P … L−1 in one parallel forward; (3) *per_visit* (control): the
+same with a ``per_visit`` cache, which reproduces the full forward (``ppl_per_visit == ppl_full`` to rounding).
+**Document-aware scoring** (LMDR Table 8 caption; our reading): a second-half target x_{j+1} counts only
+if no ``<|endoftext|>`` occurs in x_{P−1} … x_j; unscored tokens stay as context. Sharing penalty
+``100 · (PPL_terminal / PPL_full − 1)`` (%). Memory: the prefix's K/V bytes per sequence
+(``KVCache.nbytes() / B``) for both layouts, in the parameter dtype.
 """
 
 from __future__ import annotations
@@ -81,13 +66,10 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
 
     Args:
         model: a shared-architecture model (put in eval mode here, restored after).
-        tokens: 1-D token stream of the split.
-        depths: loop depths R ≥ 1.
-        batch_size: windows per forward.
+        tokens: 1-D token stream of the split. depths: loop depths R ≥ 1.
         max_tokens: use only the first ``max_tokens + 1`` tokens of the stream (None = all).
-        eot_id: the ``<|endoftext|>`` id: score only targets that continue the prompt's document
-            (document-aware scoring, module docstring; :func:`continuation_mask`). None scores every
-            second-half target.
+        eot_id: the ``<|endoftext|>`` id: document-aware scoring (:func:`continuation_mask`); None scores
+            every second-half target.
 
     Returns:
         ``{R: {ppl_full, ppl_terminal, ppl_per_visit, sharing_penalty_pct, nll_full, nll_terminal,
@@ -133,9 +115,9 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
             out = model(x, depths, y, readout=Readout(logits=False, final_depth=final_depth))
             for R in depths:
                 sums[R]["full"] += float((out.nll_by_depth[R][:, P:].double() * scored).sum())
-                for mode, key in (("terminal", "terminal"), ("per_visit", "per_visit")):
+                for mode in ("terminal", "per_visit"):
                     nll, nbytes, banks = _continuation_nll(model, x, y, R, P, mode, final_depth, scored)
-                    sums[R][key] += float(nll)
+                    sums[R][mode] += float(nll)
                     mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
             count += int(scored.sum())
             n_seq += x.shape[0]
@@ -146,18 +128,20 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
-    res = {}
-    for R in depths:
-        nll = {k: v / count for k, v in sums[R].items()}
-        ppl = {k: math.exp(v) for k, v in nll.items()}
-        full_b, full_n = mem[R]["per_visit"]
-        term_b, term_n = mem[R]["terminal"]
-        res[R] = {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
-                  "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
-                  "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
-                  "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
-                  "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
-    return res
+    return {R: _depth_result(sums[R], mem[R], count, n_seq, P) for R in depths}
+
+
+def _depth_result(sums: dict[str, float], mem: dict[str, tuple[int, int]], count: int, n_seq: int,
+                  P: int) -> dict[str, float]:
+    nll = {k: v / count for k, v in sums.items()}
+    ppl = {k: math.exp(v) for k, v in nll.items()}
+    full_b, full_n = mem["per_visit"]
+    term_b, term_n = mem["terminal"]
+    return {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
+            "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
+            "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
+            "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
+            "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
 
 
 def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:

@@ -1,27 +1,15 @@
 """LAMBADA last-word completion at several loop depths (SPEC §6; SCSE, arXiv:2607.27656, Table 16).
 
-Data: the OpenAI LAMBADA test jsonl (detokenized; 5,153 passages, one ``{"text": ...}`` per line),
-``<data_root>/lambada/lambada_test.jsonl``.
-
-**Split (our choice where the SPEC is open).** The target is the passage's last whitespace-separated
-word. When a space precedes it, the target is ``" " + word`` (the word with its leading space, as
-GPT-2's byte-level pre-tokenizer attaches it) and the context is everything before that space; when
-a newline precedes it (7 of 5,153 passages), the newline stays in the context and the target is the
-bare word. Either way ``context + target`` is the (right-stripped) passage, and the target's tokens
-are the word's tokens as they occur in the passage (checked for GPT-2 BPE on all 5,153 passages;
-the context's tokens also match the passage's except in 3 passages whose last word follows a blank
-line, where the context, tokenized alone, ends in one ``"\\n\\n"`` token instead of two ``"\\n"``).
-
-**Scoring.** Context and target are tokenized separately with the checkpoint's tokenizer; the
-sequence ``context + target`` is left-truncated to ``seq_len + 1`` tokens (the model input is the
-sequence minus its last token, at most ``seq_len``, like a training window of L + 1 tokens), cutting
-context tokens only. Teacher-forced: every target token is predicted from the context and the true
-earlier target tokens, at every requested depth of one unroll; batches are right-padded (causal
-attention never lets a real position see the padding). Per depth:
-
-- ``target_ppl``: exp of the token-weighted mean NLL over target tokens;
-- ``target_acc``: fraction of target tokens whose greedy argmax equals the token;
-- ``exact_acc``: fraction of examples whose target tokens are all argmax-correct.
+Data: ``<data_root>/lambada/lambada_test.jsonl`` (OpenAI's detokenized test set, 5,153 passages).
+**Split (our choice).** The target is the last whitespace-separated word, with its leading space
+(``" " + word``, as GPT-2's pre-tokenizer attaches it) when a space precedes it; after a newline (7
+passages) the newline stays in the context. ``context + target`` is the right-stripped passage, and the
+target's GPT-2 tokens are the word's tokens in the passage (checked on all 5,153; 3 contexts ending in a
+blank line tokenize to one ``"\\n\\n"`` instead of two ``"\\n"``).
+**Scoring.** Context and target tokenized separately, left-truncated to ``seq_len + 1`` tokens (context
+only), teacher-forced at every requested depth of one unroll, right-padded batches. Per depth:
+``target_ppl`` (exp of the token-weighted mean target NLL), ``target_acc`` (greedy-correct target tokens)
+and ``exact_acc`` (examples with every target token correct).
 """
 
 from __future__ import annotations

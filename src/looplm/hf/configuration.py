@@ -1,19 +1,10 @@
 """``LoopLMConfig``: the transformers config of a looplm model (``model_type = "looplm"``).
 
-It holds the whole looplm :class:`~looplm.config.Config` dict under ``looplm`` (the model is rebuilt
-from it exactly) plus the settings of the wrapper:
-
-- ``num_steps``: the default recurrence depth of a forward (``model(ids, num_steps=…)`` overrides it
-  per call; the name is the one Huginn's Hugging Face model uses for the same argument);
-- ``kv_cache``: the layout of the cache :meth:`generate` creates, ``per_visit`` (exact) or
-  ``terminal`` (terminal KV sharing);
-- ``final_depth``: the depth from which a ``final_only_norm`` readout normalizes (the checkpoint's
-  nominal training depth, as ``looplm``'s loader sets it).
-
-The usual transformers names (``vocab_size``, ``hidden_size``, ``num_attention_heads``,
-``num_key_value_heads``, ``num_hidden_layers`` = physical blocks, ``max_position_embeddings``,
-``tie_word_embeddings``) are derived from the looplm config for tools that read them; every architecture
-option (rotary positions, grouped-query heads, block norms, …) travels inside ``looplm``.
+It holds the whole looplm :class:`~looplm.config.Config` dict under ``looplm`` (the model is rebuilt from
+it exactly) plus the wrapper's settings: ``num_steps`` (default recurrence depth, Huginn's name for it),
+``kv_cache`` (the layout :meth:`generate` creates: ``per_visit`` or ``terminal``) and ``final_depth``
+(where a ``final_only_norm`` readout starts normalizing). The usual transformers names (``vocab_size``,
+``hidden_size``, ``num_hidden_layers`` = physical blocks, …) are derived for tools that read them.
 """
 
 from __future__ import annotations

@@ -5,115 +5,18 @@ object (GPT-2 BPE or the trained byte-level BPE): ``tokenizer.json`` is that tok
 ``tokenizer_config.json`` names ``<|endoftext|>`` as the BOS, EOS, UNK and padding token, with left
 padding (what batched generation wants). ``AutoTokenizer.from_pretrained(folder)`` loads it.
 
-Remote code: ``save_pretrained`` writes ``auto_map`` into ``config.json`` and two files generated from
-looplm's own sources by :func:`remote_code`: ``configuration_looplm.py`` (``looplm.config`` +
-``looplm.hf.configuration``) and ``modeling_looplm.py`` (``looplm.model``'s modules +
-``looplm.hf.modeling``), each module's text unchanged except its ``looplm`` imports, which are dropped
-(same file) or made relative (``from .configuration_looplm import …``). So
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` needs torch and transformers
-only, not looplm. Nothing is fetched from the network.
+The folder loads without looplm through its remote code (:mod:`looplm.hf.remote`). Nothing is fetched from
+the network.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-AUTO_MAP = {"AutoConfig": "configuration_looplm.LoopLMConfig",
-            "AutoModelForCausalLM": "modeling_looplm.LoopLMForCausalLM"}
-# remote-code file → the looplm modules it holds, in dependency order
-REMOTE_FILES = {"configuration_looplm": ("looplm.config", "looplm.hf.configuration"),
-                "modeling_looplm": ("looplm.model.fused", "looplm.model.layers", "looplm.model.kvcache",
-                                    "looplm.model.recurrence", "looplm.model.cursor", "looplm.model.looped",
-                                    "looplm.hf.modeling")}
-ALIASES = {"looplm.model": "looplm.model.looped"}  # a package whose imported names live in a listed module
-PACKAGE_ONLY = {"looplm.hf.modeling": ("LoopLMForCausalLM.from_checkpoint", "LoopLMForCausalLM.save_pretrained")}
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # what transformers 4.57 and 5 both read (5 writes TokenizersBackend)
-
-
-def remote_code() -> dict[str, str]:
-    """``{file name: source}`` of the self-contained remote code (module docstring).
-
-    Raises:
-        RuntimeError: a listed module imports a looplm module outside :data:`REMOTE_FILES`, or two modules of
-            one file define the same top-level name.
-    """
-    import importlib.util
-
-    import looplm
-
-    home = {mod: name for name, mods in REMOTE_FILES.items() for mod in mods}
-    files = {}
-    for name, mods in REMOTE_FILES.items():
-        parts, defined = [], {}
-        for mod in mods:
-            text = Path(importlib.util.find_spec(mod).origin).read_text()
-            lines = text.splitlines()
-            tree = ast.parse(text)
-            edits = {}  # first line (0-based) → (last line, replacement lines)
-            for qual in PACKAGE_ONLY.get(mod, ()):
-                cls, meth = qual.split(".")
-                node = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
-                            for f in c.body if isinstance(f, ast.FunctionDef) and f.name == meth)
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
-                edits[first] = (node.end_lineno, [])  # the method and the blank line after it
-            dropped = [range(first, last + 1) for first, (last, _) in edits.items()]
-            for node in tree.body:
-                for target in _names(node):
-                    if defined.setdefault(target, mod) != mod:
-                        raise RuntimeError(f"remote code: {target} is defined in {defined[target]} and {mod}")
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "looplm" for a in node.names):
-                    raise RuntimeError(f"remote code: {mod} line {node.lineno}: 'import looplm…' cannot be rewritten")
-                if not isinstance(node, ast.ImportFrom) or any(node.lineno - 1 in r for r in dropped):
-                    continue
-                indent = " " * node.col_offset
-                if node.module == "__future__":
-                    edits[node.lineno - 1] = (node.end_lineno - 1, [])
-                elif node.module.split(".")[0] == "looplm":
-                    src = home.get(ALIASES.get(node.module, node.module))
-                    if src is None:
-                        raise RuntimeError(f"remote code: {mod} line {node.lineno} imports {node.module}, "
-                                           f"which is not in {sorted(home)}")
-                    names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
-                    edits[node.lineno - 1] = (node.end_lineno - 1,
-                                              [f"{indent}pass"] if src == name else [f"{indent}from .{src} import {names}"])
-            out, i = [], 0
-            for first in sorted(edits):
-                last, repl = edits[first]
-                out += lines[i:first] + repl
-                i = last + 1
-            parts.append(f"# {'-' * 40} {mod}\n" + "\n".join(out + lines[i:]).strip("\n") + "\n")
-        header = (f'"""Remote code of a looplm export (transformers trust_remote_code=True), generated by looplm '
-                  f'{looplm.__version__} from {", ".join(mods)}:\nthe modules unchanged but for their looplm imports. '
-                  'Needs torch and transformers only."""\n\nfrom __future__ import annotations\n\n')
-        files[name + ".py"] = header + "\n\n".join(parts)
-    return files
-
-
-def _names(node: ast.stmt) -> list[str]:
-    """Top-level names a definition or assignment binds (imports excluded: they may repeat)."""
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return [node.name]
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-
-
-def write_remote_code(out: str | Path) -> None:
-    """Write the remote-code files (:func:`remote_code`) into ``out`` and make sure its config.json has
-    ``auto_map``."""
-    out = Path(out)
-    for name, text in remote_code().items():
-        (out / name).write_text(text)
-    path = out / "config.json"
-    if path.exists():
-        d = json.loads(path.read_text())
-        if d.get("auto_map") != AUTO_MAP:
-            d["auto_map"] = AUTO_MAP
-            path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def fast_tokenizer(tok: Tokenizer):

@@ -1,54 +1,15 @@
 """An lm-evaluation-harness backend for looplm checkpoints (model name ``looplm``), and a multi-depth runner.
 
-**Backend** (:class:`LoopLMEvalHarness`, a ``TemplateLM``). ``--model_args``:
-
-- ``checkpoint=DIR``: a checkpoint, run directory or Hugging Face export folder (required);
-- ``depth=T``: the loop depth whose answers the harness gets (default: the largest of ``depths``,
-  else the checkpoint's ``train.eval_depth``: an export's ``num_steps``);
-- ``depths=1;8;48``: depths scored together (``;``-separated, since the harness splits on commas):
-  every ``loglikelihood`` / ``loglikelihood_rolling`` batch is **one unroll** read out at all of
-  them, and the per-depth answers are memoized, so switching ``depth`` later costs no forward;
-- ``batch_size``, ``device``, ``kv_cache`` (``per_visit`` / ``terminal``, for ``generate_until``; default: an
-  export's ``config.json`` ``kv_cache``, else ``per_visit``),
-  ``stride`` (sliding-window stride of ``loglikelihood_rolling``; default non-overlapping windows).
-
-``loglikelihood``: context + continuation tokens (the harness's own ``_encode_pair``: the whole string
-encoded, the context's tokens split off), left-truncated to ``seq_len + 1`` tokens like
-``looplm eval lambada``, right-padded batches, only the continuation positions read out;
-returns (sum of log-probabilities, all tokens greedy) per request. ``loglikelihood_rolling``: the
-document's tokens after the prefix token (``<|endoftext|>``) cut into looplm's evaluation windows
-(:func:`looplm.data.tokens.eval_windows`, every token scored once). ``generate_until``: looplm's
-cached generation (:func:`looplm.generate.generate`) at the active depth, greedy unless the task asks
-for sampling, the context left-truncated so context + continuation fit ``seq_len``, the text cut at the
-first stop sequence (generation cannot share an unroll across depths: it runs once per depth).
-
-**Registration.** Importing this module registers ``looplm`` with the harness's model registry. The
-installed lm-eval (0.4.13) has no plugin entry points for models, so the plain ``lm_eval`` command
-cannot find it; ``python -m looplm.hf.harness …`` (console script ``looplm-lm-eval``) is the
-harness's own command line with ``looplm`` registered, so ``looplm-lm-eval --model looplm
---model_args checkpoint=DIR,depth=8 --tasks lambada_openai`` works from the shell. It reports one
-table, at ``depth``.
-
-**Several depths** (:func:`evaluate_harness`, ``looplm lm-eval --depths 1,8,48``): one backend scores
-every depth; ``simple_evaluate`` then runs once per depth with that depth active, answered from the
-memo (one unroll per batch in all). The result has one harness result per depth (``depths`` →
-``"T"`` → ``results``), and with ``db=`` every numeric metric is stored in looplm's results store:
-protocol ``lm_eval``, dataset = the task name, split ``""``, depth T, settings (lm-eval version,
-few-shot, limit, stride) in the protocol hash, metric names without the harness's ``,none`` filter
-suffix (``acc``, ``acc_stderr``, ``perplexity``, ``word_perplexity`` …). A checkpoint that is no run of a
-sweep in that database is added to its runs (sweep ``checkpoints``, variant ``NAME [config hash]``), so
-``looplm report`` shows it.
-
-**Definitions vs looplm's own evaluations.** LAMBADA (``lambada_openai``'s format): the harness's
-``acc`` is looplm's ``exact_acc`` (every target token greedy-correct) and its ``perplexity`` is
-exp(−mean over *passages* of the target's summed log-probability) — per passage, whereas looplm's
-``target_ppl`` is token-weighted (exp of the mean NLL over target tokens); the harness splits the last
-word on ``' '`` while looplm splits on any whitespace (7 of 5,153 passages end after a newline).
-WikiText: the harness scores each document from a ``<|endoftext|>`` prefix (its first token scored)
-and reports word / byte perplexity and bits per byte, whereas ``looplm eval`` scores one token stream
-of the whole split (its first token unscored) and reports token perplexity; the stock ``wikitext``
-task also detokenizes the document-level dataset. :func:`write_local_tasks` writes offline tasks over
-the shared files where the definitions can be compared.
+:class:`LoopLMEvalHarness` (a ``TemplateLM``) takes ``--model_args`` ``checkpoint=DIR`` (a checkpoint, run
+directory or export; required), ``depth=T`` (default: the largest of ``depths``, else ``train.eval_depth``),
+``depths=1;8;48`` (``;``: the harness splits on commas; each loglikelihood batch is one unroll read out at
+all of them, memoized per depth), ``batch_size``, ``device``, ``kv_cache`` and ``stride``.
+:func:`evaluate_harness` (``looplm lm-eval --depths``) runs ``simple_evaluate`` once per depth from that
+memo and can store every numeric metric in the results store (protocol ``lm_eval``). Importing this module
+registers ``looplm`` with the harness (lm-eval 0.4.13 has no model plugins: ``python -m looplm.hf.harness``,
+console script ``looplm-lm-eval``, is its command line with the backend registered). Each method's
+definition, and how the harness's LAMBADA and WikiText numbers differ from ``looplm eval``'s:
+``docs/interop.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """``LoopLMForCausalLM``: a transformers ``PreTrainedModel`` + ``GenerationMixin`` around a looplm model,
 and ``LoopLMCache``: a transformers ``Cache`` over looplm's :class:`~looplm.model.kvcache.KVCache`.
 
-**Depth.** ``model(input_ids, num_steps=T)`` runs T loop steps; ``num_steps`` defaults to
-``config.num_steps``. It may be a list of depths: all are read out from one unroll, ``logits`` is the
-largest depth's and ``logits_by_depth`` maps each depth to its logits. ``generate(…, num_steps=T)``
-passes it to every forward. ``output_loop_logits=True`` reads out every depth 0 … T.
-
-**Per-loop states.** ``output_hidden_states=True`` returns ``hidden_states`` = (h_0, …, h_T): the loop
-state after each loop step in readout coordinates (before the coda), as looplm's ``Readout(states=True)``;
-``len(hidden_states) == T + 1``, like transformers' "embeddings + one per layer".
-
-**Cache.** With ``use_cache`` (default for the shared architecture) a forward appends its chunk to a
-:class:`LoopLMCache` (layout ``config.kv_cache``, or ``kv_cache=`` per call when the cache is created)
-and returns it as ``cache``; the next forward gets only the new tokens. ``generate`` creates a
-transformers ``DynamicCache`` first: an empty foreign cache is replaced by a :class:`LoopLMCache` on the
-first forward (a non-empty one is an error). Beam search reorders it with
-:meth:`LoopLMCache.reorder_cache` (rows of every bank, the validity mask and the per-sequence
-statistics of the SCSE mask). The unshared reference has no KV cache: it always recomputes.
-
-**Padding.** ``attention_mask`` (B, L) marks left padding with 0; position ids count real tokens only
-(``position_ids`` passed by transformers are ignored: they are derived from the mask and the cache,
-the same way). With a cache, the mask may cover the cached tokens too (transformers' convention):
-only its last L columns are used, the cache keeps the earlier ones.
-
-**Loss.** ``labels`` (B, L) as in transformers (shifted inside; -100 ignored): the token-weighted mean
-cross-entropy at the largest depth.
+- **Depth.** ``num_steps=T`` (default ``config.num_steps``; ``generate`` passes it on) may be a list: one
+  unroll, ``logits`` at the largest, ``logits_by_depth`` for each; ``output_loop_logits=True`` reads 0 … T.
+- **States.** ``output_hidden_states=True`` returns (h_0, …, h_T) in readout coordinates, before the coda.
+- **Cache.** With ``use_cache`` (shared architecture) a forward appends its chunk to a :class:`LoopLMCache`
+  (layout ``config.kv_cache`` or ``kv_cache=``); an empty foreign cache (``generate``'s ``DynamicCache``) is
+  replaced, a non-empty one is an error; beam search uses :meth:`LoopLMCache.reorder_cache`.
+- **Padding.** ``attention_mask`` marks left padding; position ids are derived from it and the cache
+  (transformers' ``position_ids`` are ignored); with a cache only the mask's last L columns are used.
+- **Loss.** ``labels`` as in transformers (shifted inside, -100 ignored): mean CE at the largest depth.
 """
 
 from __future__ import annotations
@@ -285,8 +270,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code files
         (``trust_remote_code=True`` then loads without looplm's registration; see
-        :mod:`looplm.hf.export`)."""
-        from looplm.hf.export import AUTO_MAP, write_remote_code
+        :mod:`looplm.hf.remote`)."""
+        from looplm.hf.remote import AUTO_MAP, write_remote_code
 
         self.config.auto_map = dict(AUTO_MAP)
         result = super().save_pretrained(save_directory, *args, **kwargs)

@@ -1,26 +1,11 @@
 """Import Huginn-0125 (``tomg-group-umd/huginn-0125``, ``RavenForCausalLM``; arXiv:2502.05171) as a looplm
 checkpoint.
 
-The architecture, step by step, with every tensor's role: ``docs/importers-layout.md``. In looplm terms it
-is ``rule=huginn_linear`` (adapter ``W [s; e]`` without bias, no step norm), P prelude / R core / C coda
-``pre_post`` blocks, interleaved RoPE with q/k bias, embedding scale √d, ``exit_norm=final`` (``ln_f``
-before the coda and again at the readout), tied head, and a truncated-normal initial state of std √(2/5).
-
-Tensor map (``{i}`` a block index; the block prefix ``transformer.prelude.{i}`` → ``prelude.{i}``,
-``transformer.core_block.{i}`` → ``core.blocks.{i}``, ``transformer.coda.{i}`` → ``coda.{i}``):
-
-| Huginn-0125 | looplm |
-|---|---|
-| ``transformer.wte.weight`` | ``tok_emb.weight`` (= ``lm_head.weight``, tied) |
-| ``….norm_1``, ``norm_2``, ``norm_3``, ``norm_4`` | ``norm1``, ``post_attn_norm``, ``norm2``, ``post_mlp_norm`` |
-| ``….attn.Wqkv.weight`` (rows q, k, v) | ``attn.qkv.weight`` |
-| ``….attn.qk_bias`` (2, 1, H, hd) | ``attn.qk_bias`` (q's H·hd, then k's) |
-| ``….attn.proj.weight`` | ``attn.proj.weight`` |
-| ``….mlp.fc.weight`` (rows gate, up) | ``mlp.gate_up.weight`` |
-| ``….mlp.proj.weight`` | ``mlp.down.weight`` |
-| ``transformer.adapter.weight`` (columns [state; e]) | ``rule.adapter.weight`` |
-| ``transformer.ln_f.weight`` | ``norm_f.weight`` |
-| ``freqs_cis`` (RoPE table) | not stored: checked against ``Rope`` (``rope_table_dtype``) |
+The architecture, step by step: ``docs/importers-layout.md``. In looplm terms it is ``rule=huginn_linear``
+(adapter ``W [s; e]`` without bias, no step norm), P prelude / R core / C coda ``pre_post`` blocks,
+interleaved RoPE with q/k bias, embedding scale √d, ``exit_norm=final`` (``ln_f`` before the coda and again
+at the readout), tied head, and a truncated-normal initial state of std √(2/5). The tensor map is
+:func:`tensor_map` (``freqs_cis`` is not stored: :func:`check_rope_table` checks it against ``Rope``).
 """
 
 from __future__ import annotations

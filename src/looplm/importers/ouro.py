@@ -6,22 +6,7 @@ layer in the core (no prelude or coda), ``sandwich`` blocks, rotate-half RoPE, g
 ``scale_control=final_norm`` (``model.norm`` after every step, fed back) with ``readout=raw``, an exit gate
 and an untied head. Depth T is ``total_ut_steps``; Ouro's threshold rule is the exit criterion ``exit_cdf``
 (τ = ``early_exit_threshold``, 1.0 in the published configs: in float32 every token then reads out the last
-step, i.e. fixed depth T).
-
-Tensor map (``{i}`` a layer index; ``model.layers.{i}`` → ``core.blocks.{i}``):
-
-| Ouro | looplm |
-|---|---|
-| ``model.embed_tokens.weight`` | ``tok_emb.weight`` |
-| ``….input_layernorm``, ``input_layernorm_2`` | ``norm1``, ``post_attn_norm`` |
-| ``….post_attention_layernorm`` (MLP input norm), ``…_2`` | ``norm2``, ``post_mlp_norm`` |
-| ``….self_attn.q_proj``, ``k_proj``, ``v_proj`` | ``attn.qkv.weight`` (rows q, k, v) |
-| ``….self_attn.o_proj`` | ``attn.proj.weight`` |
-| ``….mlp.gate_proj``, ``up_proj`` | ``mlp.gate_up.weight`` (rows gate, up) |
-| ``….mlp.down_proj`` | ``mlp.down.weight`` |
-| ``model.norm.weight`` | ``norm_f.weight`` |
-| ``model.early_exit_gate.weight``, ``.bias`` | ``exit_gate.weight``, ``exit_gate.bias`` |
-| ``lm_head.weight`` | ``lm_head.weight`` (absent with ``tie_word_embeddings``: the head is ``tok_emb``) |
+step, i.e. fixed depth T). The tensor map is :func:`tensor_map`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
-"""Fused, chunked readout + cross-entropy (issue 15): per-token NLL of ``h @ Wᵀ`` without the
-(N, V) logits.
+"""Fused, chunked readout + cross-entropy (issue 15): per-token NLL of ``h @ Wᵀ`` without the (N, V) logits.
 
-:func:`linear_cross_entropy` computes ``F.cross_entropy(F.linear(h, W).float(), targets,
-ignore_index=-100, reduction="none")`` over chunks of ``chunk`` tokens: each chunk's logits are formed,
-reduced to the NLL and dropped, so the largest logits tensor alive is (chunk, V) instead of (N, V)
-(at V = 50,257, one 16 × 128 batch has 411 MB of fp32 logits; a 166-token chunk 33 MB).
+:func:`linear_cross_entropy` is ``F.cross_entropy(F.linear(h, W).float(), targets, ignore_index=-100,
+reduction="none")`` over chunks of tokens, so the largest logits alive are (chunk, V), not (N, V) (at
+V = 50,257 a 16 × 128 batch has 411 MB of fp32 logits; a 166-token chunk 33 MB).
 
-**Gradient.** A ``torch.autograd.Function`` never keeps a chunk's logits. Under autograd it forms
-the gradient *ahead*, in the forward, while each chunk's log-probabilities are at hand:
-``G = softmax − onehot`` (ignored rows 0), then ``G @ W`` (N × d, saved) and ``Gᵀh`` summed over
-chunks (V × d fp32, saved). In backward, with per-token upstream weights w (the loss's reduction):
-``∂h = w ⊙ (G @ W)`` holds for any w (row-local), and ``∂W = Σ_i w_i G_iᵀ h_i = w · Gᵀh`` when the
-weights of the scored tokens are all equal — every mean-CE loss (terminal, per-loop); when they are
-not (``exit_weighted``), ∂W recomputes each chunk's logits. So training does the plain path's three
-readout matmuls (logits, ∂h, ∂W), not four. Saving ``Gᵀh`` costs V·d fp32 per read-out depth (51 MB
-at the Huginn shape) instead of the (N, V) logits, log-probabilities and their gradient. (The
-alternatives — recomputing each chunk's logits in backward, or ``torch.utils.checkpoint`` per chunk,
-which also back-propagates through autograd's generic log-softmax and keeps one graph per chunk —
-cost a fourth readout matmul.)
+**Gradient.** The forward forms ``G = softmax − onehot`` per chunk and saves ``G @ W`` (N × d) and ``Gᵀh``
+(V × d fp32). With per-token upstream weights w, ``∂h = w ⊙ (G @ W)`` always, and ``∂W = w · Gᵀh`` when the
+scored tokens' weights are equal (every mean-CE loss); otherwise (``exit_weighted``) ∂W recomputes each
+chunk's logits. Training thus does three readout matmuls, as the plain path, not four.
 
-**Exactness.** The forward computes what the plain path computes on the same rows
-(``F.cross_entropy`` is log-softmax, then a gather of the target's negated log-probability). On CPU a row block of a matmul gives bitwise the
-rows of the full matmul (checked by ``tests/test_perf.py``), so the per-token NLL, the losses and every
-evaluation PPL are bit-identical to the plain path. Gradients agree to rounding (≤ 1e-5 relative in
-the tests) but not bitwise: ``∂W`` is summed chunk by chunk and scaled after the sum, a different
-floating-point order than one (N × V)ᵀ(N × d) matmul of the weighted gradient, so a training run's
-losses after its first step can differ from the plain path's in the last bits.
-
-**Mixed precision.** Under autocast the caller passes h and W already cast to the autocast dtype
-(as ``nn.Linear`` would be); logits are formed in that dtype and the softmax is taken in fp32, as in
-the plain path. ``∂W`` is accumulated over chunks in fp32.
+**Exactness.** On CPU a row block of a matmul is bitwise the rows of the full matmul
+(``tests/test_perf.py``), so NLL, losses and PPL are bit-identical to the plain path; gradients agree to
+rounding (≤ 1e-5 relative), since ∂W is summed chunk by chunk. Under autocast the caller passes h and W
+in the autocast dtype; the softmax is fp32 and ∂W accumulates in fp32.
 """
 
 from __future__ import annotations

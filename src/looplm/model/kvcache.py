@@ -1,31 +1,22 @@
 """KV caches indexed by virtual layer, and the attention scope of one forward pass (SPEC §6).
 Source: terminal KV sharing, Looped Models Done Right, arXiv:2610.06833 (§3.2, Lemma 1, Figure 3).
 
-A looped model visits each physical attention layer once per recurrence, so a KV cache is indexed by
-*virtual* layer. Two layouts:
+A looped model visits each physical attention layer once per recurrence, so the cache is indexed by
+*virtual* layer. ``per_visit``: one bank per (physical layer, visit), K·R banks; decoding with it
+reproduces the full forward exactly. ``terminal``: one bank per physical layer holding each prefix
+token's *last*-visit K/V, which every visit of later tokens attends to (within the chunk, visit r sees
+the chunk's own visit r, as in training); K banks instead of K·R.
 
-- ``per_visit``: one bank per (physical layer, visit) — K·R banks for K core layers at R recurrences.
-  Incremental decoding with it reproduces the full forward exactly.
-- ``terminal`` (terminal KV sharing, "Looped Models Done Right"): one bank per physical layer holding,
-  for every prefix token, the K/V of its *last* visit. Every visit of a later token attends to those
-  terminal K/V (and, within the chunk being processed, to the chunk's own K/V of the same visit, as in
-  training). Memory: K banks instead of K·R.
+A forward creates one :class:`AttentionScope` (cache, key-padding mask, position ids, pending writes) and
+passes it down, as HF passes ``layer_idx``: each attention call gets ``scope.at(visit)``. Prelude and coda
+layers have visit 0; core call ``call`` of loop step t has visit ``t · calls_per_step + call`` (Ouro's
+``step·L + layer``; ``calls_per_step`` = 2 for ``sc_subtract`` / ``additive_subtract``). No global state,
+so scopes are re-entrant.
 
-A forward pass creates one :class:`AttentionScope` (the cache, the chunk's key-padding mask, its position
-ids — which rotary embeddings read — and the chunk's pending writes) and passes it down explicitly, as
-HF passes ``layer_idx``: each attention call receives a :class:`KVVisit` ``scope.at(visit)`` naming the virtual-layer visit. Prelude and coda layers
-have visit 0; core application ``call`` of loop step t has visit ``t · calls_per_step + call``
-(``calls_per_step`` = 2 for ``sc_subtract`` and ``additive_subtract``), the index Ouro writes as
-``step·L + layer``. Nothing is found through global state, so scopes are re-entrant and thread-safe
-(one scope per forward). The scope also carries a key-padding mask for left-padded batches.
-
-**Early-exit policy** (per-token adaptive depth, our choice): a row frozen by
-:meth:`AttentionScope.freeze` after exiting at visit r keeps writing its visit-r K/V into every later
-visit slot of the chunk ("copy-forward"; in the terminal layout its terminal K/V is its exit visit's).
-Likewise, when a later chunk runs more visits than the cache holds for its prefix, the prefix is read
-from the deepest stored visit at or below the requested one (``latest available``), and when it runs
-fewer, the chunk's deepest visit is copied forward into the missing slots, so every bank always
-covers every cached token.
+**Early exit** (our choice): a row frozen by :meth:`AttentionScope.freeze` at visit r writes its visit-r
+K/V into every later visit slot ("copy-forward"). A chunk running more visits than the cache holds reads
+the prefix's deepest stored visit at or below the requested one; one running fewer copies its deepest
+visit forward, so every bank covers every cached token.
 """
 
 from __future__ import annotations
@@ -58,32 +49,21 @@ def _nearest(keys: list[int], v: int) -> int:
 class KVCache:
     """Cached K/V of the tokens processed so far, for one batch of B sequences.
 
-    **Static layout** (issue 15). Every bank is a preallocated buffer pair (B, H_kv, capacity, head_dim)
-    (H_kv = the key/value heads: n_heads, or fewer with grouped-query attention; rotary models store the
-    rotated keys)
-    written in place: a chunk's K/V go to positions ``[L_past, L_past + L_chunk)``, so decoding does no
-    per-token concatenation. The capacity is ``max_len`` if given, else the model's ``seq_len`` (set by
-    the first forward); a chunk that would overflow it doubles it (one copy). Attention reads the
-    prefix as a view ``[:L_past]`` and, during a chunk's forward, writes the chunk's own K/V of the
-    visit into the scratch positions right after the prefix of the bank it reads from, attending to
-    ``[:L_past + L_chunk]`` of that one buffer; :meth:`AttentionScope.commit` then writes every bank's
-    final chunk K/V there (copy-forward, exit visits), so the scratch writes never outlive the chunk.
-    With autograd recording (a cache used under gradients) attention falls back to concatenation.
+    **Static layout** (issue 15): every bank is a preallocated pair (B, H_kv, capacity, head_dim) written
+    in place at ``[L_past, L_past + L_chunk)`` (capacity: ``max_len``, else the model's ``seq_len``;
+    doubled on overflow). During a chunk's forward, attention writes the chunk's K/V into the scratch
+    positions after the prefix and reads ``[:L_past + L_chunk]``; :meth:`AttentionScope.commit` then
+    writes every bank's final chunk K/V there. Under autograd, attention concatenates instead.
 
     Args:
-        mode: ``per_visit`` or ``terminal`` (see the module docstring).
-        max_len: the capacity in positions (None: the model's ``seq_len``).
+        mode: ``per_visit`` or ``terminal`` (module docstring). max_len: capacity (None: ``seq_len``).
 
     Attributes:
-        banks: {key: (K, V)}, each (B, H_kv, L_past, head_dim) (views of the buffers' used part); key =
-            (layer_id, visit) for ``per_visit``, (layer_id, visit mod calls_per_step) for ``terminal``.
-        calls_per_step: core calls per loop step of the model's rule (2 for ``sc_subtract`` and
-            ``additive_subtract``; set by the model): terminal sharing keeps the last recurrence's K/V of
-            each call, so such rules hold 2 banks per core layer.
-        valid: (B, L_past) bool — which cached positions are real tokens (False = left padding).
-        n_valid: (B,) int64 — real tokens cached per row (the next token's position id).
-        stats: per-sequence running sums used by rules whose step depends on the whole prefix
-            (the SCSE mask energy ``‖Δ_t‖²_F``), {key: (B,)}.
+        banks: {key: (K, V)}, each (B, H_kv, L_past, head_dim); key = (layer_id, visit) for ``per_visit``,
+            (layer_id, visit mod calls_per_step) for ``terminal``.
+        calls_per_step: core calls per loop step (2 for ``sc_subtract`` / ``additive_subtract``).
+        valid: (B, L_past) bool, False = left padding. n_valid: (B,) int64 real tokens per row.
+        stats: per-sequence running sums of prefix-dependent rules (SCSE mask energy ``‖Δ_t‖²_F``), {key: (B,)}.
 
     Raises:
         ValueError: unknown mode.

@@ -1,16 +1,10 @@
 """LoopLM: embed → prelude → loop (core × T under a recurrence rule) → coda → readout (SPEC §1).
 
-The recurrence exists once: :meth:`LoopLM.step` is the whole realized loop step (the rule's update,
-the SCSE zero-deviation mask, the between-loop scale control and the evaluation-time scale clamp).
-:meth:`DepthLM.forward` (training, multi-depth evaluation, cached decoding) and every other consumer —
-the early-exit runner of adaptive depth, halting and generation (:mod:`looplm.eval.exits`), KV-sharing
-evaluation and every diagnostic — call it and nothing else; a diagnostic that needs a different map
-asks for it through a named argument of that method (``mask``, ``injection_gain``).
-
-:class:`TransformerLM` is the unshared Transformer reference (``architecture="unshared"``): N distinct
-blocks, no recurrence, where depth T runs the first ``min(T, N)`` blocks (its active depth saturates
-at N, matching the FLOP proxy of SCSE eq. 20, arXiv:2607.27656). Both share :class:`DepthLM`'s
-forward; build either from a config with :func:`build_model`.
+:meth:`LoopLM.step` is the whole realized loop step (rule update, SCSE zero-deviation mask, scale control
+and clamp); ``forward``, the exit runner (:mod:`looplm.eval.exits`), KV-sharing evaluation and every
+diagnostic call it and nothing else, variants being named arguments (``mask``, ``injection_gain``).
+:class:`TransformerLM` is the unshared reference: depth T runs the first ``min(T, N)`` of N blocks
+(the FLOP proxy of SCSE eq. 20, arXiv:2607.27656). Both share :class:`DepthLM`'s forward; :func:`build_model`.
 """
 
 from __future__ import annotations
@@ -37,16 +31,11 @@ class LoopOutput:
     """What :meth:`LoopLM.forward` returns.
 
     Attributes:
-        logits: (B, L, V) at the largest requested depth (None with ``Readout(logits=False)``).
-        loss: mean cross-entropy over targets != -100 at the largest requested depth (None without
-            targets).
-        logits_by_depth: {T: (B, L, V)} for every requested depth (with ``Readout(logits=True)``).
-        nll_by_depth: {T: (B, L)} per-token negative log-likelihood in nats (with targets).
-        states: hidden states h_0 … h_T, each (B, L, d), in readout coordinates (h = h* + Δ for SCSE),
-            before the coda (``Readout(states=True)``).
-        anchor: the anchor h* (B, L, d) (looped models only).
-        exit_logits_by_depth: {T: (B, L)} exit-gate logits at each requested depth T ≥ 1 (models with
-            ``exit_gate``; SPEC §4 exit_weighted supervision).
+        logits: (B, L, V) at the largest depth (None with ``Readout(logits=False)``). loss: mean CE over
+            targets != -100 there (None without targets). logits_by_depth: {T: (B, L, V)}.
+        nll_by_depth: {T: (B, L)} per-token NLL in nats (with targets).
+        states: h_0 … h_T, each (B, L, d), readout coordinates, before the coda (``Readout(states=True)``).
+        anchor: h* (B, L, d) (looped only). exit_logits_by_depth: {T: (B, L)} exit-gate logits (``exit_gate``).
     """
 
     logits: torch.Tensor | None = None
@@ -149,19 +138,13 @@ class DepthLM(nn.Module):
     def reset_parameters(self) -> None:
         """Initialization (our choice unless stated).
 
-        Pre-LN (GPT-2): N(0, init_std) for every matrix and embedding; the residual output projections
-        (attention ``proj``, MLP ``down``) get init_std/√(2·blocks), blocks counted physically.
-        Post-LN family (SPEC §3, DeepNet/DeepLoop): N(0, init_std) everywhere (``model.block_init=xavier_normal``:
-        the block matrices Xavier-normal, :func:`_xavier`), then the value rows of
-        ``attn.qkv``, ``attn.proj`` and the MLP matrices (``gate_up``: gate and up, and ``down``) of every block are
-        multiplied once by β = (8N)^-p (q and k are not). Gains are 1, biases 0; the adapter gain α
-        keeps its configured value.
-
-        Then, when ``model.embed_init_std`` is set (not -1), the token and position embeddings are drawn
-        again from N(0, embed_init_std); the looped model then re-draws its rule's source modules
-        (``model.options.source_init``, :func:`~looplm.model.recurrence.init_source_modules`). Both come
-        after the GPT-2 pass, so every other parameter draws the same values whatever they are set to,
-        and the defaults (GPT-2 everywhere) draw exactly what the code before these options drew.
+        Pre-LN (GPT-2): N(0, init_std) everywhere; residual output projections (``proj``, ``down``) get
+        init_std/√(2·physical blocks). Post-LN (SPEC §3, DeepNet/DeepLoop): N(0, init_std) (or Xavier-normal
+        block matrices, ``block_init=xavier_normal``), then the value rows of ``attn.qkv``, ``attn.proj`` and
+        the MLP matrices are multiplied by β = (8N)^-p. Gains 1, biases 0, adapter α as configured. Then
+        ``embed_init_std`` (unless -1) re-draws the embeddings and the rule re-draws its source modules
+        (:func:`~looplm.model.recurrence.init_source_modules`), after the GPT-2 pass, so the defaults draw
+        exactly what they drew before these options.
         """
         std = self.cfg.init_std
         post_ln = self.cfg.residual != "pre_ln"
@@ -242,16 +225,10 @@ class DepthLM(nn.Module):
 
     def readout(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                 record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Coda, then the readout (SPEC §4). (B, L, d) → (B, L, V) logits, or (N, V) with ``tokens``.
+        """Coda, then the readout (SPEC §4): (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols).
 
-        ``readout="rmsnorm"``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw
-        when ``final=False`` (an intermediate loop), RMSNorm at the last loop.
-
-        Args:
-            scope: the forward's attention scope; coda layers attend at visit 0. ``record=False``
-                reads the KV cache without writing it (extra readouts leave no trace).
-            tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda,
-                which sees the whole sequence), so the (B, L, V) logits are never formed.
+        ``rmsnorm``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw unless ``final``.
+        Coda layers attend through ``scope`` at visit 0; ``record=False`` reads the KV cache without writing.
         """
         return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
 
@@ -303,15 +280,10 @@ class DepthLM(nn.Module):
              scale_clamp: bool = False) -> Loop:
         """A :class:`~looplm.model.cursor.Loop` at t = 0 on ``idx`` (B, L) int64: embed → prelude → start.
 
-        Args:
-            cache: a :class:`KVCache`; ``idx`` is then the next chunk after the cached tokens, its
-                positions continue the cache's, and the chunk's visits are appended to it (SPEC §6).
-            attention_mask: (B, L) 1 for real tokens, 0 for left padding; padded keys are masked and
-                position ids count real tokens only.
-            scale_clamp: the evaluation-time scale clamp (SPEC §4; :class:`Loop`).
-
-        Raises:
-            ValueError: a cache given to the unshared reference, or a position reaching ``seq_len``.
+        ``cache``: ``idx`` continues the cached tokens and its visits are appended (SPEC §6).
+        ``attention_mask``: (B, L) 0 marks left padding (masked keys; positions count real tokens).
+        ``scale_clamp``: the evaluation-time scale clamp (SPEC §4). Raises ValueError for a cache on the
+        unshared reference, or a position reaching ``seq_len``.
         """
         if cache is not None and not self.shared:
             raise ValueError("cache: KV caches need the shared architecture")
@@ -333,14 +305,11 @@ class DepthLM(nn.Module):
         """Advance ``loop`` to the largest requested depth, reading out at every requested depth on the way.
 
         Args:
-            loop: a cursor of this model (:meth:`loop`) at step t0 (0, or T0 after :meth:`Loop.resume`).
-            depth: loop depth T ≥ t0, or a sequence of depths.
+            loop: a cursor of this model (:meth:`loop`) at step t0. depth: T ≥ t0, or a sequence of depths.
             targets: optional (B, L) int64 next-token ids (or (N,) with ``readout.tokens``); -100 ignored.
-            gradient: the :class:`Gradient` estimator; ``endpoint`` reads the largest depth T at
-                ``gradient.key(T)`` = T + b. readout: what to read (:class:`Readout`).
-            on_depth: called as ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None
-                where they are not formed (T not requested, fused or skipped readout): lets a consumer
-                reduce each depth to statistics without keeping it.
+            gradient: the :class:`Gradient`; ``endpoint`` reads depth T at ``gradient.key(T)`` = T + b.
+            on_depth: ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None where not
+                formed: reduce each depth to statistics without keeping it.
 
         Raises:
             ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
@@ -462,23 +431,16 @@ class LoopLM(DepthLM):
              injection_gain: float = 1.0, clamp_rms: torch.Tensor | None = None) -> torch.Tensor:
         """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d).
 
-        The rule's update (SPEC §2, with the SCSE zero-deviation mask), then the between-loop scale
-        control (SPEC §4): ``inter_loop_norm`` (h ← RMSNorm(h), learned gain), ``spectral_damping``
-        (h ← σ(ρ)·h) or ``final_norm`` (h ← norm_f(h), the final norm itself: Ouro), applied to the hidden
-        state h = hidden(state), then the scale clamp. The core
-        attends through ``ctx.scope`` (KV cache, padding) at visit ``t · calls_per_step + call``.
+        The rule's update (SPEC §2, with the SCSE zero-deviation mask), then the between-loop scale control
+        on h = hidden(state) (SPEC §4: ``inter_loop_norm`` RMSNorm with learned gain, ``spectral_damping``
+        h ← σ(ρ)·h, or ``final_norm``, Ouro's norm_f), then the scale clamp. The core attends through
+        ``ctx.scope`` at visit ``t · calls_per_step + call``.
 
         Args:
-            state: the loop state (the deviation Δ for the SCSE family, else h).
-            t: 0-based loop step. ctx: the :class:`LoopContext` of :meth:`start`.
-            mask: False gives the SCSE family's raw pre-mask response b̃_t (SCSE §2, defined after eq. 5,
-                arXiv:2607.27656; b_t itself is eq. 8;
-                the forcing-bias diagnostic); other rules have no mask.
-            injection_gain: g scales the rule's injection (the evaluation-time dose response of
-                SPEC §7: g = 0 removes it, 1 is the trained map; see
-                :meth:`~looplm.model.recurrence.RecurrenceRule.with_injection_gain`).
-            clamp_rms: (B, L, 1) per-token target RMS of the evaluation-time scale clamp (SPEC §4),
-                or None.
+            state: the loop state (Δ for the SCSE family, else h). t: 0-based step. ctx: from :meth:`start`.
+            mask: False gives the SCSE family's raw pre-mask response b̃_t (arXiv:2607.27656 §2, after eq. 5;
+                the forcing-bias diagnostic). injection_gain: g scales the rule's injection (SPEC §7 dose
+                response; g = 0 removes it). clamp_rms: (B, L, 1) target RMS of the scale clamp, or None.
         """
         if injection_gain != 1.0:
             ctx = self.rule.with_injection_gain(ctx, injection_gain)

@@ -3,26 +3,17 @@ Sources: SCSE arXiv:2607.27656 (eq. 2–6, 22); Huginn-family injections arXiv:2
 
 A rule defines, from the embedding ``e`` (B, L, d):
 
-- ``start(e)``: the anchor ``h*`` (computed once per sequence), the initial loop state and any
-  per-sequence constants (the injection), packed in a :class:`LoopContext`;
-- ``step(core, state, t, ctx)``: the rule's update ``state_t → state_{t+1}``. This is *not* the
-  realized step: :meth:`looplm.model.LoopLM.step` wraps it with the between-loop scale control and
-  the scale clamp, and every consumer (training, evaluation, generation, adaptive depth, diagnostics)
-  calls that one method. ``core`` is the shared core bound to loop step t by the model: a callable
-  ``core(x, qkv_inject=None, *, call=0)`` returning G(x), where ``call`` numbers the core
-  applications within the step (0, or 1 for the second call of the two-call rules) and so names the
-  KV-cache visit ``t · core_calls_per_step + call``;
-- ``hidden(state, ctx)`` / ``to_state(h, ctx)``: the map between a rule's loop state and the hidden
-  state ``h`` that is read out (identity for the additive rules; the deviation Δ = h − h* for the
-  SCSE family and additive_subtract);
-- ``with_injection_gain(ctx, g)``: the context with the rule's injection ``ctx.injection`` scaled by g
-  (the evaluation-time dose response of SPEC §7). What the injection is, per rule: ``e`` (looped,
+- ``start(e)``: the anchor ``h*``, the initial loop state and per-sequence constants, in a :class:`LoopContext`;
+- ``step(core, state, t, ctx)``: the rule's update ``state_t → state_{t+1}``, wrapped by the realized step
+  :meth:`LoopLM.step` (scale control and clamp). ``core(x, qkv_inject=None, *, call=0)`` returns G(x);
+  ``call`` numbers the core applications within the step, naming KV visit ``t · core_calls_per_step + call``;
+- ``hidden(state, ctx)`` / ``to_state(h, ctx)``: loop state ↔ read-out ``h`` (identity for additive rules;
+  Δ = h − h* for the SCSE family and additive_subtract);
+- ``with_injection_gain(ctx, g)``: the injection scaled by g (dose response, SPEC §7): ``e`` (looped,
   norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
-  scse_leak, and scse when its option ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none —
-  its anchor is the origin of the coordinates, not a re-added source.
+  scse_leak, scse with ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none.
 
-Register a new rule with :func:`register_rule`; ``ModelConfig.rule`` must name a registered rule, and
-``config.RULE_OPTIONS`` its options class. A rule reads its options from ``cfg.options``.
+:func:`register_rule` adds a rule; ``ModelConfig.rule`` names it and ``config.RULE_OPTIONS`` its options.
 """
 
 from __future__ import annotations
@@ -136,33 +127,17 @@ def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
 
 
 def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, unit_projections: bool = False) -> None:
-    """Initialize the rule's source modules (:meth:`RecurrenceRule.source_modules`) by ``scheme``
-    (option ``source_init``; SPEC §1, our choice; the papers do not state it).
+    """Initialize the rule's source modules (:meth:`RecurrenceRule.source_modules`) by ``scheme`` (option
+    ``source_init``; SPEC §1, our choice): ``gpt2`` leaves :meth:`LoopLM.reset_parameters`' N(0, init_std);
+    ``torch`` is ``nn.Linear.reset_parameters``; ``normal`` draws N(0, ``std``) (with ``unit_projections``
+    only A and I, the rest σ_m = 1/√fan_in); ``matched`` draws N(0, σ_m), bias 0, so that what the module
+    feeds into the loop has the scale of the embedding.
 
-    - ``gpt2``: nothing to do — :meth:`LoopLM.reset_parameters` has drawn them from N(0, init_std), as every
-      matrix (the default; it reproduces the models built before this option).
-    - ``torch``: ``nn.Linear.reset_parameters``, PyTorch's default: weight and bias U(±1/√fan_in)
-      (kaiming-uniform with a = √5; std 1/√(3·fan_in)).
-    - ``normal``: weight N(0, ``std``), bias 0; with ``unit_projections`` (option ``projection_init=unit``)
-      only A and I take ``std`` and every other module its unit-gain σ_m = 1/√fan_in below.
-    - ``matched``: weight N(0, σ_m), bias 0, with σ_m chosen so that what the module feeds into the loop
-      has the scale of the embedding.
-
-    **Derivation of σ_m.** For W with i.i.d. N(0, σ²) entries and a fixed input x ∈ R^n, each output
-    coordinate (Wx)_i = Σ_j W_ij x_j has variance σ²‖x‖² = σ²·n·rms(x)², so rms(Wx) = σ·√n·rms(x).
-    SCSE's initial deviation (SCSE eq. 3–4) Δ₀ = h_0 − h* = c_0·I(e) − c_a·A(e), with A, I independent,
-    has variance per coordinate (c_0² + c_a²)·σ²·d·rms(e)², so
-
-        rms(Δ₀) = σ·√(d·(c_0² + c_a²))·rms(e)   and   rms(Δ₀) = rms(e)  ⟺  σ_m = 1/√(d·(c_0² + c_a²)).
-
-    (c_a counts only when the rule has A: the ``embedding`` and ``init`` anchors have none, and then
-    c_0·I(e) gets the RMS of e; σ_m = 1/√d when c_0 = c_a = 0.) At c_0 = c_a = 0.1 and d = 192,
-    σ_m = 0.51 (GPT-2's 0.02 gives rms(Δ₀) ≈ 0.04·rms(e), about 0.001 with rms(e) ≈ 0.028). This also
-    makes Δ₀ comparable to the core's first output: at init the pre-norm core's G(Δ₀) does not depend on
-    the scale of Δ₀ and is of order rms(e) (both are GPT-2 draws of std 0.02 summed over a width of
-    d), so the first step no longer swamps Δ₀. Every other source module (W_in, W_c, P_step, and the
-    Huginn family's W_lin, W, W_e^(j)) gets σ_m = 1/√fan_in, so its output has the RMS of its input and
-    the rule's own scalar (α, κ, τ, Δ) sets the injection's size.
+    **σ_m.** rms(Wx) = σ·√n·rms(x) for W with N(0, σ²) entries. SCSE's Δ₀ = c_0·I(e) − c_a·A(e) (eq. 3–4)
+    then has rms(Δ₀) = σ·√(d·(c_0² + c_a²))·rms(e), so rms(Δ₀) = rms(e) ⟺ σ_m = 1/√(d·(c_0² + c_a²)) (c_a only
+    with an A; 1/√d when c_0 = c_a = 0). At c_0 = c_a = 0.1, d = 192: σ_m = 0.51, where GPT-2's 0.02 gives
+    rms(Δ₀) ≈ 0.04·rms(e), swamped by the core's first output G(Δ₀) ~ rms(e). Every other source module
+    (W_in, W_c, P_step, Huginn's W_lin, W, W_e^(j)) gets 1/√fan_in: the rule's own scalar sets the size.
 
     Raises:
         ValueError: an unknown scheme, or ``normal`` without a positive ``std``.

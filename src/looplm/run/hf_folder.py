@@ -11,7 +11,7 @@ An export (``looplm export``, :func:`looplm.hf.export.export_checkpoint`) is wha
     tokenizer.json           the checkpoint's tokenizer (tokenizers JSON, unchanged)
     tokenizer_config.json    PreTrainedTokenizerFast settings and special tokens
     configuration_looplm.py  remote code (``trust_remote_code=True``), generated from looplm's modules:
-    modeling_looplm.py       loads with torch + transformers alone (:mod:`looplm.hf.export`)
+    modeling_looplm.py       loads with torch + transformers alone (:mod:`looplm.hf.remote`)
 
 :func:`is_hf_export` recognizes such a folder and :func:`hf_export_config` reads its looplm config;
 :func:`looplm.run.checkpoint.load_checkpoint` loads its weights, so every ``looplm`` command that takes
