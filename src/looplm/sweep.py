@@ -35,7 +35,9 @@ fields and the evaluation protocol::
                                          # these recurrences R; keyword arguments of the hook
     tasks = {split = "test"}             # runs with data.dataset = "task": exact match by depth × k
                                          # (keyword arguments of evaluate_task_checkpoint: ks, split,
-                                         # max_examples, batch_size); such runs get no ppl evaluation
+                                         # max_examples, batch_size, halting); such runs get no ppl
+                                         # evaluation. halting = {criterion = "hidden_update",
+                                         # target_depth = 4}: also the halting depth per k
 
 The grid is variants × seeds × grid fields; runs are trained and evaluated one after another, seed
 by seed (all variants of seed 0 first, so that a partial sweep already has paired comparisons), into
@@ -64,7 +66,10 @@ default [5]) stores protocol ``kv_sharing`` (metrics ``ppl_full``, ``ppl_termina
 ``sharing_penalty_pct``, KV bytes; depth column = R) for shared variants.
 The ``tasks`` hook (``looplm.eval.tasks.evaluate_task_checkpoint``) stores protocol ``tasks`` for runs
 trained on a synthetic task: one row per difficulty k (dataset ``<task>-k<k>``, e.g. ``modsum-k3``) and
-depth T, metrics ``acc`` (exact match), ``correct``, ``n`` and ``nll`` (nats per answer token).
+depth T, metrics ``acc`` (exact match), ``correct``, ``n`` and ``nll`` (nats per answer token). With
+``halting`` (:func:`looplm.eval.tasks.task_halting`) it also stores protocol ``tasks_halting``: one row per k
+(depth column = the ceiling), metrics ``mean_depth``, ``acc`` (at halting), ``acc_matched`` (at the matched
+fixed depth), ``n`` and ``tau``.
 '''
 
 from __future__ import annotations
@@ -261,8 +266,9 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
     if device not in ("cpu", "cuda", "auto"):
         raise SweepError(f"eval.device: {device!r} is not allowed; allowed: cpu, cuda, auto")
     max_tokens = d.get("max_tokens")
+    depths = tuple(sorted(_int_list(d.get("depths", list(DEFAULT_DEPTHS)), "eval.depths")))
     return EvalProtocol(
-        depths=tuple(sorted(_int_list(d.get("depths", list(DEFAULT_DEPTHS)), "eval.depths"))),
+        depths=depths,
         datasets=_str_list(d["datasets"], "eval.datasets", get_args(DatasetName)) if "datasets" in d else (),
         splits=_str_list(d.get("splits", ["test"]), "eval.splits", SPLITS),
         max_tokens=None if max_tokens in (None, 0) else _positive_int(max_tokens, "eval.max_tokens"),
@@ -272,7 +278,20 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
         lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
         kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)),
-        tasks=_hook_kwargs(d.get("tasks", False), "eval.tasks"))
+        tasks=_tasks_kwargs(d.get("tasks", False), depths))
+
+
+def _tasks_kwargs(value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
+    """``eval.tasks``: like the other hooks; its ``halting`` table is checked here (a bad one fails at parse)."""
+    kwargs = _hook_kwargs(value, "eval.tasks")
+    if kwargs is not None and "halting" in kwargs:
+        from looplm.eval.tasks import check_halting
+
+        try:
+            check_halting(kwargs["halting"], depths[-1])
+        except ValueError as e:
+            raise SweepError(f"eval.tasks.{e}") from None
+    return kwargs
 
 
 def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
@@ -565,18 +584,28 @@ class _Runner:
             from looplm.eval.tasks import default_ks
 
             settings = dict(ev.tasks)
+            halting = settings.pop("halting", None)  # its rows have their own protocol (tasks_halting)
             ks = settings.get("ks") or default_ks(saved.data)
-            idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}",
-                                                split=str(settings.get("split", "test")), depth=T,
-                                                settings=settings, tag=tag) for k in ks for T in ev.depths}
-            todo = force or not all(self.store.has(i, ["acc"]) for i in idents.values())
+            split = str(settings.get("split", "test"))
+            idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}", split=split,
+                                                depth=T, settings=settings, tag=tag) for k in ks for T in ev.depths}
+            halt_settings = {**settings, "halting": halting}
+            halt_idents = {} if halting is None else {
+                k: EvalIdentity.make(saved, "tasks_halting", dataset=f"{saved.data.task}-k{k}", split=split,
+                                     depth=halting.get("ceiling", ev.depths[-1]), settings=halt_settings, tag=tag)
+                for k in ks}
+            todo = force or not all(self.store.has(i, ["acc"]) for i in [*idents.values(), *halt_idents.values()])
             if dry and todo:
                 done.append("tasks")
             elif todo:
                 res = _hook("tasks")(ckpt, depths=list(ev.depths), progress=self.progress,
-                                     **{"device": self.device(), **settings})
+                                     **{"device": self.device(), **ev.tasks})
                 self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
                                      for (k, T), ident in idents.items()], config=saved, settings=settings)
+                if halting is not None:
+                    tau = res["halting"]["tau"]
+                    self.store.put_many([(ident, {**_numeric(res["halting"]["by_k"][str(k)]), "tau": tau})
+                                         for k, ident in halt_idents.items()], config=saved, settings=halt_settings)
                 T = ev.depths[-1]
                 done.append(f"tasks: acc (%) at T={T} " + ", ".join(
                     f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks))
