@@ -313,3 +313,17 @@ def test_halting_settings_errors_name_the_key():
                      ({"criterion": "margin", "tau": 1, "depth": 3}, r"halting\.depth: unknown key")]:
         with pytest.raises(ValueError, match=msg):
             check_halting(bad, 16)
+
+
+def test_heldout_windows_balance_k_and_mask_the_real_tokens():
+    """What `looplm diagnose` reads for a task run: the first instances of each k ≤ task_k, in k order."""
+    from looplm.tasks.base import decode
+    from looplm.tasks.data import heldout_windows
+
+    cfg = DataConfig(dataset="task", task="addition", task_k=3, task_heldout=16)
+    wins = heldout_windows(cfg, "valid", 32, batch_size=4, batches=3)
+    assert [len(x) for x, _, _ in wins] == [4, 4, 4]
+    prompts = [decode([int(t) for t in row[m]]).split("=")[0] + "=" for x, _, m in wins for row, m in zip(x, m)]
+    assert prompts == [i.prompt for k in (1, 2, 3) for i in heldout("addition", k, "valid", 16, 0)[:4]]
+    for x, y, m in wins:
+        assert torch.equal(m, x != 0) and bool(m[y != -100].all())  # every answer target is a real token
