@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from looplm.analysis.claims import depth_use_cell, diagnose_sections, mean_std_cell, paired_claim
+from looplm.analysis.claims import depth_use_cell, diagnose_sections, mean_std_cell, paired_claim, validation_curves
 from looplm.analysis.store import ResultStore
 
 HERE = Path(__file__).resolve().parent
@@ -162,7 +162,20 @@ def read_only(sw: Sweep) -> list[str]:
     lines = ["", f"{cid} ({what}; read, no verdict):", "", "| depth use | variant | value | seeds |", "|---|---|---:|---:|"]
     lines += [f"| {sw.depth_use(v)} | `{v}` | {mean_std_cell(vals[v].values(), 2)} | {len(vals[v])} |"
               for v in sw.cells if v in vals]
-    return lines if vals else ["", f"{cid} ({what}): not run yet (no diagnose.json and no cache)."]
+    lines = lines if vals else ["", f"{cid} ({what}): not run yet (no diagnose.json and no cache)."]
+    if sw.name == "lmdr":  # the learned prior over training (metrics.jsonl, cached in lmdr/curves.json)
+        series = ("prior_mean_depth", "prior_entropy")
+        curves = validation_curves(sw.folder / "runs", sw.folder / "curves.json", extra=series)
+        lines += ["", "L5 (the learned prior over training: E_p[R] and H(p) in nats at its first and last logged "
+                  "step; read, no verdict):", ""]
+        for run_id, c in sorted(curves.items()):
+            if c.get("prior_mean_depth"):
+                ends = {k: sorted(((int(st), v) for st, v in c[k].items())) for k in series}
+                lines.append(f"- `{run_id}`: " + "; ".join(
+                    f"{k} {e[0][1]:.2f} (step {e[0][0]}) → {e[-1][1]:.2f} (step {e[-1][0]})" for k, e in ends.items()))
+        if not lines[-1].startswith("- "):
+            lines.append("not run yet (no learned-prior run folder and no cache).")
+    return lines
 
 
 def main() -> None:
