@@ -178,6 +178,21 @@ def read_only(sw: Sweep) -> list[str]:
     return lines
 
 
+def halting_table(sw: Sweep) -> list[str]:
+    """Per model and k: mean halting depth, exact match at halting and at the matched fixed depth (seed means)."""
+    have = [v for v in sw.cells if any(key[0] == "tasks_halting" for key in sw.cells[v])]
+    if not have:
+        return []
+    ks = sorted({key[1] for v in have for key in sw.cells[v] if key[0] == "tasks_halting"})
+    cell = lambda v, metric, k: mean_std_cell(sw.metric(v, "tasks_halting", metric, DEEP, (k,)).values(), 1)  # noqa: E731
+    lines = ["", "Halting per k (mean halting depth · acc at halting · acc at the matched fixed depth; mean ± std "
+             "over seeds; * beyond training):", "", "| variant | " + " | ".join(f"k={k}{'' if k in IN_DIST else '*'}" for k in ks)
+             + " |", "|---|" + "---|" * len(ks)]
+    lines += [f"| `{v}` | " + " | ".join(f"{cell(v, 'mean_depth', k)} · {cell(v, 'acc', k)} · {cell(v, 'acc_matched', k)}"
+                                          for k in ks) + " |" for v in have]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=str(HERE / "{name}"), help="sweep folder pattern ({name}: scse, lmdr, ...)")
@@ -201,7 +216,7 @@ def main() -> None:
             cell, v = verdict(a, b, kind)
             other = "(same model)" if vb == va else f"`{vb}` {sw.depth_use(vb)}"
             lines.append(f"| `{va}` {sw.depth_use(va)} | {other} | {cid}: {text} | {cell} | {v} |")
-        lines += read_only(sw)
+        lines += halting_table(sw) + read_only(sw)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 

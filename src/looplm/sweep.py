@@ -67,9 +67,9 @@ default [5]) stores protocol ``kv_sharing`` (metrics ``ppl_full``, ``ppl_termina
 The ``tasks`` hook (``looplm.eval.tasks.evaluate_task_checkpoint``) stores protocol ``tasks`` for runs
 trained on a synthetic task: one row per difficulty k (dataset ``<task>-k<k>``, e.g. ``modsum-k3``) and
 depth T, metrics ``acc`` (exact match), ``correct``, ``n`` and ``nll`` (nats per answer token). With
-``halting`` (:func:`looplm.eval.tasks.task_halting`) it also stores protocol ``tasks_halting``: one row per k
-(depth column = the ceiling), metrics ``mean_depth``, ``acc`` (at halting), ``acc_matched`` (at the matched
-fixed depth), ``n`` and ``tau``.
+``halting`` (:func:`looplm.eval.tasks.task_halting`) it also stores, for shared variants, protocol
+``tasks_halting``: one row per k (depth column = the ceiling), metrics ``mean_depth``, ``acc`` (at halting),
+``acc_matched`` (at the matched fixed depth), ``n`` and ``tau``.
 '''
 
 from __future__ import annotations
@@ -585,6 +585,8 @@ class _Runner:
 
             settings = dict(ev.tasks)
             halting = settings.pop("halting", None)  # its rows have their own protocol (tasks_halting)
+            if saved.model.architecture != "shared":  # no loop to halt (a stack's steps past its blocks are identities)
+                halting = None
             ks = settings.get("ks") or default_ks(saved.data)
             split = str(settings.get("split", "test"))
             idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}", split=split,
@@ -598,8 +600,8 @@ class _Runner:
             if dry and todo:
                 done.append("tasks")
             elif todo:
-                res = _hook("tasks")(ckpt, depths=list(ev.depths), progress=self.progress,
-                                     **{"device": self.device(), **ev.tasks})
+                res = _hook("tasks")(ckpt, depths=list(ev.depths), progress=self.progress, halting=halting,
+                                     **{"device": self.device(), **settings})
                 self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
                                      for (k, T), ident in idents.items()], config=saved, settings=settings)
                 if halting is not None:
