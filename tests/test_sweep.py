@@ -460,6 +460,27 @@ def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
     md = (out / "report" / "report.md").read_text()
     assert "## acc — modsum-k4 test" in md and "nll" not in md  # the report tabulates acc only
 
+    # eval.tasks.halting added later: only its rows are new (protocol tasks_halting, one per k, shared variants
+    # only), equal to what evaluate_task_checkpoint(halting=...) computes; the tasks rows keep their identities
+    halting = {"criterion": "hidden_update", "target_depth": 2}
+    path.write_text(TASK_TOML.replace("max_examples = 6}", "max_examples = 6, halting = "
+                                      "{criterion = \"hidden_update\", target_depth = 2}}"))
+    run_sweep(path, out, progress=False, report=False)
+    with ResultStore(out / "results.db") as store:
+        assert store.count(protocol="tasks") == 2 * 3 * 3 * 4
+        assert store.count(protocol="tasks_halting") == 1 * 3 * 5  # looped × k × (mean_depth, acc, acc_matched, n, tau)
+        for run in store.runs("tasks")[:1]:
+            assert run.variant == "looped"
+            got = {(r["dataset"], r["depth"], r["metric"]): r["value"]
+                   for r in store.evaluations(protocol="tasks_halting", config_hash=run.config_hash)}
+            ref = evaluate_task_checkpoint(run.run_dir, depths=[1, 2, 3], ks=[1, 2, 4], max_examples=6,
+                                           progress=False, halting=halting)["halting"]
+            assert ref["ceiling"] == 3
+            assert got == {(f"modsum-k{k}", 3, m): float(v) for k, r in ref["by_k"].items()
+                           for m, v in {**r, "tau": ref["tau"]}.items()}
+    with pytest.raises(SweepError, match=r"eval\.tasks\.halting\.criterion: got 'nope'"):
+        parse_sweep({"variants": {"a": {}}, "eval": {"tasks": {"halting": {"criterion": "nope", "tau": 0}}}})
+
 
 def test_tasks_hook_errors():
     with pytest.raises(SweepError, match=r"eval\.tasks\.depths: set by the sweep"):

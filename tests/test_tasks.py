@@ -225,3 +225,105 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):
     # a task checkpoint has no text to score: a one-line error naming `eval tasks`
     assert main(["eval", "ppl", "--checkpoint", str(full), "--depths", "1", "--quiet"]) == 2
     assert "looplm eval tasks" in capsys.readouterr().err
+
+
+def _hand_halting(model, x, y, criterion: str, tau: float, C: int):
+    """The reference: one forward reading out every depth 0 … C (states and logits), the criterion's
+    statistic per instance and loop written out (SPEC §6), the first loop k < C that fires, and the exact
+    match read from that depth's predictions. Returns (depth, correct, fixed acc per T, statistic)."""
+    from looplm.model.cursor import Readout
+
+    scored = y != -100
+    with torch.no_grad():
+        out = model(x, depth=list(range(C + 1)), readout=Readout(states=True))
+    stat = torch.zeros(len(x), C, dtype=torch.float64)
+    for k in range(1, C + 1):
+        if criterion == "hidden_update":  # max over answer tokens of ‖h_k − h_{k−1}‖ / (‖h_{k−1}‖ + 1e-8)
+            h, prev = out.states[k].double(), out.states[k - 1].double()
+            u = (h - prev).norm(dim=-1) / (prev.norm(dim=-1) + 1e-8)
+            stat[:, k - 1] = u.masked_fill(~scored, 0).amax(1)
+        else:  # margin: mean over answer tokens of top-1 − top-2 logit
+            top2 = out.logits_by_depth[k].double().topk(2, -1).values
+            stat[:, k - 1] = ((top2[..., 0] - top2[..., 1]) * scored).sum(1) / scored.sum(1)
+    fires = stat[:, : C - 1] < tau if criterion == "hidden_update" else stat[:, : C - 1] >= tau
+    depth = torch.tensor([int(f.nonzero()[0]) + 1 if f.any() else C for f in fires])
+    hits = {T: ((out.logits_by_depth[T].argmax(-1) == y) | ~scored).all(-1) for T in range(1, C + 1)}
+    correct = torch.stack([hits[int(d)][b] for b, d in enumerate(depth)])
+    return depth, correct, {T: hits[T].double().mean().item() for T in hits}, stat
+
+
+def _mid_tau(stat: torch.Tensor) -> float:
+    """A τ halfway between two well-separated observed statistics near their median, so float rounding
+    (ours: ~1e-6 relative between the runner's smaller batches and one forward) cannot flip a halt."""
+    v = stat.flatten().unique().sort().values
+    mid = len(v) // 2
+    gaps = v[mid - len(v) // 4 + 1: mid + len(v) // 4 + 1] - v[mid - len(v) // 4: mid + len(v) // 4]
+    i = int(gaps.argmax()) + mid - len(v) // 4
+    assert v[i + 1] - v[i] > 1e-4 * v[i].abs().clamp(min=1.0)
+    return float((v[i] + v[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("criterion", ["hidden_update", "margin"])
+def test_halting_per_difficulty_equals_a_hand_written_per_depth_computation(criterion):
+    from looplm.eval.exits import build_exit_criterion
+    from looplm.eval.tasks import halt_instances, task_halting
+
+    torch.manual_seed(0)
+    C = 6
+    model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
+                                    dropout=0.0, position_embedding="rope")).eval()
+    insts = [i for k in (2, 3) for i in heldout("modsum", k, "test", 16, 0)]
+    x, y = rows(insts, 24)
+    scored = y != -100
+    with torch.no_grad():  # row r's target is the model's answer at T = r % C + 1: correctness depends on depth
+        preds = {T: model(x, depth=T).logits.argmax(-1) for T in range(1, C + 1)}
+    y = torch.stack([torch.where(scored[r], preds[r % C + 1][r], y[r]) for r in range(len(y))])
+    _, _, _, stat = _hand_halting(model, x, y, criterion, 0.0, C)
+    # the margin falls with depth here: its loop-1 values split the instances; the update's fall everywhere
+    tau = _mid_tau(stat[:, :1] if criterion == "margin" else stat[:, : C - 1])
+    depth, correct, _, _ = _hand_halting(model, x, y, criterion, tau, C)
+    assert 1 < len(set(depth.tolist())) and 0 < int(correct.sum()) < len(y)  # the check can fail
+    got_depth, got_correct = halt_instances(model, x, y, build_exit_criterion(criterion, tau), C, batch_size=5)
+    assert got_depth.tolist() == depth.tolist() and got_correct.tolist() == correct.tolist()
+
+    # the per-k report on the held-out instances themselves (their true answers)
+    data = DataConfig(dataset="task", task="modsum", task_k=3, task_heldout=16)
+    got = task_halting(model, data, [2, 3], {"criterion": criterion, "ceiling": C, "tau": tau}, batch_size=7)
+    assert got["tau"] == tau
+    for k in (2, 3):
+        xk, yk = rows(list(heldout("modsum", k, "test", 16, 0)), 24)
+        d, c, fixed, _ = _hand_halting(model, xk, yk, criterion, tau, C)
+        m = d.double().mean().item()
+        lo, hi = int(m), min(int(m) + 1, C)  # the compute-matched mix of the two fixed depths around m
+        r = got["by_k"][k]
+        assert (r["n"], r["acc"]) == (len(xk), c.double().mean().item())
+        assert r["mean_depth"] == pytest.approx(m, abs=1e-12)  # a mean of the same integers
+        assert r["acc_matched"] == pytest.approx(fixed[lo] + (m - lo) * (fixed[hi] - fixed[lo]), abs=1e-12)
+
+
+def test_halting_settings_errors_name_the_key():
+    from looplm.eval.tasks import check_halting
+
+    assert check_halting({"criterion": "margin", "tolerance": 0.01}, 16)["ceiling"] == 16
+    for bad, msg in [({"criterion": "nope", "tau": 1}, r"halting\.criterion: got 'nope'; allowed: .*hidden_update"),
+                     ({"criterion": "margin"}, "exactly one of tau, target_depth, tolerance, got none"),
+                     ({"criterion": "margin", "tau": 1, "tolerance": 0.1}, "exactly one of"),
+                     ({"criterion": "margin", "target_depth": 17}, r"halting\.target_depth: got 17; allowed: 1 … 16"),
+                     ({"criterion": "margin", "tau": 1, "ceiling": 0}, r"halting\.ceiling"),
+                     ({"criterion": "margin", "tau": 1, "depth": 3}, r"halting\.depth: unknown key")]:
+        with pytest.raises(ValueError, match=msg):
+            check_halting(bad, 16)
+
+
+def test_heldout_windows_balance_k_and_mask_the_real_tokens():
+    """What `looplm diagnose` reads for a task run: the first instances of each k ≤ task_k, in k order."""
+    from looplm.tasks.base import decode
+    from looplm.tasks.data import heldout_windows
+
+    cfg = DataConfig(dataset="task", task="addition", task_k=3, task_heldout=16)
+    wins = heldout_windows(cfg, "valid", 32, batch_size=4, batches=3)
+    assert [len(x) for x, _, _ in wins] == [4, 4, 4]
+    prompts = [decode([int(t) for t in row[m]]).split("=")[0] + "=" for x, _, m in wins for row, m in zip(x, m)]
+    assert prompts == [i.prompt for k in (1, 2, 3) for i in heldout("addition", k, "valid", 16, 0)[:4]]
+    for x, y, m in wins:
+        assert torch.equal(m, x != 0) and bool(m[y != -100].all())  # every answer target is a real token

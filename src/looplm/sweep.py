@@ -35,7 +35,9 @@ fields and the evaluation protocol::
                                          # these recurrences R; keyword arguments of the hook
     tasks = {split = "test"}             # runs with data.dataset = "task": exact match by depth × k
                                          # (keyword arguments of evaluate_task_checkpoint: ks, split,
-                                         # max_examples, batch_size); such runs get no ppl evaluation
+                                         # max_examples, batch_size, halting); such runs get no ppl
+                                         # evaluation. halting = {criterion = "hidden_update",
+                                         # target_depth = 4}: also the halting depth per k
 
 The grid is variants × seeds × grid fields, run seed by seed (all variants of seed 0 first, so a
 partial sweep already has paired comparisons) into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``;
@@ -49,7 +51,9 @@ token caches and ``sweep.json``, a results DB that takes concurrent writers); pa
 
 Stored protocols: ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``;
 shared variants only), ``lambada`` (dataset ``lambada``, split ``test``), ``kv_sharing`` (depth column =
-R; shared variants only) and ``tasks`` (dataset ``<task>-k<k>``, metrics ``acc``, ``correct``, ``n``, ``nll``).
+R; shared variants only) and ``tasks`` (dataset ``<task>-k<k>``, metrics ``acc``, ``correct``, ``n``, ``nll``), with ``halting``
+(:func:`looplm.eval.tasks.task_halting`) also ``tasks_halting`` (one row per k, depth column = the ceiling;
+metrics ``mean_depth``, ``acc`` at halting, ``acc_matched`` at the matched fixed depth, ``n``, ``tau``).
 '''
 
 from __future__ import annotations
@@ -246,8 +250,9 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
     if device not in ("cpu", "cuda", "auto"):
         raise SweepError(f"eval.device: {device!r} is not allowed; allowed: cpu, cuda, auto")
     max_tokens = d.get("max_tokens")
+    depths = tuple(sorted(_int_list(d.get("depths", list(DEFAULT_DEPTHS)), "eval.depths")))
     return EvalProtocol(
-        depths=tuple(sorted(_int_list(d.get("depths", list(DEFAULT_DEPTHS)), "eval.depths"))),
+        depths=depths,
         datasets=_str_list(d["datasets"], "eval.datasets", get_args(DatasetName)) if "datasets" in d else (),
         splits=_str_list(d.get("splits", ["test"]), "eval.splits", SPLITS),
         max_tokens=None if max_tokens in (None, 0) else _positive_int(max_tokens, "eval.max_tokens"),
@@ -257,7 +262,20 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
         lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
         kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)),
-        tasks=_hook_kwargs(d.get("tasks", False), "eval.tasks"))
+        tasks=_tasks_kwargs(d.get("tasks", False), depths))
+
+
+def _tasks_kwargs(value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
+    """``eval.tasks``: like the other hooks; its ``halting`` table is checked here (a bad one fails at parse)."""
+    kwargs = _hook_kwargs(value, "eval.tasks")
+    if kwargs is not None and "halting" in kwargs:
+        from looplm.eval.tasks import check_halting
+
+        try:
+            check_halting(kwargs["halting"], depths[-1])
+        except ValueError as e:
+            raise SweepError(f"eval.tasks.{e}") from None
+    return kwargs
 
 
 def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
@@ -564,17 +582,29 @@ class _Runner:
         from looplm.eval.tasks import default_ks
 
         ev, settings = self.ev, dict(self.ev.tasks)
+        halting = settings.pop("halting", None)  # its rows have their own protocol (tasks_halting)
+        if saved.model.architecture != "shared":  # no loop to halt (a stack's steps past its blocks are identities)
+            halting = None
         ks = settings.get("ks") or default_ks(saved.data)
-        idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}",
-                                            split=str(settings.get("split", "test")), depth=T,
-                                            settings=settings, tag=ev.tag) for k in ks for T in ev.depths}
-        if not self._todo(idents, "acc", force):
+        split = str(settings.get("split", "test"))
+        idents = {(k, T): EvalIdentity.make(saved, "tasks", dataset=f"{saved.data.task}-k{k}", split=split,
+                                            depth=T, settings=settings, tag=ev.tag) for k in ks for T in ev.depths}
+        halt_settings = {**settings, "halting": halting}
+        halt_idents = {} if halting is None else {
+            k: EvalIdentity.make(saved, "tasks_halting", dataset=f"{saved.data.task}-k{k}", split=split,
+                                 depth=halting.get("ceiling", ev.depths[-1]), settings=halt_settings, tag=ev.tag)
+            for k in ks}
+        if not self._todo({**idents, **halt_idents}, "acc", force):
             return []
         if dry:
             return ["tasks"]
-        res = self._run_hook("tasks", ckpt, depths=list(ev.depths), **settings)
+        res = self._run_hook("tasks", ckpt, depths=list(ev.depths), halting=halting, **settings)
         self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
                              for (k, T), ident in idents.items()], config=saved, settings=settings)
+        if halting is not None:
+            tau = res["halting"]["tau"]
+            self.store.put_many([(ident, {**_numeric(res["halting"]["by_k"][str(k)]), "tau": tau})
+                                 for k, ident in halt_idents.items()], config=saved, settings=halt_settings)
         T = ev.depths[-1]
         return [f"tasks: acc (%) at T={T} " + ", ".join(
             f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks)]

@@ -191,7 +191,8 @@ def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batc
 
     Returns:
         ``(model, cfg, ckpt_dir, data_cfg, windows)``; windows are ``(x, y, mask)`` (B, L) each, on the
-        CPU, with y = -100 at unscored positions.
+        CPU, with y = -100 at unscored positions; for a task run (``data.dataset=task``) its held-out
+        instances (:func:`looplm.tasks.data.heldout_windows`).
 
     Raises:
         CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
@@ -203,6 +204,10 @@ def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batc
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     check_shared(model, what)
+    if data_cfg.dataset == "task":  # a synthetic task: its held-out instances (split valid or test)
+        from looplm.tasks.data import heldout_windows
+
+        return model, cfg, ckpt, data_cfg, heldout_windows(data_cfg, split, cfg.model.seq_len, batch_size, batches)
     tokens = opened.tokens(split)
     if len(tokens) < 2:
         raise ValueError(f"split: {data_cfg.dataset}/{split} has {len(tokens)} tokens; need at least 2")

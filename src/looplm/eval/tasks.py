@@ -3,16 +3,30 @@
 For each difficulty k the held-out instances (:func:`looplm.tasks.data.heldout`) are scored at every
 requested depth from one unroll per batch (:func:`looplm.tasks.data.accuracy_by_depth`). k beyond the
 training range ``data.task_k`` tests depth extrapolation; k within it, held-out instances.
+
+**Halting depth per difficulty** (``halting=``, :func:`task_halting`): each instance runs the early-exit
+runner (:func:`looplm.eval.exits.exit_loop`, halted instances leave the batch) under an exit criterion
+whose sequence statistic aggregates over the answer tokens (teacher-forced, as the accuracy protocol
+reads them), and is scored at its halting depth D. Per k: the mean halting depth D̄, the exact match at
+halting, and the exact match at the fixed depth matched to D̄: the compute-matched mix of the fixed depths
+⌊D̄⌋ and ⌈D̄⌉, acc(⌊D̄⌋) + (D̄ − ⌊D̄⌋)·(acc(⌈D̄⌉) − acc(⌊D̄⌋)) (our choice; a fractional D̄ has no single
+fixed depth). τ is given, or calibrated (:func:`looplm.eval.exits.calibrate`) on the ``valid``
+instances of k = 1 … data.task_k, never on the scored split: to a target mean depth (SCSE's protocol,
+arXiv:2607.27656 appendix, Tables 9–10) or to an answer-NLL tolerance against the ceiling (the readout
+blind spot's protocol, §6 and Appendix H).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, calibrate, exit_loop, trace
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
 from looplm.run.checkpoint import load_checkpoint
@@ -31,6 +45,116 @@ def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, 
     return out
 
 
+HALTING_KEYS = ("criterion", "ceiling", "tau", "target_depth", "tolerance")
+HALTING_RULES = ("tau", "target_depth", "tolerance")
+
+
+def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, Any]:
+    """The halting settings with the ceiling filled in (default: ``largest_depth``).
+
+    ``{"criterion": a registered exit criterion, "ceiling": C ≥ 1, and exactly one of "tau" (fixed τ),
+    "target_depth" (calibrated mean depth in [1, C]) or "tolerance" (calibrated, ≥ 0)}``.
+
+    Raises:
+        ValueError: naming the ``halting.<key>`` that is unknown, missing or out of range.
+    """
+    if not isinstance(halting, Mapping):
+        raise ValueError(f"halting: expected a table with keys {', '.join(HALTING_KEYS)}, got {halting!r}")
+    bad = [k for k in halting if k not in HALTING_KEYS]
+    if bad:
+        raise ValueError(f"halting.{bad[0]}: unknown key; allowed: {', '.join(HALTING_KEYS)}")
+    if halting.get("criterion") not in EXIT_CRITERIA:
+        raise ValueError(f"halting.criterion: got {halting.get('criterion')!r}; allowed: {', '.join(sorted(EXIT_CRITERIA))}")
+    rules = [k for k in HALTING_RULES if k in halting]
+    if len(rules) != 1:
+        raise ValueError(f"halting: give exactly one of {', '.join(HALTING_RULES)}, got {rules or 'none'}")
+    out = {"ceiling": largest_depth, **halting}
+    C, rule = out["ceiling"], rules[0]
+    if not isinstance(C, int) or isinstance(C, bool) or C < 1:
+        raise ValueError(f"halting.ceiling: expected an integer >= 1, got {C!r}")
+    v = out[rule]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) \
+            or (rule == "target_depth" and not 1 <= v <= C) or (rule == "tolerance" and v < 0):
+        raise ValueError(f"halting.{rule}: got {v!r}; allowed: " + {"tau": "a number", "target_depth": f"1 … {C}",
+                                                                    "tolerance": "a number >= 0"}[rule])
+    return out
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device) -> list[tuple[torch.Tensor, ...]]:
+    """(x, y, answer mask) batches on ``device``: the exit statistic aggregates over the answer tokens."""
+    return [(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device), (y[i:i + batch_size] != -100).to(device))
+            for i in range(0, len(x), batch_size)]
+
+
+@torch.no_grad()
+def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCriterion, ceiling: int, *,
+                   batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Halting depth and exact match at it of each instance (rows of :func:`looplm.tasks.data.rows`).
+
+    Returns:
+        ``(depth, correct)``: (N,) int64 in [1, ceiling] and (N,) bool.
+    """
+    was_training = model.training
+    model.eval()
+    final_from = model.resolve_final_depth(None, ceiling)
+    depth, correct = [], []
+    for xb, yb, scored in _batches(x, y, batch_size, device):
+        hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
+
+        def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
+            if logits is None:  # the readout the criterion would have read at k
+                logits = model.readout(h, final=k >= final_from)
+            hit[rows_] = ((logits.argmax(-1) == yb[rows_]) | ~scored[rows_]).all(-1)
+
+        res = exit_loop(model.loop(xb), criterion, ceiling, drop=True, valid=scored, on_exit=score)
+        depth.append(res.depth.cpu())
+        correct.append(hit.cpu())
+    model.train(was_training)
+    return torch.cat(depth).numpy(), torch.cat(correct).numpy()
+
+
+def calibrate_tau(model, data_cfg, halting: Mapping[str, Any], *, max_examples: int | None = None,
+                  batch_size: int = 64, device: torch.device | str = "cpu") -> float:
+    """τ of ``halting`` (:func:`check_halting`): its ``tau``, or calibrated on one unroll to the ceiling of
+    the ``valid`` instances of k = 1 … data.task_k (the first ``max_examples`` per k)."""
+    if "tau" in halting:
+        return float(halting["tau"])
+    crit = build_exit_criterion(halting["criterion"])
+    insts = [i for k in range(1, data_cfg.task_k + 1)
+             for i in heldout(data_cfg.task, k, "valid", data_cfg.task_heldout, data_cfg.task_seed)[:max_examples]]
+    was_training = model.training
+    model.eval()
+    tr = trace(model, _batches(*rows(insts, model.cfg.seq_len), batch_size, device), crit, halting["ceiling"])
+    model.train(was_training)
+    return calibrate(tr.scores, crit.direction, target_depth=halting.get("target_depth"),
+                     tolerance=halting.get("tolerance"), nll=tr.nll, tokens=tr.tokens).tau
+
+
+def task_halting(model, data_cfg, ks: Sequence[int], halting: Mapping[str, Any], *, split: str = "test",
+                 max_examples: int | None = None, batch_size: int = 64, device: torch.device | str = "cpu"
+                 ) -> dict[str, Any]:
+    """Halting depth per difficulty (module docstring) under ``halting`` (checked by :func:`check_halting`).
+
+    Returns:
+        ``{"tau": τ, "ceiling": C, "by_k": {k: {"mean_depth", "acc", "acc_matched", "n"}}}``; acc and
+        acc_matched are fractions (exact match at halting, at the matched fixed depth).
+    """
+    C = halting["ceiling"]
+    tau = calibrate_tau(model, data_cfg, halting, max_examples=max_examples, batch_size=batch_size, device=device)
+    crit = build_exit_criterion(halting["criterion"], tau)
+    by_k = {}
+    for k in ks:
+        insts = list(heldout(data_cfg.task, k, split, data_cfg.task_heldout, data_cfg.task_seed))[:max_examples]
+        x, y = rows(insts, model.cfg.seq_len)
+        depth, correct = halt_instances(model, x, y, crit, C, batch_size=batch_size, device=device)
+        fixed = accuracy_by_depth(model, x, y, list(range(1, C + 1)), batch_size=batch_size, device=device)
+        m = float(depth.mean())
+        lo, hi = math.floor(m), math.ceil(m)
+        matched = fixed[lo]["acc"] + (m - lo) * (fixed[hi]["acc"] - fixed[lo]["acc"])
+        by_k[k] = {"mean_depth": m, "acc": float(correct.mean()), "acc_matched": matched, "n": len(insts)}
+    return {"tau": tau, "ceiling": C, "by_k": by_k}
+
+
 def default_ks(data_cfg) -> list[int]:
     """Difficulties evaluated by default: 1 … 2 × data.task_k (depth extrapolation), at most the family's max_k."""
     return list(range(1, min(2 * data_cfg.task_k, get_task(data_cfg.task).max_k) + 1))
@@ -45,6 +169,15 @@ def markdown_table(acc: dict[int, dict[int, dict[str, float]]], k_train: int, ti
     lines += [head, "|---|" + "---:|" * len(ks)]
     lines += [f"| {T} | " + " | ".join(f"{100 * acc[k][T]['acc']:.1f}" for k in ks) + " |" for T in depths]
     lines += ["", f"exact-match accuracy (%) on held-out instances; * = k beyond training (k_train = {k_train})"]
+    return "\n".join(lines)
+
+
+def halting_table(by_k: Mapping[int, Mapping[str, float]], k_train: int, criterion: str, tau: float) -> str:
+    """Markdown: per k the mean halting depth, exact match (%) at halting and at the matched fixed depth."""
+    lines = [f"halting ({criterion}, τ = {tau:.4g})", "", "| k | mean halting depth | acc at halting | "
+             "acc at matched fixed depth | n |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {k}{'*' if k > k_train else ''} | {r['mean_depth']:.2f} | {100 * r['acc']:.1f} "
+              f"| {100 * r['acc_matched']:.1f} | {r['n']} |" for k, r in sorted(by_k.items())]
     return "\n".join(lines)
 
 
@@ -77,7 +210,8 @@ def plot_heatmap(acc: dict[int, dict[int, dict[str, float]]], path: str | Path, 
 def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | None = None,
                              ks: Sequence[int] | None = None, split: str = "test", max_examples: int | None = None,
                              batch_size: int = 64, device: str = "cpu", progress: bool = True,
-                             plot: str | Path | None = None) -> dict[str, Any]:
+                             plot: str | Path | None = None, halting: Mapping[str, Any] | None = None
+                             ) -> dict[str, Any]:
     """Accuracy by depth × k of a checkpoint trained on a task (``data.dataset=task``).
 
     Args:
@@ -86,14 +220,19 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
         split: held-out split, test or valid.
         max_examples: instances per k (default: all ``data.task_heldout``).
         plot: also write the heatmap PNG here.
+        halting: also the halting depth per k (:func:`task_halting`): ``{"criterion": an exit criterion
+            (e.g. ``hidden_update``, ``margin``), "ceiling": C (default max(depths)), and one of "tau",
+            "target_depth", "tolerance"}`` (:func:`check_halting`).
 
     Returns:
         JSON-ready dict: ``checkpoint``, ``task``, ``k_train``, ``train_depth``, ``split``, ``accuracy``
-        → ``{"k": {"T": {"acc", "correct", "n", "nll"}}}``, ``markdown``, and ``plot`` when written.
+        → ``{"k": {"T": {"acc", "correct", "n", "nll"}}}``, ``markdown``, ``plot`` when written, and with
+        ``halting``: ``halting`` → ``{"criterion", "tau", "ceiling", "by_k": {"k": {"mean_depth", "acc",
+        "acc_matched", "n"}}}``.
 
     Raises:
         CheckpointError: damaged or missing checkpoint. ValueError: a checkpoint not trained on a task,
-        a k outside 1 … the family's max_k, or instances longer than model.seq_len.
+        a k outside 1 … the family's max_k, instances longer than model.seq_len, or bad ``halting``.
     """
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     data = cfg.data
@@ -106,6 +245,7 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
         family.check_k(k, "--ks")
     train_depth = cfg.train.max_depth
     depths = sorted(set(depths or range(1, 2 * train_depth + 1)))
+    halting = None if halting is None else check_halting(halting, depths[-1])
     acc = task_accuracy(model, data, ks, depths, split=split, max_examples=max_examples, batch_size=batch_size,
                         device=torch.device(device), progress=progress)
     title = f"{cfg.name}: {cfg.model.rule} on {data.task} (train k <= {data.task_k}, T <= {train_depth}; {split})"
@@ -113,6 +253,12 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
               "k_train": data.task_k, "train_depth": train_depth, "split": split, "params": model.num_params(),
               "accuracy": {str(k): {str(T): r for T, r in by_T.items()} for k, by_T in acc.items()},
               "markdown": markdown_table(acc, data.task_k, title)}
+    if halting is not None:
+        h = task_halting(model, data, ks, halting, split=split, max_examples=max_examples, batch_size=batch_size,
+                         device=torch.device(device))
+        result["halting"] = {"criterion": halting["criterion"], "tau": h["tau"], "ceiling": h["ceiling"],
+                             "by_k": {str(k): r for k, r in h["by_k"].items()}}
+        result["markdown"] += "\n\n" + halting_table(h["by_k"], data.task_k, halting["criterion"], h["tau"])
     if plot is not None:
         result["plot"] = str(plot_heatmap(acc, plot, k_train=data.task_k, train_depth=train_depth, title=title))
     return result

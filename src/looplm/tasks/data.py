@@ -106,6 +106,18 @@ def rows(instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.T
     return x, y
 
 
+def heldout_windows(cfg: DataConfig, split: str, seq_len: int, batch_size: int, batches: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``batches`` batches of (x, y, mask) (B, L) held-out rows of ``split``, the same number of instances of
+    each k = 1 … task_k (the first of each), mixed in k order; mask marks the real (non-padding) tokens.
+    What the mechanism diagnostics (:mod:`looplm.diagnostics.runner`) read for a task run."""
+    per_k = -(-batches * batch_size // cfg.task_k)
+    insts = [i for k in range(1, cfg.task_k + 1) for i in heldout(cfg.task, k, split, cfg.task_heldout, cfg.task_seed)[:per_k]]
+    x, y = rows(insts, seq_len)
+    return [(x[i:i + batch_size], y[i:i + batch_size], x[i:i + batch_size] != PAD_ID)
+            for i in range(0, min(len(x), batches * batch_size), batch_size)]
+
+
 @torch.no_grad()
 def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int], *, batch_size: int = 64,
                       device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
