@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from looplm.cli.core import (CliError, Opt, Parser, Report, add_command, add_options, config_help, config_keys,
-                             in_file, lazy_subparsers, option_strings, prepare_outputs, split_config_overrides,
+from looplm.cli.core import (CliError, UsageError, Opt, Parser, Report, add_command, add_options, config_help, config_keys,
+                             in_file, lazy_subparsers, out_file, option_strings, prepare_outputs, split_config_overrides,
                              subcommands, suggest)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 
@@ -69,7 +69,7 @@ COMMANDS: tuple[Cmd, ...] = (
         "LAMBADA target-token completion PPL and accuracies per depth", report=True),
     Cmd("eval adaptive", "looplm.eval.adaptive:adaptive_depth_checkpoint",
         "adaptive depth (hidden-update stopping rule) with a real early-exit run", report=True,
-        opts={"targets": Opt(metavar="D,D,...", help="target mean loop budgets")}),
+        opts={"targets": Opt(type=list[int], metavar="D,D,...", help="target mean loop budgets")}),
     Cmd("eval halting", "looplm.eval.halting:evaluate_halting_checkpoint", "logit-margin halting: calibrated "
         "threshold, timed dynamic batching, fixed-depth frontier", run=_C + "eval_halting", report=True),
     Cmd("eval distill", "looplm.distill.evaluate:evaluate_distill_checkpoint", "distilled prefill: continuation PPL "
@@ -138,9 +138,9 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
             p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
         add_options(p, func, cmd.opts, skip={*own, *([first] if first else [])})
         if glue:
-            add_options(p, glue, cmd.opts, skip={"checkpoint", "report"}, key="_glue")
+            add_options(p, glue, cmd.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
         if cmd.report:
-            p.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here and the Markdown next "
+            p.add_argument("--out", type=out_file, metavar="FILE.json", help="write the JSON here and the Markdown next "
                            "to it as FILE.md")
             p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown)")
         if "progress" in inspect_params(func) or "progress" in own:
@@ -315,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.config_overrides = overrides
     try:
         return int(_run(args, overrides) or 0)
+    except UsageError as exc:
+        args._parser.error(str(exc))
     except BrokenPipeError:  # e.g. `looplm info --list | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush must not raise again

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from looplm.cli.core import CliError, InFile, OutDir, OutFile, Report, positive_int, prepare_out_dir, prepare_out_file
+from looplm.cli.core import CliError, InFile, UsageError, OutDir, OutFile, Report, positive_int, prepare_out_dir, prepare_out_file
 
 CacheMode = Literal["per_visit", "terminal"]
 
@@ -382,7 +382,7 @@ def rl_train(func: Callable[..., dict], options: dict[str, Any], *, checkpoint: 
     from looplm.rl.runner import rl_train as run
 
     if checkpoint is None and not resume:
-        raise CliError("the following arguments are required: --checkpoint (unless --resume)")
+        raise UsageError("the following arguments are required: --checkpoint (unless --resume)")
     if resume:
         print(f"looplm rl train: --resume continues with the options saved in {out}", file=sys.stderr)
     print(json.dumps(run(checkpoint, out, resume=resume, stop_after=stop_after, progress=progress, device=device,

@@ -36,6 +36,10 @@ class CliError(ValueError):
     """A command-line argument that cannot be used (``looplm`` prints it and exits with status 2)."""
 
 
+class UsageError(CliError):
+    """A missing or conflicting argument found by a command (``looplm`` prints the usage and exits 2)."""
+
+
 # ---------------------------------------------------------------- parser
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that refuses abbreviated options and can append a config-field listing to --help.
@@ -334,7 +338,11 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
         opt = NAMES.get(name, Opt()).over(Opt(help=docs.get(name) or None)).over(opts.get(name))
         default = p.default if opt.default is inspect.Parameter.empty else opt.default
         required = default is inspect.Parameter.empty
-        kw = _parse_kw(opt.type or hints.get(name, type(default) if default is not None else str), default)
+        hint = hints.get(name, type(default) if default is not None else str)
+        kw = _parse_kw(hint, default)
+        # the command's Opt, else a name's meaning where the annotation says no more (int, Path, str)
+        if name in opts and opts[name].type or opt.type and "mark" not in kw and kw.get("type") in (int, Path, str):
+            kw = _parse_kw(opt.type, default)
         mark = kw.pop("mark", None)
         choices = opt.choices() if callable(opt.choices) else opt.choices
         if choices is not None:
