@@ -18,9 +18,28 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from looplm.cli.core import (CliError, UsageError, Opt, Parser, Report, add_command, add_options, config_help, config_keys,
-                             in_file, lazy_subparsers, out_file, option_strings, prepare_outputs, split_config_overrides,
-                             subcommands, suggest)
+from looplm.cli.core import (
+    CliError,
+    InFile,
+    Opt,
+    OutFile,
+    Parser,
+    Report,
+    UsageError,
+    _exit_criteria,
+    add_command,
+    add_options,
+    config_help,
+    config_keys,
+    in_file,
+    lazy_subparsers,
+    option_strings,
+    out_file,
+    prepare_outputs,
+    split_config_overrides,
+    subcommands,
+    suggest,
+)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 
 
@@ -78,8 +97,9 @@ COMMANDS: tuple[Cmd, ...] = (
         "depth x difficulty k (data.dataset=task checkpoints)", run=_C + "eval_tasks", report=True,
         opts={"split": Opt(type=str, choices=("valid", "test"), help="held-out split"),
               "ks": Opt(metavar="K,K,...")}),
-    Cmd("generate", _C + "generate", "continue text prompts with a checkpoint (KV cache, sampling, adaptive depth)",
-        checkpoint=True),
+    Cmd("generate", "looplm.generate:generate_checkpoint", "continue text prompts with a checkpoint (KV cache, "
+        "sampling, adaptive depth)", checkpoint=True, opts={"prompts_file": Opt(type=InFile), "out": Opt(type=OutFile),
+        "exit": Opt(choices=lambda: ("none", *_exit_criteria()))}),
     Cmd("consolidate", "looplm.run.checkpoint:consolidate_checkpoint",
         "add the full weights (model.safetensors) to a sharded checkpoint", checkpoint=True),
     Cmd("convert-train-state", _C + "convert_train_state",
@@ -325,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{args._parser.prog}: error: {msg}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - surface checkpoint errors without a traceback
+    except Exception as exc:
         from looplm.run.checkpoint import CheckpointError
 
         if isinstance(exc, CheckpointError):

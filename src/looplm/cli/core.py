@@ -4,7 +4,7 @@ A command's options come from the typed signature of the function it drives (:fu
 one option per parameter (``max_tokens`` → ``--max-tokens``), its default from the signature, its help
 from the docstring's ``Args:`` (:func:`doc_args`) and its parsing from the annotation: ``Literal`` →
 choices, ``bool`` → ``--x`` (or ``--x/--no-x`` when on by default), ``int``/``float``/``str``,
-``Sequence[int]`` → a comma list, ``Path``, and :data:`InFile` / :data:`OutFile` / :data:`OutDir`,
+``Sequence[int]`` → a comma list, ``list[str]`` → a repeatable option, ``Path``, and :data:`InFile` / :data:`OutFile` / :data:`OutDir`,
 paths checked (outputs also created) before any work. A parameter name means the same thing in every
 command, so :data:`NAMES` refines a name once (``batch_size`` is an integer >= 1 everywhere).
 
@@ -289,7 +289,7 @@ def _hints(func: Callable[..., Any]) -> dict[str, Any]:
     out = {}
     for name, value in getattr(target, "__annotations__", {}).items():
         try:
-            out[name] = eval(value, target.__globals__) if isinstance(value, str) else value  # noqa: S307
+            out[name] = eval(value, target.__globals__) if isinstance(value, str) else value
         except Exception:  # noqa: BLE001 - e.g. a name imported only for type checking
             out[name] = str
     return out
@@ -310,6 +310,8 @@ def _parse_kw(tp: Any, default: Any) -> dict[str, Any]:
         return {"type": type(args[0]), "choices": args}
     if tp is bool:
         return {"action": argparse.BooleanOptionalAction if default is True else "store_true"}
+    if origin is list and args == (str,):  # free texts (which may hold commas): a repeatable option
+        return {"action": "append"}
     if origin in (list, tuple, collections.abc.Sequence):
         return {"type": comma_list(args[0] if args else str)}
     if tp in (int, float, str, Path) or (callable(tp) and not isinstance(tp, type)):

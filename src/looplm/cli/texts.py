@@ -151,16 +151,16 @@ DESCRIPTIONS: dict[str, str] = {
 #: help (``{}``: the member commands) and description of each command group
 GROUPS: dict[str, tuple[str, str]] = {
     'eval': ('evaluate a checkpoint: {} (one subcommand each)',
-            'Evaluate a checkpoint with one protocol; each protocol is its own subcommand with only its own options '
+            ('Evaluate a checkpoint with one protocol; each protocol is its own subcommand with only its own options '
             '(`looplm eval PROTOCOL --help`). Prints the Markdown report (--json: the JSON); --out FILE.json also '
-            'writes the JSON and FILE.md.'),
+            'writes the JSON and FILE.md.')),
     'rl': ('RL post-training with rollout-state reuse (LMDR §3.1, §5.4): {} (one subcommand each)',
-            'RL post-training of looped models on a verifiable synthetic task (multi-digit addition), LMDR §3.1 '
+            ('RL post-training of looped models on a verifiable synthetic task (multi-digit addition), LMDR §3.1 '
             "'Post-training' and §5.4 / Table 4: `looplm rl pretrain` trains the base model, `looplm rl train` runs "
             'Dr. GRPO with one of three update methods, `looplm rl eval` measures pass@k. `looplm rl COMMAND --help` '
-            'for each.'),
+            'for each.')),
     'import': ('import a published looped model (Huginn-0125, Ouro) as a looplm checkpoint',
-            'Import a published looped language model from its downloaded Hugging Face folder as a looplm checkpoint,'
+            ('Import a published looped language model from its downloaded Hugging Face folder as a looplm checkpoint,'
             ' with numerical parity to the original (docs/importers.md): `looplm import huginn SRC --out DIR`, '
-            '`looplm import ouro SRC --out DIR`.'),
+            '`looplm import ouro SRC --out DIR`.')),
 }
