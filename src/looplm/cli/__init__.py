@@ -50,8 +50,9 @@ class Cmd:
     ``run``: glue ``run(func, options, **its own options)`` around the driven function (its own keyword
     parameters are options too); ``report``: the protocol convention (``--checkpoint`` passed first,
     ``--quiet/--json/--out``, the result printed and written); ``checkpoint``: ``--checkpoint`` passed
-    first (default: for report commands); ``config``: ``"preset"`` or the ``module:name`` of the base config, for ``--preset``/``--config``/
-    ``--print_config`` and ``--SECTION.FIELD`` overrides; ``opts``: flags that differ from their parameter.
+    first (default: for report commands); ``config``: ``"preset"`` or the ``module:name`` of the base
+    config, for ``--preset``/``--config``/``--print_config`` and ``--SECTION.FIELD`` overrides;
+    ``opts``: flags that differ from their parameter; ``out``: the report's default --out.
     """
 
     name: str
@@ -62,6 +63,7 @@ class Cmd:
     checkpoint: bool | None = None
     config: str | None = None
     opts: dict[str, Opt] = dataclasses.field(default_factory=dict)
+    out: Path | None = None  # the report's --out when not given
 
 
 def _rl_choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
@@ -105,7 +107,8 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("convert-train-state", _C + "convert_train_state",
         "rewrite a trusted checkpoint's pickled train_state.pt as data", checkpoint=True),
     Cmd("info", _C + "info", "parameter count and FLOP proxy of a config, as JSON", config="preset"),
-    Cmd("bench", "looplm.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True, checkpoint=False,
+    Cmd("bench", "looplm.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,
+        checkpoint=False,         out=Path("benchmarks/results/bench.json"),
         opts={"device": Opt(help="cpu, cuda or auto")}),
     Cmd("diagnose", "looplm.diagnostics.runner:diagnose_checkpoint", "mechanism diagnostics of a checkpoint: forcing "
         "bias, gain, anchor-start rollouts, hidden-state scale, visit alignment, token convergence",
@@ -160,8 +163,8 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
         if glue:
             add_options(p, glue, cmd.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
         if cmd.report:
-            p.add_argument("--out", type=out_file, metavar="FILE.json", help="write the JSON here and the Markdown next "
-                           "to it as FILE.md")
+            p.add_argument("--out", type=out_file, metavar="FILE.json", default=cmd.out, help="write the JSON here "
+                           "and the Markdown next to it as FILE.md" + (f" (default {cmd.out})" if cmd.out else ""))
             p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown)")
         if "progress" in inspect_params(func) or "progress" in own:
             p.add_argument("--quiet", action="store_true", help="no progress output")

@@ -24,9 +24,9 @@ from looplm.cli.core import (
 CacheMode = Literal["per_visit", "terminal"]
 
 
-def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, name: str | None = None, resume: bool = False,
-          init_from: Path | None = None, overwrite: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> int:
+def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, name: str | None = None,
+          resume: bool = False, init_from: Path | None = None, overwrite: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> int:
     """Train ``cfg`` into ``out``.
 
     Args:

@@ -4,9 +4,10 @@ A command's options come from the typed signature of the function it drives (:fu
 one option per parameter (``max_tokens`` → ``--max-tokens``), its default from the signature, its help
 from the docstring's ``Args:`` (:func:`doc_args`) and its parsing from the annotation: ``Literal`` →
 choices, ``bool`` → ``--x`` (or ``--x/--no-x`` when on by default), ``int``/``float``/``str``,
-``Sequence[int]`` → a comma list, ``list[str]`` → a repeatable option, ``Path``, and :data:`InFile` / :data:`OutFile` / :data:`OutDir`,
-paths checked (outputs also created) before any work. A parameter name means the same thing in every
-command, so :data:`NAMES` refines a name once (``batch_size`` is an integer >= 1 everywhere).
+``Sequence[int]`` → a comma list, ``list[str]`` → a repeatable option, ``Path``, and :data:`InFile` /
+:data:`OutFile` / :data:`OutDir`, paths checked (outputs also created) before any work. A parameter
+name means the same thing in every command, so :data:`NAMES` refines a name once (``batch_size`` is
+an integer >= 1 everywhere).
 
 Also here: :class:`Parser` (no abbreviations: ``--train.step`` never means ``--train.steps``), lazy
 subcommands, the ``--section.field VALUE`` config overrides and their ``--help`` listing, and the one
@@ -278,8 +279,8 @@ NAMES: dict[str, Opt] = {
     "student": Opt(type=Path, metavar="DIR"),
 }
 #: parameters the command line supplies itself, never options
-NEVER = frozenset({"func", "options", "progress", "cfg", "overrides", "out_json", "out_dir", "data_root", "stem", "plot", "plots",
-                   "lm", "timed"})
+NEVER = frozenset({"func", "options", "progress", "cfg", "overrides", "out_json", "out_dir", "data_root", "stem",
+                   "plot", "plots",                   "lm", "timed"})
 _MARKS = {"in": in_file, "out": out_file, "outdir": out_dir}
 
 
