@@ -9,7 +9,7 @@ import re
 import pytest
 
 from looplm.cli import build_parser, main
-from looplm.cliutil import CliError, build_all, doc_args, split_config_overrides
+from looplm.cli.core import CliError, build_all, doc_args, split_config_overrides
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_strict_json_writes_null_and_names_the_nonfinite_fields():
 def test_every_report_pair_is_strict_json_plus_its_markdown(tmp_path):
     """The one JSON + Markdown writer (used by eval, diagnose, bench, kv-sharing, distill and lm-eval
     reports): a NaN becomes null and is named, the .md holds the result's Markdown, folders are made."""
-    from looplm.cli import write_report_files
+    from looplm.cli.core import write_report_files
     from looplm.finite import write_json_markdown
 
     out = tmp_path / "a" / "b" / "res.json"

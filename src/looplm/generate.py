@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from pathlib import Path
+from typing import Literal, Sequence
 
 import torch
 
@@ -343,3 +344,111 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     if save_states:
         result.states = [torch.cat(parts) for parts in saved]
     return result
+
+
+def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = None, prompts_file: Path | None = None,
+                        max_new_tokens: int = 32, depth: int | None = None, temperature: float = 0.0,
+                        top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                        kv_cache: Literal["per_visit", "terminal"] | None = None,
+                        prefill: Literal["teacher", "distilled"] = "teacher", student: Path | None = None,
+                        exit: str = "none", exit_tau: float | None = None, max_depth: int | None = None,
+                        static_step: Literal["eager", "compile", "cuda_graph"] | None = None, device: str = "cpu",
+                        out: Path | None = None) -> int:
+    """Continue each prompt of a checkpoint (``looplm generate``); print them, ``out`` also as JSON.
+
+    Args:
+        prompt: a prompt (repeat for a batch)
+        prompts_file: a text file with one prompt per line (blank lines skipped), added after the --prompt values
+        max_new_tokens: new tokens per prompt
+        depth: loop depth of every forward, >= 1 (default: the checkpoint's train.eval_depth); generation always
+            runs the core, the depth-0 readout of h_0 is an eval diagnostic (looplm eval ppl --depths 0)
+        temperature: sampling temperature; 0 = greedy argmax
+        top_k: sample only from the K most likely tokens (with --temperature > 0)
+        top_p: nucleus sampling: sample from the smallest set of most likely tokens whose probability reaches P,
+            in (0, 1] (with --temperature > 0; applied after --top-k)
+        seed: seed of the sampling generator
+        kv_cache: per_visit (the default with --prefill teacher, unless an export's config.json says otherwise):
+            K/V of every loop visit, exact; terminal (the default, and the only cache, with --prefill distilled):
+            terminal KV sharing, one bank per physical layer holding each prefix token's last-visit K/V
+        prefill: teacher: the model prefills the prompt at --depth; distilled: the student (looplm distill)
+            predicts the endpoint z^R, one recurrence and the coda fill the terminal KV banks, then the model
+            decodes unchanged (LMDR distilled prefill)
+        student: with --prefill distilled: the student's run directory or checkpoint (default: student/ next to
+            the checkpoint's run)
+        exit: per-token adaptive depth (looplm.eval.exits): each new token loops until the criterion fires or
+            --max-depth; none = fixed --depth
+        exit_tau: threshold of --exit (default: the criterion's)
+        max_depth: with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)
+        static_step: fixed-depth decoding with a per_visit cache: run each token step as one static region,
+            compile = one torch.compile graph, cuda_graph = one captured CUDA graph; default: the eager cached path
+        out: also write prompts, token ids, continuations and loops per token as JSON
+    """
+    prompts = list(prompt or []) + ([s for s in prompts_file.read_text().splitlines() if s.strip()]
+                                    if prompts_file else [])
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or a --prompts-file with one prompt per line")
+    if temperature <= 0 and (top_k is not None or top_p is not None):
+        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
+    if exit == "none" and (max_depth is not None or exit_tau is not None):
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit "
+                         "criterion (see --help)")
+    if exit_tau is not None and exit_tau <= 0:
+        raise ValueError(f"--exit-tau: must be > 0, got {exit_tau}")
+    if prefill == "teacher" and student is not None:
+        raise ValueError("--student applies to --prefill distilled")
+    if prefill == "distilled" and kv_cache == "per_visit":
+        raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
+                         "use --kv-cache terminal (its default)")
+    if kv_cache is None:  # an export's own default (config.json kv_cache), as transformers uses
+        from looplm.run.hf_folder import export_kv_cache
+
+        kv_cache = "terminal" if prefill == "distilled" else export_kv_cache(checkpoint) or "per_visit"
+    import json
+    import sys
+
+    from looplm.data.tokenizer import eot_id
+    from looplm.eval.runner import load_tokenizer_for
+    from looplm.run.checkpoint import load_checkpoint
+
+    if exit != "none" and exit not in EXIT_CRITERIA:
+        raise ValueError(f"--exit: got {exit!r}; allowed: none, {', '.join(EXIT_CRITERIA)}")
+    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    tok = load_tokenizer_for(ckpt)
+    try:
+        eos = eot_id(tok)
+    except ValueError:
+        eos = None
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    for p, i in zip(prompts, ids):
+        if not i:
+            raise ValueError(f"prompt {p!r} encodes to no tokens")
+    model_student = student_depth = None
+    if prefill == "distilled":
+        from looplm.distill.student import default_student_dir, load_student
+
+        model_student, record, _ = load_student(student or default_student_dir(checkpoint), model)
+        student_depth = record.distill.depth
+    depth = depth or student_depth or cfg.train.eval_depth
+    criterion = None if exit == "none" else build_exit_criterion(exit, exit_tau)
+    gen = generate(model, ids, max_new_tokens, depth, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
+                       student=model_student, student_depth=student_depth, static_step=static_step)
+    results = []
+    for n, (p, i, toks, depths) in enumerate(zip(prompts, ids, gen.tokens, gen.depths), 1):
+        text = tok.decode(toks)
+        mean = sum(depths) / len(depths) if depths else 0.0
+        results.append({"prompt": p, "prompt_tokens": i, "continuation": text, "tokens": toks, "depths": depths,
+                        "mean_depth": mean})
+        print(f"=== [{n}/{len(prompts)}] {len(i)} prompt tokens -> {len(toks)} new tokens, "
+              f"loops per token: mean {mean:.2f}")
+        print(f"{p}\033[1m{text}\033[0m" if sys.stdout.isatty() else p + text)
+    if out is not None:
+        settings = {"depth": depth, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                    "top_p": top_p, "seed": seed, "kv_cache": kv_cache, "prefill": prefill,
+                    "student_depth": student_depth, "exit": exit, "exit_tau": None if criterion is None else
+                    criterion.tau, "max_depth": (max_depth or depth) if criterion is not None else None,
+                    "eos_id": eos, "static_step": static_step}
+        out.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+                                   "settings": settings, "results": results}, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0

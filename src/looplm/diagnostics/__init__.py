@@ -14,5 +14,5 @@
 - :mod:`~looplm.diagnostics.report`: Markdown tables and plots (Tables 3 and 22, Figures 4 and 5,
   per-loop scale and convergence);
 - :mod:`~looplm.diagnostics.runner`: :func:`diagnose_model` / :func:`diagnose_checkpoint`, behind
-  ``looplm diagnose`` (:mod:`~looplm.diagnostics.commands`).
+  ``looplm diagnose`` (:mod:`looplm.cli`).
 """

@@ -10,7 +10,7 @@ tokenizer and the import's provenance (``import.json``).
 
 The layouts: ``docs/importers-layout.md``; usage and the parity method: ``docs/importers.md``. Importing
 this package imports neither torch nor the importers (the command line registers ``looplm import``
-through :mod:`looplm.importers.commands`).
+through :mod:`looplm.cli`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+from looplm.cli import main
+
+raise SystemExit(main())
