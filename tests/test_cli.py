@@ -221,3 +221,14 @@ def test_top_level_help_imports_no_torch():
             "print(sorted(m for m in ('torch', 'numpy', 'tokenizers', 'safetensors', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_mapping_parameter_takes_a_json_object(capsys):
+    """A ``Mapping`` parameter (eval tasks' ``halting``) is one JSON-object option; anything else is refused."""
+    parser = build_parser()
+    args = parser.parse_args(["eval", "tasks", "--checkpoint", "c", "--halting",
+                              '{"criterion": "margin", "tau": 0.5}'])
+    assert args.halting == {"criterion": "margin", "tau": 0.5}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "tasks", "--checkpoint", "c", "--halting", "[1]"])
+    assert "expected a JSON object" in capsys.readouterr().err

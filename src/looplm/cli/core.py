@@ -296,6 +296,17 @@ def _hints(func: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (argparse type), e.g. ``'{"criterion": "margin", "tau": 0.5}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object; {exc.msg} in {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}; got {text!r}")
+    return value
+
+
 def _parse_kw(tp: Any, default: Any) -> dict[str, Any]:
     """argparse keywords (type, choices, action; ``mark`` for checked paths) for annotation ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -315,6 +326,8 @@ def _parse_kw(tp: Any, default: Any) -> dict[str, Any]:
         return {"action": "append"}
     if origin in (list, tuple, collections.abc.Sequence):
         return {"type": comma_list(args[0] if args else str)}
+    if tp is dict or origin in (dict, collections.abc.Mapping):
+        return {"type": json_object}
     if tp in (int, float, str, Path) or (callable(tp) and not isinstance(tp, type)):
         return {"type": tp}
     return {"type": str}
