@@ -804,7 +804,7 @@ def build_choice(base: type[_Choice], d: dict[str, Any], *, complete: bool = Fal
     cls = variants[name]
     hints = typing.get_type_hints(cls)
     for key in d:
-        if key not in hints:
+        if key not in cls.field_names():
             raise _not_a_field(base, key, name)
     if complete:
         cls._check_keys(d)

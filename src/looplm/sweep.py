@@ -513,7 +513,7 @@ class _Runner:
         from looplm.model import build_model
 
         with torch.device("meta"):
-            params = build_model(saved.model).num_params()
+            params = build_model(saved).num_params()
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return RunRecord(sweep=self.sweep.name, run_id=spec.run_id, variant=spec.variant,

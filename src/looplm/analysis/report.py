@@ -28,6 +28,7 @@ from typing import Any
 
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
 from looplm.analysis.store import ResultStore, RunRecord, record_dict
+from looplm.config import DepthConfig, build_choice
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
 #: metric. report.json holds the same selection.
@@ -114,8 +115,8 @@ def _train_range(runs: list[RunRecord]) -> tuple[int, int] | None:
     for r in runs:
         if r.config["model"].get("architecture") == "unshared":
             continue
-        t = r.config["train"]
-        ranges.add((t["depth"], t["depth"]) if t.get("depth_sampler") == "fixed" else (t["depth_lo"], t["depth_hi"]))
+        depth = build_choice(DepthConfig, r.config["depth"])  # the depths the sampler draws from
+        ranges.add((depth.depth, depth.depth) if depth.NAME == "fixed" else (getattr(depth, "lo", 1), depth.max_depth()))
     return ranges.pop() if len(ranges) == 1 else None
 
 
