@@ -238,7 +238,7 @@ def test_advantage_scale_resumes_exactly():
     # exact: same updates
     assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
     old = a.state_dict()
-    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before prior_scale
+    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before depth.scale
     c = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
     c.load_state_dict(old)
     assert c.advantage_scale == 1.0
@@ -299,7 +299,7 @@ def test_learned_prior_bad_arguments_name_the_field():
 @pytest.mark.parametrize("cap,mean", [(64, 32.5), (10, 5.5)])
 def test_uniform_control_prior_init(cap, mean):
     """LMDR App. B.3's uniform controls: U_{1:64} starts with mean 32.50, U_{1:10} with 5.50 (the paper's
-    numbers); prior_init = cap ones through the config path. Exact up to float64 rounding of a 64-term sum."""
+    numbers); depth.init = cap ones through the config path. Exact up to float64 rounding of a 64-term sum."""
     cfg = apply_overrides(Config(), {"depth.sampler": "learned", "depth.cap": str(cap), "depth.init": ",".join(["1"] * cap)})
     prior = build_sampler(cfg.depth)
     np.testing.assert_allclose(prior.probs(), np.full(cap, 1.0 / cap), rtol=1e-12)
@@ -307,7 +307,7 @@ def test_uniform_control_prior_init(cap, mean):
 
 
 def test_prior_init_weights_normalized_and_frozen_through_warmup():
-    """prior_init weights w give p = w / Σw; with prior_warmup >= the updates (the frozen-prior ablation) the
+    """depth.init weights w give p = w / Σw; with depth.warmup >= the updates (the frozen-prior ablation) the
     logits never move. Same float64 computation on both sides up to the softmax's rounding."""
     w = np.arange(1.0, CAP + 1.0)
     prior = LearnedDepthPrior(5.0, 0.5, CAP, init=list(w), warmup=3, lr=1.0)

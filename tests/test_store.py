@@ -72,7 +72,7 @@ def test_put_replaces_and_never_double_counts(tmp_path):
 def test_runs_roundtrip(tmp_path):
     cfg = Config()
     rec = RunRecord(sweep="s", run_id="looped-s0", variant="looped", seed=0, config=cfg.to_dict(), run_dir="/x",
-                    variant_order=1, grid={"train.lr": 0.001}, params=123,
+                    variant_order=1, grid={"optim.lr": 0.001}, params=123,
                     flops={8: {"body": 1, "body_head": 2}}, weights_sha256="ab", summary={"val_ppl": 3.0})
     with ResultStore(tmp_path / "r.db") as store:
         store.put_run(rec)

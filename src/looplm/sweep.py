@@ -19,7 +19,7 @@ fields and the evaluation protocol::
     unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
 
     [grid]                      # optional: every combination of these values is a separate run
-    "train.lr" = [1e-3, 2e-3]
+    "optim.lr" = [1e-3, 2e-3]
 
     [eval]
     depths = [1, 2, 4, 8, 16, 32, 48]    # loop depths T; default 1,2,4,8,12,16,24,32,48

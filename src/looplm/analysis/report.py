@@ -11,7 +11,7 @@ From the runs and evaluations of a :class:`~looplm.analysis.store.ResultStore` t
 - PPL against loop depth on a log2 axis per dataset/split, seed means with ±std bands.
 
 Variants come from the ``runs`` table: a variant's label is its sweep variant name, followed by its
-extra grid fields when the sweep has any (``scse (train.lr=0.001)``). Paired deltas compare each
+extra grid fields when the sweep has any (``scse (optim.lr=0.001)``). Paired deltas compare each
 variant with the baseline variant at the same grid point. Outputs: ``report.md``, ``report.json``
 and ``<metric>_<dataset>_<split>.png`` in the output folder.
 """

@@ -57,7 +57,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
             ``init_scale=0``.
 
     Returns:
-        ``(config, depth)``: depth is ``mean_recurrence``, also the checkpoint's ``train.depth``.
+        ``(config, depth)``: depth is ``mean_recurrence``, also the checkpoint's ``depth.depth``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.

@@ -47,7 +47,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
 
     Returns:
         ``(config, depth, early_exit_threshold)``; depth is ``total_ut_steps``, also the checkpoint's
-        ``train.depth``.
+        ``depth.depth``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a

@@ -295,7 +295,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
-    """``"; edited fields: train.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
+    """``"; edited fields: optim.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
     (empty when the manifest has none, e.g. an older checkpoint; a note when the file is not JSON)."""
     if saved is None:
         return ""
