@@ -121,21 +121,18 @@ def _check_literal(obj: Any, prefix: str) -> None:
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
 
-def check_gradient(gradient: str = "bptt", gradient_steps: int = 0, *, prefix: str = "") -> None:
-    """Check the gradient estimator ``(gradient, b = gradient_steps)``. ``prefix`` ("train.") goes in front
-    of the field names of the messages.
+def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
+    """Check the gradient estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient`.
 
     Raises:
-        ConfigError: an unknown estimator, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
+        ConfigError: an unknown kind, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
     """
-    if gradient not in GRADIENTS:
-        raise ConfigError(f"{prefix}gradient: got {gradient!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
-    _check(isinstance(gradient_steps, int) and not isinstance(gradient_steps, bool) and gradient_steps >= 0,
-           prefix + "gradient_steps", f"must be an integer >= 0, got {gradient_steps!r}")
-    _check(gradient != "bptt" or gradient_steps == 0, prefix + "gradient_steps",
-           f"full BPTT ({prefix}gradient=bptt) has none; must be 0, got {gradient_steps}")
-    _check(gradient == "bptt" or gradient_steps >= 1, prefix + "gradient_steps",
-           f"{prefix}gradient={gradient} needs b >= 1, got {gradient_steps}")
+    if kind not in GRADIENTS:
+        raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
+    _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
+           f"must be an integer >= 0, got {steps!r}")
+    _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
+    _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
 
 
 class _Base:
