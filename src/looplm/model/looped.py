@@ -584,9 +584,8 @@ def build_model(cfg: Config | ModelConfig) -> DepthLM:
     takes R of N = K·R from the depth sampler's maximum (SPEC §3); a bare :class:`ModelConfig` must
     state it.
     """
-    if isinstance(cfg, Config):
-        model = cfg.model
-        if model.residual != "pre_ln" and model.residual_depth == 0:
-            model = model.replace(residual_depth=cfg.depth.max_depth())
-        cfg = model
-    return LoopLM(cfg) if cfg.architecture == "shared" else TransformerLM(cfg)
+    # a whole Config has a model section (duck-typed: an export's remote code holds its own copy of the classes)
+    model = getattr(cfg, "model", cfg)
+    if model is not cfg and model.residual != "pre_ln" and model.residual_depth == 0:
+        model = model.replace(residual_depth=cfg.depth.max_depth())
+    return LoopLM(model) if model.architecture == "shared" else TransformerLM(model)
