@@ -1,18 +1,16 @@
-"""Rewrite every committed config and results identity as a complete config of today's format: fields and
-rule options added since a file was written get their defaults (the values that rebuild the older
-models), and the older ``train.tbptt`` spelling is dropped (it must agree with ``train.gradient``). Run it
-from the repository root after adding a config field: ``python scripts/rewrite_configs.py``. Idempotent.
+"""Rewrite every committed config, sweep file and results identity from config format 2 (a flat ``train``
+section) into format 3 (the typed sections ``depth``, ``optim`` and ``train.gradient``). Run it once from the
+repository root: ``python scripts/rewrite_configs.py``. Idempotent: it transforms only what is in the old
+shape (a config dict with ``format_version`` 2, an override key of :data:`KEYS`).
 
-It rewrites, in place: the sweep files' ``train.tbptt = b`` overrides (as ``train.gradient`` /
-``train.gradient_steps``); every config dict in ``experiments/**/*.json`` (``config_hash`` recomputed
-beside it); and in every ``experiments/**/results.db`` the stored configs, with their runs and evaluations
-re-keyed to the new hash (unchanged while :data:`looplm.analysis.store.LATE_IDENTITY_FIELDS` lists the
-new fields at their defaults).
+It rewrites, in place: the sweep files' override keys (``"train.depth_sampler"`` → ``"depth.sampler"``, …);
+every config dict in ``experiments/**/*.json`` (with the ``config_hash`` beside it, and the override keys of
+a ``grid``); every ``experiments/**/results.db`` (stored configs, run grids, and the runs, evaluations and
+provenance re-keyed to the new hash); and the ``config.json`` of every run folder under ``experiments``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import re
@@ -21,7 +19,19 @@ import subprocess
 from pathlib import Path
 
 from looplm.analysis.store import _canonical, config_hash, config_identity
-from looplm.config import RULE_OPTIONS, Config, DataConfig, ModelConfig, TrainConfig
+from looplm.config import (DEPTH_SAMPLERS, FORMAT_VERSION, RULE_OPTIONS, Config, DataConfig, DepthConfig, ModelConfig,
+                           OptimConfig, TrainConfig, build_choice)
+
+#: format-2 ``train`` field → its format-3 place (a ``depth`` field names the sampler's own)
+DEPTH = {"depth": "depth", "depth_lo": "lo", "depth_hi": "hi", "depth_mean": "mean", "pln_sigma": "sigma",
+         "depth_cap": "cap", "prior_lr": "lr", "prior_entropy": "entropy", "prior_budget": "budget",
+         "prior_warmup": "warmup", "prior_init": "init", "prior_reward": "reward", "prior_scale": "scale",
+         "prior_scale_window": "scale_window"}
+OPTIM = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay", "beta1", "beta2", "grad_clip")
+#: old override key → new override key (sweep files and run grids)
+KEYS = {"train.depth_sampler": "depth.sampler", **{f"train.{k}": f"depth.{v}" for k, v in DEPTH.items()},
+        **{f"train.{k}": f"optim.{k}" for k in OPTIM}, "train.gradient": "train.gradient.kind",
+        "train.gradient_steps": "train.gradient.steps"}
 
 
 def _defaults(cls) -> dict:
@@ -30,71 +40,112 @@ def _defaults(cls) -> dict:
 
 
 def rewrite(d: dict) -> dict:
-    """A stored config dict as a complete one of today's format (missing fields at their defaults)."""
-    d = copy.deepcopy(d)
-    t = d["train"]
-    if "tbptt" in t:
-        assert t.pop("tbptt") == (t.get("gradient_steps", 0) if t.get("gradient") == "tbptt" else 0)
-    for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
-        d[section] = {**_defaults(cls), **d[section]}
-    m = d["model"]
-    if m["architecture"] == "shared" and m["rule"] in RULE_OPTIONS:
-        m["options"] = {**_defaults(RULE_OPTIONS[m["rule"]]), **m["options"]}
-    return Config.from_dict(d).to_dict()
+    """A format-2 config dict as format 3 (a format-3 one comes back unchanged)."""
+    if d["format_version"] == FORMAT_VERSION:
+        return d
+    assert d["format_version"] == 2, d["format_version"]
+    t = dict(d["train"])
+    sampler = t.pop("depth_sampler")
+    own = DEPTH_SAMPLERS[sampler].field_names()
+    depth = {"sampler": sampler, **{new: t[old] for old, new in DEPTH.items() if new in own and old in t}}
+    for old in DEPTH:
+        t.pop(old, None)  # prior_init: absent from the files written before it (its default [])
+    optim = {k: t.pop(k) for k in OPTIM}
+    kind, steps = t.pop("gradient"), t.pop("gradient_steps")
+    grad_at = list(t).index("supervision")
+    items = list(t.items())
+    items.insert(grad_at, ("gradient", {"kind": kind} if kind == "bptt" else {"kind": kind, "steps": steps}))
+    model = {**_defaults(ModelConfig), **d["model"]}  # fields added since: the values that rebuild the model
+    if model["architecture"] == "shared" and model["rule"] in RULE_OPTIONS:
+        model["options"] = {**_defaults(RULE_OPTIONS[model["rule"]]), **model["options"]}
+    return Config(model=ModelConfig.from_dict(model), data=DataConfig.from_dict({**_defaults(DataConfig), **d["data"]}),
+                  depth=build_choice(DepthConfig, depth), optim=OptimConfig.from_dict(optim),
+                  train=TrainConfig.from_dict(dict(items)), name=d["name"]).to_dict()
 
 
-def walk(obj):
-    """Rewrite every config dict inside ``obj`` (and the ``config_hash`` next to it)."""
+def rekey(grid: dict) -> dict:
+    """An override dict with the old keys renamed (``train.gradient_steps = 0`` of bptt dropped)."""
+    if grid.get("train.gradient") == "bptt" and grid.get("train.gradient_steps", 0) == 0:
+        grid = {k: v for k, v in grid.items() if k != "train.gradient_steps"}
+    return {KEYS.get(k, k): v for k, v in grid.items()}
+
+
+def walk(obj, moves: dict[str, str]):
+    """Rewrite every config dict inside ``obj``, the ``config_hash`` next to it (recomputed, or mapped by
+    ``moves`` where no config is beside it) and the keys of every ``grid``."""
     if isinstance(obj, dict):
         if "format_version" in obj and "model" in obj:
             return rewrite(obj)
-        out = {k: walk(v) for k, v in obj.items()}
+        out = {k: walk(v, moves) for k, v in obj.items()}
+        if isinstance(out.get("grid"), dict):
+            out["grid"] = rekey(out["grid"])
         if isinstance(out.get("config"), dict) and "config_hash" in out:
             out["config_hash"] = config_hash(out["config"])
+        elif isinstance(out.get("config_hash"), str):
+            out["config_hash"] = moves.get(out["config_hash"], out["config_hash"])
         return out
     if isinstance(obj, list):
-        return [walk(v) for v in obj]
+        return [walk(v, moves) for v in obj]
     return obj
 
 
-def rewrite_db(path: Path) -> None:
+def rewrite_db(path: Path, moves: dict[str, str]) -> None:
+    """Rewrite the stored configs of a results database and re-key what hangs on their hashes (``moves``
+    collects old → new hash)."""
     con = sqlite3.connect(path)
+    if all(json.loads(text)["format_version"] == FORMAT_VERSION for (text,) in con.execute("SELECT config_json FROM runs")):
+        con.close()
+        return  # rewritten already
     with con:
-        moves: dict[str, str] = {}
-        for sweep, run_id, old_hash, text in con.execute("SELECT sweep, run_id, config_hash, config_json FROM runs").fetchall():
+        local: dict[str, str] = {}
+        rows = con.execute("SELECT sweep, run_id, config_hash, config_json, grid_json FROM runs").fetchall()
+        for sweep, run_id, old_hash, text, grid in rows:
             cfg = rewrite(json.loads(text))
             new_hash = config_hash(cfg)
-            assert moves.setdefault(old_hash, new_hash) == new_hash, (path, run_id)
-            con.execute("UPDATE runs SET config_hash = ?, config_json = ? WHERE sweep = ? AND run_id = ?",
-                        (new_hash, _canonical(cfg), sweep, run_id))
+            assert local.setdefault(old_hash, new_hash) == new_hash, (path, run_id)
+            con.execute("UPDATE runs SET config_hash = ?, config_json = ?, grid_json = ? WHERE sweep = ? AND run_id = ?",
+                        (new_hash, _canonical(cfg), _canonical(rekey(json.loads(grid))), sweep, run_id))
             con.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new_hash, _canonical(config_identity(cfg))))
         stored = {h for (h,) in con.execute("SELECT config_hash FROM configs")}
-        assert stored >= set(moves), path
-        assert stored - set(moves) - set(moves.values()) == set(), f"{path}: a stored config without a run"
-        for old, new in moves.items():
+        assert stored - set(local) - set(local.values()) == set(), f"{path}: a stored config without a run"
+        assert len(set(local.values())) == len(local), f"{path}: two configs now share one identity"
+        tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for old, new in local.items():
             if old != new:
-                con.execute("UPDATE evaluations SET config_hash = ? WHERE config_hash = ?", (new, old))
+                for table in ("evaluations", "provenance"):
+                    if table in tables:
+                        con.execute(f"UPDATE {table} SET config_hash = ? WHERE config_hash = ?", (new, old))
                 con.execute("DELETE FROM configs WHERE config_hash = ?", (old,))
+        moves.update(local)
     con.execute("VACUUM")
     con.close()
 
 
+def rewrite_toml(text: str) -> str:
+    """Rename the old override keys of a sweep file (quoted keys; ``train.gradient_steps = 0`` of bptt dropped)."""
+    text = re.sub(r'(\{[^{}\n]*"train\.gradient" = "bptt"[^{}\n]*?), "train\.gradient_steps" = 0\b', r"\1", text)
+    return re.sub(r'"(train\.[a-z_0-9]+)"', lambda m: f'"{KEYS.get(m.group(1), m.group(1))}"', text)
+
+
 def main() -> None:
-    files = subprocess.run(["git", "ls-files", "experiments"], capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        p = Path(f)
+    files = [Path(f) for f in subprocess.run(["git", "ls-files", "experiments"], capture_output=True, text=True,
+                                             check=True).stdout.split()]
+    moves: dict[str, str] = {}
+    for p in files:
+        if p.suffix == ".db":
+            rewrite_db(p, moves)
+    for p in files:
         if p.suffix == ".toml":
             text = p.read_text()
-            new = re.sub(r'"train\.tbptt" = 0\b', '"train.gradient" = "bptt"', text)
-            new = re.sub(r'"train\.tbptt" = (\d+)', r'"train.gradient" = "tbptt", "train.gradient_steps" = \1', new)
+            new = rewrite_toml(text)
             if new != text:
                 p.write_text(new)
-        elif p.suffix == ".json" and '"format_version"' in p.read_text():
-            text = p.read_text()
-            new = json.dumps(walk(json.loads(text)), indent=2 if text.startswith("{\n  ") else None, ensure_ascii=False)
-            p.write_text(new + "\n" * text.endswith("\n"))
-        elif p.suffix == ".db":
-            rewrite_db(p)
+        elif p.suffix == ".json" and ('"format_version"' in (text := p.read_text()) or '"config_hash"' in text):
+            data = walk(json.loads(text), moves)
+            new = json.dumps(data, indent=2 if text.startswith("{\n  ") else None, ensure_ascii=False)
+            new += "\n" * text.endswith("\n")
+            if new != text:
+                p.write_text(new)
 
 
 if __name__ == "__main__":

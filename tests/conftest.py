@@ -20,14 +20,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """A tiny SCSE config on Brown with a 512-entry byte-level BPE (trains in seconds)."""
-    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+    from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, UniformDepthConfig
 
     return Config(
         name="tiny",
         model=ModelConfig(rule="scse", d_model=32, n_heads=2, d_ff=64, seq_len=32, dropout=0.1),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=512),
-        train=TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, depth_lo=1, depth_hi=4,
-                          eval_every=3, eval_batches=2, eval_depth=4, ckpt_every=2, device="cpu"),
+        depth=UniformDepthConfig(lo=1, hi=4), optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        train=TrainConfig(steps=6, batch_size=4, eval_every=3, eval_batches=2, eval_depth=4, ckpt_every=2,
+                          device="cpu"),
     )
 
 
@@ -99,7 +100,7 @@ def tiny_ckpt(tmp_path_factory):
     """A saved (untrained) tiny SCSE checkpoint with a 300-entry byte-level BPE trained on Brown text."""
     import torch
 
-    from looplm.config import Config, DataConfig, TrainConfig
+    from looplm.config import Config, DataConfig, TrainConfig, UniformDepthConfig
     from looplm.data.corpora import load_split_text
     from looplm.data.paths import resolve_data_root
     from looplm.data.tokenizer import train_bpe_tokenizer
@@ -110,7 +111,7 @@ def tiny_ckpt(tmp_path_factory):
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=300)
     tok = train_bpe_tokenizer(load_split_text(data, "train", resolve_data_root(""))[:60000], 300)
     cfg = Config(name="tiny-hf", model=tiny(rule="scse", vocab_size=300, seq_len=48, init_std=0.1), data=data,
-                 train=TrainConfig(eval_depth=3, depth_lo=1, depth_hi=4))
+                 depth=UniformDepthConfig(lo=1, hi=4), train=TrainConfig(eval_depth=3))
     torch.manual_seed(0)
     run = tmp_path_factory.mktemp("ckpt") / "run"
     save_checkpoint(run, 1, build_model(cfg.model).eval(), cfg, tokenizer_json=tok.to_str())

@@ -188,10 +188,10 @@ def test_eval_options_come_from_the_driven_functions():
 
 # ---------------------------------------------------------------- helpers
 def test_split_config_overrides():
-    rest, ov = split_config_overrides(["--out", "d", "--train.lr", "-1e-3", "--model.rule=scse", "--quiet",
+    rest, ov = split_config_overrides(["--out", "d", "--optim.lr", "-1e-3", "--model.rule=scse", "--quiet",
                                        "--model.options.kappa", "0.1", "--", "--x.y", "1"])
     assert rest == ["--out", "d", "--quiet", "--", "--x.y", "1"]
-    assert ov == {"train.lr": "-1e-3", "model.rule": "scse", "model.options.kappa": "0.1"}
+    assert ov == {"optim.lr": "-1e-3", "model.rule": "scse", "model.options.kappa": "0.1"}
     with pytest.raises(CliError, match="--train.steps: expected a value"):
         split_config_overrides(["--train.steps", "--quiet"])
 

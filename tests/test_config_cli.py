@@ -11,8 +11,9 @@ import torch
 
 from looplm.analysis.flops import flops_per_token
 from looplm.cli import main
-from looplm.config import (RULE_NAMES, Config, ConfigError, DataConfig, ModelConfig, SCSELeakOptions, SCSEOptions,
-                           TrainConfig, apply_overrides)
+from looplm.config import (RULE_NAMES, BPTTConfig, Config, ConfigError, DataConfig, EndpointConfig, FixedDepthConfig,
+                           LearnedDepthConfig, ModelConfig, PLNDepthConfig, SCSELeakOptions, SCSEOptions, TBPTTConfig,
+                           TrainConfig, UniformDepthConfig, apply_overrides)
 from looplm.model import build_model
 from looplm.presets import PRESETS, get_preset
 
@@ -42,8 +43,8 @@ def test_model_config_errors_name_the_field(kwargs, field):
 def test_error_lists_allowed_values():
     with pytest.raises(ConfigError, match="model.rule: got 'loopy'; allowed: 'looped', 'adapter', .*'scse'"):
         ModelConfig(rule="loopy")
-    with pytest.raises(ConfigError, match="train.depth_hi: must be >= depth_lo"):
-        TrainConfig(depth_lo=5, depth_hi=2)
+    with pytest.raises(ConfigError, match="depth.hi: must be >= depth.lo=5"):
+        UniformDepthConfig(lo=5, hi=2)
     with pytest.raises(ConfigError, match="data.dataset"):
         DataConfig(dataset="pile")
     with pytest.raises(ConfigError, match="data.text_files"):
@@ -57,33 +58,33 @@ def test_json_round_trip_and_format_version():
     again = Config.from_json(cfg.to_json())
     assert again == cfg
     d = json.loads(cfg.to_json())
-    assert d["format_version"] == 2
-    d["format_version"] = 99
+    assert d["format_version"] == 3
+    d["format_version"] = 2
     with pytest.raises(ConfigError, match="format_version"):
         Config.from_dict(d)
-    d["format_version"] = 2
+    d["format_version"] = 3
     d["model"]["widthh"] = 3
     with pytest.raises(ConfigError, match="model.widthh: unknown field"):
         Config.from_dict(d)
 
 
 def test_overrides_parse_types():
-    cfg = apply_overrides(get_preset("cpu"), {"model.rule": "sc_cond", "train.lr": "1e-3",
+    cfg = apply_overrides(get_preset("cpu"), {"model.rule": "sc_cond", "optim.lr": "1e-3",
                                               "model.options.mask": "false", "train.steps": "7"})
-    assert cfg.model.rule == "sc_cond" and cfg.train.lr == 1e-3 and cfg.model.options.mask is False
+    assert cfg.model.rule == "sc_cond" and cfg.optim.lr == 1e-3 and cfg.model.options.mask is False
     assert cfg.train.steps == 7
     with pytest.raises(ConfigError, match="train.steps: cannot parse"):
         apply_overrides(cfg, {"train.steps": "many"})
-    with pytest.raises(ConfigError, match="optim: unknown section"):
-        apply_overrides(cfg, {"optim.lr": "1"})
+    with pytest.raises(ConfigError, match="optimizer: unknown section"):
+        apply_overrides(cfg, {"optimizer.lr": "1"})
 
 
 # ---------------------------------------------------------------- rule options and format 2
-def test_format2_round_trip_is_strict(tmp_path, capsys):
+def test_format3_round_trip_is_strict(tmp_path, capsys):
     for cfg in [*PRESETS.values(), *(Config(model=ModelConfig(rule=rule)) for rule in RULE_NAMES)]:
         assert Config.from_json(cfg.to_json()) == cfg
     d = Config().to_dict()
-    for section, name in (("model", "d_model"), ("train", "lr"), ("data", "dataset")):
+    for section, name in (("model", "d_model"), ("optim", "lr"), ("data", "dataset"), ("depth", "hi")):
         broken = json.loads(json.dumps(d))
         del broken[section][name]
         with pytest.raises(ConfigError, match=rf"^{section}\.{name}: missing"):
@@ -113,8 +114,8 @@ def test_format2_round_trip_is_strict(tmp_path, capsys):
     assert main(["info", "--config", str(path)]) == 0 and '"d_model": 64' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("key", ["train.lr", "train.weight_decay", "model.dropout", "model.options.eps",
-                                 "train.depth_mean"])
+@pytest.mark.parametrize("key", ["optim.lr", "optim.weight_decay", "model.dropout", "model.options.eps",
+                                 "optim.min_lr_ratio"])
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_non_finite_hyper_parameters_are_refused(key, value):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}: must be finite"):
@@ -122,7 +123,7 @@ def test_non_finite_hyper_parameters_are_refused(key, value):
 
 
 def test_out_of_range_values_are_refused():
-    for key, value in (("train.lr", "0"), ("train.weight_decay", "-0.1"), ("model.options.leak", "1.5"),
+    for key, value in (("optim.lr", "0"), ("optim.weight_decay", "-0.1"), ("model.options.leak", "1.5"),
                        ("model.options.step_scale", "-1")):
         with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}: must be"):
             apply_overrides(Config(), {key: value})
@@ -145,7 +146,7 @@ def test_unused_options_are_refused_naming_rule_and_options(capsys):
 
 
 def test_misspelled_names_get_a_suggestion():
-    for key, hint in (("model.d_modle", "d_model"), ("modle.d_model", "model"), ("train.lrr", "lr"),
+    for key, hint in (("model.d_modle", "d_model"), ("modle.d_model", "model"), ("optim.lrr", "lr"),
                       ("model.options.leek", "leak")):
         with pytest.raises(ConfigError, match=rf"unknown .*\(did you mean {hint}\?\)"):
             apply_overrides(Config(), {key: "1"})
@@ -344,12 +345,70 @@ def test_unshared_rejects_loop_only_options(overrides, field):
         Config(model=ModelConfig(**overrides["model"]), train=TrainConfig(**overrides.get("train", {})))
 
 
-@pytest.mark.parametrize("train, nominal", [
-    (dict(depth_sampler="fixed", depth=5), 5), (dict(depth_sampler="uniform", depth_lo=1, depth_hi=8), 8),
-    (dict(depth_sampler="pln", depth_mean=5.0, depth_cap=64), 5), (dict(depth_sampler="learned", depth_mean=4.5), 5),
+@pytest.mark.parametrize("depth, nominal, largest", [
+    (FixedDepthConfig(depth=5), 5, 5), (UniformDepthConfig(lo=1, hi=8), 8, 8),
+    (PLNDepthConfig(mean=5.0, cap=64), 5, 64), (LearnedDepthConfig(mean=4.5, cap=32), 5, 32),
 ])
-def test_nominal_depth(train, nominal):
-    assert TrainConfig(**train).nominal_depth == nominal
+def test_nominal_and_max_depth(depth, nominal, largest):
+    assert (depth.nominal_depth(), depth.max_depth()) == (nominal, largest)
+
+
+def test_depth_section_holds_only_the_samplers_fields():
+    """``depth.sampler`` picks the class; a new sampler carries the same-named fields over (learned → pln keeps
+    mean, sigma, cap; the learned-only fields go); a field the sampler does not read is an error naming the
+    sampler and its fields; the section round-trips through JSON with only those fields."""
+    cfg = apply_overrides(Config(), {"depth.sampler": "learned", "depth.mean": "4", "depth.cap": "16",
+                                     "depth.reward": "inv_ppl"})
+    assert cfg.depth == LearnedDepthConfig(mean=4.0, cap=16, reward="inv_ppl")
+    assert apply_overrides(cfg, {"depth.sampler": "pln"}).depth == PLNDepthConfig(mean=4.0, cap=16)
+    assert cfg.to_dict()["depth"]["sampler"] == "learned" and Config.from_json(cfg.to_json()) == cfg
+    fixed = apply_overrides(Config(), {"depth.sampler": "fixed", "depth.depth": "3"})
+    assert fixed.to_dict()["depth"] == {"sampler": "fixed", "depth": 3}
+    with pytest.raises(ConfigError, match=r"^depth\.lo: sampler fixed does not read it \(a field of uniform\); "
+                                          r"fields of fixed: depth$"):
+        apply_overrides(fixed, {"depth.lo": "2"})
+    with pytest.raises(ConfigError, match=r"^depth\.sampler: got 'poisson'; allowed: 'fixed', 'uniform'"):
+        apply_overrides(Config(), {"depth.sampler": "poisson"})
+    d = fixed.to_dict()
+    d["depth"]["hi"] = 8  # a stored field the sampler does not read
+    with pytest.raises(ConfigError, match=r"^depth\.hi: sampler fixed does not read it"):
+        Config.from_dict(d)
+
+
+def test_gradient_is_one_value_mapping_onto_the_cursor_estimator():
+    """``train.gradient`` (kind, steps): bptt has no steps, tbptt / endpoint need steps >= 1; a new kind
+    carries steps over where it has them; the value maps 1:1 onto :class:`looplm.model.cursor.Gradient`."""
+    from looplm.model.cursor import Gradient
+
+    cfg = apply_overrides(Config(), {"train.gradient.kind": "tbptt", "train.gradient.steps": "4"})
+    assert cfg.train.gradient == TBPTTConfig(steps=4) and cfg.to_dict()["train"]["gradient"] == {"kind": "tbptt",
+                                                                                                "steps": 4}
+    assert apply_overrides(cfg, {"train.gradient.kind": "endpoint"}).train.gradient == EndpointConfig(steps=4)
+    assert apply_overrides(cfg, {"train.gradient.kind": "bptt"}).train.gradient == BPTTConfig()
+    for g in (BPTTConfig(), TBPTTConfig(steps=2), EndpointConfig(steps=3)):
+        assert Gradient(g.NAME, g.steps) == Gradient(*{"bptt": ("bptt", 0), "tbptt": ("tbptt", 2),
+                                                      "endpoint": ("endpoint", 3)}[g.NAME])
+    with pytest.raises(ConfigError, match=r"^train\.gradient\.steps: kind bptt does not read it"):
+        apply_overrides(Config(), {"train.gradient.steps": "2"})
+    with pytest.raises(ConfigError, match=r"^train\.gradient\.steps: tbptt needs b >= 1, got 0"):
+        apply_overrides(cfg, {"train.gradient.steps": "0"})
+
+
+def test_no_section_rewrites_another():
+    """The config holds what it was given: exit_weighted needs model.exit_gate stated (an error otherwise),
+    and a post-LN model's residual_depth = 0 stays 0 in the config; the model builder resolves N = K·R from the
+    depth sampler's maximum (SPEC §3), which a bare ModelConfig cannot."""
+    from looplm.model import build_model
+
+    with pytest.raises(ConfigError, match=r"^train\.supervision: exit_weighted needs model\.exit_gate=true"):
+        Config(train=TrainConfig(supervision="exit_weighted"))
+    assert Config(model=ModelConfig(exit_gate=True), train=TrainConfig(supervision="exit_weighted")).model.exit_gate
+    small = ModelConfig(rule="plain", d_model=16, n_heads=2, d_ff=32, seq_len=8, vocab_size=32, residual="deeploop")
+    cfg = Config(model=small, depth=FixedDepthConfig(depth=3))
+    assert cfg.model.residual_depth == 0
+    assert build_model(cfg).cfg.residual_alpha_beta == small.replace(residual_depth=3).residual_alpha_beta
+    with pytest.raises(ConfigError, match="model.residual_depth: must be >= 1"):
+        build_model(cfg.model)
 
 
 def test_closed_stdout_is_not_an_error():
@@ -376,14 +435,14 @@ def test_lmdr_preset_is_the_papers_recipe():
     from looplm.importers.huginn import STATE_STD
 
     cfg, ref = get_preset("lmdr"), get_preset("huginn-cpu")
-    m, t = cfg.model, cfg.train
+    m, t, p, o = cfg.model, cfg.train, cfg.depth, cfg.optim
     assert (m.rule, m.tie_embeddings, m.position_embedding, m.exit_norm) == ("parcae", False, "rope", "none")
     assert (m.n_prelude, m.n_core, m.n_coda, m.head_dim) == (1, 2, 1, 64)
     assert (m.options.state_init, m.options.state_init_std) == ("truncated_normal", STATE_STD)
-    assert (t.gradient, t.gradient_steps, t.depth_sampler) == ("tbptt", 10, "learned")
-    assert (t.depth_mean, t.depth_cap) == (5.0, 64)
-    assert (t.prior_reward, t.prior_entropy, t.prior_lr, t.prior_warmup) == ("inv_ppl", 0.01, 1e-3, 32)
+    assert t.gradient == TBPTTConfig(steps=10) and p.NAME == "learned"
+    assert (p.mean, p.cap) == (5.0, 64)
+    assert (p.reward, p.entropy, p.lr, p.warmup) == ("inv_ppl", 0.01, 1e-3, 32)
     assert m.seq_len >= 512 and m.seq_len // 2 >= 256
     assert m.seq_len * t.batch_size * t.grad_accum == ref.model.seq_len * ref.train.batch_size * ref.train.grad_accum
-    assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2, t.min_lr_ratio) == ("wsd", 0.05, 0.9, 0.98, 0.1)
+    assert (o.schedule, o.warmup_steps / t.steps, o.beta1, o.beta2, o.min_lr_ratio) == ("wsd", 0.05, 0.9, 0.98, 0.1)
     assert n_params(m) == 5_544_000  # the module docstring's 5.54M

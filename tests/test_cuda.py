@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from looplm.config import Config, ModelConfig, TrainConfig
+from looplm.config import Config, ModelConfig, OptimConfig, TrainConfig, UniformDepthConfig
 from looplm.model import build_model
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import KVCache
@@ -171,9 +171,9 @@ def test_compiled_training_equals_eager(name):
 def _train_config(steps: int = 4, distributed: str = "ddp") -> Config:
     return Config(name="cuda", model=ModelConfig(rule="scse", vocab_size=V, d_model=32, n_heads=2, d_ff=64, seq_len=16,
                                                  dropout=0.0),
-                  train=TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup_steps=1, depth_lo=1, depth_hi=4,
-                                    eval_every=2, eval_batches=1, eval_depth=3, ckpt_every=2, device=DEVICE,
-                                    distributed=distributed))
+                  depth=UniformDepthConfig(lo=1, hi=4), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+                  train=TrainConfig(steps=steps, batch_size=4, eval_every=2, eval_batches=1, eval_depth=3, ckpt_every=2,
+                                    device=DEVICE, distributed=distributed))
 
 
 def _synthetic_data():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from looplm.config import Config, ConfigError, DataConfig, FixedDepthConfig, ModelConfig, OptimConfig, TrainConfig
 from looplm.distill import (DistillConfig, StudentMismatchError, build_student, distill_loss, distilled_prefill,
                             load_student, teacher_fingerprint)
 from looplm.distill.loss import VarianceAccumulator
@@ -218,8 +218,8 @@ TEACHER_CFG = Config(
     model=ModelConfig(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, d_model=32, n_heads=2, d_ff=64,
                       seq_len=32, dropout=0.0),
     data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=512),
-    train=TrainConfig(steps=8, batch_size=4, lr=3e-3, warmup_steps=2, depth_sampler="fixed", depth=3,
-                      eval_every=0, eval_batches=2, eval_depth=3, ckpt_every=0, device="cpu"))
+    depth=FixedDepthConfig(depth=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
+    train=TrainConfig(steps=8, batch_size=4, eval_every=0, eval_batches=2, eval_depth=3, ckpt_every=0, device="cpu"))
 SMALL = dict(steps=6, batch_size=4, eval_every=3, eval_batches=2, ckpt_every=3, sigma_batches=2, lr=3e-3)
 
 

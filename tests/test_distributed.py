@@ -143,13 +143,13 @@ def test_damaged_shard_gives_checkpoint_error_naming_it(tmp_path, sharded_single
 
 
 LEARNED = ["--model.rule", "huginn_linear", "--model.n_prelude", "1", "--model.n_coda", "1",
-           "--model.options.state_init", "zeros",
-           "--train.depth_sampler", "learned", "--train.depth_cap", "6", "--train.depth_mean", "3",
-           "--train.prior_warmup", "1", "--train.prior_lr", "0.05", "--train.supervision", "exit_weighted"]
+           "--model.options.state_init", "zeros", "--model.exit_gate", "true",
+           "--depth.sampler", "learned", "--depth.cap", "6", "--depth.mean", "3",
+           "--depth.warmup", "1", "--depth.lr", "0.05", "--train.supervision", "exit_weighted"]
 
 
-@pytest.mark.parametrize("estimator", [["--train.gradient", "tbptt", "--train.gradient_steps", "2"],
-                                       ["--train.gradient", "endpoint", "--train.gradient_steps", "2"]],
+@pytest.mark.parametrize("estimator", [["--train.gradient.kind", "tbptt", "--train.gradient.steps", "2"],
+                                       ["--train.gradient.kind", "endpoint", "--train.gradient.steps", "2"]],
                          ids=["tbptt2", "endpoint2"])
 def test_learned_prior_tbptt_exit_gate_under_ddp_equals_single_process(tmp_path, estimator):
     """Every rank draws the same depths from the learned prior (its update is summed over ranks), and

@@ -248,10 +248,10 @@ def test_an_edited_config_json_is_reported_field_by_field(tmp_path, trained_run)
     assert '"lr": 0.003' in text
     (ckpt / "config.json").write_text(text.replace('"lr": 0.003', '"lr": 0.004'))  # same size
     with pytest.raises(CheckpointError, match=r"config.json: differs from manifest.json: same size.*sha256 "
-                                              r"[0-9a-f]{16}… on disk.*edited fields: train.lr 0.003 → 0.004"):
+                                              r"[0-9a-f]{16}… on disk.*edited fields: optim.lr 0.003 → 0.004"):
         load_checkpoint(run)
     (ckpt / "config.json").write_text(text.replace('"lr": 0.003', '"lr": 0.1').replace('"steps": 6', '"steps": 60'))
-    with pytest.raises(CheckpointError, match=r"bytes on disk, \d+ in the manifest.*train.lr 0.003 → 0.1, "
+    with pytest.raises(CheckpointError, match=r"bytes on disk, \d+ in the manifest.*optim.lr 0.003 → 0.1, "
                                               r"train.steps 6 → 60"):
         load_checkpoint(run)
     (ckpt / "config.json").write_text(text[:100])  # cut short: says so instead of listing fields

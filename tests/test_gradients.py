@@ -1,9 +1,9 @@
 """Gradient estimators of the unroll (SPEC §5; LMDR §3.1, appendix A.2): endpoint (Neumann-b) gradients
 against the analytic truncated Neumann series on an exactly contractive linear recurrence, against a
 hand-unrolled detach-at-the-endpoint loop of a tiny LoopLM, and against TBPTT-b at depth T + b; the
-multi-depth readouts; the config fields (``train.gradient``, ``train.gradient_steps``); the
-gradient-cosine diagnostic. (b ≥ T TBPTT = full BPTT:
-``test_objectives.py::test_tbptt_with_window_at_least_depth_equals_full_bptt``.)"""
+multi-depth readouts; the gradient-cosine diagnostic. (The config section ``train.gradient``:
+``test_config_cli.py::test_gradient_is_one_value_mapping_onto_the_cursor_estimator``; b ≥ T TBPTT = full
+BPTT: ``test_objectives.py::test_tbptt_with_window_at_least_depth_equals_full_bptt``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from looplm.config import Config, ConfigError, ModelConfig, TrainConfig, apply_overrides
+from looplm.config import Config, EndpointConfig, FixedDepthConfig, ModelConfig, TrainConfig
 from looplm.model import DepthLM, LoopContext, build_model
 from looplm.train.losses import training_loss
 from looplm.model.cursor import Gradient, Readout
@@ -188,7 +188,7 @@ def test_endpoint_multi_depth_readouts_and_depth_zero():
 def test_training_loss_with_endpoint_gradient(sup):
     x, y = batch()
     m = tiny(rule="looped")
-    tcfg = TrainConfig(gradient="endpoint", gradient_steps=2, supervision=sup, norm_penalty=0.1)
+    tcfg = TrainConfig(gradient=EndpointConfig(steps=2), supervision=sup, norm_penalty=0.1)
     res = training_loss(m, x, y, 3, tcfg)
     out = m(x, [1, 2, 5], y, readout=Readout(states=True))
     keys = [3 + 2] if sup == "terminal" else [1, 2, 5]
@@ -209,24 +209,6 @@ def test_bad_estimators_are_refused():
                                 seq_len=L))(x, 2, gradient=Gradient("endpoint", 1))
 
 
-# ------------------------------------------------------------------ config
-def test_gradient_config_fields():
-    t = TrainConfig(gradient="tbptt", gradient_steps=2)
-    # gradient=bptt alone clears b (replace and command-line overrides alike); another estimator keeps it
-    assert t.replace(gradient="endpoint").to_dict() == TrainConfig(gradient="endpoint", gradient_steps=2).to_dict()
-    assert t.replace(gradient="bptt").gradient_steps == 0
-    cfg = apply_overrides(Config(train=t), {"train.gradient": "endpoint"})
-    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("endpoint", 2)
-    cfg = apply_overrides(cfg, {"train.gradient": "bptt"})
-    assert (cfg.train.gradient, cfg.train.gradient_steps) == ("bptt", 0)
-    for kw, match in [(dict(gradient="endpoint"), r"train\.gradient_steps: .*needs b >= 1"),
-                      (dict(gradient_steps=2), r"train\.gradient_steps: full BPTT"),
-                      (dict(gradient="tbptt", gradient_steps=-1), r"train\.gradient_steps: must be an integer >= 0"),
-                      (dict(gradient="neumann", gradient_steps=1), r"train\.gradient: got 'neumann'")]:
-        with pytest.raises(ConfigError, match=match):
-            TrainConfig(**kw)
-
-
 # ------------------------------------------------------------------ the cosine diagnostic
 def test_gradient_cosines_limits_and_groups():
     """TBPTT-b with b ≥ R is full BPTT (cosine 1, norm ratio 1); every group is reported; the
@@ -245,7 +227,7 @@ def test_gradient_cosines_limits_and_groups():
 
 
 def test_train_with_endpoint_gradient_then_gradcheck_cli(tmp_path, tiny_cfg, tiny_data, capsys):
-    """``train.gradient=endpoint`` trains (exact zero keeps every parameter in the graph) and
+    """``train.gradient.kind=endpoint`` trains (exact zero keeps every parameter in the graph) and
     ``looplm gradcheck`` reports the table and writes JSON + Markdown."""
     import json
 
@@ -254,13 +236,13 @@ def test_train_with_endpoint_gradient_then_gradcheck_cli(tmp_path, tiny_cfg, tin
 
     cfg = tiny_cfg.replace(
         model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_coda=1, dropout=0.0),
-        train=tiny_cfg.train.replace(steps=2, gradient="endpoint", gradient_steps=2, depth_sampler="fixed",
-                                     depth=2, ckpt_every=2, eval_every=2))
+        depth=FixedDepthConfig(depth=2),
+        train=tiny_cfg.train.replace(steps=2, gradient=EndpointConfig(steps=2), ckpt_every=2, eval_every=2))
     run = tmp_path / "run"
     summary = train(cfg, run, progress=False, data=tiny_data)
     assert summary["val_loss"] is not None
     saved = Config.from_json((run / "config.json").read_text())
-    assert (saved.train.gradient, saved.train.gradient_steps) == ("endpoint", 2)
+    assert saved.train.gradient == EndpointConfig(steps=2)
     out = tmp_path / "g.json"
     assert main(["gradcheck", "--checkpoint", str(run), "--steps", "1,2", "--batches", "1", "--batch-size", "2",
                  "--out", str(out), "--quiet"]) == 0

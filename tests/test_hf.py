@@ -27,7 +27,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test" / "hf-datasets"))
 transformers = pytest.importorskip("transformers")
 
-from looplm.config import RULE_NAMES, Config, TrainConfig  # noqa: E402
+from looplm.config import RULE_NAMES, Config, TrainConfig, UniformDepthConfig  # noqa: E402
 from looplm.generate import generate  # noqa: E402
 from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
 from looplm.model import build_model  # noqa: E402
@@ -46,9 +46,9 @@ def pair(name: str, seed: int = 0, **train):
     """(looplm model, its HF wrapper, looplm Config) of a tiny variant in eval mode."""
     torch.manual_seed(seed)
     cfg = Config(model=tiny(**VARIANTS[name], seq_len=SEQ, init_std=0.1),
-                 train=TrainConfig(eval_depth=3, depth_lo=1, depth_hi=4, **train))
+                 depth=UniformDepthConfig(lo=1, hi=4), train=TrainConfig(eval_depth=3, **train))
     model = build_model(cfg.model).eval()
-    model.final_depth = cfg.train.nominal_depth
+    model.final_depth = cfg.depth.nominal_depth()
     return model, LoopLMForCausalLM.from_looplm(model, cfg).eval(), cfg
 
 

@@ -22,11 +22,11 @@ HIDE = ("import sys\n"
 def test_core_runs_without_transformers_and_lm_eval(tmp_path):
     from safetensors.torch import save_file
 
-    from looplm.config import Config, ModelConfig, TrainConfig
+    from looplm.config import Config, ModelConfig, TrainConfig, UniformDepthConfig
     from looplm.model import build_model
 
     cfg = Config(model=ModelConfig(vocab_size=50, d_model=16, n_heads=2, d_ff=32, seq_len=8, dropout=0.0),
-                 train=TrainConfig(eval_depth=2, depth_lo=1, depth_hi=3))
+                 depth=UniformDepthConfig(lo=1, hi=3), train=TrainConfig(eval_depth=2))
     torch.manual_seed(0)
     model = build_model(cfg.model)
     # what save_pretrained writes: prefixed keys, the tied readout dropped, the looplm config inside

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[
 transformers = pytest.importorskip("transformers")
 
 from looplm.cli import main  # noqa: E402
-from looplm.config import Config, TrainConfig  # noqa: E402
+from looplm.config import Config, TrainConfig, UniformDepthConfig  # noqa: E402
 from looplm.generate import generate  # noqa: E402
 from looplm.model import build_model  # noqa: E402
 from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
@@ -88,9 +88,9 @@ def huginn_export(folder: Path):
 
     torch.manual_seed(0)
     cfg = Config(model=tiny(**VARIANTS["huginn-0125"], seq_len=24, init_std=0.1),
-                 train=TrainConfig(eval_depth=3, depth_lo=1, depth_hi=4))
+                 depth=UniformDepthConfig(lo=1, hi=4), train=TrainConfig(eval_depth=3))
     model = build_model(cfg.model).eval()
-    model.final_depth = cfg.train.nominal_depth
+    model.final_depth = cfg.depth.nominal_depth()
     LoopLMForCausalLM.from_looplm(model, cfg).save_pretrained(folder)
     return model
 

@@ -200,7 +200,7 @@ def test_init_fields_are_validated():
 @pytest.mark.parametrize("rule", ["scse", "parcae_decay", "huginn_linear"])
 def test_config_file_without_a_field_is_an_error_naming_it(rule):
     d = Config(model=tiny(rule=rule)).to_dict()
-    for section, name in (("options", "source_init"), ("model", "embed_init_std"), ("train", "schedule")):
+    for section, name in (("options", "source_init"), ("model", "embed_init_std"), ("optim", "schedule")):
         bad = json.loads(json.dumps(d))
         (bad["model"]["options"] if section == "options" else bad[section]).pop(name)
         key = f"model.options.{name}" if section == "options" else f"{section}.{name}"

@@ -342,7 +342,7 @@ def test_loaded_checkpoint_sets_the_final_only_norm_threshold(checkpoint):
     from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, _ = load_checkpoint(checkpoint)
-    assert model.final_depth == cfg.train.nominal_depth
+    assert model.final_depth == cfg.depth.nominal_depth()
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from looplm.config import ModelConfig, TrainConfig
+from looplm.config import LearnedDepthConfig, ModelConfig, TBPTTConfig, TrainConfig
 from looplm.model import LoopLM, build_model
 from looplm.train.losses import exit_distribution, training_loss
 from looplm.train.trainer import train
@@ -153,12 +153,13 @@ def _trace(run_dir):
 
 @pytest.mark.parametrize("lmdr", [False, True])  # True: inv_ppl with the advantage scale s, wsd, 2 microbatches
 def test_resume_is_exact_with_learned_prior_huginn_and_tbptt(tmp_path, tiny_cfg, tiny_data, lmdr):
-    extra = dict(prior_reward="inv_ppl", prior_scale=True, prior_scale_window=2, schedule="wsd", grad_accum=2,
-                 batch_size=2) if lmdr else {}
+    lmdr_prior = dict(reward="inv_ppl", scale=True, scale_window=2) if lmdr else {}
+    lmdr_train = dict(grad_accum=2, batch_size=2) if lmdr else {}
     cfg = tiny_cfg.replace(
         model=tiny_cfg.model.replace(rule="huginn_linear", n_prelude=1, n_core=1, n_coda=1, dropout=0.0),
-        train=tiny_cfg.train.replace(depth_sampler="learned", depth_cap=6, depth_mean=3.0, prior_warmup=1,
-                                     prior_lr=0.05, gradient="tbptt", gradient_steps=2, **extra))
+        depth=LearnedDepthConfig(cap=6, mean=3.0, warmup=1, lr=0.05, **lmdr_prior),
+        optim=tiny_cfg.optim.replace(schedule="wsd") if lmdr else tiny_cfg.optim,
+        train=tiny_cfg.train.replace(gradient=TBPTTConfig(steps=2), **lmdr_train))
     full = tmp_path / "full"
     train(cfg, full, progress=False, data=tiny_data)
     part = tmp_path / "part"

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from looplm.config import Config, ConfigError, ModelConfig, TrainConfig
+from looplm.config import Config, ConfigError, FixedDepthConfig, ModelConfig, PLNDepthConfig, UniformDepthConfig
 from looplm.model import build_model
 from looplm.model.cursor import Readout
 
@@ -45,12 +45,15 @@ def test_explicit_exponent_and_pre_ln():
 
 
 def test_residual_depth_follows_the_training_sampler():
-    for train, R in [(TrainConfig(depth_sampler="fixed", depth=3), 3), (TrainConfig(depth_sampler="uniform", depth_hi=6), 6),
-                     (TrainConfig(depth_sampler="pln", depth_cap=32), 32)]:
-        c = Config(model=cfg(residual="deeploop"), train=train)
-        assert c.model.residual_depth == R
-        assert Config.from_json(c.to_json()).model == c.model  # stored in config.json
-    assert Config(model=cfg(residual="deeploop", residual_depth=7)).model.residual_depth == 7
+    """residual_depth = 0: the model builder takes R of N = K·R from the depth sampler's maximum; the config
+    keeps 0 (no section rewrites another); an explicit R wins."""
+    from looplm.model import build_model
+
+    for depth, R in [(FixedDepthConfig(depth=3), 3), (UniformDepthConfig(hi=6), 6), (PLNDepthConfig(cap=32), 32)]:
+        c = Config(model=cfg(residual="deeploop"), depth=depth)
+        assert c.model.residual_depth == 0 and build_model(c).cfg.residual_depth == R
+    c = Config(model=cfg(residual="deeploop", residual_depth=7))
+    assert build_model(c).cfg.residual_depth == 7
 
 
 def test_initialized_standard_deviations():

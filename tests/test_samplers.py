@@ -3,13 +3,12 @@
 import copy
 import io
 import math
-import typing
 
 import numpy as np
 import pytest
 import torch
 
-from looplm.config import ConfigError, SamplerName, TrainConfig
+from looplm.config import DEPTH_SAMPLERS, Config, ConfigError, LearnedDepthConfig, apply_overrides
 from looplm.train.samplers import (REWARDS, SAMPLERS, FixedDepth, LearnedDepthPrior, PoissonLogNormalDepth,
                                    UniformDepth, build_sampler)
 
@@ -57,10 +56,10 @@ def test_pln_draws_are_a_function_of_seed_step_micro(pln):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(mean=1.0, sigma=0.5, cap=64), "train.depth_mean"),
-    (dict(mean=64.0, sigma=0.5, cap=64), "train.depth_mean"),
-    (dict(mean=5.0, sigma=0.0, cap=64), "train.pln_sigma"),
-    (dict(mean=1.5, sigma=0.5, cap=1), "train.depth_cap"),
+    (dict(mean=1.0, sigma=0.5, cap=64), "depth.mean"),
+    (dict(mean=64.0, sigma=0.5, cap=64), "depth.mean"),
+    (dict(mean=5.0, sigma=0.0, cap=64), "depth.sigma"),
+    (dict(mean=1.5, sigma=0.5, cap=1), "depth.cap"),
 ])
 def test_pln_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -71,11 +70,11 @@ def test_pln_bad_arguments_name_the_field(kwargs, field):
 
 
 def test_registry_matches_config_and_builds_every_sampler():
-    assert set(SAMPLERS) == set(typing.get_args(SamplerName))
+    assert list(SAMPLERS) == list(DEPTH_SAMPLERS)
     expected = {"fixed": (FixedDepth, 8), "uniform": (UniformDepth, 8), "pln": (PoissonLogNormalDepth, CAP),
                 "learned": (LearnedDepthPrior, CAP)}
     for name, (cls, max_depth) in expected.items():
-        s = build_sampler(TrainConfig(depth_sampler=name))
+        s = build_sampler(DEPTH_SAMPLERS[name]())
         assert type(s) is cls and s.name == name and s.max_depth == max_depth
         assert 1 <= s.sample(0, 0) <= max_depth
     fixed = FixedDepth(3)  # the trainer calls the learning hooks on any sampler
@@ -239,15 +238,15 @@ def test_advantage_scale_resumes_exactly():
     # exact: same updates
     assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
     old = a.state_dict()
-    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before prior_scale
+    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before depth.scale
     c = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
     c.load_state_dict(old)
     assert c.advantage_scale == 1.0
-    t = TrainConfig(depth_sampler="learned", prior_reward="inv_ppl", prior_scale=True, prior_scale_window=4)
+    t = LearnedDepthConfig(reward="inv_ppl", scale=True, scale_window=4)
     built = build_sampler(t)
     assert built.scale and built.scale_window == 4 and built.reward == "inv_ppl"
-    with pytest.raises(ConfigError, match="train.prior_scale_window: must be >= 1"):
-        TrainConfig(prior_scale_window=0)
+    with pytest.raises(ConfigError, match="depth.scale_window: must be >= 1"):
+        LearnedDepthConfig(scale_window=0)
 
 
 def test_state_dict_round_trip_resumes_exactly():
@@ -267,7 +266,7 @@ def test_state_dict_round_trip_resumes_exactly():
     assert draws_a == draws_b
     assert torch.equal(a.logits.detach(), b.logits.detach()) and a.baseline == b.baseline  # exact: same updates
     assert a.updates == b.updates == 40
-    with pytest.raises(ValueError, match="train.depth_cap"):
+    with pytest.raises(ValueError, match="depth.cap"):
         LearnedDepthPrior(5.0, 0.5, 32).load_state_dict(a.state_dict())
 
 
@@ -289,9 +288,9 @@ def test_reduce_hook_two_identical_ranks_equals_single_process():
 
 
 def test_learned_prior_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="train.prior_reward"):
+    with pytest.raises(ValueError, match="depth.reward"):
         LearnedDepthPrior(5.0, 0.5, CAP, reward="bogus")
-    with pytest.raises(ValueError, match="train.depth_mean"):
+    with pytest.raises(ValueError, match="depth.mean"):
         LearnedDepthPrior(70.0, 0.5, CAP)
     with pytest.raises(ValueError, match="learned prior: depth"):
         LearnedDepthPrior(5.0, 0.5, CAP).observe(65, 3.0, 10)
@@ -300,15 +299,15 @@ def test_learned_prior_bad_arguments_name_the_field():
 @pytest.mark.parametrize("cap,mean", [(64, 32.5), (10, 5.5)])
 def test_uniform_control_prior_init(cap, mean):
     """LMDR App. B.3's uniform controls: U_{1:64} starts with mean 32.50, U_{1:10} with 5.50 (the paper's
-    numbers); prior_init = cap ones through the config path. Exact up to float64 rounding of a 64-term sum."""
-    cfg = TrainConfig(depth_sampler="learned", depth_mean=5.0, depth_cap=cap, prior_init=["1"] * cap)
-    prior = build_sampler(cfg)
+    numbers); depth.init = cap ones through the config path. Exact up to float64 rounding of a 64-term sum."""
+    cfg = apply_overrides(Config(), {"depth.sampler": "learned", "depth.cap": str(cap), "depth.init": ",".join(["1"] * cap)})
+    prior = build_sampler(cfg.depth)
     np.testing.assert_allclose(prior.probs(), np.full(cap, 1.0 / cap), rtol=1e-12)
     assert prior.mean_depth() == pytest.approx(mean, rel=1e-12)
 
 
 def test_prior_init_weights_normalized_and_frozen_through_warmup():
-    """prior_init weights w give p = w / Σw; with prior_warmup >= the updates (the frozen-prior ablation) the
+    """depth.init weights w give p = w / Σw; with depth.warmup >= the updates (the frozen-prior ablation) the
     logits never move. Same float64 computation on both sides up to the softmax's rounding."""
     w = np.arange(1.0, CAP + 1.0)
     prior = LearnedDepthPrior(5.0, 0.5, CAP, init=list(w), warmup=3, lr=1.0)
@@ -321,9 +320,9 @@ def test_prior_init_weights_normalized_and_frozen_through_warmup():
 
 
 def test_prior_init_errors():
-    with pytest.raises(ConfigError, match=r"train\.prior_init: needs depth_cap=8 weights, got 3"):
-        TrainConfig(depth_sampler="learned", depth_mean=5.0, depth_cap=8, prior_init=[1, 1, 1])
-    with pytest.raises(ConfigError, match=r"train\.prior_init: weights must be finite numbers > 0"):
-        TrainConfig(depth_sampler="learned", depth_mean=2.0, depth_cap=3, prior_init=[1, 0, 1])
-    with pytest.raises(ConfigError, match=r"train\.prior_init: read only by depth_sampler=learned"):
-        TrainConfig(depth_sampler="pln", depth_mean=2.0, depth_cap=3, prior_init=[1, 1, 1])
+    with pytest.raises(ConfigError, match=r"depth\.init: needs depth\.cap=8 weights, got 3"):
+        LearnedDepthConfig(mean=5.0, cap=8, init=[1, 1, 1])
+    with pytest.raises(ConfigError, match=r"depth\.init: weights must be finite numbers > 0"):
+        LearnedDepthConfig(mean=2.0, cap=3, init=[1, 0, 1])
+    with pytest.raises(ConfigError, match=r"depth\.init: sampler pln does not read it \(a field of learned\)"):
+        apply_overrides(Config(), {"depth.sampler": "pln", "depth.init": "1,1,1"})

@@ -252,7 +252,7 @@ def test_cli_diagnose_reports_scale_alignment_and_convergence(trained_run, tiny_
                "--steps", "0,5", "--batches", "1", "--batch-size", "2", "--convergence-tau", "0.05", "--quiet"])
     assert rc == 0
     data = json.loads(out.read_text())
-    K = tiny_cfg.train.max_depth  # the default loop count: the training depth
+    K = tiny_cfg.depth.max_depth()  # the default loop count: the training depth
     sc, va, cv = data["scale"], data["visit_alignment"], data["convergence"]
     assert sc["K"] == K and [r["k"] for r in sc["loops"]] == list(range(K + 1))
     for r in sc["loops"]:

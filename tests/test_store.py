@@ -25,7 +25,7 @@ def test_config_hash_ignores_name_seed_and_device_but_not_the_model():
     assert config_hash(base.replace(train=base.train.replace(seed=7, device="cuda", ckpt_every=3))) == h
     assert config_hash(base.to_dict()) == h  # a Config and its dict hash alike
     assert config_hash(base.replace(model=base.model.replace(rule="looped"))) != h
-    assert config_hash(base.replace(train=base.train.replace(lr=1e-3))) != h
+    assert config_hash(base.replace(optim=base.optim.replace(lr=1e-3))) != h
     assert "seed" not in config_identity(base)["train"] and "name" not in config_identity(base)
     assert protocol_hash("ppl", {"max_tokens": 10}) != protocol_hash("ppl", {"max_tokens": 20})
     assert protocol_hash("ppl", {"a": 1, "b": 2}) == protocol_hash("ppl", {"b": 2, "a": 1})
@@ -72,7 +72,7 @@ def test_put_replaces_and_never_double_counts(tmp_path):
 def test_runs_roundtrip(tmp_path):
     cfg = Config()
     rec = RunRecord(sweep="s", run_id="looped-s0", variant="looped", seed=0, config=cfg.to_dict(), run_dir="/x",
-                    variant_order=1, grid={"train.lr": 0.001}, params=123,
+                    variant_order=1, grid={"optim.lr": 0.001}, params=123,
                     flops={8: {"body": 1, "body_head": 2}}, weights_sha256="ab", summary={"val_ppl": 3.0})
     with ResultStore(tmp_path / "r.db") as store:
         store.put_run(rec)
@@ -119,35 +119,30 @@ def test_two_processes_write_overlapping_identities(tmp_path):
         assert by_depth[0] == {0.0} and by_depth[2 * N_IDS - OVERLAP - 1] == {1.0}
 
 
-def test_fields_added_later_keep_older_configs_hash():
-    """A config identity from before issue 14's architecture fields existed hashes as today's config
-    with them at their older-model values, so its stored evaluations stay found; setting one of them
-    to another value changes the identity."""
-    from looplm.analysis.store import LATE_IDENTITY_FIELDS, config_hash
-    from looplm.config import Config, ModelConfig
+def test_identity_resolves_the_post_ln_residual_depth():
+    """A post-LN model with residual_depth = 0 is the model with R = the depth sampler's maximum (as
+    build_model resolves it), so both spellings share one identity; another R is another model."""
+    from looplm.config import FixedDepthConfig, ModelConfig
 
-    for cfg in (Config(model=ModelConfig(rule="huginn_linear")), Config(model=ModelConfig(rule="adapter"))):
-        old = cfg.to_dict()
-        for section, where in (("model", old["model"]), ("options", old["model"]["options"]), ("train", old["train"])):
-            for name in LATE_IDENTITY_FIELDS[section]:
-                where.pop(name, None)  # each rule has some of the options
-        assert config_hash(old) == config_hash(cfg)
-    rope = Config(model=ModelConfig(rule="huginn_linear", position_embedding="rope"))
-    assert config_hash(rope) != config_hash(cfg)
+    def cfg(R):
+        return Config(model=ModelConfig(rule="plain", residual="deeploop", residual_depth=R), depth=FixedDepthConfig(depth=3))
+
+    assert config_hash(cfg(0)) == config_hash(cfg(3)) != config_hash(cfg(4))
 
 
 def test_rehash_rekeys_rows_stored_under_an_older_identity_rule(tmp_path):
-    """Rows written while issue 14's fields were part of the identity (their identity JSON holds them
-    at the older-model values) are re-keyed to today's hash, with their run records; a row already stored
+    """Rows written under an older identity rule (a post-LN residual_depth of 0 not yet resolved) are re-keyed to today's hash, with their run records; a row already stored
     under the new hash wins; a second rehash changes nothing."""
     import json
 
     from looplm.analysis.store import _canonical, _sha256
 
-    cfg = Config()
+    from looplm.config import FixedDepthConfig, ModelConfig
+
+    cfg = Config(model=ModelConfig(rule="plain", residual="deeploop"), depth=FixedDepthConfig(depth=3))
     ident = config_identity(cfg)
     with_fields = json.loads(json.dumps(ident))
-    with_fields["model"]["qk_bias"] = False  # as the identity held it before LATE_IDENTITY_FIELDS
+    with_fields["model"]["residual_depth"] = 0  # as the identity held it before R was resolved there
     old_hash, new_hash = _sha256(_canonical(with_fields)), config_hash(cfg)
     assert old_hash != new_hash
     with ResultStore(tmp_path / "r.db") as store:

@@ -80,14 +80,14 @@ def hooks(monkeypatch):
 
 
 def test_sweep_file_grid_and_ids(tmp_path, tiny_cfg):
-    sweep = load_sweep(_write_sweep(tmp_path, tiny_cfg, TOML + '\n[grid]\n"train.lr" = [1e-3, 2e-3]\n'))
+    sweep = load_sweep(_write_sweep(tmp_path, tiny_cfg, TOML + '\n[grid]\n"optim.lr" = [1e-3, 2e-3]\n'))
     runs = sweep.runs()
-    assert [r.run_id for r in runs][:4] == ["looped-train.lr=0.001-s0", "scse-train.lr=0.001-s0",
-                                            "looped-train.lr=0.002-s0", "scse-train.lr=0.002-s0"]
+    assert [r.run_id for r in runs][:4] == ["looped-optim.lr=0.001-s0", "scse-optim.lr=0.001-s0",
+                                            "looped-optim.lr=0.002-s0", "scse-optim.lr=0.002-s0"]
     assert len(runs) == 8 and sweep.baseline == "looped"
     r = runs[-1]
-    assert (r.config.model.rule, r.config.train.lr, r.config.train.seed, r.config.name) == (
-        "scse", 2e-3, 1, "scse-train.lr=0.002-s1")
+    assert (r.config.model.rule, r.config.optim.lr, r.config.train.seed, r.config.name) == (
+        "scse", 2e-3, 1, "scse-optim.lr=0.002-s1")
     assert r.config.model.d_model == tiny_cfg.model.d_model
     assert sweep.eval.depths == (1, 2, 4) and sweep.eval.lambada == {"max_examples": 4}
 
@@ -141,7 +141,7 @@ film = {model = {rule = "step_film", options = {sigma = 0.3}}}
     ({"variants": {"a": {}}, "eval": {"depths": [1, "x"]}}, r"eval\.depths: expected a non-empty list"),
     ({"variants": {"a": {}}, "seeds": []}, r"seeds: expected a non-empty list of integers"),
     ({"variants": {"a": {}}, "baseline": "b"}, r"baseline: unknown variant 'b'; known: a"),
-    ({"variants": {"a": {"train.lr": 1.0}}, "grid": {"train.lr": [1, 2]}}, r"grid\.train\.lr: also set by"),
+    ({"variants": {"a": {"optim.lr": 1.0}}, "grid": {"optim.lr": [1, 2]}}, r"grid\.optim\.lr: also set by"),
     ({"variants": {"a": {}}, "eval": {"lambada": "yes"}}, r"eval\.lambada: expected true, false or a table"),
 ])
 def test_sweep_file_errors_name_the_key(doc, match):
@@ -248,8 +248,8 @@ def test_end_to_end_sweep_skips_and_resumes(tmp_path, tiny_cfg, hooks, capsys):
     assert again == stored
 
     # a changed sweep file does not silently mix configs into existing run directories
-    changed = _write_sweep(tmp_path, tiny_cfg.replace(train=tiny_cfg.train.replace(lr=1e-2)))
-    with pytest.raises(SweepError, match=r"looped-s0: holds a run with a different config \(train.lr"):
+    changed = _write_sweep(tmp_path, tiny_cfg.replace(optim=tiny_cfg.optim.replace(lr=1e-2)))
+    with pytest.raises(SweepError, match=r"looped-s0: holds a run with a different config \(optim.lr"):
         run_sweep(changed, out, progress=False, data=cache)
 
 
@@ -416,7 +416,7 @@ config = "task.json"
 
 [variants]
 looped = {}
-unshared = {"model.architecture" = "unshared", "model.n_layers" = 2, "train.depth_sampler" = "fixed", "train.depth" = 2}
+unshared = {"model.architecture" = "unshared", "model.n_layers" = 2, "depth.sampler" = "fixed", "depth.depth" = 2}
 
 [eval]
 depths = [1, 2, 3]
@@ -428,14 +428,15 @@ tasks = {ks = [1, 2, 4], max_examples = 6}
 def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
     """``eval.tasks``: two shards of a task sweep fill one DB with one row set per (k, T), equal to what
     ``evaluate_task_checkpoint`` (``looplm eval tasks``) computes; no ppl rows; a re-run skips everything."""
-    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+    from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, UniformDepthConfig
     from looplm.eval.tasks import evaluate_task_checkpoint
 
     cfg = Config(name="task", model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12,
                                                  dropout=0.0, position_embedding="rope"),
                  data=DataConfig(dataset="task", task="modsum", task_k=2, task_heldout=8),
-                 train=TrainConfig(steps=4, batch_size=8, lr=3e-3, warmup_steps=1, depth_lo=1, depth_hi=2,
-                                   eval_every=2, eval_batches=1, eval_depth=2, ckpt_every=2, device="cpu"))
+                 depth=UniformDepthConfig(lo=1, hi=2), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+                 train=TrainConfig(steps=4, batch_size=8, eval_every=2, eval_batches=1, eval_depth=2, ckpt_every=2,
+                                   device="cpu"))
     (tmp_path / "task.json").write_text(cfg.to_json())
     path = tmp_path / "tasks.toml"
     path.write_text(TASK_TOML)

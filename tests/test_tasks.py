@@ -10,7 +10,8 @@ from typing import get_args
 import pytest
 import torch
 
-from looplm.config import Config, ConfigError, DataConfig, ModelConfig, TaskName, TrainConfig
+from looplm.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TaskName, TrainConfig,
+                           UniformDepthConfig)
 from looplm.model import build_model
 from looplm.tasks import TASKS, encode, get_task
 from looplm.tasks.data import accuracy_by_depth, heldout, rng_for, rows, task_data, train_instances
@@ -187,8 +188,9 @@ def _task_run_cfg() -> Config:
                   model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.1,
                                     position_embedding="rope"),
                   data=DataConfig(dataset="task", task="modsum", task_k=3, task_heldout=16),
-                  train=TrainConfig(steps=6, batch_size=8, lr=3e-3, warmup_steps=2, depth_lo=1, depth_hi=3,
-                                    eval_every=3, eval_batches=1, eval_depth=3, ckpt_every=2, device="cpu"))
+                  depth=UniformDepthConfig(lo=1, hi=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
+                  train=TrainConfig(steps=6, batch_size=8, eval_every=3, eval_batches=1, eval_depth=3, ckpt_every=2,
+                                    device="cpu"))
 
 
 def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):

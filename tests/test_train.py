@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from looplm.config import ConfigError, TrainConfig
+from looplm.config import ConfigError, FixedDepthConfig, OptimConfig, TrainConfig
 from looplm.model import build_model
 from looplm.run.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                    newest_valid_checkpoint, save_checkpoint)
@@ -66,7 +66,7 @@ def test_resume_refuses_an_optimizer_state_from_another_model(tiny_cfg):
     from looplm.run.dist import DistEnv, full_state, load_optimizer_state
 
     model = build_model(tiny_cfg.model)
-    opt = build_optimizer(model, tiny_cfg.train)
+    opt = build_optimizer(model, tiny_cfg.optim)
     saved = full_state(model, opt, "ddp", DistEnv())[1]
     for group in saved["param_groups"]:
         group["params"] = [n for n in group["params"] if n != "norm_f.weight"]
@@ -121,50 +121,49 @@ def test_uniform_sampler_is_a_function_of_seed_and_step():
     assert counts.min() > 400 and counts.max() < 600  # 500 expected per depth
     assert abs(sum(draws) / len(draws) - 4.5) < 0.1
     assert FixedDepth(5).sample(3, 7) == 5
-    assert build_sampler(TrainConfig(depth_sampler="fixed", depth=3)).sample(0, 0) == 3
+    assert build_sampler(FixedDepthConfig(depth=3)).sample(0, 0) == 3
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_factor(0, cfg) == pytest.approx(0.1)
-    assert lr_factor(9, cfg) == pytest.approx(1.0)
-    assert lr_factor(10, cfg) == pytest.approx(1.0)
-    assert lr_factor(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    cfg = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(10, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(55, cfg, 100) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
 
 
 def test_lr_schedule_wsd_by_hand():
     """Warm-up–stable–decay (LMDR §5.1): 5 warm-up steps of 100, flat, cosine to 0.1 over the last 10."""
-    cfg = TrainConfig(steps=100, warmup_steps=5, min_lr_ratio=0.1, schedule="wsd")
+    cfg = OptimConfig(warmup_steps=5, min_lr_ratio=0.1, schedule="wsd")
     want = {0: 0.2, 4: 1.0, 5: 1.0, 50: 1.0, 89: 1.0, 90: 1.0, 95: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)),
             99: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)), 100: 0.1, 120: 0.1}
     for step, f in want.items():
-        assert lr_factor(step, cfg) == pytest.approx(f, abs=1e-15), step
+        assert lr_factor(step, cfg, 100) == pytest.approx(f, abs=1e-15), step
     # decay longer than what the warm-up leaves: the decay starts at the end of the warm-up
-    short = TrainConfig(steps=10, warmup_steps=9, min_lr_ratio=0.1, schedule="wsd")
-    assert lr_factor(9, short) == pytest.approx(1.0) and lr_factor(10, short) == pytest.approx(0.1)
-    with pytest.raises(ConfigError, match=r"train.schedule: got 'linear'; allowed: 'cosine', 'wsd'"):
-        TrainConfig(schedule="linear")
+    short = OptimConfig(warmup_steps=9, min_lr_ratio=0.1, schedule="wsd")
+    assert lr_factor(9, short, 10) == pytest.approx(1.0) and lr_factor(10, short, 10) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match=r"optim.schedule: got 'linear'; allowed: 'cosine', 'wsd'"):
+        OptimConfig(schedule="linear")
 
 
 def test_huginn_cpu_preset_has_lmdr_optimization():
     """LMDR §5.1 / App. B.3 in the Huginn-family presets (huginn-cpu, lmdr); every other preset keeps
-    cosine, (0.9, 0.95), neg_ce."""
+    cosine, (0.9, 0.95); lmdr's learned prior has the inverse-perplexity reward with the advantage scale."""
     from looplm.presets import PRESETS
 
     for name in ("huginn-cpu", "lmdr"):
-        t = PRESETS[name].train
-        assert (t.schedule, t.warmup_steps / t.steps, t.beta1, t.beta2) == ("wsd", 0.05, 0.9, 0.98), name
-        assert (t.prior_reward, t.prior_scale) == ("inv_ppl", True), name
+        o, steps = PRESETS[name].optim, PRESETS[name].train.steps
+        assert (o.schedule, o.warmup_steps / steps, o.beta1, o.beta2) == ("wsd", 0.05, 0.9, 0.98), name
+    assert (PRESETS["lmdr"].depth.reward, PRESETS["lmdr"].depth.scale) == ("inv_ppl", True)
     for name, cfg in PRESETS.items():
         if name not in ("huginn-cpu", "lmdr"):
-            assert (cfg.train.schedule, cfg.train.beta2, cfg.train.prior_reward, cfg.train.prior_scale) == \
-                ("cosine", 0.95, "neg_ce", False), name
+            assert (cfg.optim.schedule, cfg.optim.beta2) == ("cosine", 0.95), name
 
 
 def test_weight_decay_on_matrices_only(tiny_cfg):
     model = build_model(tiny_cfg.model.replace(vocab_size=64, rule="adapter"))
-    opt = build_optimizer(model, TrainConfig())
+    opt = build_optimizer(model, OptimConfig())
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
@@ -221,9 +220,9 @@ def test_resume_with_more_steps_trains_a_finished_run_on(tmp_path, tiny_cfg, tin
     after = _trace(run)
     assert after[:6] == before and [r["step"] for r in after] == list(range(1, 11))
     assert summary["steps"] == summary["completed_steps"] == 10
-    new = tiny_cfg.train.replace(steps=10)  # the schedule follows the new total from step 6 on
+    # the schedule follows the new total (10) from step 6 on
     for r in after[6:]:
-        assert r["lr"] == pytest.approx(tiny_cfg.train.lr * lr_factor(r["step"] - 1, new), rel=1e-12)
+        assert r["lr"] == pytest.approx(tiny_cfg.optim.lr * lr_factor(r["step"] - 1, tiny_cfg.optim, 10), rel=1e-12)
     assert load_checkpoint(run)[1].train.steps == 10
 
 
@@ -259,7 +258,7 @@ def test_init_from_starts_from_the_source_weights_with_a_fresh_optimizer(tmp_pat
     for k, v in want.items():  # a copy of the same tensors: exact
         assert torch.equal(seen[0][k], v), k
     trace = _trace(tmp_path / "ft")
-    assert trace[0]["lr"] == pytest.approx(tiny_cfg.train.lr * lr_factor(0, tiny_cfg.train), rel=1e-12)  # fresh
+    assert trace[0]["lr"] == pytest.approx(tiny_cfg.optim.lr * lr_factor(0, tiny_cfg.optim, tiny_cfg.train.steps), rel=1e-12)  # fresh
     assert load_checkpoint(tmp_path / "ft")[1].model == load_checkpoint(src)[1].model
     with pytest.raises(ValueError, match="--init-from .* not with --resume"):
         train(tiny_cfg, tmp_path / "ft", progress=False, data=tiny_data, resume=True, init_from=src)

@@ -8,7 +8,7 @@ HERE=$(cd "$(dirname "$0")" && pwd); OUT=$HERE/probe-$TASK; RUN=${RUN_DIR:-$HERE
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT"
 nice -n 10 looplm train --quiet --preset "task-$TASK" --out "$RUN" --train.steps "$STEPS" --train.eval_every 50 \
-  --train.warmup_steps 50 --train.ckpt_every 100 --train.num_threads 1
+  --optim.warmup_steps 50 --train.ckpt_every 100 --train.num_threads 1
 nice -n 10 looplm eval tasks --quiet --checkpoint "$RUN" --out "$OUT/acc.json" > /dev/null
 python - "$RUN/metrics.jsonl" "$RUN/summary.json" "$OUT/curve.json" <<'PY'
 import json, sys

@@ -27,8 +27,8 @@ BASELINE = "looped"
 
 def train_depth(config: dict) -> int:
     """The depth a model was trained at: its fixed depth, or the top of its uniform range."""
-    t = config["train"]
-    return t["depth"] if t["depth_sampler"] == "fixed" else t["depth_hi"]
+    d = config["depth"]
+    return d["depth"] if d["sampler"] == "fixed" else d["hi"]
 
 
 def per_seed(by_seed: dict) -> str:

@@ -19,8 +19,9 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit(__doc__)
     model, cfg, _, ckpt = load_checkpoint(argv[0])
-    out = write_huginn_folder(model, load_tokenizer_for(ckpt).to_str(), Path(argv[1]), depth=cfg.train.nominal_depth)
-    print(f"wrote {out} (mean_recurrence {cfg.train.nominal_depth})")
+    depth = cfg.depth.nominal_depth()
+    out = write_huginn_folder(model, load_tokenizer_for(ckpt).to_str(), Path(argv[1]), depth=depth)
+    print(f"wrote {out} (mean_recurrence {depth})")
 
 
 if __name__ == "__main__":

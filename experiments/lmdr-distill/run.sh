@@ -17,11 +17,12 @@ EXP=experiments/lmdr-distill
 RUNS=$EXP/runs            # not committed (experiments/*/runs/ is ignored)
 RES=$EXP/results
 mkdir -p $RES
-COMMON=(--preset huginn-cpu --quiet --train.steps 1000 --train.warmup_steps 50 --train.eval_every 100
+COMMON=(--preset huginn-cpu --quiet --train.steps 1000 --optim.warmup_steps 50 --train.eval_every 100
         --train.ckpt_every 100 --train.num_threads 1)
 declare -A TEACHER=(
-  [learned]="--train.depth_sampler learned --train.depth_mean 5.0 --train.depth_cap 64 --train.tbptt 2"
-  [fixed5]="--train.depth_sampler fixed --train.depth 5 --train.tbptt 0")
+  [learned]="--depth.sampler learned --depth.mean 5.0 --depth.cap 64 --depth.reward inv_ppl --depth.scale true
+             --depth.scale_window 8 --train.gradient.kind tbptt --train.gradient.steps 2"
+  [fixed5]="--depth.sampler fixed --depth.depth 5 --train.gradient.kind bptt")
 for t in learned fixed5; do
   [ -f $RUNS/$t/summary.json ] || looplm train --out $RUNS/$t --name $t "${COMMON[@]}" ${TEACHER[$t]}
   cp $RUNS/$t/summary.json $RES/train_$t.json

@@ -9,10 +9,10 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 EXP=experiments/lmdr-endpoint
 RUNS=$EXP/runs            # not committed (experiments/*/runs/ is ignored)
-COMMON=(--preset huginn-cpu --quiet --train.depth_sampler fixed --train.depth 5 --train.num_threads 1
+COMMON=(--preset huginn-cpu --quiet --depth.sampler fixed --depth.depth 5 --train.num_threads 1
         --train.steps 300 --train.ckpt_every 100 --train.eval_every 100 --train.eval_depth 5)
-declare -A EST=([bptt]="--train.gradient bptt" [tbptt2]="--train.gradient tbptt --train.gradient_steps 2"
-                [endpoint2]="--train.gradient endpoint --train.gradient_steps 2")
+declare -A EST=([bptt]="--train.gradient.kind bptt" [tbptt2]="--train.gradient.kind tbptt --train.gradient.steps 2"
+                [endpoint2]="--train.gradient.kind endpoint --train.gradient.steps 2")
 mkdir -p $EXP/results
 for v in bptt tbptt2 endpoint2; do
   [ -f $RUNS/$v/summary.json ] || looplm train --out $RUNS/$v --name $v "${COMMON[@]}" ${EST[$v]}

@@ -4,8 +4,8 @@ distribution, frozen from the first update), from the finished `learned` runs of
 Reads each runs/learned-s<seed>/ newest checkpoint's depth-prior logits (train_state.pt, loaded as data),
 keeps every seed's final p in prior_final.json (committed: the run folders are not), and writes frozen.toml,
 sweep.toml's base and evaluation with one variant:
-the `learned` variant with train.prior_init = the mean over seeds of the final p (our choice: one
-distribution for all seeds; the paper trains one seed) and train.prior_warmup = train.steps, so the
+the `learned` variant with depth.init = the mean over seeds of the final p (our choice: one
+distribution for all seeds; the paper trains one seed) and depth.warmup = train.steps, so the
 logits never move (the sampler's warm-up only collects its baseline; App. B.3 "the fixed arm freezes the
 logits in the same sampler").
 
@@ -45,10 +45,10 @@ def main() -> None:
     src = (EXP / "sweep.toml").read_text()
     base = src.split("\n[base]\n", 1)[1].split("\n[variants]\n", 1)[0]  # the same base and evaluation
     text = (f"# Written by frozen_prior.py from prior_final.json (the mean over seeds of the `learned` runs' final\n"
-            f"# prior): LMDR's frozen-prior ablation; prior_warmup = steps keeps the logits fixed.\n"
+            f"# prior): LMDR's frozen-prior ablation; depth.warmup = steps keeps the logits fixed.\n"
             f"# Run: looplm sweep experiments/lmdr-recipe/frozen.toml --out experiments/lmdr-recipe/frozen\n"
             f'name = "lmdr-recipe-frozen"\nseeds = {list(sweep.seeds)}\n\n[base]\n{base}\n[variants]\n'
-            f'frozen_final = {{{fields}, "train.prior_warmup" = {steps}, "train.prior_init" = [{weights}]}}\n\n'
+            f'frozen_final = {{{fields}, "depth.warmup" = {steps}, "depth.init" = [{weights}]}}\n\n'
             "[eval]\n" + src.split("\n[eval]\n", 1)[1])
     (EXP / "frozen.toml").write_text(text)
     print(f"frozen.toml: prior mean {float(mean @ torch.arange(1, len(mean) + 1, dtype=torch.float64)):.3f} "

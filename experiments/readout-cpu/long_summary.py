@@ -27,7 +27,7 @@ from looplm.analysis.claims import (curves_by_variant, curves_table, depth_use_c
 
 EXP = Path(__file__).parent / "long"
 SWEEP = "readout-long"
-WD0 = Path(__file__).parent / "wd0"  # wd0.toml: the two RMSNorm variants, seed 0, train.weight_decay = 0
+WD0 = Path(__file__).parent / "wd0"  # wd0.toml: the two RMSNorm variants, seed 0, optim.weight_decay = 0
 ORDER = ["terminal-rmsnorm", "terminal-raw", "per_loop-rmsnorm", "per_loop-raw", "per_loop-rmsnorm-penalty",
          "per_loop-final_only_norm"]
 K = 4

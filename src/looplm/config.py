@@ -7,7 +7,12 @@ naming the field and what is allowed. Field help texts (``metadata["help"]``) be
 
 The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
 subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
-``--model.options.FIELD VALUE``. A config file (``config.json``, format 2) gives every field.
+``--model.options.FIELD VALUE``. The same pattern holds the depth sampler (section ``depth``, one class per
+``depth.sampler``, :data:`DEPTH_SAMPLERS`) and the gradient estimator (``train.gradient``, one class per
+``train.gradient.kind``): changing the variant carries the same-named fields over, and a field the variant
+does not read is an error. ``optim`` (the optimizer) is shared with distillation. No section rewrites
+another: values derived across sections (N = K·R of the post-LN family) are resolved where they are used.
+A config file (``config.json``, format 3) gives every field.
 
 The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
 """
@@ -20,10 +25,11 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, get_args
+from typing import Any, ClassVar, Iterable, Literal, get_args
 
-#: config.json layout: 2 keeps rule options under ``model.options``
-FORMAT_VERSION = 2
+#: config.json layout: 3 has the typed sections ``depth`` (one class per sampler), ``optim`` and
+#: ``train.gradient`` (one class per estimator); rule options sit under ``model.options``
+FORMAT_VERSION = 3
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
                    "sc_subtract", "additive_subtract", "scse_leak", "plain", "huginn_linear", "parcae_decay",
@@ -31,7 +37,6 @@ RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "no
 RULE_NAMES: tuple[str, ...] = get_args(RuleName)
 Architecture = Literal["shared", "unshared"]
 AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
-SamplerName = Literal["fixed", "uniform", "pln", "learned"]
 StateInit = Literal["zeros", "embedding", "gaussian", "truncated_normal"]
 Residual = Literal["pre_ln", "post_ln", "deepnorm", "deeploop"]
 ReadoutName = Literal["rmsnorm", "raw", "final_only_norm"]
@@ -116,30 +121,18 @@ def _check_literal(obj: Any, prefix: str) -> None:
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
 
-def check_gradient(gradient: str = "bptt", gradient_steps: int = 0, *, prefix: str = "") -> None:
-    """Check the gradient estimator ``(gradient, b = gradient_steps)``. ``prefix`` ("train.") goes in front
-    of the field names of the messages.
+def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
+    """Check the gradient estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient`.
 
     Raises:
-        ConfigError: an unknown estimator, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
+        ConfigError: an unknown kind, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
     """
-    if gradient not in GRADIENTS:
-        raise ConfigError(f"{prefix}gradient: got {gradient!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
-    _check(isinstance(gradient_steps, int) and not isinstance(gradient_steps, bool) and gradient_steps >= 0,
-           prefix + "gradient_steps", f"must be an integer >= 0, got {gradient_steps!r}")
-    _check(gradient != "bptt" or gradient_steps == 0, prefix + "gradient_steps",
-           f"full BPTT ({prefix}gradient=bptt) has none; must be 0, got {gradient_steps}")
-    _check(gradient == "bptt" or gradient_steps >= 1, prefix + "gradient_steps",
-           f"{prefix}gradient={gradient} needs b >= 1, got {gradient_steps}")
-
-
-def couple_gradient_fields(train: dict[str, Any], changed: Iterable[str]) -> dict[str, Any]:
-    """``train`` (a ``train`` section dict after a change to the fields ``changed``) with the estimator
-    fields kept consistent: ``gradient=bptt`` set without ``gradient_steps`` clears ``gradient_steps``."""
-    train = dict(train)
-    if "gradient" in changed and "gradient_steps" not in changed and train.get("gradient") == "bptt":
-        train["gradient_steps"] = 0
-    return train
+    if kind not in GRADIENTS:
+        raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
+    _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
+           f"must be an integer >= 0, got {steps!r}")
+    _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
+    _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
 
 
 class _Base:
@@ -520,7 +513,8 @@ class ModelConfig(_Base):
                             "α=(2N)^p, β=(8N)^-p, N=K·R")
     residual_p: float = _f(-1.0, "post-LN family: exponent p of α=(2N)^p, β=(8N)^-p; -1 takes the "
                            "family's (post_ln 0, deepnorm 0.25, deeploop 0.5)")
-    residual_depth: int = _f(0, "post-LN family: R in N = K·R (0 = the training depth sampler's maximum)")
+    residual_depth: int = _f(0, "post-LN family: R in N = K·R (0 = the depth sampler's maximum, resolved by "
+                             "looplm.model.build_model from the whole config)")
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw "
                               "(W_out·H_k), final_only_norm (raw at intermediate loops, RMSNorm at the last)")
@@ -530,7 +524,7 @@ class ModelConfig(_Base):
                                      "readout=raw, or the readout normalizes twice)")
     damping_init: float = _f(0.9, "spectral_damping: initial factor σ(ρ) in (0, 1)")
     exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 with bias, per token and loop, on the state after "
-                         "the step; Ouro's early_exit_gate) for train.supervision=exit_weighted (set automatically) "
+                         "the step; Ouro's early_exit_gate), read by train.supervision=exit_weighted (which needs it) "
                          "and the exit criteria exit_gate / exit_cdf")
     position_embedding: PositionEmbedding = _f("learned", "position signal (SPEC §1): learned (a table of seq_len "
                                                "absolute positions added to the token embedding; GPT-2), rope (rotary "
@@ -753,14 +747,259 @@ class DataConfig(_Base):
                        f"only read with data.dataset=task (dataset is {self.dataset})")
 
 
-@dataclass(frozen=True)
-class TrainConfig(_Base):
-    """Optimization schedule (SPEC §5)."""
+# ---------------------------------------------------------------- typed choice sections
+class ChoiceSection(_Base):
+    """A section whose variant is named by one key (``KEY``: ``depth.sampler``, ``train.gradient.kind``);
+    one frozen subclass per variant (``NAME``) holds exactly the fields that variant reads. ``to_dict``
+    writes the name first; :func:`build_choice` builds a variant from a dict and checks its keys."""
 
-    _prefix = "train."
-    steps: int = _f(5000, "optimizer steps")
-    batch_size: int = _f(32, "sequences per microbatch")
-    grad_accum: int = _f(1, "microbatches per optimizer step")
+    KEY: ClassVar[str]
+    NAME: ClassVar[str]
+    HELP: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks of the variant's fields."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.KEY: self.NAME, **dataclasses.asdict(self)}
+
+
+def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
+    return DEPTH_SAMPLERS if base is DepthConfig else GRADIENTS_CONFIG
+
+
+def _not_a_field(base: type[ChoiceSection], name: str, variant: str) -> ConfigError:
+    cls = _variants(base)[variant]
+    owners = [v for v, c in _variants(base).items() if name in c.field_names()]
+    what = (f"{base.KEY} {variant} does not read it (a field of {', '.join(owners)})" if owners
+            else f"unknown field{_suggest(name, {n for c in _variants(base).values() for n in c.field_names()})}")
+    return ConfigError(f"{base._prefix}{name}: {what}; fields of {variant}: {', '.join(cls.field_names()) or 'none'}")
+
+
+def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
+                 carry: ChoiceSection | None = None) -> ChoiceSection:
+    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``;
+    the fields ``d`` leaves out come from ``carry`` where its variant has them (a changed variant
+    carries the same-named fields over), else the variant's defaults. String values (the command
+    line) are parsed to the field's type.
+
+    Raises:
+        ConfigError: an unknown variant (listing the known ones), a field the variant does not read
+            (naming the variant and its fields), a missing field with ``complete``, or a bad value.
+    """
+    if not isinstance(d, dict):
+        raise ConfigError(f"{base._prefix.rstrip('.')}: must be a JSON object, got {d!r}")
+    variants = _variants(base)
+    d = dict(d)
+    name = d.pop(base.KEY, carry.NAME if carry is not None else None)
+    if name not in variants:
+        raise ConfigError(f"{base._prefix}{base.KEY}: got {name!r}; allowed: {', '.join(map(repr, variants))}")
+    cls = variants[name]
+    hints = typing.get_type_hints(cls)
+    for key in d:
+        if key not in cls.field_names():
+            raise _not_a_field(base, key, name)
+    if complete:
+        cls._check_keys(d)
+    values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
+    values.update({k: _parse(hints[k], base._prefix + k, v) if isinstance(v, str) else v for k, v in d.items()})
+    return cls(**values)
+
+
+def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
+    """``{prefix + KEY: help, prefix + FIELD: help}`` over every variant of ``base``, each field with the
+    variants that read it and their defaults (for the command line's ``--help``)."""
+    variants = _variants(base)
+    out = {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_DEFAULT_VARIANT[base]}]"}
+    readers: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for name, cls in variants.items():
+        for f in dataclasses.fields(cls):
+            helps.setdefault(f.name, f.metadata["help"])
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            readers.setdefault(f.name, []).append(f"{name} {default!r}")
+    return {**out, **{prefix + n: f"{helps[n]} [{base.KEY}: {'; '.join(r)}]" for n, r in readers.items()}}
+
+
+# ---------------------------------------------------------------- depth sampler (SPEC §5)
+@dataclass(frozen=True)
+class DepthConfig(ChoiceSection):
+    """The training depth sampler (SPEC §5), one draw per microbatch (``depth.sampler``)."""
+
+    _prefix = "depth."
+    KEY = "sampler"
+    HELP = ("training depth sampler (SPEC §5), one draw per microbatch: fixed (depth), uniform (lo..hi inclusive), "
+            "pln (Poisson log-normal of mean `mean`, σ `sigma`, capped at `cap`) or learned (categorical prior over "
+            "1..cap trained by REINFORCE)")
+
+    def max_depth(self) -> int:
+        """The largest loop depth the sampler can draw."""
+        raise NotImplementedError
+
+    def nominal_depth(self) -> int:
+        """The loop depth a trained model stands for: the default K_max of halting and of the scale
+        diagnostics, and the depth from which a loaded ``final_only_norm`` model normalizes."""
+        return self.max_depth()
+
+
+@dataclass(frozen=True)
+class FixedDepthConfig(DepthConfig):
+    """``fixed``: every microbatch at depth T."""
+
+    NAME = "fixed"
+    depth: int = _o(8, "loop depth T")
+
+    def validate(self) -> None:
+        _check(self.depth >= 1, self._prefix + "depth", f"must be >= 1, got {self.depth}")
+
+    def max_depth(self) -> int:
+        return self.depth
+
+
+@dataclass(frozen=True)
+class UniformDepthConfig(DepthConfig):
+    """``uniform``: T uniform in lo..hi (inclusive)."""
+
+    NAME = "uniform"
+    lo: int = _o(1, "lowest depth")
+    hi: int = _o(8, "highest depth")
+
+    def validate(self) -> None:
+        _check(self.lo >= 1, self._prefix + "lo", f"must be >= 1, got {self.lo}")
+        _check(self.lo <= self.hi, self._prefix + "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
+
+    def max_depth(self) -> int:
+        return self.hi
+
+
+@dataclass(frozen=True)
+class PLNDepthConfig(DepthConfig):
+    """``pln``: Poisson log-normal depths min(R, cap), R ~ Poisson(exp ξ), ξ ~ N(μ, σ²) with μ set so that
+    E[min(R, cap)] = mean (LMDR §3.1)."""
+
+    NAME = "pln"
+    mean: float = _o(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the PLN "
+                     "initialization's capped mean)")
+    sigma: float = _o(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
+    cap: int = _o(64, "pln: cap on R; learned: R_max")
+
+    def validate(self) -> None:
+        p = self._prefix
+        _check(self.sigma > 0, p + "sigma", f"must be > 0, got {self.sigma}")
+        _check(self.cap >= 2, p + "cap", f"must be >= 2, got {self.cap}")
+        _check(1 <= self.mean < self.cap, p + "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
+
+    def max_depth(self) -> int:
+        return self.cap
+
+    def nominal_depth(self) -> int:
+        return int(math.ceil(self.mean))
+
+
+@dataclass(frozen=True)
+class LearnedDepthConfig(PLNDepthConfig):
+    """``learned``: a categorical prior over 1..cap trained by REINFORCE (LMDR §3.1, App. B.3)."""
+
+    NAME = "learned"
+    lr: float = _o(1e-3, "Adam learning rate of the prior logits")
+    entropy: float = _o(0.01, "entropy weight λ_H")
+    budget: float = _o(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
+    warmup: int = _o(32, "warm-up updates that only collect the reward baseline")
+    init: list = field(default_factory=list, metadata={"help": (
+        "initial weights of the prior over depths 1..cap (normalized; [] = the capped PLN of mean, sigma). "
+        "Uniform controls U{1..C} (LMDR App. B.3): C ones with cap = C; the frozen-prior ablation: a trained "
+        "prior's final p with warmup >= train.steps, so the logits never move")})
+    reward: PriorReward = _o("neg_ce", "reward arm: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl "
+                             "(exp(−CE); LMDR's main setting, with scale)")
+    scale: bool = _o(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates' "
+                     "microbatches (LMDR App. B.3; each std floored at 1e-12; s = 1 until then; exactly 1 for neg_ce)")
+    scale_window: int = _o(1, "scale: the stds of s pool the microbatches of the last W updates (1 = the "
+                           "previous update, the paper, which has several microbatches per update; with one, "
+                           "W >= 2 is needed for s to differ from 1)")
+
+    def validate(self) -> None:
+        super().validate()
+        p = self._prefix
+        _check(self.lr > 0, p + "lr", f"must be > 0, got {self.lr}")
+        for name in ("entropy", "budget"):
+            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.warmup >= 0, p + "warmup", f"must be >= 0, got {self.warmup}")
+        _check(self.scale_window >= 1, p + "scale_window", f"must be >= 1, got {self.scale_window}")
+        w = self.init
+        _check(isinstance(w, list), p + "init", f"must be a list of numbers, got {w!r}")
+        if not w:
+            return
+        _check(len(w) == self.cap, p + "init", f"needs depth.cap={self.cap} weights, got {len(w)}")
+        try:  # command-line lists arrive as strings
+            vals = [float(v) for v in w if not isinstance(v, bool)]
+        except (TypeError, ValueError):
+            vals = []
+        _check(len(vals) == len(w) and all(math.isfinite(v) and v > 0 for v in vals), p + "init",
+               f"weights must be finite numbers > 0, got {w!r}")
+        object.__setattr__(self, "init", vals)
+
+
+#: the config class of every depth sampler (``depth.sampler``; looplm.train.samplers.SAMPLERS builds them)
+DEPTH_SAMPLERS: dict[str, type[DepthConfig]] = {
+    "fixed": FixedDepthConfig, "uniform": UniformDepthConfig, "pln": PLNDepthConfig, "learned": LearnedDepthConfig}
+
+
+# ---------------------------------------------------------------- gradient estimator (SPEC §5)
+@dataclass(frozen=True)
+class GradientConfig(ChoiceSection):
+    """The gradient estimator (SPEC §5; LMDR §3.1, A.2), ``train.gradient.kind``: the config of
+    :class:`looplm.model.cursor.Gradient` (kind, steps)."""
+
+    _prefix = "train.gradient."
+    KEY = "kind"
+    HELP = ("gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last b = steps of the T "
+            "recurrences, from the visited state z^(T-b)), endpoint (Neumann-b: run to z^T without gradient, then "
+            "b more recurrences with gradient from sg(z^T); the loss is read at T+b)")
+    steps: ClassVar[int] = 0
+
+
+@dataclass(frozen=True)
+class BPTTConfig(GradientConfig):
+    """``bptt``: full backpropagation through every recurrence (no fields)."""
+
+    NAME = "bptt"
+
+
+@dataclass(frozen=True)
+class TBPTTConfig(GradientConfig):
+    """``tbptt``: the last b of the T recurrences with gradient, from the visited state z^(T−b)."""
+
+    NAME = "tbptt"
+    steps: int = _o(1, "b: recurrences with gradient (>= 1)")
+
+    def validate(self) -> None:
+        _check(self.steps >= 1, self._prefix + "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class EndpointConfig(TBPTTConfig):
+    """``endpoint`` (Neumann-b): run to z^T without gradient, then b recurrences with gradient from sg(z^T);
+    the loss is read at T + b."""
+
+    NAME = "endpoint"
+
+
+#: the config class of every gradient estimator (``train.gradient.kind``)
+GRADIENTS_CONFIG: dict[str, type[GradientConfig]] = {"bptt": BPTTConfig, "tbptt": TBPTTConfig,
+                                                     "endpoint": EndpointConfig}
+_DEFAULT_VARIANT: dict[type, str] = {DepthConfig: "uniform", GradientConfig: "bptt"}
+
+
+# ---------------------------------------------------------------- optimizer (SPEC §5)
+@dataclass(frozen=True)
+class OptimConfig(_Base):
+    """AdamW and its learning-rate schedule (SPEC §5); one section shared by train and distill."""
+
+    _prefix = "optim."
     lr: float = _f(3e-4, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine floor)")
     warmup_steps: int = _f(500, "linear warm-up steps")
@@ -772,37 +1011,28 @@ class TrainConfig(_Base):
     beta1: float = _f(0.9, "AdamW β1")
     beta2: float = _f(0.95, "AdamW β2")
     grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
-    depth_sampler: SamplerName = _f("uniform", "training depth sampler (SPEC §5): fixed (depth), uniform "
-                                    "(depth_lo..depth_hi inclusive), pln (Poisson log-normal, mean depth_mean, "
-                                    "σ pln_sigma, capped at depth_cap) or learned (categorical prior over "
-                                    "1..depth_cap trained by REINFORCE); one draw per microbatch")
-    depth: int = _f(8, "fixed sampler: loop depth T")
-    depth_lo: int = _f(1, "uniform sampler: lowest depth")
-    depth_hi: int = _f(8, "uniform sampler: highest depth")
-    depth_mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄")
-    pln_sigma: float = _f(0.5, "pln (and the learned prior's initialization): σ of ξ ~ N(μ, σ²)")
-    depth_cap: int = _f(64, "pln: cap on R; learned: R_max")
-    prior_lr: float = _f(1e-3, "learned: Adam learning rate of the prior logits")
-    prior_entropy: float = _f(0.01, "learned: entropy weight λ_H")
-    prior_budget: float = _f(1.0, "learned: budget weight λ_m of (E_p[R] − R̄)²")
-    prior_warmup: int = _f(32, "learned: warm-up updates that only collect the reward baseline")
-    prior_init: list = _f([], "learned: initial weights of the prior over depths 1..depth_cap (normalized; "
-                          "[] = the capped PLN of depth_mean, pln_sigma). Uniform controls U{1..C} (LMDR App. B.3): "
-                          "C ones with depth_cap = C; the frozen-prior ablation: a trained prior's final p with "
-                          "prior_warmup >= steps, so the logits never move")
-    prior_reward: PriorReward = _f("neg_ce", "learned: reward arm: neg_ce (−CE), log_ce (−log CE), "
-                                   "exp_ce (−exp(CE)), inv_ppl (exp(−CE); LMDR's main setting, with prior_scale)")
-    prior_scale: bool = _f(False, "learned: multiply the advantage by s = std(CE)/std(reward) of the previous "
-                           "updates' microbatches (LMDR App. B.3; each std floored at 1e-12; s = 1 until then; "
-                           "exactly 1 for neg_ce)")
-    prior_scale_window: int = _f(1, "learned, prior_scale: the stds of s pool the microbatches of the last W "
-                                 "updates (1 = the previous update, the paper, which has several microbatches "
-                                 "per update; with one, W >= 2 is needed for s to differ from 1)")
-    gradient: Gradient = _f("bptt", "gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last "
-                            "b of the T recurrences, from the visited state z^(T-b)), endpoint (Neumann-b: run "
-                            "to the endpoint z^T without gradient, then b more recurrences with gradient from "
-                            "sg(z^T); the loss is read at T+b)")
-    gradient_steps: int = _f(0, "b of gradient=tbptt / endpoint (>= 1; 0 for bptt)")
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        p = self._prefix
+        _check(self.lr > 0, p + "lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.warmup_steps >= 0, p + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, p + name, f"must be in [0, 1), got {getattr(self, name)}")
+        _check(self.grad_clip >= 0, p + "grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Base):
+    """The training loop (SPEC §5): steps, batches, gradient estimator, loss, evaluation and checkpoints."""
+
+    _prefix = "train."
+    steps: int = _f(5000, "optimizer steps")
+    batch_size: int = _f(32, "sequences per microbatch")
+    grad_accum: int = _f(1, "microbatches per optimizer step")
+    gradient: GradientConfig = field(default_factory=BPTTConfig, metadata={"help": "the gradient estimator"})
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
                                   "per-loop CE, plus an entropy term)")
@@ -834,32 +1064,18 @@ class TrainConfig(_Base):
                       "e.g. pip install \"looplm[tensorboard]\"")
 
     def __post_init__(self) -> None:
+        if isinstance(self.gradient, dict):
+            object.__setattr__(self, "gradient", build_choice(GradientConfig, self.gradient))
+        _check(isinstance(self.gradient, GradientConfig), self._prefix + "gradient",
+               f"must be a gradient estimator config, got {self.gradient!r}")
         _check_literal(self, self._prefix)
         p = self._prefix
-        for name in ("steps", "batch_size", "grad_accum", "depth", "depth_lo", "depth_hi", "eval_batches",
-                     "eval_depth"):
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "eval_depth"):
             _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
-        _check(self.depth_mean >= 1, p + "depth_mean", f"must be >= 1, got {self.depth_mean}")
-        _check(self.pln_sigma > 0, p + "pln_sigma", f"must be > 0, got {self.pln_sigma}")
-        _check(self.depth_cap >= 1, p + "depth_cap", f"must be >= 1, got {self.depth_cap}")
-        if self.depth_sampler in ("pln", "learned"):
-            _check(self.depth_mean < self.depth_cap, p + "depth_mean",
-                   f"must be < depth_cap={self.depth_cap}, got {self.depth_mean}")
-        _check(self.prior_lr > 0, p + "prior_lr", "must be > 0")
-        for name in ("prior_entropy", "prior_budget", "exit_entropy", "norm_penalty"):
+        for name in ("exit_entropy", "norm_penalty"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        self._check_prior_init()
-        _check(self.prior_scale_window >= 1, p + "prior_scale_window", f"must be >= 1, got {self.prior_scale_window}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "num_threads", "prior_warmup"):
+        for name in ("eval_every", "ckpt_every", "num_threads"):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        check_gradient(self.gradient, self.gradient_steps, prefix=p)
-        _check(self.depth_lo <= self.depth_hi, p + "depth_hi",
-               f"must be >= depth_lo={self.depth_lo}, got {self.depth_hi}")
-        _check(self.lr > 0, p + "lr", "must be > 0")
-        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
-        _check(self.grad_clip >= 0, p + "grad_clip", "must be >= 0")
-        _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
         _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
         names = self.logger
         if isinstance(names, str):
@@ -873,71 +1089,42 @@ class TrainConfig(_Base):
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
 
-    def _check_prior_init(self) -> None:
-        """``prior_init``: [] or depth_cap positive finite numbers, only for the learned sampler; stored as floats."""
-        name, w = self._prefix + "prior_init", self.prior_init
-        _check(isinstance(w, list), name, f"must be a list of numbers, got {w!r}")
-        if not w:
-            return
-        _check(self.depth_sampler == "learned", name,
-               f"read only by depth_sampler=learned (got {self.depth_sampler!r}); allowed: []")
-        _check(len(w) == self.depth_cap, name, f"needs depth_cap={self.depth_cap} weights, got {len(w)}")
-        try:  # command-line lists arrive as strings
-            vals = [float(v) for v in w if not isinstance(v, bool)]
-        except (TypeError, ValueError):
-            vals = []
-        _check(len(vals) == len(w) and all(math.isfinite(v) and v > 0 for v in vals), name,
-               f"weights must be finite numbers > 0, got {w!r}")
-        object.__setattr__(self, "prior_init", vals)
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "gradient": self.gradient.to_dict()}
 
-    def replace(self, **changes: Any) -> "TrainConfig":
-        """``dataclasses.replace``, keeping the estimator fields consistent (:func:`couple_gradient_fields`)."""
-        merged = couple_gradient_fields({**self.to_dict(), **changes}, changes)
-        return dataclasses.replace(self, **{k: v for k, v in merged.items()
-                                            if k in changes or k in ("gradient", "gradient_steps")})
-
-    @property
-    def max_depth(self) -> int:
-        """The largest loop depth the training sampler can draw."""
-        return {"fixed": self.depth, "uniform": self.depth_hi}.get(self.depth_sampler, self.depth_cap)
-
-    @property
-    def nominal_depth(self) -> int:
-        """The loop depth a trained model stands for: ``depth`` (fixed), ``depth_hi`` (uniform), or
-        ``depth_mean`` rounded up (pln, learned). The default K_max of halting and of the scale
-        diagnostics, and the depth from which a ``final_only_norm`` readout normalizes."""
-        if self.depth_sampler in ("fixed", "uniform"):
-            return self.max_depth
-        return int(math.ceil(self.depth_mean))
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        cls._check_keys(d)
+        return cls(**{**d, "gradient": build_choice(GradientConfig, d["gradient"], complete=True)})
 
 
 @dataclass(frozen=True)
 class Config(_Base):
-    """A whole run: model, data and training (serialized as ``config.json``)."""
+    """A whole run: model, data, depth sampler, optimizer and training loop (serialized as ``config.json``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    depth: DepthConfig = field(default_factory=UniformDepthConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
 
     def __post_init__(self) -> None:
-        # resolve model fields that follow from training (saved into config.json, so a checkpoint
-        # rebuilds the same model): N = K·R of the post-LN family and the exit gate
-        changes: dict[str, Any] = {}
-        if self.model.residual != "pre_ln" and self.model.residual_depth == 0:
-            changes["residual_depth"] = self.train.max_depth
+        if isinstance(self.depth, dict):
+            object.__setattr__(self, "depth", build_choice(DepthConfig, self.depth))
+        _check(isinstance(self.depth, DepthConfig), "depth", f"must be a depth sampler config, got {self.depth!r}")
+        sup = self.train.supervision
         if self.model.architecture == "unshared":
-            _check(self.train.supervision != "exit_weighted", "train.supervision",
+            _check(sup != "exit_weighted", "train.supervision",
                    "exit_weighted needs learned exit gates, which only the shared architecture has; "
                    "allowed for model.architecture=unshared: terminal, per_loop")
-        if self.train.supervision == "exit_weighted" and not self.model.exit_gate:
-            changes["exit_gate"] = True
-        if changes:
-            object.__setattr__(self, "model", self.model.replace(**changes))
+        _check(sup != "exit_weighted" or self.model.exit_gate, "train.supervision",
+               "exit_weighted needs model.exit_gate=true (the learned exit gate it trains)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "name": self.name, "model": self.model.to_dict(),
-                "data": self.data.to_dict(), "train": self.train.to_dict()}
+                "data": self.data.to_dict(), "depth": self.depth.to_dict(), "optim": self.optim.to_dict(),
+                "train": self.train.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
@@ -966,6 +1153,7 @@ class Config(_Base):
         if not isinstance(d["name"], str):
             raise ConfigError(f"name: must be a string, got {d['name']!r}")
         return cls(model=ModelConfig.from_dict(d["model"]), data=DataConfig.from_dict(d["data"]),
+                   depth=build_choice(DepthConfig, d["depth"], complete=True), optim=OptimConfig.from_dict(d["optim"]),
                    train=TrainConfig.from_dict(d["train"]), name=d["name"])
 
     def to_json(self) -> str:
@@ -976,7 +1164,8 @@ class Config(_Base):
         return cls.from_dict(json.loads(text))
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "depth": DepthConfig, "optim": OptimConfig,
+                             "train": TrainConfig}
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
@@ -989,8 +1178,8 @@ def _field_type(section: str, name: str) -> Any:
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if section == "model" and name == "options":
-        raise ConfigError("model.options: set options one at a time, as model.options.FIELD")
+    if (section, name) in (("model", "options"), ("train", "gradient")):
+        raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
     return typing.get_type_hints(cls)[name]
@@ -1018,16 +1207,19 @@ def _parse(tp: Any, key: str, text: str) -> Any:
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
 
-    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule) or ``name``;
-    string values are parsed to the field's type. A new ``model.rule`` (or ``model.architecture``)
-    rebuilds the options for it (:func:`carry_options`), then the given options apply.
+    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule),
+    ``depth.FIELD`` (a field of the resulting sampler), ``train.gradient.FIELD`` or ``name``; string
+    values are parsed to the field's type. A new ``model.rule`` (or ``model.architecture``) rebuilds
+    the options for it (:func:`carry_options`), then the given options apply; a new ``depth.sampler``
+    (``train.gradient.kind``) rebuilds its section carrying the same-named fields over.
 
     Raises:
-        ConfigError: an unknown key (with the closest known name), an option the rule does not have
-            (naming the rule and its options), or a bad value.
+        ConfigError: an unknown key (with the closest known name), an option or field the chosen rule,
+            sampler or estimator does not have (naming it and its fields), or a bad value.
     """
     d = cfg.to_dict()
     options: dict[str, Any] = {}
+    choices: dict[str, dict[str, Any]] = {"depth": {}, "train.gradient": {}}
     for key, value in overrides.items():
         if key == "name":
             d["name"] = str(value)
@@ -1036,9 +1228,14 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         if section == "model" and fname.startswith("options."):
             options[fname[len("options."):]] = value
             continue
+        if section == "depth" or fname.startswith("gradient."):
+            choices["depth" if section == "depth" else "train.gradient"][key.rpartition(".")[2]] = value
+            continue
         tp = _field_type(section, fname)
         d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
-    d["train"] = couple_gradient_fields(d["train"], [k.partition(".")[2] for k in overrides if k.startswith("train.")])
+    depth = build_choice(DepthConfig, choices["depth"], carry=cfg.depth)
+    gradient = build_choice(GradientConfig, choices["train.gradient"], carry=cfg.train.gradient)
+    d["depth"], d["train"]["gradient"] = depth.to_dict(), gradient.to_dict()
     m = d["model"]
     if (m["rule"], m["architecture"]) != (cfg.model.rule, cfg.model.architecture):
         carried = carry_options(cfg.model, m["rule"], m["architecture"])

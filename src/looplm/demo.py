@@ -74,7 +74,7 @@ def _train_or_resume(cfg, run_dir: Path, data, progress: bool) -> None:
         _log(f"{cfg.name}: already trained ({ckpt}); skipping")
         return
     _log(f"{cfg.name}: {'resuming from ' + ckpt.name if ckpt else 'training'} "
-         f"({cfg.train.steps} steps, uniform depth {cfg.train.depth_lo}..{cfg.train.depth_hi})")
+         f"({cfg.train.steps} steps, uniform depth {cfg.depth.lo}..{cfg.depth.hi})")
     train(cfg, run_dir, resume=ckpt is not None, progress=progress, data=data,
           overwrite=True)  # its own run folder: a run with no checkpoint starts again
 
@@ -101,8 +101,8 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
     out.mkdir(parents=True, exist_ok=True)
     if steps is not None:
         base = base.replace(train=base.train.replace(steps=steps, ckpt_every=max(1, steps // 3),
-                                                     eval_every=max(1, steps // 3),
-                                                     warmup_steps=min(base.train.warmup_steps, steps // 10)))
+                                                     eval_every=max(1, steps // 3)),
+                            optim=base.optim.replace(warmup_steps=min(base.optim.warmup_steps, steps // 10)))
     _log(f"preparing data: Brown (SPEC §11 split), byte-level BPE {base.data.bpe_vocab_size}")
     data = prepare_data(base, progress=progress)
     base = base.replace(model=base.model.replace(vocab_size=data.vocab_size))  # as train() builds the models
@@ -139,7 +139,7 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
 
     panels = {title: {rule: {int(T): r["ppl"] for T, r in e["eval"][title].items()}
                       for rule, e in results["models"].items()} for title in eval_sets}
-    plot_ppl_vs_depth(panels, out / "ppl_vs_depth.png", train_range=(base.train.depth_lo, base.train.depth_hi),
+    plot_ppl_vs_depth(panels, out / "ppl_vs_depth.png", train_range=(base.depth.lo, base.depth.hi),
                       baselines={t: {"unigram": v} for t, v in unigram.items()},
                       title="looplm demo: PPL vs loop depth")
     results["wall_s"] = time.time() - t0
@@ -167,19 +167,19 @@ def results_markdown(results: dict[str, Any]) -> str:
     """The demo's ``results.md`` from its ``results.json`` dict: the setup, then per test split a table of
     PPL by depth (a depth-use column first, ``n/a`` where the PPL is null), the plot and the wall time."""
     cfg = Config.from_dict(results["preset"])
-    m, t = cfg.model, cfg.train
+    m, t, depth = cfg.model, cfg.train, cfg.depth
     depths = [int(T) for T in results["depths"]]
     md = [f"# looplm demo: {demo_title(list(results['models']))}", "",
           f"Preset `{cfg.name}` ({m.d_model}-wide, 1 core block, {t.steps} steps, batch {t.batch_size}×{m.seq_len}, "
-          f"uniform training depth {t.depth_lo}..{t.depth_hi}), trained on Brown train; byte-level BPE "
+          f"uniform training depth {depth.lo}..{depth.hi}), trained on Brown train; byte-level BPE "
           f"{m.vocab_size} trained on Brown train. Evaluation on the first {results['eval_tokens']} tokens of each "
           "test split (non-overlapping windows, token-weighted).", ""]
     for title, uni in results["unigram_ppl"].items():
         md += [f"## {title} — PPL by loop depth (unigram: {uni:.1f})", "",
-               f"| model | depth use: PPL at T=1 · T={t.nominal_depth} · best T | "
+               f"| model | depth use: PPL at T=1 · T={depth.nominal_depth()} · best T | "
                + " | ".join(f"T={T}" for T in depths) + " |", "|---|---|" + "---:|" * len(depths)]
         for rule, e in results["models"].items():
-            md.append(f"| {rule} | {_depth_use(e, title, t.nominal_depth)} | "
+            md.append(f"| {rule} | {_depth_use(e, title, depth.nominal_depth())} | "
                       + " | ".join(f"{p:.2f}" if math.isfinite(p := _get_ppl(e, title, T)) else "n/a" for T in depths)
                       + " |")
         md.append("")
@@ -192,7 +192,7 @@ def readme_table(results: dict[str, Any]) -> str:
     baseline and one per model (depth use on Brown test, parameters, then PPL at the :data:`README_COLUMNS`
     depths that were evaluated; ``n/a`` where the PPL is null)."""
     evaluated = {int(T) for T in results["depths"]}
-    train_depth = Config.from_dict(results["preset"]).train.nominal_depth
+    train_depth = Config.from_dict(results["preset"]).depth.nominal_depth()
     brown = README_COLUMNS[0][0]
     cols = [(title, label, [T for T in shown if T in evaluated]) for title, label, shown in README_COLUMNS]
     lines = [f"| model | depth use: Brown test PPL at T=1 · T={train_depth} · best T | params | "

@@ -9,7 +9,8 @@ evaluated) finishes within 15 minutes on a 2-core machine. Dropout is 0 (our cho
 far from overfitting Brown, and at step 200 SCSE's validation PPL was 829 without dropout vs 876
 with the paper's 0.1. ``huginn-cpu``: the CPU protocol with the Huginn-style 1 + 2×R + 1 layout (huginn_linear injection,
 PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): warm-up–stable–decay over
-5% / last 10% of the steps, AdamW betas (0.9, 0.98), and for ``--train.depth_sampler learned`` the
+5% / last 10% of the steps, AdamW betas (0.9, 0.98). Its learned-prior variant (experiments/lmdr-ablation)
+adds ``--depth.sampler learned --depth.reward inv_ppl --depth.scale true --depth.scale_window 8``: the
 inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
 the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
 committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
@@ -39,16 +40,17 @@ from __future__ import annotations
 
 import math
 
-from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+from looplm.config import (Config, DataConfig, LearnedDepthConfig, ModelConfig, OptimConfig, PLNDepthConfig,
+                            TrainConfig, UniformDepthConfig)
 
-_PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32, lr=3e-4, warmup_steps=500, depth_sampler="uniform",
-                           depth_lo=1, depth_hi=8)
+_PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32)
+_PAPER_OPTIM = OptimConfig(lr=3e-4, warmup_steps=500)
 _PAPER_DATA = DataConfig(dataset="wikitext103", tokenizer="gpt2")
 
 
 def _paper(name: str, d: int, heads: int, d_ff: int, **model) -> Config:
     return Config(name=name, model=ModelConfig(d_model=d, n_heads=heads, d_ff=d_ff, **model),
-                  data=_PAPER_DATA, train=_PAPER_TRAIN)
+                  data=_PAPER_DATA, depth=UniformDepthConfig(lo=1, hi=8), optim=_PAPER_OPTIM, train=_PAPER_TRAIN)
 
 
 def _task(task: str, k_train: int, seq_len: int, position_embedding: str) -> Config:
@@ -57,8 +59,9 @@ def _task(task: str, k_train: int, seq_len: int, position_embedding: str) -> Con
         model=ModelConfig(rule="looped", vocab_size=64, d_model=128, n_heads=4, d_ff=512, seq_len=seq_len,
                           dropout=0.0, position_embedding=position_embedding),
         data=DataConfig(dataset="task", task=task, task_k=k_train),
-        train=TrainConfig(steps=2000, batch_size=64, lr=1e-3, warmup_steps=100, depth_sampler="uniform",
-                          depth_lo=1, depth_hi=8, eval_every=100, eval_batches=2, eval_depth=8, ckpt_every=250,
+        depth=UniformDepthConfig(lo=1, hi=8),
+        optim=OptimConfig(lr=1e-3, warmup_steps=100),
+        train=TrainConfig(steps=2000, batch_size=64, eval_every=100, eval_batches=2, eval_depth=8, ckpt_every=250,
                           device="cpu"),
     )
 
@@ -76,9 +79,10 @@ PRESETS: dict[str, Config] = {
         model=ModelConfig(rule="scse", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
                           dropout=0.0),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        train=TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=40, depth_sampler="uniform",
-                          depth_lo=1, depth_hi=8, eval_every=200, eval_batches=4, eval_depth=8,
-                          ckpt_every=100, device="cpu"),
+        depth=UniformDepthConfig(lo=1, hi=8),
+        optim=OptimConfig(lr=2e-3, warmup_steps=40),
+        train=TrainConfig(steps=400, batch_size=16, eval_every=200, eval_batches=4, eval_depth=8, ckpt_every=100,
+                          device="cpu"),
     ),
     # the CPU reference protocol with a Huginn-style 1 + 2×R + 1 layout (experiments/huginn-cpu)
     "huginn-cpu": Config(
@@ -86,9 +90,9 @@ PRESETS: dict[str, Config] = {
         model=ModelConfig(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
                           dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        train=TrainConfig(steps=300, batch_size=16, lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98,
-                          depth_sampler="pln", depth_mean=5.0, depth_cap=64, gradient="tbptt", gradient_steps=2,
-                          prior_reward="inv_ppl", prior_scale=True, prior_scale_window=8, eval_every=150,
+        depth=PLNDepthConfig(mean=5.0, cap=64),
+        optim=OptimConfig(lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98),
+        train=TrainConfig(steps=300, batch_size=16, gradient={"kind": "tbptt", "steps": 2}, eval_every=150,
                           eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
     ),
     # LMDR's recipe (arXiv:2610.06833 App. B–C) at CPU scale; deviations in the module docstring
@@ -100,19 +104,20 @@ PRESETS: dict[str, Config] = {
                           options=dict(state_init="truncated_normal",
                                        state_init_std=math.sqrt(2.0 / 5.0))),  # Huginn-0125's σ
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        train=TrainConfig(steps=1000, batch_size=4, lr=2e-3, warmup_steps=50, schedule="wsd", beta2=0.98,
-                          depth_sampler="learned", depth_mean=5.0, depth_cap=64, gradient="tbptt",
-                          gradient_steps=10, prior_reward="inv_ppl", prior_scale=True, prior_scale_window=8,
-                          eval_every=100, eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
+        depth=LearnedDepthConfig(mean=5.0, cap=64, reward="inv_ppl", scale=True, scale_window=8),
+        optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="wsd", beta2=0.98),
+        train=TrainConfig(steps=1000, batch_size=4, gradient={"kind": "tbptt", "steps": 10}, eval_every=100,
+                          eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
     ),
     "debug": Config(
         name="debug",
         model=ModelConfig(rule="scse", vocab_size=1024, d_model=64, n_heads=2, d_ff=128, seq_len=64,
                           dropout=0.0),
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=1024),
-        train=TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=5, depth_sampler="uniform",
-                          depth_lo=1, depth_hi=4, eval_every=20, eval_batches=2, eval_depth=4,
-                          ckpt_every=20, device="cpu"),
+        depth=UniformDepthConfig(lo=1, hi=4),
+        optim=OptimConfig(lr=3e-3, warmup_steps=5),
+        train=TrainConfig(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20,
+                          device="cpu"),
     ),
     # seq_len fits k up to 2·k_train (rows grow with k except for phop); rope where they do
     "task-phop": _task("phop", 8, 68, "learned"),

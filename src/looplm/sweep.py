@@ -19,7 +19,7 @@ fields and the evaluation protocol::
     unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
 
     [grid]                      # optional: every combination of these values is a separate run
-    "train.lr" = [1e-3, 2e-3]
+    "optim.lr" = [1e-3, 2e-3]
 
     [eval]
     depths = [1, 2, 4, 8, 16, 32, 48]    # loop depths T; default 1,2,4,8,12,16,24,32,48
@@ -516,7 +516,7 @@ class _Runner:
         from looplm.model import build_model
 
         with torch.device("meta"):
-            params = build_model(saved.model).num_params()
+            params = build_model(saved).num_params()
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         return RunRecord(sweep=self.sweep.name, run_id=spec.run_id, variant=spec.variant,

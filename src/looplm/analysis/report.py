@@ -11,7 +11,7 @@ From the runs and evaluations of a :class:`~looplm.analysis.store.ResultStore` t
 - PPL against loop depth on a log2 axis per dataset/split, seed means with ±std bands.
 
 Variants come from the ``runs`` table: a variant's label is its sweep variant name, followed by its
-extra grid fields when the sweep has any (``scse (train.lr=0.001)``). Paired deltas compare each
+extra grid fields when the sweep has any (``scse (optim.lr=0.001)``). Paired deltas compare each
 variant with the baseline variant at the same grid point. Outputs: ``report.md``, ``report.json``
 and ``<metric>_<dataset>_<split>.png`` in the output folder.
 """
@@ -28,6 +28,7 @@ from typing import Any
 
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
 from looplm.analysis.store import ResultStore, RunRecord, record_dict
+from looplm.config import DepthConfig, build_choice
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
 #: metric. report.json holds the same selection.
@@ -114,8 +115,8 @@ def _train_range(runs: list[RunRecord]) -> tuple[int, int] | None:
     for r in runs:
         if r.config["model"].get("architecture") == "unshared":
             continue
-        t = r.config["train"]
-        ranges.add((t["depth"], t["depth"]) if t.get("depth_sampler") == "fixed" else (t["depth_lo"], t["depth_hi"]))
+        depth = build_choice(DepthConfig, r.config["depth"])  # the depths the sampler draws from
+        ranges.add((depth.depth, depth.depth) if depth.NAME == "fixed" else (getattr(depth, "lo", 1), depth.max_depth()))
     return ranges.pop() if len(ranges) == 1 else None
 
 

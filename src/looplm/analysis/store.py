@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from looplm.config import DepthConfig, build_choice
+
 SCHEMA_VERSION = 1
 
 #: config fields left out of the evaluation identity: they do not change the trained weights (or,
@@ -52,17 +54,6 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
 HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
 #: ``data`` fields read only when ``data.dataset == "task"`` (likewise left out otherwise)
 TASK_DATA_FIELDS: tuple[str, ...] = ("task", "task_k", "task_heldout", "task_seed")
-
-#: config fields added after results were first stored (issue 14's architecture options), left out of the
-#: identity while they hold the value that rebuilds the models made before them, so those configs hash as
-#: they did before the fields existed and their stored evaluations stay found. Section → field → that value.
-LATE_IDENTITY_FIELDS: dict[str, dict[str, Any]] = {
-    "model": {"position_embedding": "learned", "rope_theta": 10000.0, "rope_layout": "half", "rope_scaling": "none",
-              "rope_scaling_factor": 1.0, "rope_table_dtype": "float32", "n_kv_heads": 0, "qk_bias": False,
-              "block_norm": "pre", "embed_scale": 1.0, "exit_norm": "none", "block_init": "normal"},
-    "options": {"adapter_bias": True, "step_norm": True, "projection_init": "source"},
-    "train": {"prior_init": []},
-}
 
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
                                      "seed", "tag")
@@ -116,8 +107,8 @@ def _config_dict(config: Any) -> dict[str, Any]:
 def config_identity(config: Any) -> dict[str, Any]:
     """The part of a run config (``Config`` or its dict) that defines the trained model.
 
-    Drops ``name``, the :data:`NON_IDENTITY_FIELDS` and the :data:`LATE_IDENTITY_FIELDS` at their
-    older-model values; keeps everything else (model, data and training protocol, including the format
+    Drops ``name`` and the :data:`NON_IDENTITY_FIELDS`, resolves a post-LN ``model.residual_depth`` of 0
+    to the depth sampler's maximum (as the model builder does); keeps everything else (model, data and training protocol, including the format
     version).
     """
     d = _config_dict(config)
@@ -126,11 +117,9 @@ def config_identity(config: Any) -> dict[str, Any]:
         for name in names:
             d.get(section, {}).pop(name, None)
     model = d.get("model", {})
-    if isinstance(model, dict):
-        for section, fields in (("model", model), ("options", model.get("options")), ("train", d.get("train"))):
-            for name, late in LATE_IDENTITY_FIELDS[section].items():
-                if isinstance(fields, dict) and name in fields and fields[name] == late:
-                    fields.pop(name)
+    if isinstance(model, dict) and model.get("residual", "pre_ln") != "pre_ln" and model.get("residual_depth") == 0:
+        # N = K·R as the model builder resolves it (looplm.model.build_model): the same model either way
+        model["residual_depth"] = build_choice(DepthConfig, d["depth"]).max_depth()
     data = d.get("data", {})
     if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
         for name in HF_DATA_FIELDS:
@@ -339,8 +328,8 @@ class ResultStore:
         self.close()
 
     def rehash(self) -> int:
-        """Bring every stored config hash up to today's :func:`config_identity` (after its rules changed,
-        e.g. :data:`LATE_IDENTITY_FIELDS`): each ``configs`` row whose identity JSON now hashes
+        """Bring every stored config hash up to today's :func:`config_identity` (after its rules changed):
+        each ``configs`` row whose identity JSON now hashes
         differently is re-keyed, with its evaluations and runs (a row already stored under the new hash
         wins over the re-keyed one: it is the newer evaluation of the same identity). Idempotent.
 

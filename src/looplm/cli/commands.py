@@ -79,7 +79,7 @@ def info(cfg: Any, *, depths: Sequence[int] = (8, 48), list: bool = False) -> in
         print(json.dumps({name: c.to_dict()["model"] for name, c in PRESETS.items()}, indent=2))
         return 0
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg)
     print(json.dumps({"name": cfg.name, "params": model.num_params(), "params_millions":
                       round(model.num_params() / 1e6, 2), "flops_per_token": {str(T): flops_per_token(cfg.model, T)
                                                                               for T in depths},

@@ -449,26 +449,26 @@ def _default_of(f: dataclasses.Field) -> Any:
 def config_fields(root: type | None = None, prefix: str = "") -> list[tuple[str, str, Any]]:
     """``(key, help, default)`` of every leaf config field, walked from the config dataclasses.
 
-    Nested dataclasses (and every dataclass member of a Union, e.g. per-rule options) are walked with
-    dotted keys. Used for ``--help`` and suggestions only; parsing is :func:`apply_overrides`'.
+    Nested dataclasses are walked with dotted keys; per-rule options and the typed choice sections
+    (``depth``, ``train.gradient``) list each field with the variants that read it. Used for ``--help``
+    and suggestions only; parsing is :func:`apply_overrides`'.
     """
-    if root is None:
-        from looplm.config import Config
+    from looplm import config
 
-        root = Config
+    root = config.Config if root is None else root
     out: list[tuple[str, str, Any]] = []
     seen: set[str] = set()
     for f in dataclasses.fields(root):
         if f.name.startswith("_"):
             continue
         key = prefix + f.name
-        if key == "model.options":  # per-rule options: the config lists them with the rules that read each
-            from looplm import config
-
-            if hasattr(config, "options_help"):
-                out += [(k, text, dataclasses.MISSING) for k, text in config.options_help().items()]
-                continue
         tp = _field_type(root, f)
+        if key == "model.options":  # per-rule options: the config lists them with the rules that read each
+            out += [(k, text, dataclasses.MISSING) for k, text in config.options_help().items()]
+            continue
+        if isinstance(tp, type) and issubclass(tp, config.ChoiceSection):  # a sampler / estimator and its fields
+            out += [(k, text, dataclasses.MISSING) for k, text in config.choice_help(tp, key + ".").items()]
+            continue
         default = _default_of(f)
         members = [t for t in (typing.get_args(tp) or (tp,)) if isinstance(t, type) and dataclasses.is_dataclass(t)]
         if dataclasses.is_dataclass(default) and type(default) not in members:

@@ -88,7 +88,7 @@ DESCRIPTIONS: dict[str, str] = {
         '  unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}\n'
         '\n'
         '  [grid]                        # optional: each combination is a separate run\n'
-        '  "train.lr" = [1e-3, 2e-3]\n'
+        '  "optim.lr" = [1e-3, 2e-3]\n'
         '\n'
         '  [eval]\n'
         '  depths = [1, 2, 4, 8, 16, 32, 48]\n'

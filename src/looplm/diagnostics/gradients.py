@@ -210,7 +210,7 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
         raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
     model, cfg, ckpt, data_cfg, windows = load_windows(checkpoint, "looplm gradcheck", dataset=dataset, split=split,
                                                        batch_size=batch_size, batches=batches, device=device)
-    depth = cfg.train.nominal_depth if depth is None else depth
+    depth = cfg.depth.nominal_depth() if depth is None else depth
     dev = torch.device(device)
     xs = [(x.to(dev), y.to(dev)) for x, y, _ in windows]
     res = gradient_cosines(model, xs, depth=depth, steps=steps, estimators=estimators, dtype=dtype,

@@ -234,7 +234,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
             token-convergence ρ curve) there.
         dtype: float64 (default) or float32 for the diagnostic computations.
         scale_loops: loop count K of the scale diagnostic and depth R of the visit alignment (None:
-            the checkpoint's nominal training depth ``cfg.train.nominal_depth``). The alignment loss follows the
+            the checkpoint's nominal training depth ``cfg.depth.nominal_depth()``). The alignment loss follows the
             training supervision (per_loop CE for ``per_loop``, else the terminal CE).
         convergence_tau: threshold τ of token convergence (default 0.02).
 
@@ -258,7 +258,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
     model, cfg, ckpt, data_cfg, xs = load_windows(checkpoint, "looplm diagnose", dataset=dataset, split=split,
                                                   batch_size=batch_size, batches=batches, device=device)
     label = f"{cfg.name} ({cfg.model.rule})"
-    loops = cfg.train.nominal_depth if scale_loops is None else scale_loops
+    loops = cfg.depth.nominal_depth() if scale_loops is None else scale_loops
     res = diagnose_model(model, xs, steps=steps, depth=depth, seed=seed, dtype=dtype, label=label,
                          scale_loops=loops, convergence_tau=convergence_tau,
                          alignment_loss="per_loop" if cfg.train.supervision == "per_loop" else "terminal",
@@ -275,7 +275,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         files = {"markdown": str(md),
                  "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
                  "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
-                                                          train_depth=cfg.train.nominal_depth)),
+                                                          train_depth=cfg.depth.nominal_depth())),
                  "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
                  "json": str(out / f"{stem}.json")}
         result["files"] = files

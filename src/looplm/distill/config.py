@@ -3,9 +3,9 @@
 Source: "Towards Looped Models Done Right" (arXiv:2610.06833) §3.2 eq. 4, §5.5; SPEC §8. Every field
 becomes an option of ``looplm distill`` (``--n-blocks 2``), with its help text from the metadata.
 
-The optimization fields have the names and meanings of :class:`looplm.config.TrainConfig`'s
-(``lr``, ``warmup_steps``, ``schedule``, ``min_lr_ratio``, ``weight_decay``, ``beta1``, ``beta2``,
-``grad_clip``): :func:`looplm.train.optim.build_optimizer` and ``lr_factor`` read them from this config.
+The optimization fields have the names and meanings of :class:`looplm.config.OptimConfig`'s (``lr``,
+``warmup_steps``, ``schedule``, ``min_lr_ratio``, ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip``);
+:attr:`DistillConfig.optim` hands them to :func:`looplm.train.optim.build_optimizer` and ``lr_factor``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from looplm.config import ConfigError, Device, Schedule, _Base, _check, _check_literal, _f
+from looplm.config import ConfigError, Device, OptimConfig, Schedule, _Base, _check, _check_literal, _f
 
 StudentInit = Literal["teacher", "random"]
 
@@ -71,9 +71,15 @@ class DistillConfig(_Base):
             _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
         _check(self.hidden_weight > 0 or self.kl_weight > 0, p + "kl_weight",
                "hidden_weight and kl_weight are both 0: eq. 4 needs at least one term")
-        _check(self.lr > 0, p + "lr", "must be > 0")
-        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", "must be in [0, 1]")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, p + "beta1", "betas must be in [0, 1)")
+        try:
+            self.optim
+        except ConfigError as exc:  # named as this config's own field
+            raise ConfigError(p + str(exc).removeprefix(OptimConfig._prefix)) from None
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The optimization fields as the shared :class:`~looplm.config.OptimConfig` (validated there)."""
+        return OptimConfig(**{name: getattr(self, name) for name in OptimConfig.field_names()})
 
     @classmethod
     def fields_help(cls) -> dict[str, str]:

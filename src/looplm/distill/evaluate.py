@@ -194,7 +194,7 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
 
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     teacher, cfg, ckpt, data_cfg, tok = opened.model, opened.cfg, opened.ckpt, opened.data, opened.tokenizer
-    stu, stu_dir, depth = None, None, cfg.train.nominal_depth
+    stu, stu_dir, depth = None, None, cfg.depth.nominal_depth()
     if not teacher_only:
         stu, record, stu_dir = load_student(student or default_student_dir(checkpoint), teacher)
         depth = record.distill.depth

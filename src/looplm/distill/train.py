@@ -52,7 +52,7 @@ def resolve_config(cfg: DistillConfig, teacher_cfg) -> DistillConfig:
     """``cfg`` with ``depth`` (the teacher's nominal depth), ``batch_size`` (the teacher's) and ``steps`` (a
     quarter of the teacher's training tokens, LMDR §5.5, rounded up) filled in where they are 0."""
     t = teacher_cfg.train
-    depth = cfg.depth or t.nominal_depth
+    depth = cfg.depth or teacher_cfg.depth.nominal_depth()
     batch = cfg.batch_size or t.batch_size
     teacher_tokens = t.steps * t.batch_size * t.grad_accum
     steps = cfg.steps or max(1, math.ceil(teacher_tokens / 4 / batch))
@@ -173,8 +173,8 @@ def _distill(teacher_checkpoint, folder: RunFolder, cfg: DistillConfig, *, resum
         student = build_student(teacher, cfg).train()
         start_step = 0
     sigma2 = record.sigma2
-    opt = build_optimizer(student, cfg)  # type: ignore[arg-type] (TrainConfig's optimizer field names)
-    sched = build_scheduler(opt, cfg)  # type: ignore[arg-type]
+    opt = build_optimizer(student, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim, cfg.steps)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])

@@ -344,7 +344,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
 
     opened = open_checkpoint(ckpt_dir, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
-    k_max = cfg.train.nominal_depth if k_max is None else int(k_max)
+    k_max = cfg.depth.nominal_depth() if k_max is None else int(k_max)
     L = cfg.model.seq_len
     calib_tokens, timed_tokens = opened.tokens(split_calib), opened.tokens(split_timed)
     calib = make_windows(calib_tokens, L, 0, n_calib)

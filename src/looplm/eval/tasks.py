@@ -243,7 +243,7 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
     ks = list(ks or default_ks(data))
     for k in ks:
         family.check_k(k, "--ks")
-    train_depth = cfg.train.max_depth
+    train_depth = cfg.depth.max_depth()
     depths = sorted(set(depths or range(1, 2 * train_depth + 1)))
     halting = None if halting is None else check_halting(halting, depths[-1])
     acc = task_accuracy(model, data, ks, depths, split=split, max_examples=max_examples, batch_size=batch_size,

@@ -39,7 +39,7 @@ class LoopLMConfig(PretrainedConfig):
         if kv_cache not in ("per_visit", "terminal"):
             raise ValueError(f"kv_cache: got {kv_cache!r}; allowed: per_visit, terminal")
         self.kv_cache = kv_cache
-        self.final_depth = final_depth if final_depth is not None else int(cfg.train.nominal_depth)
+        self.final_depth = final_depth if final_depth is not None else int(cfg.depth.nominal_depth())
         derived = {"vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
                    "num_key_value_heads": m.kv_heads, "intermediate_size": m.d_ff,
                    "max_position_embeddings": m.seq_len,

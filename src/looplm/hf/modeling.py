@@ -158,7 +158,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         from looplm.model import build_model
 
         cfg = config.looplm_config()
-        self.model = model if model is not None else build_model(cfg.model)
+        self.model = model if model is not None else build_model(cfg)
         self.model.final_depth = config.final_depth
         if cfg.model.tie_embeddings:
             self._tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}

@@ -42,12 +42,12 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
             ``init_scale=0``.
 
     Returns:
-        ``(config, depth)``: depth is ``mean_recurrence``, also the checkpoint's ``train.depth``.
+        ``(config, depth)``: depth is ``mean_recurrence``, also the checkpoint's ``depth.depth``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
     """
-    from looplm.config import Config, DataConfig, TrainConfig
+    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
 
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["huginn_raven"], why="not a Huginn-0125 config")
@@ -96,9 +96,9 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
         n_prelude=P, n_core=R, n_coda=C, norm_eps=r.number("norm_eps"), rope_theta=r.number("rope_base"),
         qk_bias=qk_bias, initial_state=initial_state)
     r.finish()
-    train = TrainConfig(depth_sampler="fixed", depth=depth, depth_lo=1, depth_hi=depth, eval_depth=depth)
+    train = TrainConfig(eval_depth=depth)
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, vocab))
-    return Config(model=model, data=data, train=train, name="huginn-0125"), depth
+    return Config(model=model, data=data, depth=FixedDepthConfig(depth=depth), train=train, name="huginn-0125"), depth
 
 
 def huginn_layout_config(*, vocab_size: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, n_prelude: int,

@@ -32,14 +32,14 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
 
     Returns:
         ``(config, depth, early_exit_threshold)``; depth is ``total_ut_steps``, also the checkpoint's
-        ``train.depth``.
+        ``depth.depth``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a
             ``head_dim`` other than hidden_size / num_attention_heads, RoPE scaling other than linear,
             attention biases, a fixed ``early_exit_step``, quantized weights.
     """
-    from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+    from looplm.config import Config, DataConfig, FixedDepthConfig, ModelConfig, TrainConfig
 
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["ouro"], why="not an Ouro config")
@@ -91,9 +91,9 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
         rope_scaling="linear" if scaling is not None else "none", rope_scaling_factor=factor,
         n_kv_heads=0 if kv == heads else kv, block_norm="sandwich")
     r.finish()
-    train = TrainConfig(depth_sampler="fixed", depth=depth, depth_lo=1, depth_hi=depth, eval_depth=depth)
+    train = TrainConfig(eval_depth=depth)
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model.vocab_size))
-    return Config(model=model, data=data, train=train, name="ouro"), depth, tau
+    return Config(model=model, data=data, depth=FixedDepthConfig(depth=depth), train=train, name="ouro"), depth, tau
 
 
 def tensor_map(model_cfg) -> list[Entry]:

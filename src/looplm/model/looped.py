@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig
+from looplm.config import Config, ModelConfig
 from looplm.model.cursor import BPTT, Gradient, Loop, Readout, token_rms
 from looplm.model.fused import linear_cross_entropy
 from looplm.model.kvcache import AttentionScope, KVCache, chunk_positions
@@ -539,6 +539,15 @@ class _Reader:
         return logits
 
 
-def build_model(cfg: ModelConfig) -> DepthLM:
-    """The model a config describes: :class:`LoopLM` (shared) or :class:`TransformerLM` (unshared)."""
-    return LoopLM(cfg) if cfg.architecture == "shared" else TransformerLM(cfg)
+def build_model(cfg: Config | ModelConfig) -> DepthLM:
+    """The model a config describes: :class:`LoopLM` (shared) or :class:`TransformerLM` (unshared).
+
+    From a whole :class:`~looplm.config.Config`, a post-LN family model with ``model.residual_depth = 0``
+    takes R of N = K·R from the depth sampler's maximum (SPEC §3); a bare :class:`ModelConfig` must
+    state it.
+    """
+    # a whole Config has a model section (duck-typed: an export's remote code holds its own copy of the classes)
+    model = getattr(cfg, "model", cfg)
+    if model is not cfg and model.residual != "pre_ln" and model.residual_depth == 0:
+        model = model.replace(residual_depth=cfg.depth.max_depth())
+    return LoopLM(model) if model.architecture == "shared" else TransformerLM(model)

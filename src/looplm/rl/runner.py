@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from looplm.config import Config, DataConfig, ModelConfig, TrainConfig
+from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, PLNDepthConfig, TrainConfig
 from looplm.data.paths import atomic_write
 from looplm.finite import dumps
 from looplm.run.checkpoint import TOKENIZER_FILE, load_checkpoint, save_checkpoint
@@ -48,9 +48,10 @@ PRETRAIN_CONFIG = Config(
     model=ModelConfig(rule="huginn_linear", vocab_size=14, d_model=64, n_heads=4, d_ff=256, seq_len=13,
                       dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
     data=DataConfig(),
-    train=TrainConfig(steps=800, batch_size=128, lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98,
-                      depth_sampler="pln", depth_mean=5.0, depth_cap=16, gradient="tbptt", gradient_steps=4,
-                      eval_every=200, eval_batches=4, eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
+    depth=PLNDepthConfig(mean=5.0, cap=16),
+    optim=OptimConfig(lr=2e-3, warmup_steps=40, schedule="wsd", beta2=0.98),
+    train=TrainConfig(steps=800, batch_size=128, gradient={"kind": "tbptt", "steps": 4}, eval_every=200, eval_batches=4,
+                      eval_depth=6, ckpt_every=200, device="cpu", num_threads=1),
 )
 
 

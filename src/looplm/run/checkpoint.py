@@ -295,7 +295,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
-    """``"; edited fields: train.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
+    """``"; edited fields: optim.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
     (empty when the manifest has none, e.g. an older checkpoint; a note when the file is not JSON)."""
     if saved is None:
         return ""
@@ -400,7 +400,7 @@ def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Con
     """
     cfg = hf_export_config(path)
     hf = read_hf_config(path) or {}
-    model = build_model(cfg.model)
+    model = build_model(cfg)
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no model.safetensors in this Hugging Face export")
@@ -423,7 +423,7 @@ def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Con
     if bad:
         raise NonFiniteError(f"{path}: the weights hold NaN/inf values (in {', '.join(bad[:5])})")
     model.to(device)
-    model.final_depth = hf.get("final_depth", cfg.train.nominal_depth)
+    model.final_depth = hf.get("final_depth", cfg.depth.nominal_depth())
     model.eval()
     return model, cfg
 
@@ -462,7 +462,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     else:  # inference does not need the training state
         manifest = verify_checkpoint(ckpt, skip=frozenset() if with_state else frozenset({STATE_FILE}))
     cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
-    model = build_model(cfg.model)
+    model = build_model(cfg)
     if MODEL_FILE not in manifest["files"] and is_sharded(ckpt):
         _load_sharded_model(ckpt, model)
     else:
@@ -476,7 +476,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                              f"{', ...' if len(bad) > 5 else ''}): the run diverged before this checkpoint was "
                              "written; use an earlier checkpoint")
     model.to(device)
-    model.final_depth = cfg.train.nominal_depth  # where a final_only_norm readout normalizes
+    model.final_depth = cfg.depth.nominal_depth()  # where a final_only_norm readout normalizes
     model.eval()  # inference by default (dropout off); the trainer switches to train mode
     state = load_train_state(ckpt) if with_state else None
     return model, cfg, state, ckpt
@@ -500,7 +500,7 @@ def consolidate_checkpoint(path: str | Path) -> Path:
         return target
     if not is_sharded(ckpt):
         raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
-    model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()).model)
+    model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()))
     _load_sharded_model(ckpt, model)
     tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
     _save_weights(model, tmp)

@@ -10,7 +10,7 @@ no arXiv id in our copy; exit_weighted after Ouro, arXiv:2510.25741; TBPTT: arXi
 - ``norm_penalty`` (any supervision): + λ·T⁻¹ Σ_{k=1..T} mean_tokens ‖H_k‖²_rms (SPEC §4), where
   ‖H‖²_rms = mean over d of H².
 
-The gradient estimator (``train.gradient``, b = ``train.gradient_steps``; SPEC §5, LMDR §3.1, A.2) is
+The gradient estimator (``train.gradient``, b = ``train.gradient.steps``; SPEC §5, LMDR §3.1, A.2) is
 passed to the model's unroll. ``tbptt``: loops outside the window contribute their readout losses
 without gradient through the recurrence. ``endpoint`` (Neumann-b): the loop runs to the endpoint z^T
 without gradient, then b recurrences with gradient from sg(z^T); the terminal readout ("loop T" above,
@@ -68,7 +68,7 @@ def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: Tra
     """
     sup, lam = tcfg.supervision, tcfg.norm_penalty
     depths = list(range(1, depth + 1)) if sup != "terminal" else depth
-    gradient = Gradient(tcfg.gradient, tcfg.gradient_steps)
+    gradient = Gradient(tcfg.gradient.NAME, tcfg.gradient.steps)
     out = model(x, depths, y, gradient=gradient, readout=Readout(logits=False, states=lam > 0, final_depth=depth))
     keys = [*range(1, depth), gradient.key(depth)]  # the readouts of loops 1..T
     valid = (y != -100)

@@ -8,10 +8,10 @@ import math
 import torch
 from torch import nn
 
-from looplm.config import TrainConfig
+from looplm.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW; parameters with ≥ 2 dims (matrices, embeddings) get ``weight_decay``, the rest none."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -25,8 +25,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 WSD_DECAY_FRACTION = 0.1
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warm-up over
+def lr_factor(step: int, cfg: OptimConfig, steps: int) -> float:
+    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based) of ``steps``: linear warm-up over
     ``warmup_steps``, then
 
     - ``schedule=cosine``: cosine from 1 to ``min_lr_ratio`` at ``steps``;
@@ -38,14 +38,16 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     start = cfg.warmup_steps
     if cfg.schedule == "wsd":
-        start = max(cfg.warmup_steps, cfg.steps - round(WSD_DECAY_FRACTION * cfg.steps))
+        start = max(cfg.warmup_steps, steps - round(WSD_DECAY_FRACTION * steps))
         if step < start:
             return 1.0
-    span = max(1, cfg.steps - start)
+    span = max(1, steps - start)
     progress = min(1.0, (step - start) / span)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-    """:func:`lr_factor` as a scheduler whose next step is ``start`` (> 0: the groups need ``initial_lr``)."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg), last_epoch=start - 1)
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, steps: int,
+                    start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """:func:`lr_factor` over ``steps`` as a scheduler whose next step is ``start`` (> 0: the groups need
+    ``initial_lr``)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, steps), last_epoch=start - 1)

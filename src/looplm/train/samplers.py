@@ -6,7 +6,8 @@ Because a draw depends only on (seed, step, micro) — and, for the learned dept
 every rank updates identically — every distributed rank draws the same depth and a resumed run draws
 exactly the depths the uninterrupted run would have drawn.
 
-Registry (``SAMPLERS``, keyed by ``train.depth_sampler``):
+Registry (``SAMPLERS``, keyed by ``depth.sampler``; each built from its config class in
+:data:`looplm.config.DEPTH_SAMPLERS`):
 
 - ``fixed``    T = depth.
 - ``uniform``  T ~ Uniform{lo..hi}.
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from scipy import optimize, special, stats
 
-from looplm.config import TrainConfig
+from looplm.config import DepthConfig
 
 
 def _rng(seed: int, step: int, micro: int, stream: str) -> np.random.Generator:
@@ -79,7 +80,7 @@ class FixedDepth(DepthSampler):
 
     def __init__(self, depth: int):
         if depth < 1:
-            raise ValueError(f"train.depth: must be >= 1, got {depth}")
+            raise ValueError(f"depth.depth: must be >= 1, got {depth}")
         self.depth = depth
 
     def sample(self, seed, step, micro=0):
@@ -97,7 +98,7 @@ class UniformDepth(DepthSampler):
 
     def __init__(self, lo: int, hi: int):
         if not 1 <= lo <= hi:
-            raise ValueError(f"train.depth_lo/depth_hi: need 1 <= lo <= hi, got {lo}..{hi}")
+            raise ValueError(f"depth.lo/hi: need 1 <= lo <= hi, got {lo}..{hi}")
         self.lo, self.hi = lo, hi
 
     def sample(self, seed, step, micro=0):
@@ -155,19 +156,19 @@ class PoissonLogNormalDepth(DepthSampler):
         mu: the recalibrated location μ of ξ (nats of log-rate).
 
     Raises:
-        ValueError: naming ``train.depth_cap`` (cap < 2), ``train.pln_sigma`` (σ <= 0) or
-            ``train.depth_mean`` (mean outside (1, cap)).
+        ValueError: naming ``depth.cap`` (cap < 2), ``depth.sigma`` (σ <= 0) or
+            ``depth.mean`` (mean outside (1, cap)).
     """
 
     name = "pln"
 
     def __init__(self, mean: float, sigma: float, cap: int):
         if cap < 2:
-            raise ValueError(f"train.depth_cap: pln needs cap >= 2, got {cap}")
+            raise ValueError(f"depth.cap: pln needs cap >= 2, got {cap}")
         if not sigma > 0:
-            raise ValueError(f"train.pln_sigma: must be > 0, got {sigma}")
+            raise ValueError(f"depth.sigma: must be > 0, got {sigma}")
         if not 1 < mean < cap:
-            raise ValueError(f"train.depth_mean: pln needs 1 < mean < depth_cap={cap}, got {mean}")
+            raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cap}, got {mean}")
         self.mean, self.sigma, self.cap = float(mean), float(sigma), int(cap)
         self.mu = self._solve_mu()
         self._pmf = pln_pmf(self.mu, self.sigma, self.cap)
@@ -180,7 +181,7 @@ class PoissonLogNormalDepth(DepthSampler):
         lo, hi = -40.0, np.log(self.cap) + 10.0 + 10.0 * self.sigma
         f = lambda mu: self._capped_mean(mu) - self.mean  # noqa: E731
         if f(lo) > 0 or f(hi) < 0:
-            raise ValueError(f"train.depth_mean: cannot reach capped mean {self.mean} with "
+            raise ValueError(f"depth.mean: cannot reach capped mean {self.mean} with "
                              f"σ={self.sigma}, cap={self.cap}")
         return float(optimize.brentq(f, lo, hi, xtol=1e-14, rtol=1e-14, maxiter=500))
 
@@ -238,16 +239,16 @@ class LearnedDepthPrior(DepthSampler):
     function of (seed, step, micro) given the logits.
 
     Args:
-        budget_mean: R̄ (train.depth_mean), also the PLN initialization's capped mean.
-        sigma: σ of the PLN initialization (train.pln_sigma).
-        r_max: R_max (train.depth_cap).
-        lr, entropy_weight, budget_weight, warmup, reward: train.prior_lr, prior_entropy (λ_H),
-            prior_budget (λ_m), prior_warmup, prior_reward.
-        scale, scale_window: train.prior_scale, prior_scale_window (the advantage scale s above).
-        init: train.prior_init, the initial weights over 1..R_max (normalized); None or [] = the PLN.
+        budget_mean: R̄ (depth.mean), also the PLN initialization's capped mean.
+        sigma: σ of the PLN initialization (depth.sigma).
+        r_max: R_max (depth.cap).
+        lr, entropy_weight, budget_weight, warmup, reward: depth.lr, entropy (λ_H), budget (λ_m),
+            warmup, reward.
+        scale, scale_window: depth.scale, scale_window (the advantage scale s above).
+        init: depth.init, the initial weights over 1..R_max (normalized); None or [] = the PLN.
 
     Raises:
-        ValueError: bad arguments, naming the train.* field.
+        ValueError: bad arguments, naming the depth.* field.
     """
 
     name = "learned"
@@ -257,23 +258,23 @@ class LearnedDepthPrior(DepthSampler):
                  reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1,
                  init: list[float] | None = None):
         if reward not in REWARDS:
-            raise ValueError(f"train.prior_reward: unknown {reward!r}; known: {', '.join(REWARDS)}")
+            raise ValueError(f"depth.reward: unknown {reward!r}; known: {', '.join(REWARDS)}")
         if not lr > 0:
-            raise ValueError(f"train.prior_lr: must be > 0, got {lr}")
+            raise ValueError(f"depth.lr: must be > 0, got {lr}")
         if entropy_weight < 0 or budget_weight < 0:
-            raise ValueError(f"train.prior_entropy/prior_budget: must be >= 0, got "
+            raise ValueError(f"depth.entropy/budget: must be >= 0, got "
                              f"{entropy_weight}/{budget_weight}")
         if warmup < 0:
-            raise ValueError(f"train.prior_warmup: must be >= 0, got {warmup}")
+            raise ValueError(f"depth.warmup: must be >= 0, got {warmup}")
         if not 0 <= baseline_decay < 1:
             raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
         if scale_window < 1:
-            raise ValueError(f"train.prior_scale_window: must be >= 1, got {scale_window}")
+            raise ValueError(f"depth.scale_window: must be >= 1, got {scale_window}")
         pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()  # validates mean/σ/cap
         if init:
             w = np.asarray(init, dtype=np.float64)
             if w.shape != (r_max,) or not (np.isfinite(w) & (w > 0)).all():
-                raise ValueError(f"train.prior_init: need {r_max} finite weights > 0, got {list(init)}")
+                raise ValueError(f"depth.init: need {r_max} finite weights > 0, got {list(init)}")
         init = w / w.sum() if init else pln
         self.r_max, self.budget_mean = int(r_max), float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
@@ -424,13 +425,13 @@ class LearnedDepthPrior(DepthSampler):
         logits = torch.as_tensor(state["logits"], dtype=torch.float64)
         if logits.shape != self.logits.shape:
             raise ValueError(f"learned prior: checkpoint has R_max={logits.numel()}, config has "
-                             f"train.depth_cap={self.r_max}")
+                             f"depth.cap={self.r_max}")
         with torch.no_grad():
             self.logits.copy_(logits)
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline = state["baseline"]
         self.updates = int(state["updates"])
-        self.advantage_scale = float(state.get("advantage_scale", 1.0))  # checkpoints before prior_scale: 1
+        self.advantage_scale = float(state.get("advantage_scale", 1.0))  # checkpoints before depth.scale: 1
         self._scale_history = [list(map(list, upd)) for upd in state.get("scale_history", [])]
         self._obs = []
         self._refresh()
@@ -440,22 +441,18 @@ SAMPLERS = {"fixed": FixedDepth, "uniform": UniformDepth, "pln": PoissonLogNorma
             "learned": LearnedDepthPrior}
 
 
-def build_sampler(cfg: TrainConfig) -> DepthSampler:
-    """The sampler named by ``cfg.depth_sampler``.
+def build_sampler(cfg: DepthConfig) -> DepthSampler:
+    """The sampler of the ``depth`` section ``cfg`` (its class named by ``cfg.NAME``).
 
     Raises:
-        KeyError: unknown sampler name (lists the known ones).
-        ValueError: invalid sampler arguments (names the train.* field).
+        ValueError: invalid sampler arguments (names the depth.* field).
     """
-    if cfg.depth_sampler == "fixed":
+    if cfg.NAME == "fixed":
         return FixedDepth(cfg.depth)
-    if cfg.depth_sampler == "uniform":
-        return UniformDepth(cfg.depth_lo, cfg.depth_hi)
-    if cfg.depth_sampler == "pln":
-        return PoissonLogNormalDepth(cfg.depth_mean, cfg.pln_sigma, cfg.depth_cap)
-    if cfg.depth_sampler == "learned":
-        return LearnedDepthPrior(cfg.depth_mean, cfg.pln_sigma, cfg.depth_cap, lr=cfg.prior_lr,
-                                 entropy_weight=cfg.prior_entropy, budget_weight=cfg.prior_budget,
-                                 warmup=cfg.prior_warmup, reward=cfg.prior_reward, scale=cfg.prior_scale,
-                                 scale_window=cfg.prior_scale_window, init=cfg.prior_init)
-    raise KeyError(f"train.depth_sampler: unknown {cfg.depth_sampler!r}; known: {', '.join(SAMPLERS)}")
+    if cfg.NAME == "uniform":
+        return UniformDepth(cfg.lo, cfg.hi)
+    if cfg.NAME == "pln":
+        return PoissonLogNormalDepth(cfg.mean, cfg.sigma, cfg.cap)
+    return LearnedDepthPrior(cfg.mean, cfg.sigma, cfg.cap, lr=cfg.lr, entropy_weight=cfg.entropy,
+                             budget_weight=cfg.budget, warmup=cfg.warmup, reward=cfg.reward, scale=cfg.scale,
+                             scale_window=cfg.scale_window, init=cfg.init)

@@ -191,7 +191,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
         if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
             sharded_ckpt = ckpt
             cfg, state = load_config(ckpt), load_train_state(ckpt)
-            model = build_model(cfg.model)
+            model = build_model(cfg)
         else:
             model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
             model.final_depth = None  # as built fresh: training sets the readout per forward
@@ -204,7 +204,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
             steps = None  # the saved schedule: an ordinary resume
     elif init_from is not None:
         source, source_cfg, _, source_ckpt = load_checkpoint(init_from)
-        cfg = cfg.replace(model=source_cfg.model)
+        cfg = cfg.replace(model=source.cfg)  # N = K·R as the source resolved it
     tcfg = cfg.train
     check_loggers(tcfg.logger)  # on resume: the saved config's loggers
     if tcfg.num_threads:
@@ -219,7 +219,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
         _check_init_vocab(source_ckpt, source_cfg.model.vocab_size, data)
     if not resume:
         torch.manual_seed(tcfg.seed)
-        model = build_model(cfg.model)
+        model = build_model(cfg)
         if source is not None:
             model.load_state_dict(source.state_dict(), strict=True)  # same config: the same keys and shapes
     model.to(device)
@@ -228,8 +228,8 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
     fsdp = env.enabled and tcfg.distributed == "fsdp"
     n_params = model.num_params()  # before FSDP2 turns parameters into shards
     wrapped = wrap_model(model, tcfg.distributed, env)
-    opt = build_optimizer(wrapped, tcfg)
-    sched = build_scheduler(opt, tcfg)
+    opt = build_optimizer(wrapped, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim, tcfg.steps)
     if sharded_ckpt is not None:
         model_sd, opt_sd = sharded_state(wrapped, opt, saved=sharded_keys(sharded_ckpt))
         loaded = {"model": model_sd, "optimizer": opt_sd}
@@ -241,9 +241,9 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
         if steps is None:
             sched.load_state_dict(state["scheduler"])
         else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
-            sched = build_scheduler(opt, tcfg, start=start_step)
+            sched = build_scheduler(opt, cfg.optim, tcfg.steps, start=start_step)
         set_rng_state(state["rng"])
-    sampler = build_sampler(tcfg)
+    sampler = build_sampler(cfg.depth)
     if state is not None and state.get("depth_prior"):
         sampler.load_state_dict(state["depth_prior"])
     if main:
@@ -280,7 +280,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
         if main:
             plain = unwrap(wrapped)
             if fsdp:
-                plain = build_model(cfg.model)
+                plain = build_model(cfg)
                 plain.load_state_dict(model_sd, strict=True)
             save_checkpoint(out, step, plain, cfg, train_state={**train_state, "optimizer": opt_sd},
                             tokenizer_json=data.tokenizer_json)
@@ -320,7 +320,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
                 observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
                 for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
                     extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), tcfg.grad_clip or math.inf))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip or math.inf))
             lr = sched.get_last_lr()[0]
             loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
             keep = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -355,7 +355,7 @@ def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data
                     f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
                     f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm}); each was skipped, and "
                     f"train.max_nonfinite_steps={tcfg.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
-                    f"weights): {newest or 'none'}. Lower train.lr, raise train.warmup_steps or set train.grad_clip")
+                    f"weights): {newest or 'none'}. Lower optim.lr, raise optim.warmup_steps or set optim.grad_clip")
     end_step = fit.end
     wall = time.time() - t_start
     summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "skipped_steps": skipped,
