@@ -16,13 +16,13 @@ model's training depth and at the best T, seed means, k ≤ k_train), the paired
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from pathlib import Path
 from typing import Callable
 
 from looplm.analysis.claims import depth_use_cell, diagnose_sections, mean_std_cell, paired_claim, validation_curves
 from looplm.analysis.store import ResultStore
+from looplm.config import Config
 
 HERE = Path(__file__).resolve().parent
 SWEEPS = {"scse": "depth-testbed-scse", "lmdr": "depth-testbed-lmdr", "deeploop": "depth-testbed-deeploop",
@@ -45,9 +45,7 @@ class Sweep:
             return
         with ResultStore(db, readonly=True) as store:
             for run in store.runs(SWEEPS[name]):
-                t = run.config["train"]
-                self.train_depth[run.variant] = (t["depth"] if t["depth_sampler"] == "fixed" else t["depth_hi"]
-                                                 if t["depth_sampler"] == "uniform" else math.ceil(t["depth_mean"]))
+                self.train_depth[run.variant] = Config.from_dict(run.config).depth.nominal_depth()
                 cell = self.cells.setdefault(run.variant, {})
                 for r in store.evaluations(config_hash=run.config_hash, seed=run.seed):
                     k = int(r["dataset"].rsplit("-k", 1)[1]) if "-k" in r["dataset"] else ""
