@@ -1,7 +1,9 @@
 """Rewrite every committed config, sweep file and results identity from config format 2 (a flat ``train``
-section) into format 3 (the typed sections ``depth``, ``optim`` and ``train.gradient``). Run it once from the
-repository root: ``python scripts/rewrite_configs.py``. Idempotent: it transforms only what is in the old
-shape (a config dict with ``format_version`` 2, an override key of :data:`KEYS`).
+section) into format 3 (the typed sections ``depth``, ``optim`` and ``train.gradient``), and the distill and RL
+configs into their ``optim`` sections (a student record of format 1: :func:`rewrite_student`; the options of an
+RL run: :func:`rewrite_rl`). Run it once from the repository root: ``python scripts/rewrite_configs.py``.
+Idempotent: it transforms only what is in the old shape (a config dict with ``format_version`` 2, an override
+key of :data:`KEYS`, a student record of format 1, RL options without ``optim``).
 
 It rewrites, in place: the sweep files' override keys (``"train.depth_sampler"`` → ``"depth.sampler"``, …);
 every config dict in ``experiments/**/*.json`` (with the ``config_hash`` beside it, and the override keys of
@@ -19,6 +21,8 @@ import subprocess
 from pathlib import Path
 
 from looplm.analysis.store import _canonical, config_hash, config_identity
+from looplm.distill.config import STUDENT_KIND, DistillConfig
+from looplm.rl.config import RLConfig
 from looplm.config import (DEPTH_SAMPLERS, FORMAT_VERSION, RULE_OPTIONS, Config, DataConfig, DepthConfig, ModelConfig,
                            OptimConfig, TrainConfig, build_choice)
 
@@ -63,6 +67,31 @@ def rewrite(d: dict) -> dict:
                   train=TrainConfig.from_dict(dict(items)), name=d["name"]).to_dict()
 
 
+#: RL options (``rl_options()``) → their ``optim`` field; the rest kept RL's defaults (no weight decay, β2 0.98)
+RL_OPTIM = {"lr": "lr", "warmup": "warmup_steps", "grad_clip": "grad_clip"}
+
+
+def rewrite_rl(d: dict) -> dict:
+    """The flat options of an RL run (``rl_config.json`` adds ``source``) as an :class:`RLConfig` dict."""
+    if "optim" in d:
+        return d
+    d = dict(d)
+    assert d.pop("optimizer", "adamw") == "adamw", "the SGD option is gone"
+    optim = RLConfig().optim.replace(**{new: d.pop(old) for old, new in RL_OPTIM.items()})
+    source = {"source": d.pop("source")} if "source" in d else {}
+    d.update(task=d["task"] or "", digits=d["digits"] or 0, optim=optim.to_dict())
+    return {**RLConfig.from_dict(d).to_dict(), **source}
+
+
+def rewrite_student(d: dict) -> dict:
+    """A student record of format 1 (flat optimizer fields in ``distill``) as format 2 (an ``optim`` section)."""
+    if d["format_version"] == 2:
+        return d
+    distill = dict(d["distill"])
+    optim = {k: distill.pop(k) for k in OPTIM}
+    return {**d, "format_version": 2, "distill": DistillConfig.from_dict({**distill, "optim": optim}).to_dict()}
+
+
 def rekey(grid: dict) -> dict:
     """An override dict with the old keys renamed (``train.gradient_steps = 0`` of bptt dropped)."""
     if grid.get("train.gradient") == "bptt" and grid.get("train.gradient_steps", 0) == 0:
@@ -74,6 +103,10 @@ def walk(obj, moves: dict[str, str]):
     """Rewrite every config dict inside ``obj``, the ``config_hash`` next to it (recomputed, or mapped by
     ``moves`` where no config is beside it) and the keys of every ``grid``."""
     if isinstance(obj, dict):
+        if obj.get("kind") == STUDENT_KIND:
+            return rewrite_student(obj)
+        if "neumann_steps" in obj and "method" in obj:
+            return rewrite_rl(obj)
         if "format_version" in obj and "model" in obj:
             return rewrite(obj)
         out = {k: walk(v, moves) for k, v in obj.items()}
@@ -140,7 +173,8 @@ def main() -> None:
             new = rewrite_toml(text)
             if new != text:
                 p.write_text(new)
-        elif p.suffix == ".json" and ('"format_version"' in (text := p.read_text()) or '"config_hash"' in text):
+        elif p.suffix == ".json" and any(k in (text := p.read_text()) for k in ('"format_version"', '"config_hash"',
+                                                                                 '"neumann_steps"')):
             data = walk(json.loads(text), moves)
             new = json.dumps(data, indent=2 if text.startswith("{\n  ") else None, ensure_ascii=False)
             new += "\n" * text.endswith("\n")

@@ -160,6 +160,17 @@ def test_distill_config_validation():
         DistillConfig(init="copy")
     with pytest.raises(ConfigError, match="distill.n_blocks"):
         DistillConfig(n_blocks=0)
+    with pytest.raises(ConfigError, match="optim.lr: must be > 0"):
+        DistillConfig(optim={"lr": 0.0})
+    cfg = DistillConfig().with_overrides({"distill.n_blocks": "3", "optim.lr": "2e-3"})
+    assert (cfg.n_blocks, cfg.optim.lr, cfg.optim.warmup_steps) == (3, 2e-3, 20)  # distill's own optim defaults
+    assert DistillConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ConfigError, match=r"distill.n_block: unknown field \(did you mean n_blocks\?\)"):
+        cfg.with_overrides({"distill.n_block": "3"})
+    with pytest.raises(ConfigError, match="optim.warmup: unknown field"):
+        cfg.with_overrides({"optim.warmup": "3"})
+    with pytest.raises(ConfigError, match="optim: missing"):
+        DistillConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "optim"})
 
 
 # --------------------------------------------------------------------------- eq. 4
@@ -220,7 +231,8 @@ TEACHER_CFG = Config(
     data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=512),
     depth=FixedDepthConfig(depth=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
     train=TrainConfig(steps=8, batch_size=4, eval_every=0, eval_batches=2, eval_depth=3, ckpt_every=0, device="cpu"))
-SMALL = dict(steps=6, batch_size=4, eval_every=3, eval_batches=2, ckpt_every=3, sigma_batches=2, lr=3e-3)
+SMALL = dict(steps=6, batch_size=4, eval_every=3, eval_batches=2, ckpt_every=3, sigma_batches=2,
+             optim=OptimConfig(lr=3e-3, warmup_steps=20))
 
 
 @pytest.fixture(scope="module")
@@ -406,14 +418,19 @@ def test_cli_distill_eval_and_generate(teacher_run, student_run, tmp_path, capsy
     assert "use --kv-cache terminal" in capsys.readouterr().err
     # a fresh CLI run: options come from DistillConfig; a second run into the same folder is refused
     run = tmp_path / "stu"
-    assert main(["distill", "--checkpoint", str(teacher_run), "--out", str(run), "--steps", "2", "--batch-size", "2",
-                 "--sigma-batches", "1", "--eval-every", "0", "--init", "random", "--kl-weight", "0", "--quiet"]) == 0
+    assert main(["distill", "--checkpoint", str(teacher_run), "--out", str(run), "--distill.steps", "2",
+                 "--distill.batch_size", "2", "--distill.sigma_batches", "1", "--distill.eval_every", "0",
+                 "--distill.init", "random", "--distill.kl_weight", "0", "--optim.lr", "2e-3", "--quiet"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["completed_steps"] == 2 and "val_kl" in summary
+    from looplm.run.checkpoint import newest_valid_checkpoint
+
+    saved = json.loads((newest_valid_checkpoint(run) / "config.json").read_text())["distill"]
+    assert (saved["optim"]["lr"], saved["init"]) == (2e-3, "random")
     assert main(["distill", "--checkpoint", str(teacher_run), "--out", str(run), "--quiet"]) == 2
     assert "already holds a student" in capsys.readouterr().err
-    assert main(["distill", "--checkpoint", str(teacher_run), "--out", str(run), "--quiet", "--hidden-weight", "0",
-                 "--kl-weight", "0"]) == 2
+    assert main(["distill", "--checkpoint", str(teacher_run), "--out", str(run), "--quiet", "--distill.hidden_weight",
+                 "0", "--distill.kl_weight", "0"]) == 2
 
 
 def test_bench_prefill_case_quick():

@@ -89,3 +89,27 @@ def test_sweep_keys_are_renamed_once():
     rekeyed = rewrite_configs.rekey(grid)
     assert rekeyed == {"train.gradient.kind": "bptt", "optim.lr": 1e-3, "train.seed": 1}
     assert rewrite_configs.rekey(rekeyed) == rekeyed
+
+
+def test_rl_options_and_student_records_get_their_optim_section():
+    """The options of a stored RL run (experiments/lmdr-rl/results/reuse-s0.json before the rewrite, verbatim)
+    and a format-1 student record (flat optimizer fields) rewritten into their ``optim`` sections, once."""
+    from looplm.distill.config import DistillConfig, StudentRecord
+    from looplm.rl.config import RLConfig
+
+    old = {"method": "reuse", "depth": 6, "neumann_steps": 4, "group_size": 16, "prompts_per_update": 8,
+           "updates": 300, "train_problems": 0, "optimizer": "adamw", "lr": 5e-05, "warmup": 10, "temperature": 1.0,
+           "reward": "exact_match", "seed": 0, "task": "addition", "digits": 3, "eval_problems": 500,
+           "eval_samples": 8, "eval_seed": 0, "compare_every": 10, "ckpt_every": 25, "grad_clip": 1.0}
+    new = rewrite_configs.rewrite_rl(old)
+    assert new == RLConfig(group_size=16, prompts_per_update=8, updates=300, task="addition", digits=3,
+                           optim=OptimConfig(lr=5e-5, warmup_steps=10, min_lr_ratio=1.0, weight_decay=0.0,
+                                             beta2=0.98)).to_dict()
+    assert rewrite_configs.rewrite_rl(new) == new
+    flat = {**{k: v for k, v in DistillConfig().to_dict().items() if k != "optim"}, "lr": 3e-3, "min_lr_ratio": 0.1,
+            "warmup_steps": 20, "schedule": "cosine", "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0}
+    teacher = {"fingerprint": "f", "checkpoint": "c", "name": "n", "rule": "huginn_linear", "d_model": 8, "n_core": 2}
+    record = {"kind": "looplm-student", "format_version": 1, "distill": flat, "teacher": teacher, "sigma2": 1.0}
+    student = rewrite_configs.walk(record, {})
+    assert StudentRecord.from_dict(student).distill == DistillConfig(optim=OptimConfig(lr=3e-3, warmup_steps=20))
+    assert rewrite_configs.walk(student, {}) == student

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from looplm.generate import generate
 from looplm.model import build_model
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, dr_grpo_loss, flat_grad, group_advantages, pack,
                             pass_at_k, sample_rollouts, score, update_gradient)
+from looplm.rl.config import RewardName, RLConfig, UpdateMethod
 from looplm.rl.rewards import REWARDS, exact_match, get_reward, numeric
 from looplm.rl.task import CHARS, NEWLINE_ID, VOCAB, AdditionTask, decode, encode, tokenizer
 from looplm.model.cursor import NLL, Readout
@@ -223,13 +225,33 @@ def test_training_problems_fresh_or_a_fixed_set_visited_once_per_epoch():
     from looplm.rl.runner import training_problems
 
     task = AdditionTask(digits=2)
-    fresh = dict(prompts_per_update=4, train_problems=0, seed=0)
+    fresh = RLConfig(prompts_per_update=4, train_problems=0, seed=0)
     assert training_problems(task, fresh, 3) == task.problems(4, "rl", 0, 3) != training_problems(task, fresh, 4)
-    fixed = dict(prompts_per_update=4, train_problems=10, seed=0)
+    fixed = RLConfig(prompts_per_update=4, train_problems=10, seed=0)
     epoch0 = [p for u in range(5) for p in training_problems(task, fixed, u)][:10]  # updates 0-2 and half of 3
     pool = task.problems(10, "rl-set", 0)
     assert sorted(p.prompt for p in epoch0) == sorted(p.prompt for p in pool)  # each problem once per epoch
-    assert training_problems(task, fixed, 7) == training_problems(task, dict(fixed), 7)
+    assert training_problems(task, fixed, 7) == training_problems(task, fixed.replace(), 7)
+
+
+def test_rl_config_optim_warms_up_then_holds_the_lr():
+    """RL's optim section (the shared AdamW): no weight decay, betas (0.9, 0.98), lr·min(1, (u + 1)/warm-up)."""
+    from looplm.config import ConfigError
+    from looplm.train.optim import Optimization
+
+    cfg = RLConfig()
+    model = torch.nn.Linear(3, 2)
+    optim = Optimization(model, cfg.optim, cfg.updates)
+    lrs = []
+    for _ in range(30):
+        model(torch.ones(1, 3)).sum().backward()
+        lrs.append(optim.step(1.0)[1])
+    assert lrs == [cfg.optim.lr * min(1.0, (u + 1) / cfg.optim.warmup_steps) for u in range(30)]
+    assert all(g["weight_decay"] == 0.0 and g["betas"] == (0.9, 0.98) for g in optim.opt.param_groups)
+    with pytest.raises(ConfigError, match="rl.group_size: Dr. GRPO needs >= 2"):
+        RLConfig(group_size=1)
+    with pytest.raises(ConfigError, match="rl.method: got 'sgd'"):
+        cfg.with_overrides({"rl.method": "sgd"})
 
 
 def test_rewards():
@@ -237,6 +259,7 @@ def test_rewards():
     assert numeric("0357", "357") == numeric("357.0", "357") == numeric("= 357 apples", "357") == 1.0
     assert numeric("1,024", "1024") == 1.0 and numeric("356", "357") == 0.0 and numeric("", "357") == 0.0
     assert set(REWARDS) == {"exact_match", "numeric"} and get_reward("numeric") is numeric
+    assert get_args(RewardName) == tuple(REWARDS) and get_args(UpdateMethod) == UPDATE_METHODS  # config = registry
     with pytest.raises(ValueError, match="known: exact_match, numeric"):
         get_reward("f1")
 
@@ -255,9 +278,9 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     assert main(["rl", "pretrain", "--out", str(base), "--digits", "2", "--train-records", "400", "--quiet",
                  *tiny]) == 0
     assert json.loads((base / "task.json").read_text())["digits"] == 2
-    opts = ["--depth", "3", "--neumann-steps", "2", "--group-size", "2", "--prompts-per-update", "2",
-            "--updates", "3", "--eval-problems", "3", "--eval-samples", "2", "--compare-every", "2",
-            "--ckpt-every", "1", "--lr", "1e-2", "--quiet"]
+    opts = ["--rl.depth", "3", "--rl.neumann_steps", "2", "--rl.group_size", "2", "--rl.prompts_per_update", "2",
+            "--rl.updates", "3", "--rl.eval_problems", "3", "--rl.eval_samples", "2", "--rl.compare_every", "2",
+            "--rl.ckpt_every", "1", "--optim.lr", "1e-2", "--quiet"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert main(["rl", "train", "--checkpoint", str(base), "--out", str(full), *opts]) == 0
     assert main(["rl", "train", "--checkpoint", str(base), "--out", str(cut), "--stop-after", "2", *opts]) == 0
@@ -271,7 +294,7 @@ def test_rl_cli_pretrain_train_resume_eval(tmp_path, capsys, poison):
     shutil.copytree(cut, hostile)
     poison.train_state(newest_valid_checkpoint(hostile), tmp_path / "ran")
     capsys.readouterr()
-    assert main(["rl", "train", "--out", str(hostile), "--resume", "--updates", "4", "--quiet"]) == 2
+    assert main(["rl", "train", "--out", str(hostile), "--resume", "--rl.updates", "4", "--quiet"]) == 2
     assert "refused" in capsys.readouterr().err and not (tmp_path / "ran").exists()
     res = json.loads((full / "results.json").read_text())
     assert res["updates"] == 3 and res["compare"]["updates"] == [1, 3]
@@ -323,10 +346,11 @@ def test_all_zero_rewards_say_why_the_cosines_are_null(tmp_path):
     rec = {"update": 1, "reward": 0.0, "rollout_s": 0.1, "update_s": 0.1, "generated_tokens": 4, "state_bytes": 0,
            "state_positions": 0, "compare": cmp}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
-    res = summarize_run(tmp_path, {}, {}, {}, source=Path("base"), params=1)["compare"]
+    res = summarize_run(tmp_path, RLConfig(), {}, {}, source=Path("base"), params=1)["compare"]
     assert set(res["cos_median"].values()) == {None}
     assert res["cos_null_reason"].startswith("1 of 1 compared updates had a zero gradient") and "all 0" in \
         res["cos_null_reason"]
     rec["compare"] = {**cmp, "grad_norm": {m: 1.0 for m in cmp["grad_norm"]}}  # a nonzero gradient: no reason
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
-    assert summarize_run(tmp_path, {}, {}, {}, source=Path("base"), params=1)["compare"]["cos_null_reason"] is None
+    res = summarize_run(tmp_path, RLConfig(), {}, {}, source=Path("base"), params=1)["compare"]
+    assert res["cos_null_reason"] is None

@@ -28,14 +28,14 @@ for t in learned fixed5; do
   cp $RUNS/$t/summary.json $RES/train_$t.json
   looplm eval ppl --checkpoint $RUNS/$t --depths 1,2,3,4,5,6,8,16 --split valid --quiet --out $RES/ppl_$t.json > /dev/null
   # the student: 2 blocks from the teacher core, hidden + KL, a quarter of the teacher's tokens
-  [ -f $RUNS/$t/student/summary.json ] || looplm distill --checkpoint $RUNS/$t --num-threads 1 --quiet > /dev/null
+  [ -f $RUNS/$t/student/summary.json ] || looplm distill --checkpoint $RUNS/$t --distill.num_threads 1 --quiet > /dev/null
   cp $RUNS/$t/student/summary.json $RES/distill_$t.json
   cp $RUNS/$t/student/metrics.jsonl $RES/distill_${t}_metrics.jsonl
 done
 # LMDR's init ablation on the LMDR-style teacher: a randomly initialized student, same loss and budget
 t=learned
 [ -f $RUNS/$t/student-random/summary.json ] || looplm distill --checkpoint $RUNS/$t --out $RUNS/$t/student-random \
-  --init random --num-threads 1 --quiet > /dev/null
+  --distill.init random --distill.num_threads 1 --quiet > /dev/null
 cp $RUNS/$t/student-random/summary.json $RES/distill_${t}_random.json
 cp $RUNS/$t/student-random/metrics.jsonl $RES/distill_${t}_random_metrics.jsonl
 for t in learned fixed5; do

@@ -15,14 +15,15 @@ if [ ! -f $BASE/summary.json ]; then
 fi
 cp $BASE/summary.json $EXP/results/pretrain_summary.json
 [ -f $EXP/results/base_eval.json ] || looplm rl eval --checkpoint $BASE --problems 500 --samples 8 --out $EXP/results/base_eval.json --quiet
-COMMON=(--depth 6 --neumann-steps 4 --group-size 16 --prompts-per-update 8 --updates ${UPDATES:-300} --lr ${LR:-5e-5} --warmup 10
-        --compare-every 10 --eval-problems 500 --eval-samples 8 --quiet)
+COMMON=(--rl.depth 6 --rl.neumann_steps 4 --rl.group_size 16 --rl.prompts_per_update 8 --rl.updates ${UPDATES:-300}
+        --optim.lr ${LR:-5e-5} --optim.warmup_steps 10 --rl.compare_every 10 --rl.eval_problems 500 --rl.eval_samples 8
+        --quiet)
 for seed in ${SEEDS:-0 1 2}; do
   for method in ${METHODS:-bptt recompute reuse}; do
     out=$RUNS/$method-s$seed
     if [ ! -f $out/results.json ]; then
       if [ -d $out/checkpoints ]; then looplm rl train --out $out --resume --quiet > /dev/null
-      else looplm rl train --checkpoint $BASE --out $out --method $method --seed $seed "${COMMON[@]}" > /dev/null; fi
+      else looplm rl train --checkpoint $BASE --out $out --rl.method $method --rl.seed $seed "${COMMON[@]}" > /dev/null; fi
     fi
     cp $out/results.json $EXP/results/$method-s$seed.json
     cp $out/metrics.jsonl $EXP/results/$method-s$seed.metrics.jsonl

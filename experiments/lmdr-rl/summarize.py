@@ -73,7 +73,7 @@ def main() -> None:
              f"addition, {before['problems']} held-out problems, {k} samples each at T = {opts['temperature']} "
              f"(pass@1 and pass@{k}, unbiased estimator) and greedy; R = {opts['depth']}, b = {b}, "
              f"G = {opts['group_size']} responses × P = {opts['prompts_per_update']} prompts per update, "
-             f"{opts['updates']} updates, lr {opts['lr']}, seeds "
+             f"{opts['updates']} updates, lr {opts['optim']['lr']}, seeds "
              f"{sorted({r['seed'] for rs in runs.values() for r in rs})}. Model: {any_run['params']:,} parameters.", "",
              f"Depth use (issue 24): pass@1 at R = 1, at the training R = {R} and at the best R, from the "
              f"evaluations stored (at R = {', '.join(map(str, stored))}); – where R = 1 or R = {R} was not "

@@ -10,7 +10,7 @@ subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule r
 ``--model.options.FIELD VALUE``. The same pattern holds the depth sampler (section ``depth``, one class per
 ``depth.sampler``, :data:`DEPTH_SAMPLERS`) and the gradient estimator (``train.gradient``, one class per
 ``train.gradient.kind``): changing the variant carries the same-named fields over, and a field the variant
-does not read is an error. ``optim`` (the optimizer) is shared with distillation. No section rewrites
+does not read is an error. ``optim`` (the optimizer) is shared with distill and rl. No section rewrites
 another: values derived across sections (N = K·R of the post-LN family) are resolved where they are used.
 A config file (``config.json``, format 3) gives every field.
 
@@ -997,7 +997,7 @@ _DEFAULT_VARIANT: dict[type, str] = {DepthConfig: "uniform", GradientConfig: "bp
 # ---------------------------------------------------------------- optimizer (SPEC §5)
 @dataclass(frozen=True)
 class OptimConfig(_Base):
-    """AdamW and its learning-rate schedule (SPEC §5); one section shared by train and distill."""
+    """AdamW and its learning-rate schedule (SPEC §5); one section shared by train, distill and rl."""
 
     _prefix = "optim."
     lr: float = _f(3e-4, "peak learning rate")
@@ -1022,6 +1022,77 @@ class OptimConfig(_Base):
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, p + name, f"must be in [0, 1), got {getattr(self, name)}")
         _check(self.grad_clip >= 0, p + "grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+def section_field(default: Any, help: str) -> Any:
+    """A :class:`RunSection` field: its default and its ``--help`` text."""
+    return _f(default, help)
+
+
+@dataclass(frozen=True)
+class RunSection(_Base):
+    """The config of a run other than ``train`` (``distill``, ``rl train``): its own fields, overridden as
+    ``--PREFIX.FIELD`` (``_prefix``, e.g. ``distill.``), and an ``optim`` section (``--optim.FIELD``), which a
+    subclass declares with its own defaults. Every field is type-checked on construction, then :meth:`validate`."""
+
+    def __post_init__(self) -> None:
+        if isinstance(getattr(self, "optim", None), dict):
+            object.__setattr__(self, "optim", OptimConfig(**self.optim))
+        _check(isinstance(getattr(self, "optim", None), OptimConfig), "optim", "must be an optimizer config")
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks of the own fields (each :meth:`require`), after the type checks."""
+
+    def require(self, cond: bool, name: str, msg: str) -> None:
+        """Raises ConfigError ``PREFIX.name: msg`` unless ``cond``."""
+        _check(cond, self._prefix + name, msg)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """Build from a complete dict, as ``to_dict`` writes it.
+
+        Raises:
+            ConfigError: an unknown or missing field (in ``optim`` too), or a bad value; the message names it.
+        """
+        cls._check_keys(d)
+        _check(isinstance(d["optim"], dict), "optim", "must be a JSON object")
+        return cls(**{**d, "optim": OptimConfig.from_dict(d["optim"])})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+    def with_overrides(self, overrides: dict[str, Any]):
+        """This config with ``{"PREFIX.FIELD" or "optim.FIELD": value}`` applied (strings parsed to the field's type).
+
+        Raises:
+            ConfigError: an unknown section or field (with the closest known name), or a bad value.
+        """
+        d = self.to_dict()
+        own = self._prefix[:-1]
+        for key, value in overrides.items():
+            section, _, name = key.partition(".")
+            if section not in (own, "optim"):
+                raise _unknown(section, "section", [own, "optim"])
+            cls, target = (OptimConfig, d["optim"]) if section == "optim" else (type(self), d)
+            names = [n for n in cls.field_names() if n != "optim"]
+            if name not in names:
+                raise _unknown(key, "field", names)
+            target[name] = _parse(typing.get_type_hints(cls)[name], key, value) if isinstance(value, str) else value
+        return type(self).from_dict(d)
+
+    @classmethod
+    def fields_help(cls) -> list[tuple[str, str, Any]]:
+        """``(key, help, default)`` of every field, ``PREFIX.FIELD`` then ``optim.FIELD`` (for ``--help``)."""
+        default = cls()
+        return [(f"{prefix}{f.name}", f.metadata.get("help", ""), getattr(obj, f.name))
+                for prefix, obj in ((cls._prefix, default), ("optim.", default.optim))
+                for f in dataclasses.fields(obj) if f.name != "optim"]
 
 
 @dataclass(frozen=True)

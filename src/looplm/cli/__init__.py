@@ -133,14 +133,12 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("rl pretrain", "looplm.rl.runner:pretrain_task", "pretrain a small looped model on a verifiable task "
         "(looplm's trainer on the task's stream)", config="looplm.rl.runner:PRETRAIN_CONFIG",
         opts={"task": _TASK, "out": Opt(default=None, help="run directory (required unless --print_config)")}),
-    Cmd("rl train", "looplm.rl.runner:rl_options", "Dr. GRPO post-training with full BPTT, recompute + Neumann-b or "
-        "rollout-state reuse + Neumann-b", run=_C + "rl_train",
-        opts={**_RL, "method": Opt(choices=_rl_choices("looplm.rl.grpo", "UPDATE_METHODS")),
-              "optimizer": Opt(type=str, choices=("adamw", "sgd"))}),
+    Cmd("rl train", _C + "rl_train", "Dr. GRPO post-training with full BPTT, recompute + Neumann-b or "
+        "rollout-state reuse + Neumann-b", config="looplm.rl.config:RLConfig"),
     Cmd("rl eval", "looplm.rl.runner:rl_eval_checkpoint", "pass@1 / pass@k and greedy accuracy on the task's held-out "
         "problems", report=True, opts=_RL),
-    Cmd("distill", "looplm.distill.config:DistillConfig", "train a distilled-prefill student for a looped teacher "
-        "(LMDR eq. 4)", run=_C + "distill"),
+    Cmd("distill", _C + "distill", "train a distilled-prefill student for a looped teacher (LMDR eq. 4)",
+        config="looplm.distill.config:DistillConfig"),
 )
 COMMAND = {c.name: c for c in COMMANDS}
 
@@ -189,8 +187,10 @@ def _add_config_args(p: argparse.ArgumentParser, base: str) -> None:
                    + ("a preset" if base == "preset" else "the built-in one"))
     p.add_argument("--print_config", "--print-config", action="store_true",
                    help="print the resolved config (base, then overrides) as JSON and exit")
+    section = None if base == "preset" else _resolve(base)
+    fields = section.fields_help() if isinstance(section, type) else None  # a RunSection (distill, rl train)
     p.config_help = (config_help if base == "preset" else
-                     lambda: config_help("the built-in config (`--print_config` shows it) or --config"))
+                     lambda: config_help("the built-in config (`--print_config` shows it) or --config", fields))
 
 
 def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
@@ -201,9 +201,11 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     if args.config and preset:
         raise ConfigError("--preset and --config: give one starting config, not both (--config FILE.json "
                           "already holds a whole config)")
+    base = None if args._cmd.config == "preset" else _resolve(args._cmd.config)
+    base = base() if isinstance(base, type) else base  # a RunSection class: its defaults
     if args.config:
         try:
-            cfg = Config.from_json(args.config.read_text())
+            cfg = (Config if base is None else type(base)).from_json(args.config.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--config {args.config}: {exc}") from None
     elif args._cmd.config == "preset":
@@ -211,10 +213,10 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
 
         cfg = get_preset(preset or "cpu")
     else:
-        cfg = _resolve(args._cmd.config)
+        cfg = base
     overrides = dict(overrides, **({"name": args.name} if getattr(args, "name", None) else {}))
     try:
-        return apply_overrides(cfg, overrides)
+        return apply_overrides(cfg, overrides) if isinstance(cfg, Config) else cfg.with_overrides(overrides)
     except ConfigError as exc:
         msg = str(exc)
         key = msg.split(":", 1)[0]
@@ -294,7 +296,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         options["cfg"] = cfg
         if "overrides" in inspect_params(func):
             options["overrides"] = overrides
-        if "out" in vars(args) and args.out is None:
+        if "out" in vars(args) and args.out is None and hasattr(cfg, "train"):  # distill: a default --out
             leaf.error("the following arguments are required: --out")
         ignored = [k for k in overrides if k != "train.steps"]  # train.steps: train a finished run on to it
         if getattr(args, "resume", False) and (ignored or args.config):
@@ -334,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         leaf = args._parser
         key = "--" + next(iter(overrides))
         leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train`, "
-                   f"`looplm info` and `looplm rl pretrain`){suggest(key, option_strings(leaf))}")
+                   f"`looplm info`, `looplm rl pretrain`, `looplm rl train` and `looplm distill`)"
+                   f"{suggest(key, option_strings(leaf))}")
     args.config_overrides = overrides
     try:
         return int(_run(args, overrides) or 0)

@@ -275,30 +275,28 @@ def import_model(func: Callable[..., dict], options: dict[str, Any]) -> int:
     return 0
 
 
-def rl_train(func: Callable[..., dict], options: dict[str, Any], *, checkpoint: Path | None = None, out: OutDir,
-             device: str = "cpu", resume: bool = False, stop_after: int | None = None, progress: bool = True) -> int:
-    """Dr. GRPO from ``checkpoint`` into ``out`` with the rl options.
+def rl_train(cfg: Any, *, checkpoint: Path | None = None, out: OutDir, device: str = "cpu", resume: bool = False,
+             stop_after: int | None = None, progress: bool = True) -> int:
+    """Dr. GRPO from ``checkpoint`` into ``out`` with the config ``cfg`` (``--rl.FIELD``, ``--optim.FIELD``).
 
     Args:
         checkpoint: the starting checkpoint or run (e.g. a `looplm rl pretrain` run); not needed with --resume
         out: the RL run directory
-        resume: continue from the newest valid checkpoint in --out, with the options saved there
+        resume: continue from the newest valid checkpoint in --out, with the config saved there
         stop_after: stop with a checkpoint after N updates of this invocation (continue with --resume)
     """
     from looplm.rl.runner import rl_train as run
 
     if checkpoint is None and not resume:
         raise UsageError("the following arguments are required: --checkpoint (unless --resume)")
-    if resume:
-        print(f"looplm rl train: --resume continues with the options saved in {out}", file=sys.stderr)
-    print(json.dumps(run(checkpoint, out, resume=resume, stop_after=stop_after, progress=progress, device=device,
-                         **options), indent=2))
+    print(json.dumps(run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress,
+                         device=device), indent=2))
     return 0
 
 
-def distill(func: Callable[..., Any], options: dict[str, Any], *, checkpoint: Path, out: OutDir | None = None,
-            resume: bool = False, stop_after: int | None = None, progress: bool = True) -> int:
-    """Train a student for teacher ``checkpoint`` with the config ``func(**options)``.
+def distill(cfg: Any, *, checkpoint: Path, out: OutDir | None = None, resume: bool = False,
+            stop_after: int | None = None, progress: bool = True) -> int:
+    """Train a student for teacher ``checkpoint`` with the config ``cfg`` (``--distill.FIELD``, ``--optim.FIELD``).
 
     Args:
         checkpoint: the teacher: run directory or checkpoint
@@ -310,6 +308,5 @@ def distill(func: Callable[..., Any], options: dict[str, Any], *, checkpoint: Pa
     from looplm.distill.train import distill as run
 
     out = out or prepare_out_dir(default_student_dir(checkpoint), "--out")
-    print(json.dumps(run(checkpoint, out, func(**options), resume=resume, stop_after=stop_after, progress=progress),
-                     indent=2))
+    print(json.dumps(run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress), indent=2))
     return 0

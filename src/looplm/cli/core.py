@@ -492,18 +492,19 @@ def config_keys() -> list[str]:
         return []
 
 
-def config_help(start: str = "--preset or --config") -> str:
+def config_help(start: str = "--preset or --config", fields: list[tuple[str, str, Any]] | None = None) -> str:
     """The config-field part of ``looplm train --help`` / ``looplm info --help``.
 
     Args:
         start: what the overrides apply on top of (``rl pretrain``: its built-in config, not a preset).
+        fields: ``(key, help, default)`` of each field (default: :func:`config_fields`).
     """
     width = max(60, min(shutil.get_terminal_size().columns, 120) - 2)
     lines = textwrap.wrap(f"config fields (override any as --SECTION.FIELD VALUE, on top of {start}; "
                           "the config parses and checks the value; [the base default, which that starting "
                           "config may change]):", width)
     section = None
-    for key, help_text, default in config_fields():
+    for key, help_text, default in config_fields() if fields is None else fields:
         sec = key.split(".")[0]
         if sec != section:
             section = sec

@@ -151,7 +151,8 @@ DESCRIPTIONS: dict[str, str] = {
         'weighted (0 = off). The teacher is frozen; data are windows of its training corpus; the default budget '
         'is a quarter of its training tokens. Checkpoints (atomic, resumable) go to --out, by default student/ '
         "next to the teacher's run; they record the teacher's weights fingerprint, and loading the student with "
-        'another teacher is an error. Then: `looplm generate --prefill distilled`, `looplm eval distill`.'),
+        'another teacher is an error. Then: `looplm generate --prefill distilled`, `looplm eval distill`. '
+        'Config fields: --distill.FIELD and --optim.FIELD.'),
     'export': (
         'Write a checkpoint (or run directory) as a Hugging Face folder: config.json (model_type looplm, '
         'auto_map, the looplm config), model.safetensors, generation_config.json, tokenizer.json + '
@@ -172,14 +173,16 @@ DESCRIPTIONS: dict[str, str] = {
         'is overridable as --SECTION.FIELD VALUE.'),
     'rl train': (
         'Dr. GRPO (group-relative advantages without std normalization, no per-response length normalization, one'
-        ' policy update per batch) from --checkpoint on its task: every update samples --group-size responses for'
-        ' each of --prompts-per-update training problems at depth --depth with the KV cache, saving each '
-        "position's depth-R state, rewards them with --reward and updates with --method: bptt (re-score through "
-        'all R recurrences with gradient), recompute (R recurrences without gradient, then --neumann-steps b '
-        'with) or reuse (b recurrences from the saved rollout states, no replay). Reports per update the scoring '
-        "+ backward time, reward and, every --compare-every updates, all three methods' times and gradient "
-        'cosines on the same batch; pass@1 / pass@k on the held-out problems before and after. Writes '
-        'metrics.jsonl, results.json and rl.png into --out, with atomic checkpoints (--resume continues exactly).'),
+        ' policy update per batch) from --checkpoint on its task: every update samples --rl.group_size responses'
+        ' for each of --rl.prompts_per_update training problems at depth --rl.depth with the KV cache, saving each '
+        "position's depth-R state, rewards them with --rl.reward and updates with --rl.method: bptt (re-score "
+        'through all R recurrences with gradient), recompute (R recurrences without gradient, then '
+        '--rl.neumann_steps b with) or reuse (b recurrences from the saved rollout states, no replay). Reports '
+        "per update the scoring + backward time, reward and, every --rl.compare_every updates, all three methods' "
+        'times and gradient cosines on the same batch; pass@1 / pass@k on the held-out problems before and '
+        'after. Writes metrics.jsonl, results.json and rl.png into --out, with atomic checkpoints (--resume '
+        'continues exactly). Config fields: --rl.FIELD and --optim.FIELD (AdamW; RL defaults: no weight decay, '
+        'betas 0.9/0.98, a constant lr after the warm-up).'),
     'rl eval': (
         'Sample --samples responses per held-out problem at depth --depth and report pass@1, pass@n (unbiased '
         'estimator) and greedy accuracy; prints the line (--json: the JSON), --out also writes it.'),

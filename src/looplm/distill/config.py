@@ -1,30 +1,29 @@
 """The distillation config (torch-free): the student's shape, the eq. 4 loss terms and the optimization.
 
-Source: "Towards Looped Models Done Right" (arXiv:2610.06833) §3.2 eq. 4, §5.5; SPEC §8. Every field
-becomes an option of ``looplm distill`` (``--n-blocks 2``), with its help text from the metadata.
-
-The optimization fields have the names and meanings of :class:`looplm.config.OptimConfig`'s (``lr``,
-``warmup_steps``, ``schedule``, ``min_lr_ratio``, ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip``);
-:attr:`DistillConfig.optim` hands them to :func:`looplm.train.optim.build_optimizer` and ``lr_factor``.
+Source: "Towards Looped Models Done Right" (arXiv:2610.06833) §3.2 eq. 4, §5.5; SPEC §8. Every field is
+an option of ``looplm distill``: ``--distill.n_blocks 2``, ``--optim.lr 1e-3`` (the shared
+:class:`looplm.config.OptimConfig`, with distill's own defaults), help texts from the metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from looplm.config import ConfigError, Device, OptimConfig, Schedule, _Base, _check, _check_literal, _f
+from looplm.config import ConfigError, Device, OptimConfig, RunSection
+from looplm.config import section_field as _f
 
 StudentInit = Literal["teacher", "random"]
 
 #: ``config.json`` of a student checkpoint says what it is, so a teacher folder is never mistaken for it
 STUDENT_KIND = "looplm-student"
-STUDENT_FORMAT = 1
+STUDENT_FORMAT = 2  # 2: the optimizer fields in an ``optim`` section
 
 
 @dataclass(frozen=True)
-class DistillConfig(_Base):
+class DistillConfig(RunSection):
     """A distillation run: student S_ψ, loss (LMDR eq. 4) and optimization (SPEC §8)."""
 
     _prefix = "distill."
@@ -44,47 +43,24 @@ class DistillConfig(_Base):
                             "which σ_T², the variance of z^R's entries, is estimated once before step 0")
     steps: int = _f(0, "optimizer steps (0 = a quarter of the teacher's training tokens, LMDR §5.5)")
     batch_size: int = _f(0, "windows of seq_len tokens per step (0 = the teacher's train.batch_size)")
-    lr: float = _f(1e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr")
-    warmup_steps: int = _f(20, "linear warm-up steps")
-    schedule: Schedule = _f("cosine", "after the warm-up: cosine (to min_lr_ratio·lr) or wsd (constant, then cosine "
-                            "over the last tenth)")
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices")
-    beta1: float = _f(0.9, "AdamW β1")
-    beta2: float = _f(0.95, "AdamW β2")
-    grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
     seed: int = _f(0, "seed of the random init and of the batch draws")
     eval_every: int = _f(100, "measure the loss terms on the valid split every this many steps (0 = only at the end)")
     eval_batches: int = _f(4, "valid batches per measurement")
     ckpt_every: int = _f(100, "write a checkpoint every this many steps (0 = only at the end)")
     num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
     device: Device = _f("cpu", "cpu, cuda or auto")
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20),
+                               metadata={"help": "AdamW and its schedule (distill's defaults: lr 1e-3, 20 warm-up "
+                                                 "steps)"})
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        p = self._prefix
+    def validate(self) -> None:
         for name in ("n_blocks", "sigma_batches", "eval_batches"):
-            _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("depth", "steps", "batch_size", "warmup_steps", "eval_every", "ckpt_every", "num_threads"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("hidden_weight", "kl_weight", "weight_decay", "grad_clip"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        _check(self.hidden_weight > 0 or self.kl_weight > 0, p + "kl_weight",
-               "hidden_weight and kl_weight are both 0: eq. 4 needs at least one term")
-        try:
-            self.optim
-        except ConfigError as exc:  # named as this config's own field
-            raise ConfigError(p + str(exc).removeprefix(OptimConfig._prefix)) from None
-
-    @property
-    def optim(self) -> OptimConfig:
-        """The optimization fields as the shared :class:`~looplm.config.OptimConfig` (validated there)."""
-        return OptimConfig(**{name: getattr(self, name) for name in OptimConfig.field_names()})
-
-    @classmethod
-    def fields_help(cls) -> dict[str, str]:
-        """``{field: help}`` (for the command line)."""
-        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+            self.require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("depth", "steps", "batch_size", "eval_every", "ckpt_every", "num_threads", "hidden_weight",
+                     "kl_weight"):
+            self.require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        self.require(self.hidden_weight > 0 or self.kl_weight > 0, "kl_weight",
+                     "hidden_weight and kl_weight are both 0: eq. 4 needs at least one term")
 
 
 @dataclass(frozen=True)
@@ -114,8 +90,6 @@ class StudentRecord:
                 "teacher": dataclasses.asdict(self.teacher), "sigma2": self.sigma2}
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod

@@ -86,7 +86,6 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
         tokens = tokens[: max_tokens + 1]
     dev = torch.device(device)
     L = teacher.cfg.seq_len
-    P = L // 2
     n_full = (len(tokens) - 1) // L
     if n_full < 1:
         raise ValueError(f"eval distill: need at least one full window of {L} tokens (+1 target), got {len(tokens)}")
@@ -102,30 +101,9 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
             full = mask.all(1)
             if not bool(full.any()):
                 continue
-            x, y = x[full].to(dev), y[full].to(dev)
-            B = x.shape[0]
-            rest = continuation_mask(x, P, eot_id)  # (B, L − P): targets y_P … y_{L−1}
-            first = (torch.ones(B, dtype=torch.bool, device=dev) if eot_id is None
-                     else x[:, P - 1] != eot_id)  # (B,): target y_{P−1} = x_P
-            out = teacher(x, depth, y, readout=NLL)
-            nll = out.nll_by_depth[depth].double()  # (B, L)
-            sums["full"]["first"] += float((nll[:, P - 1] * first).sum())
-            sums["full"]["rest"] += float((nll[:, P:] * rest).sum())
-            last = (torch.arange(B, device=dev), torch.full((B,), P - 1, device=dev))
-            for name, (_, prefill) in paths.items():
-                cache = KVCache("terminal")
-                _sync(dev)
-                t0 = time.perf_counter()
-                pre = prefill(x[:, :P], cache, targets=y[:, P - 1], readout=Readout(logits=False, tokens=last))
-                _sync(dev)
-                sums[name]["prefill_s"] += time.perf_counter() - t0
-                sums[name]["kv_bytes"] = cache.nbytes() // B
-                (first_nll,) = pre.nll_by_depth.values()  # (B,), the prefill's only readout
-                sums[name]["first"] += float((first_nll.double() * first).sum())
-                cont = teacher.read(teacher.loop(x[:, P:], cache=cache), depth, y[:, P:], readout=NLL)
-                sums[name]["rest"] += float((cont.nll_by_depth[depth].double() * rest).sum())
-            n_first += int(first.sum())
-            n_rest += int(rest.sum())
+            first, rest = _score_batch(teacher, paths, x[full].to(dev), y[full].to(dev), depth, eot_id, sums)
+            n_first += first
+            n_rest += rest
             n_batches += 1
             bar.update(1)
     finally:
@@ -145,6 +123,34 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
                      "prefill_s": s["prefill_s"], "prefill_ms": 1000 * s["prefill_s"] / n_batches if name != "full"
                      else math.nan, "kv_bytes": s["kv_bytes"]}
     return res
+
+
+def _score_batch(teacher: LoopLM, paths: dict, x: torch.Tensor, y: torch.Tensor, depth: int, eot_id: int | None,
+                 sums: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """Add one batch of full windows x, y (B, L) to ``sums`` (per path: first-token and rest NLL sums, prefill
+    seconds, KV bytes per sequence); returns the numbers of first and rest targets scored."""
+    B, P, dev = x.shape[0], x.shape[1] // 2, x.device
+    rest = continuation_mask(x, P, eot_id)  # (B, L − P): targets y_P … y_{L−1}
+    first = (torch.ones(B, dtype=torch.bool, device=dev) if eot_id is None
+             else x[:, P - 1] != eot_id)  # (B,): target y_{P−1} = x_P
+    out = teacher(x, depth, y, readout=NLL)
+    nll = out.nll_by_depth[depth].double()  # (B, L)
+    sums["full"]["first"] += float((nll[:, P - 1] * first).sum())
+    sums["full"]["rest"] += float((nll[:, P:] * rest).sum())
+    last = (torch.arange(B, device=dev), torch.full((B,), P - 1, device=dev))
+    for name, (_, prefill) in paths.items():
+        cache = KVCache("terminal")
+        _sync(dev)
+        t0 = time.perf_counter()
+        pre = prefill(x[:, :P], cache, targets=y[:, P - 1], readout=Readout(logits=False, tokens=last))
+        _sync(dev)
+        sums[name]["prefill_s"] += time.perf_counter() - t0
+        sums[name]["kv_bytes"] = cache.nbytes() // B
+        (first_nll,) = pre.nll_by_depth.values()  # (B,), the prefill's only readout
+        sums[name]["first"] += float((first_nll.double() * first).sum())
+        cont = teacher.read(teacher.loop(x[:, P:], cache=cache), depth, y[:, P:], readout=NLL)
+        sums[name]["rest"] += float((cont.nll_by_depth[depth].double() * rest).sum())
+    return int(first.sum()), int(rest.sum())
 
 
 def markdown_table(res: dict[str, dict[str, Any]], title: str) -> str:

@@ -44,8 +44,8 @@ from looplm.finite import NonFiniteError, clean
 from looplm.model import LoopLM
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
 from looplm.run.dist import resolve_device
-from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
-from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.run.folder import Fit, RunFolder, run_state, set_rng_state
+from looplm.train.optim import Optimization
 
 
 def resolve_config(cfg: DistillConfig, teacher_cfg) -> DistillConfig:
@@ -134,91 +134,75 @@ def distill(teacher_checkpoint: str | Path, out: str | Path | None = None, cfg: 
         ValueError: a fresh run into a folder that already holds checkpoints; an unshared teacher.
     """
     folder = RunFolder(out if out is not None else default_student_dir(teacher_checkpoint))
-    with folder.locked():
-        if not resume:
-            folder.check_fresh("a student")
-        return _distill(teacher_checkpoint, folder, cfg or DistillConfig(), resume=resume, stop_after=stop_after,
-                        progress=progress)
+    with folder.start(resume=resume, what="a student") as ckpt:
+        cfg = read_record(ckpt)[0].distill if ckpt else cfg or DistillConfig()
+        device = resolve_device(cfg.device, "distill.device")
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        teacher, tcfg, _, tckpt = load_checkpoint(teacher_checkpoint, device=device)
+        teacher.requires_grad_(False)
+        teacher.eval()
+        from looplm.eval.runner import load_tokenizer_for
+
+        tok = load_tokenizer_for(tckpt)
+        root, cache = resolve_data_root(tcfg.data.data_root), resolve_cache_dir(tcfg.data.cache_dir)
+        tokens = {split: load_tokens(tcfg.data, split, tok, root, cache) for split in ("train", "valid")}
+        if ckpt:
+            student, record, _ = load_student(ckpt, teacher)  # refuses another teacher's student
+            student.train()
+        else:
+            cfg = resolve_config(cfg, tcfg)
+            torch.manual_seed(cfg.seed)
+            record = StudentRecord(distill=cfg, teacher=teacher_ref(teacher, tckpt, tcfg.name),
+                                   sigma2=estimate_sigma2(teacher, tokens["train"], cfg, tcfg.model.seq_len, device))
+            student = build_student(teacher, cfg).train()
+        return _fit(folder, teacher, student, record, tokens, ckpt, stop_after=stop_after, progress=progress)
 
 
-def _distill(teacher_checkpoint, folder: RunFolder, cfg: DistillConfig, *, resume: bool, stop_after: int | None,
-             progress: bool) -> dict[str, Any]:
-    out, state = folder.path, None
-    if resume:
-        ckpt = folder.resume_checkpoint("student checkpoint")
-        cfg = read_record(ckpt)[0].distill
-    device = resolve_device(cfg.device, "distill.device")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    teacher, tcfg, _, tckpt = load_checkpoint(teacher_checkpoint, device=device)
-    teacher.requires_grad_(False)
-    teacher.eval()
-    from looplm.eval.runner import load_tokenizer_for
-
-    tok = load_tokenizer_for(tckpt)
-    root, cache = resolve_data_root(tcfg.data.data_root), resolve_cache_dir(tcfg.data.cache_dir)
-    train_tokens = load_tokens(tcfg.data, "train", tok, root, cache)
-    valid_tokens = load_tokens(tcfg.data, "valid", tok, root, cache)
-    L = tcfg.model.seq_len
-    if resume:
-        student, record, _ = load_student(ckpt, teacher)  # refuses another teacher's student
-        student.train()
+def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRecord, tokens: dict[str, np.ndarray],
+         ckpt: Path | None, *, stop_after: int | None, progress: bool) -> dict[str, Any]:
+    """The step loop of :func:`distill` from ``ckpt`` (None: step 0), and its summary."""
+    cfg, sigma2, L, device = record.distill, record.sigma2, teacher.cfg.seq_len, next(teacher.parameters()).device
+    optim = Optimization(student, cfg.optim, cfg.steps)
+    start = 0
+    if ckpt:
         state = load_train_state(ckpt)
-        start_step = int(state["step"])
-    else:
-        cfg = resolve_config(cfg, tcfg)
-        torch.manual_seed(cfg.seed)
-        record = StudentRecord(distill=cfg, teacher=teacher_ref(teacher, tckpt, tcfg.name),
-                               sigma2=estimate_sigma2(teacher, train_tokens, cfg, L, device))
-        student = build_student(teacher, cfg).train()
-        start_step = 0
-    sigma2 = record.sigma2
-    opt = build_optimizer(student, cfg.optim)
-    sched = build_scheduler(opt, cfg.optim, cfg.steps)
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        optim.load_state_dict(state)
         set_rng_state(state["rng"])
+        start = int(state["step"])
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(out, step, student, record,  # type: ignore[arg-type] (record has to_json/to_dict)
-                        train_state={"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                     "rng": rng_state(), "data_position": {"seed": cfg.seed, "step": step}})
+        save_checkpoint(folder.path, step, student, record,  # type: ignore[arg-type] (record has to_json/to_dict)
+                        train_state=run_state(step, cfg.seed, **optim.state_dict()))
 
-    fit = Fit(folder, start=start_step, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
+    fit = Fit(folder, start=start, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
               save=checkpoint, desc="distill", progress=progress)
     t_start, last = time.time(), {}
     with fit:
         for step in fit:
             t0 = time.time()
-            x, _ = sample_batch(train_tokens, cfg.batch_size, L, seed=cfg.seed, step=step)
+            x, _ = sample_batch(tokens["train"], cfg.batch_size, L, seed=cfg.seed, step=step)
             res, _ = student_step(teacher, student, x.to(device), cfg, sigma2)
             res.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip or math.inf))
             loss = float(res.loss.detach())
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            grad_norm, lr, kept = optim.step(loss)
+            if not kept:
                 raise NonFiniteError(f"distill step {step + 1}: loss {loss}, gradient norm {grad_norm}; lower "
-                                     f"distill.lr (newest checkpoint: {newest_valid_checkpoint(out)})")
-            lr = sched.get_last_lr()[0]
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            done, dt = step + 1, time.time() - t0
+                                     f"optim.lr (newest checkpoint: {newest_valid_checkpoint(folder.path)})")
+            done = step + 1
             last = {"step": done, "loss": loss, "hidden": float(res.hidden.detach()), "kl": float(res.kl.detach()),
-                    "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / dt}
+                    "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / (time.time() - t0)}
             if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
-                last.update(validate(teacher, student, valid_tokens, cfg, sigma2, L, device))
+                last.update(validate(teacher, student, tokens["valid"], cfg, sigma2, L, device))
             fit.log(last, loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
                     **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))
-    end_step = fit.end
-    wall = time.time() - t_start
-    summary = clean({"steps": cfg.steps, "completed_steps": end_step, "depth": cfg.depth, "sigma2": sigma2,
-                     "params": sum(p.numel() for p in student.parameters()), "wall_s": wall,
-                     "tokens": (end_step - start_step) * cfg.batch_size * L,
+    summary = clean({"steps": cfg.steps, "completed_steps": fit.end, "depth": cfg.depth, "sigma2": sigma2,
+                     "params": sum(p.numel() for p in student.parameters()), "wall_s": time.time() - t_start,
+                     "tokens": (fit.end - start) * cfg.batch_size * L,
                      **{k: v for k, v in last.items() if k.startswith("val_")},
                      "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
-                     "out": str(out)})
-    return folder.summary(summary, start=start_step, end=end_step, total=cfg.steps)
+                     "out": str(folder.path)})
+    return folder.summary(summary, start=start, end=fit.end, total=cfg.steps)
 
 
 __all__ = ["distill", "resolve_config", "estimate_sigma2", "student_step", "validate", "StudentMismatchError"]

@@ -44,16 +44,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import torch
 
 from looplm.generate import generate
 from looplm.model.cursor import NLL, Gradient
+from looplm.rl.config import UpdateMethod
 from looplm.rl.rewards import get_reward
 from looplm.rl.task import Problem, decode, encode
 
-UPDATE_METHODS: tuple[str, ...] = ("bptt", "recompute", "reuse")
+UPDATE_METHODS: tuple[str, ...] = get_args(UpdateMethod)
 
 
 # ---------------------------------------------------------------------------------------------- rollouts

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import statistics
 import sys
 import time
@@ -30,11 +29,13 @@ from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, PLNDepth
 from looplm.data.paths import atomic_write
 from looplm.finite import dumps
 from looplm.run.checkpoint import TOKENIZER_FILE, load_checkpoint, save_checkpoint
-from looplm.run.folder import Fit, RunFolder
+from looplm.run.folder import Fit, RunFolder, run_state
+from looplm.rl.config import RLConfig
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
                             update_gradient)
 from looplm.rl.rewards import get_reward
 from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
+from looplm.train.optim import Optimization
 
 #: the pretraining config of :func:`pretrain_task` (our choice, sized for a shared 2-core CPU): a
 #: Huginn-style 1 + 2×R + 1 model (``huginn_linear``, d = 64, 4 heads, 0.28M parameters with the
@@ -211,191 +212,106 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
 # ---------------------------------------------------------------------------------------------- the RL run
 
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
-
-
-def rl_options(*, method: str = "reuse", depth: int = 6, neumann_steps: int = 4, group_size: int = 8,
-               prompts_per_update: int = 16, updates: int = 100, train_problems: int = 0, optimizer: str = "adamw",
-               lr: float = 1e-4, warmup: int = 10,
-               temperature: float = 1.0,
-               reward: str = "exact_match", seed: int = 0, task: str | None = None, digits: int | None = None,
-               eval_problems: int = 500, eval_samples: int = 8, eval_seed: int = 0, compare_every: int = 10,
-               ckpt_every: int = 25, grad_clip: float = 1.0) -> dict[str, Any]:
-    """The validated options of an RL run, as a JSON-ready dict (:func:`rl_train` describes the loop).
-
-    Args:
-        method: update method: bptt (full BPTT through all R recurrences), recompute (R recurrences
-            replayed without gradient, then Neumann-b) or reuse (Neumann-b from the rollout's saved
-            depth-R states, no replay).
-        depth: R, the recurrence depth of sampling and of the BPTT / endpoint forward.
-        neumann_steps: b, recurrences with gradient of recompute and reuse (read out at R + b).
-        group_size: G, responses per prompt.
-        prompts_per_update: P, prompts per update.
-        updates: policy updates (one per batch of P x G rollouts).
-        train_problems: 0 = fresh training problems every update; N = a fixed training set of N problems
-            (as the paper's 400 GSM8K questions), visited in a reshuffled order each epoch.
-        optimizer: adamw (betas 0.9, 0.98, no weight decay) or sgd (plain gradient steps, no momentum).
-        lr: learning rate, constant after the warm-up.
-        warmup: updates of linear learning-rate warm-up (Adam's first steps move every parameter by
-            about lr, which the noisy policy gradient of a small model does not survive at 3e-4 without it).
-        temperature: sampling temperature of rollouts and of the pass@k samples.
-        reward: verifier: exact_match or numeric.
-        seed: seed of the training prompts and rollout samples.
-        task, digits: the task (default: the starting checkpoint's task.json).
-        eval_problems: held-out problems evaluated before and after.
-        eval_samples: samples per held-out problem (pass@1 and pass@n).
-        eval_seed: seed of the evaluation samples (the same for every run, so runs are paired).
-        compare_every: every this many updates, time all three methods and take their gradient cosines
-            on that update's batch (0 = never).
-        ckpt_every: checkpoint every this many updates (0 = only at the end).
-        grad_clip: gradient-norm clipping (0 = off).
-
-    Raises:
-        ValueError: a value out of range, or an unknown method or reward.
-    """
-    if method not in UPDATE_METHODS:
-        raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer: unknown {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
-    get_reward(reward)
-    for name, value in dict(depth=depth, neumann_steps=neumann_steps, group_size=group_size, updates=updates,
-                            prompts_per_update=prompts_per_update, eval_problems=eval_problems,
-                            eval_samples=eval_samples, train_problems=train_problems + 1).items():
-        if value < 1:
-            raise ValueError(f"{name}: need >= 1, got {value}")
-    for name, value in dict(compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip,
-                            warmup=warmup).items():
-        if value < 0:
-            raise ValueError(f"{name}: need >= 0, got {value}")
-    if not lr > 0 or temperature <= 0:
-        raise ValueError(f"lr and temperature must be > 0, got {lr} and {temperature}")
-    if group_size < 2:
-        raise ValueError(f"group_size: Dr. GRPO needs >= 2 responses per prompt, got {group_size}")
-    return dict(method=method, depth=depth, neumann_steps=neumann_steps, group_size=group_size,
-                prompts_per_update=prompts_per_update, updates=updates, train_problems=train_problems,
-                optimizer=optimizer, lr=lr, warmup=warmup, temperature=temperature, reward=reward, seed=seed,
-                task=task, digits=digits, eval_problems=eval_problems, eval_samples=eval_samples, eval_seed=eval_seed,
-                compare_every=compare_every, ckpt_every=ckpt_every, grad_clip=grad_clip)
-
-
-def training_problems(task, opts: dict[str, Any], update: int) -> list:
+def training_problems(task, cfg: RLConfig, update: int) -> list:
     """The P problems of ``update``: fresh ones drawn for (seed, update), or the next P of a fixed
     training set of ``train_problems`` (drawn once for the seed), reshuffled every epoch by (seed, epoch).
-    A pure function of (options, update), so a resumed run sees the same prompts."""
-    P, N = opts["prompts_per_update"], opts.get("train_problems", 0)
+    A pure function of (config, update), so a resumed run sees the same prompts."""
+    P, N = cfg.prompts_per_update, cfg.train_problems
     if not N:
-        return task.problems(P, "rl", opts["seed"], update)
-    pool = task.problems(N, "rl-set", opts["seed"])
+        return task.problems(P, "rl", cfg.seed, update)
+    pool = task.problems(N, "rl-set", cfg.seed)
     out = []
     for i in range(update * P, update * P + P):
         epoch, j = divmod(i, N)
-        order = torch.randperm(N, generator=torch.Generator().manual_seed(_seed("epoch", opts["seed"], epoch)))
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(_seed("epoch", cfg.seed, epoch)))
         out.append(pool[int(order[j])])
     return out
 
 
-def rl_train(checkpoint: str | Path | None, out: str | Path, *, resume: bool = False, stop_after: int | None = None,
-             progress: bool = True, device: str = "cpu", **options: Any) -> dict[str, Any]:
+def rl_train(checkpoint: str | Path | None, out: str | Path, cfg: RLConfig | None = None, *, resume: bool = False,
+             stop_after: int | None = None, progress: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Dr. GRPO post-training of a looped checkpoint on a verifiable task (:mod:`looplm.rl.grpo`).
 
-    Every update: P = ``prompts_per_update`` training problems drawn for (seed, update), G =
-    ``group_size`` responses each sampled at depth R = ``depth`` (temperature ``temperature``, KV cache,
-    saved depth-R states), rewards, advantages, one scoring + backward of the Dr. GRPO loss with
-    ``method`` (``bptt`` | ``recompute`` | ``reuse``, Neumann-b with b = ``neumann_steps``), gradient
-    clipping at ``grad_clip``, one optimizer step (``optimizer``: AdamW, betas (0.9, 0.98), no weight
-    decay, or plain SGD; lr ``lr`` after a linear warm-up over ``warmup`` updates). Every
-    ``compare_every`` updates, before that update's step, all three methods' gradients are computed on
-    the same batch (timed; pairwise whole-model cosines; the policy gap). pass@1 / pass@k on the first
-    ``eval_problems`` held-out problems (``eval_samples`` samples at ``temperature``, seed ``eval_seed``)
-    before and after.
+    Every update (:func:`rl_update`): P = ``prompts_per_update`` training problems drawn for (seed, update), G =
+    ``group_size`` responses each sampled at depth R = ``depth`` (KV cache, saved depth-R states), rewards,
+    advantages, one scoring + backward of the Dr. GRPO loss with ``method`` (Neumann-b with b =
+    ``neumann_steps``), one step of the ``optim`` section's AdamW. Every ``compare_every`` updates, before that
+    update's step, all three methods' gradients are computed on the same batch (timed; pairwise whole-model
+    cosines; the policy gap). pass@1 / pass@k on the first ``eval_problems`` held-out problems before and after.
 
     Args:
         checkpoint: the starting checkpoint (e.g. a ``looplm rl pretrain`` run); None with ``resume``.
         out: the run folder.
-        resume: continue from the newest valid checkpoint in ``out`` with its saved options.
+        cfg: the run's config (default :class:`RLConfig`); ignored with ``resume`` (the saved one wins).
+        resume: continue from the newest valid checkpoint in ``out``.
         stop_after: stop (with a checkpoint) after this many updates of this invocation.
         device: cpu, cuda or cuda:N.
-        options: :func:`rl_options`.
 
     Returns:
-        The results dict written to ``out/results.json``: options, before / after evaluation, per-method
-        median scoring + backward time, reward curve summary, cosine summary, state memory.
+        The results dict written to ``out/results.json``: config (``options``), before / after evaluation,
+        per-method median scoring + backward time, reward curve summary, cosine summary, state memory.
 
     Raises:
-        ValueError: a fresh run into a folder that holds checkpoints, or bad options.
+        ValueError: a fresh run into a folder that holds checkpoints, or no ``checkpoint``.
         CheckpointError: missing or damaged checkpoint; ``resume`` with none to resume.
     """
     folder = RunFolder(out)
-    out = folder.path
-    with folder.locked():
-        state = None
-        if resume:
-            ckpt = folder.resume_checkpoint()
-            model, cfg, state, ckpt = load_checkpoint(ckpt, device=device, with_state=True)
-            opts = state["rl"]
-            source = Path(state["source"])
+    with folder.start(resume=resume) as ckpt:
+        if ckpt:
+            model, mcfg, state, _ = load_checkpoint(ckpt, device=device, with_state=True)
+            cfg, source = RLConfig.from_dict(state["rl"]), Path(state["source"])
+        elif checkpoint is None:
+            raise ValueError("checkpoint: needed to start a run")
         else:
-            folder.check_fresh()
-            if checkpoint is None:
-                raise ValueError("checkpoint: needed to start a run")
-            model, cfg, _, source = load_checkpoint(checkpoint, device=device)
-            opts = rl_options(**options)
-        task = _task_of(source, opts["task"], opts["digits"])
-        opts = {**opts, "task": task.name, "digits": task.digits}
-        M = task.digits + 2  # the response budget: the D + 1 answer digits and the newline
-        R, method = opts["depth"], opts["method"]
-        tok_json = tokenizer().to_str()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = (torch.optim.SGD(params, lr=opts["lr"]) if opts.get("optimizer") == "sgd"
-               else torch.optim.AdamW(params, lr=opts["lr"], betas=(0.9, 0.98), weight_decay=0.0))
-        held = task.heldout()[:opts["eval_problems"]]
+            (model, mcfg, _, source), state, cfg = load_checkpoint(checkpoint, device=device), None, cfg or RLConfig()
+        task = _task_of(source, cfg.task or None, cfg.digits or None)
+        cfg = cfg.replace(task=task.name, digits=task.digits)
+        optim = Optimization(model, cfg.optim, cfg.updates)
+        held = task.heldout()[:cfg.eval_problems]
 
         def evaluate() -> dict[str, Any]:
-            return evaluate_passk(model, held, depth=R, samples=opts["eval_samples"], temperature=opts["temperature"],
-                                  seed=opts["eval_seed"], max_new_tokens=M, reward=opts["reward"])
+            return evaluate_passk(model, held, depth=cfg.depth, samples=cfg.eval_samples, temperature=cfg.temperature,
+                                  seed=cfg.eval_seed, max_new_tokens=task.digits + 2, reward=cfg.reward)
 
         if state is not None:
-            opt.load_state_dict(state["optimizer"])
+            optim.load_state_dict(state)
             start, before = int(state["step"]), state["before"]
         else:
             start, before = 0, evaluate()
-        (out / "rl_config.json").write_text(json.dumps({**opts, "source": str(source)}, indent=2) + "\n")
-        (out / "task.json").write_text(json.dumps({"task": task.name, "digits": task.digits}, indent=2) + "\n")
+        (folder.path / "rl_config.json").write_text(dumps({**cfg.to_dict(), "source": str(source)}, indent=2) + "\n")
+        (folder.path / "task.json").write_text(json.dumps({"task": task.name, "digits": task.digits}, indent=2) + "\n")
 
         def save(update: int) -> None:
-            save_checkpoint(out, update, model, cfg, tokenizer_json=tok_json,
-                            train_state={"step": update, "optimizer": opt.state_dict(), "rl": opts,
-                                         "source": str(source), "before": before})
+            save_checkpoint(folder.path, update, model, mcfg, tokenizer_json=tokenizer().to_str(),
+                            train_state=run_state(update, cfg.seed, **optim.state_dict(), rl=cfg.to_dict(),
+                                                  source=str(source), before=before))
 
-        fit = Fit(folder, start=start, total=opts["updates"], stop_after=stop_after, ckpt_every=opts["ckpt_every"],
-                  save=save, desc=f"rl {method}", unit="update", key="update", progress=progress)
+        fit = Fit(folder, start=start, total=cfg.updates, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
+                  save=save, desc=f"rl {cfg.method}", unit="update", key="update", progress=progress)
         model.eval()  # dropout off; the Huginn initial state from the table the sampler used (grpo docstring)
         with fit:
             for update in fit:
-                rec = rl_update(model, opt, task, opts, update, device=device)
+                rec = rl_update(model, optim, task, cfg, update, device=device)
                 fit.log(rec, reward=f"{rec['reward']:.3f}", update_s=f"{rec['update_s']:.3f}")
-        if fit.end < opts["updates"]:
-            return {"completed_updates": fit.end, "updates": opts["updates"], "out": str(out)}
-        after = evaluate()
-        results = summarize_run(out, opts, before, after, source=source, params=model.num_params())
-        with atomic_write(out / "results.json") as fh:
+        if fit.end < cfg.updates:
+            return {"completed_updates": fit.end, "updates": cfg.updates, "out": str(folder.path)}
+        results = summarize_run(folder.path, cfg, before, evaluate(), source=source, params=model.num_params())
+        with atomic_write(folder.path / "results.json") as fh:
             fh.write((dumps(results, indent=2) + "\n").encode())
-        plot_run(out, results)
+        plot_run(folder.path, results)
         return results
 
 
-def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], update: int, *,
-              device: str = "cpu") -> dict[str, Any]:
+def rl_update(model, optim: Optimization, task, cfg: RLConfig, update: int, *, device: str = "cpu") -> dict[str, Any]:
     """One Dr. GRPO update (:func:`rl_train`): rollouts, (every ``compare_every``) the three methods
-    compared on the batch, the method's scoring + backward, clipping, warm-up lr, one optimizer step.
-    Returns the update's metrics record."""
-    R, b, method, M = opts["depth"], opts["neumann_steps"], opts["method"], task.digits + 2
-    compare = opts["compare_every"] > 0 and update % opts["compare_every"] == 0
+    compared on the batch, the method's scoring + backward, one optimizer step. Returns the update's metrics record."""
+    R, b, M = cfg.depth, cfg.neumann_steps, task.digits + 2
+    compare = cfg.compare_every > 0 and update % cfg.compare_every == 0
     t0 = time.perf_counter()
-    roll = sample_rollouts(model, training_problems(task, opts, update), group_size=opts["group_size"], depth=R,
-                           max_new_tokens=M, reward=opts["reward"], temperature=opts["temperature"],
-                           seed=_seed("rollout", opts["seed"], update), eos_id=NEWLINE_ID,
-                           save_states=method == "reuse" or compare)
+    roll = sample_rollouts(model, training_problems(task, cfg, update), group_size=cfg.group_size, depth=R,
+                           max_new_tokens=M, reward=cfg.reward, temperature=cfg.temperature,
+                           seed=_seed("rollout", cfg.seed, update), eos_id=NEWLINE_ID,
+                           save_states=cfg.method == "reuse" or compare)
     rec: dict[str, Any] = {"update": update + 1, "reward": float(roll.rewards.mean()),
                            "rollout_s": time.perf_counter() - t0, "generated_tokens": roll.generated_tokens,
                            "response_len": roll.generated_tokens / len(roll.responses),
@@ -403,17 +319,10 @@ def rl_update(model, opt: torch.optim.Optimizer, task, opts: dict[str, Any], upd
     batch = pack(roll, device=device)
     if compare:
         rec["compare"] = compare_methods(model, batch, depth=R, neumann_steps=b, max_new_tokens=M)
-    stats, _ = update_gradient(model, batch, method, depth=R, neumann_steps=b, max_new_tokens=M)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, opts["grad_clip"] or math.inf))
-    lr = opts["lr"] * min(1.0, (update + 1) / opts["warmup"]) if opts["warmup"] else opts["lr"]
-    for group in opt.param_groups:
-        group["lr"] = lr
-    if math.isfinite(grad_norm) and math.isfinite(stats["loss"]):
-        opt.step()
-    else:
+    stats, _ = update_gradient(model, batch, cfg.method, depth=R, neumann_steps=b, max_new_tokens=M)
+    grad_norm, lr, kept = optim.step(stats["loss"])
+    if not kept:
         rec["skipped"] = True
-    opt.zero_grad(set_to_none=True)
     rec.update(loss=stats["loss"], update_s=stats["time_s"], nll_mean=stats["nll_mean"], grad_norm=grad_norm, lr=lr)
     return rec
 
@@ -427,7 +336,7 @@ def _cos_null_reason(cmp: list[dict[str, Any]]) -> str | None:
             "every group's rewards were equal (e.g. all 0), so each Dr. GRPO advantage r - mean(r) is 0")
 
 
-def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after: dict[str, Any], *,
+def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[str, Any], *,
                   source: Path, params: int) -> dict[str, Any]:
     """The results of a finished run from its ``metrics.jsonl``."""
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -441,7 +350,7 @@ def summarize_run(out: Path, opts: dict[str, Any], before: dict[str, Any], after
     tail = recs[-max(1, n // 10):]
     med = (lambda v: statistics.median(v) if v else None)
     res = {
-        "options": opts, "source": str(source), "params": params, "updates": n,
+        "options": cfg.to_dict(), "source": str(source), "params": params, "updates": n,
         "before": before, "after": after,
         "update_s_median": med([r["update_s"] for r in recs]),
         "rollout_s_median": med([r["rollout_s"] for r in recs]),

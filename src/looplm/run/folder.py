@@ -28,6 +28,12 @@ from looplm.run.lock import RunLock
 METRICS_FILE, SUMMARY_FILE = "metrics.jsonl", "summary.json"
 
 
+def run_state(step: int, seed: int, **more: Any) -> dict[str, Any]:
+    """What every run's ``train_state.pt`` holds besides ``more``: the step, :func:`rng_state` and the data
+    position (batches are functions of (seed, step))."""
+    return {"step": step, "rng": rng_state(), "data_position": {"seed": seed, "step": step}, **more}
+
+
 def rng_state() -> dict[str, Any]:
     """Every global RNG state (torch, CUDA, numpy, Python) as tensors, numbers and lists, so
     ``train_state.pt`` loads with ``torch.load(weights_only=True)`` (no pickled objects)."""
@@ -85,6 +91,17 @@ class RunFolder:
                     if not existed:
                         self.path.rmdir()
 
+    @contextlib.contextmanager
+    def start(self, *, resume: bool, what: str = "a run", hold: bool = True) -> Iterator[Path | None]:
+        """:meth:`locked` for the block, yielding the checkpoint to resume from (:meth:`resume_checkpoint`), or
+        None for a fresh run (:meth:`check_fresh`: refused where checkpoints are).
+
+        Raises:
+            RunLockedError, CheckpointError, ValueError: as those methods.
+        """
+        with self.locked(hold=hold):
+            yield self.resume_checkpoint() if resume else self.check_fresh(what)
+
     def check_fresh(self, what: str = "a run") -> None:
         """Refuse to start a new run where checkpoints are.
 
@@ -95,7 +112,7 @@ class RunFolder:
             raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose another "
                              "--out")
 
-    def resume_checkpoint(self, what: str = "checkpoint") -> Path:
+    def resume_checkpoint(self) -> Path:
         """The newest checkpoint that passes verification; newer damaged ones are skipped with a warning.
 
         Raises:
@@ -105,7 +122,7 @@ class RunFolder:
         valid = [c for c in list_checkpoints(self.path) if c not in problems]
         if not valid:
             reasons = "; ".join(f"{c.name}: {e}" for c, e in problems.items()) or "none written yet"
-            raise CheckpointError(f"--resume: no valid {what} under {self.path / 'checkpoints'} ({reasons})")
+            raise CheckpointError(f"--resume: no valid checkpoint under {self.path / 'checkpoints'} ({reasons})")
         for bad, err in problems.items():
             if bad.name > valid[-1].name:
                 print(f"looplm: warning: skipping damaged checkpoint {bad.name} ({err}); resuming from "

@@ -1,5 +1,5 @@
 """AdamW with weight decay on matrices only; linear warm-up, then cosine decay or warm-up–stable–decay
-(SPEC §5)."""
+(SPEC §5); :class:`Optimization`, the optimizer step that train, distill and rl share."""
 
 from __future__ import annotations
 
@@ -51,3 +51,33 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, steps: int,
     """:func:`lr_factor` over ``steps`` as a scheduler whose next step is ``start`` (> 0: the groups need
     ``initial_lr``)."""
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, steps), last_epoch=start - 1)
+
+
+class Optimization:
+    """AdamW (:func:`build_optimizer`) over ``model``, its schedule over ``steps`` (:func:`build_scheduler`) and
+    gradient clipping at ``cfg.grad_clip``: the optimizer step of every run (train, distill, rl)."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, steps: int):
+        self.params, self.cfg = list(model.parameters()), cfg  # clipped in the module's order
+        self.opt = build_optimizer(model, cfg)
+        self.sched = build_scheduler(self.opt, cfg, steps)
+
+    def step(self, loss: float) -> tuple[float, float, bool]:
+        """After the backward: clip the gradient (``grad_clip`` 0: off), then one optimizer step unless ``loss`` or
+        the gradient norm is non-finite (the step is skipped); the schedule advances either way (a function of the
+        step, so resume stays exact). Returns the gradient norm, this step's lr and whether the step was taken."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
+        lr = self.sched.get_last_lr()[0]
+        kept = math.isfinite(loss) and math.isfinite(grad_norm)
+        if kept:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return grad_norm, lr, kept
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])

@@ -17,7 +17,6 @@ under ``"nonfinite"``).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,10 +38,10 @@ from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, loa
 from looplm.run.dist import (all_reduce_sum, barrier, full_state, init_distributed, load_optimizer_state,
                              local_rows, mean_across_ranks, resolve_device, set_sharded_state, sharded_state,
                              shutdown, unwrap, wrap_model)
-from looplm.run.folder import Fit, RunFolder, rng_state, set_rng_state
+from looplm.run.folder import Fit, RunFolder, run_state, set_rng_state
 from looplm.train.loggers import Trackers, check_loggers, open_trackers
 from looplm.train.losses import training_loss
-from looplm.train.optim import build_optimizer, build_scheduler
+from looplm.train.optim import Optimization, build_scheduler
 from looplm.train.samplers import build_sampler
 
 if TYPE_CHECKING:
@@ -161,210 +160,232 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
             into a folder that already holds checkpoints, or (without ``overwrite``) a ``metrics.jsonl``;
             ``steps`` below the resumed step; ``init_from`` with ``resume`` or another vocabulary.
     """
+    if resume and init_from is not None:
+        raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
     folder = RunFolder(out_dir)
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
-    trackers = Trackers([])  # filled by _train (rank 0); closed here whatever happens
+    trackers = Trackers([])  # filled by _Run.fit (rank 0); closed here whatever happens
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
-    with folder.locked(hold=int(os.environ.get("RANK", "0")) == 0):
+    with folder.start(resume=resume, hold=int(os.environ.get("RANK", "0")) == 0) as ckpt:
         try:
-            if not resume:
-                folder.check_fresh()
             if not resume and not overwrite and folder.metrics.exists():
                 raise ValueError(f"--out {folder.path} holds the metrics.jsonl of a run that wrote no checkpoint (it "
                                  "diverged or stopped before its first); pass --overwrite to replace it, or choose "
                                  "another --out")
-            if resume and init_from is not None:
-                raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
-            return _train(cfg, folder, resume=resume, progress=progress, data=data, stop_after=stop_after,
-                          trackers=trackers, steps=steps, init_from=init_from)
+            run = _Run.setup(cfg, folder, ckpt, data=data, steps=steps, init_from=init_from, progress=progress)
+            return run.fit(trackers, resume=resume, stop_after=stop_after, progress=progress)
         finally:
             trackers.close(None)
 
 
-def _train(cfg: Config, folder: RunFolder, *, resume: bool, progress: bool, data: "TrainData | TaskData | None",
-           stop_after: int | None, trackers: Trackers, steps: int | None = None,
-           init_from: str | Path | None = None) -> dict[str, Any]:
-    out = folder.path
-    start_step, state, sharded_ckpt, source = 0, None, None, None
-    if resume:
-        ckpt = folder.resume_checkpoint()
+def _load(cfg: Config, folder: RunFolder, ckpt: Path | None, steps: int | None, init_from: str | Path | None):
+    """The config and what a run starts from: (cfg, model or None, train state or None, sharded checkpoint or
+    None, ``steps`` (None: the saved schedule), --init-from (model, config, checkpoint) or None)."""
+    model = state = sharded = source = None
+    if ckpt is not None:
         if is_sharded(ckpt):  # weights and optimizer are read after wrapping, each rank its own shards
-            sharded_ckpt = ckpt
-            cfg, state = load_config(ckpt), load_train_state(ckpt)
+            sharded, cfg, state = ckpt, load_config(ckpt), load_train_state(ckpt)
             model = build_model(cfg)
         else:
             model, cfg, state, _ = load_checkpoint(ckpt, with_state=True)
             model.final_depth = None  # as built fresh: training sets the readout per forward
-        start_step = int(state["step"])
+        start = int(state["step"])
         if steps is not None and steps != cfg.train.steps:
-            if steps < start_step:
-                raise ValueError(f"--train.steps {steps}: the run in {out} is at step {start_step} already")
+            if steps < start:
+                raise ValueError(f"--train.steps {steps}: the run in {folder.path} is at step {start} already")
             cfg = cfg.replace(train=cfg.train.replace(steps=steps))
         else:
             steps = None  # the saved schedule: an ordinary resume
     elif init_from is not None:
-        source, source_cfg, _, source_ckpt = load_checkpoint(init_from)
-        cfg = cfg.replace(model=source.cfg)  # N = K·R as the source resolved it
-    tcfg = cfg.train
-    check_loggers(tcfg.logger)  # on resume: the saved config's loggers
-    if tcfg.num_threads:
-        torch.set_num_threads(tcfg.num_threads)
-    env = init_distributed(resolve_device(tcfg.device))
-    device, main = env.device, env.is_main
-    rows = local_rows(tcfg.batch_size, env)
-    data = data or prepare_data(cfg, progress=progress and main)
-    if cfg.model.vocab_size != data.vocab_size:
-        cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
-    if source is not None:
-        _check_init_vocab(source_ckpt, source_cfg.model.vocab_size, data)
-    if not resume:
-        torch.manual_seed(tcfg.seed)
-        model = build_model(cfg)
+        src, src_cfg, _, src_ckpt = load_checkpoint(init_from)
+        cfg, source = cfg.replace(model=src.cfg), (src, src_cfg, src_ckpt)  # N = K·R as the source resolved it
+    return cfg, model, state, sharded, steps, source
+
+
+@dataclass
+class _Run:
+    """A training run set up on this rank: config, data, the model (plain and wrapped), its optimization and
+    depth sampler, the training state it resumes from, and the non-finite-step guard."""
+
+    cfg: Config
+    folder: RunFolder
+    env: Any
+    rows: Any
+    data: Any
+    model: LoopLM
+    wrapped: torch.nn.Module
+    optim: Optimization
+    sampler: Any
+    state: dict | None
+    n_params: int
+    skipped: int = 0
+    streak: int = 0
+    t_start: float = 0.0
+
+    @classmethod
+    def setup(cls, cfg: Config, folder: RunFolder, ckpt: Path | None, *, data, steps: int | None,
+              init_from: str | Path | None, progress: bool) -> _Run:
+        cfg, model, state, sharded, steps, source = _load(cfg, folder, ckpt, steps, init_from)
+        tcfg = cfg.train
+        check_loggers(tcfg.logger)  # on resume: the saved config's loggers
+        if tcfg.num_threads:
+            torch.set_num_threads(tcfg.num_threads)
+        env = init_distributed(resolve_device(tcfg.device))
+        rows = local_rows(tcfg.batch_size, env)
+        data = data or prepare_data(cfg, progress=progress and env.is_main)
+        if cfg.model.vocab_size != data.vocab_size:
+            cfg = cfg.replace(model=cfg.model.replace(vocab_size=data.vocab_size))
         if source is not None:
-            model.load_state_dict(source.state_dict(), strict=True)  # same config: the same keys and shapes
-    model.to(device)
-    if tcfg.compile:
-        compile_blocks(model)
-    fsdp = env.enabled and tcfg.distributed == "fsdp"
-    n_params = model.num_params()  # before FSDP2 turns parameters into shards
-    wrapped = wrap_model(model, tcfg.distributed, env)
-    opt = build_optimizer(wrapped, cfg.optim)
-    sched = build_scheduler(opt, cfg.optim, tcfg.steps)
-    if sharded_ckpt is not None:
-        model_sd, opt_sd = sharded_state(wrapped, opt, saved=sharded_keys(sharded_ckpt))
-        loaded = {"model": model_sd, "optimizer": opt_sd}
-        load_sharded(sharded_ckpt, loaded, distributed=env.enabled)  # DCP reshards to this world size
-        set_sharded_state(wrapped, opt, loaded["model"], loaded["optimizer"])
-    elif state is not None:
-        load_optimizer_state(wrapped, opt, state["optimizer"], tcfg.distributed, env)
-    if state is not None:
-        if steps is None:
-            sched.load_state_dict(state["scheduler"])
-        else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
-            sched = build_scheduler(opt, cfg.optim, tcfg.steps, start=start_step)
-        set_rng_state(state["rng"])
-    sampler = build_sampler(cfg.depth)
-    if state is not None and state.get("depth_prior"):
-        sampler.load_state_dict(state["depth_prior"])
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.to_json())
-        (out / "tokenizer.json").write_text(data.tokenizer_json)
-        # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
-        trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start_step,
-                                          resume=resume).trackers
-    L, B = cfg.model.seq_len, tcfg.batch_size
-    eval_model = wrapped if fsdp else unwrap(wrapped)  # FSDP forward is collective: every rank evaluates
+            _check_init_vocab(source[2], source[1].model.vocab_size, data)
+        if model is None:
+            torch.manual_seed(tcfg.seed)
+            model = build_model(cfg)
+            if source is not None:
+                model.load_state_dict(source[0].state_dict(), strict=True)  # same config: the same keys and shapes
+        model.to(env.device)
+        if tcfg.compile:
+            compile_blocks(model)
+        n_params = model.num_params()  # before FSDP2 turns parameters into shards
+        wrapped = wrap_model(model, tcfg.distributed, env)
+        optim = Optimization(wrapped, cfg.optim, tcfg.steps)
+        if sharded is not None:
+            model_sd, opt_sd = sharded_state(wrapped, optim.opt, saved=sharded_keys(sharded))
+            loaded = {"model": model_sd, "optimizer": opt_sd}
+            load_sharded(sharded, loaded, distributed=env.enabled)  # DCP reshards to this world size
+            set_sharded_state(wrapped, optim.opt, loaded["model"], loaded["optimizer"])
+        elif state is not None:
+            load_optimizer_state(wrapped, optim.opt, state["optimizer"], tcfg.distributed, env)
+        sampler = build_sampler(cfg.depth)
+        if state is not None:
+            if steps is None:
+                optim.sched.load_state_dict(state["scheduler"])
+            else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
+                optim.sched = build_scheduler(optim.opt, cfg.optim, tcfg.steps, start=int(state["step"]))
+            set_rng_state(state["rng"])
+            if state.get("depth_prior"):
+                sampler.load_state_dict(state["depth_prior"])
+        guard = state.get("nonfinite", {}) if state is not None else {}
+        return cls(cfg, folder, env, rows, data, model, wrapped, optim, sampler, state, n_params,
+                   skipped=int(guard.get("skipped_steps", 0)), streak=int(guard.get("streak", 0)))
 
-    guard = dict(state.get("nonfinite", {})) if state is not None else {}
-    wall_before = float(state.get("wall_s", 0.0)) if state is not None else 0.0  # earlier invocations
-    skipped, streak = int(guard.get("skipped_steps", 0)), int(guard.get("streak", 0))
-
-    def checkpoint(step: int) -> None:
+    def checkpoint(self, step: int) -> None:
+        """A checkpoint of ``step`` (consolidated on rank 0, or sharded); never from non-finite weights."""
+        cfg, env, out, wrapped = self.cfg, self.env, self.folder.path, self.wrapped
         plain = unwrap(wrapped)
         bad = nonfinite_tensors([*plain.named_parameters(), *plain.named_buffers()])
         if mean_across_ranks(float(len(bad)), env) > 0:  # every rank agrees, so all raise together
             raise NonFiniteError(f"step {step}: refusing to write a checkpoint: non-finite weights"
                                  f"{' in ' + ', '.join(bad[:5]) if bad else ' on another rank'}; the newest "
                                  f"checkpoint under {out / 'checkpoints'} is left as it was")
-        train_state = {"step": step, "scheduler": sched.state_dict(), "rng": rng_state(),
-                       "data_position": {"seed": tcfg.seed, "step": step}, "world_size": env.world_size,
-                       "depth_prior": sampler.state_dict(), "nonfinite": {"skipped_steps": skipped, "streak": streak},
-                       "wall_s": wall_before + time.time() - t_start}
-        if tcfg.checkpoint_format == "sharded":
-            model_sd, opt_sd = sharded_state(wrapped, opt)
+        wall_before = float(self.state.get("wall_s", 0.0)) if self.state is not None else 0.0
+        train_state = run_state(step, cfg.train.seed, scheduler=self.optim.sched.state_dict(),
+                                world_size=env.world_size, depth_prior=self.sampler.state_dict(),
+                                nonfinite={"skipped_steps": self.skipped, "streak": self.streak},
+                                wall_s=wall_before + time.time() - self.t_start)
+        if cfg.train.checkpoint_format == "sharded":
+            model_sd, opt_sd = sharded_state(wrapped, self.optim.opt)
             save_sharded_checkpoint(out, step, {"model": model_sd, "optimizer": opt_sd}, cfg, env,
-                                    train_state=train_state, tokenizer_json=data.tokenizer_json)
+                                    train_state=train_state, tokenizer_json=self.data.tokenizer_json)
             return
-        model_sd, opt_sd = full_state(wrapped, opt, tcfg.distributed, env)
-        if main:
-            plain = unwrap(wrapped)
-            if fsdp:
+        model_sd, opt_sd = full_state(wrapped, self.optim.opt, cfg.train.distributed, env)
+        if env.is_main:
+            if env.enabled and cfg.train.distributed == "fsdp":
                 plain = build_model(cfg)
                 plain.load_state_dict(model_sd, strict=True)
             save_checkpoint(out, step, plain, cfg, train_state={**train_state, "optimizer": opt_sd},
-                            tokenizer_json=data.tokenizer_json)
-        barrier(env)
+                            tokenizer_json=self.data.tokenizer_json)
+        barrier(self.env)
 
-    def validate() -> dict[str, float]:
-        return data.validate(eval_model, tcfg.eval_depth, batch_size=B, batches=tcfg.eval_batches, device=device)
+    def step(self, step: int) -> tuple[dict[str, Any], int]:
+        """One optimizer step (``grad_accum`` microbatches): its metrics record and its tokens."""
+        cfg, tcfg, env, wrapped = self.cfg, self.cfg.train, self.env, self.wrapped
+        t0, L, B, device = time.time(), cfg.model.seq_len, tcfg.batch_size, env.device
+        loss_sum, depths, extras, observed = 0.0, [], {}, []
+        for micro in range(tcfg.grad_accum):
+            # every rank draws the same depth: a pure function of (seed, step, micro)
+            T = (cfg.model.n_layers if cfg.model.architecture == "unshared"
+                 else self.sampler.sample(tcfg.seed, step, micro))
+            depths.append(T)
+            x, y = self.data.batch(B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
+            x, y = x[self.rows], y[self.rows]
+            if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
+                x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            sync = contextlib.nullcontext()
+            if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                sync = wrapped.no_sync()
+            with sync, autocast_context(device, tcfg.dtype):
+                res = training_loss(wrapped, x, y, T, tcfg)
+            with sync:
+                (res.loss / tcfg.grad_accum).backward()
+            loss_sum += res.ce
+            observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
+            for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
+                extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
+        loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
+        grad_norm, lr, keep = self.optim.step(loss)  # a non-finite step is skipped; the batch is not retried
+        prior: dict[str, float] = {}
+        if keep:
+            for obs in observed:
+                self.sampler.observe(*obs)
+            prior = self.sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
+            self.streak = 0
+        else:
+            self.skipped, self.streak = self.skipped + 1, self.streak + 1
+        n_tok = B * L * tcfg.grad_accum
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "depths": depths,
+                "tokens_per_s": n_tok / (time.time() - t0), **extras, **{f"prior_{k}": v for k, v in prior.items()},
+                "skipped_steps": self.skipped, **({} if keep else {"skipped": True})}, n_tok
 
-    wrapped.train()
-    t_start = time.time()
-    tokens_done = 0
-    last: dict[str, Any] = {}
-    fit = Fit(folder, start=start_step, total=tcfg.steps, stop_after=stop_after, ckpt_every=tcfg.ckpt_every,
-              save=checkpoint, desc=cfg.name, progress=progress and main, write=main)
-    with fit:
-        for step in fit:
-            t0 = time.time()
-            loss_sum, depths, extras, observed = 0.0, [], {}, []
-            for micro in range(tcfg.grad_accum):
-                # every rank draws the same depth: a pure function of (seed, step, micro)
-                T = (cfg.model.n_layers if cfg.model.architecture == "unshared"
-                     else sampler.sample(tcfg.seed, step, micro))
-                depths.append(T)
-                x, y = data.batch(B, L, seed=tcfg.seed, step=step, micro=micro)  # global batch
-                x, y = x[rows], y[rows]
-                if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
-                    x, y = x.pin_memory(), y.pin_memory()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                sync = contextlib.nullcontext()
-                if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                    sync = wrapped.no_sync()
-                with sync, autocast_context(device, tcfg.dtype):
-                    res = training_loss(wrapped, x, y, T, tcfg)
-                with sync:
-                    (res.loss / tcfg.grad_accum).backward()
-                loss_sum += res.ce
-                observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
-                for key, value in {"objective": float(res.loss.detach()), **res.extras}.items():
-                    extras[key] = extras.get(key, 0.0) + value / tcfg.grad_accum
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip or math.inf))
-            lr = sched.get_last_lr()[0]
-            loss = mean_across_ranks(loss_sum / tcfg.grad_accum, env)  # the same on every rank, as is grad_norm
-            keep = math.isfinite(loss) and math.isfinite(grad_norm)
-            prior: dict[str, float] = {}
-            if keep:
-                opt.step()
-                for obs in observed:
-                    sampler.observe(*obs)
-                prior = sampler.update(reduce=(lambda t: all_reduce_sum(t, env)) if env.enabled else None)
-                streak = 0
-            else:  # skip the update (as large-scale trainers do); the batch is not retried
-                skipped, streak = skipped + 1, streak + 1
-            sched.step()  # the schedule is a function of the step, kept or skipped
-            opt.zero_grad(set_to_none=True)
-            dt = time.time() - t0
-            n_tok = B * L * tcfg.grad_accum
-            tokens_done += n_tok
-            done = step + 1
-            last = {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "depths": depths,
-                    "tokens_per_s": n_tok / dt, **extras, **{f"prior_{k}": v for k, v in prior.items()},
-                    "skipped_steps": skipped, **({} if keep else {"skipped": True})}
-            if tcfg.eval_every and done % tcfg.eval_every == 0 or done == tcfg.steps:
-                last.update(validate())
-            fit.log(last, loss=f"{loss:.3f}", T=depths[0], tok_s=f"{n_tok / dt:.0f}", skipped=skipped,
-                    **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
-            if main:
-                trackers.log(last)
-            if streak >= tcfg.max_nonfinite_steps:
-                newest = newest_valid_checkpoint(out) if main else None
-                shutdown(env)
-                raise DivergenceError(
-                    f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
-                    f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm}); each was skipped, and "
-                    f"train.max_nonfinite_steps={tcfg.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
-                    f"weights): {newest or 'none'}. Lower optim.lr, raise optim.warmup_steps or set optim.grad_clip")
-    end_step = fit.end
-    wall = time.time() - t_start
-    summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": end_step, "skipped_steps": skipped,
-               "params": n_params,
-               "world_size": env.world_size, "wall_s": wall_before + wall,
-               "train_tokens_per_s": tokens_done / wall if wall > 0 else 0.0,
-               "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
-    # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
-    summary = folder.summary(clean(summary), start=start_step, end=end_step, total=tcfg.steps, write=main)
-    trackers.close(summary)  # the summary as run metadata
-    shutdown(env)
-    return summary
+    def fit(self, trackers: Trackers, *, resume: bool, stop_after: int | None, progress: bool) -> dict[str, Any]:
+        """Write config.json and tokenizer.json, run the steps (:class:`Fit`), return the summary."""
+        cfg, tcfg, env, out = self.cfg, self.cfg.train, self.env, self.folder.path
+        start = int(self.state["step"]) if self.state is not None else 0
+        if env.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(cfg.to_json())
+            (out / "tokenizer.json").write_text(self.data.tokenizer_json)
+            # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
+            trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start,
+                                              resume=resume).trackers
+        # FSDP forward is collective: every rank evaluates
+        eval_model = self.wrapped if env.enabled and tcfg.distributed == "fsdp" else unwrap(self.wrapped)
+        self.wrapped.train()
+        self.t_start, tokens, last = time.time(), 0, {}
+        fit = Fit(self.folder, start=start, total=tcfg.steps, stop_after=stop_after, ckpt_every=tcfg.ckpt_every,
+                  save=self.checkpoint, desc=cfg.name, progress=progress and env.is_main, write=env.is_main)
+        with fit:
+            for step in fit:
+                last, n_tok = self.step(step)
+                tokens += n_tok
+                if tcfg.eval_every and last["step"] % tcfg.eval_every == 0 or last["step"] == tcfg.steps:
+                    last.update(self.data.validate(eval_model, tcfg.eval_depth, batch_size=tcfg.batch_size,
+                                                   batches=tcfg.eval_batches, device=env.device))
+                fit.log(last, loss=f"{last['loss']:.3f}", T=last["depths"][0], tok_s=f"{last['tokens_per_s']:.0f}",
+                        skipped=self.skipped, **({"val_ppl": f"{last['val_ppl']:.1f}"} if "val_ppl" in last else {}))
+                if env.is_main:
+                    trackers.log(last)
+                if self.streak >= tcfg.max_nonfinite_steps:
+                    self._diverged(last)
+        wall = time.time() - self.t_start
+        wall_before = float(self.state.get("wall_s", 0.0)) if self.state is not None else 0.0
+        summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": fit.end, "skipped_steps": self.skipped,
+                   "params": self.n_params, "world_size": env.world_size, "wall_s": wall_before + wall,
+                   "train_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                   "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
+        # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
+        summary = self.folder.summary(clean(summary), start=start, end=fit.end, total=tcfg.steps, write=env.is_main)
+        trackers.close(summary)  # the summary as run metadata
+        shutdown(env)
+        return summary
+
+    def _diverged(self, last: dict[str, Any]) -> None:
+        """Raises DivergenceError after ``train.max_nonfinite_steps`` skipped steps in a row."""
+        newest = newest_valid_checkpoint(self.folder.path) if self.env.is_main else None
+        shutdown(self.env)
+        done, streak = last["step"], self.streak
+        raise DivergenceError(
+            f"training diverged: {streak} consecutive steps ({done - streak + 1}..{done}) had a non-finite "
+            f"loss or gradient norm (last: loss {last['loss']}, grad norm {last['grad_norm']}); each was skipped, and "
+            f"train.max_nonfinite_steps={self.cfg.train.max_nonfinite_steps} stops the run. Newest checkpoint (finite "
+            f"weights): {newest or 'none'}. Lower optim.lr, raise optim.warmup_steps or set optim.grad_clip")
