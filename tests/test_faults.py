@@ -163,7 +163,7 @@ def test_strict_json_writes_null_and_names_the_nonfinite_fields():
 def test_every_report_pair_is_strict_json_plus_its_markdown(tmp_path):
     """The one JSON + Markdown writer (used by eval, diagnose, bench, kv-sharing, distill and lm-eval
     reports): a NaN becomes null and is named, the .md holds the result's Markdown, folders are made."""
-    from looplm.cli.core import write_report_files
+    from looplm.cli.core import Report
     from looplm.finite import write_json_markdown
 
     out = tmp_path / "a" / "b" / "res.json"
@@ -174,9 +174,8 @@ def test_every_report_pair_is_strict_json_plus_its_markdown(tmp_path):
     assert out.with_suffix(".md").read_text() == "| x |\n"
     write_json_markdown({"ppl": 1.0}, out, markdown="other")  # a Markdown given apart from the result
     assert json.loads(out.read_text()) == {"ppl": 1.0} and out.with_suffix(".md").read_text() == "other\n"
-    assert write_report_files(None, {"markdown": ""}) == []
-    assert write_report_files(out, {"loss": math.inf, "markdown": "m"}) == paths
-    assert json.loads(out.read_text(), parse_constant=_refuse)["loss"] is None
+    Report(out).emit({"loss": math.inf, "markdown": "m"})  # a command's --out goes through the same writer
+    assert json.loads(out.read_text(), parse_constant=_refuse)["loss"] is None and out.with_suffix(".md").read_text() == "m\n"
 
 
 # -- 4. evaluation of a non-finite model ----------------------------------------------------------

@@ -885,3 +885,37 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
             result.report = write_report(store, out / "report", baseline=sweep.baseline, sweep=sweep.name)
             runner.log(f"report: {result.report['markdown']}")
     return result
+
+
+def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard: str | None = None,
+               only: Sequence[str] | None = None, progress: bool = True) -> dict[str, Any] | None:
+    """``looplm sweep``: run the sweep in ``file`` (returns :meth:`SweepResult.summary`), or with ``plan``
+    print one command per pending run.
+
+    Args:
+        file: sweep file
+        out: output folder (default results/<sweep name>): runs/, results.db, report/
+        plan: run nothing: print one `looplm sweep FILE --out OUT --only RUN_ID` command per pending run
+        shard: I/N: only the runs whose index in the run order is I mod N; shards 0/N … N-1/N can run at once
+            into one --out; no report is written (run `looplm report --db OUT/results.db` at the end)
+        only: RUN_ID,...: only these runs (ids as in --plan); no report is written
+    """
+    import sys
+
+    spec = load_sweep(file)
+    out = out if out is not None else Path("results") / spec.name
+    shards = parse_shard(shard) if shard is not None else None
+    if plan:
+        if only is not None:
+            raise SweepError("--only and --plan do not go together (--plan lists the pending runs)")
+        pending = plan_sweep(spec, out, shard=shards)
+        print("\n".join(plan_commands(file, out, pending)), end="\n" if pending else "")
+        print(f"# {len(pending)} pending of {len(spec.runs())} runs; afterwards: looplm report --db "
+              f"{out / 'results.db'}", file=sys.stderr)
+        return None
+    partial = only is not None or shards is not None
+    result = run_sweep(spec, out, progress=progress, only=only, shard=shards, report=not partial)
+    if partial:
+        print(f"part of the sweep: no report written; when every part is done: looplm report --db {result.db}",
+              file=sys.stderr)
+    return result.summary()

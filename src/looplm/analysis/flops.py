@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from looplm.config import ModelConfig
 
 #: core applications per loop step, per rule (the subtractive controls of SPEC §2 use 2).
@@ -58,3 +60,23 @@ def multidepth_flops_per_token(cfg: ModelConfig, depths) -> int:
     (The readouts are real work: at V = 8,192 and d = 192 one costs as much as ~4 core blocks.)"""
     depths = sorted(set(int(t) for t in depths))
     return flops_per_token(cfg, depths[-1])["body_head"] + (len(depths) - 1) * readout_flops_per_token(cfg)
+
+
+def config_info(cfg, *, depths: Sequence[int] = (8, 48), list: bool = False) -> dict[str, Any]:
+    """``looplm info``: parameter count and FLOP proxy of config ``cfg`` (model built on the meta device).
+
+    Args:
+        depths: comma-separated loop depths of the FLOP proxy
+        list: list the presets and their model configs instead
+    """
+    import torch
+
+    from looplm.model import build_model
+    from looplm.presets import PRESETS
+
+    if list:
+        return {name: c.to_dict()["model"] for name, c in PRESETS.items()}
+    with torch.device("meta"):
+        params = build_model(cfg).num_params()
+    return {"name": cfg.name, "params": params, "params_millions": round(params / 1e6, 2),
+            "flops_per_token": {str(T): flops_per_token(cfg.model, T) for T in depths}, "config": cfg.to_dict()}

@@ -1,10 +1,9 @@
 """The ``looplm`` command line: one console script, one registry line per command.
 
-Each :class:`Cmd` names the function it drives; :func:`looplm.cli.core.add_options` makes its options
-from that function's typed signature, so ``looplm eval lambada`` offers exactly the parameters of
-:func:`~looplm.eval.lambada.evaluate_lambada_checkpoint`. Config fields are never listed here: every
-``--SECTION.FIELD[.SUB] VALUE`` pair goes as a string to :func:`looplm.config.apply_overrides`.
-Commands build on first use, so ``looplm --help`` imports neither torch nor the trainer.
+Each :class:`Cmd` names the function it drives; :func:`looplm.cli.core.add_options` makes its options from
+that function's typed signature. Config fields are never listed here: each ``--SECTION.FIELD[.SUB] VALUE``
+goes as a string to :func:`looplm.config.apply_overrides`. Commands build on first use, so ``looplm --help``
+imports neither torch nor the trainer.
 """
 
 from __future__ import annotations
@@ -12,48 +11,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from looplm.cli.core import (
-    CliError,
-    InFile,
-    Opt,
-    OutFile,
-    Parser,
-    Report,
-    UsageError,
-    _exit_criteria,
-    add_command,
-    add_options,
-    config_help,
-    config_keys,
-    in_file,
-    lazy_subparsers,
-    option_strings,
-    out_file,
-    prepare_outputs,
-    split_config_overrides,
-    subcommands,
-    suggest,
-)
+from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, UsageError, add_command,
+                             add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
+                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands,
+                             suggest)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
 class Cmd:
-    """One command: its words, the function it drives (``module:name``) and its one-line help.
-
-    ``run``: glue ``run(func, options, **its own options)`` around the driven function (its own keyword
-    parameters are options too); ``report``: the protocol convention (``--checkpoint`` passed first,
-    ``--quiet/--json/--out``, the result printed and written); ``checkpoint``: ``--checkpoint`` passed
-    first (default: for report commands); ``config``: ``"preset"`` or the ``module:name`` of the base
-    config, for ``--preset``/``--config``/``--print_config`` and ``--SECTION.FIELD`` overrides;
-    ``opts``: flags that differ from their parameter; ``out``: the report's default --out.
-    """
+    """A command: its words, the function it drives (``module:name``), its help. ``run``: glue ``run(func,
+    options, ...)`` (its keyword parameters are options too); ``report``: ``--checkpoint`` first and
+    ``--quiet/--json/--out``; ``checkpoint``: ``--checkpoint`` first (default: ``report``); ``config``:
+    ``"preset"`` or ``module:name`` of the base config; ``opts``: flags that differ from their parameter;
+    ``out``: the default --out; ``extra``: the ``pip install 'looplm[EXTRA]'`` it needs."""
 
     name: str
     func: str
@@ -63,7 +41,8 @@ class Cmd:
     checkpoint: bool | None = None
     config: str | None = None
     opts: dict[str, Opt] = dataclasses.field(default_factory=dict)
-    out: Path | None = None  # the report's --out when not given
+    out: Path | None = None
+    extra: str | None = None
 
 
 def _rl_choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
@@ -74,6 +53,8 @@ _C = "looplm.cli.commands:"
 _TASK = Opt(type=str, choices=("addition",), help="the task")
 _RL = {"task": _TASK, "reward": Opt(choices=_rl_choices("looplm.rl.rewards", "REWARDS")),
        "digits": Opt(help="the task's operand width D (default: the starting checkpoint's task.json)")}
+_IMPORT = {"src": Opt(positional=True, metavar="SRC", help="the downloaded Hugging Face folder"),
+           "out": Opt(metavar="DIR", help="run folder to write; must not hold a checkpoint")}
 COMMANDS: tuple[Cmd, ...] = (
     Cmd("demo", "looplm.demo:run_demo", "the main job: train looped and scse on Brown, compare PPL across depths",
         opts={"out": Opt(default=Path("results/demo"), help="results folder")}),
@@ -81,8 +62,7 @@ COMMANDS: tuple[Cmd, ...] = (
         config="preset"),
     Cmd("eval ppl", "looplm.eval.runner:evaluate_checkpoint", "perplexity at every requested loop depth", report=True,
         opts={"stride": Opt(metavar="S", help="sliding-window stride (default: non-overlapping)"),
-              "depths": Opt(help="comma-separated loop depths, e.g. 1,2,4,8; 0 reads out the rule's initial state "
-                            "h_0 (no core step)")}),
+              "depths": Opt(help="comma-separated loop depths, e.g. 1,2,4,8; 0 reads out h_0 (no core step)")}),
     Cmd("eval kv-sharing", "looplm.eval.kvsharing:evaluate_kv_sharing_checkpoint",
         "terminal KV sharing: continuation PPL with a terminal KV cache vs the full forward", report=True,
         opts={"depths": Opt(default=[1, 2, 4, 8, 12, 16, 24, 32, 48], metavar="R,R,...")}),
@@ -97,37 +77,34 @@ COMMANDS: tuple[Cmd, ...] = (
         "after the teacher's, early-stopped and distilled prefills", report=True),
     Cmd("eval tasks", "looplm.eval.tasks:evaluate_task_checkpoint", "synthetic-task exact-match accuracy by loop "
         "depth x difficulty k (data.dataset=task checkpoints)", run=_C + "eval_tasks", report=True,
-        opts={"split": Opt(type=str, choices=("valid", "test"), help="held-out split"),
-              "ks": Opt(metavar="K,K,...")}),
+        opts={"split": Opt(type=str, choices=("valid", "test"), help="held-out split"), "ks": Opt(metavar="K,K,...")}),
     Cmd("generate", "looplm.generate:generate_checkpoint", "continue text prompts with a checkpoint (KV cache, "
         "sampling, adaptive depth)", checkpoint=True, opts={"prompts_file": Opt(type=InFile), "out": Opt(type=OutFile),
-        "exit": Opt(choices=lambda: ("none", *_exit_criteria()))}),
+        "exit": Opt(choices=lambda: ("none", *exit_criteria()))}),
     Cmd("consolidate", "looplm.run.checkpoint:consolidate_checkpoint",
         "add the full weights (model.safetensors) to a sharded checkpoint", checkpoint=True),
     Cmd("convert-train-state", _C + "convert_train_state",
         "rewrite a trusted checkpoint's pickled train_state.pt as data", checkpoint=True),
-    Cmd("info", _C + "info", "parameter count and FLOP proxy of a config, as JSON", config="preset"),
+    Cmd("info", "looplm.analysis.flops:config_info", "parameter count and FLOP proxy of a config, as JSON",
+        config="preset"),
     Cmd("bench", "looplm.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,
-        checkpoint=False,         out=Path("benchmarks/results/bench.json"),
-        opts={"device": Opt(help="cpu, cuda or auto")}),
+        checkpoint=False, out=Path("benchmarks/results/bench.json"), opts={"device": Opt(help="cpu, cuda or auto")}),
     Cmd("diagnose", "looplm.diagnostics.runner:diagnose_checkpoint", "mechanism diagnostics of a checkpoint: forcing "
         "bias, gain, anchor-start rollouts, hidden-state scale, visit alignment, token convergence",
         run=_C + "diagnose", report=True,
         opts={"steps": Opt(default=None, metavar="T,T", help="loop steps t for forcing bias and gain (default "
-                           "0,DEPTH-1, i.e. 0,47)")}),
+                           "0,DEPTH-1)")}),
     Cmd("gradcheck", "looplm.diagnostics.gradients:gradcheck_checkpoint", "gradient cosines of TBPTT-b and endpoint "
         "(Neumann-b) gradients against full BPTT, per parameter group", report=True),
-    Cmd("sweep", _C + "sweep", "train and evaluate a grid of runs from a TOML sweep file (resumable)",
+    Cmd("sweep", "looplm.sweep:sweep_file", "train and evaluate a grid of runs from a TOML sweep file (resumable)",
         opts={"file": Opt(positional=True, metavar="FILE.toml")}),
     Cmd("report", "looplm.analysis.report:write_report", "mean ± std tables, paired deltas and plots from a results "
         "database", run=_C + "report"),
-    Cmd("export", _C + "export", "write a checkpoint as a Hugging Face folder (transformers, AutoTokenizer)",
-        checkpoint=True),
-    Cmd("lm-eval", _C + "lm_eval", "lm-evaluation-harness tasks at one or several loop depths", report=True),
-    *(Cmd("import " + name, f"looplm.importers.{name}:import_{name}", text, run=_C + "import_model",
-          opts={"src": Opt(positional=True, metavar="SRC", help="the downloaded Hugging Face folder"),
-                "out": Opt(metavar="DIR", help="run folder to write (DIR/latest, DIR/checkpoints/step-000000); must "
-                           "not hold a checkpoint")})
+    Cmd("export", "looplm.hf.export:export_checkpoint", "write a checkpoint as a Hugging Face folder (transformers, "
+        "AutoTokenizer)", checkpoint=True, extra="hf"),
+    Cmd("lm-eval", _C + "lm_eval", "lm-evaluation-harness tasks at one or several loop depths", report=True,
+        extra="lmeval"),
+    *(Cmd("import " + name, f"looplm.importers.{name}:import_{name}", text, opts=_IMPORT)
       for name, text in (("huginn", "Huginn-0125 (tomg-group-umd/huginn-0125)"),
                          ("ouro", "Ouro (ByteDance/Ouro-1.4B, Ouro-2.6B)"))),
     Cmd("rl pretrain", "looplm.rl.runner:pretrain_task", "pretrain a small looped model on a verifiable task "
@@ -140,7 +117,6 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("distill", _C + "distill", "train a distilled-prefill student for a looped teacher (LMDR eq. 4)",
         config="looplm.distill.config:DistillConfig"),
 )
-COMMAND = {c.name: c for c in COMMANDS}
 
 
 def _resolve(spec: str) -> Any:
@@ -150,59 +126,45 @@ def _resolve(spec: str) -> Any:
 
 def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
     def build(p: argparse.ArgumentParser) -> None:
-        func = _resolve(cmd.func)
-        glue = _resolve(cmd.run) if cmd.run else None
-        own = inspect_params(glue) if glue else {}
-        first = None
-        if cmd.report if cmd.checkpoint is None else cmd.checkpoint:  # the driven function's first parameter
-            first = next(iter(inspect_params(func)))
+        func, glue = _resolve(cmd.func), _resolve(cmd.run) if cmd.run else None
+        params, own = inspect.signature(func).parameters, inspect.signature(glue).parameters if glue else {}
+        first = next(iter(params)) if (cmd.report if cmd.checkpoint is None else cmd.checkpoint) else None
+        if first:  # the driven function's first parameter
             p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
-        add_options(p, func, cmd.opts, skip={*own, *([first] if first else [])})
+        add_options(p, func, cmd.opts, skip={*own, first})
         if glue:
             add_options(p, glue, cmd.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
         if cmd.report:
             p.add_argument("--out", type=out_file, metavar="FILE.json", default=cmd.out, help="write the JSON here "
                            "and the Markdown next to it as FILE.md" + (f" (default {cmd.out})" if cmd.out else ""))
             p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown)")
-        if "progress" in inspect_params(func) or "progress" in own:
+        if "progress" in params or "progress" in own:
             p.add_argument("--quiet", action="store_true", help="no progress output")
+        if cmd.config == "preset":
+            p.add_argument("--preset", help="named config to start from (`looplm info --list`); default: cpu")
         if cmd.config:
-            _add_config_args(p, cmd.config)
-        p.set_defaults(_cmd=cmd, _parser=p, _first=first, _family=cmd.name.split()[0] if " " in cmd.name else None)
+            p.add_argument("--config", type=in_file, metavar="FILE.json", help="a config file (JSON, as in every "
+                           "checkpoint) to start from instead of " + ("a preset" if cmd.config == "preset" else
+                                                                      "the built-in one"))
+            p.add_argument("--print_config", "--print-config", action="store_true",
+                           help="print the resolved config (base, then overrides) as JSON and exit")
+            section = None if cmd.config == "preset" else _resolve(cmd.config)
+            add_config_fields(p, "--preset or --config" if cmd.config == "preset" else "the built-in config "
+                              "(`--print_config` shows it) or --config",
+                              section.fields_help() if isinstance(section, type) else None)  # distill, rl train
+        p.set_defaults(_cmd=cmd, _parser=p, _first=first)
     return build
 
 
-def inspect_params(func: Callable[..., Any]) -> dict[str, Any]:
-    import inspect
-
-    return dict(inspect.signature(func).parameters)
-
-
-def _add_config_args(p: argparse.ArgumentParser, base: str) -> None:
-    if base == "preset":
-        p.add_argument("--preset", default=None, help="named config to start from (see `looplm info --list`); "
-                       "default: cpu; not with --config")
-    p.add_argument("--config", type=in_file, metavar="FILE.json",
-                   help="a config file (JSON, as written into every checkpoint) to start from instead of "
-                   + ("a preset" if base == "preset" else "the built-in one"))
-    p.add_argument("--print_config", "--print-config", action="store_true",
-                   help="print the resolved config (base, then overrides) as JSON and exit")
-    section = None if base == "preset" else _resolve(base)
-    fields = section.fields_help() if isinstance(section, type) else None  # a RunSection (distill, rl train)
-    p.config_help = (config_help if base == "preset" else
-                     lambda: config_help("the built-in config (`--print_config` shows it) or --config", fields))
-
-
 def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
-    """The config of a config command: --preset (default cpu) or --config, then the overrides (and --name)."""
+    """--preset (default cpu), --config or the command's built-in config, then the overrides (and --name)."""
     from looplm.config import Config, ConfigError, apply_overrides
 
     preset = getattr(args, "preset", None)
     if args.config and preset:
-        raise ConfigError("--preset and --config: give one starting config, not both (--config FILE.json "
-                          "already holds a whole config)")
+        raise ConfigError("--preset and --config: give one starting config, not both")
     base = None if args._cmd.config == "preset" else _resolve(args._cmd.config)
-    base = base() if isinstance(base, type) else base  # a RunSection class: its defaults
+    base = base() if isinstance(base, type) else base  # a RunSection class (distill, rl train): its defaults
     if args.config:
         try:
             cfg = (Config if base is None else type(base)).from_json(args.config.read_text())
@@ -215,86 +177,68 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     else:
         cfg = base
     overrides = dict(overrides, **({"name": args.name} if getattr(args, "name", None) else {}))
-    try:
-        return apply_overrides(cfg, overrides) if isinstance(cfg, Config) else cfg.with_overrides(overrides)
-    except ConfigError as exc:
-        msg = str(exc)
-        key = msg.split(":", 1)[0]
-        if "unknown" in msg and "did you mean" not in msg and key in overrides:
-            hint = suggest("--" + key, config_keys())
-            if hint:
-                raise ConfigError(f"--{key}: unknown config field{hint} ({msg})") from None
-        raise
+    return apply_overrides(cfg, overrides) if isinstance(cfg, Config) else cfg.with_overrides(overrides)
 
 
 def build_parser() -> Parser:
     """The ``looplm`` parser; each command's options are added when the command is first looked up."""
     parser = Parser(prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
                     "depth-recurrent) transformer language models.")
-    sub = lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")
-    groups: dict[str, argparse._SubParsersAction] = {}
+    subs = {"": lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")}
     for cmd in COMMANDS:
-        *group, name = cmd.name.split()
+        group, _, name = cmd.name.rpartition(" ")
+        if group not in subs:
+            members = ", ".join(c.name.split()[1] for c in COMMANDS if c.name.startswith(group + " "))
+            p = add_command(subs[""], group, lambda p: None, help=GROUPS[group][0].format(members),
+                            description=GROUPS[group][1])
+            subs[group] = lazy_subparsers(p, dest=group + "_command", required=True, metavar="COMMAND")
         text = DESCRIPTIONS.get(cmd.name, "")
-        kw = {"help": cmd.help, "description": text.split("\n\n", 1)[0] if text else None}
-        if "\n\n" in text:  # an example after the description: keep its layout
-            kw.update(epilog=text.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-        if not group:
-            add_command(sub, name, _builder(cmd), **kw)
-            continue
-        if group[0] not in groups:
-            help_text, description = GROUPS[group[0]]
-            members = [c.name.split()[1] for c in COMMANDS if c.name.startswith(group[0] + " ")]
-            p = add_command(sub, group[0], lambda p: None, help=help_text.format(", ".join(members)),
-                            description=description)
-            groups[group[0]] = lazy_subparsers(p, dest=group[0] + "_command", required=True, metavar="COMMAND")
-        add_command(groups[group[0]], name, _builder(cmd), **kw)
+        raw = "\n" in text  # an example whose layout must stay
+        add_command(subs[group], name, _builder(cmd), help=cmd.help, description=text if raw else
+                    f"{cmd.help[0].upper()}{cmd.help[1:]}. {text}",
+                    epilog=f"details: docs/commands.md#looplm-{cmd.name.replace(' ', '-')}",
+                    formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
     return parser
-
-
-def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
-    """Exit 2 naming the unknown options, the closest valid option and the commands that do take it."""
-    leaf = getattr(args, "_parser", parser)
-    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
-    msg = f"unrecognized arguments: {' '.join(extras)}"
-    if flags:
-        family = getattr(args, "_family", None)
-        siblings = subcommands(_command_parser(parser, [family])) if family else []
-        owners = [p.prog for p in siblings if p is not leaf and flags[0] in option_strings(p)]
-        if owners:
-            msg += f" ({flags[0]} is an option of {', '.join(owners)})"
-        else:
-            msg += suggest(flags[0], option_strings(leaf) + (config_keys() if args._cmd.config else []))
-    leaf.error(msg)
 
 
 def _command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
     """The parser of the (sub)command that ``argv``'s leading words name (``parser`` when none does)."""
-    leaf = parser
     for tok in argv:
-        subs = [a for a in leaf._actions if isinstance(a, argparse._SubParsersAction)]
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         if tok.startswith("-") or not subs or tok not in subs[0].choices:
             break
-        leaf = subs[0].choices[tok]
-    return leaf
+        parser = subs[0].choices[tok]
+    return parser
+
+
+def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit 2 naming the unknown options, the closest valid option and the sibling commands that take it."""
+    leaf, msg = args._parser, f"unrecognized arguments: {' '.join(extras)}"
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
+    if flags:
+        group = args._cmd.name.rpartition(" ")[0]
+        owners = [p.prog for p in (subcommands(_command_parser(parser, [group])) if group else [])
+                  if p is not leaf and flags[0] in option_strings(p)]
+        msg += (f" ({flags[0]} is an option of {', '.join(owners)})" if owners else
+                suggest(flags[0], option_strings(leaf)))
+    leaf.error(msg)
 
 
 def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     """Resolve the config, check the outputs, then call the command's glue or driven function."""
     cmd, leaf = args._cmd, args._parser
-    func = _resolve(cmd.func)
+    func, glue = _resolve(cmd.func), _resolve(cmd.run) if cmd.run else None
     options = {n: getattr(args, n) for n in args._params}
     own = {n: getattr(args, n) for n in getattr(args, "_glue", ())}
-    glue = _resolve(cmd.run) if cmd.run else None
     if hasattr(args, "quiet"):
-        (own if glue and "progress" in inspect_params(glue) else options)["progress"] = not args.quiet
+        (own if glue and "progress" in inspect.signature(glue).parameters else options)["progress"] = not args.quiet
     if cmd.config:
         cfg = _config(args, overrides)
         if args.print_config:
             print(cfg.to_json())
             return 0
         options["cfg"] = cfg
-        if "overrides" in inspect_params(func):
+        if "overrides" in inspect.signature(func).parameters:
             options["overrides"] = overrides
         if "out" in vars(args) and args.out is None and hasattr(cfg, "train"):  # distill: a default --out
             leaf.error("the following arguments are required: --out")
@@ -304,15 +248,14 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
                   f"{', '.join(ignored) or '--config'}", file=sys.stderr)
     prepare_outputs(args)
     first = (args.checkpoint,) if args._first else ()
-    if cmd.report:
-        report = Report(args.out, args.json)
+    report = Report(args.out, args.json) if cmd.report else None
+    if report:
         report.check()
-        if glue:
-            return glue(func, options, *first, report=report, **own) or 0
-        return report.emit(func(*first, **options, **own))
     if glue:
-        return glue(func, options, *first, **own) or 0
+        return glue(func, options, *first, **({"report": report} if report else {}), **own) or 0
     result = func(*first, **options, **own)
+    if report:
+        return report.emit(result)
     if isinstance(result, dict):
         print(json.dumps(result, indent=2))
     elif result is not None and not isinstance(result, int):
@@ -332,29 +275,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_options_error(parser, args, extras)
+    leaf = args._parser
     if overrides and not args._cmd.config:
-        leaf = args._parser
         key = "--" + next(iter(overrides))
         leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train`, "
-                   f"`looplm info`, `looplm rl pretrain`, `looplm rl train` and `looplm distill`)"
-                   f"{suggest(key, option_strings(leaf))}")
-    args.config_overrides = overrides
+                   f"`looplm info`, `looplm rl pretrain`, `looplm rl train` and `looplm distill`){suggest(key, option_strings(leaf))}")
     try:
         return int(_run(args, overrides) or 0)
     except UsageError as exc:
-        args._parser.error(str(exc))
+        leaf.error(str(exc))
     except BrokenPipeError:  # e.g. `looplm info --list | head`: the reader left; not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush must not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not raise again
         return 0
-    except (ConfigError, KeyError, FileNotFoundError, ValueError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"{args._parser.prog}: error: {msg}", file=sys.stderr)
-        return 2
     except Exception as exc:
         from looplm.run.checkpoint import CheckpointError
 
-        if isinstance(exc, CheckpointError):
-            print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+        if isinstance(exc, ImportError) and args._cmd.extra:
+            exc = ValueError(f"needs the {exc.name} package: pip install 'looplm[{args._cmd.extra}]'")
+        elif not isinstance(exc, (ConfigError, KeyError, FileNotFoundError, ValueError, CheckpointError)):
+            raise
+        print(f"{leaf.prog}: error: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}", file=sys.stderr)
+        return 2

@@ -1,9 +1,5 @@
-"""Glue of the commands whose work is more than one library call (registered in :mod:`looplm.cli`).
-
-A function here is driven like a library function: its typed keyword parameters are its command's
-options. Glue ``run(func, options, ...)`` wraps the driven library function ``func`` (``options``: its
-parsed options); the rest are commands of their own.
-"""
+"""Glue of the commands whose work is more than one library call (:mod:`looplm.cli`); glue ``run(func, options,
+...)`` wraps the driven function ``func`` (``options``: its parsed options)."""
 
 from __future__ import annotations
 
@@ -12,16 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from looplm.cli.core import (
-    CliError,
-    OutDir,
-    OutFile,
-    Report,
-    UsageError,
-    prepare_out_dir,
-)
-
-CacheMode = Literal["per_visit", "terminal"]
+from looplm.cli.core import CliError, OutDir, OutFile, Report, UsageError, prepare_out_dir
 
 
 def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, name: str | None = None,
@@ -36,8 +23,7 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
             to N; the LR schedule follows the new total)
         init_from: start from these weights (run, checkpoint or HF export folder; its model config is used);
             fresh optimizer and schedule
-        overwrite: replace the metrics of a run in --out that wrote no checkpoint (it diverged or stopped before
-            its first)
+        overwrite: replace the metrics of a run in --out that wrote no checkpoint
         stop_after: stop with a checkpoint after N steps of this invocation (continue with --resume)
     """
     import os
@@ -62,31 +48,6 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     return 0
 
 
-def info(cfg: Any, *, depths: Sequence[int] = (8, 48), list: bool = False) -> int:
-    """Print the parameter count and FLOP proxy of ``cfg`` as JSON.
-
-    Args:
-        depths: comma-separated loop depths of the FLOP proxy
-        list: list the presets and their model configs
-    """
-    import torch
-
-    from looplm.analysis.flops import flops_per_token
-    from looplm.model import build_model
-    from looplm.presets import PRESETS
-
-    if list:
-        print(json.dumps({name: c.to_dict()["model"] for name, c in PRESETS.items()}, indent=2))
-        return 0
-    with torch.device("meta"):
-        model = build_model(cfg)
-    print(json.dumps({"name": cfg.name, "params": model.num_params(), "params_millions":
-                      round(model.num_params() / 1e6, 2), "flops_per_token": {str(T): flops_per_token(cfg.model, T)
-                                                                              for T in depths},
-                      "config": cfg.to_dict()}, indent=2))
-    return 0
-
-
 def convert_train_state(checkpoint: Path, *, trust_pickle: bool = False) -> Path:
     """Rewrite a trusted checkpoint's pickled train_state.pt as data.
 
@@ -103,13 +64,12 @@ def convert_train_state(checkpoint: Path, *, trust_pickle: bool = False) -> Path
 
 def eval_halting(func: Callable[..., dict], options: dict[str, Any], checkpoint: Path, report: Report, *,
                  max_examples: int | None = None) -> int:
-    """halting.json, .md and the frontier plot go into the folder of --out (default results/halting).
+    """Its files go into the folder of --out (default results/halting).
 
     Args:
         max_examples: shorthand for --n-calib N --n-timed N
     """
-    folder = report.out.parent if report.out else Path("results") / "halting"
-    prepare_out_dir(folder, "--out", shown=report.out)
+    folder = prepare_out_dir(report.out.parent if report.out else Path("results/halting"), "--out", shown=report.out)
     if max_examples is not None:
         options.update(n_calib=max_examples, n_timed=max_examples)
     result = func(checkpoint, folder, **options)
@@ -124,59 +84,15 @@ def eval_tasks(func: Callable[..., dict], options: dict[str, Any], checkpoint: P
 
 def diagnose(func: Callable[..., dict], options: dict[str, Any], checkpoint: Path, report: Report, *,
              plots_dir: OutDir | None = None) -> int:
-    """The Markdown and plots go to --plots-dir (default: next to --out, named after it).
+    """The Markdown and plots go to --plots-dir.
 
     Args:
         plots_dir: folder for the Markdown and plots (default: next to --out; none without --out)
     """
-    folder = plots_dir or (report.out.parent if report.out else None)
-    result = func(checkpoint, out_dir=folder, stem=report.out.stem if report.out else "diagnose", **options)
+    out = report.out
+    result = func(checkpoint, out_dir=plots_dir or (out.parent if out else None), stem=out.stem if out else "diagnose",
+                  **options)
     return report.emit(result, result.get("files", {}).values())
-
-
-def sweep(file: Path, *, out: OutDir | None = None, plan: bool = False, shard: str | None = None,
-          only: str | None = None, progress: bool = True) -> int:
-    """Run (or plan) the sweep in ``file``.
-
-    Args:
-        file: sweep file (format below)
-        out: output folder (default results/<sweep name>): runs/, results.db, report/
-        plan: run nothing: print one `looplm sweep FILE --out OUT --only RUN_ID` command per pending run (not
-            trained, or an evaluation missing from the results DB)
-        shard: I/N: run (or with --plan, list) only the runs whose index in the run order is I mod N (0 <= I < N);
-            shards 0/N … N-1/N can run at the same time into one --out and results DB; no report is written (run
-            `looplm report --db OUT/results.db` at the end)
-        only: RUN_ID[,RUN_ID...]: run only these runs (run ids as in --plan); no report is written
-    """
-    from looplm.sweep import (
-        load_sweep,
-        parse_shard,
-        plan_commands,
-        plan_sweep,
-        run_sweep,
-    )
-
-    spec = load_sweep(file)
-    out = out if out is not None else Path("results") / spec.name
-    shards = parse_shard(shard) if shard is not None else None
-    runs = [r for r in only.split(",") if r] if only is not None else None
-    if plan:
-        if runs is not None:
-            raise ValueError("--only and --plan do not go together (--plan lists the pending runs)")
-        pending = plan_sweep(spec, out, shard=shards)
-        for line in plan_commands(file, out, pending):
-            print(line)
-        print(f"# {len(pending)} pending of {len(spec.runs())} runs; afterwards: looplm report --db "
-              f"{out / 'results.db'}", file=sys.stderr)
-        return 0
-    prepare_out_dir(out, "--out")
-    partial = runs is not None or shards is not None
-    result = run_sweep(spec, out, progress=progress, only=runs, shard=shards, report=not partial)
-    print(json.dumps(result.summary(), indent=2))
-    if partial:
-        print(f"part of the sweep: no report written; when every part is done: looplm report --db {result.db}",
-              file=sys.stderr)
-    return 0
 
 
 def report(func: Callable[..., dict], options: dict[str, Any], *, db: Path, out: OutDir | None = None) -> int:
@@ -188,64 +104,31 @@ def report(func: Callable[..., dict], options: dict[str, Any], *, db: Path, out:
     """
     if not db.is_file():
         raise FileNotFoundError(f"--db {db}: the results database does not exist")
-    out = out if out is not None else prepare_out_dir(db.parent / "report", "--out")
-    res = func(db, out, **options)
+    res = func(db, out or prepare_out_dir(db.parent / "report", "--out"), **options)
     print(res["markdown"].read_text())
     print(f"wrote {res['markdown']}, {res['json']}" + "".join(f", {p}" for p in res["plots"]))
-    return 0
-
-
-def _need(module: str, extra: str) -> None:
-    import importlib
-
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        raise ValueError(f"needs the {module} package: pip install 'looplm[{extra}]'") from None
-
-
-def export(checkpoint: Path, *, out: OutDir, num_steps: int | None = None, kv_cache: CacheMode = "per_visit",
-           device: str = "cpu", overwrite: bool = False) -> int:
-    """Export (options as :func:`looplm.hf.export.export_checkpoint`'s, which imports transformers).
-
-    Args:
-        out: the Hugging Face folder to write
-        num_steps: default recurrence depth of the exported model (default: the checkpoint's train.eval_depth)
-        kv_cache: KV cache layout generate() uses by default
-        overwrite: write into a non-empty --out (files of the same names are replaced, old weight files removed)
-    """
-    _need("transformers", "hf")
-    from looplm.hf.export import export_checkpoint
-
-    written = export_checkpoint(checkpoint, out, num_steps=num_steps, kv_cache=kv_cache, device=device,
-                                overwrite=overwrite)
-    print(f"wrote {written} (load with transformers.AutoModelForCausalLM.from_pretrained; "
-          "trust_remote_code=True works without importing looplm)")
     return 0
 
 
 def lm_eval(checkpoint: Path, *, tasks: Sequence[str], depths: Sequence[int] | None = None,
             include_path: Path | None = None, only_include_path: bool = False, bootstrap_iters: int = 1000,
             num_fewshot: int | None = None, limit: float | None = None, batch_size: int = 16,
-            kv_cache: CacheMode | None = None, seed: int = 0, device: str = "cpu", db: OutFile | None = None,
-            tag: str = "") -> dict[str, Any]:
-    """Harness tasks at every depth (options as :func:`looplm.hf.harness.evaluate_harness`'s, which imports lm-eval).
+            kv_cache: Literal["per_visit", "terminal"] | None = None, seed: int = 0, device: str = "cpu",
+            db: OutFile | None = None, tag: str = "") -> dict[str, Any]:
+    """Harness tasks at every depth (:func:`looplm.hf.harness.evaluate_harness`).
 
     Args:
-        tasks: comma-separated harness task names; looplm_lambada and looplm_wikitext run offline over the data
-            folder (lambada/lambada_test.jsonl, wikitext-2-raw/wiki.test.raw)
+        tasks: comma-separated harness task names (looplm_lambada, looplm_wikitext: offline, the data folder)
         depths: comma-separated loop depths (default: train.eval_depth)
         include_path: a folder of extra task YAMLs
-        only_include_path: look tasks up in --include-path only (skips indexing the harness's own tasks: faster)
+        only_include_path: look tasks up in --include-path only (faster: skips indexing the harness's tasks)
         bootstrap_iters: bootstrap resamples for the standard errors of non-mean metrics (0: none)
         num_fewshot: few-shot examples (default: the task's)
         limit: documents per task, or a fraction of each task if < 1 (default: all)
-        kv_cache: generate_until: KV cache layout (default: an export's config.json kv_cache, else per_visit)
-        seed: seed of the harness's samplers
+        kv_cache: generate_until's KV cache layout (default: an export's config.json kv_cache, else per_visit)
         db: a looplm results database to add the results to
         tag: free label of the stored evaluations
     """
-    _need("lm_eval", "lmeval")
     from looplm.hf.harness import LOCAL_TASKS, evaluate_harness
 
     try:
@@ -262,17 +145,6 @@ def lm_eval(checkpoint: Path, *, tasks: Sequence[str], depths: Sequence[int] | N
     if db:
         print(f"stored {res['stored']} evaluations in {db}", file=sys.stderr)
     return json.loads(json.dumps(res, default=str))  # numpy → JSON
-
-
-def import_model(func: Callable[..., dict], options: dict[str, Any]) -> int:
-    """Import, print the summary and what to run next."""
-    from looplm.importers.common import check_out
-
-    check_out(options["out"])
-    print(json.dumps(func(**options), indent=2))
-    print(f"next: looplm eval ppl --checkpoint {options['out']}  (or diagnose, eval kv-sharing, eval halting, "
-          "generate)", file=sys.stderr)
-    return 0
 
 
 def rl_train(cfg: Any, *, checkpoint: Path | None = None, out: OutDir, device: str = "cpu", resume: bool = False,

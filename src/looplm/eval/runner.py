@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -76,7 +76,8 @@ def open_checkpoint(checkpoint: str | Path, *, dataset: str | None = None, devic
 def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAULT_DEPTHS,
                         dataset: str | None = None, split: str = "test", batch_size: int = 16,
                         max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
-                        progress: bool = True, scale_clamp: bool = False, dtype: str = "float32") -> dict[str, Any]:
+                        progress: bool = True, scale_clamp: bool = False,
+                        dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, Any]:
     """Multi-depth perplexity of a checkpoint on ``dataset``/``split``.
 
     Args:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from tokenizers import Tokenizer
 
@@ -52,10 +53,12 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
-                      kv_cache: str = "per_visit", device: str = "cpu", overwrite: bool = False) -> Path:
+                      kv_cache: Literal["per_visit", "terminal"] = "per_visit", device: str = "cpu",
+                      overwrite: bool = False) -> Path:
     """Write a checkpoint (or run directory, or an export) as a Hugging Face folder ``out``.
 
     Args:
+        out: the Hugging Face folder to write.
         num_steps: default recurrence depth of the exported model (default: the checkpoint's
             ``train.eval_depth``, like ``looplm generate``).
         kv_cache: the cache layout ``generate`` uses by default (``per_visit`` or ``terminal``).
