@@ -136,9 +136,9 @@ class DecodeStep:
     """``step(tokens (B,)) → logits (B, V)``: one fixed-depth decode step on a :class:`StaticKVCache`.
 
     ``how``: ``eager`` (the static step as is), ``compile`` (``torch.compile`` with ``backend``, static
-    shapes, ``fullgraph=True``: one graph or an error; on CPU inductor emits a C++ wrapper, which calls
-    the kernels without Python) or ``cuda_graph`` (captured once on CUDA after a warm-up step, then
-    replayed; the logits returned are a view of the graph's output buffer, overwritten by the next step).
+    shapes, ``fullgraph=True``: one graph or an error) or ``cuda_graph`` (captured once on CUDA after a
+    warm-up step, then replayed; the logits returned are a view of the graph's output buffer, overwritten
+    by the next step).
 
     On CPU the readout matrix runs on a copy of ``lm_head.weight`` (V, d) laid out transposed in memory
     ((d, V) row-major, the same values; V·d more floats held): a batch-1 readout is then one GEMV down
@@ -161,9 +161,8 @@ class DecodeStep:
         w = model.lm_head.weight.detach()
         self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cpu else {}  # (V, d), strides (1, V)
         self._read = _Read(model)
-        self._fn: Callable = self._step if how != "compile" else torch.compile(
-            self._step, backend=backend, dynamic=False, fullgraph=True,
-            **({"options": {"cpp_wrapper": True}} if cpu and backend == "inductor" else {}))
+        self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
+                                                                              dynamic=False, fullgraph=True)
         self._graph = None
 
     @torch.no_grad()
