@@ -142,7 +142,8 @@ class DecodeStep:
 
     On CPU the readout matrix runs on a copy of ``lm_head.weight`` (V, d) laid out transposed in memory
     ((d, V) row-major, the same values; V·d more floats held): a batch-1 readout is then one GEMV down
-    contiguous rows, about 3× faster than on the (V, d) layout (``benchmarks/results/decode-leads-cpu-2core.md``).
+    contiguous rows (at batch 1 and the Huginn shape the whole step runs about 1.3–1.5× faster:
+    ``benchmarks/results/decode-leads-cpu-2core.md``).
     The copy is taken at construction: a step does not see later changes to the weights.
 
     Raises:
