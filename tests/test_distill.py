@@ -443,4 +443,7 @@ def test_bench_prefill_case_quick():
     for c in (12, 16):
         assert set(res[f"h_prefill_ms_ctx{c}"]) == set(res["h_prefill_blocks"])
         assert res[f"h_distilled_prefill_speedup_ctx{c}"] > 0
+        # the speed-up is the median of its interleaved A/B/B/A rounds (issue 28 §3), three by default
+        rounds = res[f"h_prefill_rounds_ctx{c}"]["rounds"]
+        assert len(rounds) == 3 and res[f"h_distilled_prefill_speedup_ctx{c}"] == sorted(rounds)[1]
     assert "distilled speed-up" in "\n".join(prefill_markdown(res, "h_"))

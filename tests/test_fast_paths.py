@@ -78,7 +78,12 @@ def test_bench_writes_every_measurement(tmp_path):
     assert set(res["matmul_peak_gflops"]) == {"float32", "bfloat16"}
     # quick mode's toy shapes give any value; a target is never "met" below 0.8 or above 1 (invalid)
     assert not res["targets"]["mfu"]["met"] or 0.8 <= res["mfu"] <= 1.0
-    assert out.with_suffix(".md").read_text().startswith("# looplm bench")
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# looplm bench")
+    # every ratio target is reported with its per-round ratios (issue 28 §3); memory and bytes are not timed
+    assert all(k in res["intervals"] for k in res["targets"] if k.endswith(("speedup", "ratio", "mfu"))
+               and k not in ("tbptt_peak_mem_ratio", "peak_train_mem_ratio", "terminal_kv_bytes_ratio"))
+    assert "per-round ratios" in md and "`undecided`" in md
     # the decode phase excludes the prompt's prefill, timed apart in the same run (no timing is compared here:
     # rates from separate runs move with the machine's load)
     assert res["decode_prefill_s_per_visit"] > 0 and res["decode_steps_s_per_visit"] > 0

@@ -339,6 +339,27 @@ def test_inductor_static_step_logits_equal_recomputation():
     torch.testing.assert_close(got, full[:, 5:], rtol=1e-4, atol=1e-4)
 
 
+@torch.no_grad()
+def test_static_step_reads_out_on_a_transposed_copy_and_equals_recomputation():
+    """On CPU the step's readout runs on a (d, V)-in-memory copy of lm_head.weight (the same values): each
+    step's logits equal the full forward's, and the model's own weight keeps its (V, d) layout."""
+    from looplm.model.static_decode import DecodeStep, StaticKVCache
+
+    model = model_for("huginn-0125")
+    x = torch.randint(0, model.cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    full = model(x, depth=3).logits  # (2, SEQ, V)
+    cache = KVCache("per_visit")
+    model.read(model.loop(x[:, :5], cache=cache), 3)
+    step = DecodeStep(model, StaticKVCache(cache, SEQ, SEQ), 3, "eager")
+    got = torch.stack([step(x[:, j]) for j in range(5, SEQ)], 1)  # (2, SEQ − 5, V)
+    print(f"max |Δlogits| {(got - full[:, 5:]).abs().max().item():.2e}")
+    # another matmul kernel for the readout (and attention over the masked capacity) sums in another
+    # order: fp32 rounding, ~1e-7 relative per op through 1 + 2·3 + 1 blocks, logits of O(1)
+    torch.testing.assert_close(got, full[:, 5:], rtol=1e-5, atol=1e-5)
+    V, d = model.lm_head.weight.shape
+    assert step._head["model.lm_head.weight"].stride() == (1, V) and model.lm_head.weight.stride() == (d, 1)
+
+
 def test_static_step_errors():
     model = model_for("scse")
     with pytest.raises(ValueError, match="static_step: unknown 'graph'; allowed: eager, compile, cuda_graph"):

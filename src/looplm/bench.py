@@ -43,12 +43,16 @@ same R: :func:`prefill_measurements`, the wall time of one prefill (batch 1, ter
 last position read out, as ``looplm generate`` does) of 512- and 2,048-token prompts along each path —
 the teacher at R, the teacher stopped after 3, 2 and 1 recurrences, and the distilled prefill (a
 2-block student, one recurrence): ``huginn_prefill_ms_ctx{C}`` → path → mean, sd, median over the
-repeats (interleaved), and ``distilled_prefill_speedup`` (teacher over distilled, median, at 2,048).
+repeats (the paths alternate), and ``distilled_prefill_speedup`` (teacher over distilled, interleaved
+A/B/B/A rounds, at 2,048).
 Weights are random: the time of a prefill does not depend on them.
 
 ``quick=True`` (``--quick``) shrinks every shape (a smoke test: seconds; the values mean nothing).
 
-Each target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met``, or ``invalid`` when the
+Every timed ratio target is measured in interleaved A/B/B/A rounds within one run (:func:`interleaved`),
+its value the median of the per-round ratios, its ``intervals`` entry the rounds (issue 28 §3). Each
+target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met`` (for an interleaved ratio only when
+every round agrees, else ``undecided``), or ``invalid`` when the
 value is impossible (MFU above 1, or not a finite number), or ``unstable`` for the timed targets when
 the machine's speed moved during the run: the per-repeat fp32 matmul rates spread by more than
 ``MAX_SPREAD`` (max − min over the median), or the peak measured again at the end differs from the
@@ -380,7 +384,8 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
 @torch.no_grad()
 def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, ...] = (512, 2048),
                          batch_size: int = 1, early_depths: tuple[int, ...] = (3, 2, 1), n_blocks: int = 2,
-                         repeat: int = 5, device: torch.device, prefix: str = "") -> dict[str, Any]:
+                         repeat: int = 5, rounds: int = 3, device: torch.device, prefix: str = ""
+                         ) -> dict[str, Any]:
     """Prefill latency of each prefill path of LMDR Table 5 (:func:`looplm.distill.prefill.prefill_paths`) at
     the shape ``cfg`` (context grown to the longest prompt; random weights) with an ``n_blocks`` student:
     one prefill of ``batch_size`` random prompts of each length in ``contexts`` into a terminal KV cache,
@@ -388,8 +393,9 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
     warm-up round), so a change in the machine's speed hits them alike.
 
     Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` →
-    path → blocks applied per token, and ``{prefix}distilled_prefill_speedup_ctx{C}`` (teacher / distilled
-    medians)."""
+    path → blocks applied per token, and ``{prefix}distilled_prefill_speedup_ctx{C}``: teacher over distilled
+    time, the median of ``rounds`` interleaved A/B/B/A rounds (:func:`interleaved`; the rounds under
+    ``{prefix}prefill_rounds_ctx{C}``)."""
     from looplm.distill.config import DistillConfig
     from looplm.distill.prefill import prefill_paths
     from looplm.distill.student import build_student
@@ -421,11 +427,13 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
         res[f"{prefix}prefill_ms_ctx{c}"] = {
             n: {"mean": statistics.fmean(t), "sd": statistics.stdev(t) if len(t) > 1 else 0.0,
                 "median": statistics.median(t)} for n, t in times.items()}
-        ms = res[f"{prefix}prefill_ms_ctx{c}"]
-        res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = ms["teacher"]["median"] / ms["distilled"]["median"]
-        per_round = [t / d for t, d in zip(times["teacher"], times["distilled"])]  # the paths alternate per round
-        res[f"{prefix}prefill_rounds_ctx{c}"] = {"median": statistics.median(per_round), "min": min(per_round),
-                                                  "max": max(per_round), "rounds": per_round}
+
+        def run(name: str) -> Callable[[], None]:
+            return lambda: paths[name][1](prompt, KVCache("terminal", max_len=c), readout=Readout(tokens=last))
+
+        iv = res[f"{prefix}prefill_rounds_ctx{c}"] = interleaved(run("distilled"), run("teacher"), rounds=rounds,
+                                                                 repeat=1, device=device)
+        res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = iv["median"]
     return res
 
 
@@ -442,7 +450,7 @@ def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
         cells = [f"{res[f'{prefix}prefill_ms_ctx{c}'][name]['mean']:.1f} ± {res[f'{prefix}prefill_ms_ctx{c}'][name]['sd']:.1f}"
                  for c in ctx]
         lines.append(f"| {name} | {blocks[name]} | " + " | ".join(cells) + " |")
-    lines.append("| distilled speed-up (teacher / distilled, medians) | | " + " | ".join(
+    lines.append("| distilled speed-up (teacher / distilled, median of interleaved rounds) | | " + " | ".join(
         f"{res[f'{prefix}distilled_prefill_speedup_ctx{c}']:.2f}×" for c in ctx) + " |")
     return lines
 
@@ -507,36 +515,14 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
     return int(value)
 
 
-def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor], device: torch.device,
-                        quick: bool, rounds: int, log: Callable[..., None]) -> dict[str, Any]:
-    """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding at
-    batch 1 and 8 and 512- and 2,048-token contexts (and against uncached recompute at batch 1, 512),
-    and peak training memory fused vs plain readout + loss."""
-    hcfg = huginn_config(quick)
-    B = 2 if quick else 16
-    res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
-        "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
-        "huginn_batch_size": B, "huginn_depth": depth, "intervals": {}}
-    ma, mb = matmul
-    flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
-    iv = res["intervals"]["huginn_shape_mfu"] = interleaved(
-        train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb, rounds=rounds, repeat=steps,
-        device=device, scale=flops / (2 * ma.shape[0] ** 3))
-    res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
-    res["huginn_shape_mfu"] = iv["median"]
-    log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
-
-    torch.manual_seed(0)
-    model = build_model(hcfg).to(device)
-    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    md = multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
-                                 rounds=rounds, prefix="huginn_")
-    res["intervals"].update(md.pop("intervals"))
-    res.update(md)
-    log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
-        f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
-
-    contexts = (12, 16) if quick else (512, 2048)
+@torch.no_grad()
+def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int], quick: bool, rounds: int,
+                               device: torch.device, log: Callable[..., None]) -> dict[str, Any]:
+    """Decoding at the Huginn shape ``hcfg`` (loop depth ``depth``): tokens/s at batch 1 and 8 and each of
+    ``contexts``; at batch 1 and ``contexts[0]``, compiled blocks and the compiled static step
+    (:class:`~looplm.model.static_decode.DecodeStep`) over eager, and cached over uncached recompute, each
+    in interleaved rounds (``intervals``)."""
+    res: dict[str, Any] = {"intervals": {}}
     new = 4 if quick else 16
     long = hcfg.replace(seq_len=max(contexts))
     torch.manual_seed(0)
@@ -599,10 +585,47 @@ def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, t
     res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / iv["b_s"]
     res["huginn_decode_cache_speedup"] = iv["median"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
-    del model, dec
+    return res
+
+
+def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                        quick: bool, rounds: int, log: Callable[..., None]) -> dict[str, Any]:
+    """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding at
+    batch 1 and 8 and 512- and 2,048-token contexts (and against uncached recompute at batch 1, 512),
+    and peak training memory fused vs plain readout + loss."""
+    hcfg = huginn_config(quick)
+    B = 2 if quick else 16
+    res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
+        "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
+        "huginn_batch_size": B, "huginn_depth": depth, "intervals": {}}
+    ma, mb = matmul
+    flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
+    iv = res["intervals"]["huginn_shape_mfu"] = interleaved(
+        train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb, rounds=rounds, repeat=steps,
+        device=device, scale=flops / (2 * ma.shape[0] ** 3))
+    res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
+    res["huginn_shape_mfu"] = iv["median"]
+    log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
+
+    torch.manual_seed(0)
+    model = build_model(hcfg).to(device)
+    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
+    md = multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
+                                 rounds=rounds, prefix="huginn_")
+    res["intervals"].update(md.pop("intervals"))
+    res.update(md)
+    log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
+        f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
+
+    contexts = (12, 16) if quick else (512, 2048)
+    dm = huginn_decode_measurements(hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
+                                    log=log)
+    res["intervals"].update(dm.pop("intervals"))
+    res.update(dm)
+    del model
 
     res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=1 if quick else steps,
-                                    device=device, prefix="huginn_"))
+                                    rounds=rounds, device=device, prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
     res["intervals"]["distilled_prefill_speedup"] = res.pop(f"huginn_prefill_rounds_ctx{contexts[-1]}")
     log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at R={depth} "
@@ -625,6 +648,69 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple[dict[int, list[float]], int, bool]:
+    """The fp32 and bf16 matmul peaks into ``res`` (``matmul_peak_gflops``, ``bf16_native``); returns the
+    fp32 rates per size, the size of the fp32 peak and whether bf16 matmuls are slow (not native)."""
+    # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
+    rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
+    peak_n = max(rates32, key=lambda n: sorted(rates32[n])[len(rates32[n]) // 2])
+    peak32 = sorted(rates32[peak_n])[len(rates32[peak_n]) // 2]
+    # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
+    # first and keep the bf16 measurements short when it is slow.
+    slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
+    peak16 = matmul_peak_gflops(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
+                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2)
+    res["bf16_native"] = not slow_bf16
+    res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
+    return rates32, peak_n, slow_bf16
+
+
+def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
+    """Whether the machine's speed held during the run: the spread of the fp32 matmul ``rates`` (size
+    ``n``) at the start and their median against the rate ``end`` measured again at the end (load that
+    came or went during the run shows up here), both within :data:`MAX_SPREAD`."""
+    start = sorted(rates)[len(rates) // 2]
+    drift = abs(end - start) / max(end, start)
+    return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread(rates),
+            "matmul_fp32_peak_end_gflops": end, "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD,
+            "stable": spread(rates) <= MAX_SPREAD and drift <= MAX_SPREAD}
+
+
+def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
+                    device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
+                    log: Callable[..., None]) -> None:
+    """The training targets into ``res`` (and their rounds into ``res["intervals"]``), each in interleaved
+    rounds: ``mfu`` (against the ``matmul`` pair), ``bf16_train_speedup``, ``loop_overhead_ratio``,
+    ``scse_vs_looped_ratio``."""
+
+    def ratio(key: str, a: Callable, b: Callable, scale: float = 1.0, repeat: int = steps) -> dict[str, Any]:
+        iv = res["intervals"][key] = interleaved(a, b, rounds=rounds, repeat=repeat, device=device, scale=scale)
+        res[key] = iv["median"]
+        return iv
+
+    # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
+    ma, mb = matmul
+    peak_n = ma.shape[0]
+    tokens = batch_size * cfg.seq_len
+    model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
+    fp32 = train_step(cfg, depth, batch_size=batch_size, device=device)
+    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * peak_n ** 3))
+    res["train_tokens_per_s"] = tokens / iv["a_s"]
+    res["train_model_flops_per_token"] = model_flops
+    bf16 = train_step(cfg, depth, batch_size=batch_size, device=device, dtype="bfloat16")
+    iv = ratio("bf16_train_speedup", bf16, fp32, repeat=1 if slow_bf16 else steps)
+    res["train_tokens_per_s_bf16"] = tokens / iv["a_s"]
+    log(f"train: {res['train_tokens_per_s']:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), "
+        f"{res['train_tokens_per_s_bf16']:.0f} tok/s bf16")
+
+    looped = train_step(cfg.replace(rule="looped"), depth, batch_size=batch_size, device=device)
+    unshared = train_step(cfg.replace(architecture="unshared", n_layers=depth), depth, batch_size=batch_size,
+                          device=device)
+    ratio("loop_overhead_ratio", looped, unshared)
+    ratio("scse_vs_looped_ratio", fp32, looped)
+    log(f"looped / unshared-{depth} {res['loop_overhead_ratio']:.3f}; scse/looped {res['scse_vs_looped_ratio']:.3f}")
+
+
 def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, steps: int = 5, matmul_n: int = 2048,
               device: str = "auto", quick: bool = False, rounds: int = 3, progress: bool = True) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``).
@@ -639,47 +725,14 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     log = print if progress else (lambda *a, **k: None)
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
                            "batch_size": batch_size, "seq_len": cfg.seq_len}
-    # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
-    rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
-    peak_n = max(rates32, key=lambda n: sorted(rates32[n])[len(rates32[n]) // 2])
-    peak32 = sorted(rates32[peak_n])[len(rates32[peak_n]) // 2]
-    # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
-    # first and keep the bf16 measurements short when it is slow.
-    slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
-    peak16 = matmul_peak_gflops(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
-                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2)
-    res["bf16_native"] = not slow_bf16
-    res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
-    log(f"matmul peak: fp32 {peak32:.1f} GFLOP/s, bf16 {peak16:.1f} GFLOP/s")
+    rates32, peak_n, slow_bf16 = matmul_peaks(res, dev, matmul_n)
+    log(f"matmul peak: fp32 {res['matmul_peak_gflops']['float32']:.1f} GFLOP/s, bf16 "
+        f"{res['matmul_peak_gflops']['bfloat16']:.1f} GFLOP/s")
 
     res["intervals"] = {}
-
-    def ratio(key: str, a: Callable, b: Callable, scale: float = 1.0, repeat: int = steps) -> dict[str, Any]:
-        iv = res["intervals"][key] = interleaved(a, b, rounds=rounds, repeat=repeat, device=dev, scale=scale)
-        res[key] = iv["median"]
-        return iv
-
-    # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
-    tokens = batch_size * cfg.seq_len
-    model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
-    fp32 = train_step(cfg, depth, batch_size=batch_size, device=dev)
-    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * peak_n ** 3))
-    res["train_tokens_per_s"] = tokens / iv["a_s"]
-    res["train_model_flops_per_token"] = model_flops
-    bf16 = train_step(cfg, depth, batch_size=batch_size, device=dev, dtype="bfloat16")
-    iv = ratio("bf16_train_speedup", bf16, fp32, repeat=1 if slow_bf16 else steps)
-    res["train_tokens_per_s_bf16"] = tokens / iv["a_s"]
-    log(f"train: {res['train_tokens_per_s']:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), "
-        f"{res['train_tokens_per_s_bf16']:.0f} tok/s bf16")
-
-    looped = train_step(cfg.replace(rule="looped"), depth, batch_size=batch_size, device=dev)
-    unshared = train_step(cfg.replace(architecture="unshared", n_layers=depth), depth, batch_size=batch_size,
-                          device=dev)
-    ratio("loop_overhead_ratio", looped, unshared)
-    ratio("scse_vs_looped_ratio", fp32, looped)
-    del fp32, bf16, looped, unshared
-    log(f"looped / unshared-{depth} {res['loop_overhead_ratio']:.3f}; scse/looped {res['scse_vs_looped_ratio']:.3f}")
+    training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
+                    slow_bf16=slow_bf16, log=log)
 
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
@@ -706,15 +759,9 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["intervals"].update(hm.pop("intervals"))
     res.update(hm)
 
-    # the machine's speed again at the end: load that came or went during the run shows up here
-    end32 = matmul_peak_gflops(torch.float32, peak_n, dev)
-    drift = abs(end32 - peak32) / max(end32, peak32)
-    res["stability"] = {"matmul_n": peak_n, "matmul_fp32_rates_gflops": rates32[peak_n],
-                        "matmul_fp32_spread": spread(rates32[peak_n]), "matmul_fp32_peak_end_gflops": end32,
-                        "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD}
-    res["stability"]["stable"] = spread(rates32[peak_n]) <= MAX_SPREAD and drift <= MAX_SPREAD
-    log(f"fp32 matmul rate: spread {res['stability']['matmul_fp32_spread']:.1%} between repeats, "
-        f"{drift:.1%} start vs end ({'stable' if res['stability']['stable'] else 'UNSTABLE'})")
+    st = res["stability"] = stability(rates32[peak_n], matmul_peak_gflops(torch.float32, peak_n, dev), peak_n)
+    log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
+        f"{st['matmul_fp32_drift']:.1%} start vs end ({'stable' if st['stable'] else 'UNSTABLE'})")
 
     expected = {"terminal_kv_bytes_ratio": 1.0 / depth if cfg.n_prelude == cfg.n_coda == 0 else None}
     wanted = {k: (op, expected.get(k, v)) for k, (op, v) in TARGETS.items()}
@@ -758,18 +805,24 @@ def markdown(res: dict[str, Any]) -> str:
                for b, c in [tuple(int(p[1:]) if p[0] == "b" else int(p[3:]) for p in k.split("_")[2:4])]],
              f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
              f"{res['decode_b1_compiled_tokens_per_s']:.1f} |",
+             f"| Huginn shape: decode batch 1 with the compiled static step (DecodeStep) tokens/s | "
+             f"{res['decode_b1_static_compiled_tokens_per_s']:.1f} |",
              f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
              f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
              "", *prefill_markdown(res, "huginn_"),
-             "", "| target | median [min, max] of the interleaved rounds | target | status |", "|---|---:|---:|:---:|"]
+             "", "| target | median [min, max] of the interleaved rounds | per-round ratios | target | status |",
+             "|---|---:|---|---:|:---:|"]
     for k, t in res["targets"].items():
         status = t.get("status", "met" if t["met"] else "not met")
         iv = res.get("intervals", {}).get(k)
         span = f" [{iv['min']:.3f}, {iv['max']:.3f}]" if iv else ""
-        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {t['op']} {t['target']} | {status} |")
+        per_round = ", ".join(f"{r:.3f}" for r in iv["rounds"]) if iv else "(not timed)"
+        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {t['op']} {t['target']} | {status} |")
     st = res.get("stability")
     if st is not None:
-        lines += ["", f"Status rule: `invalid` = impossible value (MFU > 1, or not finite); `unstable` = a timed "
+        lines += ["", "Status rule: a ratio measured in interleaved A/B/B/A rounds is `met` only when every round's "
+                  "ratio is on the target's side, `not met` when every one is on the other side, `undecided` "
+                  f"otherwise; `invalid` = impossible value (MFU > 1, or not finite); `unstable` = a timed "
                   f"target of a run whose fp32 matmul rate moved by more than {st['max_spread']:.0%} (max − min "
                   f"over the median of the {len(st['matmul_fp32_rates_gflops'])} repeats: "
                   f"{st['matmul_fp32_spread']:.1%}; peak at the end vs the start: {st['matmul_fp32_drift']:.1%}) — "

@@ -217,6 +217,93 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
             continuation per prompt, a student with a ``per_visit`` cache, or an unknown
             ``static_step`` or one with an exit criterion, ``save_states`` or a ``terminal`` cache.
     """
+    ceiling = _check_request(model, prompts, max_new_tokens, depth, cache_mode=cache_mode,
+                             exit_criterion=exit_criterion, max_depth=max_depth, save_states=save_states,
+                             forced=forced, student=student, static_step=static_step)
+    if forced is not None:  # a row stops at the end of its continuation
+        forced = [list(f[:max_new_tokens]) for f in forced]
+    result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
+    if max_new_tokens == 0:
+        return result
+    states = _States(len(prompts), depth) if save_states else None
+    hook = states.hook if save_states else None
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    was_training = model.training
+    model.eval()
+    try:
+        idx, mask = _left_pad(prompts, device)
+        # capacity: the padded prompt and the new tokens (the last one is never fed back), not seq_len
+        cache = KVCache(cache_mode, max_len=idx.shape[1] + max_new_tokens)
+        logits, prefill_depth = _prefill(model, idx, mask, cache, ceiling if exit_criterion is not None else depth,
+                                         student=student, student_depth=student_depth or depth, on_depth=hook)
+        if states is not None:
+            states.prompts([len(p) for p in prompts])
+        advance = _token_step(model, cache, depth, ceiling=ceiling, exit_criterion=exit_criterion,
+                              static_step=static_step if max_new_tokens > 1 else None,
+                              capacity=idx.shape[1] + max_new_tokens - 1, states=states)
+        _decode(result, logits, prefill_depth, advance, lambda lg: next_tokens(lg, temperature, top_k, top_p, gen),
+                max_new_tokens=max_new_tokens, eos_id=eos_id, forced=forced)
+    finally:
+        model.train(was_training)
+    if states is not None:
+        result.states = [torch.cat(parts) for parts in states.parts]
+    return result
+
+
+class _States:
+    """``save_states``: each row's depth-R hidden states in position order (module docstring), kept
+    by ``hook`` (``read``'s ``on_depth``) from the prefill and from every eager decode step."""
+
+    def __init__(self, rows: int, depth: int):
+        self.depth, self.kept, self.parts = depth, [], [[] for _ in range(rows)]  # per row: (L_k, d) pieces
+
+    def hook(self, T: int, h: torch.Tensor, _logits) -> None:
+        if T == self.depth:
+            self.kept.append(h)  # (B, L, d)
+
+    def prompts(self, lengths: list[int]) -> None:  # the prefill's real (left-padded) positions
+        for i, n in enumerate(lengths):
+            self.parts[i].append(self.kept[0][i, self.kept[0].shape[1] - n:])  # (n, d)
+        self.kept.clear()
+
+    def fed(self, active: list[int]) -> None:  # the fed-back tokens of the last step, one per active row
+        for j, row in enumerate(active):
+            self.parts[row].append(self.kept[0][j])  # (1, d)
+        self.kept.clear()
+
+
+def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advance, sample, *,
+            max_new_tokens: int, eos_id: int | None, forced) -> None:
+    """The token loop of :func:`generate`: pick each row's token (``sample(logits)`` or the forced one),
+    record it, drop the rows that stopped (EOS or the end of a forced continuation) and feed the rest
+    back through ``advance`` (:func:`_token_step`)."""
+    active = list(range(len(result.tokens)))  # original row of each batch row
+    step_depth = torch.full((len(active),), prefill_depth, dtype=torch.long, device=logits.device)
+    for n in range(max_new_tokens):
+        if forced is None:
+            tok = sample(logits)  # (B,)
+        else:
+            tok = torch.tensor([forced[row][n] for row in active], dtype=torch.long, device=logits.device)
+        for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
+            result.tokens[row].append(t)
+            result.depths[row].append(d)
+        if n == max_new_tokens - 1:
+            break
+        done = tok == eos_id if eos_id is not None else torch.zeros_like(tok, dtype=torch.bool)
+        if forced is not None:
+            done |= torch.tensor([len(forced[row]) == n + 1 for row in active], device=tok.device)
+        keep = (~done).nonzero().squeeze(-1) if bool(done.any()) else None  # (B_keep,)
+        if keep is not None and len(keep) == 0:
+            break
+        if keep is not None:
+            active, tok = [active[i] for i in keep.tolist()], tok[keep]
+        logits, step_depth = advance(tok, keep, active)
+
+
+def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mode: str, exit_criterion,
+                   max_depth: int | None, save_states: bool, forced, student, static_step: str | None) -> int:
+    """Validate :func:`generate`'s arguments (its ``Raises``); returns the adaptive depth ceiling."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
     if max_new_tokens < 0:
@@ -258,92 +345,60 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     if forced is not None and (len(forced) != len(prompts) or any(len(f) == 0 for f in forced)):
         raise ValueError(f"forced: need one non-empty continuation per prompt ({len(prompts)}), got "
                          f"{[len(f) for f in forced]}")
-    if forced is not None:  # a row stops at the end of its continuation
-        forced = [list(f[:max_new_tokens]) for f in forced]
-    result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
-    if max_new_tokens == 0:
-        return result
-    saved: list[list[torch.Tensor]] = [[] for _ in prompts]  # per row: (L_k, d) pieces in position order
-    kept: list[torch.Tensor] = []  # the depth-R state of the current forward, (B, L, d)
+    return ceiling
 
-    def keep_state(T: int, h: torch.Tensor, _logits) -> None:  # read's on_depth hook
-        if T == depth:
-            kept.append(h)
 
-    hook = keep_state if save_states else None
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    was_training = model.training
-    model.eval()
-    try:
-        idx, mask = _left_pad(prompts, device)
-        # capacity: the padded prompt and the new tokens (the last one is never fed back), not seq_len
-        cache = KVCache(cache_mode, max_len=idx.shape[1] + max_new_tokens)
-        prefill_depth = ceiling if adaptive else depth
-        # the prefill reads out only the last position (left padding: every row's last token is real)
-        last = (torch.arange(len(prompts), device=device), torch.full((len(prompts),), idx.shape[1] - 1, device=device))
-        if student is None:
-            logits = model.read(model.loop(idx, cache=cache, attention_mask=mask), prefill_depth,
-                                readout=Readout(tokens=last), on_depth=hook).logits  # (B, V)
-        else:
-            from looplm.distill.prefill import distilled_prefill
+def _prefill(model, idx: torch.Tensor, mask: torch.Tensor, cache: KVCache, depth: int, *, student,
+             student_depth: int, on_depth) -> tuple[torch.Tensor, int]:
+    """Prefill the left-padded prompts idx (B, P) into ``cache`` at ``depth`` (through ``student`` when
+    given); returns the last position's logits (B, V) and the depth reported for the first new token."""
+    B, P = idx.shape
+    # read out only the last position (left padding: every row's last token is real)
+    last = (torch.arange(B, device=idx.device), torch.full((B,), P - 1, device=idx.device))
+    if student is None:
+        return model.read(model.loop(idx, cache=cache, attention_mask=mask), depth, readout=Readout(tokens=last),
+                          on_depth=on_depth).logits, depth  # (B, V)
+    from looplm.distill.prefill import distilled_prefill
 
-            logits = distilled_prefill(model, student, idx, student_depth or depth, cache, attention_mask=mask,
-                                       readout=Readout(tokens=last)).logits  # (B, V)
-            prefill_depth = 1  # the one teacher recurrence after the student
-        for i, p in enumerate(prompts if save_states else ()):
-            saved[i].append(kept[0][i, idx.shape[1] - len(p):])  # (len(p), d): the real positions
-        step_depth = torch.full((len(prompts),), prefill_depth, dtype=torch.long, device=device)
-        active = list(range(len(prompts)))  # original row of each batch row
-        step = None
-        if static_step is not None and max_new_tokens > 1:
-            from looplm.model.static_decode import DecodeStep, StaticKVCache
+    return distilled_prefill(model, student, idx, student_depth, cache, attention_mask=mask,
+                             readout=Readout(tokens=last)).logits, 1  # the one teacher recurrence after the student
 
-            static = StaticKVCache(cache, idx.shape[1] + max_new_tokens - 1, seq_len)
-            step = DecodeStep(model, static, depth, static_step)
-            feed = torch.zeros(len(prompts), dtype=torch.long, device=device)  # (B,): the static batch's tokens
-            rows = torch.arange(len(prompts), device=device)  # the static batch row of each active row
-        for n in range(max_new_tokens):
-            if forced is None:
-                tok = next_tokens(logits, temperature, top_k, top_p, gen)  # (B,)
-            else:
-                tok = torch.tensor([forced[row][n] for row in active], dtype=torch.long, device=device)
-            for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
-                result.tokens[row].append(t)
-                result.depths[row].append(d)
-            if n == max_new_tokens - 1:
-                break
-            done = tok == eos_id if eos_id is not None else torch.zeros_like(tok, dtype=torch.bool)
-            if forced is not None:
-                done |= torch.tensor([len(forced[row]) == n + 1 for row in active], device=device)
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(-1)  # (B_keep,)
-                if len(keep) == 0:
-                    break
-                if len(keep) < len(active):
-                    if step is None:
-                        cache.select(keep)
-                    else:
-                        rows = rows[keep]
-                    active = [active[i] for i in keep.tolist()]
-                    tok = tok[keep]
-            if step is not None:
-                feed[rows] = tok
-                logits = step(feed)[rows]  # (B_active, V)
-                step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
-            elif adaptive:
-                logits, step_depth = adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
-            else:
-                kept.clear()
-                logits = model.read(model.loop(tok[:, None], cache=cache), depth, on_depth=hook).logits[:, -1]
-                step_depth = torch.full((len(active),), depth, dtype=torch.long, device=device)
-                for j, row in enumerate(active if save_states else ()):
-                    saved[row].append(kept[0][j])  # (1, d)
-    finally:
-        model.train(was_training)
-    if save_states:
-        result.states = [torch.cat(parts) for parts in saved]
-    return result
+
+def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criterion, static_step: str | None,
+                capacity: int, states: _States | None):
+    """``advance(tok (B,), keep (B_keep,) or None, active) → (logits (B, V), depth (B,))``: the decode
+    step of each path (static, adaptive, eager cached) on the rows left after ``keep`` drops the stopped
+    ones (``tok`` already holds only those; ``active``: their original rows, for ``states``)."""
+    B, device = cache.n_valid.shape[0], cache.n_valid.device
+
+    def fixed(n: int) -> torch.Tensor:
+        return torch.full((n,), depth, dtype=torch.long, device=device)
+
+    if static_step is not None:  # rows that stop stay in the static batch; their outputs are dropped
+        from looplm.model.static_decode import DecodeStep, StaticKVCache
+
+        step = DecodeStep(model, StaticKVCache(cache, capacity, model.cfg.seq_len), depth, static_step)
+        feed = torch.zeros(B, dtype=torch.long, device=device)  # (B,): the static batch's tokens
+        rows = [torch.arange(B, device=device)]  # the static batch row of each active row
+
+        def static(tok: torch.Tensor, keep: torch.Tensor | None, active: list[int]):
+            if keep is not None:
+                rows[0] = rows[0][keep]
+            feed[rows[0]] = tok
+            return step(feed)[rows[0]], fixed(len(tok))  # (B_active, V)
+        return static
+
+    def cached(tok: torch.Tensor, keep: torch.Tensor | None, active: list[int]):
+        if keep is not None:
+            cache.select(keep)
+        if exit_criterion is not None:
+            return adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
+        logits = model.read(model.loop(tok[:, None], cache=cache), depth,
+                            on_depth=None if states is None else states.hook).logits[:, -1]
+        if states is not None:
+            states.fed(active)
+        return logits, fixed(len(tok))
+    return cached
 
 
 def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = None, prompts_file: Path | None = None,

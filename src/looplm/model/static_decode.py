@@ -120,12 +120,31 @@ class StaticScope:
             c.stats[key].copy_(total)
 
 
+class _Read(torch.nn.Module):
+    """The model's own cached forward of one token per row as a module (so ``functional_call`` can swap
+    the readout weight's layout): tok (B,) → logits (B, V)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tok: torch.Tensor, cache: StaticKVCache, depth: int) -> torch.Tensor:
+        return self.model.read(self.model.loop(tok[:, None], cache=cache), depth).logits[:, -1]
+
+
 class DecodeStep:
     """``step(tokens (B,)) → logits (B, V)``: one fixed-depth decode step on a :class:`StaticKVCache`.
 
     ``how``: ``eager`` (the static step as is), ``compile`` (``torch.compile`` with ``backend``, static
-    shapes, ``fullgraph=True``: one graph or an error) or ``cuda_graph`` (captured once on CUDA after a warm-up step, then replayed; the logits
-    returned are a view of the graph's output buffer, overwritten by the next step).
+    shapes, ``fullgraph=True``: one graph or an error) or ``cuda_graph`` (captured once on CUDA after a
+    warm-up step, then replayed; the logits returned are a view of the graph's output buffer, overwritten
+    by the next step).
+
+    On CPU the readout matrix runs on a copy of ``lm_head.weight`` (V, d) laid out transposed in memory
+    ((d, V) row-major, the same values; V·d more floats held): a batch-1 readout is then one GEMV down
+    contiguous rows (at batch 1 and the Huginn shape the whole step runs about 1.3–1.5× faster:
+    ``benchmarks/results/decode-leads-cpu-2core.md``).
+    The copy is taken at construction: a step does not see later changes to the weights.
 
     Raises:
         ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity.
@@ -139,13 +158,17 @@ class DecodeStep:
         if how == "cuda_graph" and cache.length.device.type != "cuda":
             raise ValueError("how: cuda_graph needs the model and cache on a CUDA device")
         self.model, self.cache, self.depth, self.how = model, cache, depth, how
+        cpu = cache.length.device.type == "cpu"
+        w = model.lm_head.weight.detach()
+        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cpu else {}  # (V, d), strides (1, V)
+        self._read = _Read(model)
         self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
                                                                               dynamic=False, fullgraph=True)
         self._graph = None
 
     @torch.no_grad()
     def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        return self.model.read(self.model.loop(tok[:, None], cache=self.cache), self.depth).logits[:, -1]  # (B, V)
+        return torch.func.functional_call(self._read, self._head, (tok, self.cache, self.depth))  # (B, V)
 
     @torch.no_grad()
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
