@@ -1,11 +1,14 @@
 """Rewrite every committed config, sweep file and results identity from config format 2 (a flat ``train``
-section) into format 3 (the typed sections ``depth``, ``optim`` and ``train.gradient``), and the distill and RL
-configs into their ``optim`` sections (a student record of format 1: :func:`rewrite_student`; the options of an
-RL run: :func:`rewrite_rl`). Run it once from the repository root: ``python scripts/rewrite_configs.py``.
-Idempotent: it transforms only what is in the old shape (a config dict with ``format_version`` 2, an override
-key of :data:`KEYS`, a student record of format 1, RL options without ``optim``).
+section) or 3 (the typed sections ``depth``, ``optim`` and ``train.gradient``; flat position and scale-control
+fields in ``model``) into format 4 (also the typed sections ``model.position`` and ``model.scale_control``), and
+the distill and RL configs into their ``optim`` sections (a student record of format 1: :func:`rewrite_student`;
+the options of an RL run: :func:`rewrite_rl`). Run it from the repository root: ``python
+scripts/rewrite_configs.py``. Idempotent: it transforms only what is in an old shape (a config dict with
+``format_version`` 2 or 3, an override key of :data:`KEYS`, a student record of format 1, RL options without
+``optim``).
 
-It rewrites, in place: the sweep files' override keys (``"train.depth_sampler"`` → ``"depth.sampler"``, …);
+It rewrites, in place: the sweep files' override keys (``"train.depth_sampler"`` → ``"depth.sampler"``,
+``"model.rope_theta"`` → ``"model.position.theta"``, …);
 every config dict in ``experiments/**/*.json`` (with the ``config_hash`` beside it, and the override keys of
 a ``grid``); every ``experiments/**/results.db`` (stored configs, run grids, and the runs, evaluations and
 provenance re-keyed to the new hash); and the ``config.json`` of every run folder under ``experiments``.
@@ -21,10 +24,11 @@ import subprocess
 from pathlib import Path
 
 from looplm.analysis.store import _canonical, config_hash, config_identity
+from looplm.config import (DEPTH_SAMPLERS, FORMAT_VERSION, POSITIONS, RULE_OPTIONS, SCALE_CONTROLS, Config, DataConfig,
+                           DepthConfig, ModelConfig, OptimConfig, PositionConfig, RopeConfig, ScaleControlConfig,
+                           SpectralDampingConfig, TrainConfig, build_choice)
 from looplm.distill.config import STUDENT_KIND, DistillConfig
 from looplm.rl.config import RLConfig
-from looplm.config import (DEPTH_SAMPLERS, FORMAT_VERSION, RULE_OPTIONS, Config, DataConfig, DepthConfig, ModelConfig,
-                           OptimConfig, TrainConfig, build_choice)
 
 #: format-2 ``train`` field → its format-3 place (a ``depth`` field names the sampler's own)
 DEPTH = {"depth": "depth", "depth_lo": "lo", "depth_hi": "hi", "depth_mean": "mean", "pln_sigma": "sigma",
@@ -32,10 +36,16 @@ DEPTH = {"depth": "depth", "depth_lo": "lo", "depth_hi": "hi", "depth_mean": "me
          "prior_warmup": "warmup", "prior_init": "init", "prior_reward": "reward", "prior_scale": "scale",
          "prior_scale_window": "scale_window"}
 OPTIM = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay", "beta1", "beta2", "grad_clip")
+#: format-3 ``model`` field → its format-4 field of ``model.position`` / ``model.scale_control``
+POSITION = {"position_embedding": "kind", "rope_theta": "theta", "rope_layout": "layout", "rope_scaling": "scaling",
+            "rope_scaling_factor": "scaling_factor", "rope_table_dtype": "table_dtype"}
+SCALE = {"scale_control": "kind", "damping_init": "init"}
 #: old override key → new override key (sweep files and run grids)
 KEYS = {"train.depth_sampler": "depth.sampler", **{f"train.{k}": f"depth.{v}" for k, v in DEPTH.items()},
         **{f"train.{k}": f"optim.{k}" for k in OPTIM}, "train.gradient": "train.gradient.kind",
-        "train.gradient_steps": "train.gradient.steps"}
+        "train.gradient_steps": "train.gradient.steps",
+        **{f"model.{k}": f"model.position.{v}" for k, v in POSITION.items()},
+        **{f"model.{k}": f"model.scale_control.{v}" for k, v in SCALE.items()}}
 
 
 def _defaults(cls) -> dict:
@@ -43,11 +53,8 @@ def _defaults(cls) -> dict:
             for f in dataclasses.fields(cls) if f.name != "options"}
 
 
-def rewrite(d: dict) -> dict:
-    """A format-2 config dict as format 3 (a format-3 one comes back unchanged)."""
-    if d["format_version"] == FORMAT_VERSION:
-        return d
-    assert d["format_version"] == 2, d["format_version"]
+def _format3(d: dict) -> dict:
+    """A format-2 config dict in the format-3 shape (sections ``depth``, ``optim``, ``train.gradient``)."""
     t = dict(d["train"])
     sampler = t.pop("depth_sampler")
     own = DEPTH_SAMPLERS[sampler].field_names()
@@ -59,12 +66,41 @@ def rewrite(d: dict) -> dict:
     grad_at = list(t).index("supervision")
     items = list(t.items())
     items.insert(grad_at, ("gradient", {"kind": kind} if kind == "bptt" else {"kind": kind, "steps": steps}))
-    model = {**_defaults(ModelConfig), **d["model"]}  # fields added since: the values that rebuild the model
+    return {**d, "format_version": 3, "depth": depth, "optim": optim, "train": dict(items)}
+
+
+def _choice(base, variants: dict, flat: dict, defaults: dict) -> dict:
+    """The choice section (complete dict) of the variant ``flat["kind"]`` with its fields from ``flat``; a
+    field it does not read must hold its old default (``defaults``), as the format-3 config checked."""
+    own = variants[flat["kind"]].field_names()
+    for name, value in flat.items():
+        assert name == "kind" or name in own or value == defaults[name], (base.__name__, name, value)
+    return build_choice(base, {k: v for k, v in flat.items() if k == "kind" or k in own}).to_dict()
+
+
+def _model(m: dict) -> ModelConfig:
+    """A format-2 or -3 ``model`` dict (flat position and scale-control fields) as a format-4 ModelConfig."""
+    m = dict(m)
+    position = {new: m.pop(old) for old, new in POSITION.items() if old in m}  # rope fields: absent in old files
+    scale = {new: m.pop(old) for old, new in SCALE.items()}
+    model = {**_defaults(ModelConfig), **m,  # fields added since: the values that rebuild the model
+             "position": _choice(PositionConfig, POSITIONS, position, _defaults(RopeConfig)),
+             "scale_control": _choice(ScaleControlConfig, SCALE_CONTROLS, scale, _defaults(SpectralDampingConfig))}
     if model["architecture"] == "shared" and model["rule"] in RULE_OPTIONS:
         model["options"] = {**_defaults(RULE_OPTIONS[model["rule"]]), **model["options"]}
-    return Config(model=ModelConfig.from_dict(model), data=DataConfig.from_dict({**_defaults(DataConfig), **d["data"]}),
-                  depth=build_choice(DepthConfig, depth), optim=OptimConfig.from_dict(optim),
-                  train=TrainConfig.from_dict(dict(items)), name=d["name"]).to_dict()
+    return ModelConfig.from_dict(model)
+
+
+def rewrite(d: dict) -> dict:
+    """A format-2 or -3 config dict as format 4 (a format-4 one comes back unchanged)."""
+    if d["format_version"] == FORMAT_VERSION:
+        return d
+    if d["format_version"] == 2:
+        d = _format3(d)
+    assert d["format_version"] == 3, d["format_version"]
+    return Config(model=_model(d["model"]), data=DataConfig.from_dict({**_defaults(DataConfig), **d["data"]}),
+                  depth=build_choice(DepthConfig, d["depth"]), optim=OptimConfig.from_dict(d["optim"]),
+                  train=TrainConfig.from_dict(d["train"]), name=d["name"]).to_dict()
 
 
 #: RL options (``rl_options()``) → their ``optim`` field; the rest kept RL's defaults (no weight decay, β2 0.98)
@@ -155,9 +191,10 @@ def rewrite_db(path: Path, moves: dict[str, str]) -> None:
 
 
 def rewrite_toml(text: str) -> str:
-    """Rename the old override keys of a sweep file (quoted keys; ``train.gradient_steps = 0`` of bptt dropped)."""
+    """Rename the old override keys of a sweep file (quoted ``train.`` and ``model.`` keys;
+    ``train.gradient_steps = 0`` of bptt dropped)."""
     text = re.sub(r'(\{[^{}\n]*"train\.gradient" = "bptt"[^{}\n]*?), "train\.gradient_steps" = 0\b', r"\1", text)
-    return re.sub(r'"(train\.[a-z_0-9]+)"', lambda m: f'"{KEYS.get(m.group(1), m.group(1))}"', text)
+    return re.sub(r'"((?:train|model)\.[a-z_0-9]+)"', lambda m: f'"{KEYS.get(m.group(1), m.group(1))}"', text)
 
 
 def main() -> None:

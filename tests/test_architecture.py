@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from looplm.config import Config, ConfigError, ModelConfig, TrainConfig
+from looplm.config import (Config, ConfigError, ModelConfig, RopeConfig, SpectralDampingConfig, TrainConfig,
+                           apply_overrides)
 from looplm.eval.exits import ExitCDF, build_exit_criterion, exit_cdf_depths, halting_depths, run, trace
 from looplm.generate import adaptive_decode_step
 from looplm.model import build_model
@@ -96,8 +97,9 @@ def test_rope_equals_complex_multiplication(layout, factor):
 
 
 def test_rope_table_dtype_rounds_cos_and_sin_only():
-    """``rope_table_dtype=bfloat16`` (Huginn-0125's stored table) rotates by the bf16-rounded cos and sin of the
-    float32 angles, in float32: equal to a rotation by the rounded table, and within bf16 rounding of the exact one."""
+    """``model.position.table_dtype=bfloat16`` (Huginn-0125's stored table) rotates by the bf16-rounded cos and sin
+    of the float32 angles, in float32: equal to a rotation by the rounded table, and within bf16 rounding of the
+    exact one."""
     torch.manual_seed(0)
     x, pos = torch.randn(2, 3, 7, 16), torch.arange(7)[None].expand(2, -1) * 37
     exact, rounded = Rope(16, 50000.0, "interleaved"), Rope(16, 50000.0, "interleaved", table_dtype="bfloat16")
@@ -115,11 +117,11 @@ def test_rope_table_dtype_rounds_cos_and_sin_only():
 def test_interleaved_layout_is_half_after_permuting_q_and_k_rows():
     """An interleaved-rope model equals a half-rope model whose q/k rows (and q/k bias) are permuted per
     head, (0, 2, 4, …, 1, 3, 5, …): the two layouts express the same models (an importer may use either)."""
-    kw = dict(rule="plain", n_core=2, position_embedding="rope", qk_bias=True, n_kv_heads=2)
+    kw = dict(rule="plain", n_core=2, qk_bias=True, n_kv_heads=2)
     torch.manual_seed(0)
-    inter = build_model(cfg(rope_layout="interleaved", **kw)).eval()
+    inter = build_model(cfg(position=dict(kind="rope", layout="interleaved"), **kw)).eval()
     perturb_gains(inter)
-    half = build_model(cfg(rope_layout="half", **kw)).eval()
+    half = build_model(cfg(position=dict(kind="rope", layout="half"), **kw)).eval()
     perm = torch.cat([torch.arange(0, HD, 2), torch.arange(1, HD, 2)])
     q_rows = torch.cat([h * HD + perm for h in range(H)])
     k_rows = torch.cat([H * HD + h * HD + perm for h in range(2)])
@@ -205,7 +207,7 @@ def test_kv_cache_holds_rotated_grouped_keys():
     """A GQA rope model's cache banks hold n_kv_heads heads of the rotated keys: bank (prelude layer 0,
     visit 0) equals the layer's keys rotated at positions 0 … L−1."""
     torch.manual_seed(0)
-    model = build_model(cfg(rule="looped", n_prelude=1, n_kv_heads=2, position_embedding="rope")).eval()
+    model = build_model(cfg(rule="looped", n_prelude=1, n_kv_heads=2, position=dict(kind="rope"))).eval()
     x = tokens()
     cache = KVCache("per_visit")
     model.read(model.loop(x, cache=cache), 2)
@@ -258,7 +260,7 @@ def test_blocks_equal_hand_written_ops(norm):
 def test_block_norm_keys_and_zero_preserving_core():
     """Sandwich and pre_post blocks add post_attn_norm / post_mlp_norm gains (ones); G(0) = 0 holds."""
     for norm in ("sandwich", "pre_post"):
-        model = build_model(cfg(rule="scse", block_norm=norm, position_embedding="rope", qk_bias=True))
+        model = build_model(cfg(rule="scse", block_norm=norm, position=dict(kind="rope"), qk_bias=True))
         keys = set(model.state_dict())
         assert {"core.blocks.0.post_attn_norm.weight", "core.blocks.0.post_mlp_norm.weight",
                 "core.blocks.0.attn.qk_bias"} <= keys
@@ -275,7 +277,7 @@ def test_embedding_scale_and_position_signal():
     torch.manual_seed(0)
     x = tokens()
     for pe in ("rope", "none"):
-        model = build_model(cfg(rule="plain", position_embedding=pe, embed_scale=3.0)).eval()
+        model = build_model(cfg(rule="plain", position=dict(kind=pe), embed_scale=3.0)).eval()
         assert model.pos_emb is None and "pos_emb.weight" not in model.state_dict()
         assert (model.core.blocks[0].attn.rope is not None) == (pe == "rope")
         assert torch.equal(model.embed(x), model.tok_emb(x) * 3.0)  # exact: same computation
@@ -287,7 +289,7 @@ def test_embedding_scale_and_position_signal():
     same = torch.full((1, 8), 5)
     for pe in ("none", "learned"):
         torch.manual_seed(0)
-        logits = build_model(cfg(rule="looped", position_embedding=pe, n_prelude=1)).eval()(same, depth=2).logits[0]
+        logits = build_model(cfg(rule="looped", position=dict(kind=pe), n_prelude=1)).eval()(same, depth=2).logits[0]
         assert torch.allclose(logits, logits[:1].expand_as(logits), atol=1e-5) == (pe == "none"), pe
 
 
@@ -313,8 +315,8 @@ def test_exit_norm_before_the_coda_by_hand(exit_norm):
 
 
 def ouro_cfg(**kw) -> ModelConfig:
-    base = dict(rule="plain", n_core=2, n_kv_heads=2, position_embedding="rope", rope_theta=1e6,
-                block_norm="sandwich", scale_control="final_norm", readout="raw", exit_gate=True,
+    base = dict(rule="plain", n_core=2, n_kv_heads=2, position=dict(kind="rope", theta=1e6),
+                block_norm="sandwich", scale_control=dict(kind="final_norm"), readout="raw", exit_gate=True,
                 tie_embeddings=False)
     base.update(kw)
     return cfg(**base)
@@ -485,19 +487,23 @@ def test_exit_cdf_in_decoding_is_ouros_per_token_rule():
 @pytest.mark.parametrize("kw, field", [
     (dict(n_kv_heads=3), "model.n_kv_heads"),
     (dict(n_kv_heads=-1), "model.n_kv_heads"),
-    (dict(rope_theta=50000.0), "model.rope_theta"),
-    (dict(rope_layout="interleaved"), "model.rope_layout"),
-    (dict(rope_table_dtype="bfloat16"), "model.rope_table_dtype"),
-    (dict(position_embedding="rope", rope_table_dtype="float16"), "model.rope_table_dtype"),
-    (dict(position_embedding="rope", rope_scaling_factor=2.0), "model.rope_scaling_factor"),
-    (dict(position_embedding="rope", rope_scaling="linear", rope_scaling_factor=0.0), "model.rope_scaling_factor"),
-    (dict(position_embedding="rope", d_model=36, n_heads=4), "model.position_embedding"),
-    (dict(position_embedding="alibi"), "model.position_embedding"),
+    (dict(position=dict(kind="learned", theta=50000.0)), "model.position.theta: kind learned does not read it"),
+    (dict(position=dict(kind="none", layout="interleaved")), "model.position.layout: kind none does not read it"),
+    (dict(position=dict(kind="rope", table_dtype="float16")), "model.position.table_dtype"),
+    (dict(position=dict(kind="rope", scaling_factor=2.0)), "model.position.scaling_factor"),
+    (dict(position=dict(kind="rope", scaling="linear", scaling_factor=0.0)), "model.position.scaling_factor"),
+    (dict(position=dict(kind="rope", theta=1.0)), "model.position.theta"),
+    (dict(position=dict(kind="rope"), d_model=36, n_heads=4), "model.position.kind"),
+    (dict(position=dict(kind="alibi")), "model.position.kind"),
+    (dict(position="rope"), "model.position: must be a position config"),
+    (dict(scale_control=dict(kind="none", init=0.5)), "model.scale_control.init: kind none does not read it"),
+    (dict(scale_control=dict(kind="spectral_damping", init=1.0)), "model.scale_control.init"),
+    (dict(scale_control=dict(kind="clip")), "model.scale_control.kind"),
     (dict(block_norm="sandwich", residual="deepnorm", residual_depth=2), "model.block_norm"),
     (dict(block_norm="post"), "model.block_norm"),
     (dict(embed_scale=0.0), "model.embed_scale"),
     (dict(exit_norm="shared"), "model.exit_norm"),
-    (dict(architecture="unshared", scale_control="final_norm"), "model.scale_control"),
+    (dict(architecture="unshared", scale_control=dict(kind="final_norm")), "model.scale_control.kind"),
 ])
 def test_invalid_values_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):
@@ -506,14 +512,36 @@ def test_invalid_values_name_the_field(kw, field):
 
 def test_unknown_names_list_the_allowed_ones():
     with pytest.raises(ConfigError, match="allowed: 'learned', 'rope', 'none'"):
-        cfg(position_embedding="alibi")
+        cfg(position=dict(kind="alibi"))
     with pytest.raises(ConfigError, match="truncated_normal"):
         cfg(rule="huginn_linear", options=dict(state_init="trunc"))
 
 
+def test_position_and_scale_control_overrides():
+    """``model.position.FIELD`` / ``model.scale_control.FIELD``: the kind is written first in config.json, a later
+    override keeps the kind and the other fields, and a field the kind does not read names the kind's fields."""
+    base = Config(model=cfg())
+    new = apply_overrides(base, {"model.position.kind": "rope", "model.position.theta": "50000",
+                                 "model.scale_control.kind": "spectral_damping", "model.scale_control.init": "0.5"})
+    assert new.model.position == RopeConfig(theta=50000.0)
+    assert new.model.scale_control == SpectralDampingConfig(init=0.5)
+    d = new.to_dict()["model"]
+    assert d["position"] == {"kind": "rope", "theta": 50000.0, "layout": "half", "scaling": "none",
+                             "scaling_factor": 1.0, "table_dtype": "float32"}
+    assert d["scale_control"] == {"kind": "spectral_damping", "init": 0.5}
+    assert Config.from_json(new.to_json()) == new
+    again = apply_overrides(new, {"model.position.layout": "interleaved"})
+    assert again.model.position == RopeConfig(theta=50000.0, layout="interleaved")
+    assert again.model.scale_control == new.model.scale_control
+    with pytest.raises(ConfigError, match="position.theta: kind learned does not read it.*fields of learned: none"):
+        apply_overrides(base, {"model.position.theta": "5e4"})
+    with pytest.raises(ConfigError, match="model.scale_control: set its fields one at a time"):
+        apply_overrides(base, {"model.scale_control": "final_norm"})
+
+
 def test_huginn_and_ouro_configs_round_trip_through_config_json():
-    for m in (ouro_cfg(), cfg(rule="huginn_linear", position_embedding="rope", rope_layout="interleaved",
-                              rope_theta=50000.0, qk_bias=True, block_norm="pre_post", embed_scale=D ** 0.5,
+    for m in (ouro_cfg(), cfg(rule="huginn_linear", position=dict(kind="rope", layout="interleaved", theta=50000.0),
+                              qk_bias=True, block_norm="pre_post", embed_scale=D ** 0.5,
                               exit_norm="final", options=dict(adapter_bias=False, step_norm=False,
                                                               state_init="truncated_normal"))):
         c = Config(model=m, train=TrainConfig(supervision="exit_weighted") if m.exit_gate else TrainConfig())

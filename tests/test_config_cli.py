@@ -58,11 +58,11 @@ def test_json_round_trip_and_format_version():
     again = Config.from_json(cfg.to_json())
     assert again == cfg
     d = json.loads(cfg.to_json())
-    assert d["format_version"] == 3
-    d["format_version"] = 2
+    assert d["format_version"] == 4
+    d["format_version"] = 3
     with pytest.raises(ConfigError, match="format_version"):
         Config.from_dict(d)
-    d["format_version"] = 3
+    d["format_version"] = 4
     d["model"]["widthh"] = 3
     with pytest.raises(ConfigError, match="model.widthh: unknown field"):
         Config.from_dict(d)
@@ -336,7 +336,7 @@ def test_cli_argument_and_run_dir_errors(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides, field", [
     (dict(model=dict(architecture="unshared"), train=dict(supervision="exit_weighted")), "train.supervision"),
-    (dict(model=dict(architecture="unshared", scale_control="inter_loop_norm")), "model.scale_control"),
+    (dict(model=dict(architecture="unshared", scale_control=dict(kind="inter_loop_norm"))), "model.scale_control"),
     (dict(model=dict(architecture="unshared", exit_gate=True)), "model.exit_gate"),
     (dict(model=dict(architecture="unshared", options={"leak": 0.0})), "model.options"),
 ])
@@ -436,7 +436,7 @@ def test_lmdr_preset_is_the_papers_recipe():
 
     cfg, ref = get_preset("lmdr"), get_preset("huginn-cpu")
     m, t, p, o = cfg.model, cfg.train, cfg.depth, cfg.optim
-    assert (m.rule, m.tie_embeddings, m.position_embedding, m.exit_norm) == ("parcae", False, "rope", "none")
+    assert (m.rule, m.tie_embeddings, m.position.NAME, m.exit_norm) == ("parcae", False, "rope", "none")
     assert (m.n_prelude, m.n_core, m.n_coda, m.head_dim) == (1, 2, 1, 64)
     assert (m.options.state_init, m.options.state_init_std) == ("truncated_normal", STATE_STD)
     assert t.gradient == TBPTTConfig(steps=10) and p.NAME == "learned"

@@ -53,7 +53,7 @@ def _report(what: str, got: torch.Tensor, want: torch.Tensor) -> float:
 # ---------------------------------------------------------------- Huginn-0125
 def test_huginn_logits_and_latents_equal_the_original_at_every_depth(imported):
     model, cfg, _, exp = imported["huginn"]
-    assert cfg.train.eval_depth == 4 and cfg.model.rope_table_dtype == "bfloat16"
+    assert cfg.train.eval_depth == 4 and cfg.model.position.table_dtype == "bfloat16"
     ids, s0 = exp["input_ids"], exp["initial_state"]
     with torch.no_grad():
         out = model.read(model.loop(ids).resume(0, s0), [1, 2, 4, 8], readout=Readout(states=True))
@@ -80,7 +80,7 @@ def test_huginn_needs_the_bf16_rope_table(imported):
     """The stored freqs_cis is looplm's float32 table rounded to bf16 (the importer checks it exactly);
     rotating with the unrounded table moves the logits far beyond the tolerance."""
     model, cfg, _, exp = imported["huginn"]
-    exact = model.cfg.replace(rope_table_dtype="float32")
+    exact = model.cfg.replace(position=model.cfg.position.replace(table_dtype="float32"))
     from looplm.model import build_model
 
     other = build_model(exact).eval()
@@ -248,7 +248,7 @@ def test_huginn_layout_round_trip_is_exact(tmp_path):
     write_huginn_folder(model, tok, tmp_path / "src", depth=3)
     import_huginn(tmp_path / "src", tmp_path / "out", progress=False)
     back, bcfg, _, _ = load_checkpoint(tmp_path / "out")
-    assert bcfg.model.rope_table_dtype == "float32" and bcfg.train.eval_depth == 3
+    assert bcfg.model.position.table_dtype == "float32" and bcfg.train.eval_depth == 3
     sd, bsd = model.state_dict(), back.state_dict()
     assert sd.keys() == bsd.keys() and all(torch.equal(sd[k], bsd[k]) for k in sd)  # exact: copies
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))

@@ -43,19 +43,20 @@ VARIANTS = {
     "plain-post_ln": dict(rule="plain", residual="post_ln", residual_depth=3),
     "plain-p0.4": dict(rule="plain", residual="post_ln", residual_p=0.4, residual_depth=5),
     "looped-deeploop": dict(rule="looped", residual="deeploop", residual_depth=4),
-    "plain-inter_loop_norm": dict(rule="plain", scale_control="inter_loop_norm"),
-    "plain-spectral_damping": dict(rule="plain", scale_control="spectral_damping"),
+    "plain-inter_loop_norm": dict(rule="plain", scale_control=dict(kind="inter_loop_norm")),
+    "plain-spectral_damping": dict(rule="plain", scale_control=dict(kind="spectral_damping")),
     "looped-final_only_norm": dict(rule="looped", readout="final_only_norm", n_prelude=1, n_coda=1),
     # issue 14 §1: the architectures of Huginn-0125 and Ouro (tiny), and the rest of their options
-    "huginn-0125": dict(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, position_embedding="rope",
-                        rope_theta=50000.0, rope_layout="interleaved", qk_bias=True, block_norm="pre_post",
+    "huginn-0125": dict(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1,
+                        position=dict(kind="rope", theta=50000.0, layout="interleaved"), qk_bias=True,
+                        block_norm="pre_post",
                         embed_scale=D ** 0.5, exit_norm="final",
                         options=dict(adapter_bias=False, step_norm=False, state_init="truncated_normal",
                                      state_init_std=0.6)),
-    "ouro": dict(rule="plain", n_core=2, n_kv_heads=2, position_embedding="rope", rope_theta=1e6,
-                 block_norm="sandwich", scale_control="final_norm", readout="raw", tie_embeddings=False),
-    "looped-rope-mqa": dict(rule="looped", n_prelude=1, n_coda=1, position_embedding="rope", n_kv_heads=1,
-                            rope_scaling="linear", rope_scaling_factor=2.0, exit_norm="learned"),
+    "ouro": dict(rule="plain", n_core=2, n_kv_heads=2, position=dict(kind="rope", theta=1e6),
+                 block_norm="sandwich", scale_control=dict(kind="final_norm"), readout="raw", tie_embeddings=False),
+    "looped-rope-mqa": dict(rule="looped", n_prelude=1, n_coda=1, n_kv_heads=1,
+                            position=dict(kind="rope", scaling="linear", scaling_factor=2.0), exit_norm="learned"),
     "unshared": dict(architecture="unshared", n_layers=3),
 }
 
@@ -81,6 +82,13 @@ def test_registry_matches_config_literal():
     assert set(RULES) == set(RULE_NAMES)
     with pytest.raises(Exception, match="allowed"):
         tiny(rule="nope")
+
+
+def test_spectral_damping_starts_at_its_init():
+    """σ(ρ) at initialization is ``model.scale_control.init`` (ρ = logit(init))."""
+    model = build_model(tiny(rule="plain", scale_control=dict(kind="spectral_damping", init=0.6)))
+    # ρ is stored in float32: σ(ρ) is 0.6 to a few float32 ulps
+    torch.testing.assert_close(torch.sigmoid(model.damping_raw).item(), 0.6, rtol=0.0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -140,7 +148,7 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
         return post_ln_block(blk, z, alpha, qkv_inj) if alpha is not None else z + blk(z, qkv_inj)
 
     e = model.tok_emb(x) * cfg.embed_scale
-    if cfg.position_embedding == "learned":
+    if cfg.position.NAME == "learned":
         e = e + model.pos_emb(torch.arange(x.shape[1]))
     if cfg.input_norm:
         e = rms(e) * model.in_norm.weight
@@ -159,11 +167,12 @@ def _reference_hidden(model: LoopLM, x: torch.Tensor, T: int) -> torch.Tensor:
         return z @ module.weight.T + (module.bias if module.bias is not None else 0.0)
 
     def between(h):  # SPEC §4 scale controls
-        if cfg.scale_control == "inter_loop_norm":
+        kind = cfg.scale_control.NAME
+        if kind == "inter_loop_norm":
             return rms(h) * model.loop_norm.weight
-        if cfg.scale_control == "spectral_damping":
+        if kind == "spectral_damping":
             return torch.sigmoid(model.damping_raw) * h
-        if cfg.scale_control == "final_norm":
+        if kind == "final_norm":
             return rms(h) * model.norm_f.weight
         return h
 

@@ -36,7 +36,7 @@ def model_for(rule: str, scale: str, readout: str) -> LoopLM:
     """A tiny model with a prelude and a coda (so every KV path is used), gains perturbed so that the
     between-loop norm and the readout norm are not the identity's neighbours."""
     torch.manual_seed(0)
-    cfg = ModelConfig(rule=rule, scale_control=scale, readout=readout, vocab_size=V, d_model=24, n_heads=2,
+    cfg = ModelConfig(rule=rule, scale_control=dict(kind=scale), readout=readout, vocab_size=V, d_model=24, n_heads=2,
                       d_ff=48, seq_len=SEQ, dropout=0.0, init_std=0.1, n_prelude=1, n_coda=1)
     model = build_model(cfg).eval()
     g = torch.Generator().manual_seed(1)
@@ -54,7 +54,7 @@ def tokens(b: int = 2, n: int = SEQ, seed: int = 0) -> torch.Tensor:
 def reference_states(model: LoopLM, x: torch.Tensor, T: int) -> list[torch.Tensor]:
     """h_0 … h_T written out by hand from the rule's update and the SPEC §4 scale controls (an
     independent unroll: it calls neither ``LoopLM.step`` nor ``forward``)."""
-    rule, scale = model.rule, model.cfg.scale_control
+    rule, scale = model.rule, model.cfg.scale_control.NAME
     state, ctx = rule.start(model.embed(x))
 
     def core(z, qkv_inject=None, *, call=0):

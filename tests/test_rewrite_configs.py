@@ -1,9 +1,13 @@
-"""``scripts/rewrite_configs.py``: config format 2 (one flat ``train`` section) → format 3 (the typed
-sections ``depth``, ``optim`` and ``train.gradient``). The format-2 configs in
+"""``scripts/rewrite_configs.py``: config format 2 (one flat ``train`` section) and format 3 (the typed
+sections ``depth``, ``optim`` and ``train.gradient``; flat position and scale-control fields) → format 4
+(also ``model.position`` and ``model.scale_control``). The format-2 configs in
 ``fixtures/format2/configs.json`` are stored ones, verbatim, from commit dae641b (the lmdr-ablation
 sweep: fixed / pln / learned samplers with bptt and tbptt; a depth-testbed run that predates
-``train.prior_init`` and ``model.block_init``). Each rewritten config must equal the one built here by
-hand from the format-3 sections, and rewriting again changes nothing."""
+``train.prior_init`` and ``model.block_init``). The format-3 ones in ``fixtures/format3/configs.json`` come
+from commit d0a5065: a run stored in experiments/depth-testbed/headline/results.db (rope) and a config written
+by ``Config.to_dict`` there with every rope field and spectral damping away from their defaults. Each
+rewritten config must equal the one built here by hand from the format-4 sections, and rewriting again
+changes nothing."""
 
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from looplm.config import (BPTTConfig, Config, DataConfig, FixedDepthConfig, LearnedDepthConfig, ModelConfig,
-                           OptimConfig, PLNDepthConfig, TBPTTConfig, TrainConfig, UniformDepthConfig)
+                           OptimConfig, PLNDepthConfig, RopeConfig, SpectralDampingConfig, TBPTTConfig, TrainConfig,
+                           UniformDepthConfig)
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT2 = json.loads((ROOT / "tests" / "fixtures" / "format2" / "configs.json").read_text())
+FORMAT3 = json.loads((ROOT / "tests" / "fixtures" / "format3" / "configs.json").read_text())
 
 
 def _script():
@@ -42,15 +48,17 @@ def _lmdr(name: str, depth, gradient) -> Config:
                                     eval_depth=5, ckpt_every=100, device="cpu", num_threads=1))
 
 
+LOOPED_S0 = Config(
+    name="looped-s0",
+    model=ModelConfig(rule="looped", vocab_size=64, d_model=128, n_heads=4, d_ff=512, seq_len=32, dropout=0.0,
+                      n_prelude=0, n_core=1, n_coda=0, position=RopeConfig()),
+    data=DataConfig(dataset="task", task="addition", task_k=3, tokenizer="gpt2"),
+    depth=UniformDepthConfig(lo=1, hi=8), optim=OptimConfig(lr=2e-3, warmup_steps=100),
+    train=TrainConfig(steps=2500, batch_size=64, eval_every=100, eval_batches=2, eval_depth=8, ckpt_every=250,
+                      device="cpu", num_threads=1))
+
 EXPECTED = {
-    "depth-testbed/looped-s0": Config(
-        name="looped-s0",
-        model=ModelConfig(rule="looped", vocab_size=64, d_model=128, n_heads=4, d_ff=512, seq_len=32, dropout=0.0,
-                          n_prelude=0, n_core=1, n_coda=0, position_embedding="rope"),
-        data=DataConfig(dataset="task", task="addition", task_k=3, tokenizer="gpt2"),
-        depth=UniformDepthConfig(lo=1, hi=8), optim=OptimConfig(lr=2e-3, warmup_steps=100),
-        train=TrainConfig(steps=2500, batch_size=64, eval_every=100, eval_batches=2, eval_depth=8, ckpt_every=250,
-                          device="cpu", num_threads=1)),
+    "depth-testbed/looped-s0": LOOPED_S0,
     "lmdr-ablation/fixed5_bptt-s0": _lmdr("fixed5_bptt-s0", FixedDepthConfig(depth=5), BPTTConfig()),
     "lmdr-ablation/fixed5_tbptt2-s0": _lmdr("fixed5_tbptt2-s0", FixedDepthConfig(depth=5), TBPTTConfig(steps=2)),
     "lmdr-ablation/pln5_tbptt2-s0": _lmdr("pln5_tbptt2-s0", PLNDepthConfig(mean=5.0, sigma=0.5, cap=64),
@@ -61,13 +69,25 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("key", sorted(FORMAT2))
-def test_format2_config_rewrites_to_the_hand_built_format3_config(key):
-    old = FORMAT2[key]
-    assert old["format_version"] == 2
+EXPECTED3 = {  # the headline run: the same recipe, with the task tokenizer's vocabulary (42)
+    "depth-testbed/looped-s0": LOOPED_S0.replace(model=LOOPED_S0.model.replace(vocab_size=42)),
+    "written/damped-rope": Config(
+        name="damped-rope",
+        model=ModelConfig(rule="plain", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=16, dropout=0.0,
+                          n_core=2, scale_control=SpectralDampingConfig(init=0.7),
+                          position=RopeConfig(theta=50000.0, layout="interleaved", scaling="linear",
+                                              scaling_factor=2.0, table_dtype="bfloat16")),
+        depth=FixedDepthConfig(depth=3), train=TrainConfig(steps=10, device="cpu")),
+}
+
+
+@pytest.mark.parametrize("version, key", [(2, k) for k in sorted(FORMAT2)] + [(3, k) for k in sorted(FORMAT3)])
+def test_old_config_rewrites_to_the_hand_built_format4_config(version, key):
+    old, want = (FORMAT2[key], EXPECTED[key]) if version == 2 else (FORMAT3[key], EXPECTED3[key])
+    assert old["format_version"] == version
     new = rewrite_configs.rewrite(old)
-    assert new == EXPECTED[key].to_dict()
-    assert Config.from_dict(new) == EXPECTED[key]  # strict format-3 load: every field, nothing extra
+    assert new["format_version"] == 4 and new == want.to_dict()
+    assert Config.from_dict(new) == want  # strict format-4 load: every field, nothing extra
     assert rewrite_configs.rewrite(new) == new  # idempotent
 
 
@@ -113,3 +133,21 @@ def test_rl_options_and_student_records_get_their_optim_section():
     student = rewrite_configs.walk(record, {})
     assert StudentRecord.from_dict(student).distill == DistillConfig(optim=OptimConfig(lr=3e-3, warmup_steps=20))
     assert rewrite_configs.walk(student, {}) == student
+
+
+def test_format3_model_keys_are_renamed_once():
+    """The position and scale-control override keys move into their sections (``experiments/import/run.sh``'s
+    spelling at commit d0a5065)."""
+    old = ('[variants]\na = {"model.position_embedding" = "rope", "model.rope_theta" = 50000, '
+           '"model.rope_layout" = "interleaved"}\nb = {"model.scale_control" = "spectral_damping", '
+           '"model.damping_init" = 0.7, "model.readout" = "raw"}\n')
+    new = ('[variants]\na = {"model.position.kind" = "rope", "model.position.theta" = 50000, '
+           '"model.position.layout" = "interleaved"}\nb = {"model.scale_control.kind" = "spectral_damping", '
+           '"model.scale_control.init" = 0.7, "model.readout" = "raw"}\n')
+    assert rewrite_configs.rewrite_toml(old) == new
+    assert rewrite_configs.rewrite_toml(new) == new
+    grid = {"model.rope_table_dtype": "bfloat16", "model.rope_scaling": "linear", "model.rope_scaling_factor": 2.0}
+    rekeyed = rewrite_configs.rekey(grid)
+    assert rekeyed == {"model.position.table_dtype": "bfloat16", "model.position.scaling": "linear",
+                       "model.position.scaling_factor": 2.0}
+    assert rewrite_configs.rekey(rekeyed) == rekeyed

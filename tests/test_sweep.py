@@ -432,7 +432,7 @@ def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
     from looplm.eval.tasks import evaluate_task_checkpoint
 
     cfg = Config(name="task", model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12,
-                                                 dropout=0.0, position_embedding="rope"),
+                                                 dropout=0.0, position=dict(kind="rope")),
                  data=DataConfig(dataset="task", task="modsum", task_k=2, task_heldout=8),
                  depth=UniformDepthConfig(lo=1, hi=2), optim=OptimConfig(lr=3e-3, warmup_steps=1),
                  train=TrainConfig(steps=4, batch_size=8, eval_every=2, eval_batches=1, eval_depth=2, ckpt_every=2,

@@ -160,7 +160,7 @@ def test_config_errors_name_the_field():
 def test_accuracy_protocol_equals_a_per_depth_loop():
     torch.manual_seed(0)
     model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
-                                    dropout=0.0, position_embedding="rope")).eval()
+                                    dropout=0.0, position=dict(kind="rope"))).eval()
     insts = [i for k in (1, 2, 4) for i in heldout("modsum", k, "test", 12, 0)]
     x, y = rows(insts, 24)
     scored = y != -100
@@ -186,7 +186,7 @@ def test_accuracy_protocol_equals_a_per_depth_loop():
 def _task_run_cfg() -> Config:
     return Config(name="task-tiny",
                   model=ModelConfig(rule="looped", d_model=32, n_heads=2, d_ff=64, seq_len=12, dropout=0.1,
-                                    position_embedding="rope"),
+                                    position=dict(kind="rope")),
                   data=DataConfig(dataset="task", task="modsum", task_k=3, task_heldout=16),
                   depth=UniformDepthConfig(lo=1, hi=3), optim=OptimConfig(lr=3e-3, warmup_steps=2),
                   train=TrainConfig(steps=6, batch_size=8, eval_every=3, eval_batches=1, eval_depth=3, ckpt_every=2,
@@ -273,7 +273,7 @@ def test_halting_per_difficulty_equals_a_hand_written_per_depth_computation(crit
     torch.manual_seed(0)
     C = 6
     model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
-                                    dropout=0.0, position_embedding="rope")).eval()
+                                    dropout=0.0, position=dict(kind="rope"))).eval()
     insts = [i for k in (2, 3) for i in heldout("modsum", k, "test", 16, 0)]
     x, y = rows(insts, 24)
     scored = y != -100

@@ -15,7 +15,7 @@ mkdir -p "$W" "$OUT"
 if [ ! -f "$W/huginn-layout-run/latest" ]; then
   looplm train --preset debug --name huginn-layout --out "$W/huginn-layout-run" --quiet \
     --model.rule huginn_linear --model.n_prelude 2 --model.n_core 2 --model.n_coda 2 \
-    --model.position_embedding rope --model.rope_theta 50000 --model.rope_layout interleaved \
+    --model.position.kind rope --model.position.theta 50000 --model.position.layout interleaved \
     --model.qk_bias true --model.block_norm pre_post --model.embed_scale 8 --model.exit_norm final \
     --model.options.adapter_bias false --model.options.step_norm false \
     --model.options.state_init truncated_normal --model.options.state_init_std 0.6324555320336759 \

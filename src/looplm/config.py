@@ -8,11 +8,12 @@ naming the field and what is allowed. Field help texts (``metadata["help"]``) be
 The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
 subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
 ``--model.options.FIELD VALUE``. The same pattern holds the depth sampler (section ``depth``, one class per
-``depth.sampler``, :data:`DEPTH_SAMPLERS`) and the gradient estimator (``train.gradient``, one class per
-``train.gradient.kind``): changing the variant carries the same-named fields over, and a field the variant
-does not read is an error. ``optim`` (the optimizer) is shared with distill and rl. No section rewrites
-another: values derived across sections (N = K·R of the post-LN family) are resolved where they are used.
-A config file (``config.json``, format 3) gives every field.
+``depth.sampler``, :data:`DEPTH_SAMPLERS`), the gradient estimator (``train.gradient``, one class per
+``train.gradient.kind``), the position signal (``model.position.kind``, :data:`POSITIONS`) and the scale
+control (``model.scale_control.kind``, :data:`SCALE_CONTROLS`): changing the variant carries the same-named
+fields over, and a field the variant does not read is an error. ``optim`` (the optimizer) is shared with
+distill and rl. No section rewrites another: values derived across sections (N = K·R of the post-LN family) are
+resolved where they are used. A config file (``config.json``, format 4) gives every field.
 
 The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
 """
@@ -27,9 +28,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Literal, get_args
 
-#: config.json layout: 3 has the typed sections ``depth`` (one class per sampler), ``optim`` and
-#: ``train.gradient`` (one class per estimator); rule options sit under ``model.options``
-FORMAT_VERSION = 3
+#: config.json layout: 4 has the typed sections ``depth`` (one class per sampler), ``optim``,
+#: ``train.gradient`` (one class per estimator), ``model.position`` and ``model.scale_control``; rule options
+#: sit under ``model.options``
+FORMAT_VERSION = 4
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
                    "sc_subtract", "additive_subtract", "scse_leak", "plain", "huginn_linear", "parcae_decay",
@@ -40,8 +42,6 @@ AnchorName = Literal["learned", "embedding", "init", "frozen_random"]
 StateInit = Literal["zeros", "embedding", "gaussian", "truncated_normal"]
 Residual = Literal["pre_ln", "post_ln", "deepnorm", "deeploop"]
 ReadoutName = Literal["rmsnorm", "raw", "final_only_norm"]
-ScaleControl = Literal["none", "inter_loop_norm", "spectral_damping", "final_norm"]
-PositionEmbedding = Literal["learned", "rope", "none"]
 RopeLayout = Literal["half", "interleaved"]
 RopeScaling = Literal["none", "linear"]
 BlockNorm = Literal["pre", "sandwich", "pre_post"]
@@ -476,6 +476,192 @@ def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[st
     return changed
 
 
+# ---------------------------------------------------------------- typed choice sections
+class ChoiceSection(_Base):
+    """A section whose variant is named by one key (``KEY``: ``depth.sampler``, ``train.gradient.kind``);
+    one frozen subclass per variant (``NAME``) holds exactly the fields that variant reads. ``to_dict``
+    writes the name first; :func:`build_choice` builds a variant from a dict and checks its keys."""
+
+    KEY: ClassVar[str]
+    NAME: ClassVar[str]
+    HELP: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks of the variant's fields."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.KEY: self.NAME, **dataclasses.asdict(self)}
+
+
+def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
+    return _CHOICES[base][0]
+
+
+def _not_a_field(base: type[ChoiceSection], name: str, variant: str) -> ConfigError:
+    cls = _variants(base)[variant]
+    owners = [v for v, c in _variants(base).items() if name in c.field_names()]
+    what = (f"{base.KEY} {variant} does not read it (a field of {', '.join(owners)})" if owners
+            else f"unknown field{_suggest(name, {n for c in _variants(base).values() for n in c.field_names()})}")
+    return ConfigError(f"{base._prefix}{name}: {what}; fields of {variant}: {', '.join(cls.field_names()) or 'none'}")
+
+
+def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
+                 carry: ChoiceSection | None = None) -> ChoiceSection:
+    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``;
+    the fields ``d`` leaves out come from ``carry`` where its variant has them (a changed variant
+    carries the same-named fields over), else the variant's defaults. String values (the command
+    line) are parsed to the field's type.
+
+    Raises:
+        ConfigError: an unknown variant (listing the known ones), a field the variant does not read
+            (naming the variant and its fields), a missing field with ``complete``, or a bad value.
+    """
+    if not isinstance(d, dict):
+        raise ConfigError(f"{base._prefix.rstrip('.')}: must be a JSON object, got {d!r}")
+    variants = _variants(base)
+    d = dict(d)
+    name = d.pop(base.KEY, carry.NAME if carry is not None else None)
+    if name not in variants:
+        raise ConfigError(f"{base._prefix}{base.KEY}: got {name!r}; allowed: {', '.join(map(repr, variants))}")
+    cls = variants[name]
+    hints = typing.get_type_hints(cls)
+    for key in d:
+        if key not in cls.field_names():
+            raise _not_a_field(base, key, name)
+    if complete:
+        cls._check_keys(d)
+    values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
+    values.update({k: _parse(hints[k], base._prefix + k, v) if isinstance(v, str) else v for k, v in d.items()})
+    return cls(**values)
+
+
+def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
+    """``{prefix + KEY: help, prefix + FIELD: help}`` over every variant of ``base``, each field with the
+    variants that read it and their defaults (for the command line's ``--help``)."""
+    variants = _variants(base)
+    out = {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_CHOICES[base][1]}]"}
+    readers: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for name, cls in variants.items():
+        for f in dataclasses.fields(cls):
+            helps.setdefault(f.name, f.metadata["help"])
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            readers.setdefault(f.name, []).append(f"{name} {default!r}")
+    return {**out, **{prefix + n: f"{helps[n]} [{base.KEY}: {'; '.join(r)}]" for n, r in readers.items()}}
+
+
+# ---------------------------------------------------------------- position signal (SPEC §1)
+@dataclass(frozen=True)
+class PositionConfig(ChoiceSection):
+    """The position signal (SPEC §1), ``model.position.kind``."""
+
+    _prefix = "model.position."
+    KEY = "kind"
+    HELP = ("position signal (SPEC §1): learned (a table of seq_len absolute positions added to the token embedding; "
+            "GPT-2), rope (rotary embedding of q and k in every attention layer; Huginn-0125, Ouro), none (no "
+            "position signal beyond the causal mask)")
+
+
+@dataclass(frozen=True)
+class LearnedPositionConfig(PositionConfig):
+    """``learned``: a table of seq_len absolute positions added to the token embedding (GPT-2)."""
+
+    NAME = "learned"
+
+
+@dataclass(frozen=True)
+class RopeConfig(PositionConfig):
+    """``rope``: the rotary embedding of q and k in every attention layer (arXiv:2104.09864)."""
+
+    NAME = "rope"
+    theta: float = _o(10000.0, "base θ of the rotary frequencies θ^(−2i/head_dim), i < head_dim/2 (HF rope_theta; "
+                      "Huginn's rope_base; Huginn-0125 50000, Ouro 1e6)")
+    layout: RopeLayout = _o("half", "the rotated coordinate pairs of a head: half ((i, i + head_dim/2), rotate-half: "
+                            "HF Llama/Qwen, Ouro) or interleaved ((2i, 2i+1), complex pairs: Huginn-0125, Meta's "
+                            "Llama)")
+    scaling: RopeScaling = _o("none", "none, or linear (position interpolation: every frequency divided by "
+                              "scaling_factor; HF rope_type linear)")
+    scaling_factor: float = _o(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
+    table_dtype: DType = _o("float32", "the dtype the cos/sin table is rounded to before the rotation (which runs in "
+                            "float32): float32 (no rounding) or bfloat16 (Huginn-0125: its bf16 checkpoint stores the "
+                            "table and the original rotates with the stored, bf16-rounded values; `looplm import "
+                            "huginn` checks that they equal this table)")
+
+    def validate(self) -> None:
+        p = self._prefix
+        _check(self.theta > 1.0, p + "theta", f"must be > 1, got {self.theta}")
+        if self.scaling == "none":
+            _check(self.scaling_factor == 1.0, p + "scaling_factor",
+                   f"read only by scaling=linear; leave it at 1, got {self.scaling_factor}")
+        else:
+            _check(self.scaling_factor > 0, p + "scaling_factor", f"must be > 0, got {self.scaling_factor}")
+
+
+@dataclass(frozen=True)
+class NoPositionConfig(PositionConfig):
+    """``none``: no position signal beyond the causal mask."""
+
+    NAME = "none"
+
+
+#: the config class of every position signal (``model.position.kind``)
+POSITIONS: dict[str, type[PositionConfig]] = {"learned": LearnedPositionConfig, "rope": RopeConfig,
+                                              "none": NoPositionConfig}
+
+
+# ---------------------------------------------------------------- scale control (SPEC §4)
+@dataclass(frozen=True)
+class ScaleControlConfig(ChoiceSection):
+    """The scale control applied to the state between loops (SPEC §4), ``model.scale_control.kind``."""
+
+    _prefix = "model.scale_control."
+    KEY = "kind"
+    HELP = ("between loops (SPEC §4): none, inter_loop_norm (RMSNorm with learned gain), spectral_damping (learned "
+            "factor in (0, 1)), final_norm (h ← norm_f(h), the final norm itself, after every step: Ouro; pair it "
+            "with model.readout=raw, or the readout normalizes twice)")
+
+
+@dataclass(frozen=True)
+class NoScaleControlConfig(ScaleControlConfig):
+    """``none``: the state passes between loops unchanged."""
+
+    NAME = "none"
+
+
+@dataclass(frozen=True)
+class InterLoopNormConfig(ScaleControlConfig):
+    """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""
+
+    NAME = "inter_loop_norm"
+
+
+@dataclass(frozen=True)
+class SpectralDampingConfig(ScaleControlConfig):
+    """``spectral_damping``: h ← σ(ρ)·h after every step, ρ learned."""
+
+    NAME = "spectral_damping"
+    init: float = _o(0.9, "initial factor σ(ρ) in (0, 1)")
+
+    def validate(self) -> None:
+        _check(0.0 < self.init < 1.0, self._prefix + "init", f"must be in (0, 1), got {self.init}")
+
+
+@dataclass(frozen=True)
+class FinalNormConfig(ScaleControlConfig):
+    """``final_norm``: h ← norm_f(h), the final norm itself, after every step (Ouro)."""
+
+    NAME = "final_norm"
+
+
+#: the config class of every scale control (``model.scale_control.kind``)
+SCALE_CONTROLS: dict[str, type[ScaleControlConfig]] = {
+    "none": NoScaleControlConfig, "inter_loop_norm": InterLoopNormConfig, "spectral_damping": SpectralDampingConfig,
+    "final_norm": FinalNormConfig}
+
 @dataclass(frozen=True)
 class ModelConfig(_Base):
     """Shape and recurrence rule of a looped (or unshared reference) language model (SPEC §1–2)."""
@@ -518,31 +704,13 @@ class ModelConfig(_Base):
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw "
                               "(W_out·H_k), final_only_norm (raw at intermediate loops, RMSNorm at the last)")
-    scale_control: ScaleControl = _f("none", "between loops (SPEC §4): none, inter_loop_norm (RMSNorm "
-                                     "with learned gain), spectral_damping (learned factor in (0, 1)), final_norm "
-                                     "(h ← norm_f(h), the final norm itself, after every step: Ouro; pair it with "
-                                     "readout=raw, or the readout normalizes twice)")
-    damping_init: float = _f(0.9, "spectral_damping: initial factor σ(ρ) in (0, 1)")
+    scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig, metadata={
+        "help": "the between-loop scale control (SPEC §4; model.scale_control.FIELD)"})
     exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 with bias, per token and loop, on the state after "
                          "the step; Ouro's early_exit_gate), read by train.supervision=exit_weighted (which needs it) "
                          "and the exit criteria exit_gate / exit_cdf")
-    position_embedding: PositionEmbedding = _f("learned", "position signal (SPEC §1): learned (a table of seq_len "
-                                               "absolute positions added to the token embedding; GPT-2), rope (rotary "
-                                               "embedding of q and k in every attention layer; Huginn-0125, Ouro), "
-                                               "none (no position signal beyond the causal mask)")
-    rope_theta: float = _f(10000.0, "position_embedding=rope: base θ of the rotary frequencies θ^(−2i/head_dim), "
-                           "i < head_dim/2 (HF rope_theta; Huginn's rope_base; Huginn-0125 50000, Ouro 1e6)")
-    rope_layout: RopeLayout = _f("half", "position_embedding=rope: the rotated coordinate pairs of a head: half "
-                                 "((i, i + head_dim/2), rotate-half: HF Llama/Qwen, Ouro) or interleaved ((2i, 2i+1), "
-                                 "complex pairs: Huginn-0125, Meta's Llama)")
-    rope_scaling: RopeScaling = _f("none", "position_embedding=rope: none, or linear (position interpolation: every "
-                                   "frequency divided by rope_scaling_factor; HF rope_type linear)")
-    rope_scaling_factor: float = _f(1.0, "rope_scaling=linear: the factor (> 0); 1 otherwise")
-    rope_table_dtype: DType = _f("float32", "position_embedding=rope: the dtype the cos/sin table is rounded to "
-                                 "before the rotation (which runs in float32): float32 (no rounding) or bfloat16 "
-                                 "(Huginn-0125: its bf16 checkpoint stores the table and the original rotates with "
-                                 "the stored, bf16-rounded values; `looplm import huginn` checks that they equal this "
-                                 "table)")
+    position: PositionConfig = field(default_factory=LearnedPositionConfig, metadata={
+        "help": "the position signal (SPEC §1; model.position.FIELD)"})
     n_kv_heads: int = _f(0, "key/value heads (grouped-query attention: key/value head j serves the query heads "
                          "j·g … j·g + g − 1, g = n_heads / n_kv_heads); 0 = n_heads (multi-head attention)")
     qk_bias: bool = _f(False, "a learned bias on the query and key projections, before the rotary embedding "
@@ -558,6 +726,11 @@ class ModelConfig(_Base):
                              "ln_f there and again after the coda)")
 
     def __post_init__(self) -> None:
+        for name, base in (("position", PositionConfig), ("scale_control", ScaleControlConfig)):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
+            _check(isinstance(getattr(self, name), base), self._prefix + name,
+                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
         _check_literal(self, self._prefix)
         p = self._prefix
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers"):
@@ -576,12 +749,11 @@ class ModelConfig(_Base):
         _check(self.block_init == "normal" or self.residual != "pre_ln", p + "block_init",
                "xavier_normal is the post-LN family's base initializer; allowed with residual=pre_ln: 'normal'")
         _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
-        _check(0.0 < self.damping_init < 1.0, p + "damping_init", f"must be in (0, 1), got {self.damping_init}")
         self._check_attention()
         self._resolve_options()
         if self.architecture == "unshared":
             _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
-            _check(self.scale_control == "none", p + "scale_control",
+            _check(self.scale_control.NAME == "none", p + "scale_control.kind",
                    "the unshared reference has no loop to control; allowed: none")
             _check(not self.exit_gate, p + "exit_gate", "exit gates need the shared architecture; allowed: false")
 
@@ -591,22 +763,9 @@ class ModelConfig(_Base):
         _check(self.n_kv_heads >= 0, p + "n_kv_heads", f"must be >= 0 (0 = n_heads), got {self.n_kv_heads}")
         _check(self.n_heads % self.kv_heads == 0, p + "n_kv_heads",
                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.position_embedding == "rope":
-            _check(self.head_dim % 2 == 0, p + "position_embedding",
+        if self.position.NAME == "rope":
+            _check(self.head_dim % 2 == 0, p + "position.kind",
                    f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be even")
-            _check(self.rope_theta > 1.0, p + "rope_theta", f"must be > 1, got {self.rope_theta}")
-            if self.rope_scaling == "none":
-                _check(self.rope_scaling_factor == 1.0, p + "rope_scaling_factor",
-                       f"read only by rope_scaling=linear; leave it at 1, got {self.rope_scaling_factor}")
-            else:
-                _check(self.rope_scaling_factor > 0, p + "rope_scaling_factor",
-                       f"must be > 0, got {self.rope_scaling_factor}")
-        else:
-            for name, default in (("rope_theta", 10000.0), ("rope_layout", "half"), ("rope_scaling", "none"),
-                                  ("rope_scaling_factor", 1.0), ("rope_table_dtype", "float32")):
-                _check(getattr(self, name) == default, p + name,
-                       f"read only by position_embedding=rope (got position_embedding={self.position_embedding!r}); "
-                       f"leave it at {default!r}, got {getattr(self, name)!r}")
         if self.block_norm != "pre":
             _check(self.residual == "pre_ln", p + "block_norm",
                    f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: "
@@ -666,15 +825,22 @@ class ModelConfig(_Base):
                               f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
         object.__setattr__(self, "options", opts)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "position": self.position.to_dict(),
+                "scale_control": self.scale_control.to_dict()}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a complete format-2 ``model`` dict (every field, and every option of the rule).
+        """Build from a complete ``model`` dict (every field, every option of the rule, every field of the
+        position signal and of the scale control).
 
         Raises:
             ConfigError: an unknown or missing field or option, or a bad value.
         """
         cls._check_keys(d)
         d = dict(d)
+        d["position"] = build_choice(PositionConfig, d["position"], complete=True)
+        d["scale_control"] = build_choice(ScaleControlConfig, d["scale_control"], complete=True)
         opts = d.pop("options")
         if d["architecture"] == "shared" and d["rule"] in RULE_OPTIONS:
             if not isinstance(opts, dict):
@@ -745,84 +911,6 @@ class DataConfig(_Base):
             for name in ("task", "task_k", "task_heldout", "task_seed"):
                 _check(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, p + name,
                        f"only read with data.dataset=task (dataset is {self.dataset})")
-
-
-# ---------------------------------------------------------------- typed choice sections
-class ChoiceSection(_Base):
-    """A section whose variant is named by one key (``KEY``: ``depth.sampler``, ``train.gradient.kind``);
-    one frozen subclass per variant (``NAME``) holds exactly the fields that variant reads. ``to_dict``
-    writes the name first; :func:`build_choice` builds a variant from a dict and checks its keys."""
-
-    KEY: ClassVar[str]
-    NAME: ClassVar[str]
-    HELP: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks of the variant's fields."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {self.KEY: self.NAME, **dataclasses.asdict(self)}
-
-
-def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
-    return DEPTH_SAMPLERS if base is DepthConfig else GRADIENTS_CONFIG
-
-
-def _not_a_field(base: type[ChoiceSection], name: str, variant: str) -> ConfigError:
-    cls = _variants(base)[variant]
-    owners = [v for v, c in _variants(base).items() if name in c.field_names()]
-    what = (f"{base.KEY} {variant} does not read it (a field of {', '.join(owners)})" if owners
-            else f"unknown field{_suggest(name, {n for c in _variants(base).values() for n in c.field_names()})}")
-    return ConfigError(f"{base._prefix}{name}: {what}; fields of {variant}: {', '.join(cls.field_names()) or 'none'}")
-
-
-def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
-                 carry: ChoiceSection | None = None) -> ChoiceSection:
-    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``;
-    the fields ``d`` leaves out come from ``carry`` where its variant has them (a changed variant
-    carries the same-named fields over), else the variant's defaults. String values (the command
-    line) are parsed to the field's type.
-
-    Raises:
-        ConfigError: an unknown variant (listing the known ones), a field the variant does not read
-            (naming the variant and its fields), a missing field with ``complete``, or a bad value.
-    """
-    if not isinstance(d, dict):
-        raise ConfigError(f"{base._prefix.rstrip('.')}: must be a JSON object, got {d!r}")
-    variants = _variants(base)
-    d = dict(d)
-    name = d.pop(base.KEY, carry.NAME if carry is not None else None)
-    if name not in variants:
-        raise ConfigError(f"{base._prefix}{base.KEY}: got {name!r}; allowed: {', '.join(map(repr, variants))}")
-    cls = variants[name]
-    hints = typing.get_type_hints(cls)
-    for key in d:
-        if key not in cls.field_names():
-            raise _not_a_field(base, key, name)
-    if complete:
-        cls._check_keys(d)
-    values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
-    values.update({k: _parse(hints[k], base._prefix + k, v) if isinstance(v, str) else v for k, v in d.items()})
-    return cls(**values)
-
-
-def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
-    """``{prefix + KEY: help, prefix + FIELD: help}`` over every variant of ``base``, each field with the
-    variants that read it and their defaults (for the command line's ``--help``)."""
-    variants = _variants(base)
-    out = {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_DEFAULT_VARIANT[base]}]"}
-    readers: dict[str, list[str]] = {}
-    helps: dict[str, str] = {}
-    for name, cls in variants.items():
-        for f in dataclasses.fields(cls):
-            helps.setdefault(f.name, f.metadata["help"])
-            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            readers.setdefault(f.name, []).append(f"{name} {default!r}")
-    return {**out, **{prefix + n: f"{helps[n]} [{base.KEY}: {'; '.join(r)}]" for n, r in readers.items()}}
 
 
 # ---------------------------------------------------------------- depth sampler (SPEC §5)
@@ -991,7 +1079,10 @@ class EndpointConfig(TBPTTConfig):
 #: the config class of every gradient estimator (``train.gradient.kind``)
 GRADIENTS_CONFIG: dict[str, type[GradientConfig]] = {"bptt": BPTTConfig, "tbptt": TBPTTConfig,
                                                      "endpoint": EndpointConfig}
-_DEFAULT_VARIANT: dict[type, str] = {DepthConfig: "uniform", GradientConfig: "bptt"}
+#: every choice section: its variants and its default variant
+_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
+    PositionConfig: (POSITIONS, "learned"), ScaleControlConfig: (SCALE_CONTROLS, "none"),
+    DepthConfig: (DEPTH_SAMPLERS, "uniform"), GradientConfig: (GRADIENTS_CONFIG, "bptt")}
 
 
 # ---------------------------------------------------------------- optimizer (SPEC §5)
@@ -1249,7 +1340,8 @@ def _field_type(section: str, name: str) -> Any:
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if (section, name) in (("model", "options"), ("train", "gradient")):
+    if (section, name) in (("model", "options"), ("model", "position"), ("model", "scale_control"),
+                           ("train", "gradient")):
         raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
@@ -1278,19 +1370,22 @@ def _parse(tp: Any, key: str, text: str) -> Any:
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
 
-    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule),
-    ``depth.FIELD`` (a field of the resulting sampler), ``train.gradient.FIELD`` or ``name``; string
-    values are parsed to the field's type. A new ``model.rule`` (or ``model.architecture``) rebuilds
-    the options for it (:func:`carry_options`), then the given options apply; a new ``depth.sampler``
-    (``train.gradient.kind``) rebuilds its section carrying the same-named fields over.
+    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule), the fields
+    of a choice section (``depth.FIELD``, ``train.gradient.FIELD``, ``model.position.FIELD``,
+    ``model.scale_control.FIELD``: a field of the resulting variant) or ``name``; string values are
+    parsed to the field's type. A new ``model.rule`` (or ``model.architecture``) rebuilds the options
+    for it (:func:`carry_options`), then the given options apply; a new variant of a choice section
+    (``depth.sampler``, ``train.gradient.kind``, ...) rebuilds it carrying the same-named fields over.
 
     Raises:
-        ConfigError: an unknown key (with the closest known name), an option or field the chosen rule,
-            sampler or estimator does not have (naming it and its fields), or a bad value.
+        ConfigError: an unknown key (with the closest known name), an option or field the chosen rule
+            or variant does not have (naming it and its fields), or a bad value.
     """
     d = cfg.to_dict()
     options: dict[str, Any] = {}
-    choices: dict[str, dict[str, Any]] = {"depth": {}, "train.gradient": {}}
+    choices = {"depth": cfg.depth, "train.gradient": cfg.train.gradient, "model.position": cfg.model.position,
+               "model.scale_control": cfg.model.scale_control}
+    given: dict[str, dict[str, Any]] = {where: {} for where in choices}
     for key, value in overrides.items():
         if key == "name":
             d["name"] = str(value)
@@ -1299,14 +1394,16 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         if section == "model" and fname.startswith("options."):
             options[fname[len("options."):]] = value
             continue
-        if section == "depth" or fname.startswith("gradient."):
-            choices["depth" if section == "depth" else "train.gradient"][key.rpartition(".")[2]] = value
+        where = key.rpartition(".")[0]
+        if where in choices:
+            given[where][key.rpartition(".")[2]] = value
             continue
         tp = _field_type(section, fname)
         d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
-    depth = build_choice(DepthConfig, choices["depth"], carry=cfg.depth)
-    gradient = build_choice(GradientConfig, choices["train.gradient"], carry=cfg.train.gradient)
-    d["depth"], d["train"]["gradient"] = depth.to_dict(), gradient.to_dict()
+    for where, carry in choices.items():
+        base = next(b for b in _CHOICES if isinstance(carry, b))
+        section, _, name = where.rpartition(".")
+        (d[section] if section else d)[name] = build_choice(base, given[where], carry=carry).to_dict()
     m = d["model"]
     if (m["rule"], m["architecture"]) != (cfg.model.rule, cfg.model.architecture):
         carried = carry_options(cfg.model, m["rule"], m["architecture"])

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import math
 
-from looplm.config import (Config, DataConfig, LearnedDepthConfig, ModelConfig, OptimConfig, PLNDepthConfig,
-                            TrainConfig, UniformDepthConfig)
+from looplm.config import (Config, DataConfig, LearnedDepthConfig, LearnedPositionConfig, ModelConfig, OptimConfig,
+                            PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig, UniformDepthConfig)
 
 _PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32)
 _PAPER_OPTIM = OptimConfig(lr=3e-4, warmup_steps=500)
@@ -53,11 +53,11 @@ def _paper(name: str, d: int, heads: int, d_ff: int, **model) -> Config:
                   data=_PAPER_DATA, depth=UniformDepthConfig(lo=1, hi=8), optim=_PAPER_OPTIM, train=_PAPER_TRAIN)
 
 
-def _task(task: str, k_train: int, seq_len: int, position_embedding: str) -> Config:
+def _task(task: str, k_train: int, seq_len: int, position: PositionConfig) -> Config:
     return Config(
         name=f"task-{task}",
         model=ModelConfig(rule="looped", vocab_size=64, d_model=128, n_heads=4, d_ff=512, seq_len=seq_len,
-                          dropout=0.0, position_embedding=position_embedding),
+                          dropout=0.0, position=position),
         data=DataConfig(dataset="task", task=task, task_k=k_train),
         depth=UniformDepthConfig(lo=1, hi=8),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
@@ -100,7 +100,7 @@ PRESETS: dict[str, Config] = {
         name="lmdr",
         model=ModelConfig(rule="parcae", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=512,
                           dropout=0.0, n_prelude=1, n_core=2, n_coda=1, tie_embeddings=False,
-                          position_embedding="rope",
+                          position=RopeConfig(),
                           options=dict(state_init="truncated_normal",
                                        state_init_std=math.sqrt(2.0 / 5.0))),  # Huginn-0125's σ
         data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
@@ -120,10 +120,10 @@ PRESETS: dict[str, Config] = {
                           device="cpu"),
     ),
     # seq_len fits k up to 2·k_train (rows grow with k except for phop); rope where they do
-    "task-phop": _task("phop", 8, 68, "learned"),
-    "task-varchain": _task("varchain", 4, 80, "rope"),
-    "task-modsum": _task("modsum", 8, 40, "rope"),
-    "task-addition": _task("addition", 4, 32, "rope"),
+    "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
+    "task-varchain": _task("varchain", 4, 80, RopeConfig()),
+    "task-modsum": _task("modsum", 8, 40, RopeConfig()),
+    "task-addition": _task("addition", 4, 32, RopeConfig()),
 }
 
 

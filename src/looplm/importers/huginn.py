@@ -107,24 +107,24 @@ def huginn_layout_config(*, vocab_size: int, d_model: int, n_heads: int, d_ff: i
     """A :class:`~looplm.config.ModelConfig` with Huginn-0125's architecture options and the given sizes (what
     the importer builds; also a looplm model to train in that layout). ``initial_state`` as in
     :func:`read_config`."""
-    from looplm.config import ModelConfig
+    from looplm.config import ModelConfig, RopeConfig
 
     if initial_state not in INITIAL_STATES:
         raise ImporterError(f"--initial-state: got {initial_state!r}; allowed: {', '.join(INITIAL_STATES)}")
     return ModelConfig(
         architecture="shared", rule="huginn_linear", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
         d_ff=d_ff, seq_len=seq_len, dropout=0.0, n_prelude=n_prelude, n_core=n_core, n_coda=n_coda,
-        tie_embeddings=True, norm_eps=norm_eps, readout="rmsnorm", position_embedding="rope", rope_theta=rope_theta,
-        rope_layout="interleaved", rope_table_dtype=rope_table_dtype, qk_bias=qk_bias, block_norm="pre_post",
+        tie_embeddings=True, norm_eps=norm_eps, readout="rmsnorm",
+        position=RopeConfig(theta=rope_theta, layout="interleaved", table_dtype=rope_table_dtype), qk_bias=qk_bias,
+        block_norm="pre_post",
         embed_scale=math.sqrt(d_model), exit_norm="final",
         options=dict(state_init="zeros" if initial_state == "zeros" else "truncated_normal", state_init_std=STATE_STD,
                      state_init_seed=-1 if initial_state == "fresh" else 0, adapter_bias=False, step_norm=False))
 
 
 #: the ModelConfig fields (and rule options) that make a looplm model Huginn-0125's architecture
-_LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position_embedding", "rope_layout",
-                  "rope_scaling", "n_kv_heads", "block_norm", "embed_scale", "exit_norm", "residual", "input_norm",
-                  "scale_control", "exit_gate")
+_LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position", "n_kv_heads", "block_norm",
+                  "embed_scale", "exit_norm", "residual", "input_norm", "scale_control", "exit_gate")
 
 
 def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: int) -> Path:
@@ -142,8 +142,10 @@ def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: i
     from looplm.model.layers import Rope
 
     c = model.cfg
+    pos = c.position  # θ and the table dtype are free; the rest of the position signal is the layout's
+    free = dict(rope_theta=pos.theta, rope_table_dtype=pos.table_dtype) if pos.NAME == "rope" else {}
     want = huginn_layout_config(vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff,
-                                seq_len=c.seq_len, n_prelude=c.n_prelude, n_core=c.n_core, n_coda=c.n_coda)
+                                seq_len=c.seq_len, n_prelude=c.n_prelude, n_core=c.n_core, n_coda=c.n_coda, **free)
     for name in _LAYOUT_FIELDS:
         if getattr(c, name) != getattr(want, name):
             raise ImporterError(f"model.{name} = {getattr(c, name)!r}: Huginn-0125's layout has "
@@ -158,7 +160,7 @@ def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: i
     for e in tensor_map(c):
         t = sd[e.target].detach()
         tensors[e.sources[0]] = (t.view(2, 1, H, hd) if e.target.endswith("attn.qk_bias") else t).clone().contiguous()
-    rope = Rope(hd, c.rope_theta, "interleaved", table_dtype=c.rope_table_dtype)
+    rope = Rope(hd, pos.theta, "interleaved", table_dtype=pos.table_dtype)
     cos, sin = rope.cos_sin(torch.arange(c.seq_len)[None])  # 2 × (1, 1, seq_len, hd/2)
     dtype = sd["tok_emb.weight"].dtype
     tensors["freqs_cis"] = torch.stack([cos[0, 0], sin[0, 0]], -1)[None, :, None].to(dtype).contiguous()
@@ -172,7 +174,7 @@ def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: i
         "n_layers": c.n_prelude + c.n_core + c.n_coda, "n_layers_in_prelude": c.n_prelude,
         "n_layers_in_recurrent_block": c.n_core, "n_layers_in_coda": c.n_coda, "vocab_size": c.vocab_size,
         "padded_vocab_size": c.vocab_size, "block_size": c.seq_len, "mean_recurrence": depth,
-        "rope_base": c.rope_theta, "norm_eps": c.norm_eps, "qk_bias": c.qk_bias,
+        "rope_base": pos.theta, "norm_eps": c.norm_eps, "qk_bias": c.qk_bias,
         "init_values": {"embed_scale": math.sqrt(c.d_model)}, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tokenizer_json)
@@ -206,7 +208,7 @@ def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
     rotates with the stored values, so the import needs them to be reproducible.
 
     Returns:
-        the ``rope_table_dtype`` that reproduces the stored table (``float32`` or ``bfloat16``).
+        the ``model.position.table_dtype`` that reproduces the stored table (``float32`` or ``bfloat16``).
 
     Raises:
         ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance``
@@ -230,13 +232,14 @@ def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
         raise ImporterError(f"tensor 'freqs_cis': dtype {dtype}; the importer reproduces float32 or bfloat16 tables")
     with safe_open(str(source.where[name]), framework="pt") as f:
         stored = f.get_tensor(name)[0, :, 0].float()  # (block_size, hd/2, 2)
-    cos, sin = Rope(hd, model_cfg.rope_theta, "interleaved").cos_sin(torch.arange(block_size)[None])
+    theta = model_cfg.position.theta
+    cos, sin = Rope(hd, theta, "interleaved").cos_sin(torch.arange(block_size)[None])
     ours = torch.stack([cos[0, 0], sin[0, 0]], dim=-1).to(dtype).float()  # (block_size, hd/2, 2)
     diff = (ours - stored).abs()
     if diff.max() > tolerance:
         raise ImporterError(
             f"tensor 'freqs_cis': {int((diff > tolerance).sum())} of {diff.numel()} entries differ from looplm's "
-            f"RoPE table (rope_base {model_cfg.rope_theta:g}, rounded to {str(dtype).removeprefix('torch.')}) by up to "
+            f"RoPE table (rope_base {theta:g}, rounded to {str(dtype).removeprefix('torch.')}) by up to "
             f"{diff.max().item():.3g}; the original rotates with the stored values, so the imported model would not "
             f"reproduce it exactly. --rope-tolerance {diff.max().item():.3g} imports it anyway")
     return "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -270,7 +273,7 @@ def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = Non
     source = open_source(src)
     cfg, depth = read_config(source.config, seq_len=seq_len, initial_state=initial_state)
     table_dtype = check_rope_table(source, cfg.model, rope_tolerance)
-    cfg = cfg.replace(model=cfg.model.replace(rope_table_dtype=table_dtype))
+    cfg = cfg.replace(model=cfg.model.replace(position=cfg.model.position.replace(table_dtype=table_dtype)))
     weights = store_dtype(source, dtype)
     model = empty_model(cfg.model, weights)
     entries = tensor_map(cfg.model)

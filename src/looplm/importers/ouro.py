@@ -3,7 +3,7 @@ arXiv:2510.25741) as a looplm checkpoint.
 
 The architecture, step by step: ``docs/importers-layout.md``. In looplm terms it is ``rule=plain`` with every
 layer in the core (no prelude or coda), ``sandwich`` blocks, rotate-half RoPE, grouped key/value heads,
-``scale_control=final_norm`` (``model.norm`` after every step, fed back) with ``readout=raw``, an exit gate
+``scale_control.kind=final_norm`` (``model.norm`` after every step, fed back) with ``readout=raw``, an exit gate
 and an untied head. Depth T is ``total_ut_steps``; Ouro's threshold rule is the exit criterion ``exit_cdf``
 (τ = ``early_exit_threshold``, 1.0 in the published configs: in float32 every token then reads out the last
 step, i.e. fixed depth T). The tensor map is :func:`tensor_map`.
@@ -39,7 +39,8 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
             ``head_dim`` other than hidden_size / num_attention_heads, RoPE scaling other than linear,
             attention biases, a fixed ``early_exit_step``, quantized weights.
     """
-    from looplm.config import Config, DataConfig, FixedDepthConfig, ModelConfig, TrainConfig
+    from looplm.config import (Config, DataConfig, FinalNormConfig, FixedDepthConfig, ModelConfig, RopeConfig,
+                               TrainConfig)
 
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["ouro"], why="not an Ouro config")
@@ -86,9 +87,10 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
     model = ModelConfig(
         architecture="shared", rule="plain", vocab_size=r.positive_int("vocab_size"), d_model=d, n_heads=heads,
         d_ff=r.positive_int("intermediate_size"), seq_len=seq_len, dropout=0.0, n_prelude=0, n_core=layers,
-        n_coda=0, tie_embeddings=tied, norm_eps=r.number("rms_norm_eps"), readout="raw", scale_control="final_norm",
-        exit_gate=True, position_embedding="rope", rope_theta=r.number("rope_theta"), rope_layout="half",
-        rope_scaling="linear" if scaling is not None else "none", rope_scaling_factor=factor,
+        n_coda=0, tie_embeddings=tied, norm_eps=r.number("rms_norm_eps"), readout="raw",
+        scale_control=FinalNormConfig(), exit_gate=True,
+        position=RopeConfig(theta=r.number("rope_theta"), layout="half",
+                            scaling="linear" if scaling is not None else "none", scaling_factor=factor),
         n_kv_heads=0 if kv == heads else kv, block_norm="sandwich")
     r.finish()
     train = TrainConfig(eval_depth=depth)

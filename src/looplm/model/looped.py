@@ -53,10 +53,10 @@ def _post_ln_alpha(cfg: ModelConfig) -> float | None:
 
 def block_options(cfg: ModelConfig) -> dict:
     """The keyword options every :class:`Block` of ``cfg`` takes: norm placement, key/value heads, q/k bias
-    and the rotary embedding (None without ``position_embedding=rope``)."""
-    rope = (Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_layout,
-                 cfg.rope_scaling_factor if cfg.rope_scaling == "linear" else 1.0, cfg.rope_table_dtype)
-            if cfg.position_embedding == "rope" else None)
+    and the rotary embedding (None without ``model.position.kind=rope``)."""
+    pos = cfg.position  # scaling_factor is 1 unless scaling=linear (the config checks it)
+    rope = (Rope(cfg.head_dim, pos.theta, pos.layout, pos.scaling_factor, pos.table_dtype)
+            if pos.NAME == "rope" else None)
     return dict(norm=cfg.block_norm, n_kv_heads=cfg.kv_heads, qk_bias=cfg.qk_bias, rope=rope)
 
 
@@ -115,7 +115,7 @@ class DepthLM(nn.Module):
         self.final_depth: int | None = None
         d = cfg.d_model
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
-        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.position_embedding == "learned" else None
+        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.position.NAME == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.in_norm = RMSNorm(d, cfg.norm_eps) if cfg.input_norm else None
 
@@ -196,7 +196,7 @@ class DepthLM(nn.Module):
 
         ``positions`` (B, L) int64 are the position ids (default 0 … L−1; left-padded batches and
         cached decoding pass their own). ``scope``: the forward's attention scope (KV cache,
-        key-padding mask; with ``position_embedding=rope`` the attention reads the positions from it, so a
+        key-padding mask; with ``model.position.kind=rope`` the attention reads the positions from it, so a
         caller passing positions passes a scope that holds them); prelude layers attend at visit 0.
 
         Raises:
@@ -394,9 +394,10 @@ class LoopLM(DepthLM):
                          **block_options(cfg))
         self.rule = build_rule(cfg)
         self.coda = nn.ModuleList(_block(cfg) for _ in range(cfg.n_coda))
-        self.loop_norm = RMSNorm(d, cfg.norm_eps) if cfg.scale_control == "inter_loop_norm" else None
-        self.damping_raw = (nn.Parameter(torch.tensor(math.log(cfg.damping_init / (1 - cfg.damping_init))))
-                            if cfg.scale_control == "spectral_damping" else None)
+        control = cfg.scale_control
+        self.loop_norm = RMSNorm(d, cfg.norm_eps) if control.NAME == "inter_loop_norm" else None
+        self.damping_raw = (nn.Parameter(torch.tensor(math.log(control.init / (1 - control.init))))
+                            if control.NAME == "spectral_damping" else None)
         self.exit_gate = nn.Linear(d, 1) if cfg.exit_gate else None
         self.calls_per_step = self.rule.core_calls_per_step
         self._finish_init()
@@ -450,7 +451,7 @@ class LoopLM(DepthLM):
             return self.core(x, qkv_inject, None if scope is None else scope.at(base + call))
 
         state = self.rule.step(core, state, t, ctx, mask=mask)
-        final_norm = self.cfg.scale_control == "final_norm"
+        final_norm = self.cfg.scale_control.NAME == "final_norm"
         if self.loop_norm is None and self.damping_raw is None and clamp_rms is None and not final_norm:
             return state
         h = self.rule.hidden(state, ctx)
