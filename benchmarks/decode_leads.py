@@ -6,7 +6,7 @@ looplm in Huginn-0125's layout at the Huginn shape (V = 50,257, d = 256, 1 + 2×
 a 32-token prompt prefilled into a static cache of 63 positions, then ``--steps`` greedy steps of
 :class:`looplm.model.static_decode.DecodeStep` (``how="compile"``), rewound before every run. Each variant
 is timed against ``plain`` (the step as first merged: the (V, d) readout weight, inductor's Python wrapper)
-in interleaved A/B/B/A rounds (:func:`looplm.bench.interleaved`): per-round median [min, max] of the
+in interleaved A/B/B/A rounds (:func:`looplm.apps.bench.interleaved`): per-round median [min, max] of the
 speed ratio. Variants: ``transposed`` (the readout weight laid out (d, V) in memory: what ``DecodeStep``
 does on CPU), ``cpp_wrapper`` (inductor's C++ wrapper), both, and both plus inductor's ``freezing``
 (weights as constants, prepacked for oneDNN) or ``max_autotune`` (GEMM templates benchmarked at compile
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.bench import interleaved
+from looplm.apps.bench import interleaved
 from looplm.importers.huginn import huginn_layout_config
 from looplm.model import build_model
 from looplm.model.kvcache import KVCache

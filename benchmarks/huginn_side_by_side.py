@@ -8,7 +8,7 @@ Builds Huginn-0125's ``RavenForCausalLM`` (from ``seal-rg/recurrent-pretraining`
 and times one greedy ``generate`` call of ``--new-tokens`` tokens after a ``--prompt``-token prompt
 (prefill included) per batch size: looplm's static compiled step (``static_step="compile"``, compiled
 before timing) against Huginn's ``generate`` (HF ``GenerationMixin``, its dynamic cache) and against
-looplm's eager cached path, each pair in interleaved A/B/B/A rounds (:func:`looplm.bench.interleaved`),
+looplm's eager cached path, each pair in interleaved A/B/B/A rounds (:func:`looplm.apps.bench.interleaved`),
 reported as median [min, max] of the per-round ratios. ``--profile`` adds, at batch 1, the operators of
 one eager and one compiled decode step (``torch.profiler``) and the graph count of the compiled step
 (``torch._dynamo.explain``). Writes NAME.json and NAME.md with the machine and its load (``uptime``).
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from looplm.bench import interleaved
-from looplm.generate import generate
+from looplm.apps.bench import interleaved
+from looplm.eval.generate import generate
 from looplm.importers.huginn import huginn_layout_config
 from looplm.model import build_model
 

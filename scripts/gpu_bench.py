@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from looplm.analysis.flops import flops_per_token
-from looplm.bench import machine, matmul_rates
+from looplm.apps.bench import machine, matmul_rates
 from looplm.config import ModelConfig
-from looplm.finite import write_json_markdown
+from looplm.run.finite import write_json_markdown
 from looplm.model import NLL, Readout, build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.static_decode import DecodeStep, StaticKVCache

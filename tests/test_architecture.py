@@ -19,7 +19,7 @@ from torch import nn
 from looplm.config import (Config, ConfigError, ModelConfig, RopeConfig, SpectralDampingConfig, TrainConfig,
                            apply_overrides)
 from looplm.eval.exits import ExitCDF, build_exit_criterion, exit_cdf_depths, halting_depths, run, trace
-from looplm.generate import adaptive_decode_step
+from looplm.eval.generate import adaptive_decode_step
 from looplm.model import build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.layers import Block, CausalSelfAttention, Rope
@@ -577,7 +577,7 @@ def test_compiled_rope_blocks_decode_without_recompiling():
     eager decoding and the decode steps do not recompile as the cache grows."""
     import copy
 
-    from looplm.generate import generate
+    from looplm.eval.generate import generate
     from looplm.train.trainer import compile_blocks
 
     torch.manual_seed(0)

@@ -347,7 +347,7 @@ def test_loading_checks_the_teacher_and_is_strict(teacher_run, student_run, tmp_
 
 # --------------------------------------------------------------------------- generate, eval, CLI
 def test_generate_with_a_student_equals_a_hand_run_prefill(teacher_run, student_run):
-    from looplm.generate import generate
+    from looplm.eval.generate import generate
     from looplm.run.checkpoint import load_checkpoint
 
     teacher = load_checkpoint(teacher_run)[0]
@@ -434,7 +434,7 @@ def test_cli_distill_eval_and_generate(teacher_run, student_run, tmp_path, capsy
 
 
 def test_bench_prefill_case_quick():
-    from looplm.bench import huginn_config, prefill_markdown, prefill_measurements
+    from looplm.apps.bench import huginn_config, prefill_markdown, prefill_measurements
 
     res = prefill_measurements(huginn_config(quick=True), depth=5, contexts=(12, 16), repeat=2,
                                device=torch.device("cpu"), prefix="h_")

@@ -151,7 +151,7 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path, tiny_cfg
 
 # -- 3. strict JSON -------------------------------------------------------------------------------
 def test_strict_json_writes_null_and_names_the_nonfinite_fields():
-    from looplm.finite import dumps
+    from looplm.run.finite import dumps
 
     text = dumps({"loss": math.nan, "x": [1.0, math.inf], "ok": 2.0, "nested": {"ppl": -math.inf}})
     d = json.loads(text, parse_constant=_refuse)
@@ -164,7 +164,7 @@ def test_every_report_pair_is_strict_json_plus_its_markdown(tmp_path):
     """The one JSON + Markdown writer (used by eval, diagnose, bench, kv-sharing, distill and lm-eval
     reports): a NaN becomes null and is named, the .md holds the result's Markdown, folders are made."""
     from looplm.cli.core import Report
-    from looplm.finite import write_json_markdown
+    from looplm.run.finite import write_json_markdown
 
     out = tmp_path / "a" / "b" / "res.json"
     paths = write_json_markdown({"ppl": math.nan, "markdown": "| x |"}, out)
@@ -260,7 +260,7 @@ def test_an_edited_config_json_is_reported_field_by_field(tmp_path, trained_run)
 
 # -- 7. bench -------------------------------------------------------------------------------------
 def test_bench_flags_an_impossible_mfu_and_an_unstable_machine():
-    from looplm.bench import judge_targets
+    from looplm.apps.bench import judge_targets
 
     targets = {"mfu": (">=", 0.6), "loop_overhead_ratio": (">=", 0.97), "tbptt_peak_mem_ratio": ("<=", 1.3)}
     res = {"mfu": 1.4, "loop_overhead_ratio": 1.0, "tbptt_peak_mem_ratio": 1.0, "stability": {"stable": True}}
@@ -284,7 +284,7 @@ def test_bench_flags_an_impossible_mfu_and_an_unstable_machine():
 def test_interleaved_rounds_ratio_of_known_sleeps():
     import time
 
-    from looplm.bench import interleaved
+    from looplm.apps.bench import interleaved
 
     iv = interleaved(lambda: time.sleep(0.002), lambda: 0.004, rounds=3, repeat=2, device=torch.device("cpu"),
                      scale=0.5)
@@ -295,7 +295,7 @@ def test_interleaved_rounds_ratio_of_known_sleeps():
 
 # -- 8. demo --------------------------------------------------------------------------------------
 def test_readme_demo_table_is_the_rendering_of_the_committed_results():
-    from looplm.demo import readme_table, results_markdown
+    from looplm.apps.demo import readme_table, results_markdown
 
     readme = (REPO / "README.md").read_text()
     begin, end = "<!-- demo-results:begin -->\n", "\n<!-- demo-results:end -->"
@@ -320,7 +320,7 @@ def _shape(obj):
 
 @pytest.mark.slow
 def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_its_rules(tmp_path, capsys):
-    from looplm.demo import run_demo
+    from looplm.apps.demo import run_demo
 
     kwargs = dict(steps=2, eval_tokens=64, depths=[1, 2], rules="looped", progress=False, preset="debug")
     run_demo(tmp_path, **kwargs)
@@ -340,7 +340,7 @@ def test_a_short_demo_run_has_the_committed_results_structure_and_a_title_from_i
         assert list(model["eval"][title]) == ["1", "2"]
         assert {repr(_shape(r)) for r in model["eval"][title].values()} == \
             {repr(_shape(r)) for r in ref["eval"][title].values()}
-    from looplm.demo import readme_table
+    from looplm.apps.demo import readme_table
 
     assert "| `looped` |" in readme_table(fresh)  # the README renderer reads a fresh results.json
     # an unknown rule is refused before any work: no output folder, no data preparation

@@ -1,4 +1,4 @@
-"""Generation (looplm.generate): batched left-padded greedy decoding against per-prompt decoding and a
+"""Generation (looplm.eval.generate): batched left-padded greedy decoding against per-prompt decoding and a
 naive uncached loop, seeded sampling, top-k/top-p against hand computations, exit criteria, per-token
 adaptive depth (never-firing = fixed depth; τ huge = one loop; copy-forward K/V checked in the banks),
 EOS handling, and ``looplm generate`` end to end."""
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from looplm.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDivergence, RelativeChange,
+from looplm.eval.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDivergence, RelativeChange,
                              adaptive_decode_step, build_exit_criterion, filter_logits, generate, next_tokens)
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache

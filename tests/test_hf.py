@@ -1,7 +1,7 @@
 """Hugging Face interop (looplm.hf): transformers wrapper, cache, export, tokenizer, lm-eval backend.
 
 Offline, tiny random models: transformers logits equal LoopLM's for every rule, ``generate`` with the
-LoopLMCache equals recompute and ``looplm.generate.generate`` (greedy, padded batches, terminal
+LoopLMCache equals recompute and ``looplm.eval.generate.generate`` (greedy, padded batches, terminal
 sharing), sampling and beam search with the cache equal their uncached runs, save → load keeps the
 weights bit for bit (the logits to float32 rounding), ``AutoTokenizer`` / ``AutoModelForCausalLM`` /
 ``pipeline`` / remote code load an export, and looplm commands accept an export folder. The lm-eval
@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[
 transformers = pytest.importorskip("transformers")
 
 from looplm.config import RULE_NAMES, Config, TrainConfig, UniformDepthConfig  # noqa: E402
-from looplm.generate import generate  # noqa: E402
+from looplm.eval.generate import generate  # noqa: E402
 from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
 from looplm.model import build_model  # noqa: E402
 from looplm.model.cursor import Readout
@@ -118,7 +118,7 @@ def test_cache_returned_and_incremental_forward_matches_full():
 @pytest.mark.parametrize("name", SHARED)
 @torch.no_grad()
 def test_generate_with_cache_equals_recompute_and_looplm_generate(name):
-    """Greedy, left-padded batch: LoopLMCache == no cache == looplm.generate == each prompt alone."""
+    """Greedy, left-padded batch: LoopLMCache == no cache == looplm.eval.generate == each prompt alone."""
     model, hf, _ = pair(name)
     ids, mask = left_pad(PROMPTS)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=96)

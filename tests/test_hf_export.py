@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from looplm.cli import main  # noqa: E402
 from looplm.config import Config, TrainConfig, UniformDepthConfig  # noqa: E402
-from looplm.generate import generate  # noqa: E402
+from looplm.eval.generate import generate  # noqa: E402
 from looplm.model import build_model  # noqa: E402
 from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from looplm.cli import main
 from looplm.eval.exits import exit_cdf_depths
-from looplm.generate import generate
+from looplm.eval.generate import generate
 from looplm.importers.common import ImporterError
 from looplm.importers.huginn import import_huginn, write_huginn_folder
 from looplm.importers.ouro import import_ouro

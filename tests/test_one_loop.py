@@ -15,7 +15,7 @@ from looplm.config import RULE_NAMES, ModelConfig
 from looplm.diagnostics.forcing import forcing_profile
 from looplm.diagnostics.gain import gain_profile, random_directions
 from looplm.eval.exits import build_exit_criterion, halting_depths, run, trace
-from looplm.generate import generate
+from looplm.eval.generate import generate
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Gradient, Readout

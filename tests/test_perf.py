@@ -289,7 +289,7 @@ def test_compiled_decode_equals_eager_token_for_token(mode):
     cached decode steps do not recompile as the cache grows."""
     import copy
 
-    from looplm.generate import generate
+    from looplm.eval.generate import generate
     from looplm.train.trainer import compile_blocks
 
     cfg = tiny(rule="looped", n_core=1, d_model=16, n_heads=2, d_ff=32, seq_len=32)

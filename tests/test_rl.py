@@ -20,7 +20,7 @@ import torch
 
 from looplm.config import ModelConfig
 from looplm.data.tokens import sample_batch
-from looplm.generate import generate
+from looplm.eval.generate import generate
 from looplm.model import build_model
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, dr_grpo_loss, flat_grad, group_advantages, pack,
                             pass_at_k, sample_rollouts, score, update_gradient)

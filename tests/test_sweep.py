@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from looplm.analysis.store import ResultStore
-from looplm.sweep import SweepError, load_sweep, parse_sweep, run_sweep
+from looplm.apps.sweep import SweepError, load_sweep, parse_sweep, run_sweep
 
 TOML = """
 name = "tiny"
@@ -93,7 +93,7 @@ def test_sweep_file_grid_and_ids(tmp_path, tiny_cfg):
 
 
 def test_docstring_example_parses():
-    import looplm.sweep as sweep_module
+    import looplm.apps.sweep as sweep_module
 
     doc = sweep_module.__doc__
     example = "\n".join(line[4:] for line in doc[doc.index("    # scse-vs-looped.toml"):
@@ -109,7 +109,7 @@ def test_docstring_example_parses():
 def test_rule_options_in_a_sweep_file():
     """``model.options.FIELD`` keys (dotted or as a nested table) apply to the variant's rule; a variant that
     changes the rule gets that rule's options; an option the rule lacks names the variant."""
-    import looplm.sweep as sweep_module
+    import looplm.apps.sweep as sweep_module
 
     sweep = parse_sweep(sweep_module.toml_loads("""
 seeds = [0]
@@ -276,7 +276,7 @@ def test_missing_eval_corpus_fails_before_training(tmp_path, tiny_cfg, monkeypat
 
 
 def test_shard_and_only_selection(tmp_path, tiny_cfg):
-    from looplm.sweep import parse_shard, select_runs
+    from looplm.apps.sweep import parse_shard, select_runs
 
     specs = load_sweep(_write_sweep(tmp_path, tiny_cfg)).runs()
     ids = [s.run_id for s in specs]
@@ -323,7 +323,7 @@ def test_plan_and_concurrent_shards_fill_one_db(tmp_path, tiny_cfg, capsys):
     import subprocess
 
     from looplm.cli import main
-    from looplm.sweep import plan_sweep
+    from looplm.apps.sweep import plan_sweep
 
     path = _write_sweep(tmp_path, tiny_cfg, SHARD_TOML)
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from looplm.analysis.claims import diagnose_sections, mean_std_cell as fmt, sweep_results
-from looplm.sweep import load_sweep
+from looplm.apps.sweep import load_sweep
 
 EXP = Path(__file__).parent
 SWEEPS = {"references": "deeploop-references", "p_sweep": "deeploop-p-sweep"}

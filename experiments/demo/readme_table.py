@@ -1,11 +1,11 @@
-"""Render the README's "Measured results" table from a demo results.json (looplm.demo.readme_table).
+"""Render the README's "Measured results" table from a demo results.json (looplm.apps.demo.readme_table).
 
     python experiments/demo/readme_table.py                      # print the table of experiments/demo/results.json
     python experiments/demo/readme_table.py RESULTS.json --write  # replace the table in README.md with it,
                                                                   # and rewrite results.md beside RESULTS.json
 
 The table sits between ``<!-- demo-results:begin -->`` and ``<!-- demo-results:end -->`` in README.md;
-tests/test_faults.py checks that it, and experiments/demo/results.md (looplm.demo.results_markdown), equal
+tests/test_faults.py checks that it, and experiments/demo/results.md (looplm.apps.demo.results_markdown), equal
 the rendering of the committed experiments/demo/results.json.
 """
 
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from looplm.demo import readme_table, results_markdown
+from looplm.apps.demo import readme_table, results_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- demo-results:begin -->", "<!-- demo-results:end -->"

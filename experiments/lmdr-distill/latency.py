@@ -1,4 +1,4 @@
-"""Prefill latency of LMDR Table 5's paths (issue 12 §3) with `looplm.bench.prefill_measurements`, the
+"""Prefill latency of LMDR Table 5's paths (issue 12 §3) with `looplm.apps.bench.prefill_measurements`, the
 function behind the prefill case of `looplm bench`: the teacher at R, the teacher stopped after 3, 2, 1
 recurrences and the distilled prefill (2-block student + one recurrence), one prefill of a 512- and a
 2,048-token prompt into a terminal KV cache, last position read out, batch 1, six timed prefills per path
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.bench import huginn_config, machine, prefill_markdown, prefill_measurements
+from looplm.apps.bench import huginn_config, machine, prefill_markdown, prefill_measurements
 from looplm.presets import get_preset
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.sweep import load_sweep
+from looplm.apps.sweep import load_sweep
 from looplm.run.checkpoint import load_train_state, newest_valid_checkpoint
 
 EXP = Path(__file__).parent

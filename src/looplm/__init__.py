@@ -30,7 +30,9 @@ Sources: SCSE (Source-Centered State Evolution), Looped Models Done Right, DeepL
 blind-spot paper; ``SPEC.md`` pins every equation this package implements.
 """
 
-__version__ = "0.1.0"
+from looplm.version import __version__
+
+__all__ = ["__version__"]
 
 # Hugging Face Auto classes: registered here only when transformers is already imported (importing it
 # costs seconds, which the core never pays); `import looplm.hf` always registers (looplm.hf docstring).

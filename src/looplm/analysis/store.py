@@ -21,7 +21,7 @@ Schema (``SCHEMA_VERSION`` 1)::
     provenance(<identity columns>, provenance_json, PRIMARY KEY(<identity columns>))
 
 ``provenance`` (``CREATE TABLE IF NOT EXISTS`` adds it to older files) holds each evaluation's
-:func:`looplm.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
+:func:`looplm.run.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
 after checking the schema, so an unrelated database is never changed.
 """
 

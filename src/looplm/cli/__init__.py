@@ -56,7 +56,7 @@ _RL = {"task": _TASK, "reward": Opt(choices=_rl_choices("looplm.rl.rewards", "RE
 _IMPORT = {"src": Opt(positional=True, metavar="SRC", help="the downloaded Hugging Face folder"),
            "out": Opt(metavar="DIR", help="run folder to write; must not hold a checkpoint")}
 COMMANDS: tuple[Cmd, ...] = (
-    Cmd("demo", "looplm.demo:run_demo", "the main job: train looped and scse on Brown, compare PPL across depths",
+    Cmd("demo", "looplm.apps.demo:run_demo", "the main job: train looped and scse on Brown, compare PPL across depths",
         opts={"out": Opt(default=Path("results/demo"), help="results folder")}),
     Cmd("train", _C + "train", "train a model (any config field overridable as --SECTION.FIELD VALUE)",
         config="preset"),
@@ -78,7 +78,7 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("eval tasks", "looplm.eval.tasks:evaluate_task_checkpoint", "synthetic-task exact-match accuracy by loop "
         "depth x difficulty k (data.dataset=task checkpoints)", run=_C + "eval_tasks", report=True,
         opts={"split": Opt(type=str, choices=("valid", "test"), help="held-out split"), "ks": Opt(metavar="K,K,...")}),
-    Cmd("generate", "looplm.generate:generate_checkpoint", "continue text prompts with a checkpoint (KV cache, "
+    Cmd("generate", "looplm.eval.generate:generate_checkpoint", "continue text prompts with a checkpoint (KV cache, "
         "sampling, adaptive depth)", checkpoint=True, opts={"prompts_file": Opt(type=InFile), "out": Opt(type=OutFile),
         "exit": Opt(choices=lambda: ("none", *exit_criteria()))}),
     Cmd("consolidate", "looplm.run.checkpoint:consolidate_checkpoint",
@@ -87,7 +87,7 @@ COMMANDS: tuple[Cmd, ...] = (
         "rewrite a trusted checkpoint's pickled train_state.pt as data", checkpoint=True),
     Cmd("info", "looplm.analysis.flops:config_info", "parameter count and FLOP proxy of a config, as JSON",
         config="preset"),
-    Cmd("bench", "looplm.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,
+    Cmd("bench", "looplm.apps.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,
         checkpoint=False, out=Path("benchmarks/results/bench.json"), opts={"device": Opt(help="cpu, cuda or auto")}),
     Cmd("diagnose", "looplm.diagnostics.runner:diagnose_checkpoint", "mechanism diagnostics of a checkpoint: forcing "
         "bias, gain, anchor-start rollouts, hidden-state scale, visit alignment, token convergence",
@@ -96,7 +96,7 @@ COMMANDS: tuple[Cmd, ...] = (
                            "0,DEPTH-1)")}),
     Cmd("gradcheck", "looplm.diagnostics.gradients:gradcheck_checkpoint", "gradient cosines of TBPTT-b and endpoint "
         "(Neumann-b) gradients against full BPTT, per parameter group", report=True),
-    Cmd("sweep", "looplm.sweep:sweep_file", "train and evaluate a grid of runs from a TOML sweep file (resumable)",
+    Cmd("sweep", "looplm.apps.sweep:sweep_file", "train and evaluate a grid of runs from a TOML sweep file (resumable)",
         opts={"file": Opt(positional=True, metavar="FILE.toml")}),
     Cmd("report", "looplm.analysis.report:write_report", "mean ± std tables, paired deltas and plots from a results "
         "database", run=_C + "report"),

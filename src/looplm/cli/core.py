@@ -437,7 +437,7 @@ class Report:
 
     def emit(self, result: dict[str, Any], files: Iterable[Any] = ()) -> int:
         """Write --out, print ``result`` (its Markdown; JSON with --json) and the files written."""
-        from looplm.finite import write_json_markdown
+        from looplm.run.finite import write_json_markdown
 
         written = write_json_markdown(result, self.out) if self.out else []
         written += [p for p in map(Path, files) if p not in written]

@@ -24,7 +24,7 @@ DESCRIPTIONS: dict[str, str] = {
     "bench": "Throughput, MFU, loop overhead, decoding and memory figures, each a ratio or rate from the same run; "
              "writes FILE.json and FILE.md.",
     "sweep": """Train and evaluate every run of a sweep file; resumable. Example (the whole format:
-`python -m pydoc looplm.sweep`):
+`python -m pydoc looplm.apps.sweep`):
 
   [base]
   preset = "cpu"                 # or config = "path/config.json"

@@ -28,7 +28,7 @@ from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plo
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
 from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
 from looplm.data.paths import atomic_write
-from looplm.provenance import provenance, tokens_sha256
+from looplm.run.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout
 

@@ -37,7 +37,7 @@ from looplm.data.tokens import eval_windows
 from looplm.distill.prefill import prefill_paths
 from looplm.distill.student import Student, default_student_dir, load_student
 from looplm.eval.kvsharing import continuation_mask
-from looplm.finite import clean, write_json_markdown
+from looplm.run.finite import clean, write_json_markdown
 from looplm.model import KVCache, LoopLM
 from looplm.model.cursor import NLL, Readout
 

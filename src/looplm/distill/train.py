@@ -40,7 +40,7 @@ from looplm.distill.loss import VarianceAccumulator, distill_loss
 from looplm.distill.prefill import student_readout, teacher_targets
 from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
                                     load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
-from looplm.finite import NonFiniteError, clean
+from looplm.run.finite import NonFiniteError, clean
 from looplm.model import LoopLM
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
 from looplm.run.dist import resolve_device

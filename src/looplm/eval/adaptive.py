@@ -253,7 +253,7 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
         ValueError: as :func:`adaptive_depth`.
     """
     from looplm.eval.runner import open_checkpoint
-    from looplm.provenance import tokens_sha256
+    from looplm.run.provenance import tokens_sha256
 
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data

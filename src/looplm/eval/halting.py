@@ -340,7 +340,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
         ValueError: too few full windows in a split, k_max/batch_size < 1, negative tolerance.
     """
     from looplm.eval.runner import open_checkpoint
-    from looplm.provenance import tokens_sha256
+    from looplm.run.provenance import tokens_sha256
 
     opened = open_checkpoint(ckpt_dir, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data

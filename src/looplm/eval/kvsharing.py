@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.finite import write_json_markdown
+from looplm.run.finite import write_json_markdown
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Readout

@@ -241,7 +241,7 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
         ValueError: bad depths, an unparsable line, or a target longer than seq_len.
     """
     from looplm.eval.runner import load_tokenizer_for
-    from looplm.provenance import provenance
+    from looplm.run.provenance import provenance
     from looplm.run.checkpoint import load_checkpoint
 
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)

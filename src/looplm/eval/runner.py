@@ -14,8 +14,8 @@ from looplm.analysis.flops import flops_per_token
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, markdown_table, nonfinite_depths
-from looplm.finite import NonFiniteError, clean
-from looplm.provenance import provenance
+from looplm.run.finite import NonFiniteError, clean
+from looplm.run.provenance import provenance
 from looplm.run.checkpoint import TOKENIZER_FILE, CheckpointError, load_checkpoint
 
 
@@ -48,7 +48,7 @@ class OpenedCheckpoint:
     tokenizer: Tokenizer
 
     def provenance(self, tokens: np.ndarray | None = None, **extra: Any) -> dict[str, Any]:
-        """:func:`looplm.provenance.provenance` of this checkpoint (and of the evaluated ``tokens``)."""
+        """:func:`looplm.run.provenance.provenance` of this checkpoint (and of the evaluated ``tokens``)."""
         return provenance(self.ckpt, tokens=tokens, **extra)
 
     def tokens(self, split: str) -> np.ndarray:

@@ -195,7 +195,7 @@ class LoopLMEvalHarness(TemplateLM):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from looplm.generate import generate
+        from looplm.eval.generate import generate
 
         results: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}

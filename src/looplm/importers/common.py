@@ -347,7 +347,7 @@ def write_checkpoint(out: str | Path, model: torch.nn.Module, cfg, source: Sourc
     """Write the imported model as a looplm checkpoint (step 0 of run folder ``out``: ``out/latest`` →
     ``out/checkpoints/step-000000``) with the source's ``tokenizer.json`` and ``import.json`` (provenance:
     the source folder, config and tokenizer sha256, shard sizes, and ``record``). Returns the checkpoint."""
-    from looplm import __version__
+    from looplm.version import __version__
     from looplm.run.checkpoint import save_checkpoint
 
     info = {"looplm_version": __version__, **source.provenance(), **record}

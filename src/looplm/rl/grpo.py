@@ -1,7 +1,7 @@
 """Dr. GRPO with rollout-state reuse (LMDR §3.1 "Post-training", §5.4, Table 4; appendix A.2).
 
 **Rollouts.** :func:`sample_rollouts` samples G responses per prompt at a fixed recurrence depth R with
-the KV cache (:func:`looplm.generate.generate`, ``per_visit``, so decoding is exact) and keeps, for every
+the KV cache (:func:`looplm.eval.generate.generate`, ``per_visit``, so decoding is exact) and keeps, for every
 position whose forward ran, the hidden state at depth R — the state the readout saw
 (``generate(save_states=True)``): the prompt's positions from the prefill, each fed-back response
 token's from its decode step. Rewards come from a registered verifier (:mod:`looplm.rl.rewards`).
@@ -48,7 +48,7 @@ from typing import Any, Sequence, get_args
 
 import torch
 
-from looplm.generate import generate
+from looplm.eval.generate import generate
 from looplm.model.cursor import NLL, Gradient
 from looplm.rl.config import UpdateMethod
 from looplm.rl.rewards import get_reward
@@ -110,7 +110,7 @@ def sample_rollouts(model, problems: Sequence[Problem], *, group_size: int, dept
     """Sample ``group_size`` responses per problem in one cached, batched decode at depth ``depth``.
 
     Args:
-        model: a looped model (put in eval mode by :func:`looplm.generate.generate`).
+        model: a looped model (put in eval mode by :func:`looplm.eval.generate.generate`).
         problems: P problems.
         group_size: G responses per prompt.
         depth: the recurrence depth R of every forward.

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, PLNDepthConfig, TrainConfig
 from looplm.data.paths import atomic_write
-from looplm.finite import dumps
+from looplm.run.finite import dumps
 from looplm.run.checkpoint import TOKENIZER_FILE, load_checkpoint, save_checkpoint
 from looplm.run.folder import Fit, RunFolder, run_state
 from looplm.rl.config import RLConfig
@@ -147,7 +147,7 @@ def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature
 
 
 def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
-    from looplm.generate import generate
+    from looplm.eval.generate import generate
 
     return generate(model, [encode(p.prompt) for p in problems], max_new_tokens, depth, temperature=temperature,
                     seed=seed, eos_id=NEWLINE_ID).tokens

@@ -25,7 +25,7 @@ Data, all pure functions of a seed (so runs and resumes are reproducible):
 - **RL prompts** (:meth:`AdditionTask.problems`): problems drawn for a key such as (seed, update).
 
 The vocabulary is one token per character (``CHARS``) plus ``<|endoftext|>`` at id 0 (the padding id
-of :func:`looplm.generate.generate`); :func:`tokenizer` is the same map as a Hugging Face
+of :func:`looplm.eval.generate.generate`); :func:`tokenizer` is the same map as a Hugging Face
 ``tokenizers.Tokenizer``, saved with every checkpoint as ``tokenizer.json`` (so ``looplm generate``
 reads it like any other).
 """

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, load_model, save_model
 
 from looplm.config import Config
 from looplm.data.paths import atomic_write
-from looplm.finite import NonFiniteError, nonfinite_tensors
+from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
 from looplm.run.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
 from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export_config, is_hf_export, read_hf_config

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looplm.finite import dumps
+from looplm.run.finite import dumps
 from looplm.run.checkpoint import CheckpointError, checkpoint_problems, list_checkpoints
 from looplm.run.lock import RunLock
 

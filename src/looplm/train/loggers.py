@@ -85,7 +85,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _json_text(d: Mapping[str, Any]) -> str:
-    from looplm.finite import dumps
+    from looplm.run.finite import dumps
 
     return dumps(dict(d), indent=2)
 

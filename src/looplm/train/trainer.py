@@ -31,7 +31,7 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
-from looplm.finite import NonFiniteError, clean, nonfinite_tensors
+from looplm.run.finite import NonFiniteError, clean, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
 from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, load_sharded, load_train_state,
                                    newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint, sharded_keys)

@@ -72,7 +72,7 @@ from tqdm.auto import tqdm
 
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
-from looplm.finite import dumps
+from looplm.run.finite import dumps
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")

@@ -401,6 +401,32 @@ def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criteri
     return cached
 
 
+def _check_cli_request(prompts: list[str], temperature: float, top_k, top_p, exit: str, exit_tau, max_depth,
+                       prefill: str, student, kv_cache, checkpoint) -> str:
+    """``generate_checkpoint``'s option checks (ValueError naming the flag); returns the KV cache mode."""
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or a --prompts-file with one prompt per line")
+    if temperature <= 0 and (top_k is not None or top_p is not None):
+        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
+    if exit == "none" and (max_depth is not None or exit_tau is not None):
+        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit "
+                         "criterion (see --help)")
+    if exit_tau is not None and exit_tau <= 0:
+        raise ValueError(f"--exit-tau: must be > 0, got {exit_tau}")
+    if prefill == "teacher" and student is not None:
+        raise ValueError("--student applies to --prefill distilled")
+    if prefill == "distilled" and kv_cache == "per_visit":
+        raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
+                         "use --kv-cache terminal (its default)")
+    if exit != "none" and exit not in EXIT_CRITERIA:
+        raise ValueError(f"--exit: got {exit!r}; allowed: none, {', '.join(EXIT_CRITERIA)}")
+    if kv_cache is None:  # an export's own default (config.json kv_cache), as transformers uses
+        from looplm.run.hf_folder import export_kv_cache
+
+        kv_cache = "terminal" if prefill == "distilled" else export_kv_cache(checkpoint) or "per_visit"
+    return kv_cache
+
+
 def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = None, prompts_file: Path | None = None,
                         max_new_tokens: int = 32, depth: int | None = None, temperature: float = 0.0,
                         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -440,33 +466,12 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     """
     prompts = list(prompt or []) + ([s for s in prompts_file.read_text().splitlines() if s.strip()]
                                     if prompts_file else [])
-    if not prompts:
-        raise ValueError("give at least one --prompt TEXT or a --prompts-file with one prompt per line")
-    if temperature <= 0 and (top_k is not None or top_p is not None):
-        raise ValueError("--top-k/--top-p shape sampling; give --temperature > 0 with them (0 = greedy)")
-    if exit == "none" and (max_depth is not None or exit_tau is not None):
-        raise ValueError("--max-depth/--exit-tau apply to per-token adaptive depth; give --exit with an exit "
-                         "criterion (see --help)")
-    if exit_tau is not None and exit_tau <= 0:
-        raise ValueError(f"--exit-tau: must be > 0, got {exit_tau}")
-    if prefill == "teacher" and student is not None:
-        raise ValueError("--student applies to --prefill distilled")
-    if prefill == "distilled" and kv_cache == "per_visit":
-        raise ValueError("--prefill distilled fills terminal KV banks (the student predicts only the endpoint); "
-                         "use --kv-cache terminal (its default)")
-    if kv_cache is None:  # an export's own default (config.json kv_cache), as transformers uses
-        from looplm.run.hf_folder import export_kv_cache
-
-        kv_cache = "terminal" if prefill == "distilled" else export_kv_cache(checkpoint) or "per_visit"
-    import json
-    import sys
-
+    kv_cache = _check_cli_request(prompts, temperature, top_k, top_p, exit, exit_tau, max_depth, prefill, student,
+                                  kv_cache, checkpoint)
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.run.checkpoint import load_checkpoint
 
-    if exit != "none" and exit not in EXIT_CRITERIA:
-        raise ValueError(f"--exit: got {exit!r}; allowed: none, {', '.join(EXIT_CRITERIA)}")
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     tok = load_tokenizer_for(ckpt)
     try:
@@ -488,6 +493,21 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     gen = generate(model, ids, max_new_tokens, depth, temperature=temperature, top_k=top_k, top_p=top_p,
                        seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
                        student=model_student, student_depth=student_depth, static_step=static_step)
+    settings = {"depth": depth, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                "top_p": top_p, "seed": seed, "kv_cache": kv_cache, "prefill": prefill, "student_depth": student_depth,
+                "exit": exit, "exit_tau": None if criterion is None else criterion.tau,
+                "max_depth": (max_depth or depth) if criterion is not None else None, "eos_id": eos,
+                "static_step": static_step}
+    _show(prompts, ids, gen, tok, out, {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
+                                        "settings": settings})
+    return 0
+
+
+def _show(prompts: list[str], ids: list[list[int]], gen: "Generation", tok, out: Path | None, head: dict) -> None:
+    """Print each continuation; with ``out``, write ``head`` and the results as JSON."""
+    import json
+    import sys
+
     results = []
     for n, (p, i, toks, depths) in enumerate(zip(prompts, ids, gen.tokens, gen.depths), 1):
         text = tok.decode(toks)
@@ -498,12 +518,5 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
               f"loops per token: mean {mean:.2f}")
         print(f"{p}\033[1m{text}\033[0m" if sys.stdout.isatty() else p + text)
     if out is not None:
-        settings = {"depth": depth, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-                    "top_p": top_p, "seed": seed, "kv_cache": kv_cache, "prefill": prefill,
-                    "student_depth": student_depth, "exit": exit, "exit_tau": None if criterion is None else
-                    criterion.tau, "max_depth": (max_depth or depth) if criterion is not None else None,
-                    "eos_id": eos, "static_step": static_step}
-        out.write_text(json.dumps({"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
-                                   "settings": settings, "results": results}, indent=2) + "\n")
+        out.write_text(json.dumps({**head, "results": results}, indent=2) + "\n")
         print(f"wrote {out}")
-    return 0

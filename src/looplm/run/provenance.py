@@ -59,10 +59,10 @@ def provenance(ckpt: str | Path | None = None, *, tokens: np.ndarray | None = No
     """
     import torch
 
-    import looplm
     from looplm.run.checkpoint import sha256_file
+    from looplm.version import __version__
 
-    out: dict[str, Any] = {"looplm_version": looplm.__version__, "git_commit": git_commit(),
+    out: dict[str, Any] = {"looplm_version": __version__, "git_commit": git_commit(),
                            "torch_version": torch.__version__,
                            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if ckpt is not None:

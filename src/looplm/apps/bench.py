@@ -74,7 +74,7 @@ import torch
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
-from looplm.finite import write_json_markdown
+from looplm.run.finite import write_json_markdown
 from looplm.model import LoopLM, build_model
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.presets import get_preset

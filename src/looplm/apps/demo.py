@@ -32,7 +32,7 @@ from looplm.config import Config, ConfigError, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, nonfinite_depths
-from looplm.finite import dumps
+from looplm.run.finite import dumps
 from looplm.presets import get_preset
 from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
 from looplm.run.lock import RunLock

@@ -1,0 +1,1 @@
+"""Applications built on the library: sweeps, benchmarks, the demo."""
