@@ -13,7 +13,7 @@ from looplm.analysis.flops import flops_per_token
 from looplm.config import ModelConfig
 from looplm.model import build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_bench_runs_on_cpu_and_writes_valid_json(tmp_path):

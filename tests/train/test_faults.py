@@ -22,7 +22,7 @@ from looplm.train import trainer as trainer_mod
 from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from looplm.train.trainer import train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _refuse(word):

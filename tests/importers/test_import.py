@@ -28,7 +28,7 @@ from looplm.run.checkpoint import load_checkpoint
 from looplm.train.losses import exit_distribution
 from looplm.model.cursor import Readout
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "import"
 TOL = 1e-4  # absolute, fp32 (logits std ≈ 2.5 for Huginn, 1.2 for Ouro)
 
 

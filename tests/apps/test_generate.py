@@ -15,7 +15,7 @@ from looplm.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDive
                              adaptive_decode_step, build_exit_criterion, filter_logits, generate, next_tokens)
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
 SEQ = 20
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60], [7, 7, 21]]  # different lengths: the batch is left-padded

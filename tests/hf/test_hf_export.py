@@ -17,16 +17,16 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test" / "hf-datasets"))
+os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[2] / ".cache" / "test" / "hf-datasets"))
 transformers = pytest.importorskip("transformers")
 
 from looplm.cli import main  # noqa: E402
 from looplm.config import Config, TrainConfig, UniformDepthConfig  # noqa: E402
 from looplm.generate import generate  # noqa: E402
 from looplm.model import build_model  # noqa: E402
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 OLD_TRANSFORMERS = Path(sys.prefix) / "transformers-4.57"  # written by `make install` (Makefile)
 # float32 logits of one model, same weights and code, in two processes: only the reduction order of the
 # kernels (thread count) may differ, ~1e-6 relative on logits of size ~10; 1e-5 leaves room, 1e-3 would not

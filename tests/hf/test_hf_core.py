@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 HIDE = ("import sys\n"
         "for name in ('transformers', 'lm_eval'):\n"

@@ -16,7 +16,7 @@ import pytest
 from looplm.config import (BPTTConfig, Config, DataConfig, FixedDepthConfig, LearnedDepthConfig, ModelConfig,
                            OptimConfig, PLNDepthConfig, TBPTTConfig, TrainConfig, UniformDepthConfig)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMAT2 = json.loads((ROOT / "tests" / "fixtures" / "format2" / "configs.json").read_text())
 
 
