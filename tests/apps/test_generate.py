@@ -297,6 +297,7 @@ def test_static_step_tokens_equal_cached_and_naive(name):
     assert generate(model, PROMPTS, 8, 3, static_step="eager").tokens == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["huginn-0125", "scse", "sc_subtract"])
 def test_compiled_static_step_tokens_equal_naive_without_recompiling(name, aot_eager):
     """One compiled graph per shape: a second call with other prompts of the same padded shape reuses it."""

@@ -288,6 +288,7 @@ def test_gpt2_tokenizer_as_fast_tokenizer(tmp_path):
     assert tok.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_remote_code_loads_without_registration(exported, tmp_path):
     """A fresh interpreter that imports only transformers loads the export with trust_remote_code."""
     code = ("import sys, torch, transformers\n"
@@ -480,6 +481,7 @@ def test_lm_eval_generate_until_is_looplm_generation(tiny_ckpt, harness_tasks):
     assert 0.0 <= res["depths"]["2"]["results"]["looplm_gen"]["exact_match"] <= 1.0
 
 
+@pytest.mark.slow
 def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypatch, capsys):
     """`looplm lm-eval` (multi-depth, JSON) and the harness's own command line with looplm registered
     (`python -m looplm.hf.harness --model looplm ...`, the export folder as checkpoint)."""
@@ -500,6 +502,7 @@ def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypa
     assert "looplm_lambada" in text and "acc" in text
 
 
+@pytest.mark.slow
 def test_import_looplm_registers_only_when_transformers_is_loaded():
     code = ("import sys\n"
             "import looplm\n"

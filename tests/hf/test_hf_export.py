@@ -98,6 +98,7 @@ def huginn_export(folder: Path):
 # ---------------------------------------------------------------------------------------------- §2 remote code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tf_path", versions())
 @pytest.mark.parametrize("kind", ["scse-export", "huginn-save_pretrained"])
 def test_export_loads_where_looplm_cannot_be_imported(kind, tf_path, exported, tiny_ckpt, tmp_path):
@@ -251,6 +252,7 @@ def small_data(tmp_path_factory):
     return data
 
 
+@pytest.mark.slow
 def test_lm_eval_offline_over_the_data_folder_and_in_the_report(exported, small_data, tmp_path, monkeypatch, capsys):
     """`looplm lm-eval --tasks looplm_lambada,looplm_wikitext` needs no network: its numbers equal the harness
     run on tasks written by hand with write_local_tasks, and --db makes the export a row of `looplm report`."""
@@ -281,6 +283,7 @@ def test_lm_eval_offline_over_the_data_folder_and_in_the_report(exported, small_
     assert f"--tasks looplm_lambada: needs {small_data / 'lambada' / 'lambada_test.jsonl'}" in err
 
 
+@pytest.mark.slow
 def test_lm_eval_hub_task_offline_is_a_one_line_hint(exported, capsys):
     pytest.importorskip("lm_eval")
     assert main(["lm-eval", "--checkpoint", str(exported), "--tasks", "lambada_openai", "--limit", "2"]) == 2

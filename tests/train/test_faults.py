@@ -63,6 +63,7 @@ def _poison(monkeypatch, tiny_cfg, tiny_data, steps):
 
 
 # -- 1. run lock ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_trainer_frees_the_folder(
         tmp_path, tiny_cfg, tiny_data, capsys):
     run = tmp_path / "run"
