@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # else ../shared/data next to this checkout, else /work/shared/data.
 export LOOPLM_DATA ?= $(firstword $(wildcard $(abspath ../shared/data) /work/shared/data))
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 $(BIN)/looplm: pyproject.toml requirements-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(BIN)/looplm
 
 test: $(BIN)/looplm
 	$(BIN)/python -m pytest tests
+
+# the suite without the end-to-end tests marked @pytest.mark.slow (docs/testing.md)
+test-fast: $(BIN)/looplm
+	$(BIN)/python -m pytest tests -m "not slow"
 
 clean:
 	rm -rf $(VENV) results

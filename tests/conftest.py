@@ -106,7 +106,7 @@ def tiny_ckpt(tmp_path_factory):
     from looplm.data.tokenizer import train_bpe_tokenizer
     from looplm.model import build_model
     from looplm.run.checkpoint import save_checkpoint
-    from test_model import tiny
+    from helpers import tiny
 
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=300)
     tok = train_bpe_tokenizer(load_split_text(data, "train", resolve_data_root(""))[:60000], 300)

@@ -5,7 +5,7 @@
                                                                   # and rewrite results.md beside RESULTS.json
 
 The table sits between ``<!-- demo-results:begin -->`` and ``<!-- demo-results:end -->`` in README.md;
-tests/test_faults.py checks that it, and experiments/demo/results.md (looplm.apps.demo.results_markdown), equal
+tests/train/test_faults.py checks that it, and experiments/demo/results.md (looplm.apps.demo.results_markdown), equal
 the rendering of the committed experiments/demo/results.json.
 """
 

@@ -9,7 +9,7 @@ through terminal KV sharing. This is one read of the one loop: the cursor
 student is called on e after the prelude) and runs loop step t = R, the recurrence that follows z^R.
 So a student that returns the teacher's exact z^R gives exactly the banks and logits of the
 teacher's terminal-sharing prefill with R + 1 recurrences, which at a fixed point (z^{R+1} = z^R) is the
-prefill with R (tests/test_distill.py). Cost: prelude + n_blocks + n_core + coda blocks, against
+prefill with R (tests/distill/test_distill.py). Cost: prelude + n_blocks + n_core + coda blocks, against
 prelude + R·n_core + coda for the teacher.
 """
 

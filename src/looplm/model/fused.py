@@ -10,7 +10,7 @@ scored tokens' weights are equal (every mean-CE loss); otherwise (``exit_weighte
 chunk's logits. Training thus does three readout matmuls, as the plain path, not four.
 
 **Exactness.** On CPU a row block of a matmul is bitwise the rows of the full matmul
-(``tests/test_perf.py``), so NLL, losses and PPL are bit-identical to the plain path; gradients agree to
+(``tests/model/test_perf.py``), so NLL, losses and PPL are bit-identical to the plain path; gradients agree to
 rounding (≤ 1e-5 relative), since ∂W is summed chunk by chunk. Under autocast the caller passes h and W
 in the autocast dtype; the softmax is fp32 and ∂W accumulates in fp32.
 """

@@ -15,7 +15,7 @@ from looplm.eval.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, K
                              adaptive_decode_step, build_exit_criterion, filter_logits, generate, next_tokens)
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
 SEQ = 20
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60], [7, 7, 21]]  # different lengths: the batch is left-padded
@@ -297,6 +297,7 @@ def test_static_step_tokens_equal_cached_and_naive(name):
     assert generate(model, PROMPTS, 8, 3, static_step="eager").tokens == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["huginn-0125", "scse", "sc_subtract"])
 def test_compiled_static_step_tokens_equal_naive_without_recompiling(name, aot_eager):
     """One compiled graph per shape: a second call with other prompts of the same padded shape reuses it."""

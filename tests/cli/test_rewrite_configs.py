@@ -21,7 +21,7 @@ from looplm.config import (BPTTConfig, Config, DataConfig, FixedDepthConfig, Lea
                            OptimConfig, PLNDepthConfig, RopeConfig, SpectralDampingConfig, TBPTTConfig, TrainConfig,
                            UniformDepthConfig)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMAT2 = json.loads((ROOT / "tests" / "fixtures" / "format2" / "configs.json").read_text())
 FORMAT3 = json.loads((ROOT / "tests" / "fixtures" / "format3" / "configs.json").read_text())
 

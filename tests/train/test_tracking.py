@@ -175,6 +175,7 @@ def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+@pytest.mark.slow
 def test_wandb_offline_history_matches_metrics(tmp_path, tiny_cfg, tiny_data, monkeypatch):
     pytest.importorskip("wandb")
     from looplm.train.trainer import train

@@ -24,7 +24,7 @@ import torch
 # offline, and the harness's dataset cache inside the repository's test cache (never ~/.cache)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test" / "hf-datasets"))
+os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[2] / ".cache" / "test" / "hf-datasets"))
 transformers = pytest.importorskip("transformers")
 
 from looplm.config import RULE_NAMES, Config, TrainConfig, UniformDepthConfig  # noqa: E402
@@ -32,7 +32,7 @@ from looplm.eval.generate import generate  # noqa: E402
 from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
 from looplm.model import build_model  # noqa: E402
 from looplm.model.cursor import Readout
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
 SEQ = 24
 VARIANTS = {**VARIANTS, "looped-untied": dict(rule="looped", tie_embeddings=False)}
@@ -288,6 +288,7 @@ def test_gpt2_tokenizer_as_fast_tokenizer(tmp_path):
     assert tok.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_remote_code_loads_without_registration(exported, tmp_path):
     """A fresh interpreter that imports only transformers loads the export with trust_remote_code."""
     code = ("import sys, torch, transformers\n"
@@ -295,7 +296,7 @@ def test_remote_code_loads_without_registration(exported, tmp_path):
             "assert 'looplm.hf' not in sys.argv\n"
             "print(type(m).__name__, type(m.config).__name__, m.config.num_steps)\n")
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[2] / "src"),
                                                      os.environ.get("PYTHONPATH", "")) if p)}
     res = subprocess.run([sys.executable, "-c", code, str(exported)], env=env, capture_output=True, text=True,
                          timeout=300)
@@ -480,6 +481,7 @@ def test_lm_eval_generate_until_is_looplm_generation(tiny_ckpt, harness_tasks):
     assert 0.0 <= res["depths"]["2"]["results"]["looplm_gen"]["exact_match"] <= 1.0
 
 
+@pytest.mark.slow
 def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypatch, capsys):
     """`looplm lm-eval` (multi-depth, JSON) and the harness's own command line with looplm registered
     (`python -m looplm.hf.harness --model looplm ...`, the export folder as checkpoint)."""
@@ -500,6 +502,7 @@ def test_lm_eval_commands(tiny_ckpt, exported, harness_tasks, tmp_path, monkeypa
     assert "looplm_lambada" in text and "acc" in text
 
 
+@pytest.mark.slow
 def test_import_looplm_registers_only_when_transformers_is_loaded():
     code = ("import sys\n"
             "import looplm\n"
@@ -509,7 +512,7 @@ def test_import_looplm_registers_only_when_transformers_is_loaded():
             "from transformers import AutoConfig\n"
             "print(type(AutoConfig.for_model('looplm')).__name__)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[2] / "src"),
                                                      os.environ.get("PYTHONPATH", "")) if p)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
 
 
 def _variants() -> dict[str, dict]:
-    sys.path.insert(0, os.path.dirname(__file__))  # also when run as torchrun's script
-    from test_model import VARIANTS
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/, also when run as torchrun's script
+    from helpers import VARIANTS
 
     return VARIANTS
 
@@ -47,7 +47,7 @@ SHARED = ["scse", "looped-prelude-coda", "huginn-0125", "ouro", "sc_subtract", "
 
 
 def _model(name: str, device, seq_len: int = L) -> torch.nn.Module:
-    from test_model import tiny
+    from helpers import tiny
 
     torch.manual_seed(0)
     return build_model(tiny(**VARIANTS[name], seq_len=seq_len, init_std=0.1)).to(device).eval()

@@ -340,7 +340,7 @@ def test_plan_and_concurrent_shards_fill_one_db(tmp_path, tiny_cfg, capsys):
     assert captured.out.splitlines() == [f"looplm sweep {path} --out {out} --only {r}" for r in ids[1:]]
     assert "3 pending of 4 runs" in captured.err
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                                         os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "looplm", "sweep", str(path), "--out", str(out),

@@ -17,16 +17,16 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "test" / "hf-datasets"))
+os.environ.setdefault("HF_DATASETS_CACHE", str(Path(__file__).resolve().parents[2] / ".cache" / "test" / "hf-datasets"))
 transformers = pytest.importorskip("transformers")
 
 from looplm.cli import main  # noqa: E402
 from looplm.config import Config, TrainConfig, UniformDepthConfig  # noqa: E402
 from looplm.eval.generate import generate  # noqa: E402
 from looplm.model import build_model  # noqa: E402
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 OLD_TRANSFORMERS = Path(sys.prefix) / "transformers-4.57"  # written by `make install` (Makefile)
 # float32 logits of one model, same weights and code, in two processes: only the reduction order of the
 # kernels (thread count) may differ, ~1e-6 relative on logits of size ~10; 1e-5 leaves room, 1e-3 would not
@@ -98,6 +98,7 @@ def huginn_export(folder: Path):
 # ---------------------------------------------------------------------------------------------- §2 remote code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tf_path", versions())
 @pytest.mark.parametrize("kind", ["scse-export", "huginn-save_pretrained"])
 def test_export_loads_where_looplm_cannot_be_imported(kind, tf_path, exported, tiny_ckpt, tmp_path):
@@ -251,6 +252,7 @@ def small_data(tmp_path_factory):
     return data
 
 
+@pytest.mark.slow
 def test_lm_eval_offline_over_the_data_folder_and_in_the_report(exported, small_data, tmp_path, monkeypatch, capsys):
     """`looplm lm-eval --tasks looplm_lambada,looplm_wikitext` needs no network: its numbers equal the harness
     run on tasks written by hand with write_local_tasks, and --db makes the export a row of `looplm report`."""
@@ -281,6 +283,7 @@ def test_lm_eval_offline_over_the_data_folder_and_in_the_report(exported, small_
     assert f"--tasks looplm_lambada: needs {small_data / 'lambada' / 'lambada_test.jsonl'}" in err
 
 
+@pytest.mark.slow
 def test_lm_eval_hub_task_offline_is_a_one_line_hint(exported, capsys):
     pytest.importorskip("lm_eval")
     assert main(["lm-eval", "--checkpoint", str(exported), "--tasks", "lambada_openai", "--limit", "2"]) == 2

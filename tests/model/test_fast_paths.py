@@ -55,6 +55,7 @@ def test_bf16_autocast_agrees_with_fp32():
     assert got.item() == pytest.approx(ref.item(), rel=2e-2)
 
 
+@pytest.mark.slow
 def test_bench_writes_every_measurement(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--quiet", "--out", str(out)]) == 0

@@ -411,6 +411,7 @@ def test_no_section_rewrites_another():
         build_model(cfg.model)
 
 
+@pytest.mark.slow
 def test_closed_stdout_is_not_an_error():
     """stdout whose reader has gone (as in `looplm info --list | head`): the first write fails with
     EPIPE; looplm ends quietly with status 0 instead of a BrokenPipeError traceback."""

@@ -28,7 +28,7 @@ from looplm.run.checkpoint import load_checkpoint
 from looplm.train.losses import exit_distribution
 from looplm.model.cursor import Readout
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "import"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "import"
 TOL = 1e-4  # absolute, fp32 (logits std ≈ 2.5 for Huginn, 1.2 for Ouro)
 
 
@@ -258,6 +258,7 @@ def test_huginn_layout_round_trip_is_exact(tmp_path):
 
 
 # ---------------------------------------------------------------- §3: diagnostics on imported models
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["huginn", "ouro"])
 def test_diagnostics_commands_run_on_imported_models(imported, name, tmp_path, capsys):
     """looplm diagnose (convergence, scale, visit alignment), eval kv-sharing and eval halting (logit margin)
@@ -286,6 +287,7 @@ def test_diagnostics_commands_run_on_imported_models(imported, name, tmp_path, c
 
 
 # ---------------------------------------------------------------- the HF export of an imported model (interop)
+@pytest.mark.slow
 def test_hf_export_of_imported_models_keeps_parity(tmp_path, capsys):
     """`looplm export` of an imported checkpoint loads with transformers and reproduces the originals' logits and
     cached greedy tokens (Huginn imported with --initial-state zeros, decoded at num_steps=3 as its fixture)."""

@@ -281,6 +281,7 @@ def _inductor_available() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _inductor_available(), reason="torch.compile (inductor) unavailable")
 @pytest.mark.parametrize("mode", ["per_visit"])
 def test_compiled_decode_equals_eager_token_for_token(mode):

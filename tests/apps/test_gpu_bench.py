@@ -9,13 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from looplm.analysis.flops import flops_per_token
 from looplm.config import ModelConfig
 from looplm.model import build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_bench_runs_on_cpu_and_writes_valid_json(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench.py"), "--device", "cpu", "--tiny",

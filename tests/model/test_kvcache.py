@@ -16,8 +16,8 @@ from looplm.analysis.flops import BODY_CALLS_PER_STEP
 from looplm.eval.kvsharing import continuation_mask, kv_sharing_eval
 from looplm.model import LoopLM
 from looplm.model.kvcache import KVCache
-from looplm.model.layers import CausalSelfAttention
-from test_model import VARIANTS, L, make, tokens  # noqa: E402 (tests/ is on sys.path under pytest)
+
+from helpers import VARIANTS, L, hooked_visits, make, terminal_reference, tokens
 
 SHARED = [name for name in VARIANTS if name != "unshared"]
 DEPTHS = (1, 3, 5)
@@ -131,76 +131,6 @@ def test_unknown_cache_mode_and_unshared():
 # --- an independent reference for terminal sharing -------------------------------------------------
 
 
-def _hooked_visits(model: LoopLM, x: torch.Tensor, R: int) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every attention call's K/V (B, H, n, hd) of an uncached forward at depth R, per physical layer,
-    in call order (core layers: R · calls_per_step calls)."""
-    calls: dict[int, list] = {}
-    originals = {}
-
-    def recording(self, x, qkv_inject=None, kv=None, _orig=None):
-        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject  # K/V as attention sees them
-        calls.setdefault(self.layer_id, []).append(qkv)
-        return originals[self](x, qkv_inject, kv)
-
-    for m in model.modules():
-        if isinstance(m, CausalSelfAttention):
-            originals[m] = m.forward
-            m.forward = recording.__get__(m)
-    try:
-        model(x, depth=R)
-    finally:
-        for m, f in originals.items():
-            m.forward = f
-    H = model.cfg.n_heads
-    out = {}
-    for lid, qkvs in calls.items():
-        out[lid] = []
-        for qkv in qkvs:
-            B, n, three_d = qkv.shape
-            d = three_d // 3
-            _, k, v = (t.view(B, n, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
-            out[lid].append((k, v))
-    return out
-
-
-def _terminal_reference(model: LoopLM, visits, chunk: torch.Tensor, start: int, R: int) -> torch.Tensor:
-    """Logits of ``chunk`` (B, c) at positions start … with every attention an explicit softmax over
-    [the prefix's terminal K/V of the same call slot ; the chunk's own K/V] (terminal sharing written
-    out by hand: no KVCache, no scope)."""
-    cps, counters, originals = model.calls_per_step, {}, {}
-
-    def explicit(self, x, qkv_inject=None, kv=None):
-        i = counters.get(self.layer_id, 0)
-        counters[self.layer_id] = i + 1
-        mine = visits[self.layer_id]
-        slot = i % cps if len(mine) > 1 else 0
-        pk, pv = [kv_ for j, kv_ in enumerate(mine) if j % cps == slot][-1]  # the slot's last visit
-        B, c, d = x.shape
-        H = self.n_heads
-        qkv = self.qkv(x) if qkv_inject is None else self.qkv(x) + qkv_inject
-        q, k, v = (t.view(B, c, H, d // H).transpose(1, 2) for t in qkv.split(d, dim=-1))
-        k_all, v_all = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-        n = pk.shape[2]
-        scores = q @ k_all.transpose(-1, -2) / math.sqrt(d // H)
-        allowed = torch.ones(c, n + c, dtype=torch.bool).tril(diagonal=n)
-        y = scores.masked_fill(~allowed, -math.inf).softmax(-1) @ v_all
-        return self.proj(y.transpose(1, 2).reshape(B, c, d))
-
-    for m in model.modules():
-        if isinstance(m, CausalSelfAttention):
-            originals[m] = m.forward
-            m.forward = explicit.__get__(m)
-    try:
-        positions = torch.arange(start, start + chunk.shape[1]).expand(chunk.shape)
-        state, ctx = model.start(model.embed(chunk, positions), positions)
-        for t in range(R):
-            state = model.step(state, t, ctx)
-        return model.readout(model.hidden(state, ctx), final=True)
-    finally:
-        for m, f in originals.items():
-            m.forward = f
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["looped", "huginn_linear-huginn", "orthoinj-huginn", "adapter"])
 @pytest.mark.parametrize("chunk", [1, 3])
@@ -211,12 +141,12 @@ def test_terminal_sharing_matches_explicit_reference(name, chunk):
     cache = KVCache("terminal")
     model.read(model.loop(x[:, :n], cache=cache), R)
     got = model.read(model.loop(x[:, n:n + chunk], cache=cache), R).logits
-    visits = _hooked_visits(model, x[:, :n], R)
+    visits = hooked_visits(model, x[:, :n], R)
     kv = {lid: calls[-1] for lid, calls in visits.items()}
     for lid, (k, v) in kv.items():  # the terminal banks are the last visit's K/V
         assert torch.allclose(cache.banks[(lid, 0)][0][:, :, :n], k, atol=1e-6)
         assert torch.allclose(cache.banks[(lid, 0)][1][:, :, :n], v, atol=1e-6)
-    ref = _terminal_reference(model, visits, x[:, n:n + chunk], n, R)
+    ref = terminal_reference(model, visits, x[:, n:n + chunk], n, R)
     full = model(x[:, :n + chunk], depth=R).logits[:, n:]
     err = (got - ref).abs().max().item()
     gap = (got - full).abs().max().item()

@@ -19,7 +19,8 @@ from looplm.eval.generate import generate
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Gradient, Readout
-from test_kvcache import _hooked_visits, _terminal_reference  # noqa: E402 (tests/ is on sys.path)
+
+from helpers import hooked_visits, terminal_reference
 
 RULES = sorted(RULE_NAMES)
 SCALE = ("none", "inter_loop_norm", "spectral_damping")
@@ -136,7 +137,7 @@ def test_cached_decoding_equals_recompute(rule, scale, readout, mode):
         cache = KVCache("terminal")
         model.read(model.loop(x[:, :n], cache=cache), R)
         got = model.read(model.loop(x[:, n:n + 1], cache=cache), R).logits
-        ref = _terminal_reference(model, _hooked_visits(model, x[:, :n], R), x[:, n:n + 1], n, R)
+        ref = terminal_reference(model, hooked_visits(model, x[:, :n], R), x[:, n:n + 1], n, R)
         assert (got - ref).abs().max() <= 1e-5
 
 

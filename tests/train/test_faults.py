@@ -22,7 +22,7 @@ from looplm.train import trainer as trainer_mod
 from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint, save_checkpoint
 from looplm.train.trainer import train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _refuse(word):
@@ -63,6 +63,7 @@ def _poison(monkeypatch, tiny_cfg, tiny_data, steps):
 
 
 # -- 1. run lock ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_trainer_frees_the_folder(
         tmp_path, tiny_cfg, tiny_data, capsys):
     run = tmp_path / "run"

@@ -24,7 +24,7 @@ from looplm.distill import (DistillConfig, StudentMismatchError, build_student, 
 from looplm.distill.loss import VarianceAccumulator
 from looplm.model import KVCache, build_model
 from looplm.model.cursor import Readout
-from test_model import VARIANTS, tiny  # noqa: E402 (tests/ is on sys.path under pytest)
+from helpers import VARIANTS, tiny  # noqa: E402
 
 HUGINN = ["huginn_linear-huginn", "parcae_decay-huginn", "parcae-huginn", "orthoinj-huginn", "deq_qkv-huginn",
           "looped-prelude-coda"]
