@@ -92,12 +92,12 @@ def test_sweep_file_grid_and_ids(tmp_path, tiny_cfg):
     assert sweep.eval.depths == (1, 2, 4) and sweep.eval.lambada == {"max_examples": 4}
 
 
-def test_help_example_parses():
+def test_docstring_example_parses():
     import looplm.sweep as sweep_module
-    from looplm.cli.texts import DESCRIPTIONS
 
-    doc = DESCRIPTIONS["sweep"]
-    example = "\n".join(line[2:] for line in doc[doc.index("  name = "):doc.index("The grid is")].splitlines())
+    doc = sweep_module.__doc__
+    example = "\n".join(line[4:] for line in doc[doc.index("    # scse-vs-looped.toml"):
+                                                 doc.index("The grid is")].splitlines())
     sweep = parse_sweep(sweep_module.toml_loads(example))
     runs = sweep.runs()
     assert len(runs) == 3 * 3 * 2 and sweep.name == "scse-vs-looped"

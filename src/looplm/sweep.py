@@ -1,14 +1,32 @@
-'''Sweeps (``looplm sweep FILE.toml``; the file format is in ``looplm sweep --help``): train and evaluate
-variants × seeds × grid points, seed-major, into ``OUT/runs/<run id>/``, ``OUT/results.db`` and ``OUT/report/``.
+'''Sweeps (``looplm sweep FILE.toml``): train and evaluate a grid of runs, resumably, into one results DB::
 
-Resumable: a run trained and evaluated for the weights on disk is skipped; a killed run resumes from its newest
-valid checkpoint; a run directory with another config raises :class:`SweepError`. ``only``, ``shard`` and
+    # scse-vs-looped.toml
+    name = "scse-vs-looped"     # default: the file name
+    seeds = [0, 1, 2]           # train.seed values; default [0, 1, 2]
+    baseline = "looped"         # the report's paired deltas compare with it; default: the first variant
+    [base]
+    preset = "cpu"              # or config = "path/config.json"
+    "train.steps" = 400         # any config field as "section.field" = value, or a TOML dotted key
+    [variants]                  # name → config overrides on top of the base
+    looped = {"model.rule" = "looped"}
+    scse = {"model.rule" = "scse"}
+    unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
+    [grid]                      # optional: every combination is a separate run
+    "optim.lr" = [1e-3, 2e-3]
+    [eval]                      # also splits, stride, batch_size, tag, device (EVAL_KEYS)
+    depths = [1, 2, 4, 8, 16, 32, 48]        # default 1,2,4,8,12,16,24,32,48
+    datasets = ["brown", "wikitext2"]        # default: the training corpus
+    max_tokens = 16384                       # default: the whole split
+    diagnose = true                          # hooks (HOOKS): true, or their keyword arguments
+    lambada = {max_examples = 500}
+    kv_sharing = {depths = [5]}              # terminal KV sharing at recurrences R
+    tasks = {split = "test"}                 # data.dataset = "task" runs (no ppl): exact match by depth × k;
+                                             # halting = {criterion = "hidden_update", target_depth = 4}
+
+The grid is variants × seeds × grid points, seed-major, into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``,
+``OUT/results.db`` and ``OUT/report/``. A run trained and evaluated for the weights on disk is skipped, a killed
+one resumes, a run directory with another config raises :class:`SweepError`. ``only``, ``shard`` and
 :func:`plan_sweep` split a sweep into parts that may run at once into one ``OUT`` (they write no report).
-
-``[eval]`` hooks besides ``diagnose`` and ``lambada``: ``kv_sharing = {depths = [5], ...}`` (terminal KV sharing
-at recurrences R) and ``tasks = {split, ks, max_examples, batch_size, halting = {criterion, target_depth, ...}}``
-(exact match by depth × k of ``data.dataset = "task"`` runs, which get no ppl evaluation).
-
 Stored protocols (depth column): ``ppl`` (T), ``diagnose`` (loop step t), ``lambada`` (T), ``kv_sharing`` (R),
 ``tasks`` (T; dataset ``<task>-k<k>``) and ``tasks_halting`` (the ceiling; one row per k).
 '''
@@ -29,6 +47,7 @@ from tqdm.auto import tqdm
 
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
+from looplm.data.paths import atomic_write
 from looplm.finite import dumps
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
@@ -119,6 +138,7 @@ class Sweep:
                     out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed,
                                        grid=point, config=cfg))
         return out
+
 
 
 def _value_text(v: Any) -> str:
@@ -348,9 +368,6 @@ class SweepResult:
                 "report": str(self.report["markdown"]) if self.report else None}
 
 
-def _data_key(cfg: Config) -> str:
-    return json.dumps(cfg.data.to_dict(), sort_keys=True)
-
 
 def _weights_sha(ckpt: Path) -> str | None:
     try:
@@ -396,7 +413,7 @@ class _Runner:
     def data_for(self, cfg: Config):
         from looplm.train.trainer import prepare_data
 
-        key = _data_key(cfg)
+        key = json.dumps(cfg.data.to_dict(), sort_keys=True)
         if key not in self.data:
             self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
             self.data[key] = prepare_data(cfg, progress=self.progress)
@@ -471,7 +488,7 @@ class _Runner:
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
                                                settings=settings, tag=ev.tag) for T in ev.depths}
-                if not force and all(self.store.has(i, ["ppl"]) for i in idents.values()):
+                if not self._todo(idents, "ppl", force):
                     continue
                 if dry:
                     done.append(f"ppl {dataset}/{split}")
@@ -655,16 +672,6 @@ def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
             if (only is None or s.run_id in only) and (shard is None or k % shard[1] == shard[0])]
 
 
-def _write_sweep_json(sweep: Sweep, specs: list[RunSpec], out: Path) -> None:
-    from looplm.data.paths import atomic_write
-
-    text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
-                  "variants": sweep.variants, "eval": sweep.eval.__dict__,
-                  "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
-                            "config": s.config.to_dict()} for s in specs]}, indent=2) + "\n"
-    with atomic_write(out / "sweep.json") as f:  # shards write the same text concurrently
-        f.write(text.encode())
-
 
 def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
                shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
@@ -745,7 +752,12 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
         if getattr(sweep.eval, name) is not None:
             _hook(name)  # fail before training anything
     _check_eval_sources(sweep.eval, specs)
-    _write_sweep_json(sweep, all_specs, out)
+    text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
+                  "variants": sweep.variants, "eval": sweep.eval.__dict__,
+                  "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
+                            "config": s.config.to_dict()} for s in all_specs]}, indent=2) + "\n"
+    with atomic_write(out / "sweep.json") as f:  # shards write the same text concurrently
+        f.write(text.encode())
     result = SweepResult(out=out, db=out / "results.db")
     with ResultStore(result.db) as store:
         runner = _Runner(sweep, out, store, data if data is not None else {}, progress)

@@ -161,7 +161,16 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     return {
         "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance,
         "batch_size": batch_size, "repeats": repeats, "device": str(device), "seq_len": int(calib[0].shape[1]),
-        "calibration": _calibration_summary(cal, nll_sum, n_tok, tolerance, k_max),
+        "calibration": {
+            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
+            "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
+            "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+            "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
+            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+            "loop_counts": _counts(cal.depths),
+            "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
+                      "mean_loops": cal.mean_depth_by_tau.tolist()},
+        },
         "timed": {
             "sequences": N, "tokens": n_tokens,
             "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
@@ -175,18 +184,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     }
 
 
-
-def _calibration_summary(cal, nll_sum: np.ndarray, n_tok: np.ndarray, tolerance: float, k_max: int) -> dict[str, Any]:
-    return {
-        "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
-        "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
-        "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
-        "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
-        "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
-        "loop_counts": _counts(cal.depths),
-        "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
-                  "mean_loops": cal.mean_depth_by_tau.tolist()},
-    }
 
 
 # ------------------------------------------------------------------ report

@@ -103,20 +103,17 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
-    return {R: _depth_result(sums[R], mem[R], count, n_seq, P) for R in depths}
-
-
-def _depth_result(sums: dict[str, float], mem: dict[str, tuple[int, int]], count: int, n_seq: int,
-                  P: int) -> dict[str, float]:
-    nll = {k: v / count for k, v in sums.items()}
-    ppl = {k: math.exp(v) for k, v in nll.items()}
-    full_b, full_n = mem["per_visit"]
-    term_b, term_n = mem["terminal"]
-    return {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
-            "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
-            "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
-            "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
-            "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
+    out = {}
+    for R in depths:
+        nll = {k: v / count for k, v in sums[R].items()}
+        ppl = {k: math.exp(v) for k, v in nll.items()}
+        (full_b, full_n), (term_b, term_n) = mem[R]["per_visit"], mem[R]["terminal"]
+        out[R] = {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
+                  "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
+                  "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
+                  "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
+                  "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
+    return out
 
 
 def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:

@@ -62,7 +62,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
                         dataset: str | None = None, split: str = "test", batch_size: int = 16,
                         max_tokens: int | None = None, stride: int | None = None, device: str = "cpu",
                         progress: bool = True, scale_clamp: bool = False, dtype: str = "float32") -> dict[str, Any]:
-    """Multi-depth perplexity of a checkpoint on ``dataset``/``split``; NonFiniteError where the NLL is NaN/inf.
+    """Multi-depth perplexity of a checkpoint on ``dataset``/``split``.
 
     Args:
         dtype: ``float32``, or ``bfloat16``: the forward under ``torch.autocast`` (CPU or GPU), as deployed.
