@@ -169,6 +169,7 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
         depth: the depth R (default: the checkpoint's nominal training depth).
         steps: the b to measure, e.g. 1,2,4,8.
         estimators: tbptt and/or endpoint.
+        batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows.
         dtype: float32 or float64.
     """
     from looplm.diagnostics.runner import load_windows

@@ -194,6 +194,7 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
     Args:
         steps: loop steps t for the forcing bias and gain; None: (0, depth − 1)
         depth: anchor-start rollout depth T (and the unroll the steps live in)
+        batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows
         dtype: float64 or float32 for the diagnostic computations
         scale_loops: K of the scale diagnostic and R of the visit alignment (default: the nominal training depth)
         convergence_tau: threshold τ of token convergence
