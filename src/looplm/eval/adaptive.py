@@ -24,9 +24,6 @@ DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
 
 
-# ------------------------------------------------------------------ full trace and real early exit
-
-
 def _on_windows(fn, model: DepthLM, tokens: np.ndarray, criterion: str | ExitCriterion, tau: float, ceiling: int,
                 batch_size: int, max_tokens: int | None, device: str | torch.device, **kw: Any):
     """``fn`` (exits.trace or exits.run) in eval mode over the non-overlapping windows of ``tokens[: max_tokens
@@ -66,9 +63,6 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
     example to the ceiling (the speedup's reference)."""
     return _on_windows(run, model, tokens, criterion, tau, ceiling, batch_size, max_tokens, device,
                        progress=progress, desc=desc, scale_clamp=scale_clamp)
-
-
-# ------------------------------------------------------------------ protocol and report
 
 
 

@@ -35,9 +35,6 @@ DEFAULT_TOLERANCE = 0.01  # dynamic PPL within 1% of K_max (readout blind spot, 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
-# ------------------------------------------------------------------ model runs
-
-
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Full windows ``first … first + n − 1`` as (x, y), each (n, L) int64; ValueError when too few."""
     available = (len(tokens) - 1) // seq_len
@@ -97,9 +94,6 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     return torch.cat(nlls).cpu().numpy(), seconds
 
 
-# ------------------------------------------------------------------ protocol
-
-
 def _counts(loops: np.ndarray) -> dict[str, int]:
     return {str(int(k)): int(n) for k, n in zip(*np.unique(loops, return_counts=True))}
 
@@ -131,7 +125,7 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
         tau = cal.tau
 
-        batches, kw = _batches(*timed, batch_size, device), dict(criterion=criterion, scale_clamp=scale_clamp)
+        batches, kw = _batches(*timed, batch_size, device), {"criterion": criterion, "scale_clamp": scale_clamp}
         dynamic_halting_run(model, batches[:1], tau, k_max, **kw)  # untimed warm-ups
         for K in range(1, k_max + 1):
             fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
@@ -184,9 +178,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     }
 
 
-
-
-# ------------------------------------------------------------------ report
 
 
 def markdown_report(res: dict[str, Any], label: str = "model") -> str:
