@@ -10,6 +10,7 @@ timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA` (``provenance`` is option
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -242,37 +243,27 @@ class ResultStore:
                     raise
                 time.sleep(0.05)
 
+    @contextlib.contextmanager
     def _write(self):
         """One ``BEGIN IMMEDIATE`` … ``COMMIT`` transaction, rolled back on any exception (KeyboardInterrupt
         too); SQLite errors leave as :class:`ResultStoreError` naming the file."""
-        store = self
-
-        class _Tx:
-            def __enter__(self):
+        try:
+            self._retry(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+        except sqlite3.DatabaseError as exc:
+            raise self._error(exc) from exc
+        try:
+            yield self._conn
+            self._conn.execute("COMMIT")
+        except BaseException as exc:
+            if self._conn.in_transaction:
                 try:
-                    store._retry(lambda: store._conn.execute("BEGIN IMMEDIATE"))
-                except sqlite3.DatabaseError as exc:
-                    raise store._error(exc) from exc
-                return store._conn
-
-            def __exit__(self, exc_type, exc, tb):
-                if exc_type is None:
-                    try:
-                        store._conn.execute("COMMIT")
-                        return False
-                    except sqlite3.DatabaseError as commit_exc:
-                        exc_type, exc = type(commit_exc), commit_exc
-                if store._conn.in_transaction:
-                    try:
-                        store._conn.execute("ROLLBACK")
-                    except sqlite3.Error:  # a damaged file can fail this too; report the first error
-                        if exc is None or not isinstance(exc, sqlite3.DatabaseError):
-                            raise
-                if isinstance(exc, sqlite3.DatabaseError):
-                    raise store._error(exc) from exc
-                return False
-
-        return _Tx()
+                    self._conn.execute("ROLLBACK")
+                except sqlite3.Error:  # a damaged file can fail this too; report the first error
+                    if not isinstance(exc, sqlite3.DatabaseError):
+                        raise
+            if isinstance(exc, sqlite3.DatabaseError):
+                raise self._error(exc) from exc
+            raise
 
     def _error(self, exc: sqlite3.DatabaseError) -> ResultStoreError:
         msg = str(exc)
