@@ -19,7 +19,7 @@ from typing import Any
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
 from looplm.analysis.store import ResultStore, RunRecord, record_dict
 from looplm.config import DepthConfig, build_choice
-from looplm.finite import strict
+
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
 #: metric. report.json holds the same selection.
@@ -292,6 +292,17 @@ def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = No
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _strict_json(obj: Any) -> Any:
+    """NaN/inf → None, so that report.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
 def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str | None = None,
                  sweep: str | None = None, plots: bool = True) -> dict[str, Any]:
     """Write ``report.md``, ``report.json`` and depth plots of ``db`` to ``out``; returns their paths and the
@@ -322,5 +333,5 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
             pngs[i] = name
     md_path, json_path = out / "report.md", out / "report.json"
     md_path.write_text(render_markdown(report, plots=pngs))
-    json_path.write_text(json.dumps(strict(report)[0], indent=2, allow_nan=False) + "\n")
+    json_path.write_text(json.dumps(_strict_json(report), indent=2, allow_nan=False) + "\n")
     return {"markdown": md_path, "json": json_path, "plots": [out / p for p in pngs.values()], "report": report}
