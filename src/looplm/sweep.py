@@ -47,7 +47,6 @@ from tqdm.auto import tqdm
 
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
-from looplm.data.paths import atomic_write
 from looplm.finite import dumps
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
@@ -751,6 +750,8 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     for name in HOOKS:
         if getattr(sweep.eval, name) is not None:
             _hook(name)  # fail before training anything
+    from looplm.data.paths import atomic_write
+
     _check_eval_sources(sweep.eval, specs)
     text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
                   "variants": sweep.variants, "eval": sweep.eval.__dict__,
