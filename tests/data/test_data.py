@@ -18,26 +18,11 @@ import pytest
 import torch
 
 from looplm.config import DataConfig, DatasetName
-from looplm.data import (
-    CORPORA,
-    brown_documents,
-    brown_split,
-    eot_id,
-    eval_windows,
-    get_tokenizer,
-    load_gpt2_tokenizer,
-    load_split_text,
-    load_tokens,
-    resolve_cache_dir,
-    resolve_data_root,
-    sample_batch,
-    source_fingerprint,
-    text_chunks,
-    tokens_cache_path,
-    train_bpe_tokenizer,
-    unigram_ppl,
-)
 from looplm.data import tokens as tokens_mod
+from looplm.data.corpora import CORPORA, brown_documents, brown_split, get_corpus, load_split_text, source_fingerprint
+from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.tokenizer import eot_id, get_tokenizer, load_gpt2_tokenizer, text_chunks, train_bpe_tokenizer
+from looplm.data.tokens import eval_windows, load_tokens, sample_batch, tokens_cache_path, unigram_ppl
 
 ROOT = resolve_data_root("")
 BROWN = ROOT / "brown" / "brown_untagged.txt"
@@ -84,7 +69,7 @@ def test_registry_matches_config_literal():
 
 
 def test_unknown_dataset_lists_known_names():
-    from looplm.data import get_corpus
+
     with pytest.raises(ValueError, match="unknown dataset 'pile'; known: brown, c4, hf, openwebtext, text, "
                                          "wikitext103, wikitext2"):
         get_corpus("pile")

@@ -121,7 +121,8 @@ def test_adaptive_depth_checkpoint_report(checkpoint):
     assert res["examples"] == {"valid": math.ceil(1500 / 32), "test": math.ceil(1500 / 32)}
     assert res["tokens"] == {"valid": 1500, "test": 1500}
     # static columns agree with the multi-depth perplexity evaluator (an independent code path)
-    from looplm.data import load_tokens, resolve_cache_dir, resolve_data_root
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import load_tokens
     from looplm.eval.runner import load_tokenizer_for
     from looplm.run.checkpoint import load_checkpoint
 

@@ -175,7 +175,8 @@ def test_halting_checkpoint_report(checkpoint, tmp_path):
     assert [p["k"] for p in res["frontier"]] == list(range(1, K + 1))
     assert tm["static"]["ppl"] == res["frontier"][-1]["ppl"]
     # the fixed-K frontier PPL and the calibration PPL by K agree with the multi-depth evaluator
-    from looplm.data import load_tokens, resolve_cache_dir, resolve_data_root
+    from looplm.data.paths import resolve_cache_dir, resolve_data_root
+    from looplm.data.tokens import load_tokens
     from looplm.eval.runner import load_tokenizer_for
     from looplm.run.checkpoint import load_checkpoint
 

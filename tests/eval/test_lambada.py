@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from looplm.config import DataConfig, ModelConfig
-from looplm.data import load_split_documents, load_tokens, resolve_data_root, source_fingerprint
+from looplm.data.corpora import load_split_documents, source_fingerprint
+from looplm.data.paths import resolve_data_root
+from looplm.data.tokens import load_tokens
 from looplm.eval.lambada import (EncodedExample, encode_examples, evaluate_lambada_checkpoint, lambada_path,
                                  load_lambada, score_lambada, split_passage)
 from looplm.model import build_model
@@ -72,7 +74,7 @@ def test_split_edge_cases(tmp_path):
 
 
 def test_gpt2_target_tokens_are_the_passage_tail(lambada):
-    from looplm.data import load_gpt2_tokenizer
+    from looplm.data.tokenizer import load_gpt2_tokenizer
 
     tok = load_gpt2_tokenizer(resolve_data_root(""))
     assert encode_examples(lambada[:1], tok, 128)[0].ids[-1:] == (5895,)  # " signs"

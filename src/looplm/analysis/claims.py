@@ -1,16 +1,6 @@
-"""Helpers for the reproduction summaries (experiments/*/): a paper's claim checked against paired seeds,
-and validation learning curves collected from a sweep's run folders.
-
-- :func:`paired_claim`: the Markdown cell of a paired delta (mean, 95% Student-t interval, 95% paired
-  bootstrap interval; SPEC §9) and the verdict of :func:`looplm.analysis.stats.claim_verdict`.
-- :func:`validation_curves`: ``{run_id: {"steps_done", "finished", "val": {step: val_ppl}}}`` read from
-  each run's ``metrics.jsonl`` and kept in a JSON file, so a summary still has its curves when the run
-  folders (not committed) are gone.
-- :func:`diagnose_sections`: one section of each run's ``diagnose.json``, kept the same way.
-- :func:`settled_ranking`: the ranking of the variant means at the last step every variant reached, and
-  the step since which it has not changed (how a budget is judged long enough, from validation data).
-- :func:`depth_use_cell`: a metric at T = 1, at the training depth and at the best T (issue 24's depth-use
-  column), so a table shows at once whether the loop is used.
+"""Helpers for the reproduction summaries (experiments/*/): a paper's claim checked against paired seeds
+(SPEC §9), and validation curves and diagnostics collected from a sweep's run folders into committed JSON
+caches, so a summary still has them when the run folders (not committed) are gone.
 """
 
 from __future__ import annotations
@@ -24,10 +14,8 @@ from looplm.analysis.stats import claim_verdict, summarize_paired
 
 
 def mean_std_cell(values: Iterable[float], digits: int = 1, *, notation: str = "f") -> str:
-    """``"m ± s"`` (sample std) of ``values``; one value alone; ``"–"`` when there are none.
-
-    ``digits`` decimals in ``notation`` ``"f"`` (fixed point) or ``"e"`` (scientific, for values spanning
-    orders of magnitude)."""
+    """``"m ± s"`` (sample std) of ``values`` with ``digits`` decimals in ``notation`` "f" or "e"; one value
+    alone; ``"–"`` for none."""
     v = [float(x) for x in values]
     if not v:
         return "–"
@@ -38,11 +26,8 @@ def mean_std_cell(values: Iterable[float], digits: int = 1, *, notation: str = "
 
 def depth_use_cell(by_depth: Mapping[int, Mapping[int, float]], train_depth: int, *, digits: int = 1,
                    higher_is_better: bool = False, signed: bool = False) -> str:
-    """``"T=1 a · T=train b · best c (T=k)"`` of the seed means of ``{depth: {seed: value}}``.
-
-    The best T is the evaluated depth with the best mean (lowest unless ``higher_is_better``); ``signed``
-    prints a sign (for deltas); ``"–"`` when T = 1 or ``train_depth`` was not evaluated (the loop's use
-    cannot be read off)."""
+    """``"T=1 a · T=train b · best c (T=k)"`` of the seed means of ``{depth: {seed: value}}`` (issue 24's
+    depth-use column); ``"–"`` when T = 1 or ``train_depth`` was not evaluated."""
     means = {d: statistics.mean(v.values()) for d, v in by_depth.items() if v}
     if 1 not in means or train_depth not in means:
         return "–"
@@ -53,11 +38,8 @@ def depth_use_cell(by_depth: Mapping[int, Mapping[int, float]], train_depth: int
 
 def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *, digits: int = 1,
                  expect: str = "negative") -> tuple[str, str]:
-    """A paper's claim "variant − baseline is ``expect``" (``"negative"`` or ``"positive"``) over the seeds
-    both have (``{seed: value}`` each). Returns ``(cell, verdict)``: ``"+m [t lo, t hi] (boot. lo, hi)"``
-    (``"+m (1 seed)"``, ``"–"`` for none) and :func:`~looplm.analysis.stats.claim_verdict`'s verdict, bold
-    when ``reproduces`` or ``opposite``. Raises ValueError for a bad ``expect``.
-    """
+    """``(cell, verdict)`` of the claim "variant − baseline is ``expect``" over the common seeds: ``"+m [t lo,
+    t hi] (boot. lo, hi)"`` and :func:`~looplm.analysis.stats.claim_verdict` (bold when decided)."""
     s = summarize_paired(variant, baseline)
     judged = claim_verdict(s, expect=expect)
     judged = f"**{judged}**" if judged in ("reproduces", "opposite") else judged
@@ -71,23 +53,9 @@ def paired_claim(variant: Mapping[int, float], baseline: Mapping[int, float], *,
 
 
 def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[str] = ()) -> dict[str, dict]:
-    """Validation learning curves of a sweep's runs, merged into (and written back to) ``cache``.
-
-    Args:
-        runs_dir: the sweep's ``runs/`` folder (``<variant>-s<seed>/metrics.jsonl``); may be missing.
-        cache: JSON file holding the curves collected so far; a run folder present now replaces its entry
-            (not written while there are no curves).
-        extra: other logged metrics to keep per step (e.g. ``val_state_rms``), each under its own name.
-
-    Returns:
-        ``{run_id: {"steps_done": last logged step, "finished": summary.json exists,
-        "val": {str(step): val_ppl}, <extra metric>: {str(step): value}}}``.
-
-    Raises:
-        json.JSONDecodeError: a damaged cache or metrics line. OSError: ``cache`` cannot be written.
-    """
-    cache = Path(cache)
-    curves = json.loads(cache.read_text()) if cache.exists() else {}
+    """``{run_id: {"steps_done", "finished", "val": {str(step): val_ppl}, <extra metric>: {...}}}`` from
+    ``runs_dir/<variant>-s<seed>/metrics.jsonl``, merged into (and written back to) ``cache``."""
+    curves: dict[str, dict] = {}
     runs_dir = Path(runs_dir)
     for run in sorted(runs_dir.glob("*-s*")) if runs_dir.is_dir() else []:
         m = run / "metrics.jsonl"
@@ -102,35 +70,30 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
                 if rec.get(name) is not None:
                     series[key][str(rec["step"])] = rec[name]
         curves[run.name] = {"steps_done": last, "finished": (run / "summary.json").exists(), **series}
-    if curves:  # nothing to keep: no file
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(curves, indent=1, sort_keys=True) + "\n")
-    return curves
+    return _merge_cache(cache, curves)
 
 
 def diagnose_sections(runs_dir: str | Path, cache: str | Path, section: str,
                       pick: Callable[[Any], Any]) -> dict[str, Any]:
-    """One section of each run's ``diagnose/diagnose.json``, merged into (and written back to) ``cache``:
-    run folders are not committed, so the committed cache answers once they are gone.
-
-    Args:
-        runs_dir: the sweep's ``runs/`` (``<variant>-s<seed>/diagnose/diagnose.json``); may be missing.
-        cache: JSON of the records so far (not written while there are none). section: top-level key
-            (``"convergence"``, ``"scale"``; runs without it are skipped). pick: section → kept record.
-
-    Returns ``{run_id: pick(section)}``; raises json.JSONDecodeError (damaged file) or OSError (cache).
-    """
-    cache = Path(cache)
-    records = json.loads(cache.read_text()) if cache.exists() else {}
+    """``{run_id: pick(section)}`` of each ``runs_dir/<run>/diagnose/diagnose.json`` holding ``section``,
+    merged into (and written back to) ``cache``."""
+    records = {}
     runs_dir = Path(runs_dir)
     for f in sorted(runs_dir.glob("*-s*/diagnose/diagnose.json")) if runs_dir.is_dir() else []:
         sec = json.loads(f.read_text()).get(section)
         if sec:
             records[f.parent.parent.name] = pick(sec)
-    if records:
+    return _merge_cache(cache, records)
+
+
+def _merge_cache(cache: str | Path, new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON ``cache`` updated with ``new`` (entries present now replace theirs), written when non-empty."""
+    cache = Path(cache)
+    merged = {**(json.loads(cache.read_text()) if cache.exists() else {}), **new}
+    if merged:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
-    return records
+        cache.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    return merged
 
 
 def curves_by_variant(curves: Mapping[str, Mapping], key: str = "val") -> dict[str, dict[int, list[float]]]:
@@ -145,11 +108,8 @@ def curves_by_variant(curves: Mapping[str, Mapping], key: str = "val") -> dict[s
 
 
 def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tuple[list[str], int, int] | None:
-    """The ranking (lowest mean first) at the last step every variant has reached, the first step of the
-    final unchanged stretch of rankings, and that last step; None when no step is shared by all variants.
-
-    Example: means A 5, 3, 2 and B 4, 4, 3 at steps 100, 200, 300 → (["A", "B"], 200, 300).
-    """
+    """(ranking, lowest mean first, at the last step all variants reached; the step since which it is unchanged;
+    that last step), None without a common step. E.g. A 5, 3, 2 and B 4, 4, 3 → (["A", "B"], 200, 300)."""
     common = sorted(set.intersection(*(set(d) for d in by_variant.values()))) if by_variant else []
     if not common:
         return None
@@ -162,10 +122,8 @@ def settled_ranking(by_variant: Mapping[str, Mapping[int, list[float]]]) -> tupl
 
 def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping[str, Iterable[int]],
                  curves: Mapping[str, Mapping], depth_use: tuple[str, Mapping[str, str]] | None = None) -> list[str]:
-    """Markdown rows of a sweep's progress: per variant its parameter count, the seeds with stored test
-    evaluations and the runs still training (seed and last logged step, from :func:`validation_curves`);
-    a first line says so when nothing has run yet. ``depth_use``: ``(header, {variant: cell})`` of a
-    first column (:func:`depth_use_cell`)."""
+    """Markdown rows of a sweep's progress per variant: params, seeds evaluated, runs still training (step);
+    ``depth_use``: ``(header, {variant: cell})`` of a first column."""
     lines = []
     if not params and not curves:
         lines = ["**Not run yet:** the results database holds no run of this sweep and no run folder exists.", ""]
@@ -183,9 +141,8 @@ def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping
 
 
 def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: list[str], digits: int = 0) -> list[str]:
-    """Markdown table of :func:`curves_by_variant` (mean over seeds per step with ``digits`` decimals, the
-    seed count in brackets where a step has fewer seeds than the variant's most) and the
-    :func:`settled_ranking` sentence."""
+    """Markdown table of :func:`curves_by_variant` (seed means; [seeds] where fewer than the variant's most) and
+    the :func:`settled_ranking` sentence."""
     steps = sorted({s for d in by_variant.values() for s in d})
     lines = ["| variant | " + " | ".join(map(str, steps)) + " |", "|---|" + "---:|" * len(steps)]
     for v in [v for v in order if v in by_variant]:
@@ -206,12 +163,8 @@ def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: lis
 
 def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str | Path, *, xlabel: str,
                      ylabel: str, title: str = "", log2x: bool = False, vline: float | None = None) -> Path:
-    """Line plot of the mean over seeds of ``{label: {x: [values]}}`` (log y axis; log2 x when
-    ``log2x``; a dotted vertical line at ``vline``), saved as PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Line plot PNG of the seed means of ``{label: {x: [values]}}`` (log y; log2 x; a dotted line at ``vline``)."""
+    from looplm.analysis.plots import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, pts in series.items():
@@ -228,20 +181,12 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
     if title:
         ax.set_title(title)
     ax.legend()
-    from looplm.analysis.plots import save_figure
-
     return save_figure(fig, path)
 
 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
-    """A sweep's stored evaluations by variant, read without writing (a summary never creates or
-    alters a results database): ``({variant: {(protocol, dataset, metric, depth): {seed: value}}},
-    {variant: parameter count})``; missing (null) values are left out. A database that does not exist
-    yet, or holds no tables yet, gives ``({}, {})``.
-
-    Raises:
-        sqlite3.DatabaseError: ``db`` is not an SQLite database.
-    """
+    """``({variant: {(protocol, dataset, metric, depth): {seed: value}}}, {variant: params})`` of a sweep, read
+    only (null values left out; ``({}, {})`` for a missing or empty database)."""
     import sqlite3
 
     db = Path(db)
@@ -270,10 +215,8 @@ def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[
 
 
 def sweep_results(exp: str | Path, sweep: str, extra: Iterable[str] = ()) -> tuple[dict, dict, dict] | None:
-    """What a summary of the sweep in folder ``exp`` reads: ``(cells, params)`` of :func:`sweep_cells`
-    (``exp/results.db``) and the curves of :func:`validation_curves` (``exp/runs``, cached in
-    ``exp/curves.json``, with the ``extra`` series). None, after saying so on stdout, when the sweep has
-    not run yet (no stored run and no run folder): a summary then writes nothing."""
+    """``(cells, params, curves)`` of the sweep in folder ``exp`` (``results.db``, ``runs/``, ``curves.json``);
+    None, said on stdout, when it has not run yet."""
     exp = Path(exp)
     cells, params = sweep_cells(exp / "results.db", sweep)
     curves = validation_curves(exp / "runs", exp / "curves.json", extra=extra)

@@ -15,22 +15,15 @@ BODY_CALLS_PER_STEP: dict[str, int] = {
 
 
 def block_flops_per_token(cfg: ModelConfig) -> int:
-    """FLOP proxy of one block application per token: ``8d² + 6·d·d_ff + 4·L·d`` (SCSE eq. 20).
-
-    With grouped-query attention (``n_kv_heads`` < ``n_heads``) the key and value projections map d to
-    d_kv = n_kv_heads·d/n_heads, so the attention projections cost ``4d² + 4·d·d_kv`` instead of 8d²
-    (equal when d_kv = d)."""
+    """FLOPs of one block per token: ``8d² + 6·d·d_ff + 4·L·d`` (SCSE eq. 20); with GQA ``4d² + 4·d·d_kv``
+    for the attention projections."""
     d = cfg.d_model
     d_kv = d * (cfg.n_kv_heads or cfg.n_heads) // cfg.n_heads
     return 4 * d * d + 4 * d * d_kv + 6 * d * cfg.d_ff + 4 * cfg.seq_len * d
 
 
 def body_applications(cfg: ModelConfig, depth: int) -> int:
-    """N_body(T): block applications per token at loop depth T.
-
-    Shared: ``c_body·K·T + n_prelude + n_coda`` (c_body = core calls per step); unshared:
-    ``min(T, n_layers)`` (its active depth saturates at its layer count).
-    """
+    """N_body(T): ``c_body·K·T + n_prelude + n_coda`` (c_body: core calls per step); unshared ``min(T, n_layers)``."""
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
     if cfg.architecture == "unshared":
@@ -39,11 +32,7 @@ def body_applications(cfg: ModelConfig, depth: int) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, depth: int) -> dict[str, int]:
-    """FLOP proxy per token at loop depth T (SCSE eq. 20–21).
-
-    Returns:
-        ``{"body": N_body(T)·(8d² + 6·d·d_ff + 4·L·d), "body_head": body + 2·d·V}`` in FLOPs/token.
-    """
+    """``{"body": N_body(T)·block, "body_head": body + 2·d·V}`` FLOPs/token at depth T (SCSE eq. 20–21)."""
     body = body_applications(cfg, depth) * block_flops_per_token(cfg)
     return {"body": body, "body_head": body + 2 * cfg.d_model * cfg.vocab_size}
 
@@ -55,9 +44,8 @@ def readout_flops_per_token(cfg: ModelConfig) -> int:
 
 
 def multidepth_flops_per_token(cfg: ModelConfig, depths) -> int:
-    """Forward FLOP proxy per token of one unroll to max(depths) read out at every depth in ``depths``:
-    ``flops_per_token(max)["body_head"]`` plus one readout (coda + readout matrix) per other depth.
-    (The readouts are real work: at V = 8,192 and d = 192 one costs as much as ~4 core blocks.)"""
+    """FLOPs/token of one unroll to max(depths) read out at every depth: body_head plus one readout per other
+    depth (real work: at V = 8,192, d = 192 one costs ~4 core blocks)."""
     depths = sorted(set(int(t) for t in depths))
     return flops_per_token(cfg, depths[-1])["body_head"] + (len(depths) - 1) * readout_flops_per_token(cfg)
 

@@ -26,14 +26,8 @@ def save_figure(fig, path: str | Path) -> Path:
 def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: str | Path, *,
                       train_range: tuple[int, int] | None = None,
                       baselines: Mapping[str, Mapping[str, float]] | None = None, title: str = "") -> Path:
-    """One panel per evaluation split, one line per model: PPL against loop depth T (log2 x-axis).
-
-    Args:
-        panels: {panel title: {model name: {T: ppl}}}.
-        path: output PNG path.
-        train_range: (lo, hi) training depths, shaded.
-        baselines: {panel title: {label: ppl}} drawn as dashed horizontal lines (e.g. unigram).
-    """
+    """One panel per split ({title: {model: {T: ppl}}}), PPL against T (log2); ``train_range`` shaded,
+    ``baselines`` ({title: {label: ppl}}) dashed."""
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.0), squeeze=False)
     for ax, (ptitle, models) in zip(axes[0], panels.items()):
@@ -62,17 +56,7 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
 def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]]], path: str | Path, *,
                            title: str = "", ylabel: str = "perplexity", log_y: bool = True,
                            train_range: tuple[int, int] | None = None) -> Path:
-    """One line per variant: the seed mean against loop depth T (log2 x-axis) with a ±std band.
-
-    Args:
-        curves: {variant label: {T: (mean, std)}}; a NaN std (a single seed) draws no band.
-        path: output PNG path.
-        log_y: log-scale y-axis (perplexities); needs positive values.
-        train_range: (lo, hi) training depths, shaded.
-
-    Returns:
-        ``path``.
-    """
+    """One line per variant ({label: {T: (mean, std)}}): the seed mean against T (log2) with a ±std band."""
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
     for label, curve in curves.items():
         ts = sorted(curve)

@@ -1,19 +1,9 @@
 """Seed-aggregated report of a results database (``looplm report``), in the SCSE paper's layouts.
 
-From the runs and evaluations of a :class:`~looplm.analysis.store.ResultStore` this builds:
-
-- per evaluation set (protocol, dataset, split, tag) and metric: a table with one row per variant
-  and one column per loop depth T, cells ``mean ± std`` over seeds (SCSE Tables 1/5);
-- paired deltas ``variant − baseline`` matched by (seed, depth), cells
-  ``mean ± t half-width [bootstrap lo, hi]`` (for PPL-like metrics; SCSE "Seed Protocol and
-  Aggregation");
-- a parameter count + FLOP proxy table per variant (SCSE eq. 20–21);
-- PPL against loop depth on a log2 axis per dataset/split, seed means with ±std bands.
-
-Variants come from the ``runs`` table: a variant's label is its sweep variant name, followed by its
-extra grid fields when the sweep has any (``scse (optim.lr=0.001)``). Paired deltas compare each
-variant with the baseline variant at the same grid point. Outputs: ``report.md``, ``report.json``
-and ``<metric>_<dataset>_<split>.png`` in the output folder.
+Per evaluation set (protocol, dataset, split, tag) and metric: variant × depth ``mean ± std`` over seeds (SCSE
+Tables 1/5); for PPL-like metrics paired deltas ``variant − baseline`` (same grid point) matched by (seed, depth),
+``mean ± t half-width [bootstrap lo, hi]`` (SCSE "Seed Protocol and Aggregation"), and a depth plot; a params
++ FLOP proxy table (SCSE eq. 20–21). A variant's label is its name and grid fields (``scse (optim.lr=0.001)``).
 """
 
 from __future__ import annotations
@@ -29,6 +19,7 @@ from typing import Any
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
 from looplm.analysis.store import ResultStore, RunRecord, record_dict
 from looplm.config import DepthConfig, build_choice
+
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
 #: metric. report.json holds the same selection.
@@ -65,8 +56,8 @@ class _Group:
 
 
 def _fmt(x: float, ref: float | None = None) -> str:
-    """2 decimals when the reference magnitude ``ref`` (default ``x``) is ordinary (0 or in
-    [0.1, 1e7)), else 3 significant digits; numbers of one cell share ``ref``."""
+    """2 decimals when the magnitude of ``ref`` (default ``x``; shared by a cell) is 0 or in [0.1, 1e7), else 3
+    significant digits."""
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
     r = abs(x if ref is None or not math.isfinite(ref) else ref)
@@ -84,8 +75,7 @@ def format_mean_std(mean: float, std: float) -> str:
 
 
 def format_delta(s: dict[str, Any]) -> str:
-    """Markdown cell ``"mean ± t-half-width [bootstrap lo, bootstrap hi]"`` of a paired summary dict
-    (:meth:`~looplm.analysis.stats.PairedSummary.to_dict`); with one pair: ``"mean (n=1)"``."""
+    """Markdown cell ``"mean ± t-half-width [bootstrap lo, hi]"`` of a paired summary dict (one pair: ``"mean (n=1)"``)."""
     if s["n"] < 2:
         return f"{_fmt(s['mean'])} (n=1)"
     lo, hi = s["bootstrap"]
@@ -123,23 +113,10 @@ def _train_range(runs: list[RunRecord]) -> tuple[int, int] | None:
 def build_report(store: ResultStore, *, baseline: str | None = None, sweep: str | None = None,
                  confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES,
                  bootstrap_seed: int = DEFAULT_BOOTSTRAP_SEED) -> dict[str, Any]:
-    """Aggregate the store into a JSON-ready report dict.
+    """The JSON-ready report of the store (of one ``sweep``; ``baseline`` default: the first variant): ``models``
+    and ``sections``, each with ``cells`` (label → depth → {n, mean, std, seeds, values}) and ``deltas``.
 
-    Args:
-        store: the results database.
-        baseline: variant name the paired deltas compare against (default: the sweep's first).
-        sweep: only the runs of this sweep (default: every run in the store).
-        confidence, n_resamples, bootstrap_seed: interval settings (see :mod:`looplm.analysis.stats`).
-
-    Returns:
-        ``{"db", "sweeps", "baseline", "variants", "seeds", "confidence", "bootstrap", "train_range",
-        "models": [...], "sections": [...]}``; a section holds ``protocol``, ``protocol_hash``,
-        ``settings``, ``dataset``, ``split``, ``tag``, ``metric``, ``depth_name`` ("T", or "t" for
-        loop-step diagnostics), ``depths``, ``cells`` (label → depth → {n, mean, std, seeds, values})
-        and ``deltas`` (label → depth → paired summary; empty when not a paired metric).
-
-    Raises:
-        ValueError: no runs stored, an unknown ``baseline``, or one variant with different configs.
+    ValueError: no runs stored, an unknown ``baseline``, or one variant with different configs.
     """
     runs = store.runs(sweep)
     if not runs:
@@ -328,14 +305,8 @@ def _strict_json(obj: Any) -> Any:
 
 def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str | None = None,
                  sweep: str | None = None, plots: bool = True) -> dict[str, Any]:
-    """Build the report of ``db`` and write ``report.md``, ``report.json`` and depth plots to ``out``.
-
-    Returns:
-        ``{"markdown": path, "json": path, "plots": [paths], "report": report dict}``.
-
-    Raises:
-        FileNotFoundError: ``db`` is a path that does not exist. ValueError: see :func:`build_report`.
-    """
+    """Write ``report.md``, ``report.json`` and depth plots of ``db`` to ``out``; returns their paths and the
+    ``report``."""
     from looplm.analysis.plots import plot_mean_std_vs_depth
 
     if isinstance(db, ResultStore):

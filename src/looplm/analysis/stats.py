@@ -1,14 +1,9 @@
 """Seed statistics for reports (SPEC §9; SCSE "Seed Protocol and Aggregation").
 
-- Aggregates over seeds are ``mean ± std`` with the sample standard deviation (ddof = 1).
-- Paired comparisons match two variants by (seed, depth) and take ``delta = variant − baseline``;
-  they report the mean delta with a small-sample 95% t-interval half-width
-  ``t_{(1+c)/2, n−1} · sd / √n`` (Student t, SciPy) and a deterministic paired-bootstrap percentile
-  interval (NumPy ``Generator`` with a fixed seed, resampling the matched pairs with replacement).
-
-Both intervals are paired robustness checks over a handful of seeds, not large-sample significance
-claims. All functions take plain sequences of floats and return floats (NaN where a quantity is
-undefined, e.g. a standard deviation of one value).
+Aggregates are ``mean ± std`` (ddof = 1). Paired comparisons match variants by (seed, depth), ``delta =
+variant − baseline``: mean with a 95% Student-t half-width ``t_{(1+c)/2, n−1} · sd / √n`` and a deterministic
+paired-bootstrap percentile interval (robustness checks over a few seeds, not significance claims). NaN where a
+quantity is undefined (the std of one value).
 """
 
 from __future__ import annotations
@@ -32,24 +27,14 @@ def _as_array(values: Sequence[float], name: str) -> np.ndarray:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """``(mean, sample std with ddof=1)`` of ``values``; the std is NaN for a single value.
-
-    Raises:
-        ValueError: empty ``values``.
-    """
+    """``(mean, sample std)`` of ``values``; the std is NaN for a single value. ValueError when empty."""
     arr = _as_array(values, "values")
     return float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else math.nan
 
 
 def t_half_width(values: Sequence[float], confidence: float = 0.95) -> float:
-    """Half-width of the two-sided Student-t confidence interval for the mean of ``values``.
-
-    ``t_{(1+c)/2, n−1} · sd / √n`` with the sample sd (ddof=1); e.g. [1, 2, 3] → 4.302653/√3 =
-    2.48414. NaN for fewer than two values; 0 when all values are equal.
-
-    Raises:
-        ValueError: empty ``values`` or ``confidence`` outside (0, 1).
-    """
+    """``t_{(1+c)/2, n−1} · sd / √n``, e.g. [1, 2, 3] → 4.302653/√3 = 2.48414; NaN for one value. ValueError:
+    empty ``values`` or ``confidence`` outside (0, 1)."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
     arr = _as_array(values, "values")
@@ -63,16 +48,8 @@ def t_half_width(values: Sequence[float], confidence: float = 0.95) -> float:
 def bootstrap_interval(values: Sequence[float], *, confidence: float = 0.95,
                        n_resamples: int = DEFAULT_RESAMPLES,
                        seed: int = DEFAULT_BOOTSTRAP_SEED) -> tuple[float, float]:
-    """Percentile bootstrap interval for the mean of ``values`` (e.g. paired deltas).
-
-    Draws ``n_resamples`` resamples of size n with replacement from ``np.random.default_rng(seed)``
-    and returns the ``(1−c)/2`` and ``(1+c)/2`` percentiles (linear interpolation) of the resample
-    means. Deterministic: the same inputs give the same interval on every call. Constant values
-    give a zero-width interval; a single value gives ``(value, value)``.
-
-    Raises:
-        ValueError: empty ``values``, ``confidence`` outside (0, 1) or ``n_resamples < 1``.
-    """
+    """The ``(1−c)/2`` and ``(1+c)/2`` percentiles of the means of ``n_resamples`` resamples with replacement
+    (``np.random.default_rng(seed)``: deterministic). ValueError: no values, a bad confidence or n_resamples."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
     if n_resamples < 1:
@@ -88,12 +65,7 @@ def bootstrap_interval(values: Sequence[float], *, confidence: float = 0.95,
 
 @dataclass(frozen=True)
 class PairedSummary:
-    """Summary of matched deltas ``variant − baseline`` (one per seed).
-
-    ``n`` pairs, ``mean`` and sample ``sd`` of the deltas, ``t_half_width`` (95% by default;
-    NaN for n < 2), ``t_interval`` = mean ∓ half-width, ``bootstrap`` = percentile interval,
-    ``keys`` = the matched keys (e.g. seeds) in sorted order, ``deltas`` in that order.
-    """
+    """Summary of matched deltas ``variant − baseline`` over the sorted common ``keys`` (seeds)."""
 
     n: int
     mean: float
@@ -113,12 +85,7 @@ class PairedSummary:
 
 def paired_deltas(variant: Mapping[Hashable, float], baseline: Mapping[Hashable, float]
                   ) -> tuple[list, list[float]]:
-    """Match two ``{key: value}`` maps (key: seed, or (seed, depth)) on their common keys.
-
-    Returns:
-        ``(keys, deltas)``: the common keys sorted, and ``variant[k] − baseline[k]`` in that order.
-        Keys present in only one map are dropped (an unpaired seed is not a paired observation).
-    """
+    """``(keys, deltas)``: the sorted common keys of two ``{key: value}`` maps and ``variant[k] − baseline[k]``."""
     keys = sorted(set(variant) & set(baseline))
     return keys, [float(variant[k]) - float(baseline[k]) for k in keys]
 
@@ -126,10 +93,7 @@ def paired_deltas(variant: Mapping[Hashable, float], baseline: Mapping[Hashable,
 def summarize_paired(variant: Mapping[Hashable, float], baseline: Mapping[Hashable, float], *,
                      confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES,
                      seed: int = DEFAULT_BOOTSTRAP_SEED) -> PairedSummary | None:
-    """Paired-delta summary of ``variant − baseline`` over their common keys (None if none match).
-
-    Example: deltas [1, 2, 3] → mean 2, sd 1, t half-width 2.48414, t interval (−0.484, 4.484).
-    """
+    """Paired-delta summary of ``variant − baseline`` over their common keys (None if none match)."""
     keys, deltas = paired_deltas(variant, baseline)
     if not deltas:
         return None
@@ -147,22 +111,9 @@ MIN_VERDICT_PAIRS = 3
 
 def claim_verdict(summary: PairedSummary | None, *, expect: str = "negative",
                   min_pairs: int = MIN_VERDICT_PAIRS) -> str:
-    """Verdict of a paper's directional claim about a paired delta ``variant − baseline``.
-
-    Args:
-        summary: :func:`summarize_paired` of the two variants (None: nothing matched).
-        expect: ``"negative"`` when the paper claims delta < 0 (e.g. a lower PPL), ``"positive"`` for > 0.
-        min_pairs: fewest paired observations a verdict is given from.
-
-    Returns:
-        ``"reproduces"`` when the t interval excludes 0 on the claimed side, ``"opposite"`` when it
-        excludes 0 on the other side, ``"not resolved"`` when it contains 0; with fewer than
-        ``min_pairs`` pairs ``"provisional (n pairs): claimed side"`` / ``… other side`` / ``… tie`` by the
-        sign of the mean only; ``"no data"`` without pairs.
-
-    Raises:
-        ValueError: ``expect`` not ``"negative"`` or ``"positive"``, or ``min_pairs`` < 2.
-    """
+    """Verdict of the claim "delta is ``expect``" ("negative" or "positive"): "reproduces" / "opposite" when the
+    t interval excludes 0 on that / the other side, "not resolved"; with fewer than ``min_pairs`` pairs
+    "provisional (n pairs): claimed side / other side / tie" by the mean's sign; "no data" without pairs."""
     if expect not in ("negative", "positive"):
         raise ValueError(f"expect: 'negative' or 'positive', got {expect!r}")
     if min_pairs < 2:

@@ -2,23 +2,10 @@
 
 An *evaluation identity* is ``(config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag)``:
 ``config_hash`` hashes the run config without the fields that leave the trained weights unchanged
-(:data:`NON_IDENTITY_FIELDS`; :data:`HF_DATA_FIELDS` / :data:`TASK_DATA_FIELDS` unless that dataset);
-``protocol_hash`` the protocol name plus its settings that change the numbers; ``depth`` is the loop depth T
-(for ``diagnose``: the 0-based loop step t). Each identity holds one set of metrics (name → float);
-:meth:`ResultStore.put` replaces it in one transaction (stale metric names dropped), so a re-run never
-double-counts a seed. Several writer processes are safe (WAL mode, busy timeout, ``BEGIN IMMEDIATE``).
-
-Schema (``SCHEMA_VERSION`` 1)::
-
-    meta(key PRIMARY KEY, value)
-    configs(config_hash PRIMARY KEY, config_json)
-    protocols(protocol_hash PRIMARY KEY, protocol, settings_json)
-    evaluations(config_hash, protocol, protocol_hash, dataset, split, depth, seed, tag, metric, value,
-                updated_at, PRIMARY KEY(config_hash, protocol, protocol_hash, dataset, split, depth,
-                seed, tag, metric))
-    runs(sweep, run_id, variant, variant_order, grid_json, seed, config_hash, config_json, params,
-         flops_json, run_dir, weights_sha256, summary_json, updated_at, PRIMARY KEY(sweep, run_id))
-    provenance(<identity columns>, provenance_json, PRIMARY KEY(<identity columns>))
+(:func:`config_identity`); ``protocol_hash`` the protocol name and the settings that change the numbers;
+``depth`` is the loop depth T (``diagnose``: the loop step t). Each identity holds one set of metrics, replaced
+in one transaction, so a re-run never double-counts a seed. Several writer processes are safe (WAL mode, busy
+timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA`.
 
 ``provenance`` (``CREATE TABLE IF NOT EXISTS`` adds it to older files) holds each evaluation's
 :func:`looplm.run.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
@@ -27,6 +14,7 @@ after checking the schema, so an unrelated database is never changed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -49,14 +37,14 @@ NON_IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "data": ("data_root", "cache_dir"),
 }
 
-#: ``data`` fields read only when ``data.dataset == "hf"``; left out of the identity of other datasets (so
-#: configs hash as they did before these fields existed)
-HF_DATA_FIELDS: tuple[str, ...] = ("hf_path", "hf_name", "hf_splits", "text_column")
-#: ``data`` fields read only when ``data.dataset == "task"`` (likewise left out otherwise)
-TASK_DATA_FIELDS: tuple[str, ...] = ("task", "task_k", "task_heldout", "task_seed")
+#: ``data`` fields read only by one dataset; left out of the identity of the others (so configs hash as they
+#: did before these fields existed)
+DATASET_FIELDS: dict[str, tuple[str, ...]] = {"hf": ("hf_path", "hf_name", "hf_splits", "text_column"),
+                                              "task": ("task", "task_k", "task_heldout", "task_seed")}
 
 IDENTITY_COLUMNS: tuple[str, ...] = ("config_hash", "protocol", "protocol_hash", "dataset", "split", "depth",
                                      "seed", "tag")
+_WHERE = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -105,12 +93,9 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def config_identity(config: Any) -> dict[str, Any]:
-    """The part of a run config (``Config`` or its dict) that defines the trained model.
-
-    Drops ``name`` and the :data:`NON_IDENTITY_FIELDS`, resolves a post-LN ``model.residual_depth`` of 0
-    to the depth sampler's maximum (as the model builder does); keeps everything else (model, data and training protocol, including the format
-    version).
-    """
+    """The part of a run config (``Config`` or its dict) that defines the trained model: without ``name``,
+    :data:`NON_IDENTITY_FIELDS` and other datasets' :data:`DATASET_FIELDS`; a post-LN ``residual_depth`` of 0
+    resolved to the depth sampler's maximum (as the model builder does)."""
     d = _config_dict(config)
     d.pop("name", None)
     for section, names in NON_IDENTITY_FIELDS.items():
@@ -121,12 +106,10 @@ def config_identity(config: Any) -> dict[str, Any]:
         # N = K·R as the model builder resolves it (looplm.model.build_model): the same model either way
         model["residual_depth"] = build_choice(DepthConfig, d["depth"]).max_depth()
     data = d.get("data", {})
-    if isinstance(data, dict) and data.get("dataset") != "hf":  # read by dataset=hf only
-        for name in HF_DATA_FIELDS:
-            data.pop(name, None)
-    if isinstance(data, dict) and data.get("dataset") != "task":  # read by dataset=task only
-        for name in TASK_DATA_FIELDS:
-            data.pop(name, None)
+    for dataset, names in DATASET_FIELDS.items():
+        if isinstance(data, dict) and data.get("dataset") != dataset:
+            for name in names:
+                data.pop(name, None)
     return d
 
 
@@ -170,11 +153,8 @@ class EvalIdentity:
 
 @dataclass
 class RunRecord:
-    """Per-run metadata (one row of ``runs``), keyed by (sweep, run_id).
-
-    ``flops``: depth → ``{"body", "body_head"}`` FLOPs/token (SCSE eq. 20–21); ``grid``: the extra
-    grid fields of this run (``{"section.field": value}``); ``summary``: the training summary.
-    """
+    """Per-run metadata (one row of ``runs``), keyed by (sweep, run_id); ``flops``: depth →
+    ``{"body", "body_head"}`` FLOPs/token (SCSE eq. 20–21); ``grid``: ``{"section.field": value}``."""
 
     sweep: str
     run_id: str
@@ -195,8 +175,7 @@ class RunRecord:
 
 
 class ResultStoreError(ValueError):
-    """The results database cannot be used (not a SQLite file, damaged, or locked too long); the message
-    names the file."""
+    """The results database cannot be used (not SQLite, damaged, or locked too long); names the file."""
 
 
 def _float(v: Any) -> float:
@@ -204,40 +183,27 @@ def _float(v: Any) -> float:
 
 
 class ResultStore:
-    """The SQLite results database at ``path`` (created with its schema when missing).
+    """The SQLite results database at ``path`` (created with its schema when missing); a context manager.
 
-    Use as a context manager or call :meth:`close`. Every public write is one transaction: a write that
-    fails midway (an exception, or the process killed) leaves the database as it was before it.
-    ``readonly=True`` opens an existing file with SQLite ``mode=ro`` (writes fail) after checking it holds
-    the looplm tables and schema version; the file is never changed.
-
-    Raises:
-        ResultStoreError: the file is not a SQLite database or is damaged (read-only: or lacks the looplm
-            tables), or the database stays locked longer than ``timeout`` seconds (opening or writing).
-        ValueError: the file holds a different schema version.
+    Every public write is one transaction (a write that fails midway leaves the database as it was).
+    ``readonly=True`` opens an existing file with SQLite ``mode=ro`` after checking its tables and schema
+    version. ResultStoreError: not SQLite, damaged, no looplm tables, or locked past ``timeout`` seconds;
+    ValueError: another schema version.
     """
 
     def __init__(self, path: str | Path, *, timeout: float = 60.0, readonly: bool = False) -> None:
         self.path = Path(path)
         self.timeout = timeout
+        if readonly and not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: the results database does not exist")
         if readonly:
-            self._open_readonly()
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
+            uri = f"{self.path.resolve().as_uri()}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
         try:
-            self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            self._retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL"))
-            self._conn.execute("PRAGMA synchronous = NORMAL")
-            with self._write() as c:
-                # one statement at a time: executescript() would commit the open transaction
-                for stmt in filter(str.strip, _SCHEMA.split(";")):
-                    c.execute(stmt)
-                row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                if row is None:
-                    c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-                elif int(row[0]) != SCHEMA_VERSION:
-                    raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+            self._check_readonly() if readonly else self._create()
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
             self._conn.close()
             raise self._error(exc) from None
@@ -245,27 +211,30 @@ class ResultStore:
             self._conn.close()
             raise
 
-    def _open_readonly(self) -> None:
-        if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: the results database does not exist")
-        uri = f"{self.path.resolve().as_uri()}?mode=ro"
-        self._conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
-        try:
-            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            missing = [t for t in REQUIRED_TABLES if t not in tables]
-            if missing:
-                raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
-                                       f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
-            row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None or row[0] != str(SCHEMA_VERSION):
-                raise ValueError(f"{self.path}: schema_version {row[0] if row else 'missing'}; this looplm reads "
-                                 f"{SCHEMA_VERSION}")
-        except sqlite3.DatabaseError as exc:
-            self._conn.close()
-            raise self._error(exc) from None
-        except BaseException:
-            self._conn.close()
-            raise
+    def _create(self) -> None:
+        self._conn.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
+        self._retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL"))
+        self._conn.execute("PRAGMA synchronous = NORMAL")
+        with self._write() as c:
+            # one statement at a time: executescript() would commit the open transaction
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                c.execute(stmt)
+            row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+
+    def _check_readonly(self) -> None:
+        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [t for t in REQUIRED_TABLES if t not in tables]
+        if missing:
+            raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
+                                   f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None or row[0] != str(SCHEMA_VERSION):
+            raise ValueError(f"{self.path}: schema_version {row[0] if row else 'missing'}; this looplm reads "
+                             f"{SCHEMA_VERSION}")
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _retry(self, fn):
@@ -278,37 +247,27 @@ class ResultStore:
                     raise
                 time.sleep(0.05)
 
+    @contextlib.contextmanager
     def _write(self):
         """One ``BEGIN IMMEDIATE`` … ``COMMIT`` transaction, rolled back on any exception (KeyboardInterrupt
         too); SQLite errors leave as :class:`ResultStoreError` naming the file."""
-        store = self
-
-        class _Tx:
-            def __enter__(self):
+        try:
+            self._retry(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+        except sqlite3.DatabaseError as exc:
+            raise self._error(exc) from exc
+        try:
+            yield self._conn
+            self._conn.execute("COMMIT")
+        except BaseException as exc:
+            if self._conn.in_transaction:
                 try:
-                    store._retry(lambda: store._conn.execute("BEGIN IMMEDIATE"))
-                except sqlite3.DatabaseError as exc:
-                    raise store._error(exc) from exc
-                return store._conn
-
-            def __exit__(self, exc_type, exc, tb):
-                if exc_type is None:
-                    try:
-                        store._conn.execute("COMMIT")
-                        return False
-                    except sqlite3.DatabaseError as commit_exc:
-                        exc_type, exc = type(commit_exc), commit_exc
-                if store._conn.in_transaction:
-                    try:
-                        store._conn.execute("ROLLBACK")
-                    except sqlite3.Error:  # a damaged file can fail this too; report the first error
-                        if exc is None or not isinstance(exc, sqlite3.DatabaseError):
-                            raise
-                if isinstance(exc, sqlite3.DatabaseError):
-                    raise store._error(exc) from exc
-                return False
-
-        return _Tx()
+                    self._conn.execute("ROLLBACK")
+                except sqlite3.Error:  # a damaged file can fail this too; report the first error
+                    if not isinstance(exc, sqlite3.DatabaseError):
+                        raise
+            if isinstance(exc, sqlite3.DatabaseError):
+                raise self._error(exc) from exc
+            raise
 
     def _error(self, exc: sqlite3.DatabaseError) -> ResultStoreError:
         msg = str(exc)
@@ -328,14 +287,8 @@ class ResultStore:
         self.close()
 
     def rehash(self) -> int:
-        """Bring every stored config hash up to today's :func:`config_identity` (after its rules changed):
-        each ``configs`` row whose identity JSON now hashes
-        differently is re-keyed, with its evaluations and runs (a row already stored under the new hash
-        wins over the re-keyed one: it is the newer evaluation of the same identity). Idempotent.
-
-        Returns:
-            The number of config hashes changed.
-        """
+        """Re-key every config hash that today's :func:`config_identity` hashes differently, with its
+        evaluations and runs (a row already under the new hash wins); returns how many. Idempotent."""
         rows = self._conn.execute("SELECT config_hash, config_json FROM configs").fetchall()
         moves = [(old, config_hash(json.loads(text)), json.loads(text)) for old, text in rows]
         moves = [(old, new, identity) for old, new, identity in moves if new != old]
@@ -355,20 +308,13 @@ class ResultStore:
     # -- evaluations ------------------------------------------------------------------------------
     def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
             settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        """Store ``metrics`` (NaN stored as NULL, read back as NaN) as ``identity``, replacing what it held;
-        ``config`` and ``settings`` go to ``configs`` / ``protocols``, ``provenance`` (an identity written
-        without one loses its old record) to ``provenance``.
-        """
+        """Store ``metrics`` (NaN as NULL) as ``identity``, replacing what it held (its provenance too)."""
         self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
 
     def put_many(self, items: Iterable[tuple[EvalIdentity, Mapping[str, float]]], *, config: Any = None,
                  settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> int:
-        """:meth:`put` for several identities in one transaction. Returns the number of identities.
-
-        Raises:
-            ValueError: ``config`` or ``settings`` does not hash to an identity's hashes, or a metric
-                set is empty.
-        """
+        """:meth:`put` for several identities in one transaction; returns how many. ValueError: an empty metric
+        set, or ``config`` / ``settings`` not hashing to an identity's hashes."""
         items = [(ident, dict(m)) for ident, m in items]
         now = time.time()
         chash = config_hash(config) if config is not None else None
@@ -388,9 +334,8 @@ class ResultStore:
                                          f"identity has {ident.protocol_hash[:12]}")
                     c.execute("INSERT OR REPLACE INTO protocols VALUES (?, ?, ?)",
                               (phash, ident.protocol, _canonical(dict(settings))))
-                where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
                 names = sorted(metrics)
-                c.execute(f"DELETE FROM evaluations WHERE {where} AND metric NOT IN "
+                c.execute(f"DELETE FROM evaluations WHERE {_WHERE} AND metric NOT IN "
                           f"({', '.join('?' * len(names))})", (*ident.as_tuple(), *names))
                 c.executemany(
                     f"INSERT INTO evaluations ({', '.join(IDENTITY_COLUMNS)}, metric, value, updated_at) "
@@ -398,7 +343,7 @@ class ResultStore:
                     f"ON CONFLICT ({', '.join(IDENTITY_COLUMNS)}, metric) "  # UPSERT, SQLite >= 3.24
                     "DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
                     [(*ident.as_tuple(), name, _none_if_nan(metrics[name]), now) for name in names])
-                c.execute(f"DELETE FROM provenance WHERE {where}", ident.as_tuple())
+                c.execute(f"DELETE FROM provenance WHERE {_WHERE}", ident.as_tuple())
                 if provenance is not None:
                     c.execute("INSERT INTO provenance VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                               (*ident.as_tuple(), _canonical(dict(provenance))))
@@ -406,15 +351,11 @@ class ResultStore:
 
     def provenance(self, identity: EvalIdentity) -> dict[str, Any] | None:
         """The provenance stored with ``identity`` (None when none was)."""
-        where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
-        row = self._conn.execute(f"SELECT provenance_json FROM provenance WHERE {where}",
-                                 identity.as_tuple()).fetchone()
-        return json.loads(row[0]) if row else None
+        return self._json(f"SELECT provenance_json FROM provenance WHERE {_WHERE}", identity.as_tuple())
 
     def get(self, identity: EvalIdentity) -> dict[str, float]:
         """The metrics stored for ``identity`` (empty dict when none)."""
-        where = " AND ".join(f"{col} = ?" for col in IDENTITY_COLUMNS)
-        rows = self._conn.execute(f"SELECT metric, value FROM evaluations WHERE {where}", identity.as_tuple())
+        rows = self._conn.execute(f"SELECT metric, value FROM evaluations WHERE {_WHERE}", identity.as_tuple())
         return {m: _float(v) for m, v in rows}
 
     def has(self, identity: EvalIdentity, metrics: Iterable[str] = ()) -> bool:
@@ -431,13 +372,8 @@ class ResultStore:
         return (" WHERE " + " AND ".join(parts)) if parts else "", list(filters.values())
 
     def evaluations(self, **filters: Any) -> list[dict[str, Any]]:
-        """Stored rows (one per identity × metric) matching ``column=value`` filters.
-
-        Each row: the identity columns, ``metric``, ``value`` (NaN for NULL), ``updated_at``.
-
-        Raises:
-            ValueError: a filter that is not an identity column or ``metric``.
-        """
+        """Rows (identity columns, ``metric``, ``value`` (NaN for NULL), ``updated_at``) matching ``column=value``
+        filters over the identity columns and ``metric`` (ValueError for another)."""
         where, args = self._filters(filters)
         cur = self._conn.execute(f"SELECT {', '.join(IDENTITY_COLUMNS)}, metric, value, updated_at "
                                  f"FROM evaluations{where} ORDER BY {', '.join(IDENTITY_COLUMNS)}, metric", args)
@@ -459,13 +395,14 @@ class ResultStore:
 
     def config(self, config_hash: str) -> dict[str, Any] | None:
         """The identity JSON stored for ``config_hash`` (None when unknown)."""
-        row = self._conn.execute("SELECT config_json FROM configs WHERE config_hash = ?", (config_hash,)).fetchone()
-        return json.loads(row[0]) if row else None
+        return self._json("SELECT config_json FROM configs WHERE config_hash = ?", (config_hash,))
 
     def protocol_settings(self, protocol_hash: str) -> dict[str, Any] | None:
         """The settings stored for ``protocol_hash`` (None when unknown)."""
-        row = self._conn.execute("SELECT settings_json FROM protocols WHERE protocol_hash = ?",
-                                 (protocol_hash,)).fetchone()
+        return self._json("SELECT settings_json FROM protocols WHERE protocol_hash = ?", (protocol_hash,))
+
+    def _json(self, sql: str, args: tuple) -> Any:
+        row = self._conn.execute(sql, args).fetchone()
         return json.loads(row[0]) if row else None
 
     # -- runs -------------------------------------------------------------------------------------

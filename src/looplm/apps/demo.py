@@ -1,18 +1,8 @@
 """The main job (``looplm demo``): looped baseline vs SCSE on real English text, across loop depths.
 
-Trains each rule with the ``cpu`` preset on the Brown train split (SPEC §11), evaluates every
-checkpoint at every depth on Brown test and on the held-out WikiText-2 raw test split (no training
-on it), and writes to OUT:
-
-    results.json        per model × split × depth: ppl, nll, tokens; unigram baselines; timings
-    results.md          Markdown tables of PPL by depth (:func:`results_markdown`)
-    ppl_vs_depth.png    PPL against loop depth on a log2 axis (SCSE Figure 3 style)
-    runs/<rule>/        the training runs (checkpoints, metrics.jsonl, summary.json)
-
-Re-running skips finished training and resumes an interrupted training run (evaluation is rerun).
-:func:`readme_table` renders the README's "Measured results" table from a results.json
-(``python experiments/demo/readme_table.py``). Every PPL table opens with a depth-use column (issue 24):
-PPL at T = 1, at the training depth and at the best evaluated T.
+Trains each rule with the ``cpu`` preset on Brown train (SPEC §11), evaluates every depth on Brown test and the
+held-out WikiText-2 raw test, and writes ``results.json``, ``results.md``, ``ppl_vs_depth.png`` and ``runs/<rule>/``
+to OUT; re-running skips or resumes training. :func:`readme_table` renders the README's "Measured results".
 """
 
 from __future__ import annotations
@@ -87,9 +77,7 @@ def demo_title(rules: Sequence[str]) -> str:
 def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | None = 16384,
              depths: Sequence[int] = DEFAULT_DEPTHS, rules: str = "looped,scse", progress: bool = True,
              preset: str = "cpu") -> dict:
-    """Run the main job into ``out`` and return the results dict (also written to results.json, strict
-    JSON: a non-finite PPL is null and listed under ``"nonfinite"``). ``preset``: the model and training
-    config (``cpu``; tests use ``debug``)."""
+    """Run the main job into ``out``; returns the results (also results.json, a non-finite PPL as null)."""
     t0 = time.time()
     rule_list = [r.strip() for r in rules.split(",") if r.strip()]
     if not rule_list:
@@ -157,15 +145,13 @@ def _ppl(x: Any) -> str:
 
 
 def _depth_use(entry: dict[str, Any], title: str, train_depth: int) -> str:
-    """Depth-use cell (:func:`~looplm.analysis.claims.depth_use_cell`) of one model's PPL on ``title``
-    over its finite evaluated depths."""
+    """:func:`~looplm.analysis.claims.depth_use_cell` of one model's finite PPLs on ``title``."""
     ppl = {int(T): _get_ppl(entry, title, int(T)) for T in entry["eval"].get(title, {})}
     return depth_use_cell({T: {0: p} for T, p in ppl.items() if math.isfinite(p)}, train_depth)
 
 
 def results_markdown(results: dict[str, Any]) -> str:
-    """The demo's ``results.md`` from its ``results.json`` dict: the setup, then per test split a table of
-    PPL by depth (a depth-use column first, ``n/a`` where the PPL is null), the plot and the wall time."""
+    """``results.md`` from a ``results.json`` dict: the setup, per split PPL by depth (depth use first), the plot."""
     cfg = Config.from_dict(results["preset"])
     m, t, depth = cfg.model, cfg.train, cfg.depth
     depths = [int(T) for T in results["depths"]]
@@ -188,9 +174,7 @@ def results_markdown(results: dict[str, Any]) -> str:
 
 
 def readme_table(results: dict[str, Any]) -> str:
-    """The README's "Measured results" table from a demo ``results.json`` dict: one row for the unigram
-    baseline and one per model (depth use on Brown test, parameters, then PPL at the :data:`README_COLUMNS`
-    depths that were evaluated; ``n/a`` where the PPL is null)."""
+    """The README's "Measured results" table (unigram and each model at the :data:`README_COLUMNS` depths)."""
     evaluated = {int(T) for T in results["depths"]}
     train_depth = Config.from_dict(results["preset"]).depth.nominal_depth()
     brown = README_COLUMNS[0][0]
@@ -213,9 +197,7 @@ def _get_ppl(entry: dict[str, Any], title: str, T: int) -> float:
 
 
 def readme_summary(results: dict[str, Any]) -> str:
-    """The README's sentences about a demo run, computed from its ``results.json`` (so no number in
-    them is typed by hand): wall times, the best model at T=8 on Brown test, each model's PPL against
-    the unigram model, the change from T=8 to the largest depth, and the final validation PPL."""
+    """The README's sentences about a demo run, every number computed from its ``results.json``."""
     models = results["models"]
     depths = sorted(int(T) for T in results["depths"])
     t_ref, t_max = (8 if 8 in depths else depths[len(depths) // 2]), depths[-1]

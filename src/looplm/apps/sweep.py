@@ -1,59 +1,34 @@
-'''Sweeps (``looplm sweep FILE.toml``): train and evaluate a grid of runs, resumably, into one results DB.
-
-A sweep file (TOML) names a base config, the variants to compare, the seeds, optional extra grid
-fields and the evaluation protocol::
+'''Sweeps (``looplm sweep FILE.toml``): train and evaluate a grid of runs, resumably, into one results DB::
 
     # scse-vs-looped.toml
-    name = "scse-vs-looped"     # optional; default: the file name without .toml
-    seeds = [0, 1, 2]           # training seeds (train.seed); default [0, 1, 2]
-    baseline = "looped"         # variant the report's paired deltas compare with; default: the first
-
+    name = "scse-vs-looped"     # default: the file name
+    seeds = [0, 1, 2]           # train.seed values; default [0, 1, 2]
+    baseline = "looped"         # the report's paired deltas compare with it; default: the first variant
     [base]
-    preset = "cpu"              # a preset (`looplm info --list`), or config = "path/config.json"
-    "train.steps" = 400         # any config field as "section.field" = value ...
-    model.dropout = 0.1         # ... or as a TOML dotted key
-
-    [variants]                  # name → config overrides applied on top of the base
+    preset = "cpu"              # or config = "path/config.json"
+    "train.steps" = 400         # any config field as "section.field" = value, or a TOML dotted key
+    [variants]                  # name → config overrides on top of the base
     looped = {"model.rule" = "looped"}
     scse = {"model.rule" = "scse"}
     unshared = {"model.architecture" = "unshared", "model.n_layers" = 4}
-
-    [grid]                      # optional: every combination of these values is a separate run
+    [grid]                      # optional: every combination is a separate run
     "optim.lr" = [1e-3, 2e-3]
+    [eval]                      # also splits, stride, batch_size, tag, device (EVAL_KEYS)
+    depths = [1, 2, 4, 8, 16, 32, 48]        # default 1,2,4,8,12,16,24,32,48
+    datasets = ["brown", "wikitext2"]        # default: the training corpus
+    max_tokens = 16384                       # default: the whole split
+    diagnose = true                          # hooks (HOOKS): true, or their keyword arguments
+    lambada = {max_examples = 500}
+    kv_sharing = {depths = [5]}              # terminal KV sharing at recurrences R
+    tasks = {split = "test"}                 # data.dataset = "task" runs (no ppl): exact match by depth × k;
+                                             # halting = {criterion = "hidden_update", target_depth = 4}
 
-    [eval]
-    depths = [1, 2, 4, 8, 16, 32, 48]    # loop depths T; default 1,2,4,8,12,16,24,32,48
-    datasets = ["brown", "wikitext2"]    # default: the training corpus
-    splits = ["test"]                    # default ["test"]; every dataset × split is evaluated
-    max_tokens = 16384                   # score the first N tokens of each split; default: all
-    tag = "v1"                           # free label stored with every evaluation; default ""
-    batch_size = 16                      # windows per forward; default 16
-    device = "auto"                      # cpu, cuda or auto; default auto
-    diagnose = true                      # forcing bias and gain; or a table of keyword arguments
-    lambada = {max_examples = 500}       # LAMBADA completion; true, or keyword arguments
-    kv_sharing = {depths = [5], max_tokens = 8192}  # terminal KV sharing (continuation protocol) at
-                                         # these recurrences R; keyword arguments of the hook
-    tasks = {split = "test"}             # runs with data.dataset = "task": exact match by depth × k
-                                         # (keyword arguments of evaluate_task_checkpoint: ks, split,
-                                         # max_examples, batch_size, halting); such runs get no ppl
-                                         # evaluation. halting = {criterion = "hidden_update",
-                                         # target_depth = 4}: also the halting depth per k
-
-The grid is variants × seeds × grid fields, run seed by seed (all variants of seed 0 first, so a
-partial sweep already has paired comparisons) into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``;
-evaluations go to ``OUT/results.db`` (:mod:`looplm.analysis.store`) and a report to ``OUT/report/``.
-
-Resumable: a run whose training is complete and whose evaluations are all stored (for the weights on
-disk) is skipped; a killed run resumes from its newest valid checkpoint. A run directory whose saved
-config differs from the sweep's raises :class:`SweepError`. ``only=[run ids]``, ``shard=(i, n)`` and
-:func:`plan_sweep` split a sweep into parts that may run at once into one ``OUT`` (run locks, atomic
-token caches and ``sweep.json``, a results DB that takes concurrent writers); parts write no report.
-
-Stored protocols: ``diagnose`` (depth column = loop step t; metrics ``forcing.<name>`` and ``gain``;
-shared variants only), ``lambada`` (dataset ``lambada``, split ``test``), ``kv_sharing`` (depth column =
-R; shared variants only) and ``tasks`` (dataset ``<task>-k<k>``, metrics ``acc``, ``correct``, ``n``, ``nll``), with ``halting``
-(:func:`looplm.eval.tasks.task_halting`) also ``tasks_halting`` (one row per k, depth column = the ceiling;
-metrics ``mean_depth``, ``acc`` at halting, ``acc_matched`` at the matched fixed depth, ``n``, ``tau``).
+The grid is variants × seeds × grid points, seed-major, into ``OUT/runs/<variant>[-<field>=<value>...]-s<seed>/``,
+``OUT/results.db`` and ``OUT/report/``. A run trained and evaluated for the weights on disk is skipped, a killed
+one resumes, a run directory with another config raises :class:`SweepError`. ``only``, ``shard`` and
+:func:`plan_sweep` split a sweep into parts that may run at once into one ``OUT`` (they write no report).
+Stored protocols (depth column): ``ppl`` (T), ``diagnose`` (loop step t), ``lambada`` (T), ``kv_sharing`` (R),
+``tasks`` (T; dataset ``<task>-k<k>``) and ``tasks_halting`` (the ceiling; one row per k).
 '''
 
 from __future__ import annotations
@@ -106,15 +81,14 @@ class EvalProtocol:
     batch_size: int = 16
     tag: str = ""
     device: str = "auto"
-    diagnose: dict[str, Any] | None = None  # keyword arguments of diagnose_checkpoint; None = off
-    lambada: dict[str, Any] | None = None  # keyword arguments of evaluate_lambada_checkpoint; None = off
-    kv_sharing: dict[str, Any] | None = None  # keyword arguments of evaluate_kv_sharing_checkpoint
-    # (its own ``depths``, default [5]); None = off
-    tasks: dict[str, Any] | None = None  # keyword arguments of evaluate_task_checkpoint; None = off
+    # the hooks (HOOKS): keyword arguments of each; None = off (kv_sharing's own ``depths`` default [5])
+    diagnose: dict[str, Any] | None = None
+    lambada: dict[str, Any] | None = None
+    kv_sharing: dict[str, Any] | None = None
+    tasks: dict[str, Any] | None = None
 
     def ppl_datasets(self, data) -> tuple[str, ...]:
-        """Datasets of the ppl evaluation of a run with data config ``data``: ``datasets``, else the training
-        corpus (none for a synthetic task, which the ``tasks`` hook scores)."""
+        """``datasets``, else the training corpus (none for a synthetic task: the ``tasks`` hook scores it)."""
         return self.datasets or (() if data.dataset == "task" else (data.dataset,))
 
     def ppl_settings(self) -> dict[str, Any]:
@@ -147,11 +121,7 @@ class Sweep:
     baseline: str = ""
 
     def runs(self) -> list[RunSpec]:
-        """Every run, seed-major: for seed, for grid point, for variant.
-
-        Raises:
-            SweepError: an override that the config rejects (the message names the sweep key).
-        """
+        """Every run, seed-major: for seed, for grid point, for variant. Raises SweepError on a bad override."""
         keys = list(self.grid)
         points = [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))]
         out = []
@@ -167,6 +137,7 @@ class Sweep:
                     out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed,
                                        grid=point, config=cfg))
         return out
+
 
 
 def _value_text(v: Any) -> str:
@@ -288,14 +259,9 @@ def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
 
 
 def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path = ".") -> Sweep:
-    """Build a :class:`Sweep` from the parsed TOML ``d`` and validate every run's config.
+    """Build a :class:`Sweep` from parsed TOML and validate every run's config (SweepError names the key).
 
-    Args:
-        name: default sweep name (the file stem). root: folder that ``base.config`` is relative to.
-
-    Raises:
-        SweepError: unknown keys, wrong types, unknown config fields or values (the message names the
-            key in the sweep file and what is allowed).
+    ``name``: default sweep name (the file stem); ``root``: the folder ``base.config`` is relative to.
     """
     from looplm.presets import PRESETS
 
@@ -362,11 +328,7 @@ def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path =
 
 
 def toml_loads(text: str) -> dict[str, Any]:
-    """Parse TOML with the standard library's ``tomllib``.
-
-    Raises:
-        SweepError: invalid TOML.
-    """
+    """Parse TOML (SweepError when invalid)."""
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -374,11 +336,7 @@ def toml_loads(text: str) -> dict[str, Any]:
 
 
 def load_sweep(path: str | Path) -> Sweep:
-    """Read and validate a sweep file.
-
-    Raises:
-        FileNotFoundError: no such file. SweepError: invalid TOML or contents (names the key).
-    """
+    """Read and validate a sweep file (FileNotFoundError; SweepError naming the key)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such sweep file")
@@ -393,11 +351,7 @@ def load_sweep(path: str | Path) -> Sweep:
 
 @dataclass
 class SweepResult:
-    """What :func:`run_sweep` did: per-run status and counts, with the output paths.
-
-    Status per run: ``skipped`` (nothing to do), ``trained`` (from scratch), ``resumed`` (from a
-    checkpoint), ``evaluated`` (training was complete; evaluations were missing or stale).
-    """
+    """What :func:`run_sweep` did; per-run status: skipped, trained, resumed or evaluated (missing or stale)."""
 
     out: Path
     db: Path
@@ -412,9 +366,6 @@ class SweepResult:
                 **{s: self.count(s) for s in ("trained", "resumed", "evaluated", "skipped")},
                 "report": str(self.report["markdown"]) if self.report else None}
 
-
-def _data_key(cfg: Config) -> str:
-    return json.dumps(cfg.data.to_dict(), sort_keys=True)
 
 
 def _weights_sha(ckpt: Path) -> str | None:
@@ -461,7 +412,7 @@ class _Runner:
     def data_for(self, cfg: Config):
         from looplm.train.trainer import prepare_data
 
-        key = _data_key(cfg)
+        key = json.dumps(cfg.data.to_dict(), sort_keys=True)
         if key not in self.data:
             self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
             self.data[key] = prepare_data(cfg, progress=self.progress)
@@ -475,11 +426,7 @@ class _Runner:
     # -- one run ----------------------------------------------------------------------------------
     @staticmethod
     def _saved_run(spec: RunSpec, run_dir: Path, ckpt: Path) -> tuple[Config, int]:
-        """(saved config, step) of checkpoint ``ckpt`` of ``spec``'s run directory.
-
-        Raises:
-            SweepError: the directory holds a run with another config or seed than ``spec``.
-        """
+        """(saved config, step) of ``ckpt``; SweepError when it holds another config or seed than ``spec``."""
         saved = Config.from_json((ckpt / "config.json").read_text())
         wanted = spec.config.replace(model=spec.config.model.replace(vocab_size=saved.model.vocab_size))
         diff = _diff(config_identity(saved), config_identity(wanted))
@@ -526,8 +473,7 @@ class _Runner:
                          weights_sha256=_weights_sha(ckpt), summary=summary)
 
     def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool = False) -> list[str]:
-        """Run every evaluation that is missing (all of them when ``force``). Returns what ran; with ``dry``,
-        nothing runs and the labels of what would run are returned."""
+        """Run every missing evaluation (all when ``force``); returns what ran (``dry``: would run)."""
         done = self._eval_ppl(ckpt, saved, force, dry)
         for protocol in ("lambada", "tasks", "kv_sharing", "diagnose"):
             if getattr(self.ev, protocol) is not None:
@@ -541,7 +487,7 @@ class _Runner:
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
                                                settings=settings, tag=ev.tag) for T in ev.depths}
-                if not force and all(self.store.has(i, ["ppl"]) for i in idents.values()):
+                if not self._todo(idents, "ppl", force):
                     continue
                 if dry:
                     done.append(f"ppl {dataset}/{split}")
@@ -659,11 +605,7 @@ class _Runner:
         return ["diagnose"]
 
     def pending(self, spec: RunSpec) -> list[str]:
-        """What :meth:`run_one` would do for ``spec`` (empty: nothing; the run is done). Runs nothing.
-
-        Raises:
-            SweepError: the run directory holds a run with a different config.
-        """
+        """What :meth:`run_one` would do for ``spec`` (empty: the run is done). Runs nothing."""
         from looplm.run.checkpoint import newest_valid_checkpoint
 
         run_dir = self.out / "runs" / spec.run_id
@@ -698,11 +640,7 @@ class _Runner:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """``"i/n"`` → ``(i, n)`` with 0 <= i < n (shard i of n: the runs whose index ≡ i mod n).
-
-    Raises:
-        SweepError: not of that form.
-    """
+    """``"i/n"`` → ``(i, n)`` with 0 <= i < n (shard i of n: the runs whose index ≡ i mod n)."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
     if not m or not int(m.group(2)) >= 1 or not int(m.group(1)) < int(m.group(2)):
         raise SweepError(f"--shard: expected i/n with 0 <= i < n (e.g. 0/4 … 3/4), got {text!r}")
@@ -711,13 +649,9 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
                 shard: tuple[int, int] | None = None) -> list[RunSpec]:
-    """The runs of ``specs`` named in ``only`` (run ids) and in ``shard`` ``(i, n)``: index ≡ i (mod n).
+    """The runs of ``specs`` named in ``only`` and in ``shard`` ``(i, n)``: index in :meth:`Sweep.runs` ≡ i (mod n).
 
-    The index is a run's position in :meth:`Sweep.runs` (seed-major run order), so the shards
-    0/n … n-1/n of one sweep file partition its runs, whatever has already finished.
-
-    Raises:
-        SweepError: an unknown run id in ``only``, or a bad shard.
+    So shards 0/n … n-1/n partition a sweep, whatever has finished. SweepError: an unknown run id, a bad shard.
     """
     if only is not None:
         known = [s.run_id for s in specs]
@@ -737,31 +671,12 @@ def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
             if (only is None or s.run_id in only) and (shard is None or k % shard[1] == shard[0])]
 
 
-def _write_sweep_json(sweep: Sweep, specs: list[RunSpec], out: Path) -> None:
-    from looplm.data.paths import atomic_write
-
-    text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
-                  "variants": sweep.variants, "eval": sweep.eval.__dict__,
-                  "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
-                            "config": s.config.to_dict()} for s in specs]}, indent=2) + "\n"
-    with atomic_write(out / "sweep.json") as f:  # shards write the same text concurrently
-        f.write(text.encode())
-
 
 def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
                shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-    """The pending runs of ``sweep`` in ``out``, in run order, without running or writing anything.
+    """The runs of ``sweep`` that :func:`run_sweep` would train, resume or evaluate in ``out``; runs nothing.
 
-    A run is pending when :func:`run_sweep` would do something for it: train, resume, or evaluate
-    (its training is complete but an evaluation is missing from ``out/results.db`` or was made for
-    other weights).
-
-    Returns:
-        Per pending run: ``index`` (position in the run order), ``run_id`` and ``todo`` (what is
-        missing, e.g. ``["train"]``, ``["resume from step 4"]``, ``["ppl brown/test", "lambada"]``).
-
-    Raises:
-        SweepError: bad sweep file, or a run directory holding a different config.
+    Returns per pending run ``index`` (in run order), ``run_id`` and ``todo`` (e.g. ``["resume from step 4"]``).
     """
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
@@ -788,11 +703,7 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
 
 def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, Any]], *,
                   program: str = "looplm") -> list[str]:
-    """One shell command per pending run of ``plan``: ``looplm sweep FILE --out OUT --only RUN_ID``.
-
-    Each command trains (or resumes) and evaluates one run into the same ``OUT/runs/`` and
-    ``OUT/results.db`` as the whole sweep would, so the commands can run in any order, in parallel.
-    """
+    """``looplm sweep FILE --out OUT --only RUN_ID`` per pending run (they may run in any order, in parallel)."""
     import shlex
 
     return [f"{program} sweep {shlex.quote(str(sweep_file))} --out {shlex.quote(str(out))} "
@@ -800,14 +711,7 @@ def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, 
 
 
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
-    """Check that every corpus split the evaluation reads can be found, before anything trains.
-
-    Uses :func:`looplm.data.corpora.source_fingerprint` (a local file's hash, or the hub source's name when
-    ``datasets`` is installed), so nothing is downloaded or tokenized here.
-
-    Raises:
-        SweepError: naming ``eval.datasets``, the dataset, the split and how to provide it.
-    """
+    """SweepError unless every corpus split the evaluation reads can be found (nothing downloaded or tokenized)."""
     from looplm.data.corpora import source_fingerprint
     from looplm.data.paths import resolve_data_root
 
@@ -830,26 +734,12 @@ def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
 def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progress: bool = True,
               data: dict[str, Any] | None = None, report: bool = True, only: Sequence[str] | None = None,
               shard: tuple[int, int] | None = None) -> SweepResult:
-    """Train and evaluate every run of ``sweep`` into ``out`` (default ``results/<sweep name>``).
+    """Train and evaluate every run of ``sweep`` (a :class:`Sweep` or a file) into ``out`` (default
+    ``results/<name>``): ``runs/<run-id>/``, ``results.db``, ``sweep.json``, ``report/`` (when ``report``).
 
-    Args:
-        sweep: a :class:`Sweep` or the path of a sweep file.
-        out: output folder: ``runs/<run-id>/``, ``results.db``, ``sweep.json``, ``report/``.
-        progress: overall progress bar, per-run lines and the training/evaluation bars.
-        data: cache of prepared training data keyed by the data config's JSON; pass a dict to share
-            tokenized data between calls (filled as needed).
-        report: write ``out/report`` (:func:`looplm.analysis.report.write_report`) at the end.
-        only: run ids: run only these runs (the others are left as they are).
-        shard: ``(i, n)``: run only the runs whose index in the run order is ≡ i (mod n). Shards
-            0 … n-1 run in parallel (separate processes or scheduler jobs) into the same ``out``:
-            each run has its own folder, and the results DB takes concurrent writers (WAL mode,
-            busy timeout, one ``BEGIN IMMEDIATE`` transaction per write).
-
-    Returns:
-        A :class:`SweepResult` (per-run status: skipped, trained, resumed or evaluated).
-
-    Raises:
-        SweepError: bad sweep file, a run directory holding a different config, or a missing hook.
+    ``data``: a cache of prepared training data keyed by the data config's JSON, shared between calls.
+    ``only`` (run ids) and ``shard`` ``(i, n)`` select runs (:func:`select_runs`); parts may run at once
+    into one ``out`` (the results DB takes concurrent writers).
     """
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
@@ -857,12 +747,18 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     out.mkdir(parents=True, exist_ok=True)
     all_specs = sweep.runs()
     specs = select_runs(all_specs, only=only, shard=shard)
-    for name, enabled in (("diagnose", sweep.eval.diagnose), ("lambada", sweep.eval.lambada),
-                          ("kv_sharing", sweep.eval.kv_sharing), ("tasks", sweep.eval.tasks)):
-        if enabled is not None:
+    for name in HOOKS:
+        if getattr(sweep.eval, name) is not None:
             _hook(name)  # fail before training anything
+    from looplm.data.paths import atomic_write
+
     _check_eval_sources(sweep.eval, specs)
-    _write_sweep_json(sweep, all_specs, out)
+    text = dumps({"name": sweep.name, "baseline": sweep.baseline, "seeds": list(sweep.seeds), "grid": sweep.grid,
+                  "variants": sweep.variants, "eval": sweep.eval.__dict__,
+                  "runs": [{"run_id": s.run_id, "variant": s.variant, "seed": s.seed, "grid": s.grid,
+                            "config": s.config.to_dict()} for s in all_specs]}, indent=2) + "\n"
+    with atomic_write(out / "sweep.json") as f:  # shards write the same text concurrently
+        f.write(text.encode())
     result = SweepResult(out=out, db=out / "results.db")
     with ResultStore(result.db) as store:
         runner = _Runner(sweep, out, store, data if data is not None else {}, progress)

@@ -1,26 +1,19 @@
 """Corpus registry: raw text of the train / valid / test split of each dataset (SPEC §5, §11).
 
-A corpus returns a split as a list of *documents*; the token stream puts the end-of-text token between
-them, and ``load_split_text`` joins them with the corpus's separator. Registered names (the
-``DataConfig.dataset`` Literal; a test checks that the two agree):
+A split is a list of documents (the token stream puts the end-of-text token between them). Registered names
+(= the ``DataConfig.dataset`` Literal, tested):
 
-- ``brown``: ``<data_root>/brown/brown_untagged.txt``, 500 documents (sentences joined with ``"\\n"``) split
-  by 0-based index i: ``i % 20`` 18 → valid, 19 → test, else train (450 / 25 / 25; SPEC §11, our choice).
-- ``wikitext2`` / ``wikitext103``: ``<data_root>/wikitext-2-raw/wiki.{train,valid,test}.raw``
-  (``wikitext-103-raw/``), CRLF → LF, else the hub (``Salesforce/wikitext``). One document per split.
-- ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8 (CRLF → LF). One document per split.
-- ``openwebtext``: hub only (``Skylion007/openwebtext`` ``train``, hub order): rows [0, 200,000) → train,
-  the next 4,096 → valid, the next 4,096 → test (SPEC §5).
-- ``c4``: hub only (``allenai/c4``, ``en``): the first 100,000 ``train`` rows → train; ``validation`` rows
-  [0, 4,096) → valid (the SCSE paper's held-out slice), [4,096, 8,192) → test (SPEC §5).
-- ``hf``: anything ``datasets.load_dataset`` reads: ``hf_path`` a local ``.json``/``.jsonl``/``.parquet``/
-  ``.txt`` file (split ``train``) or folder of them, else a hub id (config ``hf_name``); ``hf_splits`` the
-  three split specs (slicing allowed), ``text_column`` the text; one document per row (per paragraph of a
-  ``.txt``), joined with ``"\n\n"``; fingerprint: the files' sha256, or the hub id and config.
+- ``brown``: ``<data_root>/brown/brown_untagged.txt``, 500 documents split by index i: ``i % 20`` 18 → valid,
+  19 → test, else train (450 / 25 / 25; SPEC §11, our choice).
+- ``wikitext2`` / ``wikitext103``: ``<data_root>/wikitext-{2,103}-raw/wiki.{split}.raw``, else the hub.
+- ``text``: ``DataConfig.text_files = [train, valid, test]``, local UTF-8.
+- ``openwebtext`` (hub, ``train`` rows [0, 200,000) / next 4,096 / next 4,096) and ``c4`` (hub, ``en``: the first
+  100,000 ``train`` rows; ``validation`` rows [0, 4,096) valid (SCSE's slice), [4,096, 8,192) test) (SPEC §5).
+- ``hf``: anything ``datasets.load_dataset`` reads: ``hf_path`` a local json/jsonl/parquet/txt file or folder,
+  else a hub id; ``hf_splits`` the three split specs; one document per row (per paragraph of a ``.txt``).
 
-Hub corpora stream through ``datasets`` (only the rows used are fetched), one document per row joined
-with ``"\\n\\n"``; their fingerprint needs no network, so a token cache built online is reused offline.
-Without a cache, ``datasets`` or the hub, loading raises FileNotFoundError naming the remedy.
+Hub fingerprints need no network, so a token cache built online is reused offline; without a cache,
+``datasets`` or the hub, loading raises FileNotFoundError naming the remedy.
 """
 
 from __future__ import annotations
@@ -42,12 +35,8 @@ _BROWN_SPLIT_VERSION = "brown-mod20-v1"  # bump if the document split rule ever 
 
 @dataclass(frozen=True)
 class Corpus:
-    """One registered dataset.
-
-    ``documents(cfg, split, data_root)`` returns the split's documents; ``fingerprint(cfg, split,
-    data_root)`` a cheap string that changes whenever the split's text can change (cache key).
-    Both raise ``FileNotFoundError`` naming the file to provide when the source is missing.
-    """
+    """A dataset: ``documents(cfg, split, data_root)`` and ``fingerprint`` (a cheap string that changes when the
+    split's text can: the cache key); both raise FileNotFoundError naming the missing source."""
 
     name: str
     documents: Callable[[DataConfig, str, Path], list[str]]
@@ -79,34 +68,19 @@ def _check_split(split: str) -> None:
 
 
 def load_split_documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
-    """Documents of ``split`` ∈ {train, valid, test} of ``cfg.dataset``, in file order.
-
-    Raises:
-        ValueError: unknown dataset or split.
-        FileNotFoundError: the source file is missing (the message names it and how to provide it).
-    """
+    """Documents of ``split`` of ``cfg.dataset`` in file order (ValueError: unknown dataset or split)."""
     _check_split(split)
     return get_corpus(cfg.dataset).documents(cfg, split, Path(data_root))
 
 
 def load_split_text(cfg: DataConfig, split: str, data_root: Path) -> str:
-    """The text of ``split`` ∈ {train, valid, test} of ``cfg.dataset`` (LF line endings).
-
-    Raises: as :func:`load_split_documents`.
-    """
+    """The documents of ``split`` joined with the corpus's separator (LF line endings)."""
     corpus = get_corpus(cfg.dataset)
     return corpus.separator.join(load_split_documents(cfg, split, data_root))
 
 
 def source_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
-    """A sha256 hex string identifying the source of ``split`` (used in cache keys).
-
-    Local files: hashed from the dataset name, the split, and the sha256 of the file's bytes
-    (memoized per path, size and mtime, so repeated calls are cheap). Hub sources: from the hub
-    dataset id, config and split.
-
-    Raises: as :func:`load_split_documents`.
-    """
+    """sha256 hex of the corpus's fingerprint of ``split`` (a file's hash, or the hub id and slice): a cache key."""
     _check_split(split)
     desc = get_corpus(cfg.dataset).fingerprint(cfg, split, Path(data_root))
     return hashlib.sha256(desc.encode()).hexdigest()
@@ -126,20 +100,12 @@ def file_sha256(path: Path) -> str:
 
 
 def read_text_lf(path: Path) -> str:
-    """Read a UTF-8 text file and normalize CRLF line endings to LF.
-
-    Raises:
-        ValueError: the file is not UTF-8 (the message names it and the first bad byte's offset).
-    """
+    """A UTF-8 text file with CRLF → LF (:func:`check_utf8`)."""
     return check_utf8(path).replace("\r\n", "\n")
 
 
 def check_utf8(path: Path) -> str:
-    """The text of ``path``, decoded as UTF-8.
-
-    Raises:
-        ValueError: not UTF-8; one line naming the file, the byte offset and the bytes there.
-    """
+    """The text of ``path`` as UTF-8; ValueError naming the file and the first bad byte's offset."""
     data = Path(path).read_bytes()
     try:
         return data.decode("utf-8")
@@ -152,11 +118,8 @@ def check_utf8(path: Path) -> str:
 
 
 def brown_documents(path: Path) -> list[str]:
-    """Parse ``brown_untagged.txt`` into documents (a blank line ends each document).
-
-    Each document is its sentences (one per line in the file) joined with ``"\\n"``, no trailing
-    newline. The shared copy gives 500 documents and 57,340 sentences (``shared/data/SOURCES.md``).
-    """
+    """Documents of ``brown_untagged.txt`` (a blank line ends each; its sentence lines joined with ``"\\n"``):
+    500 documents, 57,340 sentences in the shared copy."""
     docs: list[str] = []
     sentences: list[str] = []
     for line in read_text_lf(path).split("\n"):
@@ -171,10 +134,7 @@ def brown_documents(path: Path) -> list[str]:
 
 
 def brown_split(docs: list[str]) -> dict[str, list[str]]:
-    """Split documents by 0-based index i (SPEC §11): ``i % 20`` 18 → valid, 19 → test, else train.
-
-    With 500 documents this gives 450 / 25 / 25; document order within each split is file order.
-    """
+    """Split documents by 0-based index i (SPEC §11): ``i % 20`` 18 → valid, 19 → test, else train."""
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for i, doc in enumerate(docs):
         out["valid" if i % 20 == 18 else "test" if i % 20 == 19 else "train"].append(doc)
@@ -216,12 +176,7 @@ def _hub_available() -> bool:
 
 
 def _wikitext_hub_text(hub_config: str, split: str) -> str:
-    """Rebuild a raw WikiText split from ``Salesforce/wikitext`` rows.
-
-    Hub rows keep each line's ``"\\n"``, but the raw files' blank lines (``" \\n"``) are stored as
-    empty rows; mapping them back reproduces the raw files byte for byte (the SOURCES.md byte
-    counts agree: valid has 1,299 blank lines, test 1,467).
-    """
+    """A raw WikiText split from ``Salesforce/wikitext`` rows, byte for byte (empty rows were ``" \\n"``)."""
     import datasets
 
     ds = datasets.load_dataset("Salesforce/wikitext", hub_config, split=_HF_SPLIT[split])
@@ -306,11 +261,7 @@ class HubSlice:
 
 
 def _hub_rows(sl: HubSlice) -> list[str]:
-    """The ``text`` of the slice's rows, streamed (only rows before ``stop`` are fetched).
-
-    Raises:
-        ValueError: the hub split has fewer than ``stop`` rows.
-    """
+    """The ``text`` of the slice's rows, streamed (ValueError when the split is shorter)."""
     import datasets
 
     ds = datasets.load_dataset(sl.hub_id, sl.hub_config, split=sl.hub_split, streaming=True)
@@ -369,11 +320,7 @@ _HF_CORPUS_VERSION = "hf-v1"  # bump if the row → document rule below ever cha
 
 
 def _hf_local_files(path: Path) -> tuple[str, list[Path]]:
-    """(builder, files) of a local ``data.hf_path``: the file itself, or the data files of a folder.
-
-    Raises:
-        ValueError: unknown extension, no data files, or several formats in one folder.
-    """
+    """(builder, files) of a local ``data.hf_path`` file or folder; ValueError: no files, unknown or mixed types."""
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in HF_LOCAL_BUILDERS
         and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -395,12 +342,7 @@ def _hf_local(cfg: DataConfig) -> Path | None:
 
 
 def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
-    """The ``text_column`` of the rows of split spec ``hf_splits[i]`` (``datasets.load_dataset``).
-
-    Raises:
-        ValueError: no such split (names the splits there are), a bad split spec, no such column
-            (names the columns), or a column that is not text.
-    """
+    """The ``text_column`` of split spec ``hf_splits[i]``; ValueError naming the splits or columns there are."""
     import datasets
 
     i = SPLITS.index(split)
@@ -458,11 +400,9 @@ def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
         return _hf_rows(cfg, split)
     try:
         return _hf_rows(cfg, split)
-    except ValueError as e:
-        if "data." in str(e):  # our own messages (a split or column the hub dataset lacks)
-            raise
-        raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
     except Exception as e:  # offline, unknown id, auth …: all end in the same advice
+        if isinstance(e, ValueError) and "data." in str(e):  # our own messages (a split or column it lacks)
+            raise
         raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
 
 

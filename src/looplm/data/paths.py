@@ -19,22 +19,10 @@ def default_data_roots() -> list[Path]:
 
 
 def resolve_data_root(configured: str = "") -> Path:
-    """Return the directory holding the raw data (``brown/``, ``wikitext-2-raw/``, ``gpt2-tokenizer/`` …).
-
-    Order:
-      1. ``configured`` (``DataConfig.data_root``) when non-empty;
-      2. the environment variable ``LOOPLM_DATA`` when set and non-empty;
-      3. the first existing of ``<repo>/../shared/data`` (``<repo>`` = the parent of ``src``) and
-         ``./data`` (relative to the current directory).
-
-    When no candidate of step 3 exists, ``./data`` is returned anyway, so that the loaders' errors
-    name the files to put there. The path is not required to exist (hub fallbacks may not need it).
-    """
-    if configured:
-        return Path(configured).expanduser()
-    env = os.environ.get("LOOPLM_DATA", "")
-    if env:
-        return Path(env).expanduser()
+    """The raw-data directory (``brown/``, ``gpt2-tokenizer/`` …): ``configured``, else ``$LOOPLM_DATA``, else the
+    first existing of :func:`default_data_roots`, else ``./data`` (so the loaders' errors name the files)."""
+    if configured or os.environ.get("LOOPLM_DATA", ""):
+        return Path(configured or os.environ["LOOPLM_DATA"]).expanduser()
     candidates = default_data_roots()
     for path in candidates:
         if path.is_dir():
@@ -43,27 +31,17 @@ def resolve_data_root(configured: str = "") -> Path:
 
 
 def resolve_cache_dir(configured: str = "") -> Path:
-    """Return the cache directory for derived files (``tokens/*.bin``, ``tokenizers/*.json``).
-
-    Order: ``configured`` (``DataConfig.cache_dir``) when non-empty, else ``$LOOPLM_CACHE`` when set
-    and non-empty, else ``~/.cache/looplm``. The directory is created lazily by the writers.
-    """
-    if configured:
-        return Path(configured).expanduser()
-    env = os.environ.get("LOOPLM_CACHE", "")
-    if env:
-        return Path(env).expanduser()
+    """The cache of derived files (``tokens/``, ``tokenizers/``): ``configured``, else ``$LOOPLM_CACHE``, else
+    ``~/.cache/looplm`` (created by the writers)."""
+    if configured or os.environ.get("LOOPLM_CACHE", ""):
+        return Path(configured or os.environ["LOOPLM_CACHE"]).expanduser()
     return Path.home() / ".cache" / "looplm"
 
 
 @contextlib.contextmanager
 def atomic_write(path: Path) -> Iterator[BinaryIO]:
-    """Open a temporary file next to ``path`` for binary writing; rename it onto ``path`` on success.
-
-    A build that is killed or raises leaves no file at ``path`` (the temporary is removed on
-    exceptions; a killed process may leave a ``.tmp`` file, never a half-written ``path``).
-    Concurrent writers of the same content are safe: the last rename wins.
-    """
+    """A temporary file next to ``path`` for binary writing, renamed onto it on success: never a half-written
+    ``path`` (a killed process may leave a ``.tmp``); concurrent writers of the same content are safe."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:

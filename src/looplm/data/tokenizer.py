@@ -1,9 +1,5 @@
-"""Tokenizers: GPT-2 BPE (50,257 entries) and a byte-level BPE trained on the training split (SPEC §11).
-
-Both are Hugging Face ``tokenizers.Tokenizer`` objects with a byte-level pre-tokenizer (GPT-2's
-regex, no prefix space) and a byte-level decoder, so ``decode(encode(text).ids)`` gives back the
-text exactly, and both have the special token ``<|endoftext|>`` (GPT-2: id 50256; trained BPE: id 0).
-"""
+"""Tokenizers (SPEC §11): GPT-2 BPE and a byte-level BPE trained on the training split, both byte-level
+(``decode(encode(text).ids) == text``) with the special ``<|endoftext|>`` (GPT-2: id 50256; trained: id 0)."""
 
 from __future__ import annotations
 
@@ -31,14 +27,8 @@ def _byte_level(tok: Tokenizer) -> Tokenizer:
 
 
 def load_gpt2_tokenizer(data_root: Path) -> Tokenizer:
-    """GPT-2's BPE from ``<data_root>/gpt2-tokenizer/{vocab.json,merges.txt}`` (OpenAI's files).
-
-    Encodes exactly like GPT-2 ("Hello world" → [15496, 995]); ``<|endoftext|>`` is special id 50256.
-    When the local files are missing, falls back to ``Tokenizer.from_pretrained("gpt2")`` (hub).
-
-    Raises:
-        FileNotFoundError: local files missing and the hub is unreachable; names the files.
-    """
+    """GPT-2's BPE ("Hello world" → [15496, 995]) from ``<data_root>/gpt2-tokenizer/``, else the hub;
+    FileNotFoundError naming the files when neither is there."""
     vocab, merges = (Path(data_root) / f for f in GPT2_FILES)
     if vocab.is_file() and merges.is_file():
         tok = _byte_level(Tokenizer(BPE.from_file(str(vocab), str(merges))))
@@ -57,14 +47,9 @@ def load_gpt2_tokenizer(data_root: Path) -> Tokenizer:
 
 
 def text_chunks(text: str, target_chars: int = 1 << 16) -> Iterator[str]:
-    """Cut ``text`` into pieces of about ``target_chars`` that concatenate back to ``text``.
-
-    Cuts fall only after a ``"\\n"`` where the byte-level pre-tokenizer (GPT-2's regex) splits the
-    same way with or without the cut: the next line starts with a non-space character and the
-    ``"\\n"`` is not part of a longer whitespace run, or the next line starts with one space followed
-    by a non-space character. So encoding the pieces gives the same ids as encoding ``text`` whole
-    (text without such points stays one piece).
-    """
+    """Pieces of about ``target_chars`` that concatenate to ``text``, cut only after a ``"\\n"`` where GPT-2's
+    pre-tokenizer splits anyway (the next line starts with a non-space, or one space and a non-space, and the
+    ``"\\n"`` ends no longer whitespace run): the pieces encode to the same ids as ``text`` whole."""
     n, start = len(text), 0
     while n - start > target_chars:
         cut = -1
@@ -86,15 +71,8 @@ def text_chunks(text: str, target_chars: int = 1 << 16) -> Iterator[str]:
 
 
 def train_bpe_tokenizer(text: str, vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with ``vocab_size`` entries (incl. 256 bytes and ``<|endoftext|>`` = id 0).
-
-    Uses Hugging Face ``BpeTrainer`` with the byte-level alphabet, so every string is encodable.
-    Deterministic: the same text and size give the same ``to_str()`` (HF tokenizers has no seed;
-    ties between equally frequent merges are broken by the pair ids).
-
-    Raises:
-        ValueError: ``vocab_size`` < 257 (256 bytes + the special token).
-    """
+    """A byte-level BPE of ``vocab_size`` ≥ 257 entries (256 bytes, ``<|endoftext|>`` = id 0); deterministic
+    (ties broken by pair ids)."""
     if vocab_size < 257:
         raise ValueError(f"vocab_size must be >= 257 (256 bytes + {EOT}), got {vocab_size}")
     tok = _byte_level(Tokenizer(BPE()))
@@ -111,16 +89,8 @@ def save_tokenizer(tok: Tokenizer, path: Path) -> None:
 
 
 def get_tokenizer(cfg: DataConfig, data_root: Path, cache_dir: Path) -> Tokenizer:
-    """The tokenizer ``cfg.tokenizer`` names.
-
-    - ``gpt2``: :func:`load_gpt2_tokenizer`.
-    - ``bpe``: trained on the training split of ``cfg.dataset`` with ``cfg.bpe_vocab_size`` entries,
-      cached as ``<cache_dir>/tokenizers/<dataset>-bpe<V>-<fp12>.json`` (fp12: the first 12 hex
-      chars of the train split's :func:`source_fingerprint`) and reused when present.
-
-    Raises:
-        ValueError: unknown tokenizer name. FileNotFoundError: missing source files.
-    """
+    """``cfg.tokenizer``: ``gpt2``, or ``bpe`` trained on the train split and cached as
+    ``<cache_dir>/tokenizers/<dataset>-bpe<V>-<source fingerprint[:12]>.json``."""
     if cfg.tokenizer == "gpt2":
         return load_gpt2_tokenizer(data_root)
     if cfg.tokenizer != "bpe":
@@ -153,14 +123,12 @@ def eot_token(tok: Tokenizer) -> str:
 
 
 def eot_id(tok: Tokenizer) -> int:
-    """Id of the document separator of ``tok`` (:func:`eot_token`: ``<|endoftext|>``, or Huginn-0125's
-    ``<|end_text|>``); ValueError when it has none."""
+    """Id of :func:`eot_token`."""
     return tok.token_to_id(eot_token(tok))
 
 
 class CharVocab:
-    """One token per character of ``chars`` (ids 1 … len(chars)) and ``eot`` at id 0 (the padding): the
-    vocabularies of the synthetic tasks (:mod:`looplm.tasks`) and of the RL task (:mod:`looplm.rl.task`)."""
+    """One token per character of ``chars`` (ids 1 …) and ``eot`` at id 0 (the padding): the task vocabularies."""
 
     def __init__(self, chars: str, eot: str = "<|endoftext|>"):
         self.chars, self.eot = chars, eot
@@ -184,8 +152,7 @@ class CharVocab:
 
 
 def char_tokenizer(vocab: dict[str, int], eot: str = "<|endoftext|>"):
-    """A ``tokenizers.Tokenizer`` over ``vocab`` with one token per character (Fuse decoder; ``eot`` special
-    and the unknown token), saved with checkpoints of the synthetic tasks and the RL task."""
+    """A ``tokenizers.Tokenizer`` of one token per character of ``vocab`` (``eot`` special and unknown)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import WordLevel
 

@@ -1,9 +1,7 @@
 """Token streams: one cached 1-D memmap per (dataset, split, tokenizer), and the batches cut from it.
 
-Cache layout (nanoGPT style): ``<cache_dir>/tokens/<dataset>-<split>-<key16>.bin``, raw little-endian
-uint16 (vocab ≤ 65,535) or uint32, where key16 = sha256(source fingerprint, tokenizer fingerprint,
-format version)[:16]. A changed source file or tokenizer gives a new key, hence a new file; old files
-are left for the user to delete.
+Cache (nanoGPT style): ``<cache_dir>/tokens/<dataset>-<split>-<key16>.bin``, raw uint16 or uint32, key16 =
+sha256(source fingerprint, tokenizer fingerprint, format version)[:16]: a changed source gives a new file.
 """
 
 from __future__ import annotations
@@ -41,13 +39,8 @@ def tokens_cache_path(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Pa
 
 def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing",
                      progress: bool = True) -> Iterator[np.ndarray]:
-    """Yield the token ids of ``docs`` in order, with ``<|endoftext|>`` between documents.
-
-    Each document is cut with :func:`looplm.data.tokenizer.text_chunks` (~64K chars, cuts only where
-    they do not change the ids) and encoded with ``encode_batch`` in groups of ~4M chars. Decoding the
-    stream gives back the documents joined by ``<|endoftext|>``. A tqdm bar (in characters) is shown
-    above 1M characters unless ``progress`` is False.
-    """
+    """The token ids of ``docs`` with ``<|endoftext|>`` between them, encoded in :func:`text_chunks` pieces
+    (same ids), ~4M chars per ``encode_batch`` call; a bar above 1M chars."""
     dtype = token_dtype(tok.get_vocab_size())
     eot = np.array([eot_id(tok)], dtype=dtype)
     total = sum(len(d) for d in docs)
@@ -87,11 +80,7 @@ def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
 
 def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path, *,
                 progress: bool = True) -> np.ndarray:
-    """The token stream of ``split`` as a read-only 1-D memmap (uint16 or uint32, module doc), built on first
-    use (EOT between the documents of :func:`~looplm.data.corpora.load_split_documents`) and written
-    atomically; later calls map the cached file. Raises ValueError (unknown dataset / split) or
-    FileNotFoundError (missing source, named).
-    """
+    """The token stream of ``split`` as a read-only 1-D memmap, built and cached on first use."""
     path = tokens_cache_path(cfg, split, tok, data_root, cache_dir)
     dtype = token_dtype(tok.get_vocab_size())
     if not path.is_file():
@@ -110,13 +99,8 @@ def batch_seed(seed: int, step: int, micro: int = 0) -> int:
 
 def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, step: int,
                  micro: int = 0, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random contiguous training windows: x, y int64 (B, L), y the next tokens of x in the stream.
-
-    Row offsets are uniform over the multiples of ``stride`` in [0, len − L − 1], drawn from a generator
-    seeded by :func:`batch_seed` (seed, step, micro), so a resumed run or another rank draws the same
-    batches; ``stride`` > 1 aligns windows to fixed-length records (:mod:`looplm.rl.task`). Raises
-    ValueError for a stream shorter than L + 1 or stride < 1.
-    """
+    """Random training windows x, y (B, L) int64 at offsets uniform over the multiples of ``stride`` in
+    [0, len − L − 1], seeded by :func:`batch_seed` (the same on resume and on every rank)."""
     n = len(tokens)
     if n < seq_len + 1:
         raise ValueError(f"token stream has {n} tokens; a window needs seq_len + 1 = {seq_len + 1}")
@@ -149,21 +133,9 @@ def _eval_plan(n: int, seq_len: int, stride: int | None) -> np.ndarray:
 
 def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, *, stride: int | None = None,
                  max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Evaluation batches (x, y, mask) that score every target ``tokens[1:]`` exactly once.
-
-    - ``stride=None``: non-overlapping windows ``tokens[kL : kL + L]``; the last one may be partial.
-    - ``stride`` in [1, L]: sliding windows of full length L (except when the stream is shorter);
-      the first window scores all its targets, each later one only its last ``stride`` (fewer in the
-      last window) new targets, with the rest of the window as context.
-
-    x, y: int64 (B, L), y the targets of x; mask: bool (B, L), True where a target is scored. Padded
-    positions (past the end of the stream) hold 0 and mask False; unscored context positions hold
-    their real targets. The last batch may have fewer than ``batch_size`` rows; ``max_batches`` stops
-    early. Over a full pass ``mask.sum() == len(tokens) - 1``.
-
-    Raises:
-        ValueError: ``stride`` outside [1, seq_len].
-    """
+    """Batches (x, y, mask), each (B, L), that score every target ``tokens[1:]`` exactly once: non-overlapping
+    windows (the last may be partial, padded with 0), or sliding full windows scoring only their last ``stride``
+    new targets. ValueError: ``stride`` outside [1, seq_len]."""
     if stride is not None and not 1 <= stride <= seq_len:
         raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
     n = len(tokens)
@@ -182,11 +154,7 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, *, stride: i
 
 
 def unigram_ppl(train_tokens: np.ndarray, test_tokens: np.ndarray, vocab_size: int) -> float:
-    """Perplexity of an add-one-smoothed unigram model fitted on ``train_tokens``.
-
-    p(v) = (count_train(v) + 1) / (N_train + V); ppl = exp(−mean log p(t)) over the test targets
-    ``test_tokens[1:]`` (the same targets the models are scored on). A floor any LM should beat.
-    """
+    """PPL on ``test_tokens[1:]`` of the add-one-smoothed unigram model of ``train_tokens`` (a floor)."""
     counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     targets = np.asarray(test_tokens[1:], dtype=np.int64)

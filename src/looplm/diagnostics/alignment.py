@@ -1,15 +1,9 @@
-"""Visit alignment of the shared core's weight gradients (SPEC §7 "Visit alignment"; DeepLoop,
-arXiv:2607.13491, §3.4, eq. 12).
+"""Visit alignment of the shared core's weight gradients (SPEC §7; DeepLoop, arXiv:2607.13491, §3.4, eq. 12):
+κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖², κ̂_R = max_j κ̂_j (1: orthogonal visits of equal norm, R: identical).
 
-A core sublayer j visited R_j times per forward has weight gradient Σ_r G_{r,j}; SPEC §7 measures
-
-    κ̂_j = ‖Σ_r G_{r,j}‖² / Σ_r ‖G_{r,j}‖²,      κ̂_R = max_j κ̂_j,
-
-1 for orthogonal visits of equal norm, R for identical ones: the measurable stand-in for DeepLoop's κ_R.
-Sublayers: ``core.blocks.i.attn`` (``qkv``, ``proj``) and ``core.blocks.i.mlp`` (``gate_up``, ``down``);
-G_{r,j} concatenates their flattened gradients, r in forward-call order. Captured without a second
-backward: a forward hook saves each call's input x and hooks its output gradient g, so a bias-free
-Linear's per-call gradient is gᵀx; their sum is autograd's ``.grad`` (tests).
+Sublayers j: ``core.blocks.i.attn`` and ``core.blocks.i.mlp``, G_{r,j} their concatenated visit-r gradients,
+captured in one backward: a forward hook saves each call's input x and hooks its output gradient g, so a
+bias-free Linear's per-call gradient is gᵀx (their sum is autograd's ``.grad``: tests).
 """
 
 from __future__ import annotations
@@ -26,10 +20,7 @@ LOSSES = ("terminal", "per_loop")
 
 
 def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
-    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of one sublayer's R visit-wise gradients (SPEC §7), in [0, R], float64:
-    R identical vectors give R, orthogonal ones of equal norm 1. Raises ValueError for no visits,
-    mismatched shapes, or all visits zero.
-    """
+    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of R visit-wise gradients, in [0, R]; ValueError: none, mismatched, all zero."""
     if not visit_grads:
         raise ValueError("visit_grads: need at least one visit-wise gradient")
     if any(g.shape != visit_grads[0].shape for g in visit_grads):
@@ -43,12 +34,7 @@ def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
 
 
 def core_sublayers(model: LoopLM) -> dict[str, dict[str, nn.Linear]]:
-    """The physical sublayers of the shared core: {"core.blocks.i.attn" | "core.blocks.i.mlp":
-    {module name: nn.Linear}} in block order.
-
-    Raises:
-        ValueError: unshared model (no core).
-    """
+    """{"core.blocks.i.attn" | "core.blocks.i.mlp": {module name: nn.Linear}} in block order (ValueError: unshared)."""
     if not model.shared:
         raise ValueError("visit alignment needs a shared (looped) core; this model is model.architecture=unshared")
     out: dict[str, dict[str, nn.Linear]] = {}
@@ -103,24 +89,9 @@ def _loss(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, l
 
 def visit_gradients(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
                     loss: str = "terminal") -> dict[str, dict[str, Any]]:
-    """Visit-wise weight gradients of every core sublayer for one batch (one forward, one backward).
-
-    Args:
-        model: a shared-architecture LoopLM (dropout should be off: ``model.eval()``). Its ``.grad``
-            fields are not touched (the backward uses ``torch.autograd.grad``).
-        idx, targets: (B, L) int64 token ids and next-token targets (-100 = ignored).
-        depth: loop depth R of the unroll.
-        loss: ``terminal`` (mean CE at depth R) or ``per_loop`` (mean over r = 1 … R of the mean CE
-            read out at loop r).
-
-    Returns:
-        {sublayer name: {"visits": number of visits, "sum": {module name: Σ_r G_r (out, in) float64},
-        "visit_sq": [‖G_{r,j}‖² for r = 1 … visits] (the concatenated sublayer gradient)}}.
-
-    Raises:
-        ValueError: unshared model, depth < 1, unknown ``loss``, or modules of one sublayer visited a
-        different number of times.
-    """
+    """``{sublayer: {"visits", "sum": {module: Σ_r G_r (out, in)}, "visit_sq": [‖G_{r,j}‖² per r]}}`` of one
+    batch (idx, targets (B, L)) at depth R; ``.grad`` untouched. ``loss``: ``terminal`` (CE at depth R) or
+    ``per_loop`` (mean over r of the CE at loop r). ValueError: unshared, depth < 1, a bad loss."""
     if depth < 1:
         raise ValueError(f"depth: need R >= 1 for visit alignment, got {depth}")
     if loss not in LOSSES:
@@ -158,11 +129,8 @@ def _kappa_from(stats: dict[str, Any]) -> float | None:
 
 def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, depth: int, *,
                     loss: str = "terminal") -> dict[str, Any]:
-    """κ̂_R of the core for one batch (SPEC §7; DeepLoop eq. 12, measured form); args and errors as
-    :func:`visit_gradients`. Returns ``{"kappa_hat": max_j κ̂_j (None: no nonzero gradient), "depth",
-    "loss", "per_sublayer": [{"name", "kappa", "visits": R_j (R, or 2R for two-call rules),
-    "visit_grad_norm": [‖G_{r,j}‖ …]}, …]}``.
-    """
+    """``{"kappa_hat": max_j κ̂_j (None: no nonzero gradient), "depth", "loss", "per_sublayer": [{"name",
+    "kappa", "visits", "visit_grad_norm"}]}`` of one batch (as :func:`visit_gradients`)."""
     stats = visit_gradients(model, idx, targets, depth, loss=loss)
     per = [{"name": name, "kappa": _kappa_from(s), "visits": s["visits"],
             "visit_grad_norm": [v ** 0.5 for v in s["visit_sq"]]} for name, s in stats.items()]
@@ -171,13 +139,8 @@ def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, dep
 
 
 def merge_alignment(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Average per-batch :func:`visit_alignment` records: κ̂_j and visit norms are batch means (each
-    batch's κ̂_j describes one minibatch gradient, as an optimizer step sees it), and κ̂_R is the max
-    over j of the mean κ̂_j; ``kappa_hat_batch_max`` is the largest single-batch κ̂_R.
-
-    Raises:
-        ValueError: no records.
-    """
+    """Batch means of κ̂_j and visit norms (each batch a minibatch gradient, as an optimizer step sees it);
+    κ̂_R = max_j of the means; ``kappa_hat_batch_max`` the largest single-batch κ̂_R."""
     if not records:
         raise ValueError("visit alignment: no batches to merge")
     per = []

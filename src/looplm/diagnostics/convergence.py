@@ -1,12 +1,8 @@
-"""Token convergence along the recurrence (SPEC §6 "Token convergence"; Looped Models Done Right,
-arXiv:2610.06833, §2, Figure 2).
+"""Token convergence along the recurrence (SPEC §6; LMDR, arXiv:2610.06833, §2, Figure 2).
 
-ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖₂ / (‖h_t^{r−1}‖₂ + 1e-8), r = 1 … R, on readout-coordinate states. Token t's
-convergence depth is the smallest r with ρ_{r',t} < τ for all r' in [r, R]; a token with ρ_{R,t} ≥ τ gets
-R + 1 (**our choice**: an explicit "never" bin, kept in the rank correlation as the latest; its share is
-reported). :class:`ConvergenceAccumulator` pools tokens over batches: mean ρ per recurrence, the depth
-histogram, mean and median, and Spearman's ρ of depth with position (``scipy.stats.spearmanr``, two-sided
-p-value; Figure 2c).
+ρ_{r,t} = ‖h_t^r − h_t^{r−1}‖₂ / (‖h_t^{r−1}‖₂ + 1e-8); token t's convergence depth is the smallest r with
+ρ_{r',t} < τ for all r' ≥ r, else R + 1 (our choice: a "never" bin, ranked latest). Pooled over batches:
+mean ρ per r, the depth histogram, and Spearman's ρ of depth with position (Figure 2c).
 """
 
 from __future__ import annotations
@@ -23,14 +19,7 @@ DEFAULT_TAU = 0.02  # τ = 2% (LMDR Figure 2; SPEC §6)
 
 
 def relative_changes(states: Sequence[torch.Tensor]) -> torch.Tensor:
-    """ρ_{r,t} for r = 1 … R from states h^0 … h^R, each (B, L, d).
-
-    Returns:
-        (R, B, L) float64 tensor; row r − 1 holds ρ_r.
-
-    Raises:
-        ValueError: fewer than two states, or states of different shapes.
-    """
+    """(R, B, L) float64 ρ_r from states h^0 … h^R, each (B, L, d); ValueError: < 2 states or mixed shapes."""
     if len(states) < 2:
         raise ValueError(f"states: need h^0 … h^R with R >= 1, got {len(states)} state(s)")
     if any(s.shape != states[0].shape for s in states):
@@ -40,15 +29,7 @@ def relative_changes(states: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def convergence_depths(rho: torch.Tensor, tau: float = DEFAULT_TAU) -> torch.Tensor:
-    """Convergence depth of every token from ρ of shape (R, ...): the smallest r in 1 … R with
-    ρ_{r'} < τ for all r' ≥ r, or R + 1 when ρ_R ≥ τ (never converged; our choice).
-
-    Returns:
-        int64 tensor of shape ``rho.shape[1:]`` with values in 1 … R + 1.
-
-    Raises:
-        ValueError: τ <= 0 or ρ without a recurrence axis.
-    """
+    """int64 convergence depths in 1 … R + 1 of shape ``rho.shape[1:]`` from ρ (R, ...); ValueError: τ <= 0."""
     if tau <= 0:
         raise ValueError(f"tau: need a threshold > 0, got {tau}")
     if rho.dim() < 1 or rho.shape[0] < 1:
@@ -61,11 +42,7 @@ def convergence_depths(rho: torch.Tensor, tau: float = DEFAULT_TAU) -> torch.Ten
 
 
 class ConvergenceAccumulator:
-    """Pools ρ and convergence depths over batches (the R of every batch must agree).
-
-    ``add(states, mask)`` takes states h^0 … h^R (each (B, L, d)) and an optional bool mask (B, L)
-    of real tokens (padding excluded). ``result()`` returns the JSON-ready summary.
-    """
+    """Pools ρ and convergence depths over batches: ``add(states h^0 … h^R, mask of real tokens)``."""
 
     def __init__(self, tau: float = DEFAULT_TAU):
         if tau <= 0:
@@ -92,18 +69,8 @@ class ConvergenceAccumulator:
         self.positions.append(pos[keep].numpy())
 
     def result(self) -> dict[str, Any]:
-        """Summary over all pooled tokens.
-
-        Returns:
-            ``tau``, ``depth`` (R_obs), ``tokens`` (count), ``rho_mean`` (list of R mean ρ_r, r = 1 … R),
-            ``depth_hist`` (list of R + 1 counts for depths 1 … R and R + 1 = never),
-            ``depth_mean``, ``depth_median`` (never-converged tokens counted as R + 1),
-            ``never_fraction``, ``spearman`` and ``spearman_p`` (depth vs position; None when either
-            is constant).
-
-        Raises:
-            ValueError: nothing was added.
-        """
+        """``tau``, ``depth``, ``tokens``, ``rho_mean`` (R), ``depth_hist`` (R + 1: never last), depth mean and
+        median, ``never_fraction``, ``spearman`` and ``spearman_p`` (None when constant). ValueError: empty."""
         from scipy.stats import spearmanr
 
         if self.R is None or not self.depths:

@@ -1,16 +1,8 @@
-"""Random-direction gain of the one-step deviation map (SCSE appendix, Beyond Pointwise Bias; SPEC §7).
-Source: SCSE, arXiv:2607.27656 (appendix Beyond Pointwise Bias, Table 22).
+"""Random-direction gain of the deviation map (SCSE, arXiv:2607.27656, Beyond Pointwise Bias, Table 22; SPEC §7):
+gain_t = mean over directions v (‖v^(b)‖_F = 1 per example) and examples of ‖T_t(Δ_t + ε·v) − T_t(Δ_t)‖_F / ε.
 
-    gain_t = mean over directions v and examples b of ‖T_t(Δ_t + ε·v) − T_t(Δ_t)‖_F / ε,
-
-with ``‖v^(b)‖_F = 1`` per example (Frobenius norm over its (L, d) slice), ε = 1e-3, four seeded
-random directions, Δ_t the ordinary trajectory's deviation at step t. For an affine map
-``T(Δ) = A·Δ + b`` the gain is exactly the mean of ‖A·v‖_F.
-
-Precision: with ε = 1e-3 spread over L·d entries, each entry moves by ~1e-3/√(L·d) (≈ 5e-6 at the
-paper's 128×384), so float32 rounding of ‖T‖ (~6e-8·‖T‖_F) is not negligible against the ε·gain
-signal. Run the model in float64 (:func:`looplm.diagnostics.runner.diagnose_model` does by default;
-``RMSNorm`` keeps float64 statistics for a float64 model).
+Precision: ε = 1e-3 over L·d entries moves each by ~5e-6 at 128×384, below float32 rounding of ‖T‖; run in
+float64 (``diagnose_model`` does by default).
 """
 
 from __future__ import annotations
@@ -29,11 +21,8 @@ N_DIRECTIONS = 4
 
 def random_directions(shape: Sequence[int], n: int = N_DIRECTIONS, *, seed: int = 0,
                       dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """``n`` Gaussian directions of ``shape`` (B, L, d), each normalized to ‖v^(b)‖_F = 1 per example.
-
-    Direction k is drawn in float64 on the CPU from a generator seeded with ``seed + k``, so the
-    directions do not depend on the device or on the global RNG.
-    """
+    """``n`` Gaussian directions (B, L, d), ‖v^(b)‖_F = 1 per example; direction k from a float64 CPU generator
+    seeded ``seed + k`` (independent of the device and the global RNG)."""
     out = []
     for k in range(n):
         g = torch.Generator().manual_seed(seed + k)
@@ -45,16 +34,7 @@ def random_directions(shape: Sequence[int], n: int = N_DIRECTIONS, *, seed: int 
 
 def direction_gain(model: LoopLM, state: torch.Tensor, t: int, ctx: LoopContext,
                    directions: Sequence[torch.Tensor], *, eps: float = FD_EPS) -> float:
-    """Mean over ``directions`` and examples of ‖T_t(Δ + ε·v) − T_t(Δ)‖_F / ε at the rule state ``state``.
-
-    Args:
-        state: the rule's loop state at step t (B, L, d); the perturbation is applied to the hidden
-            state h = h* + Δ and mapped back with ``to_state``.
-        directions: (B, L, d) tensors with unit Frobenius norm per example (:func:`random_directions`).
-
-    Raises:
-        ValueError: eps <= 0 or no directions.
-    """
+    """Mean of ‖T_t(Δ + ε·v) − T_t(Δ)‖_F / ε at the loop ``state`` (perturbing h = h* + Δ); ValueError: bad eps."""
     if eps <= 0 or not directions:
         raise ValueError(f"eps must be > 0 and directions non-empty, got eps={eps}, {len(directions)} directions")
     h = model.hidden(state, ctx)
@@ -69,16 +49,7 @@ def direction_gain(model: LoopLM, state: torch.Tensor, t: int, ctx: LoopContext,
 @torch.no_grad()
 def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps: float = FD_EPS,
                  n_directions: int = N_DIRECTIONS, seed: int = 0) -> list[dict[str, float]]:
-    """Random-direction gain at loop steps ``steps`` of one unroll of ``idx`` (dropout off).
-
-    Runs in the model's own dtype (see the module docstring for why float64 is advisable).
-
-    Returns:
-        One ``{"t": t, "gain": gain_t}`` per step.
-
-    Raises:
-        ValueError: unshared architecture or a negative step.
-    """
+    """``[{"t", "gain"}]`` at loop steps ``steps`` of one unroll of ``idx``, dropout off, in the model's dtype."""
     check_shared(model, "random-direction gain", steps)
     was_training = model.training
     model.eval()

@@ -1,15 +1,9 @@
-"""Gradient cosines of the truncated estimators against full BPTT (LMDR §3.1, §5.4, appendix A.2).
+"""Gradient cosines of the truncated estimators against full BPTT (LMDR, arXiv:2610.06833, §3.1, §5.4, A.2).
 
-For a looped checkpoint at depth R and each b, on a few batches (dropout off): ``bptt`` (terminal CE at R
-through all R recurrences, the reference); ``tbptt``-b (autograd through the last b recurrences from
-z^{R−b}; b ≥ R is full BPTT); ``endpoint``-b (Neumann-b: R recurrences without autograd, then b with
-autograd from sg(z^R), CE read at depth R + b; = D_b = Σ_{k<b} J_R^k B_R at a fixed point).
-
-Reported per parameter group (``embeddings/readout``, ``prelude``, ``core`` incl. scale control, ``rule``,
-``coda``, ``other``) and for the whole model: the cosine with full BPTT (``cos``: of the summed gradients;
-``cos_batch_mean`` / ``cos_batch_min``), the norm ratio ‖g‖/‖g_bptt‖, the CE at R and R + b, and the
-endpoint residual ‖h_{R+1} − h_R‖/‖h_R‖. The paper's 0.997–0.999 (§5.4) compare *reuse* with *recompute* of
-one estimator; this compares different estimators with full BPTT, for which the paper reports no cosine.
+At depth R and each b (dropout off): ``tbptt``-b (autograd through the last b recurrences) and ``endpoint``-b
+(Neumann-b: from sg(z^R), CE read at R + b; = Σ_{k<b} J_R^k B_R at a fixed point), per parameter group
+(:data:`GROUPS`) and overall: the cosine with full BPTT, the norm ratio, the CEs and the endpoint residual
+‖h_{R+1} − h_R‖/‖h_R‖. (The paper's 0.997–0.999 compare reuse with recompute of one estimator, not this.)
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def parameter_group(name: str) -> str:
-    """The group of a parameter name (see the module docstring)."""
+    """The :data:`GROUPS` entry of a parameter name (scale control counts as core)."""
     head = name.split(".", 1)[0]
     if head in ("tok_emb", "pos_emb", "in_norm", "norm_f", "lm_head"):
         return "embeddings/readout"
@@ -74,24 +68,9 @@ def _ratio(a: torch.Tensor, b: torch.Tensor) -> float | None:
 def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, depth: int,
                      steps: Sequence[int] = (1, 2, 4, 8), estimators: Sequence[str] = ESTIMATORS,
                      dtype: str = "float32", progress: bool = False) -> dict[str, Any]:
-    """Cosines of TBPTT-b and Neumann-b (endpoint) gradients against full BPTT at depth ``depth``.
-
-    Args:
-        model: a looped model (not modified: a copy runs in ``dtype`` with dropout off).
-        batches: (x, y) pairs, (B, L) int64 each; y = -100 where not scored.
-        depth: the depth R of full BPTT, the TBPTT window's end and the endpoint.
-        steps: the b to measure (each >= 1).
-        estimators: any of ``tbptt``, ``endpoint``.
-        dtype: float32 or float64 (the model copy's parameters).
-
-    Returns:
-        ``{"depth", "steps", "dtype", "batches", "groups", "ce_bptt", "endpoint_residual",
-        "rows": [{"estimator", "b", "ce", "overall": {"cos", "cos_batch_mean", "cos_batch_min",
-        "norm_ratio"}, "<group>": {...}, ...}], "markdown"}``.
-
-    Raises:
-        ValueError: an unshared model, depth < 1, a b < 1, an unknown estimator, or no batches.
-    """
+    """Module docstring, on (x, y) batches ((B, L) each) with a copy of ``model`` in ``dtype``: ``rows`` of
+    ``{"estimator", "b", "ce", "<group>": {"cos", "cos_batch_mean", "cos_batch_min", "norm_ratio"}}``.
+    ValueError: an unshared model, depth < 1, a b < 1, an unknown estimator or dtype, or no batches."""
     check_shared(model, "gradient cosines")
     if depth < 1:
         raise ValueError(f"depth: need R >= 1, got {depth}")
@@ -187,22 +166,11 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
     """:func:`gradient_cosines` of a checkpoint on the first ``batches`` windows of a corpus split.
 
     Args:
-        checkpoint: checkpoint directory or run directory (its ``latest``).
         depth: the depth R (default: the checkpoint's nominal training depth).
         steps: the b to measure, e.g. 1,2,4,8.
         estimators: tbptt and/or endpoint.
-        dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
-        batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
-        dtype: float32 (default) or float64.
-        device: cpu, cuda or cuda:N.
-
-    Returns:
-        :func:`gradient_cosines`'s dict plus ``checkpoint``, ``name``, ``rule``, ``dataset``, ``split``,
-        ``batch_size`` and ``params``.
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: an unshared checkpoint, bad depth/steps, or a split too short for one window.
+        batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows.
+        dtype: float32 or float64.
     """
     from looplm.diagnostics.runner import load_windows
 

@@ -1,21 +1,15 @@
-"""Markdown tables and plots of the mechanism diagnostics (SCSE Tables 3 and 22, Figures 4 and 5;
-readout-blind-spot Table 3 and Appendix D; DeepLoop's κ_R; LMDR Figure 2).
-
-All functions read the JSON-ready dicts of :func:`looplm.diagnostics.runner.diagnose_model`, so a
-report can be rebuilt from saved JSON. Several models can share one table or bar plot: pass
-``{label: result}``.
-"""
+"""Markdown tables and plots of the mechanism diagnostics (SCSE Tables 3, 22, Figures 4, 5; readout-blind-spot
+Table 3, Appendix D; DeepLoop's κ_R; LMDR Figure 2) from :func:`~looplm.diagnostics.runner.diagnose_model`'s
+JSON-ready dicts (``{label: result}`` for several models)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Mapping
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from looplm.analysis.plots import plt, save_figure
 
 
 def _fmt(v: float | None) -> str:
@@ -129,18 +123,9 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
 
 def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
-    """Bar plot of the forcing-bias energy ratio R_t per model (SCSE Figure 5 style): bars at the last
-    measured step, open markers at the earlier ones, a dashed unit reference. Returns the PNG path."""
+    """Bar plot of R_t per model (SCSE Figure 5 style): bars at the last step, open markers at earlier ones."""
     labels = list(results)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(labels) + 2.0), 3.8))
     x = np.arange(len(labels))
@@ -165,19 +150,13 @@ def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Pat
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: str = "",
                          train_depth: int | None = None) -> Path:
-    """Two-panel 2-D PCA view of anchor-start rollouts (SCSE Figure 4 style). Returns the PNG path.
-
-    (a) sequence-mean trajectories Δ_t (gain 1) of the kept examples with the direction of their
-    forcing rays t·b_0(e) (dashed) and, when ``train_depth`` ≤ T, a dotted circle at the mean anchor
-    distance at t = train_depth (not a stability boundary). (b) the displacements from the
-    injection-removed rollout, Δ_t(g) − Δ_t(0), per gain; triangles mark the endpoints of the gains
-    other than 1. The panels use separate projections.
-    """
+    """SCSE Figure 4 style: (a) trajectories Δ_t with their forcing rays (dashed) and the mean anchor distance
+    at ``train_depth`` (dotted); (b) displacements Δ_t(g) − Δ_t(0) per gain, in their own projection."""
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11.0, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     view = result["rollout"]["pca"]
@@ -235,13 +214,11 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
     ax_b.grid(True, alpha=0.3)
     if label:
         fig.suptitle(label)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_scale(result: Mapping[str, Any], path: str | Path, *, label: str = "") -> Path:
-    """Two panels: (a) per-loop hidden-state RMS H_k, token mean / p50 / p99 / max on a log axis
-    (readout-blind-spot Appendix D); (b) the mean token-convergence ρ_r per recurrence on a log axis
-    with the threshold τ (LMDR Figure 2a). Returns the PNG path."""
+    """(a) per-loop token RMS of H_k (blind spot Appendix D); (b) mean ρ_r with τ (LMDR Figure 2a)."""
     fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(11.0, 4.2))
     loops = result["scale"]["loops"]
     k = [r["k"] for r in loops]
@@ -269,4 +246,4 @@ def plot_scale(result: Mapping[str, Any], path: str | Path, *, label: str = "") 
     ax_b.grid(True, which="both", alpha=0.3)
     if label:
         fig.suptitle(label)
-    return _save(fig, path)
+    return save_figure(fig, path)

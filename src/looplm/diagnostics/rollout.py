@@ -1,16 +1,9 @@
-"""Anchor-start rollouts and the injection-gain dose response (SCSE Figure 4; SPEC §7).
-Source: SCSE, arXiv:2607.27656 (Figure 4).
+"""Anchor-start rollouts and the injection-gain dose response (SCSE, arXiv:2607.27656, Figure 4; SPEC §7).
 
-Every rollout starts at the anchor (Δ_0 = 0) and runs the realized map (dropout off) for ``depth`` steps:
-
-- **forcing-ray alignment**: per example, cos(Δ_t, t·b_0(e)) over its (L, d) slice (b_0 = T_0(0; e)); None
-  where either is zero (every example of SCSE).
-- **dose response**: the injection scaled by g (``LoopLM.step(..., injection_gain=g)``; g = 0 removes it).
-  D_{g,t} = Δ_t^(g) − Δ_t^(0) is reported as its RMS per step, relative to ‖Δ_T^(1)‖ at the last step,
-  and by its per-example cosine with D_{1,T}. A rule without an injection has D ≡ 0.
-
-Figure 4's 2-D views project the sequence-mean trajectories of the first examples on the top two
-principal directions of the uncentered cloud (numpy SVD), so the anchor stays at the origin.
+From Δ_0 = 0, ``depth`` realized steps (dropout off): the forcing-ray alignment cos(Δ_t, t·b_0) per example (None
+where either is zero, as in SCSE), and the dose response D_{g,t} = Δ_t^(g) − Δ_t^(0) with the injection scaled by
+g (RMS per step, relative to ‖Δ_T^(1)‖, cosine with D_{1,T}). The 2-D views project sequence means on the top two
+principal directions of the uncentered cloud (the anchor stays at the origin).
 """
 
 from __future__ import annotations
@@ -50,27 +43,9 @@ def _rms(x: torch.Tensor) -> float:
 @torch.no_grad()
 def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequence[float] = DOSE_GAINS,
                     keep_examples: int = KEEP_EXAMPLES) -> dict[str, Any]:
-    """Anchor-start rollouts of one batch under each injection gain (dropout off, model's dtype).
-
-    Args:
-        idx: (B, L) token ids.
-        depth: steps to roll out (T ≥ 1).
-        gains: evaluation-time injection gains; 0 and 1 are always run (reference and trained map).
-        keep_examples: sequences whose sequence-mean paths are returned for the 2-D views.
-
-    Returns:
-        ``rollout``: ``bias0_rms`` (RMS of b_0) and ``records`` per t = 0 … T with ``t``, ``cosine``
-        (mean over examples; None when undefined), ``cosine_min``, ``cosine_max``, ``delta_rms``
-        (RMS of Δ_t at gain 1), ``ray_rms`` (RMS of t·b_0);
-        ``dose_response``: ``push_rms`` (RMS of Δ_T at gain 1) and per requested gain ``gain``,
-        ``displacement_rms`` (RMS of D_{g,T}), ``relative_to_push``, ``cosine_to_unit_gain`` (mean
-        per-example cosine of D_{g,T} with D_{1,T}; None when undefined), ``displacement_rms_by_t``;
-        ``paths`` (numpy, not JSON): ``trajectory`` {g: (k, T+1, d)} sequence-mean Δ_t, ``bias0``
-        (k, d) sequence-mean b_0.
-
-    Raises:
-        ValueError: unshared architecture, depth < 1, or a negative gain.
-    """
+    """Anchor-start rollouts of idx (B, L) under each gain (0 and 1 always run): ``rollout`` records per t,
+    ``dose_response`` per gain, and ``paths`` (numpy: {g: (k, T+1, d)} sequence-mean Δ_t of the first
+    ``keep_examples``, and b_0). ValueError: unshared, depth < 1, or a negative gain."""
     check_shared(model, "anchor-start rollouts")
     if depth < 1:
         raise ValueError(f"depth: need at least one loop step for a rollout, got {depth}")
@@ -117,11 +92,7 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
 
 
 def pca_basis(points: np.ndarray) -> tuple[np.ndarray, list[float]]:
-    """Top-2 principal directions of an uncentered point cloud (n, d) and their variance shares.
-
-    Uncentered so that the anchor (the origin) projects to the origin. Returns ``(basis (2, d),
-    [share_1, share_2])``; an all-zero cloud gives the first two coordinate axes and shares [0, 0].
-    """
+    """``(basis (2, d), variance shares)`` of an uncentered cloud (n, d); all-zero: the first two axes, [0, 0]."""
     d = points.shape[-1]
     if not np.any(points):
         return np.eye(2, d), [0.0, 0.0]
@@ -134,14 +105,8 @@ def pca_basis(points: np.ndarray) -> tuple[np.ndarray, list[float]]:
 
 
 def pca_views(paths: dict[str, Any], gains: Sequence[float]) -> dict[str, Any]:
-    """JSON-ready 2-D projections for Figure 4 from the ``paths`` of :func:`anchor_rollouts`.
-
-    Returns:
-        ``trajectories``: {"basis_share", "paths" [[(x, y) per t] per example], "ray" [(x, y) of the
-        sequence-mean b_0 per example] (the forcing ray t·b_0 is t times it)} — panel (a), gain 1;
-        ``displacements``: {"basis_share", "paths" {gain: [[(x, y) per t] per example]}} of
-        D_{g,t} = Δ_t^(g) − Δ_t^(0) for the nonzero requested gains — panel (b), its own projection.
-    """
+    """Figure 4's 2-D views: ``trajectories`` (panel a: gain-1 paths and the ray b_0) and ``displacements``
+    (panel b: D_{g,t} of the nonzero gains, in their own projection)."""
     traj = paths["trajectory"]
     a = traj[1.0]  # (k, T+1, d)
     basis, share = pca_basis(a.reshape(-1, a.shape[-1]))

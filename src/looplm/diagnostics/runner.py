@@ -1,13 +1,7 @@
-"""Mechanism diagnostics of a trained model (SPEC §7; SCSE Table 3, Table 22, Figures 4–5).
+"""Every mechanism diagnostic of a trained model on a few batches (SPEC §7; SCSE Tables 3, 22, Figures 4–5).
 
-:func:`diagnose_model` measures, on a few batches and in the model's anchor coordinates, the forcing
-bias (:mod:`~looplm.diagnostics.forcing`), random-direction gain (:mod:`~looplm.diagnostics.gain`),
-anchor-start rollouts and dose response (:mod:`~looplm.diagnostics.rollout`), hidden-state scale
-(:mod:`~looplm.diagnostics.scale`), visit alignment at R = K (:mod:`~looplm.diagnostics.alignment`) and
-token convergence (:mod:`~looplm.diagnostics.convergence`). Batch-level values are averaged over batches
-(R_t as the mean of batch ratios, as the paper; max-abs entries as the max); scale and convergence pool
-tokens. Dropout off, by default on a float64 copy (:mod:`~looplm.diagnostics.gain` says why).
-:func:`diagnose_checkpoint` loads a checkpoint, cuts batches from its corpus and writes Markdown and plots.
+Batch-level values are averaged over batches (R_t as the mean of batch ratios, as the paper; max-abs entries
+maxed); scale and convergence pool tokens. Dropout off, on a float64 copy by default (:mod:`.gain` says why).
 """
 
 from __future__ import annotations
@@ -36,8 +30,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
-    """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min``
-    minned, lists averaged elementwise, None (undefined) ignored (None if undefined in every batch)."""
+    """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min`` minned,
+    lists averaged elementwise, None ignored."""
     out: dict[str, Any] = {}
     for key in records[0]:
         vals = [r[key] for r in records]
@@ -87,8 +81,7 @@ Batch = torch.Tensor | tuple[torch.Tensor, ...]
 
 def _step_records(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], n_directions: int, seed: int,
                   eps: float) -> tuple[list[dict], list[dict]]:
-    """Forcing and gain records at loop steps ``steps`` of one unroll of ``idx`` (directions seeded
-    ``seed`` …): :func:`forcing_record` and :func:`direction_gain` along one trajectory."""
+    """Forcing and gain records at loop steps ``steps`` along one unroll of ``idx`` (directions seeded ``seed`` …)."""
     shape = (*idx.shape, model.cfg.d_model)
     dirs = random_directions(shape, n_directions, seed=seed, dtype=model.tok_emb.weight.dtype, device=idx.device)
 
@@ -101,9 +94,8 @@ def _step_records(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], n_dire
 
 
 def _unpack(item: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(idx, targets, mask) on ``device`` from a batch: a bare (B, L) idx gets next-token targets from the
-    window itself (``targets[:, :-1] = idx[:, 1:]``, the last position ignored) and no mask; a tuple is
-    (idx, targets) or (idx, targets, mask) with mask (B, L) bool marking real tokens."""
+    """(idx, targets, mask) on ``device`` from (idx, targets[, mask]) or a bare (B, L) idx (targets from the
+    window itself, the last position ignored)."""
     if isinstance(item, torch.Tensor):
         targets = torch.full_like(item, -100)
         targets[:, :-1] = item[:, 1:]
@@ -119,24 +111,9 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
                    gains: Sequence[float] = DOSE_GAINS, dtype: str = "float64", label: str = "model",
                    scale_loops: int = DEFAULT_LOOPS, convergence_tau: float = DEFAULT_TAU,
                    alignment_loss: str = "terminal", progress: bool = False) -> dict[str, Any]:
-    """All SPEC §6–7 mechanism diagnostics of ``model`` (not modified: a copy in ``dtype``, eval mode).
-
-    Each batch is (B, L) int64 ids (targets from the window itself) or (idx, targets[, mask]) with -100
-    ignored and mask marking real tokens. Batch i uses random directions seeded ``seed + n_directions·i`` ….
-    ``scale_loops`` is the K of the scale diagnostic and the R of the visit alignment (loss
-    ``alignment_loss``); token convergence runs along the ``depth``-step unroll at ``convergence_tau``.
-
-    Returns:
-        JSON-ready dict: the settings, ``batches``, ``forcing`` and ``gain`` (per step), ``rollout`` and
-        ``dose_response`` (:func:`~looplm.diagnostics.rollout.anchor_rollouts`), ``scale``
-        (:meth:`~looplm.diagnostics.scale.ScaleAccumulator.result`), ``visit_alignment``
-        (:func:`~looplm.diagnostics.alignment.merge_alignment`), ``convergence`` and ``markdown`` (SCSE
-        Tables 3 and 22 layout, then scale, alignment and convergence).
-
-    Raises:
-        ValueError: unshared model, steps outside 0..depth−1, no batches, or a bad
-        dtype/gain/eps/scale_loops/convergence_tau/alignment_loss.
-    """
+    """All SPEC §6–7 diagnostics of ``model`` (a copy in ``dtype``, eval mode) on batches (idx or (idx, targets[,
+    mask])); batch i's directions are seeded ``seed + n_directions·i``. ``scale_loops``: the K of the scale
+    diagnostic and the R of the visit alignment. ValueError: an unshared model or a bad setting."""
     check_shared(model, "mechanism diagnostics")
     steps = sorted({int(t) for t in steps})
     _check_args(steps, depth, gains, n_directions, eps)
@@ -184,20 +161,10 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     return result
 
 
-
 def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batch_size: int, batches: int,
                  device: str = "cpu"):
-    """A shared-architecture checkpoint and the first ``batches`` evaluation windows of a split.
-
-    Returns:
-        ``(model, cfg, ckpt_dir, data_cfg, windows)``; windows are ``(x, y, mask)`` (B, L) each, on the
-        CPU, with y = -100 at unscored positions; for a task run (``data.dataset=task``) its held-out
-        instances (:func:`looplm.tasks.data.heldout_windows`).
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: an unshared checkpoint (named by ``what``) or a split with fewer than 2 tokens.
-    """
+    """``(model, cfg, ckpt_dir, data_cfg, windows)``: a shared checkpoint (ValueError naming ``what``) and the
+    first ``batches`` (x, y, mask) windows of a split (y = -100 unscored; a task run's held-out instances)."""
     from looplm.data.tokens import eval_windows
     from looplm.eval.runner import open_checkpoint
 
@@ -215,38 +182,23 @@ def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batc
                for x, y, m in eval_windows(tokens, cfg.model.seq_len, batch_size, max_batches=batches)]
     return model, cfg, ckpt, data_cfg, windows
 
+
 def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None = (0, 47), depth: int = 48,
                         dataset: str | None = None, split: str = "valid", batches: int = 4, batch_size: int = 8,
                         out_dir: str | Path | None = None, device: str = "cpu", progress: bool = True,
                         stem: str = "diagnose", dtype: str = "float64", seed: int = 0,
                         scale_loops: int | None = None, convergence_tau: float = DEFAULT_TAU) -> dict[str, Any]:
-    """Mechanism diagnostics (SPEC §6–7) of a checkpoint on ``batches`` windows of a corpus split.
+    """Mechanism diagnostics (SPEC §6–7) of a checkpoint on the first ``batches`` windows of a split; with
+    ``out_dir``, writes ``{stem}.json``, ``{stem}.md`` and the forcing-ratio, rollout and scale plots there.
 
     Args:
-        checkpoint: checkpoint directory or run directory (its ``latest``).
-        steps: loop steps t for the forcing bias and gain (default 0 and 47 of a T = 48 unroll);
-            None takes (0, depth − 1).
-        depth: anchor-start rollout depth T (and the unroll the steps live in).
-        dataset: corpus (default: the checkpoint's training corpus); split: train, valid or test.
-        batches, batch_size: the first ``batches`` batches of non-overlapping L-token windows.
-        out_dir: when given, write ``{stem}.json`` (the result without the Markdown), ``{stem}.md``, ``{stem}_forcing_ratio.png`` (Figure 5 style),
-            ``{stem}_rollouts.png`` (Figure 4 style) and ``{stem}_scale.png`` (per-loop RMS and the
-            token-convergence ρ curve) there.
-        dtype: float64 (default) or float32 for the diagnostic computations.
-        scale_loops: loop count K of the scale diagnostic and depth R of the visit alignment (None:
-            the checkpoint's nominal training depth ``cfg.depth.nominal_depth()``). The alignment loss follows the
-            training supervision (per_loop CE for ``per_loop``, else the terminal CE).
-        convergence_tau: threshold τ of token convergence (default 0.02).
-
-    Returns:
-        :func:`diagnose_model`'s dict plus ``checkpoint``, ``name``, ``rule``, ``dataset``,
-        ``split``, ``batch_size``, ``params`` and, with ``out_dir``, ``files`` (written paths).
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: unshared checkpoint, bad steps/depth, or a split too short for one window.
+        steps: loop steps t for the forcing bias and gain; None: (0, depth − 1)
+        depth: anchor-start rollout depth T (and the unroll the steps live in)
+        batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows
+        dtype: float64 or float32 for the diagnostic computations
+        scale_loops: K of the scale diagnostic and R of the visit alignment (default: the nominal training depth)
+        convergence_tau: threshold τ of token convergence
     """
-
     if batches < 1 or batch_size < 1:
         raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
     steps = (0, depth - 1) if steps is None else steps

@@ -1,19 +1,13 @@
-"""Hidden-state scale along the loop (SPEC §4 and §7 "Scale"; readout-blind-spot paper §2–3, Table 3,
-Figure 3, Appendix D; our copy of that paper carries no arXiv id).
+"""Hidden-state scale along the loop (SPEC §4, §7; the readout-blind-spot paper §2–3, Table 3, Figure 3,
+Appendix D; no arXiv id). Per loop k, on readout-coordinate states H_0 … H_K:
 
-For the hidden states H_0 … H_K in readout coordinates (after scale control, before the coda), per loop k:
+- token RMS and L2 (mean, p50, p99, max; the paper's final norms 4×10⁴–6×10⁴ may be L2, SPEC §10);
+- radial-gradient fraction r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², g = ∂L_k/∂H_k of the immediate readout loss
+  (H_k detached; ≈ 0 for an RMSNorm readout without a coda, Lemma 1);
+- radial derivative Σ_t ⟨g_t, H_t⟩ = ∂L_k/∂log s (at k = K the paper's g_K);
+- radial increment a_rad,k = mean_t ⟨u_t, F(H_k)_t − H_{k,t}⟩ / d, u_t = H_t/‖H_t‖_rms (Lemma 2).
 
-- **RMS** and **L2** of each token (mean, p50, p99, max; Appendix D): the paper's final-loop norms
-  (4×10⁴–6×10⁴) may be L2 norms (SPEC §10).
-- **Radial-gradient fraction** r_k = Σ_t ⟨g_t, û_t⟩² / Σ_t ‖g_t‖², û_t = H_t / ‖H_t‖₂, g = ∂L_k/∂H_k of the
-  *immediate* readout loss at loop k (H_k detached; final norm iff k = K). An RMSNorm readout without a coda
-  gives r_k ≈ 0 (Lemma 1); a raw readout clearly above 0.
-- **Radial derivative** Σ_t ⟨g_t, H_t⟩ = ∂L_k/∂log s at s = 1 (H_k → s·H_k); at k = K the paper's g_K.
-- **Radial increment** a_rad,k = mean_t ⟨u_t, F(H_k)_t − H_{k,t}⟩ / d, u_t = H_t/‖H_t‖_rms, F one loop step
-  (one extra step at k = K; Lemma 2); ``rms_increment`` is the measured mean change of the token RMS.
-
-:class:`ScaleAccumulator` pools over batches: token means and percentiles, r_k as a ratio of pooled sums,
-the radial derivative as the mean of per-batch derivatives.
+Pooled over batches: token means and percentiles, r_k as a ratio of pooled sums, the derivative as a batch mean.
 """
 
 from __future__ import annotations
@@ -33,9 +27,7 @@ DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
 def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Tensor, *,
                                final: bool) -> tuple[float, torch.Tensor]:
-    """The immediate readout loss at loop k and its gradient: (mean CE in nats, g = ∂L_k/∂H_k (B, L, d) in
-    h's dtype), with h detached (the recurrence is not differentiated) and ``final`` True at the last loop.
-    """
+    """(mean CE at loop k, g = ∂L_k/∂H_k (B, L, d)) with h detached; ``final`` at the last loop."""
     with torch.enable_grad():
         x = h.detach().requires_grad_(True)
         logits = model.readout(x, final=final)  # (B, L, V)
@@ -45,11 +37,8 @@ def immediate_readout_gradient(model: LoopLM, h: torch.Tensor, targets: torch.Te
 
 
 class ScaleAccumulator:
-    """Pools the per-loop scale statistics over batches (see the module docstring).
-
-    ``add(model, states, targets, mask)``: states H_0 … H_{K+1} (each (B, L, d); the last one is
-    F(H_K)), targets (B, L), optional bool mask (B, L) of real tokens for the token statistics.
-    """
+    """Pools the per-loop scale statistics over batches: ``add(model, states H_0 … H_{K+1} (the last is
+    F(H_K)), targets, mask of real tokens)``."""
 
     def __init__(self, loops: int):
         if loops < 1:
@@ -98,30 +87,18 @@ class ScaleAccumulator:
             self.rms_inc[k] += float((token_rms(states[k + 1].detach().double())[..., 0] - rms)[keep].sum())
 
     def result(self) -> dict[str, Any]:
-        """JSON-ready summary: ``{"K": K, "d": width, "tokens": n, "loops": [{"k", "rms_mean", "rms_p50",
-        "rms_p99", "rms_max", "l2_mean", "l2_p50", "l2_p99", "l2_max", "ce", "radial_grad_fraction",
-        "radial_derivative", "radial_increment", "rms_increment"} for k = 0 … K], "g_K": the radial
-        derivative at k = K, "final_rms_mean", "final_l2_mean": the token means at k = K}``.
-
-        Raises:
-            ValueError: nothing was added.
-        """
+        """``{"K", "d", "tokens", "loops": [per k: token stats, "ce", "radial_grad_fraction", "radial_derivative",
+        "radial_increment", "rms_increment"], "g_K", "final_rms_mean", "final_l2_mean"}``; ValueError: empty."""
         if not self.tokens:
             raise ValueError("scale: no batches (or no real tokens) were added")
         loops = []
         for k in range(self.K + 1):
-            rms = np.concatenate(self.rms[k])
-            l2 = np.concatenate(self.l2[k])
+            stats = {}
+            for name, v in (("rms", np.concatenate(self.rms[k])), ("l2", np.concatenate(self.l2[k]))):
+                stats.update({f"{name}_mean": float(v.mean()), f"{name}_p50": float(np.percentile(v, 50)),
+                              f"{name}_p99": float(np.percentile(v, 99)), f"{name}_max": float(v.max())})
             loops.append({
-                "k": k,
-                "rms_mean": float(rms.mean()),
-                "rms_p50": float(np.percentile(rms, 50)),
-                "rms_p99": float(np.percentile(rms, 99)),
-                "rms_max": float(rms.max()),
-                "l2_mean": float(l2.mean()),
-                "l2_p50": float(np.percentile(l2, 50)),
-                "l2_p99": float(np.percentile(l2, 99)),
-                "l2_max": float(l2.max()),
+                "k": k, **stats,
                 "ce": float(np.mean(self.ce[k])),
                 "radial_grad_fraction": self.rad_num[k] / self.rad_den[k] if self.rad_den[k] > 0 else None,
                 "radial_derivative": float(np.mean(self.radial_deriv[k])),
@@ -133,26 +110,16 @@ class ScaleAccumulator:
                 "final_l2_mean": loops[-1]["l2_mean"]}
 
 
-@torch.no_grad()
-def unroll_states(model: LoopLM, idx: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """Hidden states h_0 … h_depth (each (B, L, d), readout coordinates) from one unroll."""
-    return list(model(idx, depth, readout=Readout(logits=False, states=True)).states)
-
-
 def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int, *,
                      masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
-    """Per-loop scale statistics (SPEC §7 "Scale") of ``model`` over batches of (idx, targets), each
-    (B, L) int64, for loops k = 0 … K (K = ``loops``); one unroll to K + 1 per batch.
-
-    Use the model in eval mode (dropout off). Returns :meth:`ScaleAccumulator.result`'s dict.
-
-    Raises:
-        ValueError: unshared model, loops < 1, or no batches.
-    """
+    """:meth:`ScaleAccumulator.result` over (idx, targets) batches for k = 0 … ``loops`` (eval mode); ValueError:
+    unshared, loops < 1, or no batches."""
     if not model.shared:
         raise ValueError("the scale diagnostic needs a shared (looped) architecture; this model is "
                          "model.architecture=unshared")
     acc = ScaleAccumulator(loops)
     for i, (idx, targets) in enumerate(batches):
-        acc.add(model, unroll_states(model, idx, loops + 1), targets, None if masks is None else masks[i])
+        with torch.no_grad():
+            states = list(model(idx, loops + 1, readout=Readout(logits=False, states=True)).states)
+        acc.add(model, states, targets, None if masks is None else masks[i])
     return acc.result()

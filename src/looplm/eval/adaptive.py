@@ -1,18 +1,9 @@
-"""Adaptive depth with the hidden-update stopping rule (SPEC §6; SCSE appendix, Tables 9–10).
-Source: SCSE, arXiv:2607.27656 (appendix Adaptive-Depth Evaluation, Tables 9–10).
+"""Adaptive depth with the hidden-update stopping rule (SCSE, arXiv:2607.27656, appendix Tables 9–10; SPEC §6).
 
-Per example b (one window) and loop step t = 0 … C−1 (C = the ceiling, 48), on readout-coordinate states:
-
-    u_t(b) = max over the window's scored tokens i of ‖h_{t+1,i} − h_{t,i}‖₂ / (‖h_{t,i}‖₂ + 1e-8)
-
-Any other registered exit criterion (:mod:`looplm.eval.exits`) runs the same protocol via ``criterion=``.
-**Depth (our choice):** u_t is known once h_{t+1} is, so the example is read out at h_{t+1}:
-``D = min({t + 1 : u_t < τ} ∪ {C})`` ∈ [1, C] (τ ≤ 0 gives D = C); the mean active depth is the mean of D.
-**Protocol:** :func:`trace_depths` runs every window to the ceiling once, keeping u_t and per-depth NLL
-sums; :func:`~looplm.eval.exits.calibrate` picks τ on the validation trace for each target mean depth
-(8, 16, 24), applied unchanged to the test trace (token-weighted PPL, each example at its own D).
-:func:`early_exit_eval` really drops halted examples (same depths and NLL to rounding); its wall time
-against running to the ceiling is the reported speedup.
+Per window b and step t < C: u_t(b) = max over its scored tokens of ‖h_{t+1} − h_t‖₂ / (‖h_t‖₂ + 1e-8), read
+out at ``D = min({t + 1 : u_t < τ} ∪ {C})`` (our choice; any registered exit criterion via ``criterion=``).
+:func:`trace_depths` runs every window to the ceiling once; τ is calibrated on valid for each target mean depth
+(8, 16, 24) and applied to test; :func:`early_exit_eval` really drops halted rows (the reported speedup).
 """
 
 from __future__ import annotations
@@ -33,89 +24,46 @@ DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
 
 
-# ------------------------------------------------------------------ full trace and real early exit
-
-
-def _batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int | None,
-             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Non-overlapping windows as (x, y with -100 on unscored targets, mask), on ``device``."""
+def _on_windows(fn, model: DepthLM, tokens: np.ndarray, criterion: str | ExitCriterion, tau: float, ceiling: int,
+                batch_size: int, max_tokens: int | None, device: str | torch.device, **kw: Any):
+    """``fn`` (exits.trace or exits.run) in eval mode over the non-overlapping windows of ``tokens[: max_tokens
+    + 1]`` (x, y with -100 on unscored targets, mask). ValueError: ceiling < 1 or fewer than two tokens."""
+    if ceiling < 1:
+        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     if max_tokens is not None:
         tokens = tokens[: max_tokens + 1]
     if len(tokens) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    out = []
-    for x, y, mask in eval_windows(tokens, seq_len, batch_size):
-        out.append((x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device)))
-    return out
-
-
-def _criterion(criterion: str | ExitCriterion, tau: float = 0.0) -> ExitCriterion:
-    return build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
+    crit = build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    try:
+        batches = [(x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
+                   for x, y, mask in eval_windows(tokens, model.cfg.seq_len, batch_size)]
+        return fn(model, batches, crit, ceiling, **kw)
+    finally:
+        model.train(was_training)
 
 
 def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
                  max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
                  desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
                  scale_clamp: bool = False) -> Trace:
-    """One unroll to ``ceiling`` per batch of :func:`~looplm.data.tokens.eval_windows` windows (the last may
-    be partial), recording the criterion's statistic and the NLL at every depth (:func:`looplm.eval.exits.trace`).
-
-    Args:
-        model: put in eval mode here. tokens: 1-D token stream. ceiling: C ≥ 1 loop steps.
-        max_tokens: use only ``tokens[: max_tokens + 1]``. criterion: a registered name or an
-        :class:`ExitCriterion`. scale_clamp: the evaluation-time scale clamp (SPEC §4).
-
-    Returns:
-        :class:`~looplm.eval.exits.Trace`, N = windows; ``scores`` (N, C), column t = step t → t+1.
-
-    Raises:
-        ValueError: ceiling < 1 or fewer than two tokens.
-    """
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    was_training = model.training
-    model.eval()
-    try:
-        batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
-        tr = trace(model, batches, _criterion(criterion), ceiling, progress=progress, desc=desc,
-                   scale_clamp=scale_clamp)
-    finally:
-        model.train(was_training)
-    return tr
+    """:func:`~looplm.eval.exits.trace` of ``tokens``' windows: ``scores`` (N, C), column t = step t → t+1."""
+    return _on_windows(trace, model, tokens, criterion, 0.0, ceiling, batch_size, max_tokens, device,
+                       progress=progress, desc=desc, scale_clamp=scale_clamp)
 
 
 def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
                     batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, desc: str = "early exit",
                     criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> ExitRun:
-    """Per-example early exit, halted examples leaving the batch (:func:`looplm.eval.exits.run`): the same
-    depths and NLL as :func:`trace_depths` + :func:`~looplm.eval.exits.halting_depths`, to float rounding.
-    A τ that never fires (``-inf`` for hidden_update) runs every example to the ceiling: the speedup's reference.
+    """Real early exit of ``tokens``' windows (:func:`~looplm.eval.exits.run`); a τ that never fires runs every
+    example to the ceiling (the speedup's reference)."""
+    return _on_windows(run, model, tokens, criterion, tau, ceiling, batch_size, max_tokens, device,
+                       progress=progress, desc=desc, scale_clamp=scale_clamp)
 
-    Returns:
-        :class:`~looplm.eval.exits.ExitRun`; ``seconds`` times the compute only.
-
-    Raises:
-        ValueError: ceiling < 1 or fewer than two tokens.
-    """
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    crit = build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
-    was_training = model.training
-    model.eval()
-    try:
-        batches = _batches(tokens, model.cfg.seq_len, batch_size, max_tokens, torch.device(device))
-        return run(model, batches, crit, ceiling, progress=progress, desc=desc, scale_clamp=scale_clamp)
-    finally:
-        model.train(was_training)
-
-
-# ------------------------------------------------------------------ protocol and report
-
-
-def _static_depths(ceiling: int) -> list[int]:
-    """The static columns of the paper's Table 9 layout: T=8 (training range) and T=ceiling."""
-    return sorted({min(8, ceiling), ceiling})
 
 
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
@@ -123,20 +71,8 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
                    max_tokens: int | None = None, batch_size: int = 16, device: str | torch.device = "cpu",
                    progress: bool = True, timed: bool = True, criterion: str = "hidden_update",
                    scale_clamp: bool = False) -> dict[str, Any]:
-    """Validation-calibrated adaptive depth on token streams (SPEC §6; SCSE Tables 9–10).
-
-    Traces both splits to the ceiling, calibrates τ per target mean depth on valid, applies it to
-    test; with ``timed``, also runs the real early exit on test per target and once without halting.
-    ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
-    paper's protocol is ``hidden_update``. ``scale_clamp`` applies the evaluation-time scale clamp
-    (SPEC §4) to every trace and run.
-
-    Returns:
-        JSON-ready dict (see :func:`adaptive_depth_checkpoint`, without the checkpoint fields).
-
-    Raises:
-        ValueError: no targets, a target outside [1, ceiling], ceiling < 1, or a split with < 2 tokens.
-    """
+    """Valid-calibrated adaptive depth (module docstring); ``timed``: also the real early exit on test per
+    target and once without halting. ValueError: no targets, one outside [1, ceiling], a split of < 2 tokens."""
     targets = list(dict.fromkeys(targets))
     if not targets:
         raise ValueError("targets: need at least one target mean depth")
@@ -189,14 +125,9 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown in the paper's Table 9/10 layout, plus a details table per result.
-
-    Args:
-        results: {label: result of :func:`adaptive_depth` / :func:`adaptive_depth_checkpoint`};
-            all results should share targets and ceiling (the first one sets the columns).
-    """
+    """Markdown in the paper's Table 9/10 layout (the first result sets the columns), and details per result."""
     first = next(iter(results.values()))
-    statics = _static_depths(first["ceiling"])
+    statics = sorted({min(8, first["ceiling"]), first["ceiling"]})  # T=8 (the training range) and the ceiling
     targets = list(first["targets"])
     cols = ([f"Static T={statics[0]}"] + [f"Adaptive {t}" for t in targets]
             + [f"Static T={T}" for T in statics[1:]])
@@ -229,29 +160,8 @@ def adaptive_depth_checkpoint(checkpoint: str | Path, *, targets: Sequence[float
                               max_tokens: int | None = None, batch_size: int = 16, device: str = "cpu",
                               progress: bool = True, timed: bool = True,
                               criterion: str = "hidden_update", scale_clamp: bool = False) -> dict[str, Any]:
-    """Adaptive depth of a checkpoint: τ calibrated on valid, test PPL and mean depths (SPEC §6).
-
-    Uses the checkpoint's own tokenizer and the valid/test splits of its corpus (or ``dataset``),
-    each cut to ``max_tokens`` + 1 tokens when given.
-
-    Returns:
-        JSON-ready dict::
-
-            checkpoint, name, rule, architecture, dataset, params, ceiling, max_tokens, batch_size,
-            examples: {valid, test}              windows (examples) per split
-            tokens: {valid, test}                scored targets per split
-            static: {"T": {valid_ppl, test_ppl}} fixed depth T = 1 … ceiling, from the same traces
-            full_depth_seconds                   every test example to the ceiling (None untimed)
-            targets: {"8": {target, tau, valid_mean_depth, test_mean_depth, valid_ppl, test_ppl,
-                            test_depth_counts: {"T": examples stopping at T},
-                            early_exit: None | {seconds, speedup, row_steps, full_row_steps,
-                                                test_ppl, depth_agreement, max_abs_nll_diff}}}
-            markdown                             Table 9 layout + details
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: as :func:`adaptive_depth`.
-    """
+    """Adaptive depth of a checkpoint on the valid/test splits of its corpus (or ``dataset``), each cut to
+    ``max_tokens`` + 1 tokens: τ per target on valid; test PPL, mean depths and (``timed``) early-exit speedups."""
     from looplm.eval.runner import open_checkpoint
     from looplm.run.provenance import tokens_sha256
 

@@ -1,21 +1,16 @@
 """One exit-criterion system: criteria, calibration, offline traces and the early-exit runner (SPEC §6).
 
-- **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (vs loop k − 1), aggregated over a sequence's
-  tokens, with a direction. ``hidden_update``: SCSE's rule (arXiv:2607.27656, Tables 9–10: u = max
-  over tokens of ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8), halt when u < τ); ``margin``: the readout
-  blind spot's mean top-1 − top-2 logit gap, halt when ≥ τ (§6, Appendix H); ``relative``, ``kl``,
-  ``entropy``: Huginn's (arXiv:2502.05171 §6); ``exit_gate``: a learned gate λ_k = σ(gate(h_k)) ≥ τ
-  (Ouro, arXiv:2510.25741); ``exit_cdf``: Ouro's CDF_k = 1 − ∏_{j≤k}(1 − λ_j) ≥ τ, carried loop to
-  loop (:meth:`ExitCriterion.carry_score`; per token over one forward: :func:`exit_cdf_depths`).
+- **criteria** (:data:`EXIT_CRITERIA`): a statistic of loop k (vs k − 1) aggregated over a sequence's tokens:
+  ``hidden_update`` (SCSE, arXiv:2607.27656 Tables 9–10), ``margin`` (the readout blind spot, Appendix H),
+  ``relative``, ``kl``, ``entropy`` (Huginn, arXiv:2502.05171 §6), ``exit_gate`` and ``exit_cdf`` (Ouro,
+  arXiv:2510.25741; cumulative, :meth:`ExitCriterion.carry_score`).
 - **halting depths** (:func:`halting_depths`): ``D = min({k < C : criterion fires at k} ∪ {C})``.
 - **calibration** (:func:`calibrate`): τ to a target mean depth (SCSE) or to a PPL tolerance (the blind spot).
-- **the runner** (:func:`exit_loop`): advances a batch with :meth:`LoopLM.step`, testing after every loop;
-  ``drop=True`` removes halted rows, ``drop=False`` (cached decoding) freezes them (their later KV visits copy
-  the exit visit's, :mod:`looplm.model.kvcache`). :func:`trace` is the offline accounting from one multi-depth
-  forward; :func:`run` the runner over evaluation batches; the two agree (tests).
+- **the runner** (:func:`exit_loop`): steps a batch, testing after every loop; halted rows are dropped or
+  (cached decoding) frozen. :func:`trace` is the offline accounting from one multi-depth forward, :func:`run`
+  the runner over evaluation batches; the two agree (tests).
 
-A logits criterion reads loop k with the final norm iff k ≥ the final depth
-(:meth:`LoopLM.resolve_final_depth`), as ``forward`` does; the coda of that extra readout writes no KV.
+A logits criterion reads loop k with the final norm iff k ≥ the final depth, as ``forward`` does (no KV written).
 """
 
 from __future__ import annotations
@@ -44,12 +39,9 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class ExitCriterion:
-    """An exit test: a per-token statistic of loop k, aggregated over a sequence, compared with τ.
-
-    ``direction="below"`` fires when the statistic is < τ (τ = −∞ never fires), ``"above"`` when ≥ τ.
-    Subclasses set ``name``, ``direction``, ``aggregate`` ("max" or "mean"), ``needs_logits`` /
-    ``needs_gate``, ``default_tau`` and implement :meth:`score`; a cumulative one overrides :meth:`carry_score`.
-    """
+    """An exit test: a per-token statistic of loop k, aggregated over a sequence (``aggregate``: "max" or
+    "mean"), compared with τ: ``direction="below"`` fires when < τ, ``"above"`` when ≥ τ. Subclasses implement
+    :meth:`score`; a cumulative one overrides :meth:`carry_score`."""
 
     name = ""
     direction: Direction = "below"
@@ -69,20 +61,13 @@ class ExitCriterion:
 
     def score(self, prev_h: torch.Tensor | None, h: torch.Tensor | None, prev_logits: torch.Tensor | None = None,
               logits: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """The per-token statistic: inputs (..., d) hidden states, (..., V) logits, (...) gate logits
-        (None where not needed) → (...) float32."""
+        """Per token: (..., d) hidden states, (..., V) logits, (...) gate logits (None if unneeded) → (...)."""
         raise NotImplementedError
 
     def carry_score(self, prev_h, h, prev_logits=None, logits=None, gate=None, carry=None
                     ) -> tuple[torch.Tensor, Any]:
-        """``(score, carry)`` of loop k; ``carry`` is loop k − 1's (None at loop 1), per-token tensors,
-        batch first."""
+        """``(score, carry)`` of loop k; ``carry`` is loop k − 1's (None at loop 1), batch first."""
         return self.score(prev_h, h, prev_logits, logits, gate), None
-
-    def sequence_score(self, prev_h, h, prev_logits=None, logits=None, gate=None,
-                       valid: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`score` reduced over tokens (dim 1, ``valid`` (B, L) bool; cumulative: its loop-1 value)."""
-        return self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid)
 
     def reduce(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) → (B,) by ``aggregate`` over ``valid`` tokens (a row without one: max 0, mean NaN)."""
@@ -96,15 +81,15 @@ class ExitCriterion:
         return s.masked_fill(~valid, 0.0).sum(dim=1) / valid.sum(dim=1)
 
     def halts(self, score: torch.Tensor) -> torch.Tensor:
-        """Bool tensor: whether the criterion fires for each score (NaN never fires)."""
+        """Whether the criterion fires for each score (NaN never fires)."""
         return score < self.tau if self.direction == "below" else score >= self.tau
 
     def should_exit(self, prev_h, h, prev_logits=None, logits=None, gate=None, valid=None) -> torch.Tensor:
-        """(B,) bool: :meth:`halts` of :meth:`sequence_score`."""
-        return self.halts(self.sequence_score(prev_h, h, prev_logits, logits, gate, valid))
+        """(B,) bool: :meth:`halts` of :meth:`score` reduced over ``valid`` (B, L) tokens."""
+        return self.halts(self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid))
 
     def never_fires(self) -> bool:
-        """True for τ = −∞ ("below") or +∞ ("above"): the runner then skips computing the statistic."""
+        """τ = −∞ ("below") or +∞ ("above"): the runner skips the statistic."""
         return self.tau == (-math.inf if self.direction == "below" else math.inf)
 
     def __repr__(self) -> str:
@@ -118,8 +103,7 @@ def relative_change(prev_h: torch.Tensor, h: torch.Tensor, dtype: torch.dtype = 
 
 
 class HiddenUpdate(ExitCriterion):
-    """SCSE's hidden-update rule (SPEC §6): u_k = max over a sequence's scored tokens of the relative
-    change ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8); halt when u_k < τ."""
+    """SCSE's rule (SPEC §6): u_k = max over scored tokens of ‖h_k − h_{k−1}‖₂ / (‖h_{k−1}‖₂ + 1e-8) < τ."""
 
     name = "hidden_update"
     aggregate = "max"
@@ -130,8 +114,7 @@ class HiddenUpdate(ExitCriterion):
 
 
 class RelativeChange(HiddenUpdate):
-    """Huginn's latent-change rule: ``‖h_r − h_{r−1}‖₂ / (‖h_{r−1}‖₂ + 1e-8) < τ`` per token (SPEC §6 ρ);
-    a sequence statistic is its mean over tokens."""
+    """Huginn's latent-change rule (SPEC §6 ρ): the relative change, mean over tokens, < τ."""
 
     name = "relative"
     aggregate = "mean"
@@ -142,8 +125,7 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 class KLDivergence(ExitCriterion):
-    """``KL(p_r ‖ p_{r−1}) = Σ_v p_r(v) (log p_r(v) − log p_{r−1}(v)) < τ`` (nats), p = softmax of the
-    readout at loop r (Huginn's KL exit criterion)."""
+    """Huginn's ``KL(p_r ‖ p_{r−1}) < τ`` (nats), p the readout's softmax at loop r."""
 
     name = "kl"
     needs_logits = True
@@ -170,8 +152,7 @@ class EntropyChange(ExitCriterion):
 
 
 class LogitMargin(ExitCriterion):
-    """The readout blind spot's logit-margin rule (SPEC §6): top-1 − top-2 of the loop's logits (logit
-    units; equal to the log-probability gap), mean over a sequence's tokens; halt when ≥ τ."""
+    """The blind spot's rule (SPEC §6): top-1 − top-2 logit (= log-probability gap), mean over tokens, ≥ τ."""
 
     name = "margin"
     direction = "above"
@@ -188,12 +169,8 @@ class LogitMargin(ExitCriterion):
 
 
 class ExitGate(ExitCriterion):
-    """A learned exit gate (``model.exit_gate``; Ouro-style, SPEC §4 exit_weighted supervision): the
-    exit probability λ_k = σ(gate(h_k)) of loop k, mean over a sequence's tokens; halt when ≥ τ.
-
-    Ouro exits where the cumulative exit probability first reaches a threshold (:class:`ExitCDF`,
-    ``exit_cdf``); here each loop's own λ_k is compared with τ (our choice; the gate was trained as a
-    per-loop hazard by ``train.supervision=exit_weighted``)."""
+    """The learned exit gate (``model.exit_gate``, SPEC §4): λ_k = σ(gate(h_k)), mean over tokens, ≥ τ (our
+    choice: each loop's own hazard; Ouro's cumulative rule is :class:`ExitCDF`)."""
 
     name = "exit_gate"
     direction = "above"
@@ -209,16 +186,9 @@ class ExitGate(ExitCriterion):
 
 
 class ExitCDF(ExitGate):
-    """Ouro's early-exit rule (arXiv:2510.25741; its ``early_exit_threshold``) on the learned exit gate.
-
-    With the hazards λ_j = σ(gate(h_j)), the exit distribution is p_j = λ_j·S_{j−1}, S_j = S_{j−1}(1 − λ_j),
-    S_0 = 1 (the last loop of an unroll takes the remaining mass S_{T−1}: ``train.supervision=
-    exit_weighted`` trains this distribution). The statistic of loop k is the cumulative exit probability
-    CDF_k = p_1 + … + p_k (= 1 − S_k), summed in Ouro's order; a token exits at the first loop with
-    CDF_k ≥ τ, and the ceiling C always exits (CDF_C = 1). Per token in decoding; a sequence statistic
-    is the mean of its tokens' CDF_k. The carried state is (S_k, CDF_k), each (B, L) or (N,).
-    τ = 0.5 exits at the median of the exit distribution (our choice of default; Ouro's configs ship
-    1.0, which exits at the last loop)."""
+    """Ouro's early exit (arXiv:2510.25741, ``early_exit_threshold``): CDF_k = p_1 + … + p_k ≥ τ, with
+    p_j = λ_j·S_{j−1}, S_j = S_{j−1}(1 − λ_j), S_0 = 1, summed in Ouro's order; carried (S_k, CDF_k).
+    Default τ = 0.5, the exit distribution's median (our choice; Ouro's configs ship 1.0, the last loop)."""
 
     name = "exit_cdf"
 
@@ -234,10 +204,8 @@ EXIT_CRITERIA: dict[str, type[ExitCriterion]] = {c.name: c for c in (
 
 
 def exit_cdf_depths(exit_logits: Sequence[torch.Tensor], tau: float) -> torch.Tensor:
-    """Ouro's per-token exit loop from the exit-gate logits of loops 1 … T of one unroll (T tensors, e.g.
-    (B, L)): the first k < T whose cumulative exit probability reaches τ (:class:`ExitCDF`), else T; int64
-    of one logit tensor's shape. Reading each token there is Ouro's thresholded forward. ValueError: no logits.
-    """
+    """Ouro's per-token exit loop from the gate logits of loops 1 … T (T tensors, e.g. (B, L)): the first
+    k < T with :class:`ExitCDF` ≥ τ, else T; int64 of a logit tensor's shape. ValueError: no logits."""
     if not exit_logits:
         raise ValueError("exit_cdf_depths: need the exit logits of at least one loop")
     crit, carry = ExitCDF(tau), None
@@ -250,11 +218,7 @@ def exit_cdf_depths(exit_logits: Sequence[torch.Tensor], tau: float) -> torch.Te
 
 
 def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
-    """The registered criterion ``name`` with threshold ``tau`` (None = its ``default_tau``).
-
-    Raises:
-        KeyError: unknown name (the message lists the known ones).
-    """
+    """The registered criterion ``name`` with ``tau`` (None: its default); KeyError listing the known ones."""
     if name not in EXIT_CRITERIA:
         raise KeyError(f"exit criterion: unknown {name!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
     cls = EXIT_CRITERIA[name]
@@ -272,11 +236,8 @@ def check_criterion(model, criterion: ExitCriterion) -> None:
 
 
 def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.ndarray:
-    """Halting depth per example: the first loop k < C whose score fires, else C.
-
-    ``scores`` (N, C): column k − 1 = loop k (the last never fires: C is the ceiling; NaN never fires).
-    Returns (N,) int64 depths in [1, C]. Raises ValueError for scores not (N, C ≥ 1) or a bad direction.
-    """
+    """(N,) int64 halting depths in [1, C]: the first loop k < C whose score (column k − 1 of (N, C)) fires,
+    else C. ValueError for scores not (N, C ≥ 1) or a bad direction."""
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[1] < 1:
         raise ValueError(f"scores: expected shape (N, C) with C >= 1, got {s.shape}")
@@ -295,15 +256,8 @@ def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.n
 
 @dataclass
 class Calibration:
-    """Outcome of :func:`calibrate` (N examples, C loops, M candidate thresholds).
-
-    Attributes:
-        tau: the chosen threshold (±∞ = never halts early). depths: (N,) int64 halting depths under τ.
-        mean_depth: their mean. ppl: dynamic PPL under τ (None without NLL). ppl_max: PPL at the
-            ceiling (None without NLL).
-        taus: (M,) candidate thresholds, ascending. mean_depth_by_tau, ppl_by_tau: (M,) per candidate
-            (ppl_by_tau None without NLL).
-    """
+    """Outcome of :func:`calibrate`: τ (±∞: never halts early), (N,) depths under it, PPLs (None without NLL),
+    and per candidate τ (M,), ascending."""
 
     tau: float
     depths: np.ndarray
@@ -316,13 +270,8 @@ class Calibration:
 
 
 def _candidates(scores: np.ndarray, direction: Direction) -> np.ndarray:
-    """Ascending thresholds, one per distinct halting pattern of :func:`halting_depths`.
-
-    "above" (fires on ≥): every distinct finite score of loops 1 … C−1 (a τ between two of them acts
-    like the larger) and +∞ (no early halt). "below" (fires on <): the smallest score (no halt),
-    the midpoints between consecutive distinct scores and one value above the largest (every example
-    halts at loop 1); midpoints keep τ away from observed values, so float noise cannot flip a halt.
-    """
+    """Ascending thresholds, one per distinct halting pattern: "above", every distinct finite score of loops
+    1 … C−1 and +∞; "below", the smallest score, the midpoints (float noise cannot flip a halt) and one above all."""
     C = scores.shape[1]
     decide = scores[:, : C - 1] if C > 1 else scores[:, :0]
     v = np.unique(decide[np.isfinite(decide)])
@@ -334,42 +283,30 @@ def _candidates(scores: np.ndarray, direction: Direction) -> np.ndarray:
 
 
 def _depths_all(scores: np.ndarray, taus: np.ndarray, direction: Direction) -> np.ndarray:
-    """(M, N) halting depths of every candidate at once: with running extrema of the scores
-    (max for "above", min for "below") the depth is 1 + #{k < C : the extremum up to k does not fire}."""
+    """(M, N) halting depths of every candidate: 1 + #{k < C : the running max ("above") / min of the scores up
+    to k does not fire}."""
     N, C = scores.shape
     depths = np.ones((len(taus), N), dtype=np.int64)
-    if C == 1:
-        return depths
+    above = direction == "above"
     decide = scores[:, : C - 1]
-    if direction == "above":
-        running = np.fmax.accumulate(np.where(np.isnan(decide), -np.inf, decide), axis=1)
-        for k in range(C - 1):
-            depths += running[None, :, k] < taus[:, None]
-    else:
-        running = np.fmin.accumulate(np.where(np.isnan(decide), np.inf, decide), axis=1)
-        for k in range(C - 1):
-            depths += running[None, :, k] >= taus[:, None]
+    acc, fill = (np.fmax, -np.inf) if above else (np.fmin, np.inf)
+    running = acc.accumulate(np.where(np.isnan(decide), fill, decide), axis=1)
+    for k in range(C - 1):  # no NaN left: "not < τ" is "≥ τ"
+        depths += (running[None, :, k] < taus[:, None]) == above
     return depths
 
 
 def calibrate(scores: np.ndarray, direction: Direction, *, target_depth: float | None = None,
               tolerance: float | None = None, nll: np.ndarray | None = None,
               tokens: np.ndarray | None = None) -> Calibration:
-    """τ for an exit criterion from a trace, by one of two objectives, every candidate (:func:`_candidates`)
-    evaluated at once from the cached arrays.
+    """τ from a trace (``scores`` (N, C)), every candidate evaluated at once, by one objective:
 
-    - ``target_depth``: the τ whose mean halting depth is closest to the target (SCSE): bisection over the
-      monotone mean depth, the closer of the two neighbours winning (ties: the one not above the target).
+    - ``target_depth``: mean halting depth closest to the target (SCSE; ties: the one not above it);
     - ``tolerance``: the earliest-halting τ whose dynamic PPL = exp(Σ_b nll[b, D_b − 1] / Σ_b tokens[b]) ≤
-      (1 + tolerance) × the PPL at the ceiling (the blind spot, Appendix H); never halting always qualifies.
+      (1 + tolerance) × the PPL at the ceiling (the blind spot, Appendix H); needs ``nll`` (N, C), ``tokens`` (N,).
 
-    Args:
-        scores: (N, C) statistic per example and loop (:func:`halting_depths`). direction: the criterion's.
-        nll: (N, C) summed NLL (nats); tokens: (N,) scored tokens (both needed for ``tolerance``).
-
-    Raises:
-        ValueError: not exactly one objective, an empty trace, a target outside [1, C], a negative
-            tolerance, or mismatched shapes.
+    ValueError: not exactly one objective, an empty trace, a target outside [1, C], a negative tolerance, or
+    mismatched shapes.
     """
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[0] == 0 or s.shape[1] == 0:
@@ -436,14 +373,8 @@ def _gate(model, h: torch.Tensor, criterion: ExitCriterion) -> torch.Tensor | No
 
 @dataclass
 class LoopExit:
-    """What :func:`exit_loop` returns for one batch of B rows.
-
-    Attributes:
-        depth: (B,) int64 loops each row ran (its halting depth). scores: (B, C) float64 statistic per
-            loop (NaN where not computed: after a row halted, at the ceiling, or when τ never fires).
-        row_steps: Σ over loops of the rows stepped (B·C when nothing halts early, for ``drop``).
-        h: (B, L, d) each row's hidden state at its exit (``drop=False`` only, else None).
-    """
+    """:func:`exit_loop` of B rows: (B,) halting depths, (B, C) float64 scores (NaN where not computed),
+    Σ over loops of the rows stepped, and (``drop=False``) each row's (B, L, d) state at its exit."""
 
     depth: torch.Tensor
     scores: torch.Tensor
@@ -455,25 +386,13 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
               valid: torch.Tensor | None = None,
               on_exit: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], None] | None = None
               ) -> LoopExit:
-    """The early-exit runner: advance ``loop`` (a :class:`~looplm.model.cursor.Loop` at t = 0, its scale
-    clamp as opened) through loops 1 … ``ceiling``, testing ``criterion`` after every loop k < ceiling
-    (module docstring).
+    """The early-exit runner: advance ``loop`` (at t = 0, eval mode) through loops 1 … ``ceiling``, testing
+    ``criterion`` after every loop k < ceiling.
 
-    Args:
-        loop: the cursor of a :class:`~looplm.model.DepthLM` in eval mode.
-        criterion: the exit test (its ``tau`` is the threshold). ceiling: C ≥ 1 loops at most.
-        drop: True removes halted rows from the batch (:meth:`Loop.select`); False freezes them
-            (:meth:`Loop.freeze`: state kept, copy-forward K/V) and stops once all exited.
-        valid: (B, L) bool tokens a sequence statistic aggregates over (None = all).
-        on_exit: called as ``on_exit(rows, k, h, logits)`` when rows halt at loop k: ``rows`` (n,)
-            their indices in the input batch, ``h`` (n, L, d) their hidden states, ``logits`` (n, L, V)
-            their readout at k when the criterion computed it (else None).
-
-    Returns:
-        :class:`LoopExit`.
-
-    Raises:
-        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
+    ``drop``: remove halted rows (:meth:`Loop.select`), else freeze them (:meth:`Loop.freeze`: copy-forward
+    K/V) until all exited. ``valid``: (B, L) tokens a statistic aggregates over. ``on_exit(rows, k, h, logits)``
+    when rows halt at loop k (input-batch indices, (n, L, d), the (n, L, V) readout at k or None).
+    ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
     """
     model = loop.model
     if ceiling < 1:
@@ -536,14 +455,8 @@ def sync_device(device: torch.device) -> None:
 
 @dataclass
 class ExitRun:
-    """Per-example outcome of :func:`run` (N examples, batch order).
-
-    Attributes:
-        depth: (N,) int64 halting depths. nll: (N,) float64 summed NLL (nats) at the halting depth.
-        scores: (N, C) float64 statistics the run computed (NaN after a halt, at C, or when τ never
-            fires). tokens: (N,) int64 scored tokens. seconds: wall time of the compute (batches
-            prebuilt on the device). row_steps: Σ over loops of the running rows.
-    """
+    """Per example of :func:`run` (batch order): halting depth, summed NLL (nats) there, (N, C) scores and
+    scored tokens; the compute's wall time and Σ over loops of the running rows."""
 
     depth: np.ndarray
     nll: np.ndarray
@@ -559,15 +472,8 @@ class ExitRun:
 @torch.inference_mode()
 def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
         desc: str = "early exit", scale_clamp: bool = False) -> ExitRun:
-    """Real early exit over evaluation batches: :func:`exit_loop` with ``drop=True``, each example scored
-    (summed NLL over its scored targets) at its halting depth.
-
-    Equals :func:`trace` + :func:`halting_depths` (the offline accounting) in depths and NLL, up to
-    float rounding from the smaller batches. Put the model in eval mode first.
-
-    Raises:
-        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
-    """
+    """Real early exit (:func:`exit_loop`, ``drop=True``, eval mode), each example's NLL at its halting depth;
+    equals :func:`trace` + :func:`halting_depths` up to float rounding."""
     device = batches[0][0].device
     depths, nlls, all_scores, counts = [], [], [], []
     row_steps = 0
@@ -598,12 +504,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
 
 @dataclass
 class Trace:
-    """Offline accounting of one split to the ceiling C (N examples).
-
-    Attributes:
-        scores: (N, C) float64 criterion statistic of loops 1 … C. nll: (N, C) float64 summed NLL
-            (nats) per example read out at each depth. tokens: (N,) int64 scored targets per example.
-    """
+    """Offline accounting of N examples to the ceiling C: (N, C) statistics and summed NLLs, (N,) tokens."""
 
     scores: np.ndarray
     nll: np.ndarray
@@ -622,13 +523,8 @@ class Trace:
 @torch.inference_mode()
 def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int, *, progress: bool = False,
           desc: str = "trace", scale_clamp: bool = False) -> Trace:
-    """One multi-depth forward per batch (``depth=[1..C]``, plus 0 when the criterion compares loop 1
-    with loop 0 through the logits), recording the criterion statistic and the per-example NLL at every
-    depth through :meth:`~looplm.model.DepthLM.read`'s ``on_depth`` hook (only (N, C) arrays are kept).
-
-    Raises:
-        ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
-    """
+    """One multi-depth forward per batch (depths 1 … C, and 0 for a logits criterion comparing with loop 0),
+    recording the statistic and NLL per depth through ``on_depth``. ValueError as :func:`exit_loop`."""
     if ceiling < 1:
         raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     check_criterion(model, criterion)

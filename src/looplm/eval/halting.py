@@ -1,22 +1,13 @@
-"""Adaptive depth with logit-margin halting (SPEC §6; readout blind spot, §6 and Appendix H).
-Source: the readout-blind-spot paper (§6, Appendix H); our copy of it has no arXiv id.
+"""Adaptive depth with logit-margin halting (the readout-blind-spot paper §6, Appendix H; no arXiv id; SPEC §6).
 
-Per sequence b (one window of L tokens) and loop k = 1 … K_max, with ``z_k`` the logits read out at loop k:
+Per window b and loop k = 1 … K_max: margin_k(b) = mean over its tokens of top-1 − top-2 of the loop-k logits,
+halt(b) = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max}), scored at its halting loop. (1) Calibration
+(``n_calib`` windows, :func:`trace_margins`): the smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL(K_max).
+(2) Timed run (``n_timed`` disjoint windows): :func:`dynamic_halting_run` against every fixed depth
+(:func:`fixed_depth_run`); speedup = static / dynamic seconds. (3) Frontier: (tokens/s, PPL) per K.
 
-    margin_k(b) = mean over the window's L tokens i of (top-1 − top-2 of z_{k,i})     [logit units]
-    halt(b)     = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max})
-
-scored (summed NLL) at its halting loop. **Protocol.** (1) *Calibration* (``n_calib`` = 160 windows): one
-``depth=[1..K_max]`` forward per batch (:func:`trace_margins`); :func:`~looplm.eval.exits.calibrate` keeps
-the smallest τ whose dynamic PPL ≤ (1 + tolerance) × the PPL at K_max. (2) *Timed run* (``n_timed``
-disjoint windows): :func:`dynamic_halting_run` (halted sequences leave the batch) against every fixed
-depth K = 1 … K_max (:func:`fixed_depth_run`; K_max is the static reference); speedup = static seconds /
-dynamic seconds. (3) *Frontier*: (tokens/s, PPL) per fixed K plus the dynamic point.
-
-**Choices (ours).** Full non-overlapping windows; with one split for both, the timed windows follow the
-calibration ones. Intermediate loops read out with ``final=False``, K_max with ``final=True``, as
-``forward`` does. Timings: ``torch.inference_mode``, batches prebuilt on the device, one untimed warm-up
-batch per mode, CUDA synchronized, the median of ``repeats`` interleaved passes, no autocast.
+Choices (ours): full non-overlapping windows (timed after calibration ones on one split); inference mode,
+batches prebuilt on the device, one untimed warm-up batch per mode, the median of ``repeats`` interleaved passes.
 """
 
 from __future__ import annotations
@@ -44,14 +35,8 @@ DEFAULT_TOLERANCE = 0.01  # dynamic PPL within 1% of K_max (readout blind spot, 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
-# ------------------------------------------------------------------ model runs
-
-
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full non-overlapping windows ``first … first + n − 1`` (inputs and shifted targets, as
-    :func:`~looplm.data.tokens.eval_windows`): (x, y), each (n, L) int64 on the CPU. Raises ValueError for
-    n < 1 or fewer than ``first + n`` full windows.
-    """
+    """Full windows ``first … first + n − 1`` as (x, y), each (n, L) int64; ValueError when too few."""
     available = (len(tokens) - 1) // seq_len
     if n < 1 or first + n > available:
         raise ValueError(f"need {n} full windows of {seq_len} tokens from window {first}, but the split holds "
@@ -77,10 +62,7 @@ def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
 def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
                   criterion: str | ExitCriterion = "margin",
                   scale_clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-loop criterion statistic (mean logit margin by default) and NLL of every window from one
-    ``depth=[1..k_max]`` forward per batch (:func:`looplm.eval.exits.trace`). Returns ``(margins, nll_sum,
-    n_tok)``: (N, K) float64, (N, K) float64 summed NLL (nats), (N,) int64 scored tokens (= L).
-    """
+    """(N, K) statistics, (N, K) summed NLL (nats), (N,) tokens of every window (:func:`~looplm.eval.exits.trace`)."""
     tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
                desc="calibration trace", scale_clamp=scale_clamp)
     return tr.scores, tr.nll, tr.tokens
@@ -89,11 +71,7 @@ def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress:
 def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
                         progress: bool = False, criterion: str | ExitCriterion = "margin",
                         scale_clamp: bool = False) -> ExitRun:
-    """Step-by-step loop with dynamic batching (:func:`looplm.eval.exits.run`): after loop k < K_max rows whose
-    criterion fires are scored at k and leave the batch; the rest are scored at K_max. Per-sequence NLL
-    equals :func:`trace_margins`' (to rounding). ``tau``: logit units for the margin, ``inf`` never halts.
-    Raises ValueError for k_max < 1.
-    """
+    """Dynamic batching (:func:`~looplm.eval.exits.run`): halted rows are scored and leave the batch."""
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
     return run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
@@ -103,11 +81,7 @@ def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max:
 @torch.inference_mode()
 def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
                     progress: bool = False, scale_clamp: bool = False) -> tuple[np.ndarray, float]:
-    """Every window at one fixed depth K through ``model(x, depth=K)`` (the static reference at K_max).
-
-    Returns:
-        ``(nll, seconds)``: (N,) float64 summed NLL (nats) per window and the wall time.
-    """
+    """``(nll, seconds)``: (N,) summed NLL (nats) of every window at depth K, and the wall time."""
     device = batches[0][0].device
     nlls = []
     sync_device(device)
@@ -118,9 +92,6 @@ def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
     sync_device(device)
     seconds = time.perf_counter() - t0
     return torch.cat(nlls).cpu().numpy(), seconds
-
-
-# ------------------------------------------------------------------ protocol
 
 
 def _counts(loops: np.ndarray) -> dict[str, int]:
@@ -135,25 +106,8 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
                  k_max: int, *, batch_size: int = 16, tolerance: float = DEFAULT_TOLERANCE, repeats: int = 3,
                  device: str | torch.device = "cpu", progress: bool = True,
                  criterion: str = "margin", scale_clamp: bool = False) -> dict[str, Any]:
-    """Calibrate τ on ``calib`` windows, then time dynamic halting and fixed depths on ``timed``.
-
-    ``criterion`` names any registered exit criterion (:data:`looplm.eval.exits.EXIT_CRITERIA`); the
-    paper's protocol is ``margin`` (the logit margin). ``scale_clamp``: the evaluation-time scale clamp
-    (SPEC §4) in every run.
-
-    Args:
-        model: the model (on ``device``; put in eval mode here, restored after).
-        calib, timed: (x, y) windows, each (N, L) int64 (see :func:`make_windows`).
-        k_max: loop ceiling K_max ≥ 1. tolerance: relative PPL budget of :func:`~looplm.eval.exits.calibrate`.
-        repeats: timed passes over the timed windows per mode (interleaved); seconds are their median.
-
-    Returns:
-        JSON-ready dict (strict JSON: τ = ∞ is written as ``null``); see
-        :func:`evaluate_halting_checkpoint` for the fields.
-
-    Raises:
-        ValueError: k_max, batch_size or repeats < 1, a negative tolerance, or empty windows.
-    """
+    """Calibrate τ on ``calib`` windows ((x, y), each (N, L)), then time dynamic halting and every fixed depth
+    on ``timed``; JSON-ready (τ = ∞ as null). ValueError: k_max, batch_size or repeats < 1, empty windows."""
     if k_max < 1 or batch_size < 1 or repeats < 1:
         raise ValueError(f"k_max, batch_size and repeats must be >= 1, got {k_max}, {batch_size}, {repeats}")
     if len(calib[0]) == 0 or len(timed[0]) == 0:
@@ -171,8 +125,21 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
         tau = cal.tau
 
-        dyn, dyn_s, fixed_s, fixed_nll = _timed_runs(model, _batches(*timed, batch_size, device), tau, k_max,
-                                                     repeats, progress, criterion=criterion, scale_clamp=scale_clamp)
+        batches, kw = _batches(*timed, batch_size, device), {"criterion": criterion, "scale_clamp": scale_clamp}
+        dynamic_halting_run(model, batches[:1], tau, k_max, **kw)  # untimed warm-ups
+        for K in range(1, k_max + 1):
+            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
+        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+        dyn_s: list[float] = []
+        fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
+        fixed_nll: dict[int, np.ndarray] = {}
+        for r in range(repeats):
+            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
+            dyn_s.append(dyn.seconds)
+            for K in range(1, k_max + 1):
+                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                                                        scale_clamp=scale_clamp)
+                fixed_s[K].append(seconds)
     finally:
         model.train(was_training)
     n_tokens = int(dyn.tokens.sum())
@@ -188,7 +155,16 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     return {
         "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance,
         "batch_size": batch_size, "repeats": repeats, "device": str(device), "seq_len": int(calib[0].shape[1]),
-        "calibration": _calibration_summary(cal, nll_sum, n_tok, tolerance, k_max),
+        "calibration": {
+            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
+            "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
+            "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
+            "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
+            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+            "loop_counts": _counts(cal.depths),
+            "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
+                      "mean_loops": cal.mean_depth_by_tau.tolist()},
+        },
         "timed": {
             "sequences": N, "tokens": n_tokens,
             "dynamic": {"seconds": dyn_seconds, "tokens_per_s": n_tokens / dyn_seconds, "ppl": dyn_ppl,
@@ -202,40 +178,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     }
 
 
-def _timed_runs(model: DepthLM, batches: list[Batch], tau: float, k_max: int, repeats: int, progress: bool,
-                **kw: Any) -> tuple[ExitRun, list[float], dict[int, list[float]], dict[int, np.ndarray]]:
-    """Dynamic halting and every fixed depth 1 … K_max, ``repeats`` times, after an untimed warm-up batch."""
-    dynamic_halting_run(model, batches[:1], tau, k_max, **kw)
-    for K in range(1, k_max + 1):
-        fixed_depth_run(model, batches[:1], K, scale_clamp=kw["scale_clamp"])
-    # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
-    dyn_s: list[float] = []
-    fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
-    fixed_nll: dict[int, np.ndarray] = {}
-    for r in range(repeats):
-        dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
-        dyn_s.append(dyn.seconds)
-        for K in range(1, k_max + 1):
-            fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
-                                                    scale_clamp=kw["scale_clamp"])
-            fixed_s[K].append(seconds)
-    return dyn, dyn_s, fixed_s, fixed_nll
-
-
-def _calibration_summary(cal, nll_sum: np.ndarray, n_tok: np.ndarray, tolerance: float, k_max: int) -> dict[str, Any]:
-    return {
-        "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
-        "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
-        "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
-        "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
-        "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
-        "loop_counts": _counts(cal.depths),
-        "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
-                  "mean_loops": cal.mean_depth_by_tau.tolist()},
-    }
-
-
-# ------------------------------------------------------------------ report
 
 
 def markdown_report(res: dict[str, Any], label: str = "model") -> str:
@@ -265,12 +207,8 @@ def markdown_report(res: dict[str, Any], label: str = "model") -> str:
 
 
 def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Two panels: PPL vs measured tokens/s (fixed K = 1 … K_max, labelled, and the dynamic point),
-    and the calibration sweep (dynamic PPL vs mean loops over the τ candidates, chosen τ marked)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Two panels: PPL vs tokens/s (fixed K and dynamic), and dynamic PPL vs mean loops over the τ candidates."""
+    from looplm.analysis.plots import plt, save_figure
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.4, 4.0))
     fr = res["frontier"]
@@ -299,8 +237,6 @@ def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Pat
     ax2.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    from looplm.analysis.plots import save_figure
-
     return save_figure(fig, path)
 
 
@@ -311,34 +247,9 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
                                 dataset: str | None = None, device: str = "cpu",
                                 progress: bool = True, criterion: str = "margin",
                                 scale_clamp: bool = False) -> dict[str, Any]:
-    """Halting of a checkpoint (SPEC §6; the logit margin by default, any registered exit criterion
-    with ``criterion``): calibrate, time, frontier; write the report.
-
-    Calibration windows are the first ``n_calib`` full windows of ``split_calib``; timed windows the
-    first ``n_timed`` of ``split_timed`` (the ``n_timed`` after the calibration ones when the splits
-    are the same). Uses the checkpoint's tokenizer and corpus (or ``dataset``).
-
-    Writes ``out_dir/halting.json``, ``halting.md`` and ``halting_frontier.png``.
-
-    Returns:
-        JSON-ready dict::
-
-            checkpoint, name, rule, architecture, readout, dataset, params, split_calib, split_timed,
-            k_max, tolerance, batch_size, repeats, device, seq_len,
-            calibration: {sequences, tokens, tau (null = ∞), halts_early, candidates, mean_loops,
-                          ppl_dynamic, ppl_kmax, ppl_ratio, ppl_budget, ppl_by_k: {"k": ppl},
-                          loop_counts: {"k": sequences}, sweep: {tau, ppl, mean_loops}}
-            timed: {sequences, tokens,
-                    dynamic: {seconds, tokens_per_s, ppl, mean_loops, row_loops, loop_counts},
-                    static: {k, seconds, tokens_per_s, ppl, mean_loops, row_loops},
-                    speedup (static s / dynamic s), ppl_ratio (dynamic / static)}
-            frontier: [{k, ppl, seconds, tokens_per_s}] for K = 1 … k_max (timed slice)
-            markdown, files: {json, markdown, plot}
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: too few full windows in a split, k_max/batch_size < 1, negative tolerance.
-    """
+    """Halting of a checkpoint by ``criterion`` (module docstring): the first ``n_calib`` full windows of
+    ``split_calib`` calibrate, the first ``n_timed`` of ``split_timed`` (after those on one split) are timed.
+    Writes ``out_dir/halting.json``, ``halting.md`` and ``halting_frontier.png``."""
     from looplm.eval.runner import open_checkpoint
     from looplm.run.provenance import tokens_sha256
 

@@ -1,16 +1,11 @@
-"""Terminal KV sharing: the continuation protocol and its sharing penalty (SPEC §6; arXiv:2610.06833).
+"""Terminal KV sharing (LMDR, arXiv:2610.06833 §3.2, Table 2; SPEC §6): each prefix token keeps only its
+last-recurrence K/V per physical layer, which every recurrence of later tokens attends to.
 
-Source: "Towards Looped Models Done Right" (§3.2, Table 2 and Appendix): each prefix token keeps only its
-last-recurrence K/V per physical attention layer, which every recurrence of later tokens attends to.
-
-**Continuation protocol.** Every full window of L = ``seq_len`` tokens is cut at P = L // 2: (1) *full*:
-one uncached forward at depth R, NLL on positions P … L−1; (2) *terminal*: prefill 0 … P−1 into a
-``terminal`` :class:`KVCache`, then score P … L−1 in one parallel forward; (3) *per_visit* (control): the
-same with a ``per_visit`` cache, which reproduces the full forward (``ppl_per_visit == ppl_full`` to rounding).
-**Document-aware scoring** (LMDR Table 8 caption; our reading): a second-half target x_{j+1} counts only
-if no ``<|endoftext|>`` occurs in x_{P−1} … x_j; unscored tokens stay as context. Sharing penalty
-``100 · (PPL_terminal / PPL_full − 1)`` (%). Memory: the prefix's K/V bytes per sequence
-(``KVCache.nbytes() / B``) for both layouts, in the parameter dtype.
+Continuation protocol: each full window of L tokens is cut at P = L // 2 and positions P … L−1 are scored
+(1) *full*: one uncached forward at depth R; (2) *terminal*: after prefilling 0 … P−1 into a ``terminal``
+:class:`KVCache`; (3) *per_visit* (control, = full to rounding). Document-aware scoring (LMDR Table 8 caption;
+our reading): target x_{j+1} counts only if no ``<|endoftext|>`` occurs in x_{P−1} … x_j. Sharing penalty
+``100 · (PPL_terminal / PPL_full − 1)`` (%); memory: the prefix's K/V bytes per sequence.
 """
 
 from __future__ import annotations
@@ -31,11 +26,8 @@ from looplm.model.cursor import Readout
 
 
 def continuation_mask(x: torch.Tensor, P: int, eot_id: int | None) -> torch.Tensor:
-    """Which second-half targets the continuation protocol scores: (B, L) int64 windows → (B, L − P) bool.
-
-    Column j − P is target y_j = x_{j+1}, j = P … L−1. All True without ``eot_id``; with it (document-aware
-    scoring, module docstring) True iff no ``eot_id`` occurs in x_{P−1} … x_j.
-    """
+    """(B, L) windows → (B, L − P) bool: column j − P (target x_{j+1}) is scored iff no ``eot_id`` is in
+    x_{P−1} … x_j (all True without ``eot_id``)."""
     B, L = x.shape
     if eot_id is None:
         return torch.ones(B, L - P, dtype=torch.bool, device=x.device)
@@ -46,9 +38,8 @@ def continuation_mask(x: torch.Tensor, P: int, eot_id: int | None) -> torch.Tens
 def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int,
                       mode: str, final_depth: int | None = None,
                       scored: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
-    """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass. Returns (NLL sum over the
-    second-half targets, or those marked in ``scored`` (B, L − P) (float64 scalar), prefix cache bytes,
-    prefix cache banks)."""
+    """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass: (NLL sum over the ``scored``
+    targets, prefix cache bytes, prefix cache banks)."""
     cache = KVCache(mode)
     read = Readout(logits=False, final_depth=final_depth)
     model.read(model.loop(x[:, :P], cache=cache), depth, readout=read)
@@ -62,26 +53,10 @@ def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: in
 def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *, batch_size: int = 16,
                     max_tokens: int | None = None, device: str | torch.device = "cpu",
                     progress: bool = True, eot_id: int | None = None) -> dict[int, dict[str, float]]:
-    """The continuation protocol (module docstring) on a token stream, at each depth R.
+    """The continuation protocol on ``tokens[: max_tokens + 1]`` at each depth R ≥ 1 (``eot_id``: document-aware);
+    ``{R: {ppl_full, ppl_terminal, ..., kv_bytes_full, kv_bytes_terminal, kv_ratio}}``, nll in nats per token.
 
-    Args:
-        model: a shared-architecture model (put in eval mode here, restored after).
-        tokens: 1-D token stream of the split. depths: loop depths R ≥ 1.
-        max_tokens: use only the first ``max_tokens + 1`` tokens of the stream (None = all).
-        eot_id: the ``<|endoftext|>`` id: document-aware scoring (:func:`continuation_mask`); None scores
-            every second-half target.
-
-    Returns:
-        ``{R: {ppl_full, ppl_terminal, ppl_per_visit, sharing_penalty_pct, nll_full, nll_terminal,
-        tokens, sequences, prefix_tokens, kv_bytes_full, kv_bytes_terminal, kv_banks_full,
-        kv_banks_terminal, kv_ratio}}``; nll in nats per token, ``tokens`` the scored targets,
-        kv_bytes per sequence (prefix of ``prefix_tokens`` tokens), kv_ratio = kv_bytes_full /
-        kv_bytes_terminal.
-
-    Raises:
-        ValueError: unshared architecture (no KV cache), a depth < 1, an empty depth list, no full
-            window in the (truncated) stream, or (document-aware) no target that continues a prompt's
-            document.
+    ValueError: an unshared model, no depths or one < 1, no full window, or no scored target.
     """
     depths = sorted({int(R) for R in depths})
     if not depths or depths[0] < 1:
@@ -128,20 +103,17 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
-    return {R: _depth_result(sums[R], mem[R], count, n_seq, P) for R in depths}
-
-
-def _depth_result(sums: dict[str, float], mem: dict[str, tuple[int, int]], count: int, n_seq: int,
-                  P: int) -> dict[str, float]:
-    nll = {k: v / count for k, v in sums.items()}
-    ppl = {k: math.exp(v) for k, v in nll.items()}
-    full_b, full_n = mem["per_visit"]
-    term_b, term_n = mem["terminal"]
-    return {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
-            "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
-            "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
-            "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
-            "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
+    out = {}
+    for R in depths:
+        nll = {k: v / count for k, v in sums[R].items()}
+        ppl = {k: math.exp(v) for k, v in nll.items()}
+        (full_b, full_n), (term_b, term_n) = mem[R]["per_visit"], mem[R]["terminal"]
+        out[R] = {"ppl_full": ppl["full"], "ppl_terminal": ppl["terminal"], "ppl_per_visit": ppl["per_visit"],
+                  "sharing_penalty_pct": 100.0 * (ppl["terminal"] / ppl["full"] - 1.0),
+                  "nll_full": nll["full"], "nll_terminal": nll["terminal"], "tokens": count, "sequences": n_seq,
+                  "prefix_tokens": P, "kv_bytes_full": full_b, "kv_bytes_terminal": term_b,
+                  "kv_banks_full": full_n, "kv_banks_terminal": term_n, "kv_ratio": full_b / term_b}
+    return out
 
 
 def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:
@@ -161,23 +133,11 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
                                    *, split: str = "test", max_tokens: int | None = None, batch_size: int = 16,
                                    dataset: str | None = None, device: str = "cpu",
                                    progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
-    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (SPEC §6 continuation protocol).
+    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring); writes ``out_json`` and
+    its ``.md`` when given.
 
-    ``doc_aware`` (default, LMDR's protocol): score only second-half targets that continue the document
-    of the prompt's last token (the tokenizer's ``<|endoftext|>`` separates documents; module
-    docstring). False scores every second-half target (the protocol before this option).
-
-    Writes ``out_json`` and a Markdown table next to it (``.md``) when ``out_json`` is given.
-
-    Returns:
-        JSON-ready dict: ``checkpoint``, ``name``, ``rule``, ``dataset``, ``split``, ``seq_len``,
-        ``prefix_tokens``, ``max_tokens``, ``doc_aware``, ``depths`` → ``{"R": {ppl_full, ppl_terminal,
-        sharing_penalty_pct, kv_bytes_full, kv_bytes_terminal, …}}`` (see :func:`kv_sharing_eval`)
-        and ``markdown``.
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing data split.
-        ValueError: see :func:`kv_sharing_eval`.
+    Args:
+        doc_aware: score only targets continuing the prompt's document (LMDR's protocol); else all
     """
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import open_checkpoint

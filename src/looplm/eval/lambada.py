@@ -1,14 +1,10 @@
 """LAMBADA last-word completion at several loop depths (SPEC §6; SCSE, arXiv:2607.27656, Table 16).
 
-Data: ``<data_root>/lambada/lambada_test.jsonl`` (OpenAI's detokenized test set, 5,153 passages).
-**Split (our choice).** The target is the last whitespace-separated word, with its leading space
-(``" " + word``, as GPT-2's pre-tokenizer attaches it) when a space precedes it; after a newline (7
-passages) the newline stays in the context. ``context + target`` is the right-stripped passage, and the
-target's GPT-2 tokens are the word's tokens in the passage (checked on all 5,153; 3 contexts ending in a
-blank line tokenize to one ``"\\n\\n"`` instead of two ``"\\n"``).
-**Scoring.** Context and target tokenized separately, left-truncated to ``seq_len + 1`` tokens (context
-only), teacher-forced at every requested depth of one unroll, right-padded batches. Per depth:
-``target_ppl`` (exp of the token-weighted mean target NLL), ``target_acc`` (greedy-correct target tokens)
+Data: ``<data_root>/lambada/lambada_test.jsonl`` (OpenAI's detokenized test set, 5,153 passages). Split (our
+choice): the target is the last whitespace-separated word with its leading space (as GPT-2's pre-tokenizer
+attaches it; after a newline, 7 passages, the newline stays in the context); its GPT-2 tokens are the word's
+tokens in the passage (checked on all 5,153). Context and target are tokenized separately, the context
+left-truncated to fit ``seq_len + 1``. Per depth: ``target_ppl``, ``target_acc`` (greedy-correct target tokens)
 and ``exact_acc`` (examples with every target token correct).
 """
 
@@ -43,8 +39,7 @@ class LambadaExample:
 
 @dataclass(frozen=True)
 class EncodedExample:
-    """Token ids of one example: ``ids`` = (possibly left-truncated) context + target tokens; the
-    last ``n_target`` ids are the target. ``truncated``: context tokens were dropped."""
+    """``ids`` = (left-truncated) context + target tokens, the last ``n_target`` the target."""
 
     ids: tuple[int, ...]
     n_target: int
@@ -52,11 +47,7 @@ class EncodedExample:
 
 
 def split_passage(text: str) -> LambadaExample:
-    """Split a passage into context and last-word target (see the module docstring).
-
-    Raises:
-        ValueError: the passage has fewer than two words (no context to predict from).
-    """
+    """Split a passage into context and last-word target (module docstring); ValueError for < 2 words."""
     text = text.rstrip()
     i = len(text)
     while i > 0 and not text[i - 1].isspace():
@@ -75,12 +66,7 @@ def lambada_path(data_root: str | Path | None = None) -> Path:
 
 
 def load_lambada(path: str | Path, max_examples: int | None = None) -> list[LambadaExample]:
-    """Parse the OpenAI LAMBADA jsonl (one ``{"text": passage}`` per line) in file order.
-
-    Raises:
-        FileNotFoundError: the file is missing (the message says where to put it).
-        ValueError: a line is not JSON with a ``text`` string, or its passage cannot be split.
-    """
+    """Parse the OpenAI LAMBADA jsonl (``{"text": passage}`` per line); FileNotFoundError, ValueError (line)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -103,11 +89,7 @@ def load_lambada(path: str | Path, max_examples: int | None = None) -> list[Lamb
 
 
 def encode_examples(examples: Sequence[LambadaExample], tok: Tokenizer, seq_len: int) -> list[EncodedExample]:
-    """Tokenize context and target separately; keep the last ``seq_len + 1`` ids (context cut only).
-
-    Raises:
-        ValueError: a target has no tokens or more than ``seq_len`` (no context would fit).
-    """
+    """Tokenize context and target separately; keep the last ``seq_len + 1`` ids (ValueError: target too long)."""
     ctx = tok.encode_batch([e.context for e in examples], add_special_tokens=False)
     tgt = tok.encode_batch([e.target for e in examples], add_special_tokens=False)
     out = []
@@ -142,18 +124,8 @@ def _batch(examples: Sequence[EncodedExample], device: torch.device):
 def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Sequence[int] = DEFAULT_DEPTHS, *,
                   batch_size: int = 32, device: str | torch.device = "cpu",
                   progress: bool = True) -> dict[int, dict[str, float]]:
-    """Teacher-forced target-token metrics at each depth, one unroll per batch (module docstring).
-
-    Examples are batched in length order (less padding); the metrics are sums, so order-free.
-    Only the target positions are read out (``Readout(tokens=...)``; the coda still sees every token).
-
-    Returns:
-        ``{T: {"target_ppl", "target_acc", "exact_acc", "nll", "examples", "target_tokens"}}``,
-        ``nll`` in nats per target token, accuracies as fractions in [0, 1].
-
-    Raises:
-        ValueError: no depths, a negative depth, or no examples.
-    """
+    """``{T: {target_ppl, target_acc, exact_acc, nll, examples, target_tokens}}``, one unroll per batch in
+    length order, only the target positions read out. ValueError: no depths, one < 0, or no examples."""
     depths = sorted({int(t) for t in depths})
     if not depths or depths[0] < 0:
         raise ValueError(f"depths: need one or more loop depths >= 0, got {depths!r}")
@@ -172,8 +144,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
         x, rows, cols, tgt = _batch(chunk, device)
         out = model(x, depths, readout=Readout(tokens=(rows, cols)))  # logits (N, V) per depth
         for T in depths:
-            logits = out.logits_by_depth[T]
-            logits = logits.float()
+            logits = out.logits_by_depth[T].float()
             nll[T] += float(F.cross_entropy(logits, tgt, reduction="sum").double())
             hit = logits.argmax(dim=-1) == tgt  # (N,)
             misses = torch.zeros(len(chunk), device=device).index_add_(0, rows, (~hit).float())  # (B,)
@@ -187,15 +158,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
-    """Markdown in the paper's Table 16 layout, plus every depth of every result.
-
-    Table 16 columns: completion PPL (10³) and target-token accuracy (%) at T=8 (the smallest
-    evaluated depth when 8 is absent), then at the comparison depth (the deepest evaluated one; a
-    dash when it is the same depth).
-
-    Args:
-        results: {label: result of :func:`evaluate_lambada_checkpoint`}.
-    """
+    """Markdown in the paper's Table 16 layout (T=8, else the smallest, and the deepest depth), and every depth."""
     rows = ["| model | depth | completion PPL (10³) | target-token acc. (%) | depth | completion PPL (10³) "
             "| target-token acc. (%) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, res in results.items():
@@ -223,23 +186,8 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
                                 max_examples: int | None = None, batch_size: int = 32,
                                 data_root: str | Path | None = None, device: str = "cpu",
                                 progress: bool = True) -> dict[str, Any]:
-    """LAMBADA completion of a checkpoint at several loop depths (SPEC §6; SCSE Table 16).
-
-    Uses the checkpoint's own tokenizer; ``data_root`` None → the checkpoint's ``data.data_root``
-    resolved by :func:`~looplm.data.paths.resolve_data_root`. ``max_examples``: the first N passages.
-
-    Returns:
-        JSON-ready dict::
-
-            checkpoint, name, rule, architecture, params, dataset ("lambada"), file, seq_len,
-            examples, target_tokens, truncated (contexts cut to fit seq_len),
-            depths: {"T": {target_ppl, target_acc, exact_acc, nll, examples, target_tokens}},
-            markdown (Table 16 layout + every depth)
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. FileNotFoundError: missing LAMBADA file.
-        ValueError: bad depths, an unparsable line, or a target longer than seq_len.
-    """
+    """LAMBADA completion of a checkpoint at several loop depths (SCSE Table 16); ``data_root`` None: the
+    checkpoint's; ``max_examples``: the first N passages."""
     from looplm.eval.runner import load_tokenizer_for
     from looplm.run.provenance import provenance
     from looplm.run.checkpoint import load_checkpoint

@@ -1,9 +1,4 @@
-"""Multi-depth perplexity in one unroll (SPEC §6).
-
-One forward pass to the largest requested depth reads out at every requested depth on the way;
-PPL = exp(token-weighted mean NLL) over all scored targets. Equal (to float rounding) to separate
-fixed-depth evaluations, at the cost of one unroll instead of one per depth.
-"""
+"""Multi-depth perplexity in one unroll (SPEC §6): equal, to float rounding, to one fixed-depth run per depth."""
 
 from __future__ import annotations
 
@@ -28,29 +23,9 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
                     device: str | torch.device = "cpu", progress: bool = True,
                     desc: str = "eval", scale_clamp: bool = False,
                     state_rms: bool = False) -> dict[int, dict[str, float]]:
-    """Token-weighted NLL and perplexity at each loop depth, from one unroll per batch.
-
-    Args:
-        model: the model (put in eval mode here; dropout off).
-        tokens: 1-D token stream of the split.
-        depths: loop depths to read out (any order; duplicates ignored).
-        batch_size: windows per forward.
-        max_tokens: score only the first ``max_tokens + 1`` tokens of the stream (None = all).
-        stride: sliding-window stride (None = non-overlapping windows of ``seq_len``).
-        scale_clamp: the evaluation-time scale clamp (SPEC §4; each token's state rescaled after every
-            loop to its loop-1 RMS).
-        state_rms: also measure the hidden state h_T that is read out at each depth (readout blind
-            spot's drift): the per-token RMS over d, averaged over the scored tokens, and its maximum.
-            The per-token L2 norm is √d times the RMS.
-
-    Returns:
-        ``{T: {"nll": mean nats/token, "ppl": exp(nll), "tokens": scored targets}}``, plus ``"state_rms"``
-        and ``"state_rms_max"`` with ``state_rms``; NaN/inf are returned
-        as they are (see :func:`nonfinite_depths`); ``ppl`` is inf where exp(nll) overflows.
-
-    Raises:
-        ValueError: empty depth list or fewer than two tokens.
-    """
+    """``{T: {"nll": mean nats/token, "ppl", "tokens"}}`` over ``tokens[: max_tokens + 1]`` (NaN/inf kept: see
+    :func:`nonfinite_depths`). ``stride``: sliding windows; ``state_rms``: also the mean and max per-token RMS
+    of the read-out h_T (the blind spot's drift). ValueError: no depths or fewer than two tokens."""
     depths = sorted({int(t) for t in depths})
     if not depths:
         raise ValueError("depths: need at least one loop depth")
@@ -108,9 +83,6 @@ def nonfinite_depths(results: dict[int, dict[str, float]]) -> list[int]:
 def markdown_table(results: dict[str, dict[int, dict[str, float]]], depths: Sequence[int]) -> str:
     """A Markdown table of PPL by depth: one row per named result, one column per depth."""
     depths = list(depths)
-    head = "| model | " + " | ".join(f"T={T}" for T in depths) + " |"
-    sep = "|---|" + "---:|" * len(depths)
-    rows = [head, sep]
-    for name, res in results.items():
-        rows.append(f"| {name} | " + " | ".join(f"{res[T]['ppl']:.2f}" for T in depths) + " |")
+    rows = ["| model | " + " | ".join(f"T={T}" for T in depths) + " |", "|---|" + "---:|" * len(depths)]
+    rows += [f"| {name} | " + " | ".join(f"{res[T]['ppl']:.2f}" for T in depths) + " |" for name, res in results.items()]
     return "\n".join(rows)

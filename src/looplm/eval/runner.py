@@ -33,13 +33,7 @@ def load_tokenizer_for(ckpt: Path) -> Tokenizer:
 
 @dataclass
 class OpenedCheckpoint:
-    """A checkpoint loaded for evaluation, with the data config of the corpus it is evaluated on.
-
-    Attributes:
-        model: the model (on the requested device). cfg: the run's config. ckpt: the checkpoint folder.
-        data: the run's data config, with ``dataset`` replaced when one was asked for.
-        tokenizer: the tokenizer saved with the checkpoint.
-    """
+    """A checkpoint loaded for evaluation; ``data``: its data config with the evaluated ``dataset``."""
 
     model: Any
     cfg: Any
@@ -52,22 +46,13 @@ class OpenedCheckpoint:
         return provenance(self.ckpt, tokens=tokens, **extra)
 
     def tokens(self, split: str) -> np.ndarray:
-        """The token stream of ``split`` of :attr:`data`, tokenized with the checkpoint's tokenizer (cached).
-
-        Raises:
-            FileNotFoundError: the split's files are missing.
-        """
+        """The token stream of ``split`` of :attr:`data` with the checkpoint's tokenizer (cached)."""
         return load_tokens(self.data, split, self.tokenizer, resolve_data_root(self.data.data_root),
                            resolve_cache_dir(self.data.cache_dir))
 
 
 def open_checkpoint(checkpoint: str | Path, *, dataset: str | None = None, device: str = "cpu") -> OpenedCheckpoint:
-    """Load a checkpoint (run folder or checkpoint folder) and its tokenizer for an evaluation on
-    ``dataset`` (default: the corpus it was trained on).
-
-    Raises:
-        CheckpointError: a damaged or missing checkpoint or tokenizer.
-    """
+    """Load a checkpoint (or run folder) and its tokenizer to evaluate on ``dataset`` (default: its corpus)."""
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     data = cfg.data if dataset is None else cfg.data.replace(dataset=dataset)
     return OpenedCheckpoint(model=model, cfg=cfg, ckpt=ckpt, data=data, tokenizer=load_tokenizer_for(ckpt))
@@ -82,15 +67,6 @@ def evaluate_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] = DEFAU
 
     Args:
         dtype: ``float32``, or ``bfloat16``: the forward under ``torch.autocast`` (CPU or GPU), as deployed.
-
-    Returns:
-        JSON-ready dict: ``checkpoint``, ``dataset``, ``split``, ``dtype``, ``params``, ``depths`` →
-        ``{"T": {"ppl", "nll", "tokens", "flops_per_token"}}``, ``provenance`` and a ``markdown`` table.
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint; FileNotFoundError: missing data split.
-        NonFiniteError: the weights hold NaN/inf, or the NLL is NaN/inf at some depth.
-        ValueError: unknown ``dtype``.
     """
     if dtype not in EVAL_DTYPES:
         raise ValueError(f"--dtype: got {dtype!r}; allowed: {', '.join(EVAL_DTYPES)}")

@@ -1,19 +1,13 @@
 """Exact-match accuracy by loop depth × difficulty on a synthetic task (``looplm eval tasks``; issue 24 §1).
 
-For each difficulty k the held-out instances (:func:`looplm.tasks.data.heldout`) are scored at every
-requested depth from one unroll per batch (:func:`looplm.tasks.data.accuracy_by_depth`). k beyond the
-training range ``data.task_k`` tests depth extrapolation; k within it, held-out instances.
+The held-out instances of each difficulty k are scored at every depth from one unroll per batch; k beyond
+``data.task_k`` tests depth extrapolation.
 
-**Halting depth per difficulty** (``halting=``, :func:`task_halting`): each instance runs the early-exit
-runner (:func:`looplm.eval.exits.exit_loop`, halted instances leave the batch) under an exit criterion
-whose sequence statistic aggregates over the answer tokens (teacher-forced, as the accuracy protocol
-reads them), and is scored at its halting depth D. Per k: the mean halting depth D̄, the exact match at
-halting, and the exact match at the fixed depth matched to D̄: the compute-matched mix of the fixed depths
-⌊D̄⌋ and ⌈D̄⌉, acc(⌊D̄⌋) + (D̄ − ⌊D̄⌋)·(acc(⌈D̄⌉) − acc(⌊D̄⌋)) (our choice; a fractional D̄ has no single
-fixed depth). τ is given, or calibrated (:func:`looplm.eval.exits.calibrate`) on the ``valid``
-instances of k = 1 … data.task_k, never on the scored split: to a target mean depth (SCSE's protocol,
-arXiv:2607.27656 appendix, Tables 9–10) or to an answer-NLL tolerance against the ceiling (the readout
-blind spot's protocol, §6 and Appendix H).
+Halting depth per k (:func:`task_halting`): each instance runs the early-exit runner, the statistic over its
+answer tokens (teacher-forced), scored at its halting depth D. Per k: mean D̄, exact match at halting, and at
+the compute-matched fixed depth acc(⌊D̄⌋) + (D̄ − ⌊D̄⌋)·(acc(⌈D̄⌉) − acc(⌊D̄⌋)) (our choice). τ is given, or
+calibrated on the ``valid`` instances of k = 1 … data.task_k: to a target mean depth (SCSE, arXiv:2607.27656,
+Tables 9–10) or to an answer-NLL tolerance (the readout blind spot, Appendix H).
 """
 
 from __future__ import annotations
@@ -50,14 +44,8 @@ HALTING_RULES = ("tau", "target_depth", "tolerance")
 
 
 def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, Any]:
-    """The halting settings with the ceiling filled in (default: ``largest_depth``).
-
-    ``{"criterion": a registered exit criterion, "ceiling": C ≥ 1, and exactly one of "tau" (fixed τ),
-    "target_depth" (calibrated mean depth in [1, C]) or "tolerance" (calibrated, ≥ 0)}``.
-
-    Raises:
-        ValueError: naming the ``halting.<key>`` that is unknown, missing or out of range.
-    """
+    """``{"criterion", "ceiling": C (default ``largest_depth``), and one of "tau", "target_depth" in [1, C],
+    "tolerance" ≥ 0}`` checked, the ceiling filled in; ValueError naming the ``halting.<key>``."""
     if not isinstance(halting, Mapping):
         raise ValueError(f"halting: expected a table with keys {', '.join(HALTING_KEYS)}, got {halting!r}")
     bad = [k for k in halting if k not in HALTING_KEYS]
@@ -89,11 +77,7 @@ def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device) -> list[
 @torch.no_grad()
 def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCriterion, ceiling: int, *,
                    batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
-    """Halting depth and exact match at it of each instance (rows of :func:`looplm.tasks.data.rows`).
-
-    Returns:
-        ``(depth, correct)``: (N,) int64 in [1, ceiling] and (N,) bool.
-    """
+    """``(depth, correct)``: (N,) halting depths in [1, ceiling] and exact match there of each instance."""
     was_training = model.training
     model.eval()
     final_from = model.resolve_final_depth(None, ceiling)
@@ -133,12 +117,7 @@ def calibrate_tau(model, data_cfg, halting: Mapping[str, Any], *, max_examples: 
 def task_halting(model, data_cfg, ks: Sequence[int], halting: Mapping[str, Any], *, split: str = "test",
                  max_examples: int | None = None, batch_size: int = 64, device: torch.device | str = "cpu"
                  ) -> dict[str, Any]:
-    """Halting depth per difficulty (module docstring) under ``halting`` (checked by :func:`check_halting`).
-
-    Returns:
-        ``{"tau": τ, "ceiling": C, "by_k": {k: {"mean_depth", "acc", "acc_matched", "n"}}}``; acc and
-        acc_matched are fractions (exact match at halting, at the matched fixed depth).
-    """
+    """``{"tau", "ceiling", "by_k": {k: {"mean_depth", "acc", "acc_matched", "n"}}}`` (module docstring)."""
     C = halting["ceiling"]
     tau = calibrate_tau(model, data_cfg, halting, max_examples=max_examples, batch_size=batch_size, device=device)
     crit = build_exit_criterion(halting["criterion"], tau)
@@ -217,22 +196,9 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
     Args:
         depths: loop depths T (default 1 … 2 × the largest training depth).
         ks: difficulties (default 1 … 2 × data.task_k, at most the family's max_k).
-        split: held-out split, test or valid.
         max_examples: instances per k (default: all ``data.task_heldout``).
-        plot: also write the heatmap PNG here.
-        halting: also the halting depth per k (:func:`task_halting`): ``{"criterion": an exit criterion
-            (e.g. ``hidden_update``, ``margin``), "ceiling": C (default max(depths)), and one of "tau",
-            "target_depth", "tolerance"}`` (:func:`check_halting`).
-
-    Returns:
-        JSON-ready dict: ``checkpoint``, ``task``, ``k_train``, ``train_depth``, ``split``, ``accuracy``
-        → ``{"k": {"T": {"acc", "correct", "n", "nll"}}}``, ``markdown``, ``plot`` when written, and with
-        ``halting``: ``halting`` → ``{"criterion", "tau", "ceiling", "by_k": {"k": {"mean_depth", "acc",
-        "acc_matched", "n"}}}``.
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. ValueError: a checkpoint not trained on a task,
-        a k outside 1 … the family's max_k, instances longer than model.seq_len, or bad ``halting``.
+        halting: also the halting depth per k: ``{"criterion": an exit criterion, "ceiling": C (default
+            max(depths)), and one of "tau", "target_depth", "tolerance"}``.
     """
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     data = cfg.data

@@ -9,13 +9,10 @@ Layout of a run directory::
                                      per writing rank + .metadata; model and optimizer), config.json,
                                      train_state.pt (everything else), tokenizer.json, manifest.json
 
-A checkpoint is written into a hidden temporary directory and renamed into place only when every
-file is complete (for a sharded one: after every rank has written its shards), then ``latest`` is
-replaced with ``os.replace``; a crash or kill at any moment leaves the previous checkpoint intact and
-``latest`` pointing at it. Loading verifies the manifest, so a truncated or corrupted file gives
-:class:`CheckpointError` naming the file. A sharded checkpoint loads under any world size (DCP
-reshards); for inference it is consolidated on load, and :func:`consolidate_checkpoint` adds a
-``model.safetensors`` to it.
+A checkpoint is written into a hidden temporary directory, renamed into place once complete (sharded: after
+every rank wrote), then ``latest`` is replaced: a crash at any moment leaves the previous checkpoint. Loading
+verifies the manifest (:class:`CheckpointError` names a damaged file). A sharded checkpoint loads under any world
+size, consolidated on load for inference (:func:`consolidate_checkpoint` adds a ``model.safetensors``).
 """
 
 from __future__ import annotations
@@ -50,11 +47,7 @@ class CheckpointError(RuntimeError):
 
 
 def sha256_file(path: str | Path) -> str:
-    """sha256 hex digest of the bytes of the file at ``path``, read in chunks (``hashlib.file_digest``).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
+    """sha256 hex digest of the bytes of the file at ``path``."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -82,9 +75,8 @@ def _files(root: Path) -> list[str]:
 
 def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_state: dict[str, Any] | None,
             tokenizer_json: str | None, extra_files: dict[str, str] | None = None) -> Path:
-    """Add config, train state, tokenizer, ``extra_files`` ({name: text}) and manifest to ``tmp``, fsync,
-    rename it to ``name`` and point ``latest`` at it; keep the newest ``KEEP_LAST`` checkpoints. Returns the
-    checkpoint directory."""
+    """Add config, train state, tokenizer, ``extra_files`` and manifest to ``tmp``, fsync, rename it to ``name``,
+    point ``latest`` at it and keep the newest ``KEEP_LAST`` checkpoints."""
     ckpts = tmp.parent
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     if train_state is not None:
@@ -118,16 +110,8 @@ def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_s
 def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, *,
                     train_state: dict[str, Any] | None = None, tokenizer_json: str | None = None,
                     extra_files: dict[str, str] | None = None) -> Path:
-    """Write consolidated checkpoint ``step`` of ``model`` atomically under ``run_dir`` and point
-    ``latest`` at it (one process: rank 0 under torchrun). ``extra_files`` ({name: text}) are written
-    into the checkpoint too and covered by its manifest (an import's provenance, ``import.json``).
-
-    Weights are saved from the unwrapped, uncompiled module (no ``module.``/``_orig_mod.`` prefixes).
-    Keeps the newest ``KEEP_LAST`` checkpoints. Returns the checkpoint directory.
-
-    Raises:
-        NonFiniteError: a weight holds NaN/inf; nothing is written (the previous checkpoint stays).
-    """
+    """Write consolidated checkpoint ``step`` of the unwrapped ``model`` atomically (one process) with
+    ``extra_files`` ({name: text}, in the manifest). NonFiniteError, nothing written, for NaN/inf weights."""
     run_dir = Path(run_dir)
     bad = nonfinite_tensors(model.state_dict().items())
     if bad:
@@ -147,15 +131,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], cfg: Config,
                             env: DistEnv, *, train_state: dict[str, Any] | None = None,
                             tokenizer_json: str | None = None) -> Path:
-    """Write sharded checkpoint ``step`` atomically under ``run_dir``; every rank must call it.
-
-    Every rank writes its shards of ``state_dict`` (e.g. ``{"model": ..., "optimizer": ...}`` from
-    :func:`looplm.run.dist.sharded_state`; DTensors under FSDP2) with ``dcp.save`` into
-    ``sharded/`` of a hidden temporary directory that all ranks see; after a barrier rank 0 adds
-    ``config.json``, ``train_state`` (only rank 0's), the tokenizer and the manifest, renames the
-    directory into place and updates ``latest``. Returns the checkpoint directory (on every rank, once
-    it is in place).
-    """
+    """Write sharded checkpoint ``step`` atomically; every rank calls it and writes its shards of ``state_dict``
+    (``{"model", "optimizer"}``), then rank 0 adds the other files (its own train state) and commits."""
     run_dir = Path(run_dir)
     ckpts = run_dir / "checkpoints"
     name = f"step-{step:06d}"
@@ -180,16 +157,8 @@ def is_sharded(ckpt: str | Path) -> bool:
 
 
 def load_sharded(ckpt: str | Path, state_dict: dict[str, Any], *, distributed: bool = False) -> None:
-    """Fill ``state_dict`` in place from the ``sharded/`` state of checkpoint ``ckpt`` with ``dcp.load``.
-
-    ``state_dict`` has the layout that was saved (e.g. ``{"model": ..., "optimizer": ...}``); its
-    tensors are allocated with the shapes and placements wanted now (DTensor shards of any world size,
-    or full tensors), and DCP reads just those pieces. ``distributed=False`` reads in this process
-    alone, without collectives.
-
-    Raises:
-        CheckpointError: not a sharded checkpoint, or a requested key or shard is missing or unreadable.
-    """
+    """Fill ``state_dict`` (the saved layout, tensors placed as wanted now) in place from ``ckpt``'s ``sharded/``
+    state; ``distributed=False``: without collectives. CheckpointError: not sharded, or a missing key or shard."""
     path = Path(ckpt) / SHARDED_DIR
     if not path.is_dir():
         raise CheckpointError(f"{ckpt}: no {SHARDED_DIR}/ directory (not a sharded checkpoint)")
@@ -200,12 +169,7 @@ def load_sharded(ckpt: str | Path, state_dict: dict[str, Any], *, distributed: b
 
 
 def sharded_keys(ckpt: str | Path) -> set[str]:
-    """Flattened keys saved in the ``sharded/`` state of checkpoint ``ckpt`` (``model.<fqn>``,
-    ``optimizer.state.<fqn>.exp_avg``, ...), from its DCP metadata alone.
-
-    Raises:
-        CheckpointError: the metadata is missing or unreadable.
-    """
+    """Flattened keys of ``ckpt``'s ``sharded/`` state (``model.<fqn>``, ...) from its DCP metadata."""
     try:
         return shard_keys(Path(ckpt) / SHARDED_DIR)
     except RuntimeError as exc:
@@ -234,11 +198,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from either itself or a run directory (via ``latest``).
-
-    Raises:
-        CheckpointError: nothing loadable at ``path``.
-    """
+    """A checkpoint directory from either itself or a run directory (via ``latest``)."""
     path = Path(path)
     if (path / MANIFEST_FILE).exists() or (path / MODEL_FILE).exists():
         return path
@@ -253,13 +213,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Check every file against the manifest (except those named in ``skip``). Returns the manifest.
-
-    Raises:
-        CheckpointError: a file is missing, truncated or has a different sha256; the message names the
-            file, its size and sha256 against the manifest's, and for an edited ``config.json`` the
-            fields that differ from the config recorded in the manifest.
-    """
+    """The manifest, after checking every file but ``skip`` against it; CheckpointError names a missing or
+    changed file (an edited ``config.json``: the fields that differ)."""
     mpath = ckpt / MANIFEST_FILE
     if not mpath.exists():
         raise CheckpointError(f"{ckpt}: missing {MANIFEST_FILE} (incomplete checkpoint)")
@@ -295,8 +250,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
-    """``"; edited fields: optim.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config
-    (empty when the manifest has none, e.g. an older checkpoint; a note when the file is not JSON)."""
+    """``"; edited fields: optim.lr 0.003 → 0.01, ..."`` between ``path`` and the manifest's config."""
     if saved is None:
         return ""
     try:
@@ -322,14 +276,8 @@ def load_config(ckpt: str | Path) -> Config:
 
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
-    """The training state of a checkpoint: step, scheduler, RNG, depth prior, and (consolidated only)
-    the optimizer; a sharded checkpoint keeps the optimizer in ``sharded/``. Loaded as data
-    (``torch.load(weights_only=True)``: tensors, numbers, strings, containers), never by running pickled code.
-
-    Raises:
-        CheckpointError: the checkpoint has no train state (weights only), or it holds pickled objects
-            beyond data (refused; :func:`convert_train_state` rewrites a file you trust).
-    """
+    """The training state (step, scheduler, RNG, depth prior; consolidated: the optimizer), loaded as data
+    (``weights_only=True``); CheckpointError when missing or holding pickled objects (:func:`convert_train_state`)."""
     path = resolve_checkpoint(ckpt) / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
@@ -345,11 +293,7 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
 
 
 def _as_data(obj: Any, where: str = "train_state") -> Any:
-    """``obj`` with numpy arrays/scalars turned into tensors/numbers, so ``weights_only`` loading accepts it.
-
-    Raises:
-        CheckpointError: an object that is not data (``where`` names it).
-    """
+    """``obj`` with numpy arrays/scalars as tensors/numbers; CheckpointError naming an object that is not data."""
     if isinstance(obj, dict):
         return {k: _as_data(v, f"{where}.{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -364,13 +308,8 @@ def _as_data(obj: Any, where: str = "train_state") -> Any:
 
 
 def convert_train_state(ckpt: str | Path) -> Path:
-    """Rewrite a checkpoint's ``train_state.pt`` that :func:`load_train_state` refuses as data, after the
-    user vouched for it (``looplm convert-train-state --trust-pickle``): the one place looplm unpickles.
-    The new file and manifest are written to temporary names and renamed into place. Returns the path.
-
-    Raises:
-        CheckpointError: no train state, or an object in it that is not data.
-    """
+    """Rewrite a ``train_state.pt`` the user vouched for (``--trust-pickle``) as data, atomically: the one
+    place looplm unpickles."""
     ckpt = resolve_checkpoint(ckpt)
     path = ckpt / STATE_FILE
     if not path.exists():
@@ -391,13 +330,7 @@ def convert_train_state(ckpt: str | Path) -> Path:
 
 
 def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Config]:
-    """``(model, config)`` of an export folder (:mod:`looplm.run.hf_folder`): weights loaded strictly, in eval
-    mode, with ``final_depth`` from the export's config (the checkpoint's nominal training depth).
-
-    Raises:
-        CheckpointError: missing or unreadable weights, or weights that do not match the config.
-        NonFiniteError: the weights hold NaN or ±inf.
-    """
+    """``(model, config)`` of an export folder, loaded strictly, in eval mode, with the export's ``final_depth``."""
     cfg = hf_export_config(path)
     hf = read_hf_config(path) or {}
     model = build_model(cfg)
@@ -430,21 +363,11 @@ def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Con
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     with_state: bool = False) -> tuple[LoopLM, Config, dict[str, Any] | None, Path]:
-    """Load ``(model, config, train_state or None, checkpoint_dir)``; weights loaded with strict=True.
+    """``(model, config, train_state or None, checkpoint_dir)``, strict, in eval mode, ``final_depth`` the
+    nominal training depth. Also a sharded checkpoint (consolidated here) and, without ``with_state``, a plain
+    ``config.json`` + ``model.safetensors`` folder or a Hugging Face export.
 
-    A consolidated checkpoint (or a sharded one with a ``model.safetensors`` from
-    :func:`consolidate_checkpoint`) loads from safetensors; a sharded one is consolidated on load
-    into the plain model in this process (whatever world size wrote it).
-    Without ``with_state`` the training state is not needed (nor verified), and a plain export (a
-    folder with ``config.json`` and ``model.safetensors``, no manifest) loads unverified. The model
-    comes back in eval mode (dropout off) with ``final_depth`` set to the nominal training depth. A
-    Hugging Face export folder (``looplm export``; :mod:`looplm.run.hf_folder`) loads too, without
-    transformers.
-
-    Raises:
-        CheckpointError: missing, truncated or corrupted checkpoint.
-        NonFiniteError: the weights hold NaN or ±inf (a diverged run).
-        ValueError: unknown device, or cuda on a machine without CUDA.
+    CheckpointError: damaged checkpoint; NonFiniteError: NaN/inf weights; ValueError: a bad device.
     """
     try:
         dev = torch.device(device)
@@ -483,16 +406,8 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
 
 
 def consolidate_checkpoint(path: str | Path) -> Path:
-    """Add the full weights of a sharded checkpoint to it as ``model.safetensors`` (and to its manifest),
-    so the directory is also a plain ``config.json`` + ``model.safetensors`` model. A no-op when the
-    checkpoint already has one. Returns the ``model.safetensors`` path.
-
-    The file and the new manifest are each written to a temporary name and renamed into place, so an
-    interrupted call leaves the checkpoint as it was.
-
-    Raises:
-        CheckpointError: the checkpoint is damaged, or holds no weights to consolidate.
-    """
+    """Add the full weights of a sharded checkpoint as ``model.safetensors`` (and to its manifest), atomically;
+    a no-op when it has one. Returns its path."""
     ckpt = resolve_checkpoint(path)
     manifest = verify_checkpoint(ckpt)
     target = ckpt / MODEL_FILE

@@ -1,16 +1,10 @@
 """Distributed training at the edge: the only module of looplm that imports ``torch.distributed``.
 
-Launch with ``torchrun --nproc_per_node=N [--nnodes ...] -m looplm train ...``. ``train.distributed``
-chooses DDP (replicated weights, gradient all-reduce) or FSDP2 (``fully_shard`` on every block and on
-the root). ``train.batch_size`` is the *global* batch: every rank cuts the same global batch (a pure
-function of (seed, step, micro)) and keeps its own contiguous rows, and every rank draws the same loop
-depth, so the graph is identical on all ranks and every parameter gets a gradient by construction
-(no ``find_unused_parameters``). With equal rows per rank, the averaged gradient equals the
-single-process gradient of the global batch.
-
-Checkpoints (``train.checkpoint_format``) are either consolidated (full state dicts gathered to rank 0,
-written by rank 0) or sharded (each rank hands its own shards to torch.distributed.checkpoint, which
-reshards on load); either way a run saved under N ranks resumes under any other world size.
+Launch with ``torchrun --nproc_per_node=N -m looplm train ...``; ``train.distributed``: DDP or FSDP2
+(``fully_shard`` on every block and the root). ``train.batch_size`` is the global batch: every rank cuts the same
+batch (a function of (seed, step, micro)), keeps its own rows and draws the same depth, so the graph is identical
+on all ranks (no ``find_unused_parameters``) and the averaged gradient equals the single-process one.
+Checkpoints, consolidated (rank 0) or sharded (DCP), resume under any world size.
 """
 
 from __future__ import annotations
@@ -47,11 +41,7 @@ class DistEnv:
 
 
 def resolve_device(name: str, field: str = "train.device") -> torch.device:
-    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (cuda when available) as a torch device.
-
-    Raises:
-        ValueError: unknown device name, or cuda requested on a machine without CUDA.
-    """
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` as a torch device; ValueError naming ``field`` otherwise."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
@@ -62,10 +52,7 @@ def resolve_device(name: str, field: str = "train.device") -> torch.device:
 
 
 def init_distributed(device: torch.device) -> DistEnv:
-    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1); otherwise a no-op.
-
-    Backend: nccl on CUDA, gloo on CPU. On CUDA each rank takes ``cuda:LOCAL_RANK``.
-    """
+    """Join the process group (nccl on ``cuda:LOCAL_RANK``, else gloo) when ``WORLD_SIZE`` > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv(device=device)
@@ -84,11 +71,7 @@ def shutdown(env: DistEnv) -> None:
 
 
 def local_rows(batch_size: int, env: DistEnv) -> slice:
-    """This rank's rows of a global batch.
-
-    Raises:
-        ValueError: ``batch_size`` not divisible by the world size.
-    """
+    """This rank's rows of a global batch (ValueError unless divisible by the world size)."""
     if batch_size % env.world_size:
         raise ValueError(f"train.batch_size={batch_size} must be divisible by the world size {env.world_size}")
     per = batch_size // env.world_size
@@ -96,11 +79,7 @@ def local_rows(batch_size: int, env: DistEnv) -> slice:
 
 
 def wrap_model(model: nn.Module, mode: str, env: DistEnv) -> nn.Module:
-    """DDP or FSDP2 wrapper for ``model`` (returned unchanged when not distributed).
-
-    FSDP2 shards every transformer block (prelude, core, coda or unshared layers) and the root; the
-    module is modified in place, so its parameters become DTensors.
-    """
+    """DDP, or FSDP2 in place on every block and the root (parameters become DTensors); unchanged alone."""
     if not env.enabled:
         return model
     if mode == "ddp":
@@ -167,11 +146,8 @@ def _state_dict_options(mode: str, env: DistEnv, *, saving: bool, strict: bool =
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer, mode: str, env: DistEnv) -> tuple[dict, dict]:
-    """Consolidated (unsharded) model and optimizer state dicts, keyed by parameter names (FQNs)
-    without wrapper prefixes, the same layout under every world size and wrapper.
-
-    Collective under FSDP (every rank must call it); the dicts are complete on rank 0.
-    """
+    """Consolidated model and optimizer state dicts keyed by FQNs without wrapper prefixes (complete on rank 0;
+    collective under FSDP)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     opts = _state_dict_options(mode, env, saving=True)
@@ -180,17 +156,9 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer, mode: str, env: Dis
 
 def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, opt_sd: dict[str, Any], mode: str,
                          env: DistEnv) -> None:
-    """Load a consolidated optimizer state (saved under any world size) into ``opt``.
-
-    A parameter that the saved optimizer lists but holds no state for never received a gradient before the
-    save (AdamW creates its moments at a parameter's first gradient; e.g. the final norm under
-    ``model.readout = "raw"``, which the loss never reaches). It gets no state here either, as in the
-    uninterrupted run, so torch's check that every trainable parameter has saved state is replaced by this
-    one: every trainable parameter must be listed in the saved parameter groups.
-
-    Raises:
-        ValueError: a trainable parameter of ``model`` is not in the checkpoint's optimizer.
-    """
+    """Load a consolidated optimizer state (any world size) into ``opt``. A listed parameter without state never
+    had a gradient (e.g. the final norm of a raw readout) and gets none, as uninterrupted; ValueError for a
+    trainable parameter the saved parameter groups do not list."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     listed = {fqn for group in opt_sd["param_groups"] for fqn in group["params"]}
@@ -208,16 +176,9 @@ def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, opt_sd: d
 
 def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, saved: set[str] | None = None
                   ) -> tuple[dict, dict]:
-    """Model and optimizer state dicts as this rank holds them, for a sharded (DCP) checkpoint.
-
-    Keys are parameter names (FQNs) without wrapper prefixes. Under FSDP2 every parameter and optimizer
-    moment is a DTensor shard; under DDP or in one process they are plain tensors (DCP writes each
-    replicated tensor once). An optimizer that has not stepped yet gets its state allocated (zero
-    moments, one step with lr 0), so the dicts can be filled by :func:`dcp.load` on resume; given the
-    checkpoint's keys ``saved`` (:func:`shard_keys`), the template then drops the optimizer state of each
-    parameter the checkpoint holds none for (one that never received a gradient before the save, as
-    :func:`load_optimizer_state` explains). Collective under FSDP (every rank must call it).
-    """
+    """Model and optimizer state dicts as this rank holds them (FQN keys; DTensor shards under FSDP2) for a
+    sharded checkpoint; given the checkpoint's keys ``saved``, without the optimizer state of parameters it holds
+    none for (as :func:`load_optimizer_state`). Collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, opt_sd = get_state_dict(model, opt)
@@ -230,9 +191,7 @@ def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, saved: set[str] 
 
 def set_sharded_state(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict[str, Any],
                       opt_sd: dict[str, Any]) -> None:
-    """Load the dicts of :func:`sharded_state` (filled from a checkpoint) into ``model`` and ``opt``
-    (strict for the model: every parameter must be present; the optimizer state may lack the parameters
-    that never received a gradient, as the template of :func:`sharded_state` does). Collective under FSDP."""
+    """Load filled :func:`sharded_state` dicts (strict for the model). Collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -249,9 +208,7 @@ def _quiet_no_dist() -> Iterator[None]:
 
 
 def save_shards(state_dict: dict[str, Any], path: Path, env: DistEnv) -> None:
-    """``dcp.save`` of this rank's part of ``state_dict`` into the directory ``path`` (one ``.distcp``
-    file per writing rank, plus ``.metadata`` from rank 0). Collective when distributed: it returns
-    on every rank once every rank's data is written."""
+    """``dcp.save`` of this rank's part of ``state_dict`` into ``path`` (collective when distributed)."""
     import torch.distributed.checkpoint as dcp
 
     with _quiet_no_dist():
@@ -311,15 +268,8 @@ def _safe_planner():
 
 
 def load_shards(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
-    """``dcp.load`` from the directory ``path`` into ``state_dict`` in place: each tensor (plain, or a
-    DTensor shard of any world size) gets exactly its piece. ``distributed=False`` reads in this
-    process alone; otherwise collective. Nothing is unpickled beyond data (:func:`_safe_reader`,
-    :func:`_safe_planner`).
-
-    Raises:
-        RuntimeError: a requested key is not in the checkpoint, its data cannot be read, or the metadata
-            names a global that is not a DCP metadata type.
-    """
+    """``dcp.load`` from ``path`` into ``state_dict`` in place, nothing unpickled beyond data; RuntimeError for a
+    missing key, unreadable data or a metadata global that is not a DCP type."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -333,12 +283,7 @@ def load_shards(state_dict: dict[str, Any], path: Path, *, distributed: bool) ->
 
 
 def shard_keys(path: Path) -> set[str]:
-    """Flattened keys (``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ...) saved in the DCP
-    directory ``path``, read from its ``.metadata`` alone (:class:`_MetadataUnpickler`).
-
-    Raises:
-        RuntimeError: the metadata cannot be read, or names a global that is not a DCP metadata type.
-    """
+    """Flattened keys (``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ...) of ``path``'s ``.metadata``."""
     try:
         return set(_safe_reader(path).read_metadata().state_dict_metadata)
     except Exception as exc:  # a missing or unpicklable .metadata raises several types

@@ -1,10 +1,5 @@
-"""Non-finite numbers: one error type, a weight check, and strict JSON for every file looplm writes.
-
-Python's ``json`` writes NaN and ±inf as the bare words ``NaN``/``Infinity``, which are not JSON
-(RFC 8259) and break other readers (``jq``, JavaScript, most JSON libraries). Every JSON file looplm
-writes goes through :func:`dumps`: a non-finite float becomes ``null`` and the top-level object lists
-where that happened in ``"nonfinite"`` (dotted paths), so a missing value is never silent.
-"""
+"""Non-finite numbers: one error type, a weight check, and strict JSON (RFC 8259) for every file looplm writes:
+a NaN/inf becomes ``null`` and the top-level ``"nonfinite"`` lists where (dotted paths)."""
 
 from __future__ import annotations
 
@@ -21,10 +16,7 @@ class NonFiniteError(ValueError):
 
 
 def strict(obj: Any, _path: str = "", _found: list[str] | None = None) -> tuple[Any, list[str]]:
-    """``obj`` with every non-finite float replaced by ``None``, and the dotted paths replaced.
-
-    Dicts, lists and tuples are walked (tuples come back as lists); other values pass unchanged.
-    """
+    """``obj`` (dicts, lists, tuples → lists) with every non-finite float as ``None``, and their dotted paths."""
     found = [] if _found is None else _found
     if isinstance(obj, float):
         if math.isfinite(obj):
@@ -48,18 +40,12 @@ def clean(obj: Any) -> Any:
 
 
 def dumps(obj: Any, *, indent: int | None = None) -> str:
-    """Strict JSON text of :func:`clean` ``(obj)``: non-finite floats as ``null``, listed in ``"nonfinite"``.
-
-    Raises:
-        TypeError: a value JSON cannot represent.
-    """
+    """Strict JSON text of :func:`clean` ``(obj)``."""
     return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: str | None = None) -> list[Path]:
-    """Write ``out`` ← the strict JSON (:func:`dumps`) of ``result`` and ``out.md`` ← ``markdown`` (default
-    ``result["markdown"]``, KeyError without one), creating parent folders. Returns ``[out, out.md]``.
-    """
+    """Write ``out`` ← :func:`dumps` of ``result`` and ``out.md`` ← ``markdown`` (default ``result["markdown"]``)."""
     out = Path(out)
     md = out.with_suffix(".md")
     text = result["markdown"] if markdown is None else markdown
@@ -70,8 +56,7 @@ def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: st
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
-    """Names of the tensors in ``(name, tensor)`` pairs that hold a NaN or ±inf (floating tensors only;
-    a sharded DTensor is checked on this rank's local shard)."""
+    """Names of the floating tensors (a DTensor: its local shard) in ``(name, tensor)`` pairs holding NaN/inf."""
     import torch
 
     bad = []

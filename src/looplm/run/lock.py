@@ -1,12 +1,8 @@
-"""One writer per run folder: an OS-level lock on ``RUN/.lock`` held while a process trains into it.
+"""One writer per run folder: ``fcntl.flock`` on ``RUN/.lock`` while a process trains into it.
 
-The lock is ``fcntl.flock`` (exclusive, non-blocking) on an open file, so the kernel drops it when the
-process ends in any way, ``kill -9`` included: a crashed run never leaves a stale lock, and
-``--resume`` needs no cleanup. The holder writes its pid, host and start time into the file, so a
-refused run can name it. The standard library's ``fcntl`` gives all of this; the ``filelock`` package
-is not a looplm dependency (torch brings some version of it), and its 3.x releases truncate the lock
-file on every attempt, which would erase the holder's details. POSIX only; on a network file system
-the lock is as reliable as that file system's ``flock``.
+The kernel drops the lock when the process ends in any way (``kill -9`` too), so no stale locks; the holder
+writes its pid, host and start time into the file, so a refused run can name it (``filelock`` 3.x would
+truncate them). POSIX only.
 """
 
 from __future__ import annotations
@@ -25,11 +21,7 @@ class RunLockedError(ValueError):
 
 
 class RunLock:
-    """Exclusive lock of a run folder; use as a context manager or call :meth:`acquire`/:meth:`release`.
-
-    Raises:
-        RunLockedError: (on acquire) another process holds the lock.
-    """
+    """Exclusive lock of a run folder (a context manager); acquiring raises RunLockedError when held."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK_FILE

@@ -19,8 +19,8 @@ import numpy as np
 
 @functools.cache
 def git_commit() -> str | None:
-    """The commit of the git checkout looplm is imported from, ``-dirty`` appended when tracked files differ
-    from it; None for a copy git does not track (an installed wheel, even inside another repository) or no git."""
+    """The commit (``-dirty`` when tracked files differ) of the git checkout looplm is imported from; None for
+    an untracked copy (an installed wheel) or no git."""
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
                               timeout=10)
@@ -35,8 +35,7 @@ def git_commit() -> str | None:
 
 
 def weights_sha256(ckpt: str | Path) -> str | None:
-    """sha256 of a checkpoint's ``model.safetensors``: from its manifest when it has one (verified on load),
-    else hashed from the file; None for a sharded checkpoint without one."""
+    """sha256 of a checkpoint's ``model.safetensors`` (from its manifest if any); None when it has none."""
     from looplm.run.checkpoint import MANIFEST_FILE, MODEL_FILE, sha256_file
 
     ckpt = Path(ckpt)
@@ -54,9 +53,8 @@ def tokens_sha256(tokens: np.ndarray) -> str:
 
 def provenance(ckpt: str | Path | None = None, *, tokens: np.ndarray | None = None,
                data_files: Iterable[str | Path] = (), **extra: Any) -> dict[str, Any]:
-    """``looplm_version``, ``git_commit``, ``torch_version``, ``time_utc`` (ISO 8601), ``weights_sha256`` of
-    ``ckpt``, ``tokens_sha256`` of the evaluated token stream and ``data_files`` (path → sha256), plus ``extra``.
-    """
+    """Versions, commit, UTC time, ``weights_sha256`` of ``ckpt``, ``tokens_sha256`` and ``data_files`` hashes,
+    plus ``extra``."""
     import torch
 
     from looplm.run.checkpoint import sha256_file

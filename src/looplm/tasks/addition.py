@@ -1,10 +1,7 @@
 """Multi-digit addition with length generalization: k = the number of digits (the carry chain's length).
 
-Prompt ``"a+b="`` with a and b uniform among the k-digit numbers (0 … 9 at k = 1), written
-most-significant digit first; the answer is a + b with k + 1 digits (leading zero kept), written
-least-significant digit first, so each answer digit follows the carry it needs (our choice; the
-fixed-width RL task, :mod:`looplm.rl.task`, writes the sum forwards). Train on k ≤ k_train digits and
-test on longer numbers.
+Prompt ``"a+b="`` with a, b uniform k-digit numbers; the answer a + b in k + 1 digits, least-significant first,
+so each digit follows the carry it needs (our choice; the RL task writes it forwards).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The generator interface shared by every task family, the task vocabulary and the registry.
-
-A family turns (k, rng) into one :class:`Instance`: a prompt and its answer, as text over
-:data:`CHARS`, whose answer needs k sequential steps (the family's docstring says which). Tokens are
-characters: id 0 is ``<|endoftext|>`` (padding), ids 1 … len(CHARS) the characters, the same ids for
-every family so one tokenizer serves all.
-"""
+"""The task family interface, the registry and the one character vocabulary all families share (id 0 is
+``<|endoftext|>``, the padding; ids 1 … len(CHARS) the characters)."""
 
 from __future__ import annotations
 
@@ -33,12 +28,8 @@ class Instance:
 
 
 class TaskFamily:
-    """A family of problems with a difficulty knob k ≥ 1 (the sequential steps the answer needs).
-
-    Subclasses set ``name`` and ``max_k`` and implement :meth:`make` (one instance from a numpy
-    generator), :meth:`row_len` (the longest prompt + answer at difficulty k, in tokens) and
-    :meth:`space` (the number of distinct instances at k, or a bound ≥ 10**9 where it is larger).
-    """
+    """Problems with a difficulty k ≥ 1: :meth:`make` one instance, :meth:`row_len` the longest prompt + answer
+    in tokens, :meth:`space` the number of distinct instances (or ≥ 10**9)."""
 
     name: str = ""
     max_k: int = 64

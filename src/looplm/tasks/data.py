@@ -1,17 +1,10 @@
 """Task instances as training batches and held-out sets (pure functions of seeds).
 
-**Held-out sets** (``valid``, ``test``): for each k, ``data.task_heldout`` distinct instances (at most a
-quarter of the k's instances each, for the tiny spaces such as ``modsum`` at k = 1) drawn from the
-generator seeded by hash(task, k, split, ``data.task_seed``); ``valid`` excludes the ``test`` instances.
-**Training batches**: row r of step s (microbatch m) has k uniform in 1 … ``data.task_k`` and its
-instance drawn from the generator seeded by hash(task, "train", task_seed, train.seed, s, m, r), redrawn
-while it is in a held-out set of its k, so no training instance is ever a valid or test instance.
-
-**Rows**: one instance per row at position 0 (with learned positions the answer's place must not
-drift; :mod:`looplm.rl.task`), the prompt then the answer, padded with id 0 to seq_len + 1 tokens;
-x = row[:-1], y = row[1:] with every target but the answer's set to −100, so the loss and the
-exact-match score read the answer tokens only (the prompts of ``phop`` and ``varchain`` are random
-symbols no model can predict; a loss on them would only add noise).
+Held-out sets: per k, ``data.task_heldout`` distinct instances (at most a quarter of the k's space) seeded by
+hash(task, k, split, task_seed); ``valid`` excludes ``test``. Training row r of step s (micro m): k uniform in
+1 … task_k, seeded by hash(task, "train", task_seed, seed, s, m, r), redrawn while held out. Rows: one instance
+at position 0, prompt then answer, padded with id 0; every target but the answer's is −100 (the prompts of
+``phop`` and ``varchain`` are random symbols: a loss on them would only add noise).
 """
 
 from __future__ import annotations
@@ -46,11 +39,7 @@ def instance_key(inst: Instance) -> str:
 
 @lru_cache(maxsize=256)
 def heldout(task: str, k: int, split: str, size: int, seed: int) -> tuple[Instance, ...]:
-    """The held-out instances of ``split`` ∈ {valid, test} at difficulty k (module docstring).
-
-    Raises:
-        ValueError: unknown task or split, or k outside 1 … the family's max_k.
-    """
+    """The held-out instances of ``split`` ∈ {valid, test} at difficulty k (ValueError: bad task, split or k)."""
     family = get_task(task)
     family.check_k(k)
     if split not in HELDOUT_SPLITS:
@@ -86,12 +75,8 @@ def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
 
 
 def rows(instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, y int64 (N, L): each instance at position 0, y = −100 except at the answer's targets; L is the
-    longest instance's length − 1 (≤ seq_len): attention is causal, so padding past it changes no score.
-
-    Raises:
-        ValueError: an instance longer than seq_len + 1 tokens (names model.seq_len and the length needed).
-    """
+    """x, y int64 (N, L), L the longest instance − 1 (causal: more padding changes no score); ValueError when
+    an instance does not fit ``seq_len``."""
     enc = [(encode(i.prompt), encode(i.answer), i.k) for i in instances]
     L = max(len(p) + len(a) - 1 for p, a, _ in enc)
     if L > seq_len:
@@ -108,9 +93,7 @@ def rows(instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.T
 
 def heldout_windows(cfg: DataConfig, split: str, seq_len: int, batch_size: int, batches: int
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``batches`` batches of (x, y, mask) (B, L) held-out rows of ``split``, the same number of instances of
-    each k = 1 … task_k (the first of each), mixed in k order; mask marks the real (non-padding) tokens.
-    What the mechanism diagnostics (:mod:`looplm.diagnostics.runner`) read for a task run."""
+    """``batches`` (x, y, mask of real tokens) batches of held-out rows, as many of each k ≤ task_k (diagnostics)."""
     per_k = -(-batches * batch_size // cfg.task_k)
     insts = [i for k in range(1, cfg.task_k + 1) for i in heldout(cfg.task, k, split, cfg.task_heldout, cfg.task_seed)[:per_k]]
     x, y = rows(insts, seq_len)
@@ -121,15 +104,8 @@ def heldout_windows(cfg: DataConfig, split: str, seq_len: int, batch_size: int, 
 @torch.no_grad()
 def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int], *, batch_size: int = 64,
                       device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
-    """Exact match and answer NLL at every depth in ``depths`` from ONE unroll per batch.
-
-    An instance is correct at depth T iff the argmax of the readout at T equals y at every answer
-    target (teacher forcing; for a multi-token answer this is exactly "greedy decoding returns the
-    answer": the first wrong token would be the first wrong greedy token).
-
-    Returns:
-        ``{T: {"acc": fraction correct, "correct": count, "n": instances, "nll": mean nats per answer token}}``.
-    """
+    """``{T: {"acc", "correct", "n", "nll" (per answer token)}}`` from one unroll per batch: correct iff the
+    argmax at every answer target is right (teacher-forced, = greedy decoding returns the answer)."""
     was_training = model.training
     model.eval()
     depths = sorted(set(depths))
@@ -155,8 +131,7 @@ def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int]
 
 @dataclass
 class TaskData:
-    """The data of a task run, with the interface the trainer uses (:class:`looplm.train.trainer.TrainData`):
-    ``batch`` draws a training batch, ``validate`` scores the valid instances of k ≤ task_k."""
+    """The data of a task run, with the trainer's :class:`~looplm.train.trainer.TrainData` interface."""
 
     cfg: DataConfig
     tokenizer_json: str
@@ -167,8 +142,7 @@ class TaskData:
         return rows(train_instances(self.cfg, batch_size, seed, step, micro), seq_len)
 
     def validate(self, model, depth: int, *, batch_size: int, batches: int, device) -> dict[str, Any]:
-        """``val_loss`` (answer NLL), ``val_ppl`` and ``val_acc`` (exact match) at ``depth`` on up to
-        batches × batch_size valid instances, the same number per k."""
+        """``val_loss`` (answer NLL), ``val_ppl``, ``val_acc`` on ~batches × batch_size valid instances, even in k."""
         per_k = max(1, batches * batch_size // self.cfg.task_k)
         insts = [i for k in range(1, self.cfg.task_k + 1)
                  for i in heldout(self.cfg.task, k, "valid", self.cfg.task_heldout, self.cfg.task_seed)[:per_k]]

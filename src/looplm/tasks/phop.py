@@ -1,13 +1,9 @@
 """p-hop induction (Sanford et al. 2024; a looped-model benchmark of Saunshi et al., arXiv:2502.17416 §2.1;
 the paper is not in our shared copies, so this is the standard definition, not checked against its text).
 
-Over a sequence v_1 … v_n of symbols, one hop from position i goes to j + 1, where j < i is the last
-earlier position with v_j = v_i ("the token after the previous occurrence of the current token"). The
-answer of a p-hop problem is v at σ^p(n), p hops from the last position; k = p. Sequences are drawn
-uniformly among those where no symbol repeats its predecessor (so every hop moves back: with
-v_{i−1} = v_i a hop would stay at i), and redrawn until all p hops exist. The prompt states p, since
-one model serves every k: ``"pp:" + v_1 … v_n + "="`` (p with two digits); the answer is one symbol.
-Our sizes (CPU scale): :data:`N_SYMBOLS` = 64 positions over :data:`ALPHABET` (4 symbols).
+One hop from position i goes to j + 1, j < i the last earlier position with v_j = v_i; the answer is v at
+σ^p(n), k = p. Sequences never repeat a symbol at once (every hop moves back) and are redrawn until all p hops
+exist. Prompt ``"pp:" + v_1 … v_n + "="``; our sizes: 64 positions over 4 symbols.
 """
 
 from __future__ import annotations
