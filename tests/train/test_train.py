@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from looplm.config import ConfigError, FixedDepthConfig, OptimConfig, TrainConfig
+from looplm.config import ConfigError, FixedDepthConfig, OptimConfig
 from looplm.model import build_model
 from looplm.run.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                    newest_valid_checkpoint, save_checkpoint)
