@@ -461,7 +461,7 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
     import resource
 
     torch.set_num_threads(threads)
-    cfg = ModelConfig(**cfg_dict)
+    cfg = ModelConfig.from_dict(cfg_dict)
     torch.manual_seed(0)
     model = build_model(cfg).train()
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
@@ -500,19 +500,23 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
         model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    import dataclasses
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_train_step_peak_rss,
-                    args=(dataclasses.asdict(cfg), depth, batch_size, fused, torch.get_num_threads(), q))
+                    args=(cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads(), q))
     p.start()
     try:
-        value = q.get(timeout=1800)
+        while True:  # a child that dies (exit code set) without a value is an error, not a 30-minute wait
+            try:
+                return int(q.get(timeout=5))
+            except queue.Empty:
+                if p.exitcode is not None:
+                    raise RuntimeError(f"peak_train_memory: the measuring subprocess exited with {p.exitcode}")
     finally:
         p.join()
-    return int(value)
 
 
 @torch.no_grad()
