@@ -1008,6 +1008,9 @@ class RunSection(_Base):
     def require(self, cond: bool, name: str, msg: str) -> None:
         _check(cond, self._prefix + name, msg)
 
+    def at_least(self, lo: float, *names: str) -> None:
+        _min(self, lo, *names)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
         cls._check_keys(d)
