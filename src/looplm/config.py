@@ -132,7 +132,8 @@ class _Base:
     _prefix = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        d = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return {**d, **{name: getattr(self, name).to_dict() for name in _choice_fields(type(self))}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -161,7 +162,24 @@ class _Base:
     def from_dict(cls, d: dict[str, Any]):
         """Build from a complete dict, as ``to_dict`` writes it (ConfigError: unknown, missing or bad field)."""
         cls._check_keys(d)
-        return cls(**d)
+        choices = _choice_fields(cls)
+        return cls(**{k: build_choice(choices[k], v, complete=True) if k in choices else v for k, v in d.items()})
+
+    def __post_init__(self) -> None:
+        self._build_choices()
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks, after the type checks."""
+
+    def _build_choices(self) -> None:
+        """Each choice-section field given as a dict becomes its variant; anything else is an error."""
+        for name, base in _choice_fields(type(self)).items():
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
+            _check(isinstance(getattr(self, name), base), self._prefix + name,
+                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
@@ -184,10 +202,6 @@ class RuleOptions(_Base):
     """Options of one recurrence rule (``ModelConfig.options``): exactly the fields its rules read."""
 
     _prefix = "model.options."
-
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        self.validate()
 
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
@@ -430,15 +444,15 @@ class ChoiceSection(_Base):
     NAME: ClassVar[str]
     HELP: ClassVar[str]
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks of the variant's fields."""
-
     def to_dict(self) -> dict[str, Any]:
         return {self.KEY: self.NAME, **dataclasses.asdict(self)}
+
+
+def _choice_fields(cls: type) -> dict[str, type[ChoiceSection]]:
+    """``{field: base class}`` of ``cls``'s fields that hold a typed choice section."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], ChoiceSection)}
 
 
 def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
@@ -643,13 +657,7 @@ class ModelConfig(_Base):
     embed_scale: float = _f(1.0, "factor on the token embedding, not the tied readout (Huginn-0125: √d)")
     exit_norm: ExitNorm = _f("none", "an RMSNorm of h_T before the coda: none, learned, final (norm_f; Huginn-0125)")
 
-    def __post_init__(self) -> None:
-        for name, base in (("position", PositionConfig), ("scale_control", ScaleControlConfig)):
-            if isinstance(getattr(self, name), dict):
-                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
-            _check(isinstance(getattr(self, name), base), self._prefix + name,
-                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
         _min(self, 1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
         _min(self, 0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
@@ -730,24 +738,17 @@ class ModelConfig(_Base):
                               f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
         object.__setattr__(self, "options", opts)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "position": self.position.to_dict(),
-                "scale_control": self.scale_control.to_dict()}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a complete ``model`` dict, options and choice sections too (ConfigError otherwise)."""
         cls._check_keys(d)
-        d = dict(d)
-        d["position"] = build_choice(PositionConfig, d["position"], complete=True)
-        d["scale_control"] = build_choice(ScaleControlConfig, d["scale_control"], complete=True)
-        opts = d.pop("options")
+        opts = d["options"]
         if d["architecture"] == "shared" and d["rule"] in RULE_OPTIONS:
             if not isinstance(opts, dict):
                 raise ConfigError(f"model.options: must be a JSON object of the options of rule {d['rule']}, "
                                   f"got {opts!r}")
             opts = _options_from_dict(d["rule"], opts, complete=True)
-        return cls(**d, options=opts)
+        return super().from_dict({**d, "options": opts})
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """``dataclasses.replace``; a new rule or architecture carries the options over (:func:`carry_options`)."""
@@ -780,8 +781,7 @@ class DataConfig(_Base):
     data_root: str = _f("", "data root; empty = $LOOPLM_DATA, else shared/data beside the repo folder, else ./data")
     cache_dir: str = _f("", "token cache; empty = $LOOPLM_CACHE, else ~/.cache/looplm")
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         _check(self.bpe_vocab_size >= 260, self._prefix + "bpe_vocab_size", "must be >= 260")
         if self.dataset == "text":
             _check(len(self.text_files) == 3, self._prefix + "text_files",
@@ -978,8 +978,7 @@ class OptimConfig(_Base):
     beta2: float = _f(0.95, "AdamW β2")
     grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
         _min(self, 0, "lr", strict=True)
         _min(self, 0, "warmup_steps", "weight_decay", "grad_clip")
@@ -999,11 +998,7 @@ class RunSection(_Base):
         if isinstance(getattr(self, "optim", None), dict):
             object.__setattr__(self, "optim", OptimConfig(**self.optim))
         _check(isinstance(getattr(self, "optim", None), OptimConfig), "optim", "must be an optimizer config")
-        _check_literal(self, self._prefix)
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks of the own fields, after the type checks."""
+        super().__post_init__()
 
     def require(self, cond: bool, name: str, msg: str) -> None:
         _check(cond, self._prefix + name, msg)
@@ -1072,12 +1067,7 @@ class TrainConfig(_Base):
     logger: list = _f(["jsonl"], "metric loggers (comma-separated): jsonl (always), tensorboard, wandb (offline "
                       "unless WANDB_MODE), trackio; the optional ones need their extra")
 
-    def __post_init__(self) -> None:
-        if isinstance(self.gradient, dict):
-            object.__setattr__(self, "gradient", build_choice(GradientConfig, self.gradient))
-        _check(isinstance(self.gradient, GradientConfig), self._prefix + "gradient",
-               f"must be a gradient estimator config, got {self.gradient!r}")
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
         _min(self, 1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
         _min(self, 0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
@@ -1093,14 +1083,6 @@ class TrainConfig(_Base):
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "gradient": self.gradient.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        cls._check_keys(d)
-        return cls(**{**d, "gradient": build_choice(GradientConfig, d["gradient"], complete=True)})
-
 
 @dataclass(frozen=True)
 class Config(_Base):
@@ -1113,10 +1095,7 @@ class Config(_Base):
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.depth, dict):
-            object.__setattr__(self, "depth", build_choice(DepthConfig, self.depth))
-        _check(isinstance(self.depth, DepthConfig), "depth", f"must be a depth sampler config, got {self.depth!r}")
+    def validate(self) -> None:
         sup = self.train.supervision
         if self.model.architecture == "unshared":
             _check(sup != "exit_weighted", "train.supervision",
