@@ -157,16 +157,22 @@ def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.d
     return step
 
 
+def _cuda_peak(fn: Callable[[], Any]) -> int:
+    """Peak CUDA bytes allocated during ``fn()`` above the memory before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int) -> int:
     """Activation bytes of one training step (TBPTT-``tbptt``; 0 = full): CUDA peak allocated above rest, else
     the unique storages autograd saves for backward."""
+    gradient = Gradient("tbptt", tbptt) if tbptt else BPTT
     if x.device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = _cuda_peak(lambda: model(x, depth, x, gradient=gradient, readout=NLL).loss.backward())
         model.zero_grad(set_to_none=True)
         return peak
     seen: dict[int, int] = {}
@@ -176,7 +182,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss
+        loss = model(x, depth, x, gradient=gradient, readout=NLL).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
@@ -415,12 +421,7 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
         torch.manual_seed(0)
         model = build_model(cfg).to(device).train()
         x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return _cuda_peak(lambda: model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward())
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
