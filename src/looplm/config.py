@@ -163,7 +163,7 @@ class _Base:
         """Build from a complete dict, as ``to_dict`` writes it (ConfigError: unknown, missing or bad field)."""
         cls._check_keys(d)
         choices = _choice_fields(cls)
-        return cls(**{k: build_choice(choices[k], v, complete=True) if k in choices else v for k, v in d.items()})
+        return cls(**{k: choices[k].from_dict(v) if k in choices else v for k, v in d.items()})
 
     def __post_init__(self) -> None:
         self._build_choices()
@@ -446,6 +446,11 @@ class ChoiceSection(_Base):
 
     def to_dict(self) -> dict[str, Any]:
         return {self.KEY: self.NAME, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChoiceSection":
+        """The variant a complete dict names (:func:`build_choice`)."""
+        return build_choice(next(b for b in _CHOICES if issubclass(cls, b)), d, complete=True)
 
 
 def _choice_fields(cls: type) -> dict[str, type[ChoiceSection]]:
@@ -1130,9 +1135,7 @@ class Config(_Base):
                 raise ConfigError(f"{key}: must be a JSON object")
         if not isinstance(d["name"], str):
             raise ConfigError(f"name: must be a string, got {d['name']!r}")
-        return cls(model=ModelConfig.from_dict(d["model"]), data=DataConfig.from_dict(d["data"]),
-                   depth=build_choice(DepthConfig, d["depth"], complete=True), optim=OptimConfig.from_dict(d["optim"]),
-                   train=TrainConfig.from_dict(d["train"]), name=d["name"])
+        return cls(name=d["name"], **{key: section.from_dict(d[key]) for key, section in SECTIONS.items()})
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "depth": DepthConfig, "optim": OptimConfig,
@@ -1145,8 +1148,7 @@ def _field_type(section: str, name: str) -> Any:
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if (section, name) in (("model", "options"), ("model", "position"), ("model", "scale_control"),
-                           ("train", "gradient")):
+    if name in _choice_fields(cls) or (section, name) == ("model", "options"):
         raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
