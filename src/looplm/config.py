@@ -390,7 +390,8 @@ def _not_a_field(prefix: str, name: str, variants: dict[str, Any], variant: str,
                  verb: str = "use", kind: str = "option") -> ConfigError:
     """``name`` is not a field of ``variant``: say which variants have it, list the variant's fields."""
     owners = [v for v, c in variants.items() if name in c.field_names()]
-    what = (f"{key} {variant} does not {verb} it (a{'n' * (kind == 'option')} {kind} of {', '.join(owners)})"
+    article = "an" if kind[0] in "aeiou" else "a"
+    what = (f"{key} {variant} does not {verb} it ({article} {kind} of {', '.join(owners)})"
             if owners else f"unknown {kind}{_suggest(name, {n for c in variants.values() for n in c.field_names()})}")
     own = variants[variant].field_names()
     return ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
@@ -542,7 +543,7 @@ class RopeConfig(PositionConfig):
     theta: float = _o(10000.0, "base θ of the frequencies θ^(−2i/head_dim) (HF rope_theta; Huginn-0125 5e4, Ouro 1e6)")
     layout: RopeLayout = _o("half", "rotated pairs: half ((i, i + head_dim/2): HF Llama, Ouro) or interleaved "
                             "((2i, 2i+1): Huginn-0125)")
-    scaling: RopeScaling = _o("none", "none, or linear (every frequency divided by scaling_factor; HF rope_type linear)")
+    scaling: RopeScaling = _o("none", "none, or linear (frequencies divided by scaling_factor; HF rope_type linear)")
     scaling_factor: float = _o(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
     table_dtype: DType = _o("float32", "dtype the cos/sin table is rounded to before the float32 rotation (bfloat16: "
                             "Huginn-0125's stored table)")

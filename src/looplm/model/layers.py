@@ -139,17 +139,11 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Transformer block (SPEC §1, §3), returning its residual update (full block output − x).
 
-    Pre-LN (``post_ln_alpha=None``, ``norm="pre"``): ``x + Attn(N₁(x))``, then ``+ MLP(N₂(·))``; the update
-    is the sum of the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
-    Sandwich (``norm="sandwich"``; Ouro): each branch's output is normalized too,
-    ``x₁ = x + N₁'(Attn(N₁(x)))``, ``x₂ = x₁ + N₂'(MLP(N₂(x₁)))``; the update is the sum of the branches.
-    Pre-post (``norm="pre_post"``; Huginn-0125's SandwichBlock): the residual sum is normalized,
-    ``x₁ = N₁'(x + Attn(N₁(x)))``, ``x₂ = N₂'(x₁ + MLP(N₂(x₁)))``; the update is ``x₂ − x``.
-    N₁, N₂ are ``norm1``, ``norm2``; N₁', N₂' are ``post_attn_norm``, ``post_mlp_norm``.
-    Post-LN family (``post_ln_alpha=α``, SPEC §3 / DeepNet eq. 1 / DeepLoop): ``x₁ = N₁(α·x + Attn(x))``,
-    ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so every form is
-    zero-preserving. Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, qkv rows) or None and ``kv`` (the
-    KV visit, or None) go to the attention; ``attn_kw`` (``n_kv_heads``, ``qk_bias``, ``rope``) too.
+    (B, L, d) → (B, L, d), N₁, N₂ = ``norm1``, ``norm2``, N₁', N₂' = ``post_attn_norm``, ``post_mlp_norm``:
+    pre: ``x + Attn(N₁(x))``, then ``+ MLP(N₂(·))`` (the update is the branch sum, so ``block(0) == 0`` exactly);
+    sandwich (Ouro): ``x₁ = x + N₁'(Attn(N₁(x)))``, ``x₂ = x₁ + N₂'(MLP(N₂(x₁)))``; pre_post (Huginn-0125):
+    ``x₁ = N₁'(x + Attn(N₁(x)))``, ``x₂ = N₂'(x₁ + MLP(N₂(x₁)))``; post-LN (``post_ln_alpha=α``, SPEC §3, DeepNet
+    eq. 1): ``x₁ = N₁(α·x + Attn(x))``, ``x₂ = N₂(α·x₁ + MLP(x₁))``. ``qkv_inject``, ``kv``, ``attn_kw``: attention's.
     """
 
     def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,

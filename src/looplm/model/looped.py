@@ -218,7 +218,7 @@ class DepthLM(nn.Module):
         return h
 
     def resolve_final_depth(self, final_depth: int | None, largest: int) -> int:
-        """The depth from which ``final_only_norm`` normalizes: ``final_depth``, ``self.final_depth``, or ``largest``."""
+        """Where ``final_only_norm`` starts: ``final_depth``, else ``self.final_depth``, else ``largest``."""
         return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
 
     def start(self, e: torch.Tensor, positions: torch.Tensor | None = None, *,
@@ -261,12 +261,9 @@ class DepthLM(nn.Module):
              on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
         """Advance ``loop`` to the largest requested depth, reading out at every requested depth on the way.
 
-        Args:
-            loop: a cursor of this model (:meth:`loop`) at step t0. depth: T ≥ t0, or a sequence of depths.
-            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout.tokens``); -100 ignored.
-            gradient: the :class:`Gradient`; ``endpoint`` reads depth T at ``gradient.key(T)`` = T + b.
-            on_depth: ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None where not
-                formed: reduce each depth to statistics without keeping it.
+        ``loop`` is at step t0 ≤ every depth; ``targets`` (B, L) int64 (or (N,) with ``readout.tokens``), -100
+        ignored; ``endpoint`` reads depth T at ``gradient.key(T)``; ``on_depth(T, h_T, logits_T or None)`` runs at
+        every T = t0 … max(depth).
 
         Raises:
             ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
