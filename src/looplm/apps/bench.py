@@ -421,8 +421,14 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
         torch.manual_seed(0)
         model = build_model(cfg).to(device).train()
         x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
-        return _cuda_peak(lambda: model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward())
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -430,10 +436,14 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
                     args=(cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads(), q))
     p.start()
     try:
-        value = q.get(timeout=1800)
+        while True:  # a child that dies (exit code set) without a value is an error, not a 30-minute wait
+            try:
+                return int(q.get(timeout=5))
+            except queue.Empty:
+                if p.exitcode is not None:
+                    raise RuntimeError(f"peak_train_memory: the measuring subprocess exited with {p.exitcode}")
     finally:
         p.join()
-    return int(value)
 
 
 @torch.no_grad()
