@@ -96,21 +96,17 @@ def _check_literal(obj: Any, prefix: str) -> None:
     """Type-check every field of ``obj``: Literal names, bools, ints, finite floats."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        tp = hints[f.name]
-        value = getattr(obj, f.name)
+        tp, name, value = hints[f.name], prefix + f.name, getattr(obj, f.name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if typing.get_origin(tp) is Literal:
-            allowed = get_args(tp)
-            _check(value in allowed, f"{prefix}{f.name}",
-                   f"got {value!r}; allowed: {', '.join(map(repr, allowed))}")
+            _check(value in get_args(tp), name, f"got {value!r}; allowed: {', '.join(map(repr, get_args(tp)))}")
         elif tp is bool:
-            _check(isinstance(value, bool), f"{prefix}{f.name}", f"must be true/false, got {value!r}")
+            _check(isinstance(value, bool), name, f"must be true/false, got {value!r}")
         elif tp is int:
-            _check(isinstance(value, int) and not isinstance(value, bool), f"{prefix}{f.name}",
-                   f"must be an integer, got {value!r}")
+            _check(number and isinstance(value, int), name, f"must be an integer, got {value!r}")
         elif tp is float:
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-                   f"{prefix}{f.name}", f"must be a number, got {value!r}")
-            _check(math.isfinite(value), f"{prefix}{f.name}", f"must be finite, got {value!r}")
+            _check(number, name, f"must be a number, got {value!r}")
+            _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
@@ -186,7 +182,6 @@ class _Base:
 
 
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
-_o = _f
 #: step_scale defaults (SPEC §2): looped 1, adapter 0.35, SCSE 0.5 (paper); controls take their family's value
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
 _SOURCE_INIT_HELP = ("init of the source modules ({}): gpt2 (N(0, model.init_std){}), torch (nn.Linear's default), "
@@ -235,27 +230,27 @@ class PlainOptions(RuleOptions):
 class LoopedOptions(RuleOptions):
     """``looped``: h + s·G(h + e)."""
 
-    step_scale: float = _o(1.0, _STEP_SCALE_HELP)
+    step_scale: float = _f(1.0, _STEP_SCALE_HELP)
 
 
 @dataclass(frozen=True)
 class NormResetOptions(LoopedOptions):
     """``norm_reset``: the looped step, then h ← RMSNorm(h) every ``period`` steps."""
 
-    period: int = _o(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
+    period: int = _f(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
 
 
 @dataclass(frozen=True)
 class _AnchoredOptions(RuleOptions):
     """The learned anchor h* = e + c_a·A(e) and initial state h_0 = e + c_0·I(e) (SCSE eq. 3–4)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)")
-    init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
-    source_init: SourceInit = _o(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e)")
+    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
+    source_init: SourceInit = _f(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
         "A, I, W_in, W_c, P_step", "", "Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e") + "; default: the init study's")
-    source_init_std: float = _o(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
-    projection_init: ProjectionInit = _o("source", "source_init=normal: W_in, W_c, P_step draw from source (N(0, "
+    source_init_std: float = _f(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
+    projection_init: ProjectionInit = _f("source", "source_init=normal: W_in, W_c, P_step draw from source (N(0, "
                                          "source_init_std)) or unit (N(0, 1/√fan_in); issue 25 §3)")
 
     def validate(self) -> None:
@@ -268,101 +263,101 @@ class _AnchoredOptions(RuleOptions):
 class AdapterOptions(_AnchoredOptions):
     """``adapter`` (tuned adapter): h + s·G(h + α·W_in h*)."""
 
-    step_scale: float = _o(0.35, _STEP_SCALE_HELP)
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
+    step_scale: float = _f(0.35, _STEP_SCALE_HELP)
+    alpha_init: float = _f(0.15, "initial value of the learned source gain α")
 
 
 @dataclass(frozen=True)
 class StepAdapterOptions(AdapterOptions):
     """``step_adapter``: the adapter plus τ·P_step γ_t in the core input."""
 
-    step_tau: float = _o(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
+    step_tau: float = _f(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
 
 
 @dataclass(frozen=True)
 class StepFilmOptions(AdapterOptions):
     """``step_film``: h + s·G((1 + σ·g_t)⊙u + σ·b_t), u = h + α·W_in h*."""
 
-    sigma: float = _o(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
-    steps: int = _o(8, "rows of the learned step-embedding table (g_t, b_t); later steps reuse the last row")
+    sigma: float = _f(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
+    steps: int = _f(8, "rows of the learned step-embedding table (g_t, b_t); later steps reuse the last row")
 
 
 @dataclass(frozen=True)
 class _SourceCenteredOptions(_AnchoredOptions):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    anchor: AnchorName = _o("learned", "anchor h*: learned (e + c_a·A(e)), embedding (e), init (h_0), frozen_random")
-    mask: bool = _o(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
-    eps: float = _o(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    anchor: AnchorName = _f("learned", "anchor h*: learned (e + c_a·A(e)), embedding (e), init (h_0), frozen_random")
+    mask: bool = _f(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
+    eps: float = _f(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
 
 
 @dataclass(frozen=True)
 class SCSEOptions(_SourceCenteredOptions):
     """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
 
-    leak: float = _o(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
-    kappa: float = _o(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main method)")
+    leak: float = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
+    kappa: float = _f(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main method)")
 
 
 @dataclass(frozen=True)
 class SCCondOptions(_SourceCenteredOptions):
     """``sc_cond``, ``sc_subtract``: the SCSE recurrence with the source conditioning c_sc = κ·W_c h*."""
 
-    kappa: float = _o(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*")
+    kappa: float = _f(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*")
 
 
 @dataclass(frozen=True)
 class SCSELeakOptions(SCCondOptions):
     """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
 
-    leak: float = _o(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
+    leak: float = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
 
 
 @dataclass(frozen=True)
 class AdditiveSubtractOptions(_AnchoredOptions):
     """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
-    step_tau: float = _o(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's control)")
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    alpha_init: float = _f(0.15, "initial value of the learned source gain α")
+    step_tau: float = _f(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's control)")
 
 
 @dataclass(frozen=True)
 class HuginnOptions(RuleOptions):
     """``huginn_linear``, ``deq_qkv``: the initial loop state of the Huginn family."""
 
-    state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (e), gaussian (N(0, "
+    state_init: StateInit = _f("gaussian", "initial loop state h_0: zeros, embedding (e), gaussian (N(0, "
                                "state_init_std²)) or truncated_normal (cut at ±3 std; Huginn-0125)")
-    state_init_std: float = _o(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
-    state_init_seed: int = _o(0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise "
+    state_init_std: float = _f(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
+    state_init_seed: int = _f(0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise "
                               "table; -1: fresh global-RNG noise in evaluation too (Huginn-0125)")
-    source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
+    source_init: SourceInit = _f("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices", "", "N(0, 1/√fan_in): the injected term has its input's RMS"))
-    source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
+    source_init_std: float = _f(0.0, _SOURCE_INIT_STD_HELP)
 
 
 @dataclass(frozen=True)
 class HuginnLinearOptions(HuginnOptions):
     """``huginn_linear``: ζ = W_lin [h; e] (+ bias), then the core, then (by default) a parameter-free RMSNorm."""
 
-    adapter_bias: bool = _o(True, "a bias in the adapter W_lin [h; e; 1] (LMDR); false: none (Huginn-0125)")
-    step_norm: bool = _o(True, "a parameter-free RMSNorm after every step (LMDR); false: none (Huginn-0125)")
+    adapter_bias: bool = _f(True, "a bias in the adapter W_lin [h; e; 1] (LMDR); false: none (Huginn-0125)")
+    step_norm: bool = _f(True, "a parameter-free RMSNorm after every step (LMDR); false: none (Huginn-0125)")
 
 
 @dataclass(frozen=True)
 class DecayOptions(HuginnOptions):
     """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw)."""
 
-    delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))")
-    alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))")
+    delta_raw_init: float = _f(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))")
+    alpha_raw_init: float = _f(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))")
 
 
 @dataclass(frozen=True)
 class ParcaeDecayOptions(DecayOptions):
     """``parcae_decay``: ζ = Λh + Δ ⊙ W·RMSNorm(e)."""
 
-    input_norm_affine: bool = _o(True, "learned gains in the RMSNorm of e (LMDR Table 7); false: parameter-free")
+    input_norm_affine: bool = _f(True, "learned gains in the RMSNorm of e (LMDR Table 7); false: parameter-free")
 
 
 #: the options class of every rule
@@ -540,12 +535,12 @@ class RopeConfig(PositionConfig):
     """``rope``: the rotary embedding of q and k in every attention layer (arXiv:2104.09864)."""
 
     NAME = "rope"
-    theta: float = _o(10000.0, "base θ of the frequencies θ^(−2i/head_dim) (HF rope_theta; Huginn-0125 5e4, Ouro 1e6)")
-    layout: RopeLayout = _o("half", "rotated pairs: half ((i, i + head_dim/2): HF Llama, Ouro) or interleaved "
+    theta: float = _f(10000.0, "base θ of the frequencies θ^(−2i/head_dim) (HF rope_theta; Huginn-0125 5e4, Ouro 1e6)")
+    layout: RopeLayout = _f("half", "rotated pairs: half ((i, i + head_dim/2): HF Llama, Ouro) or interleaved "
                             "((2i, 2i+1): Huginn-0125)")
-    scaling: RopeScaling = _o("none", "none, or linear (frequencies divided by scaling_factor; HF rope_type linear)")
-    scaling_factor: float = _o(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
-    table_dtype: DType = _o("float32", "dtype the cos/sin table is rounded to before the float32 rotation (bfloat16: "
+    scaling: RopeScaling = _f("none", "none, or linear (frequencies divided by scaling_factor; HF rope_type linear)")
+    scaling_factor: float = _f(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
+    table_dtype: DType = _f("float32", "dtype the cos/sin table is rounded to before the float32 rotation (bfloat16: "
                             "Huginn-0125's stored table)")
 
     def validate(self) -> None:
@@ -600,7 +595,7 @@ class SpectralDampingConfig(ScaleControlConfig):
     """``spectral_damping``: h ← σ(ρ)·h after every step, ρ learned."""
 
     NAME = "spectral_damping"
-    init: float = _o(0.9, "initial factor σ(ρ) in (0, 1)")
+    init: float = _f(0.9, "initial factor σ(ρ) in (0, 1)")
 
     def validate(self) -> None:
         _check(0.0 < self.init < 1.0, self._prefix + "init", f"must be in (0, 1), got {self.init}")
@@ -834,7 +829,7 @@ class FixedDepthConfig(DepthConfig):
     """``fixed``: every microbatch at depth T."""
 
     NAME = "fixed"
-    depth: int = _o(8, "loop depth T")
+    depth: int = _f(8, "loop depth T")
 
     def validate(self) -> None:
         _min(self, 1, "depth")
@@ -848,8 +843,8 @@ class UniformDepthConfig(DepthConfig):
     """``uniform``: T uniform in lo..hi (inclusive)."""
 
     NAME = "uniform"
-    lo: int = _o(1, "lowest depth")
-    hi: int = _o(8, "highest depth")
+    lo: int = _f(1, "lowest depth")
+    hi: int = _f(8, "highest depth")
 
     def validate(self) -> None:
         _min(self, 1, "lo")
@@ -865,9 +860,9 @@ class PLNDepthConfig(DepthConfig):
     E[min(R, cap)] = mean (LMDR §3.1)."""
 
     NAME = "pln"
-    mean: float = _o(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the init's mean)")
-    sigma: float = _o(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
-    cap: int = _o(64, "pln: cap on R; learned: R_max")
+    mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the init's mean)")
+    sigma: float = _f(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
+    cap: int = _f(64, "pln: cap on R; learned: R_max")
 
     def validate(self) -> None:
         p = self._prefix
@@ -887,15 +882,15 @@ class LearnedDepthConfig(PLNDepthConfig):
     """``learned``: a categorical prior over 1..cap trained by REINFORCE (LMDR §3.1, App. B.3)."""
 
     NAME = "learned"
-    lr: float = _o(1e-3, "Adam learning rate of the prior logits")
-    entropy: float = _o(0.01, "entropy weight λ_H")
-    budget: float = _o(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
-    warmup: int = _o(32, "warm-up updates that only collect the reward baseline")
-    init: list = _o([], "initial prior weights over depths 1..cap (normalized; [] = the capped PLN); LMDR App. B.3")
-    reward: PriorReward = _o("neg_ce", "reward: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl (exp(−CE); "
+    lr: float = _f(1e-3, "Adam learning rate of the prior logits")
+    entropy: float = _f(0.01, "entropy weight λ_H")
+    budget: float = _f(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
+    warmup: int = _f(32, "warm-up updates that only collect the reward baseline")
+    init: list = _f([], "initial prior weights over depths 1..cap (normalized; [] = the capped PLN); LMDR App. B.3")
+    reward: PriorReward = _f("neg_ce", "reward: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl (exp(−CE); "
                              "LMDR's main setting, with scale)")
-    scale: bool = _o(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates (LMDR App. B.3)")
-    scale_window: int = _o(1, "scale: s pools the microbatches of the last W updates")
+    scale: bool = _f(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates (LMDR App. B.3)")
+    scale_window: int = _f(1, "scale: s pools the microbatches of the last W updates")
 
     def validate(self) -> None:
         super().validate()
@@ -946,7 +941,7 @@ class TBPTTConfig(GradientConfig):
     """``tbptt``: the last b of the T recurrences with gradient, from the visited state z^(T−b)."""
 
     NAME = "tbptt"
-    steps: int = _o(1, "b: recurrences with gradient (>= 1)")
+    steps: int = _f(1, "b: recurrences with gradient (>= 1)")
 
     def validate(self) -> None:
         _check(self.steps >= 1, self._prefix + "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
