@@ -63,10 +63,9 @@ def _times(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.dev
     return times
 
 
-def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` calls."""
-    times = sorted(_times(fn, warmup=warmup, repeat=repeat, device=device))
-    return times[len(times) // 2]
+def _mid(values: list[float]) -> float:
+    """The (upper) median."""
+    return sorted(values)[len(values) // 2]
 
 
 def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
@@ -78,14 +77,12 @@ def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int =
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> float:
     """Median GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
-    rates = sorted(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
-    return rates[len(rates) // 2]
+    return _mid(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
 
 
 def spread(rates: list[float]) -> float:
     """(max − min) / median of a list of rates (0 for one value)."""
-    r = sorted(rates)
-    return (r[-1] - r[0]) / r[len(r) // 2] if r[len(r) // 2] > 0 else math.inf
+    return (max(rates) - min(rates)) / _mid(rates) if _mid(rates) > 0 else math.inf
 
 
 def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, dict[str, Any]]:
@@ -241,8 +238,8 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
             seq = torch.cat([seq, model(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
 
     for mode in ("per_visit", "terminal"):
-        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _timeit(cached(mode), warmup=1, repeat=1,
-                                                                             device=device)
+        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _times(cached(mode), warmup=1, repeat=1,
+                                                                             device=device)[0]
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
@@ -579,8 +576,8 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
     """The fp32 and bf16 matmul peaks into ``res``; returns (fp32 rates per size, peak size, slow bf16)."""
     # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
     rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
-    peak_n = max(rates32, key=lambda n: sorted(rates32[n])[len(rates32[n]) // 2])
-    peak32 = sorted(rates32[peak_n])[len(rates32[peak_n]) // 2]
+    peak_n = max(rates32, key=lambda n: _mid(rates32[n]))
+    peak32 = _mid(rates32[peak_n])
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
     slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
@@ -593,7 +590,7 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
 
 def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
     """Whether the fp32 matmul rate held: its spread at the start and its drift to ``end`` within :data:`MAX_SPREAD`."""
-    start = sorted(rates)[len(rates) // 2]
+    start = _mid(rates)
     drift = abs(end - start) / max(end, start)
     return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread(rates),
             "matmul_fp32_peak_end_gflops": end, "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD,
