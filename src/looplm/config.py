@@ -1,21 +1,11 @@
 """Typed, serializable configuration for looplm (torch-free).
 
-Every config is a dataclass whose fields are plain JSON values; variant names are strings checked
-against ``Literal`` name sets. Construction validates every field and raises :class:`ConfigError`
-naming the field and what is allowed. Field help texts (``metadata["help"]``) become the
-``--help`` of the CLI, which can override any field as ``--section.field VALUE``.
-
-The fields of the recurrence rule live in ``ModelConfig.options``: one frozen :class:`RuleOptions`
-subclass per rule or family (:data:`RULE_OPTIONS`), holding only what the rule reads, overridden as
-``--model.options.FIELD VALUE``. The same pattern holds the depth sampler (section ``depth``, one class per
-``depth.sampler``, :data:`DEPTH_SAMPLERS`), the gradient estimator (``train.gradient``, one class per
-``train.gradient.kind``), the position signal (``model.position.kind``, :data:`POSITIONS`) and the scale
-control (``model.scale_control.kind``, :data:`SCALE_CONTROLS`): changing the variant carries the same-named
-fields over, and a field the variant does not read is an error. ``optim`` (the optimizer) is shared with
-distill and rl. No section rewrites another: values derived across sections (N = K·R of the post-LN family) are
-resolved where they are used. A config file (``config.json``, format 4) gives every field.
-
-The meaning of every model field is pinned down in ``SPEC.md`` §1–2 (shared/SPEC.md).
+Dataclasses of plain JSON values, validated on construction (:class:`ConfigError` names the field and
+what is allowed); field help texts are the CLI's ``--help`` (``--section.field VALUE``). Choices with
+their own fields are typed sections, one frozen class per variant holding only what it reads: the rule
+options (``model.options``, :data:`RULE_OPTIONS`), ``depth.sampler``, ``train.gradient.kind``,
+``model.position.kind``, ``model.scale_control.kind``; a changed variant carries same-named fields over.
+``optim`` is shared with distill and rl; no section rewrites another. Model fields: SPEC.md §1–2.
 """
 
 from __future__ import annotations
@@ -28,9 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Literal, get_args
 
-#: config.json layout: 4 has the typed sections ``depth`` (one class per sampler), ``optim``,
-#: ``train.gradient`` (one class per estimator), ``model.position`` and ``model.scale_control``; rule options
-#: sit under ``model.options``
+#: config.json layout (4: typed choice sections, rule options under ``model.options``)
 FORMAT_VERSION = 4
 
 RuleName = Literal["looped", "adapter", "step_adapter", "step_film", "scse", "norm_reset", "sc_cond",
@@ -86,7 +74,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 
 def _suggest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest known name (difflib), or ``""``."""
+    """`` (did you mean X?)`` for the closest known name, or ``""``."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -97,36 +85,35 @@ def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
                        f"known: {', '.join(known)}")
 
 
+def _min(obj: Any, lo: float, *names: str, strict: bool = False) -> None:
+    """Check ``obj.NAME >= lo`` (``> lo`` if ``strict``) for every name."""
+    for name in names:
+        v = getattr(obj, name)
+        _check(v > lo if strict else v >= lo, obj._prefix + name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
+
+
 def _check_literal(obj: Any, prefix: str) -> None:
     """Type-check every field of ``obj``: Literal names, bools, ints, finite floats."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        tp = hints[f.name]
-        value = getattr(obj, f.name)
+        tp, name, value = hints[f.name], prefix + f.name, getattr(obj, f.name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if typing.get_origin(tp) is Literal:
-            allowed = get_args(tp)
-            _check(value in allowed, f"{prefix}{f.name}",
-                   f"got {value!r}; allowed: {', '.join(map(repr, allowed))}")
+            _check(value in get_args(tp), name, f"got {value!r}; allowed: {', '.join(map(repr, get_args(tp)))}")
         elif tp is bool:
-            _check(isinstance(value, bool), f"{prefix}{f.name}", f"must be true/false, got {value!r}")
+            _check(isinstance(value, bool), name, f"must be true/false, got {value!r}")
         elif tp is int:
-            _check(isinstance(value, int) and not isinstance(value, bool), f"{prefix}{f.name}",
-                   f"must be an integer, got {value!r}")
+            _check(number and isinstance(value, int), name, f"must be an integer, got {value!r}")
         elif tp is float:
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-                   f"{prefix}{f.name}", f"must be a number, got {value!r}")
-            _check(math.isfinite(value), f"{prefix}{f.name}", f"must be finite, got {value!r}")
+            _check(number, name, f"must be a number, got {value!r}")
+            _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 
 
 def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
-    """Check the gradient estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient`.
-
-    Raises:
-        ConfigError: an unknown kind, b < 0, b > 0 with ``bptt``, or b = 0 with ``tbptt`` / ``endpoint``.
-    """
+    """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
     if kind not in GRADIENTS:
         raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
     _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
@@ -141,7 +128,15 @@ class _Base:
     _prefix = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        d = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return {**d, **{name: getattr(self, name).to_dict() for name in _choice_fields(type(self))}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -161,67 +156,54 @@ class _Base:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
-        """Build from a complete dict (every field present, as ``to_dict`` writes it).
-
-        Raises:
-            ConfigError: an unknown field (with the closest known name), a missing field, or a bad value.
-        """
+        """Build from a complete dict, as ``to_dict`` writes it (ConfigError: unknown, missing or bad field)."""
         cls._check_keys(d)
-        return cls(**d)
+        choices = _choice_fields(cls)
+        return cls(**{k: choices[k].from_dict(v) if k in choices else v for k, v in d.items()})
+
+    def __post_init__(self) -> None:
+        self._build_choices()
+        _check_literal(self, self._prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks, after the type checks."""
+
+    def _build_choices(self) -> None:
+        """Each choice-section field given as a dict becomes its variant; anything else is an error."""
+        for name, base in _choice_fields(type(self)).items():
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
+            _check(isinstance(getattr(self, name), base), self._prefix + name,
+                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
-def _o(default: Any, help: str) -> Any:
-    """An option field."""
-    return field(default=default, metadata={"help": help})
-
-
-#: step_scale defaults (SPEC §2): looped 1 (our choice), adapter 0.35, SCSE 0.5; for the controls the paper
-#: gives no value: adapter-family controls take the tuned adapter's 0.35, the SCSE-family ones and
-#: additive_subtract SCSE's 0.5, norm_reset the looped baseline's 1.0 (our choice). plain and the Huginn
-#: family have no residual scale.
+#: step_scale defaults (SPEC §2): looped 1, adapter 0.35, SCSE 0.5 (paper); controls take their family's value
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
-_SOURCE_INIT_HELP = ("initialization of the rule's source modules ({}): gpt2 (N(0, model.init_std), as every "
-                     "matrix{}), torch (nn.Linear's default: U(±1/√fan_in), bias too), matched ({}; "
-                     "derivation in looplm.model.recurrence.init_source_modules), normal (N(0, source_init_std)). "
-                     "The blocks keep the GPT-2 init; every other parameter draws the same values under every "
-                     "scheme")
-_SOURCE_INIT_STD_HELP = ("source_init=normal: std of the source modules' weights (read only by normal; another "
-                         "scheme takes its default or 0 and stores 0)")
-#: the SCSE family's and the adapters' source-module init, chosen by the init study of issue 11
-#: (experiments/scse-cpu/init-study: Brown *valid* PPL and the t = 0 gain, 3 seeds; test data never read):
-#: N(0, 2.0) for A, I (and W_in, W_c, P_step). At d = 192 it gives rms(Δ₀) ≈ 4·rms(e) and a trained t = 0
-#: gain near the paper's regime, where GPT-2's N(0, 0.02) leaves Δ₀ at 0.04·rms(e) (SCSE arXiv:2607.27656
-#: §5 gains: SCSE 1.118 < tuned adapter 1.135 < looped 3.98). Files written before the study keep gpt2.
+_SOURCE_INIT_HELP = ("init of the source modules ({}): gpt2 (N(0, model.init_std){}), torch (nn.Linear's default), "
+                     "matched ({}; see recurrence.init_source_modules), normal (N(0, source_init_std))")
+_SOURCE_INIT_STD_HELP = "source_init=normal: std of the source modules' weights (stored 0 under other schemes)"
+#: SCSE/adapter source-module init from the init study of issue 11 (experiments/scse-cpu/init-study, Brown valid
+#: PPL and t = 0 gain, 3 seeds): N(0, 2.0) gives rms(Δ₀) ≈ 4·rms(e) at d = 192 (SCSE arXiv:2607.27656 §5 regime)
 ANCHORED_SOURCE_INIT, ANCHORED_SOURCE_INIT_STD = "normal", 2.0
 
 
 @dataclass(frozen=True)
 class RuleOptions(_Base):
-    """Options of one recurrence rule (``ModelConfig.options``); a subclass per rule or family holds
-    exactly the fields its rules read, with the rule's defaults."""
+    """Options of one recurrence rule (``ModelConfig.options``): exactly the fields its rules read."""
 
     _prefix = "model.options."
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        self.validate()
-
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
-        p = self._prefix
-        for name, lo, strict in (("step_scale", 0.0, True), ("anchor_scale", 0.0, False),
-                                 ("init_scale", 0.0, False), ("step_tau", 0.0, False), ("eps", 0.0, False),
-                                 ("sigma", 0.0, False), ("state_init_std", 0.0, False)):
-            if hasattr(self, name):
-                v = getattr(self, name)
-                _check(v > lo if strict else v >= lo, p + name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
-        for name in ("steps", "period"):
-            if hasattr(self, name):
-                _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
+        p, has = self._prefix, (lambda *names: [n for n in names if hasattr(self, n)])
+        _min(self, 0.0, *has("step_scale"), strict=True)
+        _min(self, 0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
+        _min(self, 1, *has("steps", "period"))
         if hasattr(self, "leak"):
             _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "state_init_seed"):
@@ -248,33 +230,28 @@ class PlainOptions(RuleOptions):
 class LoopedOptions(RuleOptions):
     """``looped``: h + s·G(h + e)."""
 
-    step_scale: float = _o(1.0, _STEP_SCALE_HELP)
+    step_scale: float = _f(1.0, _STEP_SCALE_HELP)
 
 
 @dataclass(frozen=True)
 class NormResetOptions(LoopedOptions):
     """``norm_reset``: the looped step, then h ← RMSNorm(h) every ``period`` steps."""
 
-    period: int = _o(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
+    period: int = _f(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
 
 
 @dataclass(frozen=True)
 class _AnchoredOptions(RuleOptions):
     """The learned anchor h* = e + c_a·A(e) and initial state h_0 = e + c_0·I(e) (SCSE eq. 3–4)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    anchor_scale: float = _o(0.1, "c_a: anchor h* = e + c_a·A(e)")
-    init_scale: float = _o(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
-    source_init: SourceInit = _o(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
-        "A, I, and W_in, W_c, P_step where the rule has them", "; the default before the init study",
-        "A, I ~ N(0, 1/√(d·(c_0² + c_a²))) (std) so that Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e; the others "
-        "N(0, 1/√fan_in), output RMS = input RMS") + "; default normal with std 2.0, chosen by the init study "
-        "(experiments/scse-cpu/init-study)")
-    source_init_std: float = _o(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
-    projection_init: ProjectionInit = _o("source", "source_init=normal: the injection projections W_in, W_c, "
-                                         "P_step draw from source (N(0, source_init_std), as A and I) or unit "
-                                         "(N(0, 1/√fan_in): unit gain, so α, κ, τ alone set the injection's size, "
-                                         "SCSE arXiv:2607.27656's regime; issue 25 §3); read only by normal")
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e)")
+    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
+    source_init: SourceInit = _f(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
+        "A, I, W_in, W_c, P_step", "", "Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e") + "; default: the init study's")
+    source_init_std: float = _f(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
+    projection_init: ProjectionInit = _f("source", "source_init=normal: W_in, W_c, P_step draw from source (N(0, "
+                                         "source_init_std)) or unit (N(0, 1/√fan_in); issue 25 §3)")
 
     def validate(self) -> None:
         super().validate()
@@ -286,115 +263,101 @@ class _AnchoredOptions(RuleOptions):
 class AdapterOptions(_AnchoredOptions):
     """``adapter`` (tuned adapter): h + s·G(h + α·W_in h*)."""
 
-    step_scale: float = _o(0.35, _STEP_SCALE_HELP)
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
+    step_scale: float = _f(0.35, _STEP_SCALE_HELP)
+    alpha_init: float = _f(0.15, "initial value of the learned source gain α")
 
 
 @dataclass(frozen=True)
 class StepAdapterOptions(AdapterOptions):
     """``step_adapter``: the adapter plus τ·P_step γ_t in the core input."""
 
-    step_tau: float = _o(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
+    step_tau: float = _f(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
 
 
 @dataclass(frozen=True)
 class StepFilmOptions(AdapterOptions):
     """``step_film``: h + s·G((1 + σ·g_t)⊙u + σ·b_t), u = h + α·W_in h*."""
 
-    sigma: float = _o(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
-    steps: int = _o(8, "rows of the learned step-embedding table (g_t, b_t); steps t >= steps reuse the "
-                    "last row")
+    sigma: float = _f(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
+    steps: int = _f(8, "rows of the learned step-embedding table (g_t, b_t); later steps reuse the last row")
 
 
 @dataclass(frozen=True)
 class _SourceCenteredOptions(_AnchoredOptions):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5)."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    anchor: AnchorName = _o("learned", "anchor h*: learned (e + c_a·A(e)), embedding (h*=e), init (h*=h_0, "
-                            "Δ stays 0), frozen_random (A random, not trained)")
-    mask: bool = _o(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
-    eps: float = _o(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    anchor: AnchorName = _f("learned", "anchor h*: learned (e + c_a·A(e)), embedding (e), init (h_0), frozen_random")
+    mask: bool = _f(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
+    eps: float = _f(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
 
 
 @dataclass(frozen=True)
 class SCSEOptions(_SourceCenteredOptions):
     """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
 
-    leak: float = _o(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
-    kappa: float = _o(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main "
-                      "method); 0.15 in the leak diagnostic")
+    leak: float = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
+    kappa: float = _f(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main method)")
 
 
 @dataclass(frozen=True)
 class SCCondOptions(_SourceCenteredOptions):
     """``sc_cond``, ``sc_subtract``: the SCSE recurrence with the source conditioning c_sc = κ·W_c h*."""
 
-    kappa: float = _o(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*")
+    kappa: float = _f(0.15, "initial learned gain κ of the source conditioning c_sc = κ·W_c h*")
 
 
 @dataclass(frozen=True)
 class SCSELeakOptions(SCCondOptions):
     """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
 
-    leak: float = _o(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
+    leak: float = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
 
 
 @dataclass(frozen=True)
 class AdditiveSubtractOptions(_AnchoredOptions):
     """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
 
-    step_scale: float = _o(0.5, _STEP_SCALE_HELP)
-    alpha_init: float = _o(0.15, "initial value of the learned source gain α")
-    step_tau: float = _o(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's "
-                         "control)")
+    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
+    alpha_init: float = _f(0.15, "initial value of the learned source gain α")
+    step_tau: float = _f(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's control)")
 
 
 @dataclass(frozen=True)
 class HuginnOptions(RuleOptions):
     """``huginn_linear``, ``deq_qkv``: the initial loop state of the Huginn family."""
 
-    state_init: StateInit = _o("gaussian", "initial loop state h_0: zeros, embedding (the prelude output e), "
-                               "gaussian (N(0, state_init_std²)) or truncated_normal (N(0, state_init_std²) "
-                               "truncated to ±3·state_init_std, as torch.nn.init.trunc_normal_; Huginn-0125)")
-    state_init_std: float = _o(0.02, "state_init=gaussian / truncated_normal: std of the initial state (of the "
-                               "normal before truncation; Huginn-0125: √(2/5), its √(2/(5d)) times its embedding "
-                               "scale √d)")
-    state_init_seed: int = _o(0, "state_init=gaussian / truncated_normal: seed of the evaluation-mode noise (a "
-                              "fixed (seq_len, d) table indexed by position, so evaluation and cached decoding "
-                              "are deterministic); -1 draws fresh noise from the global RNG in evaluation too "
-                              "(Huginn-0125)")
-    source_init: SourceInit = _o("gpt2", _SOURCE_INIT_HELP.format(
-        "the injection matrices: W_lin of huginn_linear, W of the Parcae family and orthoinj, W_e^(j) of deq_qkv",
-        "; the default", "N(0, 1/√fan_in) (std): the injected term has the RMS of its input"))
-    source_init_std: float = _o(0.0, _SOURCE_INIT_STD_HELP)
+    state_init: StateInit = _f("gaussian", "initial loop state h_0: zeros, embedding (e), gaussian (N(0, "
+                               "state_init_std²)) or truncated_normal (cut at ±3 std; Huginn-0125)")
+    state_init_std: float = _f(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
+    state_init_seed: int = _f(0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise "
+                              "table; -1: fresh global-RNG noise in evaluation too (Huginn-0125)")
+    source_init: SourceInit = _f("gpt2", _SOURCE_INIT_HELP.format(
+        "the injection matrices", "", "N(0, 1/√fan_in): the injected term has its input's RMS"))
+    source_init_std: float = _f(0.0, _SOURCE_INIT_STD_HELP)
 
 
 @dataclass(frozen=True)
 class HuginnLinearOptions(HuginnOptions):
     """``huginn_linear``: ζ = W_lin [h; e] (+ bias), then the core, then (by default) a parameter-free RMSNorm."""
 
-    adapter_bias: bool = _o(True, "a bias in the adapter W_lin [h; e; 1] (LMDR's huginn_linear); false: W_lin [h; e] "
-                            "(Huginn-0125's adapter)")
-    step_norm: bool = _o(True, "a parameter-free RMSNorm at the core exit after every step, h ← RMSNorm(ζ + G(ζ)) "
-                         "(LMDR's huginn_linear); false: none (Huginn-0125, whose blocks end in a norm)")
+    adapter_bias: bool = _f(True, "a bias in the adapter W_lin [h; e; 1] (LMDR); false: none (Huginn-0125)")
+    step_norm: bool = _f(True, "a parameter-free RMSNorm after every step (LMDR); false: none (Huginn-0125)")
 
 
 @dataclass(frozen=True)
 class DecayOptions(HuginnOptions):
-    """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw),
-    α = exp(α_raw)."""
+    """``parcae``, ``parcae_decay``, ``orthoinj``: Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw)."""
 
-    delta_raw_init: float = _o(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))")
-    alpha_raw_init: float = _o(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))")
+    delta_raw_init: float = _f(0.0, "initial Δ_raw (Δ = softplus(Δ_raw))")
+    alpha_raw_init: float = _f(0.0, "initial α_raw (α = exp(α_raw); Λ = exp(−Δ⊙α))")
 
 
 @dataclass(frozen=True)
 class ParcaeDecayOptions(DecayOptions):
     """``parcae_decay``: ζ = Λh + Δ ⊙ W·RMSNorm(e)."""
 
-    input_norm_affine: bool = _o(True, "learned gains in the RMSNorm of e (LMDR Table 7, the paper's Parcae-Decay); "
-                                 "false: parameter-free (W absorbs a gain; configs written before this option)")
+    input_norm_affine: bool = _f(True, "learned gains in the RMSNorm of e (LMDR Table 7); false: parameter-free")
 
 
 #: the options class of every rule
@@ -412,54 +375,46 @@ def _rules_of(cls: type[RuleOptions]) -> list[str]:
 
 
 def options_class(rule: str) -> type[RuleOptions]:
-    """The options class of ``rule``.
-
-    Raises:
-        ConfigError: an unknown rule (the message lists the known ones).
-    """
+    """The options class of ``rule`` (ConfigError for an unknown rule, listing the known ones)."""
     if rule not in RULE_OPTIONS:
         raise ConfigError(f"model.rule: got {rule!r}; allowed: {', '.join(map(repr, RULE_NAMES))}")
     return RULE_OPTIONS[rule]
 
 
-def _not_an_option(name: str, rule: str, cls: type[RuleOptions]) -> ConfigError:
-    """``name`` is not an option of ``rule``: name it, say which rules have it, list the rule's options."""
-    owners = [r for r, c in RULE_OPTIONS.items() if name in c.field_names()]
-    own = cls.field_names()
-    if owners:
-        what = f"rule {rule} does not use it (an option of {', '.join(owners)})"
-    else:
-        every = dict.fromkeys(n for c in RULE_OPTIONS.values() for n in c.field_names())
-        what = f"unknown option{_suggest(name, every)}"
-    return ConfigError(f"model.options.{name}: {what}; options of {rule}: {', '.join(own) or 'none'}")
+def _not_a_field(prefix: str, name: str, variants: dict[str, Any], variant: str, key: str = "rule",
+                 verb: str = "use", kind: str = "option") -> ConfigError:
+    """``name`` is not a field of ``variant``: say which variants have it, list the variant's fields."""
+    owners = [v for v, c in variants.items() if name in c.field_names()]
+    article = "an" if kind[0] in "aeiou" else "a"
+    what = (f"{key} {variant} does not {verb} it ({article} {kind} of {', '.join(owners)})"
+            if owners else f"unknown {kind}{_suggest(name, {n for c in variants.values() for n in c.field_names()})}")
+    own = variants[variant].field_names()
+    return ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
+
+
+def _not_an_option(name: str, rule: str) -> ConfigError:
+    return _not_a_field("model.options.", name, RULE_OPTIONS, rule)
 
 
 def _options_from_dict(rule: str, d: dict[str, Any], *, complete: bool) -> RuleOptions:
     cls = options_class(rule)
     for key in d:
         if key not in cls.field_names():
-            raise _not_an_option(key, rule, cls)
+            raise _not_an_option(key, rule)
     if complete:
         cls._check_keys(d)
     return cls(**d)
 
 
-def _changed_options(opts: RuleOptions | None) -> dict[str, Any]:
-    """The option values that differ from their class defaults."""
-    if opts is None:
-        return {}
-    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if getattr(opts, f.name) != f.default}
-
-
 def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[str, Any] | None:
-    """Options for ``model`` switched to ``rule`` / ``architecture``: the new rule's defaults, plus every
-    option of the old rule set away from its default that the new rule also has.
+    """The options ``model`` set away from their defaults, for ``rule`` / ``architecture``.
 
     Raises:
-        ConfigError: an option set away from its default that the new rule (or the unshared
-            architecture) does not have: it would otherwise be dropped silently.
+        ConfigError: such an option that the new rule (or the unshared architecture) does not have.
     """
-    changed = _changed_options(model.options)
+    opts = model.options
+    changed = {} if opts is None else {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+                                       if getattr(opts, f.name) != f.default}
     if architecture == "unshared":
         for name, value in changed.items():
             raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}; the unshared "
@@ -478,43 +433,37 @@ def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[st
 
 # ---------------------------------------------------------------- typed choice sections
 class ChoiceSection(_Base):
-    """A section whose variant is named by one key (``KEY``: ``depth.sampler``, ``train.gradient.kind``);
-    one frozen subclass per variant (``NAME``) holds exactly the fields that variant reads. ``to_dict``
-    writes the name first; :func:`build_choice` builds a variant from a dict and checks its keys."""
+    """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); one frozen subclass per variant
+    (``NAME``) holds exactly the fields it reads. :func:`build_choice` builds one from a dict."""
 
     KEY: ClassVar[str]
     NAME: ClassVar[str]
     HELP: ClassVar[str]
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks of the variant's fields."""
-
     def to_dict(self) -> dict[str, Any]:
         return {self.KEY: self.NAME, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChoiceSection":
+        """The variant a complete dict names (:func:`build_choice`)."""
+        return build_choice(next(b for b in _CHOICES if issubclass(cls, b)), d, complete=True)
+
+
+def _choice_fields(cls: type) -> dict[str, type[ChoiceSection]]:
+    """``{field: base class}`` of ``cls``'s fields that hold a typed choice section."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], ChoiceSection)}
 
 
 def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
     return _CHOICES[base][0]
 
 
-def _not_a_field(base: type[ChoiceSection], name: str, variant: str) -> ConfigError:
-    cls = _variants(base)[variant]
-    owners = [v for v, c in _variants(base).items() if name in c.field_names()]
-    what = (f"{base.KEY} {variant} does not read it (a field of {', '.join(owners)})" if owners
-            else f"unknown field{_suggest(name, {n for c in _variants(base).values() for n in c.field_names()})}")
-    return ConfigError(f"{base._prefix}{name}: {what}; fields of {variant}: {', '.join(cls.field_names()) or 'none'}")
-
-
 def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
                  carry: ChoiceSection | None = None) -> ChoiceSection:
-    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``;
-    the fields ``d`` leaves out come from ``carry`` where its variant has them (a changed variant
-    carries the same-named fields over), else the variant's defaults. String values (the command
-    line) are parsed to the field's type.
+    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
+    others from ``carry`` where its variant has them, else defaults. Strings are parsed to the field's type.
 
     Raises:
         ConfigError: an unknown variant (listing the known ones), a field the variant does not read
@@ -531,7 +480,7 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     hints = typing.get_type_hints(cls)
     for key in d:
         if key not in cls.field_names():
-            raise _not_a_field(base, key, name)
+            raise _not_a_field(base._prefix, key, variants, name, base.KEY, "read", "field")
     if complete:
         cls._check_keys(d)
     values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
@@ -539,19 +488,28 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     return cls(**values)
 
 
-def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
-    """``{prefix + KEY: help, prefix + FIELD: help}`` over every variant of ``base``, each field with the
-    variants that read it and their defaults (for the command line's ``--help``)."""
-    variants = _variants(base)
-    out = {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_CHOICES[base][1]}]"}
+def _fields_help(prefix: str, classes: dict[str, Any], tag: str) -> dict[str, str]:
+    """``{prefix + FIELD: help [tag: variant default; ...]}`` over the ``{variant: class}`` (for ``--help``)."""
     readers: dict[str, list[str]] = {}
     helps: dict[str, str] = {}
-    for name, cls in variants.items():
+    for name, cls in classes.items():
         for f in dataclasses.fields(cls):
             helps.setdefault(f.name, f.metadata["help"])
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             readers.setdefault(f.name, []).append(f"{name} {default!r}")
-    return {**out, **{prefix + n: f"{helps[n]} [{base.KEY}: {'; '.join(r)}]" for n, r in readers.items()}}
+    return {prefix + n: f"{helps[n]} [{tag}: {'; '.join(r)}]" for n, r in readers.items()}
+
+
+def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
+    """``--help`` of the variant key and of every field of every variant of ``base``."""
+    return {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_CHOICES[base][1]}]",
+            **_fields_help(prefix, _variants(base), base.KEY)}
+
+
+def options_help() -> dict[str, str]:
+    """``{"model.options.FIELD": help}`` over every rule, with the rules that read it and their defaults."""
+    classes = {"/".join(_rules_of(cls)): cls for cls in RULE_OPTIONS.values()}
+    return _fields_help("model.options.", classes, "rule default")
 
 
 # ---------------------------------------------------------------- position signal (SPEC §1)
@@ -561,9 +519,8 @@ class PositionConfig(ChoiceSection):
 
     _prefix = "model.position."
     KEY = "kind"
-    HELP = ("position signal (SPEC §1): learned (a table of seq_len absolute positions added to the token embedding; "
-            "GPT-2), rope (rotary embedding of q and k in every attention layer; Huginn-0125, Ouro), none (no "
-            "position signal beyond the causal mask)")
+    HELP = ("position signal (SPEC §1): learned (absolute position table; GPT-2), rope (rotary q, k; Huginn-0125, "
+            "Ouro), none (the causal mask only)")
 
 
 @dataclass(frozen=True)
@@ -578,18 +535,13 @@ class RopeConfig(PositionConfig):
     """``rope``: the rotary embedding of q and k in every attention layer (arXiv:2104.09864)."""
 
     NAME = "rope"
-    theta: float = _o(10000.0, "base θ of the rotary frequencies θ^(−2i/head_dim), i < head_dim/2 (HF rope_theta; "
-                      "Huginn's rope_base; Huginn-0125 50000, Ouro 1e6)")
-    layout: RopeLayout = _o("half", "the rotated coordinate pairs of a head: half ((i, i + head_dim/2), rotate-half: "
-                            "HF Llama/Qwen, Ouro) or interleaved ((2i, 2i+1), complex pairs: Huginn-0125, Meta's "
-                            "Llama)")
-    scaling: RopeScaling = _o("none", "none, or linear (position interpolation: every frequency divided by "
-                              "scaling_factor; HF rope_type linear)")
-    scaling_factor: float = _o(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
-    table_dtype: DType = _o("float32", "the dtype the cos/sin table is rounded to before the rotation (which runs in "
-                            "float32): float32 (no rounding) or bfloat16 (Huginn-0125: its bf16 checkpoint stores the "
-                            "table and the original rotates with the stored, bf16-rounded values; `looplm import "
-                            "huginn` checks that they equal this table)")
+    theta: float = _f(10000.0, "base θ of the frequencies θ^(−2i/head_dim) (HF rope_theta; Huginn-0125 5e4, Ouro 1e6)")
+    layout: RopeLayout = _f("half", "rotated pairs: half ((i, i + head_dim/2): HF Llama, Ouro) or interleaved "
+                            "((2i, 2i+1): Huginn-0125)")
+    scaling: RopeScaling = _f("none", "none, or linear (frequencies divided by scaling_factor; HF rope_type linear)")
+    scaling_factor: float = _f(1.0, "scaling=linear: the factor (> 0); 1 otherwise")
+    table_dtype: DType = _f("float32", "dtype the cos/sin table is rounded to before the float32 rotation (bfloat16: "
+                            "Huginn-0125's stored table)")
 
     def validate(self) -> None:
         p = self._prefix
@@ -620,9 +572,8 @@ class ScaleControlConfig(ChoiceSection):
 
     _prefix = "model.scale_control."
     KEY = "kind"
-    HELP = ("between loops (SPEC §4): none, inter_loop_norm (RMSNorm with learned gain), spectral_damping (learned "
-            "factor in (0, 1)), final_norm (h ← norm_f(h), the final norm itself, after every step: Ouro; pair it "
-            "with model.readout=raw, or the readout normalizes twice)")
+    HELP = ("between loops (SPEC §4): none, inter_loop_norm (RMSNorm, learned gain), spectral_damping (learned "
+            "factor in (0, 1)), final_norm (h ← norm_f(h); Ouro; pair with model.readout=raw)")
 
 
 @dataclass(frozen=True)
@@ -644,7 +595,7 @@ class SpectralDampingConfig(ScaleControlConfig):
     """``spectral_damping``: h ← σ(ρ)·h after every step, ρ learned."""
 
     NAME = "spectral_damping"
-    init: float = _o(0.9, "initial factor σ(ρ) in (0, 1)")
+    init: float = _f(0.9, "initial factor σ(ρ) in (0, 1)")
 
     def validate(self) -> None:
         _check(0.0 < self.init < 1.0, self._prefix + "init", f"must be in (0, 1), got {self.init}")
@@ -667,18 +618,14 @@ class ModelConfig(_Base):
     """Shape and recurrence rule of a looped (or unshared reference) language model (SPEC §1–2)."""
 
     _prefix = "model."
-    architecture: Architecture = _f("shared", "shared: prelude + core×T + coda with a recurrence rule; "
-                                    "unshared: n_layers distinct blocks, no recurrence (reference)")
+    architecture: Architecture = _f("shared", "shared: prelude + core×T + coda; unshared: n_layers distinct blocks")
     rule: RuleName = _f("scse", "recurrence rule (SPEC §2): " + ", ".join(RULE_NAMES))
-    options: RuleOptions | None = _f(None, "the rule's options (model.options.FIELD; see RULE_OPTIONS): "
-                                     "an options object or a dict of its fields, defaults for the rest; "
-                                     "None for the unshared architecture")
+    options: RuleOptions | None = _f(None, "the rule's options (model.options.FIELD); None when unshared")
     vocab_size: int = _f(50257, "vocabulary size V (set from the tokenizer when training)")
     d_model: int = _f(384, "model width d")
     n_heads: int = _f(6, "attention heads (d_model must be divisible by it)")
     d_ff: int = _f(1536, "SwiGLU hidden width")
-    seq_len: int = _f(128, "context length L: the longest sequence and the largest position + 1 of any forward "
-                      "(the rows of the learned position table)")
+    seq_len: int = _f(128, "context length L (the longest sequence of any forward)")
     dropout: float = _f(0.1, "dropout probability on embeddings, attention and residual branches")
     n_prelude: int = _f(0, "unshared prelude blocks before the loop")
     n_core: int = _f(1, "K: blocks in the shared core applied once per loop step")
@@ -687,56 +634,35 @@ class ModelConfig(_Base):
     tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
     norm_eps: float = _f(1e-6, "RMSNorm epsilon")
     init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
-    block_init: BlockInit = _f("normal", "post-LN family: initializer of the block matrices before the β scaling: "
-                               "normal (N(0, init_std)) or xavier_normal (N(0, √(2/(fan_in + fan_out))) per "
-                               "matrix, the fused qkv as q, k, v and gate_up as gate, up; DeepNet's base, "
-                               "arXiv:2203.00555); pre_ln allows normal only")
-    embed_init_std: float = _f(-1.0, "std of the normal initialization of the token and position embeddings "
-                               "(the tied readout too); -1 = init_std (GPT-2). The rule's source modules: "
-                               "model.options.source_init")
-    residual: Residual = _f("pre_ln", "block residual parameterization (SPEC §3): pre_ln, post_ln "
-                            "(α=β=1), deepnorm (p=1/4), deeploop (p=1/2): x ← RMSNorm(α·x + f(x)), "
-                            "α=(2N)^p, β=(8N)^-p, N=K·R")
-    residual_p: float = _f(-1.0, "post-LN family: exponent p of α=(2N)^p, β=(8N)^-p; -1 takes the "
-                           "family's (post_ln 0, deepnorm 0.25, deeploop 0.5)")
+    block_init: BlockInit = _f("normal", "post-LN family: block matrix init before β: normal or xavier_normal "
+                               "(per q, k, v, gate, up; DeepNet arXiv:2203.00555)")
+    embed_init_std: float = _f(-1.0, "std of the token/position embedding init; -1 = init_std (GPT-2)")
+    residual: Residual = _f("pre_ln", "residual (SPEC §3): pre_ln, or x ← RMSNorm(α·x + f(x)), α=(2N)^p, β=(8N)^-p, "
+                            "N=K·R: post_ln (p=0), deepnorm (p=1/4), deeploop (p=1/2)")
+    residual_p: float = _f(-1.0, "post-LN family: exponent p; -1 takes the family's")
     residual_depth: int = _f(0, "post-LN family: R in N = K·R (0 = the depth sampler's maximum, resolved by "
-                             "looplm.model.build_model from the whole config)")
+                             "build_model)")
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
-    readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw "
-                              "(W_out·H_k), final_only_norm (raw at intermediate loops, RMSNorm at the last)")
+    readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw, "
+                              "final_only_norm (RMSNorm at the last loop only)")
     scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig, metadata={
         "help": "the between-loop scale control (SPEC §4; model.scale_control.FIELD)"})
-    exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 with bias, per token and loop, on the state after "
-                         "the step; Ouro's early_exit_gate), read by train.supervision=exit_weighted (which needs it) "
-                         "and the exit criteria exit_gate / exit_cdf")
+    exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop; Ouro), for "
+                         "supervision=exit_weighted and the exit criteria exit_gate / exit_cdf")
     position: PositionConfig = field(default_factory=LearnedPositionConfig, metadata={
         "help": "the position signal (SPEC §1; model.position.FIELD)"})
-    n_kv_heads: int = _f(0, "key/value heads (grouped-query attention: key/value head j serves the query heads "
-                         "j·g … j·g + g − 1, g = n_heads / n_kv_heads); 0 = n_heads (multi-head attention)")
-    qk_bias: bool = _f(False, "a learned bias on the query and key projections, before the rotary embedding "
-                       "(Huginn-0125); initialized to 0")
-    block_norm: BlockNorm = _f("pre", "norm placement in every block (with residual=pre_ln): pre (x + f(N(x))), "
-                               "sandwich (x + N'(f(N(x))): a norm on each branch's input and output; Ouro), pre_post "
-                               "(x ← N'(x + f(N(x))): a norm on each branch's input and on the residual sum; "
-                               "Huginn-0125's SandwichBlock)")
-    embed_scale: float = _f(1.0, "factor on the token embedding, before positions are added (Huginn-0125: √d); "
-                            "the tied readout matrix is not scaled")
-    exit_norm: ExitNorm = _f("none", "an RMSNorm of the loop's output h_T before the coda, at every readout: none, "
-                             "learned (its own gain), final (the final norm norm_f itself; Huginn-0125 applies its "
-                             "ln_f there and again after the coda)")
+    n_kv_heads: int = _f(0, "key/value heads (grouped-query attention); 0 = n_heads")
+    qk_bias: bool = _f(False, "a learned bias on the q and k projections, zero-initialized (Huginn-0125)")
+    block_norm: BlockNorm = _f("pre", "norms in every block (residual=pre_ln): pre (x + f(N(x))), sandwich "
+                               "(x + N'(f(N(x))); Ouro), pre_post (x ← N'(x + f(N(x))); Huginn-0125)")
+    embed_scale: float = _f(1.0, "factor on the token embedding, not the tied readout (Huginn-0125: √d)")
+    exit_norm: ExitNorm = _f("none", "an RMSNorm of h_T before the coda: none, learned, final (norm_f; Huginn-0125)")
 
-    def __post_init__(self) -> None:
-        for name, base in (("position", PositionConfig), ("scale_control", ScaleControlConfig)):
-            if isinstance(getattr(self, name), dict):
-                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
-            _check(isinstance(getattr(self, name), base), self._prefix + name,
-                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
-        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers"):
-            _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("n_prelude", "n_coda"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
+        _min(self, 1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
+        _min(self, 0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
+        _min(self, 0, "embed_scale", strict=True)
         _check(self.d_model % self.n_heads == 0, p + "n_heads",
                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
@@ -748,8 +674,13 @@ class ModelConfig(_Base):
                f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
         _check(self.block_init == "normal" or self.residual != "pre_ln", p + "block_init",
                "xavier_normal is the post-LN family's base initializer; allowed with residual=pre_ln: 'normal'")
-        _check(self.residual_depth >= 0, p + "residual_depth", f"must be >= 0, got {self.residual_depth}")
-        self._check_attention()
+        _check(self.n_heads % self.kv_heads == 0, p + "n_kv_heads",
+               f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.position.NAME == "rope":
+            _check(self.head_dim % 2 == 0, p + "position.kind",
+                   f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be even")
+        _check(self.block_norm == "pre" or self.residual == "pre_ln", p + "block_norm",
+               f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: pre")
         self._resolve_options()
         if self.architecture == "unshared":
             _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
@@ -757,29 +688,12 @@ class ModelConfig(_Base):
                    "the unshared reference has no loop to control; allowed: none")
             _check(not self.exit_gate, p + "exit_gate", "exit gates need the shared architecture; allowed: false")
 
-    def _check_attention(self) -> None:
-        """Positions, heads, block norms and embedding scale (the fields added for Huginn-0125 and Ouro)."""
-        p = self._prefix
-        _check(self.n_kv_heads >= 0, p + "n_kv_heads", f"must be >= 0 (0 = n_heads), got {self.n_kv_heads}")
-        _check(self.n_heads % self.kv_heads == 0, p + "n_kv_heads",
-               f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.position.NAME == "rope":
-            _check(self.head_dim % 2 == 0, p + "position.kind",
-                   f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be even")
-        if self.block_norm != "pre":
-            _check(self.residual == "pre_ln", p + "block_norm",
-                   f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: "
-                   "pre")
-        _check(self.embed_scale > 0, p + "embed_scale", f"must be > 0, got {self.embed_scale}")
-
     @property
     def kv_heads(self) -> int:
-        """Key/value heads: ``n_kv_heads``, or ``n_heads`` when it is 0."""
         return self.n_kv_heads or self.n_heads
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head, d_model / n_heads."""
         return self.d_model // self.n_heads
 
     @property
@@ -825,33 +739,20 @@ class ModelConfig(_Base):
                               f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
         object.__setattr__(self, "options", opts)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "position": self.position.to_dict(),
-                "scale_control": self.scale_control.to_dict()}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a complete ``model`` dict (every field, every option of the rule, every field of the
-        position signal and of the scale control).
-
-        Raises:
-            ConfigError: an unknown or missing field or option, or a bad value.
-        """
+        """Build from a complete ``model`` dict, options and choice sections too (ConfigError otherwise)."""
         cls._check_keys(d)
-        d = dict(d)
-        d["position"] = build_choice(PositionConfig, d["position"], complete=True)
-        d["scale_control"] = build_choice(ScaleControlConfig, d["scale_control"], complete=True)
-        opts = d.pop("options")
+        opts = d["options"]
         if d["architecture"] == "shared" and d["rule"] in RULE_OPTIONS:
             if not isinstance(opts, dict):
                 raise ConfigError(f"model.options: must be a JSON object of the options of rule {d['rule']}, "
                                   f"got {opts!r}")
             opts = _options_from_dict(d["rule"], opts, complete=True)
-        return cls(**d, options=opts)
+        return super().from_dict({**d, "options": opts})
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        """``dataclasses.replace``; a new ``rule`` or ``architecture`` without new ``options`` carries the
-        options over (:func:`carry_options`)."""
+        """``dataclasses.replace``; a new rule or architecture carries the options over (:func:`carry_options`)."""
         if ("rule" in changes or "architecture" in changes) and "options" not in changes:
             changes["options"] = carry_options(self, changes.get("rule", self.rule),
                                                changes.get("architecture", self.architecture))
@@ -863,38 +764,31 @@ class DataConfig(_Base):
     """Where the training and evaluation text comes from (SPEC §5, §11)."""
 
     _prefix = "data."
-    dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 document split), wikitext2, "
-                              "wikitext103 (raw), text (local files, see text_files), openwebtext or c4 "
-                              "(hub slices of SPEC §5, online only), hf (any Hugging Face dataset or local "
-                              "json/jsonl/parquet/text files, see hf_path), task (a synthetic task generated on the "
-                              "fly, see task; loss on the answer tokens only)")
+    dataset: DatasetName = _f("brown", "training corpus: brown (SPEC §11 split), wikitext2, wikitext103, text (see "
+                              "text_files), openwebtext or c4 (SPEC §5, online), hf (see hf_path), task (synthetic, "
+                              "loss on the answer tokens)")
     text_files: list = _f([], "dataset=text: [train, valid, test] plain-text file paths")
-    hf_path: str = _f("", "dataset=hf: a local .json/.jsonl/.parquet/.txt file or a folder of them (split "
-                      "names from the file names: train, validation/valid/dev, test), else a hub dataset id "
-                      "(online, needs the hub extra)")
+    hf_path: str = _f("", "dataset=hf: a local .json/.jsonl/.parquet/.txt file or folder, else a hub dataset id")
     hf_name: str = _f("", "dataset=hf: the dataset config (name) on the hub; empty = the default")
-    hf_splits: list = _f(["train", "validation", "test"], "dataset=hf: the [train, valid, test] splits as "
-                         "datasets split specs, slicing allowed (e.g. train[:90%],train[90%:95%],train[95%:])")
+    hf_splits: list = _f(["train", "validation", "test"], "dataset=hf: the [train, valid, test] split specs "
+                         "(slicing allowed)")
     text_column: str = _f("text", "dataset=hf: the column holding each document's text")
-    task: TaskName = _f("phop", "dataset=task: the task family (looplm.tasks): phop (p-hop induction), modsum "
-                        "(running sum mod 10), varchain (variable-binding chains), addition (multi-digit)")
+    task: TaskName = _f("phop", "dataset=task: the task family (looplm.tasks)")
     task_k: int = _f(4, "dataset=task: train on difficulties k = 1 … task_k (uniform)")
     task_heldout: int = _f(256, "dataset=task: held-out instances per k in each of valid and test")
     task_seed: int = _f(0, "dataset=task: seed of the held-out sets and of the training instances")
-    tokenizer: TokenizerName = _f("gpt2", "gpt2: GPT-2 BPE (50,257); bpe: byte-level BPE trained on "
-                                  "the training split with bpe_vocab_size entries")
+    tokenizer: TokenizerName = _f("gpt2", "gpt2 (GPT-2 BPE) or bpe (byte-level BPE trained on the training split)")
     bpe_vocab_size: int = _f(8192, "tokenizer=bpe: vocabulary size")
     data_root: str = _f("", "data root; empty = $LOOPLM_DATA, else shared/data beside the repo folder, else ./data")
     cache_dir: str = _f("", "token cache; empty = $LOOPLM_CACHE, else ~/.cache/looplm")
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         _check(self.bpe_vocab_size >= 260, self._prefix + "bpe_vocab_size", "must be >= 260")
         if self.dataset == "text":
             _check(len(self.text_files) == 3, self._prefix + "text_files",
                    "dataset=text needs three paths: train, valid, test")
         p = self._prefix
-        for name in ("hf_path", "hf_name", "text_column"):
+        for name in ("hf_path", "hf_name", "text_column"):  # _check_literal does not check str
             _check(isinstance(getattr(self, name), str), p + name, f"must be a string, got {getattr(self, name)!r}")
         _check(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
                and all(isinstance(x, str) and x.strip() for x in self.hf_splits), p + "hf_splits",
@@ -905,8 +799,7 @@ class DataConfig(_Base):
                    "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
             _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
         if self.dataset == "task":
-            _check(self.task_k >= 1, p + "task_k", f"must be >= 1, got {self.task_k}")
-            _check(self.task_heldout >= 1, p + "task_heldout", f"must be >= 1, got {self.task_heldout}")
+            _min(self, 1, "task_k", "task_heldout")
         else:
             for name in ("task", "task_k", "task_heldout", "task_seed"):
                 _check(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, p + name,
@@ -920,17 +813,14 @@ class DepthConfig(ChoiceSection):
 
     _prefix = "depth."
     KEY = "sampler"
-    HELP = ("training depth sampler (SPEC §5), one draw per microbatch: fixed (depth), uniform (lo..hi inclusive), "
-            "pln (Poisson log-normal of mean `mean`, σ `sigma`, capped at `cap`) or learned (categorical prior over "
-            "1..cap trained by REINFORCE)")
+    HELP = ("training depth sampler (SPEC §5), one draw per microbatch: fixed, uniform (lo..hi), pln (Poisson "
+            "log-normal) or learned (categorical prior trained by REINFORCE)")
 
     def max_depth(self) -> int:
-        """The largest loop depth the sampler can draw."""
         raise NotImplementedError
 
     def nominal_depth(self) -> int:
-        """The loop depth a trained model stands for: the default K_max of halting and of the scale
-        diagnostics, and the depth from which a loaded ``final_only_norm`` model normalizes."""
+        """The depth a trained model stands for (default K_max of halting; final_only_norm's last loop)."""
         return self.max_depth()
 
 
@@ -939,10 +829,10 @@ class FixedDepthConfig(DepthConfig):
     """``fixed``: every microbatch at depth T."""
 
     NAME = "fixed"
-    depth: int = _o(8, "loop depth T")
+    depth: int = _f(8, "loop depth T")
 
     def validate(self) -> None:
-        _check(self.depth >= 1, self._prefix + "depth", f"must be >= 1, got {self.depth}")
+        _min(self, 1, "depth")
 
     def max_depth(self) -> int:
         return self.depth
@@ -953,11 +843,11 @@ class UniformDepthConfig(DepthConfig):
     """``uniform``: T uniform in lo..hi (inclusive)."""
 
     NAME = "uniform"
-    lo: int = _o(1, "lowest depth")
-    hi: int = _o(8, "highest depth")
+    lo: int = _f(1, "lowest depth")
+    hi: int = _f(8, "highest depth")
 
     def validate(self) -> None:
-        _check(self.lo >= 1, self._prefix + "lo", f"must be >= 1, got {self.lo}")
+        _min(self, 1, "lo")
         _check(self.lo <= self.hi, self._prefix + "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
 
     def max_depth(self) -> int:
@@ -970,15 +860,14 @@ class PLNDepthConfig(DepthConfig):
     E[min(R, cap)] = mean (LMDR §3.1)."""
 
     NAME = "pln"
-    mean: float = _o(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the PLN "
-                     "initialization's capped mean)")
-    sigma: float = _o(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
-    cap: int = _o(64, "pln: cap on R; learned: R_max")
+    mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the init's mean)")
+    sigma: float = _f(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
+    cap: int = _f(64, "pln: cap on R; learned: R_max")
 
     def validate(self) -> None:
         p = self._prefix
-        _check(self.sigma > 0, p + "sigma", f"must be > 0, got {self.sigma}")
-        _check(self.cap >= 2, p + "cap", f"must be >= 2, got {self.cap}")
+        _min(self, 0, "sigma", strict=True)
+        _min(self, 2, "cap")
         _check(1 <= self.mean < self.cap, p + "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
 
     def max_depth(self) -> int:
@@ -993,30 +882,22 @@ class LearnedDepthConfig(PLNDepthConfig):
     """``learned``: a categorical prior over 1..cap trained by REINFORCE (LMDR §3.1, App. B.3)."""
 
     NAME = "learned"
-    lr: float = _o(1e-3, "Adam learning rate of the prior logits")
-    entropy: float = _o(0.01, "entropy weight λ_H")
-    budget: float = _o(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
-    warmup: int = _o(32, "warm-up updates that only collect the reward baseline")
-    init: list = field(default_factory=list, metadata={"help": (
-        "initial weights of the prior over depths 1..cap (normalized; [] = the capped PLN of mean, sigma). "
-        "Uniform controls U{1..C} (LMDR App. B.3): C ones with cap = C; the frozen-prior ablation: a trained "
-        "prior's final p with warmup >= train.steps, so the logits never move")})
-    reward: PriorReward = _o("neg_ce", "reward arm: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl "
-                             "(exp(−CE); LMDR's main setting, with scale)")
-    scale: bool = _o(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates' "
-                     "microbatches (LMDR App. B.3; each std floored at 1e-12; s = 1 until then; exactly 1 for neg_ce)")
-    scale_window: int = _o(1, "scale: the stds of s pool the microbatches of the last W updates (1 = the "
-                           "previous update, the paper, which has several microbatches per update; with one, "
-                           "W >= 2 is needed for s to differ from 1)")
+    lr: float = _f(1e-3, "Adam learning rate of the prior logits")
+    entropy: float = _f(0.01, "entropy weight λ_H")
+    budget: float = _f(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
+    warmup: int = _f(32, "warm-up updates that only collect the reward baseline")
+    init: list = _f([], "initial prior weights over depths 1..cap (normalized; [] = the capped PLN); LMDR App. B.3")
+    reward: PriorReward = _f("neg_ce", "reward: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl (exp(−CE); "
+                             "LMDR's main setting, with scale)")
+    scale: bool = _f(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates (LMDR App. B.3)")
+    scale_window: int = _f(1, "scale: s pools the microbatches of the last W updates")
 
     def validate(self) -> None:
         super().validate()
         p = self._prefix
-        _check(self.lr > 0, p + "lr", f"must be > 0, got {self.lr}")
-        for name in ("entropy", "budget"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        _check(self.warmup >= 0, p + "warmup", f"must be >= 0, got {self.warmup}")
-        _check(self.scale_window >= 1, p + "scale_window", f"must be >= 1, got {self.scale_window}")
+        _min(self, 0, "lr", strict=True)
+        _min(self, 0, "entropy", "budget", "warmup")
+        _min(self, 1, "scale_window")
         w = self.init
         _check(isinstance(w, list), p + "init", f"must be a list of numbers, got {w!r}")
         if not w:
@@ -1039,14 +920,12 @@ DEPTH_SAMPLERS: dict[str, type[DepthConfig]] = {
 # ---------------------------------------------------------------- gradient estimator (SPEC §5)
 @dataclass(frozen=True)
 class GradientConfig(ChoiceSection):
-    """The gradient estimator (SPEC §5; LMDR §3.1, A.2), ``train.gradient.kind``: the config of
-    :class:`looplm.model.cursor.Gradient` (kind, steps)."""
+    """The gradient estimator (SPEC §5; LMDR §3.1, A.2) of :class:`looplm.model.cursor.Gradient`."""
 
     _prefix = "train.gradient."
     KEY = "kind"
-    HELP = ("gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last b = steps of the T "
-            "recurrences, from the visited state z^(T-b)), endpoint (Neumann-b: run to z^T without gradient, then "
-            "b more recurrences with gradient from sg(z^T); the loss is read at T+b)")
+    HELP = ("gradient estimator (SPEC §5; LMDR §3.1, A.2): bptt (full), tbptt (the last b = steps recurrences), "
+            "endpoint (Neumann-b: b more recurrences from sg(z^T), loss read at T+b)")
     steps: ClassVar[int] = 0
 
 
@@ -1062,7 +941,7 @@ class TBPTTConfig(GradientConfig):
     """``tbptt``: the last b of the T recurrences with gradient, from the visited state z^(T−b)."""
 
     NAME = "tbptt"
-    steps: int = _o(1, "b: recurrences with gradient (>= 1)")
+    steps: int = _f(1, "b: recurrences with gradient (>= 1)")
 
     def validate(self) -> None:
         _check(self.steps >= 1, self._prefix + "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
@@ -1070,8 +949,7 @@ class TBPTTConfig(GradientConfig):
 
 @dataclass(frozen=True)
 class EndpointConfig(TBPTTConfig):
-    """``endpoint`` (Neumann-b): run to z^T without gradient, then b recurrences with gradient from sg(z^T);
-    the loss is read at T + b."""
+    """``endpoint`` (Neumann-b): b recurrences with gradient from sg(z^T); the loss is read at T + b."""
 
     NAME = "endpoint"
 
@@ -1094,76 +972,49 @@ class OptimConfig(_Base):
     lr: float = _f(3e-4, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine floor)")
     warmup_steps: int = _f(500, "linear warm-up steps")
-    schedule: Schedule = _f("cosine", "learning-rate schedule after the warm-up (SPEC §5): cosine (decay from lr to "
-                            "min_lr_ratio·lr over the remaining steps) or wsd (warm-up–stable–decay, LMDR: constant "
-                            "lr, then cosine to min_lr_ratio·lr over the last tenth of the steps; LMDR warms up "
-                            "over the first twentieth)")
+    schedule: Schedule = _f("cosine", "schedule after the warm-up (SPEC §5): cosine (to min_lr_ratio·lr) or wsd "
+                            "(LMDR: constant, then cosine over the last tenth of the steps)")
     weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
     beta1: float = _f(0.9, "AdamW β1")
     beta2: float = _f(0.95, "AdamW β2")
     grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
 
-    def __post_init__(self) -> None:
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
-        _check(self.lr > 0, p + "lr", f"must be > 0, got {self.lr}")
+        _min(self, 0, "lr", strict=True)
+        _min(self, 0, "warmup_steps", "weight_decay", "grad_clip")
         _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.warmup_steps >= 0, p + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(self.weight_decay >= 0, p + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, p + name, f"must be in [0, 1), got {getattr(self, name)}")
-        _check(self.grad_clip >= 0, p + "grad_clip", f"must be >= 0, got {self.grad_clip}")
 
 
-def section_field(default: Any, help: str) -> Any:
-    """A :class:`RunSection` field: its default and its ``--help`` text."""
-    return _f(default, help)
+section_field = _f  # a RunSection field: its default and its --help text
 
 
 @dataclass(frozen=True)
 class RunSection(_Base):
-    """The config of a run other than ``train`` (``distill``, ``rl train``): its own fields, overridden as
-    ``--PREFIX.FIELD`` (``_prefix``, e.g. ``distill.``), and an ``optim`` section (``--optim.FIELD``), which a
-    subclass declares with its own defaults. Every field is type-checked on construction, then :meth:`validate`."""
+    """The config of ``distill`` / ``rl train``: own fields (``--PREFIX.FIELD``) and an ``optim`` section."""
 
     def __post_init__(self) -> None:
         if isinstance(getattr(self, "optim", None), dict):
             object.__setattr__(self, "optim", OptimConfig(**self.optim))
         _check(isinstance(getattr(self, "optim", None), OptimConfig), "optim", "must be an optimizer config")
-        _check_literal(self, self._prefix)
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks of the own fields (each :meth:`require`), after the type checks."""
+        super().__post_init__()
 
     def require(self, cond: bool, name: str, msg: str) -> None:
-        """Raises ConfigError ``PREFIX.name: msg`` unless ``cond``."""
         _check(cond, self._prefix + name, msg)
+
+    def at_least(self, lo: float, *names: str) -> None:
+        _min(self, lo, *names)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
-        """Build from a complete dict, as ``to_dict`` writes it.
-
-        Raises:
-            ConfigError: an unknown or missing field (in ``optim`` too), or a bad value; the message names it.
-        """
         cls._check_keys(d)
         _check(isinstance(d["optim"], dict), "optim", "must be a JSON object")
         return cls(**{**d, "optim": OptimConfig.from_dict(d["optim"])})
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str):
-        return cls.from_dict(json.loads(text))
-
     def with_overrides(self, overrides: dict[str, Any]):
-        """This config with ``{"PREFIX.FIELD" or "optim.FIELD": value}`` applied (strings parsed to the field's type).
-
-        Raises:
-            ConfigError: an unknown section or field (with the closest known name), or a bad value.
-        """
+        """This config with ``{"PREFIX.FIELD" or "optim.FIELD": value}`` applied (ConfigError for a bad key/value)."""
         d = self.to_dict()
         own = self._prefix[:-1]
         for key, value in overrides.items():
@@ -1205,40 +1056,22 @@ class TrainConfig(_Base):
     eval_batches: int = _f(20, "validation batches per periodic validation")
     eval_depth: int = _f(8, "loop depth used for periodic validation")
     ckpt_every: int = _f(500, "write a checkpoint every this many steps (0 = only at the end)")
-    checkpoint_format: CheckpointFormat = _f("consolidated", "consolidated (full weights gathered to rank 0, "
-                                             "written as model.safetensors + train_state.pt) or sharded "
-                                             "(every rank writes its own shards with torch.distributed."
-                                             "checkpoint; needs a filesystem all ranks see); both resume under "
-                                             "any world size")
+    checkpoint_format: CheckpointFormat = _f("consolidated", "consolidated (rank 0 writes model.safetensors) or "
+                                             "sharded (every rank writes its shards; a shared filesystem)")
     device: Device = _f("auto", "cpu, cuda, or auto (cuda when available)")
     dtype: DType = _f("float32", "autocast dtype for forward/backward (bfloat16 on GPU)")
     num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
-    distributed: Parallel = _f("ddp", "under torchrun (WORLD_SIZE > 1): ddp (replicated weights) or fsdp "
-                               "(FSDP2 fully_shard per block); batch_size is the global batch, split "
-                               "evenly across ranks")
-    compile: bool = _f(False, "torch.compile each block (compiled once; changing the loop depth does not "
-                       "recompile)")
-    max_nonfinite_steps: int = _f(5, "stop with an error after this many consecutive steps with a non-finite "
-                                  "loss or gradient norm (each such step is skipped: no optimizer update)")
-    logger: list = _f(["jsonl"], "metric loggers, a list or comma-separated: jsonl (metrics.jsonl, always "
-                      "written), tensorboard (RUN/tensorboard/), wandb (offline unless WANDB_MODE is set; "
-                      "RUN/wandb/), trackio (its local store); the optional ones need their extra, "
-                      "e.g. pip install \"looplm[tensorboard]\"")
+    distributed: Parallel = _f("ddp", "under torchrun: ddp or fsdp (FSDP2 per block); batch_size is the global batch")
+    compile: bool = _f(False, "torch.compile each block (a new loop depth does not recompile)")
+    max_nonfinite_steps: int = _f(5, "stop after this many consecutive skipped steps with a non-finite loss or "
+                                  "gradient norm")
+    logger: list = _f(["jsonl"], "metric loggers (comma-separated): jsonl (always), tensorboard, wandb (offline "
+                      "unless WANDB_MODE), trackio; the optional ones need their extra")
 
-    def __post_init__(self) -> None:
-        if isinstance(self.gradient, dict):
-            object.__setattr__(self, "gradient", build_choice(GradientConfig, self.gradient))
-        _check(isinstance(self.gradient, GradientConfig), self._prefix + "gradient",
-               f"must be a gradient estimator config, got {self.gradient!r}")
-        _check_literal(self, self._prefix)
+    def validate(self) -> None:
         p = self._prefix
-        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "eval_depth"):
-            _check(getattr(self, name) >= 1, p + name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("exit_entropy", "norm_penalty"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("eval_every", "ckpt_every", "num_threads"):
-            _check(getattr(self, name) >= 0, p + name, f"must be >= 0, got {getattr(self, name)}")
-        _check(self.max_nonfinite_steps >= 1, p + "max_nonfinite_steps", "must be >= 1")
+        _min(self, 1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
+        _min(self, 0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
         names = self.logger
         if isinstance(names, str):
             names = [s.strip() for s in names.split(",") if s.strip()]
@@ -1250,14 +1083,6 @@ class TrainConfig(_Base):
         _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "gradient": self.gradient.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        cls._check_keys(d)
-        return cls(**{**d, "gradient": build_choice(GradientConfig, d["gradient"], complete=True)})
 
 
 @dataclass(frozen=True)
@@ -1271,10 +1096,7 @@ class Config(_Base):
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.depth, dict):
-            object.__setattr__(self, "depth", build_choice(DepthConfig, self.depth))
-        _check(isinstance(self.depth, DepthConfig), "depth", f"must be a depth sampler config, got {self.depth!r}")
+    def validate(self) -> None:
         sup = self.train.supervision
         if self.model.architecture == "unshared":
             _check(sup != "exit_weighted", "train.supervision",
@@ -1290,12 +1112,7 @@ class Config(_Base):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
-        """Build from a complete config dict, as ``to_dict`` writes it (a ``config.json``).
-
-        Raises:
-            ConfigError: an unknown format, section, field or option (with the closest known name), a
-                missing one, or a bad value; the message names it.
-        """
+        """Build from a complete ``config.json`` dict (ConfigError names a bad, unknown or missing key)."""
         d = dict(d)
         if "format_version" not in d:
             raise ConfigError(f"format_version: missing; a config file states its format ({FORMAT_VERSION})")
@@ -1314,16 +1131,7 @@ class Config(_Base):
                 raise ConfigError(f"{key}: must be a JSON object")
         if not isinstance(d["name"], str):
             raise ConfigError(f"name: must be a string, got {d['name']!r}")
-        return cls(model=ModelConfig.from_dict(d["model"]), data=DataConfig.from_dict(d["data"]),
-                   depth=build_choice(DepthConfig, d["depth"], complete=True), optim=OptimConfig.from_dict(d["optim"]),
-                   train=TrainConfig.from_dict(d["train"]), name=d["name"])
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Config":
-        return cls.from_dict(json.loads(text))
+        return cls(name=d["name"], **{key: section.from_dict(d[key]) for key, section in SECTIONS.items()})
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "depth": DepthConfig, "optim": OptimConfig,
@@ -1332,16 +1140,11 @@ assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options
 
 
 def _field_type(section: str, name: str) -> Any:
-    """The type of config field ``section.name``.
-
-    Raises:
-        ConfigError: an unknown section or field (with the closest known name).
-    """
+    """The type of config field ``section.name`` (ConfigError for an unknown one)."""
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if (section, name) in (("model", "options"), ("model", "position"), ("model", "scale_control"),
-                           ("train", "gradient")):
+    if name in _choice_fields(cls) or (section, name) == ("model", "options"):
         raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
@@ -1368,14 +1171,10 @@ def _parse(tp: Any, key: str, text: str) -> Any:
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Return ``cfg`` with ``{"section.field": value}`` overrides applied (and re-validated).
+    """``cfg`` with ``{"section.field": value}`` overrides applied (strings parsed) and re-validated.
 
-    Keys are ``section.field``, ``model.options.FIELD`` (an option of the resulting rule), the fields
-    of a choice section (``depth.FIELD``, ``train.gradient.FIELD``, ``model.position.FIELD``,
-    ``model.scale_control.FIELD``: a field of the resulting variant) or ``name``; string values are
-    parsed to the field's type. A new ``model.rule`` (or ``model.architecture``) rebuilds the options
-    for it (:func:`carry_options`), then the given options apply; a new variant of a choice section
-    (``depth.sampler``, ``train.gradient.kind``, ...) rebuilds it carrying the same-named fields over.
+    Keys: ``section.field``, ``name``, ``model.options.FIELD`` and choice-section fields (``depth.FIELD``,
+    ``train.gradient.FIELD``, ...), each of the resulting rule or variant, which carries same-named fields over.
 
     Raises:
         ConfigError: an unknown key (with the closest known name), an option or field the chosen rule
@@ -1416,19 +1215,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         merged = dict(m["options"] or {})
         for name, value in options.items():
             if name not in hints:
-                raise _not_an_option(name, m["rule"], cls)
+                raise _not_an_option(name, m["rule"])
             merged[name] = _parse(hints[name], f"model.options.{name}", value) if isinstance(value, str) else value
         m["options"] = dataclasses.asdict(cls(**merged))
     return Config.from_dict(d)
 
-
-def options_help() -> dict[str, str]:
-    """``{"model.options.FIELD": help}`` over every rule, each with the rules that read it and their
-    defaults (for the command line's ``--help``)."""
-    out: dict[str, list[str]] = {}
-    helps: dict[str, str] = {}
-    for cls in dict.fromkeys(RULE_OPTIONS.values()):
-        for f in dataclasses.fields(cls):
-            helps.setdefault(f.name, f.metadata["help"])
-            out.setdefault(f.name, []).append(f"{'/'.join(_rules_of(cls))} {f.default!r}")
-    return {f"model.options.{name}": f"{helps[name]} [rule default: {'; '.join(rules)}]" for name, rules in out.items()}

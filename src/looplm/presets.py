@@ -1,41 +1,6 @@
-"""Named configurations: the SCSE paper's shapes (SPEC §1) and CPU-sized ones.
-
-``scse-*``: the paper's shared-block shapes with its WikiText-103 5k-step protocol (batch 32 × L=128
-= 4,096 tokens/step, AdamW lr 3e-4, 500 warm-up steps, uniform 1..8 training depth).
-``unshared-4x320`` / ``unshared-6x288``: the parameter-matched unshared controls (22.7M / 22.5M);
-``transformer-8``: the fixed-depth unshared Transformer-8 reference.
-``cpu``: the CPU reference protocol (SPEC §11) sized so that the main job (two models trained and
-evaluated) finishes within 15 minutes on a 2-core machine. Dropout is 0 (our choice): 400 steps is
-far from overfitting Brown, and at step 200 SCSE's validation PPL was 829 without dropout vs 876
-with the paper's 0.1. ``huginn-cpu``: the CPU protocol with the Huginn-style 1 + 2×R + 1 layout (huginn_linear injection,
-PLN-5 depths, truncated BPTT b = 2) and LMDR's optimization (§5.1, App. B.3): warm-up–stable–decay over
-5% / last 10% of the steps, AdamW betas (0.9, 0.98). Its learned-prior variant (experiments/lmdr-ablation)
-adds ``--depth.sampler learned --depth.reward inv_ppl --depth.scale true --depth.scale_window 8``: the
-inverse-perplexity reward with the advantage scale s, its stds pooled over the last 8 updates (our choice:
-the preset has one microbatch per update, where the paper's one-update window leaves s = 1). Three
-committed results use it: experiments/lmdr-ablation, lmdr-endpoint and lmdr-distill (experiments/huginn-cpu
-starts from ``cpu``). It is not LMDR's recipe (App. B–C; issue 25 §1): ``lmdr`` is. ``debug``: a tiny model
-on real text, trains in seconds. ``task-<name>``: a 1-block looped model (d = 128) on a synthetic task of
-:mod:`looplm.tasks` (issue 24; k_train and sizes our choice, experiments/depth-testbed), depth uniform in 1..8.
-
-``lmdr``: LMDR's own recipe (arXiv:2610.06833, App. B–C) at CPU scale, for experiments/lmdr-recipe: the
-1 + 2×R + 1 layout with Parcae-without-norm injection ζ = Λh + Δ⊙W·e (every depth-prior run, App. C.1,
-Table 7; no exit norm), separate input and output embeddings (App. B.1), RoPE, WSD with 5% warm-up and the
-last 10% cosine to 0.1×, AdamW (0.9, 0.98), wd 0.1, clip 1 (Table 6), and the learned prior with the
-inverse-perplexity reward and advantage scale s (λ_H = 0.01, R̄ = 5, R_max = 64, prior Adam lr 1e-3, 32
-warm-up updates) backpropagating b_max = 10 recurrences (App. B.3; b = 2 belongs only to the fixed-R = 5
-one-change pair). The initial state: LMDR says only "Gaussian" (App. B.4), not its σ; we take Huginn-0125's
-truncated normal of std √(2/5) ≈ 0.63 (looplm.importers.huginn.STATE_STD), our choice. seq_len 512 × batch 4
-keeps huginn-cpu's 2,048 tokens per step and lets the terminal KV-sharing evaluation prefill 256 tokens
-(half a window). Remaining deviations from the paper: scale (d = 192, 3 heads of 64, SwiGLU 768 — not the
-paper's 2.83× FFN ratio nor its 4:1 grouped-query heads; 5.54M parameters against 304M at S); data (BPE
-8,192 on Brown, not Jais64k on the TxT360 mixture); context 512, not 8,192, so prefill is 256 tokens, not
-1,024–4,096; 1,000 steps of 2,048 tokens, not 5,120 of 4.2M; one microbatch per update, so s pools the
-last 8 updates (the paper's one-update window would leave s = 1); float32, not bfloat16; lr 2e-3, inside
-the paper's S range [0.5, 4]e-3 but not screened; the injection W, Δ and Λ start from looplm's defaults
-(N(0, 0.02), Δ_raw = α_raw = 0): LMDR takes Parcae's initialization code [54], which its text does not state.
+"""Named configurations: the SCSE paper's shapes (SPEC §1) and CPU-sized ones (``cpu``, ``huginn-cpu``,
+``lmdr``, ``debug``, ``task-<name>``). What each is, and every choice and deviation: docs/presets.md.
 """
-
 from __future__ import annotations
 
 import math
@@ -95,7 +60,7 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=300, batch_size=16, gradient={"kind": "tbptt", "steps": 2}, eval_every=150,
                           eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
     ),
-    # LMDR's recipe (arXiv:2610.06833 App. B–C) at CPU scale; deviations in the module docstring
+    # LMDR's recipe (arXiv:2610.06833 App. B–C) at CPU scale; deviations in docs/presets.md
     "lmdr": Config(
         name="lmdr",
         model=ModelConfig(rule="parcae", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=512,
@@ -128,11 +93,7 @@ PRESETS: dict[str, Config] = {
 
 
 def get_preset(name: str) -> Config:
-    """Return the named preset.
-
-    Raises:
-        KeyError: unknown name (the message lists the known presets).
-    """
+    """The named preset (KeyError listing the known ones)."""
     if name not in PRESETS:
         raise KeyError(f"--preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return PRESETS[name]

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from looplm.eval.generate import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDivergence, RelativeChange,
-                             adaptive_decode_step, build_exit_criterion, filter_logits, generate, next_tokens)
+from looplm.eval.exits import (EXIT_CRITERIA, EntropyChange, ExitCriterion, KLDivergence, RelativeChange,
+                               build_exit_criterion)
+from looplm.eval.generate import adaptive_decode_step, filter_logits, generate, next_tokens
 from looplm.model import LoopLM, build_model
 from looplm.model.kvcache import KVCache
 from helpers import VARIANTS, tiny  # noqa: E402

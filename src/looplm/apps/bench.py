@@ -1,64 +1,11 @@
-"""``looplm bench``: throughput and memory measurements with their targets (issue 6), as JSON + Markdown.
+"""``looplm bench``: throughput and memory measurements with their targets (issues 6, 12 §3, 15), as JSON + Markdown.
 
-Every figure is a ratio taken within the same run, so the machine's speed cancels:
-
-- ``matmul_peak_gflops``: large fp32 and bf16 matmuls (the machine's measured peak; fp32 is the best
-  of 1024² and ``matmul_n``²);
-- ``train_tokens_per_s`` and ``mfu``: training throughput of the chosen preset at a fixed loop depth,
-  and model FLOPs/s (3 × the SCSE forward FLOP proxy, eq. 20–21) over the fp32 matmul peak;
-  ``bf16_train_speedup``: bf16-autocast over fp32 training throughput;
-- ``loop_overhead_ratio``: a looped model at depth T against an unshared model of T blocks of the same
-  width (training tokens/s); ``scse_vs_looped_ratio``: SCSE against the ``looped`` baseline;
-- ``multidepth_eval_ratio``: evaluation at the default depth list over one evaluation at its largest
-  depth (one unroll reads out at every depth on the way);
-- ``tbptt_peak_mem_ratio``: activation memory of truncated BPTT (T = 32, b = 4) over full BPTT at T = 4
-  (CUDA: peak allocated bytes; CPU: bytes autograd saves for backward);
-- ``decode_cache_speedup``: greedy decoding at a 512-token context with the ``per_visit`` KV cache over
-  re-running the full forward on the growing sequence; ``terminal_kv_bytes_ratio``: KV bytes of the
-  terminal cache over the per-visit cache (1/T for a model without prelude and coda).
-
-Issue 15 adds, in the same run:
-
-- the Huginn shape (:func:`huginn_config`: V = 50,257, d = 256, 4 heads, SwiGLU 1,024, 1 prelude +
-  2-block core + 1 coda, ``huginn_linear``, R = 8, L = 128, B = 16, fp32): ``huginn_shape_mfu``
-  (training), its multi-depth evaluation and its decoding;
-- decoding at batch 1 and 8 and 512- and 2,048-token contexts at the Huginn shape (R = 8, per_visit
-  cache, decode phase): ``huginn_decode_b{B}_ctx{C}_tokens_per_s`` (tokens of all rows per second);
-  ``decode_b1_tokens_per_s`` is batch 1 at 512; ``huginn_decode_cache_speedup`` that against
-  uncached recompute; ``decode_compile_speedup``: batch 1 at 512 with every block compiled by
-  ``torch.compile`` (inductor) over eager;
-- ``peak_train_mem_bytes``: peak memory of one training step (forward + backward) at the Huginn
-  shape, measured — on CUDA ``torch.cuda.max_memory_allocated`` above the resting memory; on CPU the
-  peak resident set of a fresh subprocess (``VmHWM``, reset through ``/proc/self/clear_refs`` just
-  before the step) over its RSS then (tracemalloc does not see torch's allocations; a fresh process
-  keeps the allocator's cached memory of earlier measurements out);
-  ``peak_train_mem_ratio``: that over the same step with the plain (unfused) readout + loss;
-- ``multidepth_flop_ratio``: multi-depth evaluation time over the time its FLOPs predict from one
-  max-depth evaluation (``t_single × F_multi / F_single``, :func:`looplm.analysis.flops.multidepth_flops_per_token`:
-  each extra depth costs a coda and a readout); ``multidepth_vs_separate_speedup``: separate runs
-  over it.
-
-Issue 12 §3 (distilled prefill, LMDR §5.5 Table 5's latency column) adds, at the Huginn shape and the
-same R: :func:`prefill_measurements`, the wall time of one prefill (batch 1, terminal KV cache, the
-last position read out, as ``looplm generate`` does) of 512- and 2,048-token prompts along each path —
-the teacher at R, the teacher stopped after 3, 2 and 1 recurrences, and the distilled prefill (a
-2-block student, one recurrence): ``huginn_prefill_ms_ctx{C}`` → path → mean, sd, median over the
-repeats (the paths alternate), and ``distilled_prefill_speedup`` (teacher over distilled, interleaved
-A/B/B/A rounds, at 2,048).
-Weights are random: the time of a prefill does not depend on them.
-
-``quick=True`` (``--quick``) shrinks every shape (a smoke test: seconds; the values mean nothing).
-
-Every timed ratio target is measured in interleaved A/B/B/A rounds within one run (:func:`interleaved`),
-its value the median of the per-round ratios, its ``intervals`` entry the rounds (issue 28 §3). Each
-target gets a ``status`` (:func:`judge_targets`): ``met`` / ``not met`` (for an interleaved ratio only when
-every round agrees, else ``undecided``), or ``invalid`` when the
-value is impossible (MFU above 1, or not a finite number), or ``unstable`` for the timed targets when
-the machine's speed moved during the run: the per-repeat fp32 matmul rates spread by more than
-``MAX_SPREAD`` (max − min over the median), or the peak measured again at the end differs from the
-first by more than ``MAX_SPREAD``. Load from other processes does this; rerun on a quiet machine.
+Every figure is a ratio taken within the same run, so the machine's speed cancels; every timed ratio is
+measured in interleaved A/B/B/A rounds (:func:`interleaved`, issue 28 §3) and judged by
+:func:`judge_targets` (``met`` / ``not met`` / ``undecided`` / ``invalid`` / ``unstable``: the fp32 matmul
+rate moved by more than :data:`MAX_SPREAD`). What each key measures: benchmarks/README.md. ``quick=True``
+shrinks every shape (a smoke test; the values mean nothing).
 """
-
 from __future__ import annotations
 
 import math
@@ -66,7 +13,6 @@ import os
 import statistics
 import platform
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -74,7 +20,6 @@ import torch
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
 from looplm.eval.perplexity import DEFAULT_DEPTHS
-from looplm.run.finite import write_json_markdown
 from looplm.model import LoopLM, build_model
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.presets import get_preset
@@ -118,10 +63,9 @@ def _times(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.dev
     return times
 
 
-def _timeit(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> float:
-    """Median seconds per call of ``fn`` after ``warmup`` calls."""
-    times = sorted(_times(fn, warmup=warmup, repeat=repeat, device=device))
-    return times[len(times) // 2]
+def _mid(values: list[float]) -> float:
+    """The (upper) median."""
+    return sorted(values)[len(values) // 2]
 
 
 def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
@@ -133,23 +77,18 @@ def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int =
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> float:
     """Median GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
-    rates = sorted(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
-    return rates[len(rates) // 2]
+    return _mid(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
 
 
 def spread(rates: list[float]) -> float:
     """(max − min) / median of a list of rates (0 for one value)."""
-    r = sorted(rates)
-    return (r[-1] - r[0]) / r[len(r) // 2] if r[len(r) // 2] > 0 else math.inf
+    return (max(rates) - min(rates)) / _mid(rates) if _mid(rates) > 0 else math.inf
 
 
 def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, dict[str, Any]]:
-    """Status of each target ``name → (op, target)`` against ``res[name]``: ``met``, ``not met``,
-    ``invalid`` (not finite, or an MFU above 1: more FLOPs than the measured peak allows),
-    ``unstable`` (a timed target, :data:`TIMED`, of a run whose ``res["stability"]["stable"]`` is False) or,
-    for a ratio with an interval (``res["intervals"][name]``, :func:`interleaved`), ``met`` / ``not met``
-    only when every round's ratio is on that side of the target, else ``undecided``.
-    Returns ``name → {"op", "target", "value", "status", "met"}`` (``met``: status == "met")."""
+    """``name → {"op", "target", "value", "status", "met"}`` for each target ``name → (op, target)``: ``invalid``
+    (not finite, MFU > 1), ``unstable`` (timed, unstable run), else ``met`` / ``not met``, and for an interleaved
+    ratio ``undecided`` unless every round is on one side."""
     stable = res.get("stability", {}).get("stable", True)
     out = {}
     for k, (op, v) in targets.items():
@@ -172,12 +111,8 @@ def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) ->
 
 def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repeat: int, device: torch.device,
                 scale: float = 1.0, warmup: int = 1) -> dict[str, Any]:
-    """The ratio ``scale × t_B / t_A`` measured in interleaved A/B/B/A rounds (issue 28 §3).
-
-    Each round times ``repeat`` calls of A, then of B, B again, A again (after ``warmup`` calls of each);
-    t_A, t_B are the round's mean seconds per call, so a drift of the machine's speed within a round
-    hits both alike. A call may return its own seconds (a float: the part it times itself).
-    Returns ``{"median", "min", "max", "rounds": per-round ratios, "a_s", "b_s": median seconds}``."""
+    """The ratio ``scale × t_B / t_A`` in interleaved A/B/B/A rounds of ``repeat`` calls each (issue 28 §3); a
+    call may return its own seconds (a float). ``{"median", "min", "max", "rounds", "a_s", "b_s"}``."""
     def secs(fn: Callable[[], Any]) -> float:
         total = 0.0
         for _ in range(repeat):
@@ -219,17 +154,22 @@ def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.d
     return step
 
 
+def _cuda_peak(fn: Callable[[], Any]) -> int:
+    """Peak CUDA bytes allocated during ``fn()`` above the memory before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int) -> int:
-    """Activation memory of one training step (truncated BPTT through the last ``tbptt`` steps; 0 = full):
-    on CUDA the peak allocated bytes above the model's resting memory; elsewhere the bytes of the tensors
-    autograd saves for backward (unique storages, counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    """Activation bytes of one training step (TBPTT-``tbptt``; 0 = full): CUDA peak allocated above rest, else
+    the unique storages autograd saves for backward."""
+    gradient = Gradient("tbptt", tbptt) if tbptt else BPTT
     if x.device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = _cuda_peak(lambda: model(x, depth, x, gradient=gradient, readout=NLL).loss.backward())
         model.zero_grad(set_to_none=True)
         return peak
     seen: dict[int, int] = {}
@@ -239,7 +179,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, depth, x, gradient=Gradient("tbptt", tbptt) if tbptt else BPTT, readout=NLL).loss
+        loss = model(x, depth, x, gradient=gradient, readout=NLL).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
@@ -247,8 +187,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
 
 def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.device, depth: int = 32,
                        window: int = 4, short: int = 4) -> dict[str, float]:
-    """Truncated BPTT (b = ``window``) at T = ``depth`` against full BPTT at T = ``short`` (issue 6:
-    ``tbptt_peak_mem_ratio`` ≤ 1.3)."""
+    """Truncated BPTT (b = ``window``) at T = ``depth`` against full BPTT at T = ``short`` (issue 6)."""
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
@@ -263,12 +202,8 @@ def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.devic
 @torch.no_grad()
 def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new_tokens: int = 32,
                         device: torch.device, rounds: int = 3) -> dict[str, Any]:
-    """Greedy decoding of ``new_tokens`` after a prompt that fills a ``context``-token window, with the
-    per_visit and terminal KV caches and without a cache (re-running the full forward on the growing
-    sequence). ``decode_tokens_per_s_{mode}`` is the decode phase (one cached step per token after the
-    prompt's prefill, which ``decode_prefill_s_{mode}`` times apart); ``..._with_prefill_{mode}``
-    counts the prefill too. Issue 6: ``decode_cache_speedup`` (decode phase, per_visit vs uncached)
-    ≥ 10 (issue 15: ≥ 20), ``terminal_kv_bytes_ratio`` = 1/T."""
+    """Greedy decoding of ``new_tokens`` after a ``context``-token prompt with the per_visit and terminal KV
+    caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached (issue 6)."""
     from looplm.model.kvcache import KVCache
 
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
@@ -303,8 +238,8 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
             seq = torch.cat([seq, model(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
 
     for mode in ("per_visit", "terminal"):
-        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _timeit(cached(mode), warmup=1, repeat=1,
-                                                                             device=device)
+        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _times(cached(mode), warmup=1, repeat=1,
+                                                                             device=device)[0]
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
@@ -321,8 +256,7 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
 
 
 def huginn_config(quick: bool = False) -> ModelConfig:
-    """The Huginn shape of issue 15 (Huginn's layout, looplm's ``huginn_linear`` rule), fp32, no
-    dropout; ``quick``: the same layout at toy sizes."""
+    """The Huginn shape of issue 15 (``huginn_linear``, no dropout); ``quick``: the same layout at toy sizes."""
     if quick:
         return ModelConfig(rule="huginn_linear", vocab_size=512, d_model=32, n_heads=2, d_ff=64, seq_len=16,
                            n_prelude=1, n_core=2, n_coda=1, dropout=0.0)
@@ -332,9 +266,7 @@ def huginn_config(quick: bool = False) -> ModelConfig:
 
 def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat: int, device: torch.device,
                             rounds: int, prefix: str = "") -> dict[str, Any]:
-    """Multi-depth evaluation (one unroll read out at every depth) against one evaluation at the
-    largest depth, its FLOP-proportional time, and separate runs at every depth (interleaved rounds;
-    the per-round ratios under ``intervals``)."""
+    """Multi-depth evaluation against one at the largest depth, its FLOP-predicted time, and separate runs."""
     cfg = model.cfg.replace(dropout=0.0)
     model.eval()
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
@@ -361,8 +293,7 @@ def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat
 @torch.no_grad()
 def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int, depth: int,
                         device: torch.device, mode: str = "per_visit") -> float:
-    """Decode-phase tokens/s (all rows) of greedy cached decoding after a prompt that fills a
-    ``context``-token window (the prefill reads out only the last position and is not timed)."""
+    """Decode-phase tokens/s (all rows) of greedy cached decoding after a ``context``-token prompt (prefill untimed)."""
     from looplm.model.kvcache import KVCache
 
     torch.manual_seed(0)
@@ -386,16 +317,11 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
                          batch_size: int = 1, early_depths: tuple[int, ...] = (3, 2, 1), n_blocks: int = 2,
                          repeat: int = 5, rounds: int = 3, device: torch.device, prefix: str = ""
                          ) -> dict[str, Any]:
-    """Prefill latency of each prefill path of LMDR Table 5 (:func:`looplm.distill.prefill.prefill_paths`) at
-    the shape ``cfg`` (context grown to the longest prompt; random weights) with an ``n_blocks`` student:
-    one prefill of ``batch_size`` random prompts of each length in ``contexts`` into a terminal KV cache,
-    reading out the last position. The paths alternate within each of ``repeat`` rounds (after one
-    warm-up round), so a change in the machine's speed hits them alike.
+    """Prefill latency of each path of LMDR Table 5 (:func:`looplm.distill.prefill.prefill_paths`) at ``cfg``
+    (random weights, ``n_blocks`` student, terminal KV cache, last position read out), paths alternating.
 
-    Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` →
-    path → blocks applied per token, and ``{prefix}distilled_prefill_speedup_ctx{C}``: teacher over distilled
-    time, the median of ``rounds`` interleaved A/B/B/A rounds (:func:`interleaved`; the rounds under
-    ``{prefix}prefill_rounds_ctx{C}``)."""
+    Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` → path →
+    blocks per token, ``{prefix}distilled_prefill_speedup_ctx{C}`` (teacher / distilled, :func:`interleaved`)."""
     from looplm.distill.config import DistillConfig
     from looplm.distill.prefill import prefill_paths
     from looplm.distill.student import build_student
@@ -456,8 +382,7 @@ def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int, queue) -> None:
-    """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS
-    before it."""
+    """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS before it."""
     import resource
 
     torch.set_num_threads(threads)
@@ -487,9 +412,8 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
 
 def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
                       fused: bool = True) -> int:
-    """Peak memory (bytes) of one training step (forward + backward) of ``cfg`` at loop depth ``depth``
-    above the memory before it (module docstring: CUDA peak allocated; CPU peak RSS of a subprocess).
-    ``fused=False``: with the plain readout + loss (full logits)."""
+    """Peak bytes of one training step above the memory before it (CUDA peak allocated; CPU a fresh subprocess's
+    VmHWM, as tracemalloc misses torch); ``fused=False``: the plain readout + loss."""
     if device.type == "cuda":
         torch.manual_seed(0)
         model = build_model(cfg).to(device).train()
@@ -522,10 +446,8 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
 @torch.no_grad()
 def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int], quick: bool, rounds: int,
                                device: torch.device, log: Callable[..., None]) -> dict[str, Any]:
-    """Decoding at the Huginn shape ``hcfg`` (loop depth ``depth``): tokens/s at batch 1 and 8 and each of
-    ``contexts``; at batch 1 and ``contexts[0]``, compiled blocks and the compiled static step
-    (:class:`~looplm.model.static_decode.DecodeStep`) over eager, and cached over uncached recompute, each
-    in interleaved rounds (``intervals``)."""
+    """Decoding at the Huginn shape: tokens/s at batch 1, 8 per context; at batch 1, compiled blocks and the
+    compiled static step over eager, cached over uncached (interleaved)."""
     res: dict[str, Any] = {"intervals": {}}
     new = 4 if quick else 16
     long = hcfg.replace(seq_len=max(contexts))
@@ -594,9 +516,7 @@ def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple
 
 def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor], device: torch.device,
                         quick: bool, rounds: int, log: Callable[..., None]) -> dict[str, Any]:
-    """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding at
-    batch 1 and 8 and 512- and 2,048-token contexts (and against uncached recompute at batch 1, 512),
-    and peak training memory fused vs plain readout + loss."""
+    """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding, prefill, memory."""
     hcfg = huginn_config(quick)
     B = 2 if quick else 16
     res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
@@ -653,12 +573,11 @@ def machine() -> dict[str, Any]:
 
 
 def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple[dict[int, list[float]], int, bool]:
-    """The fp32 and bf16 matmul peaks into ``res`` (``matmul_peak_gflops``, ``bf16_native``); returns the
-    fp32 rates per size, the size of the fp32 peak and whether bf16 matmuls are slow (not native)."""
+    """The fp32 and bf16 matmul peaks into ``res``; returns (fp32 rates per size, peak size, slow bf16)."""
     # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
     rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
-    peak_n = max(rates32, key=lambda n: sorted(rates32[n])[len(rates32[n]) // 2])
-    peak32 = sorted(rates32[peak_n])[len(rates32[peak_n]) // 2]
+    peak_n = max(rates32, key=lambda n: _mid(rates32[n]))
+    peak32 = _mid(rates32[peak_n])
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
     slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
@@ -670,10 +589,8 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
 
 
 def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
-    """Whether the machine's speed held during the run: the spread of the fp32 matmul ``rates`` (size
-    ``n``) at the start and their median against the rate ``end`` measured again at the end (load that
-    came or went during the run shows up here), both within :data:`MAX_SPREAD`."""
-    start = sorted(rates)[len(rates) // 2]
+    """Whether the fp32 matmul rate held: its spread at the start and its drift to ``end`` within :data:`MAX_SPREAD`."""
+    start = _mid(rates)
     drift = abs(end - start) / max(end, start)
     return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread(rates),
             "matmul_fp32_peak_end_gflops": end, "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD,
@@ -683,9 +600,7 @@ def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
 def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
                     device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
                     log: Callable[..., None]) -> None:
-    """The training targets into ``res`` (and their rounds into ``res["intervals"]``), each in interleaved
-    rounds: ``mfu`` (against the ``matmul`` pair), ``bf16_train_speedup``, ``loop_overhead_ratio``,
-    ``scse_vs_looped_ratio``."""
+    """``mfu``, ``bf16_train_speedup``, ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res`` (interleaved)."""
 
     def ratio(key: str, a: Callable, b: Callable, scale: float = 1.0, repeat: int = steps) -> dict[str, Any]:
         iv = res["intervals"][key] = interleaved(a, b, rounds=rounds, repeat=repeat, device=device, scale=scale)
@@ -719,9 +634,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
               device: str = "auto", quick: bool = False, rounds: int = 3, progress: bool = True) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``).
 
-    ``rounds``: interleaved A/B/B/A rounds of every timed ratio (:func:`interleaved`; ``steps`` calls
-    per position). ``quick``: a smoke test at toy shapes (the ``debug`` preset, depth ≤ 2, batch 2, one
-    step and round, 64² matmuls, the Huginn layout at toy sizes): every measurement runs, not the targets."""
+    ``rounds``: interleaved A/B/B/A rounds per timed ratio (``steps`` calls each). ``quick``: toy shapes."""
     if quick:
         preset, depth, batch_size, steps, matmul_n, rounds = "debug", min(depth, 2), 2, 1, 64, 1
     dev = resolve_device(device, "--device")
@@ -833,6 +746,3 @@ def markdown(res: dict[str, Any]) -> str:
                   f"rerun on a quiet machine. This run: {'stable' if st['stable'] else 'unstable'}."]
     return "\n".join(lines)
 
-
-def write_results(res: dict[str, Any], out: str | Path) -> Path:
-    return write_json_markdown(res, out)[0]

@@ -1,25 +1,12 @@
 """``looplm eval distill``: continuation perplexity after each prefill path, LMDR Table 5's layout
 (arXiv:2610.06833 §5.5; SPEC §6, §8).
 
-**Protocol** (the continuation protocol of :mod:`looplm.eval.kvsharing`, one prefill per path). Every
-full window of L = ``seq_len`` tokens is cut at P = L // 2. For each prefill path — the teacher at its
-depth R, the teacher stopped after r < R recurrences (``early_depths``, default 3, 2, 1) and the
-distilled prefill (:func:`~looplm.distill.prefill.distilled_prefill`) — the prompt x_0 … x_{P−1} is
-prefilled into a fresh ``terminal`` KV cache, and the teacher then scores the continuation at depth R
-with terminal KV sharing in one parallel pass, exactly as decoding would see it. Scored targets:
-
-- the **first** continuation token x_P, predicted by the prefill's own last-position readout (what
-  generation samples first: for the distilled path, coda + readout after the one recurrence from ẑ);
-- the **rest**, x_{P+1} … x_L, predicted by the teacher's decoding pass over the path's banks (the
-  targets of ``looplm eval kv-sharing``).
-
-``ppl`` covers both, ``ppl_first`` and ``ppl_rest`` each part. Document-aware by default (LMDR's
-protocol, :func:`~looplm.eval.kvsharing.continuation_mask`): a target counts only if no
-``<|endoftext|>`` lies between the prompt's last token and it. A ``full`` row gives the teacher's
-uncached forward over the whole window at R on the same targets (its terminal-sharing penalty is the
-``teacher`` row against it). ``prefill_ms`` is the mean wall time of a path's prefill per batch
-(including the last-position readout), measured here on ``batch_size`` × P tokens; ``looplm bench``
-measures prefill latency at 512- and 2,048-token prompts.
+Every full window of L = ``seq_len`` tokens is cut at P = L // 2; each path (the teacher at R, stopped after
+r < R recurrences, the distilled prefill) prefills x_0 … x_{P−1} into a fresh ``terminal`` cache, and the
+teacher scores the continuation at R with terminal KV sharing. ``ppl_first`` scores x_P from the prefill's own
+readout, ``ppl_rest`` x_{P+1} … x_L from the decoding pass, ``ppl`` both. Document-aware by default
+(:func:`~looplm.eval.kvsharing.continuation_mask`). The ``full`` row is the uncached forward at R;
+``prefill_ms`` the mean prefill wall time per batch.
 """
 
 from __future__ import annotations
@@ -63,19 +50,9 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
                               early_depths: Sequence[int] = (3, 2, 1), batch_size: int = 16,
                               max_tokens: int | None = None, eot_id: int | None = None,
                               device: str | torch.device = "cpu", progress: bool = True) -> dict[str, dict[str, Any]]:
-    """The protocol of the module docstring on one token stream.
-
-    Args:
-        teacher: the looped teacher (eval mode here). student: its student, or None (teacher rows only).
-        tokens: 1-D token stream. depth: the teacher's decoding depth R (the student's R).
-        early_depths: early-stopped prefill depths r (those < R are used).
-        batch_size: windows per forward. max_tokens: only the first ``max_tokens + 1`` tokens.
-        eot_id: the ``<|endoftext|>`` id for document-aware scoring (None: every target counts).
-
-    Returns:
-        ``{path: {ppl, ppl_first, ppl_rest, nll, tokens, tokens_first, recurrences, prefill_ms,
-        prefill_s, kv_bytes, label}}`` for ``full``, ``teacher``, ``teacher_r{r}`` …, ``distilled``;
-        nll in nats per token, kv_bytes per sequence (prefix of P tokens; 0 for ``full``).
+    """The protocol of the module docstring on a 1-D token stream at decoding depth R = ``depth`` (``student``
+    None: teacher rows only; ``eot_id`` None: every target counts). Returns ``{path: {ppl, ppl_first, ppl_rest,
+    nll (nats/token), tokens, recurrences, prefill_ms, kv_bytes (per sequence), label, ...}}``.
 
     Raises:
         ValueError: depth < 1, no full window, or no scored target.
@@ -127,8 +104,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
 
 def _score_batch(teacher: LoopLM, paths: dict, x: torch.Tensor, y: torch.Tensor, depth: int, eot_id: int | None,
                  sums: dict[str, dict[str, Any]]) -> tuple[int, int]:
-    """Add one batch of full windows x, y (B, L) to ``sums`` (per path: first-token and rest NLL sums, prefill
-    seconds, KV bytes per sequence); returns the numbers of first and rest targets scored."""
+    """Add one batch x, y (B, L) to ``sums`` per path; returns the numbers of first and rest targets scored."""
     B, P, dev = x.shape[0], x.shape[1] // 2, x.device
     rest = continuation_mask(x, P, eot_id)  # (B, L − P): targets y_P … y_{L−1}
     first = (torch.ones(B, dtype=torch.bool, device=dev) if eot_id is None
@@ -154,8 +130,7 @@ def _score_batch(teacher: LoopLM, paths: dict, x: torch.Tensor, y: torch.Tensor,
 
 
 def markdown_table(res: dict[str, dict[str, Any]], title: str) -> str:
-    """One row per prefill path (Table 5 order): PPL, first-token and rest PPL, change against the
-    teacher's prefill at R, prefill ms per batch, KV bytes."""
+    """One Markdown row per prefill path (Table 5 order)."""
     ref = res["teacher"]["ppl"]
     rows = [f"**{title}**", "",
             "| prefill path | recurrences in prefill | PPL | Δ vs teacher | PPL first token | PPL rest "
@@ -183,13 +158,8 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
         teacher_only: leave the distilled row out (no student needed).
         doc_aware: score only targets that continue the document begun in the prompt (LMDR).
 
-    The decoding depth R is the one the student was distilled for (with ``teacher_only``: the teacher's
-    nominal training depth).
-
-    Returns:
-        JSON-ready dict: ``checkpoint``, ``student``, ``depth``, ``dataset``, ``split``, ``seq_len``,
-        ``prefix_tokens``, ``doc_aware``, ``paths`` → per path (see :func:`distill_continuation_eval`) and
-        ``markdown``. Also written to ``out_json`` (and ``.md``) when given.
+    R is the student's (``teacher_only``: the teacher's nominal depth). Returns the JSON-ready results (also to
+    ``out_json`` and ``.md``).
 
     Raises:
         CheckpointError: a damaged teacher or student. StudentMismatchError: a student of another teacher.

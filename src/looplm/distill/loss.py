@@ -2,22 +2,10 @@
 
     L(ψ) = E_x[ ‖ẑ − z^R‖²_F / (N·d·σ_T²)  +  N⁻¹ Σ_t KL(p_t ‖ p̂_t) ]
 
-for a window of N tokens of width d, with ẑ = S_ψ(e) (B, N, d) and z^R the teacher's hidden state after
-R recurrences. Each term has a weight (``hidden_weight``, ``kl_weight``; 0 switches it off).
-
-- **Hidden term**: summed over the batch's entries and divided by B·N·d·σ_T², i.e. the batch mean of
-  the per-window term.
-- **σ_T²** (our choice; the paper names it "the variance of the teacher's states" and is silent on the
-  estimator): the population variance of every entry of z^R — one scalar, the mean over entries of
-  (z − z̄)², z̄ the scalar mean of all entries — estimated **once**, before the first step, from
-  ``distill.sigma_batches`` batches of the training stream drawn apart from the training batches, and
-  stored with the student (so a resumed run uses the same value). A global constant keeps the hidden
-  term's scale fixed over training (a per-batch estimate would reweight the two terms from batch to
-  batch). :class:`VarianceAccumulator` computes it in float64.
-- **KL term**: p_t = softmax of the teacher's logits at depth R, p̂_t = softmax of the teacher's own
-  coda + readout applied to ẑ (our choice: both terms then vanish at ẑ = z^R, and the student with the
-  teacher's coda is a standalone language model, the use LMDR §3.2 mentions). KL(p ‖ p̂) =
-  Σ_v p_v (log p_v − log p̂_v), averaged over the B·N tokens, in float32 at least.
+for windows of N tokens of width d, ẑ = S_ψ(e) (B, N, d), each term weighted (0 = off). Our choices where the
+paper is silent: σ_T² is the population variance of every entry of z^R, estimated once before step 0 from
+``distill.sigma_batches`` batches and stored with the student (a fixed scale; :class:`VarianceAccumulator`,
+float64); p̂_t applies the teacher's own coda + readout to ẑ, so both terms vanish at ẑ = z^R.
 """
 
 from __future__ import annotations
@@ -30,9 +18,7 @@ import torch.nn.functional as F
 
 @dataclass
 class DistillLoss:
-    """``loss`` = hidden_weight·hidden + kl_weight·kl (the scalar to back-propagate); ``hidden`` and ``kl``
-    are the unweighted terms (0-d tensors; a switched-off term is still computed when its inputs are
-    given, else 0)."""
+    """``loss`` = hidden_weight·hidden + kl_weight·kl; ``hidden``, ``kl`` the unweighted 0-d terms."""
 
     loss: torch.Tensor
     hidden: torch.Tensor

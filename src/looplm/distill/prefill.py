@@ -1,16 +1,9 @@
 """Distilled prefill (LMDR §3.2 Figure 3c, §5.5; arXiv:2610.06833; SPEC §8), and the teacher's targets.
 
-**Prefill path.** The teacher's prelude computes e = P_θ(x); the student predicts ẑ = S_ψ(e) ≈ z^R; one
-teacher recurrence from ẑ and the coda follow, and each physical attention layer's K/V of that pass
-fill a ``terminal`` :class:`~looplm.model.kvcache.KVCache` (prelude and coda: their only visit; core:
-the one recurrence). Decoding is unchanged: the teacher runs at its depth R and reads those banks
-through terminal KV sharing. This is one read of the one loop: the cursor
-``teacher.loop(x, cache=...)`` resumes at depth R from ẑ (:meth:`~looplm.model.cursor.Loop.resume`; the
-student is called on e after the prelude) and runs loop step t = R, the recurrence that follows z^R.
-So a student that returns the teacher's exact z^R gives exactly the banks and logits of the
-teacher's terminal-sharing prefill with R + 1 recurrences, which at a fixed point (z^{R+1} = z^R) is the
-prefill with R (tests/distill/test_distill.py). Cost: prelude + n_blocks + n_core + coda blocks, against
-prelude + R·n_core + coda for the teacher.
+The cursor ``teacher.loop(x, cache=...)`` resumes at depth R from ẑ = S_ψ(e) and runs the one recurrence
+t = R and the coda into a ``terminal`` cache; decoding then runs the teacher at R with terminal KV sharing.
+A student returning the exact z^R gives the teacher's terminal prefill with R + 1 recurrences
+(tests/distill/test_distill.py). Cost: prelude + n_blocks + n_core + coda blocks, against prelude + R·n_core + coda.
 """
 
 from __future__ import annotations
@@ -29,21 +22,12 @@ def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, dept
                       readout: Readout = Readout()) -> LoopOutput:
     """Prefill ``idx`` into the empty terminal ``cache`` through the student (module docstring).
 
-    Args:
-        teacher: the looped teacher. student: its student (:func:`~looplm.distill.student.load_student`).
-        idx: (B, L) int64 prompt ids (left-padded with ``attention_mask``).
-        depth: the teacher depth R the student stands for (its ẑ ≈ z^R); the pass runs recurrence R + 1.
-        cache: an empty ``terminal`` KV cache; filled here.
-        targets, readout: as for :meth:`looplm.model.DepthLM.read`; attention_mask: as for
-            :meth:`looplm.model.DepthLM.loop`.
-
-    Returns:
-        The forward's :class:`~looplm.model.LoopOutput` (its readout at depth R + 1, the one recurrence).
+    idx (B, L) int64 (left-padded with ``attention_mask``); ``depth`` the R of ẑ ≈ z^R (the pass runs recurrence
+    R + 1 and reads out there); ``targets``, ``readout`` as for :meth:`~looplm.model.DepthLM.read`.
 
     Raises:
-        ValueError: a cache that is not ``terminal`` (the student predicts the endpoint only, so only
-            terminal banks can be rebuilt from it) or not empty (the student sees only this chunk); a
-            depth < 1.
+        ValueError: a cache that is not ``terminal`` or not empty (the student predicts only this chunk's
+            endpoint), or depth < 1.
     """
     if cache.mode != "terminal":
         raise ValueError(f"distilled prefill: needs a terminal KV cache (terminal KV sharing), got {cache.mode!r}; "
@@ -83,17 +67,14 @@ def prefill_paths(teacher: LoopLM, student: Student | None, depth: int, early_de
 @torch.no_grad()
 def teacher_targets(teacher: LoopLM, x: torch.Tensor, depth: int, *, logits: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """What the student learns from, for windows x (B, L): (e, z^R, teacher logits at R or None), e and z^R
-    (B, L, d), logits (B, L, V). e is the prelude output (:meth:`~looplm.model.DepthLM.embed`), z^R the
-    hidden state at depth R (readout coordinates) of the teacher's forward; the teacher is used as is
-    (put it in eval mode: dropout off, and the Huginn family's fixed evaluation noise table)."""
+    """(e, z^R, logits at R or None) of the teacher (used as is: put it in eval mode) on windows x (B, L):
+    e and z^R (B, L, d), logits (B, L, V)."""
     loop = teacher.loop(x)
     out = teacher.read(loop, depth, readout=Readout(logits=logits))
     return loop.e, loop.h, out.logits if logits else None
 
 
 def student_readout(teacher: LoopLM, z_hat: torch.Tensor, depth: int) -> torch.Tensor:
-    """The teacher's coda + readout applied to ẑ as to a state at depth R: (B, L, d) → (B, L, V) logits
-    (p̂ of eq. 4; the final norm of a ``final_only_norm`` readout as at depth R)."""
+    """p̂ of eq. 4: the teacher's coda + readout applied to ẑ as at depth R, (B, L, d) → (B, L, V)."""
     final = depth >= teacher.resolve_final_depth(None, depth)
     return teacher.readout(z_hat, final=final)

@@ -1,19 +1,10 @@
 """The student S_ψ of distilled prefill and its checkpoints (LMDR §3.2, §5.5, arXiv:2610.06833; SPEC §8).
 
-S_ψ maps the teacher's prelude output e (B, L, d) to ẑ ≈ z^R, the teacher's hidden state after R
-recurrences: ``x ← x + Block_k(x)`` for k = 1 … n_blocks, starting from x = e, then (``out_norm``) an
-RMSNorm with a learned gain. The blocks are the teacher core's own :class:`~looplm.model.layers.Block`
-(deep copies, so residual family and widths match), and their attention is **causal over the whole
-prompt**: ẑ_t sees e_1 … e_t, as the teacher's z^R_t does (a prefill computes every prompt token in
-one pass, so causal full-sequence attention is what it can use). A left-padded batch passes the key
-mask of its real tokens.
-
-**Checkpoints** (:func:`save_student`, :func:`load_student`): a run folder, by default ``RUN/student/``
-next to the teacher's ``RUN``, written by :func:`looplm.run.checkpoint.save_checkpoint` (atomic:
-temporary folder, rename, ``latest``; manifest with sha256; the newest two kept). ``config.json`` is a
-:class:`~looplm.distill.config.StudentRecord`: the resolved distillation config, σ_T² and the teacher's
-:func:`teacher_fingerprint`. Loading checks the manifest, refuses a student of another teacher
-(:class:`StudentMismatchError`) and loads the weights with ``strict=True``.
+ẑ = S_ψ(e): ``x ← x + Block_k(x)`` for k = 1 … n_blocks (deep copies of the teacher core's blocks, causal over
+the whole prompt) from x = e, then an optional RMSNorm. Checkpoints are run folders (default ``RUN/student/``)
+written by :func:`looplm.run.checkpoint.save_checkpoint`; ``config.json`` is a :class:`StudentRecord` with the
+teacher's :func:`teacher_fingerprint`; loading refuses another teacher's student (:class:`StudentMismatchError`)
+and is strict.
 """
 
 from __future__ import annotations
@@ -44,13 +35,7 @@ class StudentMismatchError(CheckpointError):
 
 
 class Student(nn.Module):
-    """S_ψ: e (B, L, d) → ẑ (B, L, d) (module docstring).
-
-    Args:
-        blocks: the student's blocks (each ``x ↦ Block(x)``, the residual update, as the teacher's).
-        d_model, norm_eps: width and RMSNorm epsilon of the output norm.
-        out_norm: end with an RMSNorm with a learned gain.
-    """
+    """S_ψ: e (B, L, d) → ẑ (B, L, d) through residual ``blocks``, then an RMSNorm if ``out_norm``."""
 
     def __init__(self, blocks: list[Block], d_model: int, norm_eps: float, out_norm: bool = True):
         super().__init__()
@@ -71,10 +56,8 @@ class Student(nn.Module):
 def build_student(teacher: LoopLM, cfg: DistillConfig) -> Student:
     """A student for ``teacher`` as ``cfg`` asks (``n_blocks``, ``init``, ``out_norm``).
 
-    ``init="teacher"``: block i is a copy of teacher core block i mod n_core (LMDR §5.5, "initialized from
-    the teacher's recurrent core"). ``init="random"``: the same blocks re-drawn with ``torch.manual_seed
-    (cfg.seed)``: N(0, init_std) for every matrix, init_std/√(2·n_blocks) for the attention and MLP output
-    projections (the GPT-2 rule of :meth:`looplm.model.DepthLM.reset_parameters`), gains 1.
+    ``init="teacher"``: block i copies teacher core block i mod n_core (LMDR §5.5); ``random``: re-drawn with
+    ``torch.manual_seed(cfg.seed)`` by the GPT-2 rule of :meth:`looplm.model.DepthLM.reset_parameters`.
 
     Raises:
         ValueError: the teacher is not a looped model with a shared core.
@@ -101,8 +84,7 @@ def build_student(teacher: LoopLM, cfg: DistillConfig) -> Student:
 
 
 def teacher_fingerprint(teacher: nn.Module) -> str:
-    """sha256 of a model's weights: every state-dict entry in name order, its name, dtype, shape and
-    bytes (CPU, contiguous). Independent of the file format (consolidated, sharded, export)."""
+    """sha256 over the state dict in name order (name, dtype, shape, bytes): independent of the file format."""
     h = hashlib.sha256()
     for name, t in sorted(teacher.state_dict().items()):
         t = t.detach().to("cpu").contiguous()
@@ -118,9 +100,7 @@ def teacher_ref(teacher: LoopLM, checkpoint: str | Path, name: str) -> TeacherRe
 
 
 def default_student_dir(teacher_checkpoint: str | Path) -> Path:
-    """``RUN/student`` for a teacher given as its run folder ``RUN`` or as one of its checkpoints
-    ``RUN/checkpoints/step-N``; ``DIR-student`` next to a Hugging Face export ``DIR`` (nothing is written
-    inside an export); ``DIR/student`` for any other folder ``DIR``."""
+    """``RUN/student`` for a run or ``RUN/checkpoints/step-N``; ``DIR-student`` beside an HF export ``DIR``."""
     path = Path(teacher_checkpoint)
     if is_hf_export(path):
         return path.parent / f"{path.name}-{STUDENT_DIR}"

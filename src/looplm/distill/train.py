@@ -1,26 +1,9 @@
-"""``looplm distill``: train the student S_ψ of distilled prefill against a frozen teacher (LMDR §3.2, §5.5,
-eq. 4; arXiv:2610.06833; SPEC §8).
-
-**Data.** Windows of the teacher's ``seq_len`` tokens from the train split of the teacher's corpus,
-tokenized with the teacher's tokenizer, drawn as the trainer draws them (:func:`looplm.data.tokens.
-sample_batch`, a pure function of (seed, step)); σ_T² uses ``sigma_batches`` further draws
-(``micro=-1``, never a training batch). The default budget is LMDR's: a quarter of the teacher's
-training tokens (``distill.steps = 0``).
-
-**Step.** Under ``no_grad`` the teacher (eval mode: dropout off, fixed evaluation noise of the Huginn
-family) gives e, z^R and its logits (:func:`~looplm.distill.prefill.teacher_targets`); the student
-maps e to ẑ; its logits are the teacher's coda + readout applied to ẑ (gradient flows through them
-into ẑ, the teacher's weights stay frozen); loss eq. 4 (:func:`~looplm.distill.loss.distill_loss`);
-AdamW with gradient clipping and the trainer's schedule.
-
-**Checkpoints and resume.** Every ``ckpt_every`` steps and at the end, atomically
-(:func:`looplm.run.checkpoint.save_checkpoint`): the student's weights, its :class:`StudentRecord`
-(resolved config, teacher fingerprint, σ_T²) and the training state (optimizer, scheduler, RNG,
-step). ``resume=True`` continues from the newest valid checkpoint with the saved config and σ_T²;
-batches being functions of the step, the loss trace equals the uninterrupted run's. The run folder
-(:mod:`looplm.run.folder`: lock, step loop) is locked while a process trains into it. ``metrics.jsonl``
-gets one line per step (loss, hidden, kl, lr, grad_norm, tokens/s; ``val_*`` at each measurement) and
-``summary.json`` the final figures.
+"""``looplm distill``: train the student S_ψ against a frozen teacher (LMDR §3.2, §5.5, eq. 4; arXiv:2610.06833;
+SPEC §8). Batches are the trainer's (pure functions of (seed, step); σ_T² from ``micro=-1`` draws); the
+default budget is a quarter of the teacher's training tokens. The teacher (eval mode) gives e, z^R and its
+logits under ``no_grad``; the loss flows through its coda + readout into ẑ. Checkpoints hold the student, its
+:class:`StudentRecord` and the training state, so a resume reproduces the loss trace; the run folder is
+locked while training (:mod:`looplm.run.folder`).
 """
 
 from __future__ import annotations
@@ -115,16 +98,8 @@ def distill(teacher_checkpoint: str | Path, out: str | Path | None = None, cfg: 
             resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Distill a student for ``teacher_checkpoint`` into ``out`` (default ``RUN/student`` next to the teacher).
 
-    Args:
-        teacher_checkpoint: the teacher's run folder or checkpoint.
-        out: the student's run folder (checkpoints, ``metrics.jsonl``, ``summary.json``).
-        cfg: the distillation config (default :class:`DistillConfig`); ignored with ``resume`` (the
-            saved one wins).
-        resume: continue from the newest valid checkpoint in ``out``.
-        stop_after: stop (with a checkpoint) after this many steps of this invocation.
-
-    Returns:
-        The summary: steps, σ_T², final validation terms and cross-entropies, wall time, the teacher.
+    ``cfg`` (default :class:`DistillConfig`) is ignored with ``resume`` (the saved one wins); ``stop_after``:
+    steps of this invocation. Returns the summary (steps, σ_T², final validation terms, wall time, teacher).
 
     Raises:
         CheckpointError: a damaged teacher; ``resume`` without a valid student checkpoint.

@@ -1,58 +1,23 @@
 """Autoregressive generation with a KV cache: fixed depth or per-token adaptive depth (SPEC §6).
 
-``generate(model, prompts, max_new_tokens, depth)`` left-pads a batch of prompts, prefills them in one
-cached forward (padded keys masked, position ids counting real tokens only), then feeds one token per
-step through the cache (:class:`looplm.model.kvcache.KVCache`, ``per_visit`` or ``terminal``).
+Prompts are left-padded and prefilled in one cached forward (padded keys masked), then one token per
+step is fed through the cache (:class:`~looplm.model.kvcache.KVCache`, ``per_visit`` or ``terminal``).
+``temperature=0`` is greedy; else top-k, then top-p, then a draw from a ``torch.Generator`` seeded with
+``seed``. Rows that emit ``eos_id`` stop (EOS kept). ``len(prompt) + max_new_tokens − 1 ≤ seq_len``, else
+``ValueError`` (nothing is truncated).
 
-**Decoding.** ``temperature=0`` is greedy (argmax; ``top_k``/``top_p`` ignored). Otherwise the logits
-are divided by the temperature, filtered by top-k then top-p (:func:`filter_logits`) and sampled with
-a ``torch.Generator`` seeded with ``seed``, so a (prompts, seed) pair always gives the same tokens.
-Rows that emit ``eos_id`` stop (the EOS token is kept) and leave the batch (``cache.select``).
+With an ``exit_criterion`` (:mod:`looplm.eval.exits`) the prompt is prefilled at ``max_depth`` and each
+token loops until its criterion fires, in :func:`~looplm.eval.exits.exit_loop`; an exited row is frozen
+and its later visits copy its exit visit's K/V forward (:meth:`AttentionScope.freeze`). Criteria that
+read logits read out without recording in the cache.
 
-**Context length (our choice).** The model has learned absolute positions, so every position id must
-stay below ``model.cfg.seq_len``: ``len(prompt) + max_new_tokens − 1 ≤ seq_len`` (the last new token
-is never fed back). A prompt that does not fit raises ``ValueError``; nothing is truncated silently.
-
-**Per-token adaptive depth** (Huginn-style exit criteria; "Looped Models Done Right"): with an
-``exit_criterion`` the prompt is prefilled at ``max_depth`` loops, and every later token runs loop
-steps r = 1 … max_depth until its criterion fires (any criterion of :mod:`looplm.eval.exits`;
-comparing loop r with loop r−1, loop 0 being the rule's initial state) or ``max_depth`` is reached.
-The loop is the one early-exit runner :func:`looplm.eval.exits.exit_loop`. A row that exits is *frozen*: its
-state is kept, and :meth:`AttentionScope.freeze` makes its later visits write its exit visit's K/V
-(**copy-forward**: in a ``per_visit`` cache the banks of visits r+1 … max_depth hold the K/V of the
-exit visit r; in a ``terminal`` cache its terminal K/V is that of the exit visit). Frozen rows stay
-in the batch until every row has exited (the loop then stops early). Criteria that read logits get
-them from the readout of loop r (coda included; the final norm iff r ≥ the model's final depth), which
-reads the cache and writes nothing (``record=False``), so those readouts leave no trace in it.
-
-**Saved states and forced tokens** (rollout-state reuse, LMDR §3.1/§5.4). With ``save_states=True``
-(fixed depth only) every row also returns the hidden state at depth R (readout coordinates, the state
-the readout saw) of each position whose forward ran: the prompt's real positions (from the prefill)
-and every fed-back new token (from its decode step); the last new token is never fed back, so row i
-holds ``len(prompt_i) + len(tokens_i) − 1`` states, exactly the input positions of a forward over
-``prompt + tokens[:-1]`` that scores the new tokens. ``forced`` teacher-forces given continuations
-instead of sampling (a replay of a rollout through the same cached computation, with the same EOS
-policy).
-
-**Static decode step** (issue 28 §1): with ``static_step`` (``eager``, ``compile`` or ``cuda_graph``, see
-:class:`~looplm.model.static_decode.DecodeStep`) every fixed-depth token step after the prefill is one
-static region over a :class:`~looplm.model.static_decode.StaticKVCache` of capacity padded prompt +
-``max_new_tokens`` − 1: ``compile`` runs it as one ``torch.compile`` graph (compiled on the first step
-of a call, again for a new shape: batch, capacity, depth), ``cuda_graph`` replays one captured CUDA
-graph. Opt-in (None, the default, is the eager :class:`KVCache` path) because compiling costs seconds
-to minutes, which pays only over long generations. Rows that emit EOS stay in the static batch (its
-shapes are fixed) and their outputs are dropped. Needs a ``per_visit`` cache and fixed depth: adaptive
-depth, ``save_states`` and a distilled prefill keep the eager path.
-
-**Distilled prefill** (LMDR §3.2, §5.5): with a ``student`` the prompt is prefilled by
-:func:`looplm.distill.prefill.distilled_prefill` (the student's ẑ ≈ z^R, one teacher recurrence, the
-coda) into a ``terminal`` cache, and decoding runs the teacher unchanged with terminal KV sharing.
-
-**Depths reported.** ``Generation.depths[i][j]`` is the number of loop steps of the forward that
-produced the distribution of new token j: the prefill depth for j = 0 (1 for a distilled prefill:
-its one teacher recurrence), the step's (adaptive) depth after that.
+``save_states`` (rollout-state reuse, LMDR §3.1/§5.4) returns each row's depth-R states of every input
+position of a forward over ``prompt + tokens[:-1]``; ``forced`` replays given continuations. ``static_step``
+(issue 28 §1) runs each fixed-depth ``per_visit`` token step as one static region
+(:class:`~looplm.model.static_decode.DecodeStep`). A ``student`` prefills through the distilled prefill
+(LMDR §3.2, §5.5) into a ``terminal`` cache. ``Generation.depths[i][j]``: loop steps of the forward that
+gave token j (the prefill depth for j = 0; 1 for a distilled prefill).
 """
-
 from __future__ import annotations
 
 import math
@@ -62,28 +27,14 @@ from typing import Literal, Sequence
 
 import torch
 
-from looplm.eval.exits import (EXIT_CRITERIA, EntropyChange, ExitCriterion, ExitGate, HiddenUpdate, KLDivergence,
-                               LogitMargin, RelativeChange, build_exit_criterion, check_criterion, exit_loop)
+from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, check_criterion, exit_loop
 from looplm.model.cursor import Loop, Readout
 from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
 
-__all__ = ["EXIT_CRITERIA", "EntropyChange", "ExitCriterion", "ExitGate", "HiddenUpdate", "KLDivergence",
-           "LogitMargin", "RelativeChange", "build_exit_criterion", "Generation", "adaptive_decode_step",
-           "filter_logits", "generate", "next_tokens"]
-
-# ---------------------------------------------------------------------------------------------- sampling
-
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Top-k, then top-p (nucleus) filtering: removed entries become −inf. (B, V) → (B, V).
-
-    top-k keeps the k largest logits (ties at the k-th value are all kept). top-p keeps the smallest
-    set of most probable tokens whose probability sums to ≥ p (a token is dropped when the tokens
-    ranked above it already reach p; the top-1 is always kept) — Holtzman et al. 2020.
-
-    Raises:
-        ValueError: top_k < 1 or top_p outside (0, 1].
-    """
+    """Top-k (ties kept), then top-p (Holtzman et al. 2020; top-1 always kept): removed entries become −inf.
+    (B, V) → (B, V). Raises ValueError for top_k < 1 or top_p outside (0, 1]."""
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -105,12 +56,8 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 
 def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row from (B, V) logits: argmax when ``temperature == 0``, else a draw from
-    softmax(filter_logits(logits / temperature)). Returns (B,) int64.
-
-    Raises:
-        ValueError: negative temperature.
-    """
+    """(B,) int64 tokens from (B, V) logits: argmax at temperature 0, else a draw from
+    softmax(filter_logits(logits / temperature)). Raises ValueError for a negative temperature."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
@@ -119,20 +66,10 @@ def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-# ---------------------------------------------------------------------------------------------- decoding
-
-
 @dataclass
 class Generation:
-    """What :func:`generate` returns, one entry per prompt (input order).
-
-    Attributes:
-        tokens: the new token ids (the prompt excluded; ends with ``eos_id`` when it was emitted).
-        depths: loop steps used for each new token (see the module docstring).
-        states: with ``save_states``, per prompt a (len(prompt) + len(tokens) − 1, d) tensor: the
-            depth-R hidden state of every prompt position and every fed-back new token, in position
-            order (module docstring); else None.
-    """
+    """Per prompt: new ``tokens``, loop ``depths`` per token, ``states`` ((len(prompt) + len(tokens) − 1, d)
+    with ``save_states``)."""
 
     tokens: list[list[int]] = field(default_factory=list)
     depths: list[list[int]] = field(default_factory=list)
@@ -152,18 +89,9 @@ def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, t
 
 def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: int,
                          criterion: ExitCriterion) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed one new token per row through ``cache`` with per-token early exit (module docstring): the
-    early-exit runner :func:`looplm.eval.exits.exit_loop` with ``drop=False`` (exited rows frozen).
+    """Feed idx (B, 1) through ``cache`` with per-token early exit (:func:`exit_loop`, exited rows frozen).
 
-    Args:
-        model: a shared-architecture LoopLM in eval mode.
-        idx: (B, 1) int64, the token following each row's cached tokens.
-        cache: a KVCache holding the rows' prefixes; the token is appended to it.
-        max_depth: loop ceiling.
-        criterion: the :class:`ExitCriterion`.
-
-    Returns:
-        (logits (B, V) of the final readout at each row's exit state, depth (B,) int64 loop steps run).
+    Returns (logits (B, V) at each row's exit state, depth (B,) int64 loop steps run).
     """
     positions = cache.n_valid[:, None]  # (B, 1): the next position of each row
     scope = AttentionScope(cache, None)
@@ -182,40 +110,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
              max_depth: int | None = None, eos_id: int | None = None, save_states: bool = False,
              forced: Sequence[Sequence[int]] | None = None, student=None,
              student_depth: int | None = None, static_step: str | None = None) -> Generation:
-    """Generate continuations of a batch of prompts (see the module docstring for the policies).
-
-    Args:
-        model: a shared-architecture :class:`looplm.model.LoopLM` (put in eval mode here, restored after).
-        prompts: B non-empty lists of token ids.
-        max_new_tokens: new tokens per prompt (fewer when ``eos_id`` is emitted).
-        depth: loop depth T of every forward (fixed-depth decoding).
-        temperature, top_k, top_p: sampling (temperature 0 = greedy), see :func:`next_tokens`.
-        seed: seed of the sampling generator.
-        cache_mode: ``per_visit`` (exact) or ``terminal`` (terminal KV sharing).
-        exit_criterion: an :class:`ExitCriterion` for per-token adaptive depth (None = fixed depth).
-        max_depth: adaptive depth ceiling (default ``depth``); the prompt is prefilled at it.
-        eos_id: stop a row after it emits this id.
-        save_states: also return each row's depth-R hidden states (``Generation.states``; module
-            docstring), e.g. for rollout-state reuse (:mod:`looplm.rl`).
-        forced: one continuation per prompt to feed instead of sampling (teacher forcing; a row stops
-            at the end of its continuation or at ``eos_id``, at most ``max_new_tokens``).
-        student: a distilled-prefill :class:`~looplm.distill.student.Student` of ``model``: the prompt is
-            prefilled through it (module docstring; needs ``cache_mode="terminal"``). None: the teacher's
-            own prefill.
-        student_depth: the depth R the student was distilled for (default ``depth``).
-        static_step: None (the eager cached path) or how the static decode step runs: ``eager``,
-            ``compile`` or ``cuda_graph`` (module docstring).
-
-    Returns:
-        :class:`Generation` (tokens and per-token depths, one list per prompt; states with
-        ``save_states``).
+    """Continue B prompts (non-empty token-id lists) at loop depth ``depth`` (module docstring); ``model`` is
+    a shared LoopLM, put in eval mode and restored. ``max_depth``: the adaptive ceiling and prefill depth
+    (default ``depth``); ``student_depth``: the student's R (default ``depth``).
 
     Raises:
-        ValueError: empty prompt list or prompt, max_new_tokens < 0, depth < 1, unknown cache mode,
-            the unshared architecture (no KV cache), a prompt + continuation longer than seq_len,
-            ``save_states`` with an exit criterion or a student, ``forced`` not one non-empty
-            continuation per prompt, a student with a ``per_visit`` cache, or an unknown
-            ``static_step`` or one with an exit criterion, ``save_states`` or a ``terminal`` cache.
+        ValueError: a bad argument or combination (:func:`_check_request` names it), the unshared
+            architecture, or a prompt + continuation longer than seq_len.
     """
     ceiling = _check_request(model, prompts, max_new_tokens, depth, cache_mode=cache_mode,
                              exit_criterion=exit_criterion, max_depth=max_depth, save_states=save_states,
@@ -252,8 +153,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
 
 
 class _States:
-    """``save_states``: each row's depth-R hidden states in position order (module docstring), kept
-    by ``hook`` (``read``'s ``on_depth``) from the prefill and from every eager decode step."""
+    """``save_states``: each row's depth-R states in position order, kept by ``hook`` (``read``'s ``on_depth``)."""
 
     def __init__(self, rows: int, depth: int):
         self.depth, self.kept, self.parts = depth, [], [[] for _ in range(rows)]  # per row: (L_k, d) pieces
@@ -275,9 +175,7 @@ class _States:
 
 def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advance, sample, *,
             max_new_tokens: int, eos_id: int | None, forced) -> None:
-    """The token loop of :func:`generate`: pick each row's token (``sample(logits)`` or the forced one),
-    record it, drop the rows that stopped (EOS or the end of a forced continuation) and feed the rest
-    back through ``advance`` (:func:`_token_step`)."""
+    """The token loop: pick, record, drop stopped rows (EOS, end of a forced continuation), feed the rest back."""
     active = list(range(len(result.tokens)))  # original row of each batch row
     step_depth = torch.full((len(active),), prefill_depth, dtype=torch.long, device=logits.device)
     for n in range(max_new_tokens):
@@ -303,7 +201,7 @@ def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advanc
 
 def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mode: str, exit_criterion,
                    max_depth: int | None, save_states: bool, forced, student, static_step: str | None) -> int:
-    """Validate :func:`generate`'s arguments (its ``Raises``); returns the adaptive depth ceiling."""
+    """Validate :func:`generate`'s arguments; returns the adaptive depth ceiling."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
     if max_new_tokens < 0:
@@ -350,8 +248,7 @@ def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mod
 
 def _prefill(model, idx: torch.Tensor, mask: torch.Tensor, cache: KVCache, depth: int, *, student,
              student_depth: int, on_depth) -> tuple[torch.Tensor, int]:
-    """Prefill the left-padded prompts idx (B, P) into ``cache`` at ``depth`` (through ``student`` when
-    given); returns the last position's logits (B, V) and the depth reported for the first new token."""
+    """Prefill idx (B, P) into ``cache`` (through ``student`` if given); (last logits (B, V), first token's depth)."""
     B, P = idx.shape
     # read out only the last position (left padding: every row's last token is real)
     last = (torch.arange(B, device=idx.device), torch.full((B,), P - 1, device=idx.device))
@@ -366,9 +263,8 @@ def _prefill(model, idx: torch.Tensor, mask: torch.Tensor, cache: KVCache, depth
 
 def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criterion, static_step: str | None,
                 capacity: int, states: _States | None):
-    """``advance(tok (B,), keep (B_keep,) or None, active) → (logits (B, V), depth (B,))``: the decode
-    step of each path (static, adaptive, eager cached) on the rows left after ``keep`` drops the stopped
-    ones (``tok`` already holds only those; ``active``: their original rows, for ``states``)."""
+    """``advance(tok (B,), keep (B_keep,) | None, active) → (logits (B, V), depth (B,))`` of the static, adaptive
+    or eager cached path, on the rows ``keep`` leaves (``active``: their original rows)."""
     B, device = cache.n_valid.shape[0], cache.n_valid.device
 
     def fixed(n: int) -> torch.Tensor:
@@ -439,29 +335,21 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
 
     Args:
         prompt: a prompt (repeat for a batch)
-        prompts_file: a text file with one prompt per line (blank lines skipped), added after the --prompt values
+        prompts_file: a text file with one prompt per line (blank lines skipped), after the --prompt values
         max_new_tokens: new tokens per prompt
-        depth: loop depth of every forward, >= 1 (default: the checkpoint's train.eval_depth); generation always
-            runs the core, the depth-0 readout of h_0 is an eval diagnostic (looplm eval ppl --depths 0)
+        depth: loop depth of every forward, >= 1 (default: the checkpoint's train.eval_depth)
         temperature: sampling temperature; 0 = greedy argmax
         top_k: sample only from the K most likely tokens (with --temperature > 0)
-        top_p: nucleus sampling: sample from the smallest set of most likely tokens whose probability reaches P,
-            in (0, 1] (with --temperature > 0; applied after --top-k)
+        top_p: nucleus sampling threshold P in (0, 1] (with --temperature > 0; after --top-k)
         seed: seed of the sampling generator
-        kv_cache: per_visit (the default with --prefill teacher, unless an export's config.json says otherwise):
-            K/V of every loop visit, exact; terminal (the default, and the only cache, with --prefill distilled):
-            terminal KV sharing, one bank per physical layer holding each prefix token's last-visit K/V
-        prefill: teacher: the model prefills the prompt at --depth; distilled: the student (looplm distill)
-            predicts the endpoint z^R, one recurrence and the coda fill the terminal KV banks, then the model
-            decodes unchanged (LMDR distilled prefill)
-        student: with --prefill distilled: the student's run directory or checkpoint (default: student/ next to
-            the checkpoint's run)
-        exit: per-token adaptive depth (looplm.eval.exits): each new token loops until the criterion fires or
-            --max-depth; none = fixed --depth
+        kv_cache: per_visit (exact; the default with --prefill teacher unless an export says otherwise) or
+            terminal (terminal KV sharing; the only cache with --prefill distilled)
+        prefill: teacher (the model at --depth) or distilled (the student of looplm distill predicts z^R; LMDR)
+        student: with --prefill distilled: the student's run directory or checkpoint (default: student/ beside the run)
+        exit: per-token adaptive depth criterion (looplm.eval.exits); none = fixed --depth
         exit_tau: threshold of --exit (default: the criterion's)
-        max_depth: with --exit: loop ceiling per token, also the prompt's prefill depth (default --depth)
-        static_step: fixed-depth decoding with a per_visit cache: run each token step as one static region,
-            compile = one torch.compile graph, cuda_graph = one captured CUDA graph; default: the eager cached path
+        max_depth: with --exit: loop ceiling per token and prefill depth (default --depth)
+        static_step: fixed-depth per_visit decoding as one static region per token: eager, compile or cuda_graph
         out: also write prompts, token ids, continuations and loops per token as JSON
     """
     prompts = list(prompt or []) + ([s for s in prompts_file.read_text().splitlines() if s.strip()]

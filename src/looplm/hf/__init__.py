@@ -1,10 +1,6 @@
-"""Hugging Face interop: transformers classes, the export folder, and the lm-evaluation-harness backend.
-
-Needs the ``hf`` extra (``pip install looplm[hf]``) (:mod:`looplm.run.hf_folder`, outside this package, reads an
-export without transformers). Importing this package registers ``LoopLMConfig`` and
-``LoopLMForCausalLM`` with ``AutoConfig`` / ``AutoModelForCausalLM`` (model type ``looplm``) when
-transformers is installed, and does nothing otherwise. ``import looplm`` registers them too, but only
-when transformers is already imported (so the core never pays transformers' import time).
+"""Hugging Face interop (the ``hf`` extra): transformers classes, the export folder, the lm-eval backend.
+Importing it registers ``LoopLMConfig`` / ``LoopLMForCausalLM`` (model type ``looplm``) with the Auto classes
+when transformers is installed (``import looplm`` does so only if transformers is already imported).
 """
 
 from __future__ import annotations

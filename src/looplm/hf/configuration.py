@@ -1,10 +1,7 @@
 """``LoopLMConfig``: the transformers config of a looplm model (``model_type = "looplm"``).
 
-It holds the whole looplm :class:`~looplm.config.Config` dict under ``looplm`` (the model is rebuilt from
-it exactly) plus the wrapper's settings: ``num_steps`` (default recurrence depth, Huginn's name for it),
-``kv_cache`` (the layout :meth:`generate` creates: ``per_visit`` or ``terminal``) and ``final_depth``
-(where a ``final_only_norm`` readout starts normalizing). The usual transformers names (``vocab_size``,
-``hidden_size``, ``num_hidden_layers`` = physical blocks, …) are derived for tools that read them.
+It holds the whole looplm Config dict under ``looplm`` plus ``num_steps`` (default depth, Huginn's name),
+``kv_cache`` (``generate``'s layout) and ``final_depth``; the usual transformers names are derived from it.
 """
 
 from __future__ import annotations

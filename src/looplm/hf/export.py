@@ -1,12 +1,8 @@
 """``looplm export``: a checkpoint → a Hugging Face folder (:mod:`looplm.run.hf_folder` describes it).
 
-The tokenizer is saved as a ``PreTrainedTokenizerFast`` around the checkpoint's own ``tokenizers``
-object (GPT-2 BPE or the trained byte-level BPE): ``tokenizer.json`` is that tokenizer unchanged, and
-``tokenizer_config.json`` names ``<|endoftext|>`` as the BOS, EOS, UNK and padding token, with left
-padding (what batched generation wants). ``AutoTokenizer.from_pretrained(folder)`` loads it.
-
-The folder loads without looplm through its remote code (:mod:`looplm.hf.remote`). Nothing is fetched from
-the network.
+The tokenizer is the checkpoint's own, unchanged, as a ``PreTrainedTokenizerFast`` (``<|endoftext|>`` as BOS,
+EOS, UNK and pad; left padding); the folder loads without looplm through its remote code
+(:mod:`looplm.hf.remote`). Nothing is fetched from the network.
 """
 
 from __future__ import annotations
@@ -59,14 +55,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
 
     Args:
         out: the Hugging Face folder to write.
-        num_steps: default recurrence depth of the exported model (default: the checkpoint's
-            ``train.eval_depth``, like ``looplm generate``).
+        num_steps: default recurrence depth of the export (default: the checkpoint's train.eval_depth)
         kv_cache: the cache layout ``generate`` uses by default (``per_visit`` or ``terminal``).
-        overwrite: write into a non-empty ``out`` (its weight files are removed first, so no stale shard
-            stays); without it a non-empty ``out`` is an error.
-
-    Returns:
-        ``out``.
+        overwrite: write into a non-empty ``out`` (its weight files are removed first)
 
     Raises:
         CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file, or a non-empty

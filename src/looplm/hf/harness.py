@@ -2,14 +2,10 @@
 
 :class:`LoopLMEvalHarness` (a ``TemplateLM``) takes ``--model_args`` ``checkpoint=DIR`` (a checkpoint, run
 directory or export; required), ``depth=T`` (default: the largest of ``depths``, else ``train.eval_depth``),
-``depths=1;8;48`` (``;``: the harness splits on commas; each loglikelihood batch is one unroll read out at
-all of them, memoized per depth), ``batch_size``, ``device``, ``kv_cache`` and ``stride``.
-:func:`evaluate_harness` (``looplm lm-eval --depths``) runs ``simple_evaluate`` once per depth from that
-memo and can store every numeric metric in the results store (protocol ``lm_eval``). Importing this module
-registers ``looplm`` with the harness (lm-eval 0.4.13 has no model plugins: ``python -m looplm.hf.harness``,
-console script ``looplm-lm-eval``, is its command line with the backend registered). Each method's
-definition, and how the harness's LAMBADA and WikiText numbers differ from ``looplm eval``'s:
-``docs/interop.md``.
+``depths=1;8;48`` (each batch one unroll read out at all of them, memoized), ``batch_size``, ``device``,
+``kv_cache``, ``stride``. :func:`evaluate_harness` (``looplm lm-eval``) runs ``simple_evaluate`` once per depth
+from that memo. Importing this module registers ``looplm`` (``python -m looplm.hf.harness`` is the harness's
+command line with it). Methods, and how its numbers differ from ``looplm eval``'s: ``docs/interop.md``.
 """
 
 from __future__ import annotations
@@ -253,19 +249,10 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
                      data_root: str | Path | None = None, lm: LoopLMEvalHarness | None = None) -> dict[str, Any]:
     """Harness tasks at several loop depths from one unroll per batch (module docstring).
 
-    Args:
-        checkpoint: checkpoint, run directory or export folder (or give ``lm``).
-        tasks: harness task names (found in ``include_path`` and, with ``include_defaults``, the
-            harness's own tasks); the offline tasks of :data:`LOCAL_TASKS` are written from ``data_root``
-            (default: :func:`looplm.data.paths.resolve_data_root`) into a temporary folder, unless
-            ``include_path`` defines them.
-        depths: loop depths (default: the checkpoint's ``train.eval_depth``).
-        db: a looplm results database: every numeric metric is stored per task and depth.
-
-    Returns:
-        JSON-ready dict: ``checkpoint``, ``tasks``, ``depths`` → ``"T"`` → ``{"results": {task: metrics}}``
-        (the harness's ``results`` section), ``unrolls`` (forwards run), ``lm_eval_version``,
-        ``stored`` (rows written to ``db``) and ``markdown``.
+    ``tasks`` are found in ``include_path`` (and the harness's own with ``include_defaults``); the offline
+    :data:`LOCAL_TASKS` are written from ``data_root`` unless ``include_path`` defines them. ``depths`` default
+    to train.eval_depth; ``db`` stores every numeric metric per task and depth. Returns the JSON-ready results
+    (``depths`` → ``"T"`` → the harness's ``results``, ``unrolls``, ``stored``, ``markdown``).
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -396,18 +383,9 @@ def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | 
 def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = None,
                       wikitext_raw: str | Path | None = None, max_chars: int | None = None,
                       docs: int | None = None) -> dict[str, Path]:
-    """Write offline harness tasks into ``folder`` (give it as ``include_path``):
-
-    - ``looplm_lambada`` (with ``lambada_jsonl``): ``lambada_openai``'s prompt and metrics over a local
-      LAMBADA jsonl;
-    - ``looplm_wikitext``: ``loglikelihood_rolling`` over the raw WikiText file cut into its articles
-      (a line `` = Title = `` starts one), scored as they are (no detokenizer), with the stock task's
-      word / byte perplexity and bits per byte; ``docs`` keeps the first N articles and ``max_chars``
-      cuts each at a line end.
-
-    Returns:
-        {task name: YAML path}.
-    """
+    """Write offline harness tasks into ``folder`` (an ``include_path``); returns {task: YAML path}:
+    ``looplm_lambada`` (``lambada_openai`` over a local jsonl) and ``looplm_wikitext`` (``loglikelihood_rolling``
+    over the raw WikiText articles, the first ``docs``, each cut at a line end after ``max_chars``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {}

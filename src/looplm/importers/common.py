@@ -1,12 +1,7 @@
-"""What the Huginn-0125 and Ouro importers share: read a published Hugging Face folder (``config.json``,
-safetensors shards, ``tokenizer.json``), check its config key by key, map every tensor onto the looplm
-state dict with coverage checked both ways, fill the model shard by shard and write a looplm checkpoint.
-
-Strictness (issue 14 §2): a config key the importer does not know, or a value it does not support, is an
-:class:`ImporterError` naming the key; a stored tensor that no looplm key uses, or a tensor the layout
-needs and the folder lacks, is an :class:`ImporterError` naming the tensor; so is a shape that does not
-match. Nothing is invented: every looplm weight comes from a stored tensor (a tied head is the stored
-embedding itself).
+"""What the importers share: read a Hugging Face folder, check its config key by key, map every tensor onto the
+looplm state dict (coverage both ways), fill the model shard by shard, write a checkpoint. Strict (issue 14 §2):
+an unknown key or unsupported value, an unused or missing tensor, or a wrong shape is an :class:`ImporterError`
+naming it; every weight comes from a stored tensor.
 """
 
 from __future__ import annotations

@@ -32,17 +32,7 @@ _BLOCK_NAMES = {"norm_1": "norm1", "norm_2": "post_attn_norm", "norm_3": "norm2"
 def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_state: str = "table"):
     """The looplm :class:`~looplm.config.Config` of a Huginn-0125 ``config.json``, and its depth.
 
-    Args:
-        raw: the parsed config.json.
-        seq_len: context length of the imported model (≤ ``block_size``, the rows of the RoPE table);
-            None: ``min(block_size, 4096)``.
-        initial_state: ``table`` (the default): s₀ ~ TN(0, 2/5, ±3σ) drawn once per position from a
-            generator seeded with 0, so evaluation and cached decoding are deterministic (looplm's choice);
-            ``fresh``: a new draw at every forward, as the original; ``zeros``: s₀ = 0, the original's
-            ``init_scale=0``.
-
-    Returns:
-        ``(config, depth)``: depth is ``mean_recurrence``, also the checkpoint's ``depth.depth``.
+    ``seq_len`` and ``initial_state`` as for :func:`import_huginn`; depth is ``mean_recurrence``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
@@ -128,11 +118,8 @@ _LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position
 
 
 def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: int) -> Path:
-    """Write a looplm model that has Huginn-0125's architecture in the published layout: ``config.json`` (the
-    keys of huginn-0125's, ``mean_recurrence = depth``, ``block_size = seq_len``), ``model.safetensors`` (the
-    original tensor names, the model's dtype, and ``freqs_cis``: the model's own RoPE table) and
-    ``tokenizer.json``. The inverse of :func:`tensor_map`, so that a looplm-trained model can go through
-    ``looplm import huginn`` (round-trip checks; the folder is not run through the original code here).
+    """Write a looplm model of Huginn-0125's architecture in the published layout (config.json, model.safetensors
+    with ``freqs_cis``, tokenizer.json): the inverse of :func:`tensor_map`, for round-trip checks.
 
     Raises:
         ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm.
@@ -203,12 +190,8 @@ def tensor_map(model_cfg) -> list[Entry]:
 
 
 def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
-    """Compare the stored RoPE table ``freqs_cis`` (1, block_size, 1, hd/2, 2) with looplm's
-    (:class:`~looplm.model.layers.Rope`, interleaved, ``rope_base``) rounded to the stored dtype. The original
-    rotates with the stored values, so the import needs them to be reproducible.
-
-    Returns:
-        the ``model.position.table_dtype`` that reproduces the stored table (``float32`` or ``bfloat16``).
+    """Compare the stored ``freqs_cis`` (1, block_size, 1, hd/2, 2), with which the original rotates, to looplm's
+    :class:`~looplm.model.layers.Rope` table rounded to the stored dtype; returns that ``table_dtype``.
 
     Raises:
         ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance``
@@ -253,18 +236,12 @@ def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = Non
         src: the downloaded folder (e.g. huggingface-cli download tomg-group-umd/huginn-0125 --local-dir SRC).
         out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
             checkpoint.
-        seq_len: context length of the imported model, at most block_size (the static KV cache
-            preallocates this many positions per bank); default min(block_size, 4096).
-        dtype: weights as stored (source: bf16 for the published file, every value kept) or converted
-            (float32, bfloat16). looplm computes in float32 whatever is stored.
-        initial_state: the loop's initial state: table (truncated normal, std √(2/5), fixed per position,
-            seed 0: deterministic), fresh (a new draw every forward, as the original), zeros (the
-            original's init_scale=0).
-        rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact).
-        progress: show a progress bar over the bytes read.
-
-    Returns:
-        a summary: ``checkpoint``, ``depth``, ``params``, ``rope_table_dtype``, ``dtype``, ``seq_len``.
+        seq_len: context length of the imported model, at most block_size; default min(block_size, 4096)
+        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
+        initial_state: table (truncated normal, std √(2/5), fixed per position, seed 0), fresh (a new draw every
+            forward, as the original) or zeros (the original's init_scale=0)
+        rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact)
+        progress: show a progress bar over the bytes read
 
     Raises:
         ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named).

@@ -25,14 +25,7 @@ _NORMS = {"input_layernorm": "norm1", "input_layernorm_2": "post_attn_norm", "po
 def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
     """The looplm :class:`~looplm.config.Config` of an Ouro ``config.json``, its depth and exit threshold.
 
-    Args:
-        raw: the parsed config.json.
-        seq_len: context length of the imported model (≤ ``max_position_embeddings``); None:
-            ``min(max_position_embeddings, 4096)``.
-
-    Returns:
-        ``(config, depth, early_exit_threshold)``; depth is ``total_ut_steps``, also the checkpoint's
-        ``depth.depth``.
+    ``seq_len`` as for :func:`import_ouro`; depth is ``total_ut_steps``.
 
     Raises:
         ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a
@@ -126,14 +119,9 @@ def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None,
         src: the downloaded folder (e.g. huggingface-cli download ByteDance/Ouro-1.4B --local-dir SRC).
         out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
             checkpoint.
-        seq_len: context length of the imported model, at most max_position_embeddings (the static KV
-            cache preallocates this many positions per bank); default min(max_position_embeddings, 4096).
-        dtype: weights as stored (source: bf16 for the published files, every value kept) or converted
-            (float32, bfloat16). looplm computes in float32 whatever is stored.
-        progress: show a progress bar over the bytes read.
-
-    Returns:
-        a summary: ``checkpoint``, ``depth``, ``early_exit_threshold``, ``params``, ``dtype``, ``seq_len``.
+        seq_len: context length, at most max_position_embeddings; default min(max_position_embeddings, 4096)
+        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
+        progress: show a progress bar over the bytes read
 
     Raises:
         ImporterError: the folder, a config key or a tensor cannot be imported exactly (named).

@@ -1,10 +1,7 @@
 """The loop cursor: one unroll of a :class:`~looplm.model.DepthLM`, one realized step at a time (SPEC §1–2).
 
-Every loop driver iterates a :class:`Loop`: :meth:`DepthLM.forward`, the early-exit runner
-(:func:`looplm.eval.exits.exit_loop`) and the diagnostics (:mod:`looplm.diagnostics`). The cursor holds
-the loop state, its context, the step count t and the hidden state h; :meth:`Loop.advance` runs
-:meth:`LoopLM.step` once. The scale-clamp target, the gradient window and the row selection of the
-exit runner live here and nowhere else.
+Every loop driver (forward, :func:`looplm.eval.exits.exit_loop`, the diagnostics) iterates a :class:`Loop`;
+the scale-clamp target, the gradient window and the exit runner's row selection live here only.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ def token_rms(h: torch.Tensor) -> torch.Tensor:
 
 
 def select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
-    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list, dataclass
-    such as :class:`~looplm.model.LoopContext`, or None); other values pass through."""
+    """``index_select(0, keep)`` on every batch-first tensor inside obj (tensor, tuple/list, dataclass)."""
     if isinstance(obj, torch.Tensor):
         return obj.index_select(0, keep) if obj.dim() > 0 and obj.shape[0] == batch else obj
     if isinstance(obj, (tuple, list)):
@@ -38,19 +34,9 @@ def select_rows(obj: Any, keep: torch.Tensor, batch: int) -> Any:
 
 @dataclass(frozen=True)
 class Gradient:
-    """The gradient estimator of an unroll (SPEC §5; LMDR §3.1, A.2, arXiv:2610.06833), b = ``steps``.
-
-    - ``bptt``: full backpropagation (b = 0).
-    - ``tbptt``: the first T − b steps run without autograd and the state is detached before the last
-      b; the context (anchor, injection) still carries gradient at every back-propagated step, and
-      the detached state carries ``0·Σ state_0`` so DDP sees every parameter.
-    - ``endpoint`` (Neumann-b): the loop runs to z^T without autograd, z̄^0 = sg(z^T), then b steps
-      with autograd; the readout of the largest requested depth T is taken after T + b steps and is
-      keyed T + b (:meth:`key`). Its values equal tbptt-b at depth T + b.
-
-    Raises:
-        ConfigError: an unknown kind or a ``steps`` that does not fit it.
-    """
+    """The gradient estimator (SPEC §5; LMDR §3.1, A.2, arXiv:2610.06833), b = ``steps``: ``bptt`` (full),
+    ``tbptt`` (state detached before the last b steps; the context keeps its gradient), ``endpoint``
+    (Neumann-b: b steps with autograd from sg(z^T), read out and keyed at T + b). Raises ConfigError."""
 
     kind: str = "bptt"
     steps: int = 0
@@ -59,12 +45,11 @@ class Gradient:
         check_gradient(self.kind, self.steps)
 
     def key(self, depth: int) -> int:
-        """The depth the readout of requested depth ``depth`` is taken (and keyed) at."""
+        """The depth the readout of requested ``depth`` is taken and keyed at."""
         return depth + self.steps if self.kind == "endpoint" else depth
 
     def grad_from(self, last: int) -> int:
-        """The first loop step run with autograd when the unroll reads out at ``last`` (the state is
-        detached before it); -1 when every step is."""
+        """The first step with autograd for a readout at ``last`` (-1: every step)."""
         if self.kind == "endpoint" or (self.kind == "tbptt" and self.steps < last):
             return last - self.steps
         return -1
@@ -75,20 +60,9 @@ BPTT = Gradient()
 
 @dataclass(frozen=True)
 class Readout:
-    """How an unroll is read out at its requested depths (SPEC §4): a value, like :class:`Gradient`.
-
-    Attributes:
-        logits: keep the (B, L, V) logits. False with targets computes the NLL by the fused chunked
-            readout + cross-entropy (:mod:`looplm.model.fused`; bitwise the plain path's on CPU) unless
-            ``fused_ce=False``; False without targets skips the readout matrix (the coda still runs and
-            fills a KV cache).
-        states: also return every hidden state h_t (readout coordinates) on the way.
-        final_depth: with ``readout="final_only_norm"`` a readout at T normalizes iff T ≥ final_depth
-            (:meth:`DepthLM.resolve_final_depth`), so a depth's logits do not depend on the others requested.
-        tokens: ``(rows, cols)`` (N,) int64 each: read out only these tokens (after the coda, which sees
-            the whole sequence): logits (N, V), targets (N,).
-        fused_ce: allow the fused readout + loss.
-    """
+    """How an unroll is read out (SPEC §4). ``logits``: keep (B, L, V) logits (False: the fused readout + loss
+    with targets, unless ``fused_ce=False``; the coda alone without); ``states``: return every h_t;
+    ``final_depth``: where ``final_only_norm`` starts; ``tokens``: (rows, cols) (N,) each, read out only these."""
 
     logits: bool = True
     states: bool = False
@@ -102,16 +76,9 @@ NLL = Readout(logits=False)
 
 
 class Loop:
-    """A cursor on one unroll: ``state`` (B, L, d) after ``t`` loop steps, its ``ctx``
-    (:class:`~looplm.model.LoopContext`) and hidden state ``h`` (readout coordinates).
-
-    Open one with :meth:`DepthLM.loop` (embed → prelude → start), or from a state and context.
-
-    Args:
-        e: the prelude output (B, L, d) (what :meth:`resume` may compute its state from).
-        scale_clamp: the evaluation-time scale clamp (SPEC §4): after loop 1 every later step rescales
-            each token's state to its loop-1 RMS (:attr:`clamp_rms`, the clamp target).
-    """
+    """A cursor on one unroll (open it with :meth:`DepthLM.loop`): ``state`` (B, L, d) after ``t`` steps, ``ctx``,
+    hidden state ``h``; ``e`` the prelude output. ``scale_clamp`` (SPEC §4): after loop 1, every step rescales
+    each token to its loop-1 RMS (:attr:`clamp_rms`)."""
 
     def __init__(self, model, state: torch.Tensor, ctx, *, e: torch.Tensor | None = None,
                  scale_clamp: bool = False):
@@ -125,23 +92,18 @@ class Loop:
         self._state0 = state
 
     @property
-    def scope(self):
-        """The attention scope (KV cache, padding) the steps attend through, or None."""
+    def scope(self):  # the attention scope (KV cache, padding), or None
         return self.ctx.scope
 
     @property
-    def cached(self) -> bool:
-        """Whether the steps write a KV cache (the read commits it)."""
+    def cached(self) -> bool:  # the steps write a KV cache
         return self.scope is not None and self.scope.cache is not None
 
     def resume(self, t: int, h: torch.Tensor) -> Loop:
-        """Jump to loop step t with hidden state h (B, L, d) (readout coordinates), skipping steps
-        0 … t − 1; the context is kept. A detached h of a rule whose state is h is exactly z̄ = sg(z^t)
-        (LMDR §3.2, §5.5); the SCSE family's state Δ = h − h* also carries gradient to the anchor.
+        """Jump to step t with hidden state h (B, L, d), keeping the context (z̄ = sg(z^t), LMDR §3.2, §5.5).
 
         Raises:
-            ValueError: the unshared reference, t < 0, a state of the wrong shape, or ``scale_clamp``
-                with t > 0 (the loop-1 RMS is never computed).
+            ValueError: the unshared reference, t < 0, a wrong shape, or ``scale_clamp`` with t > 0.
         """
         if not self.model.shared:
             raise ValueError("resume: the unshared reference has no loop state to resume")
@@ -158,12 +120,11 @@ class Loop:
         return self
 
     def window(self, gradient: Gradient, last: int) -> None:
-        """Open the gradient window of ``gradient`` for an unroll read out at ``last`` (when autograd is on)."""
+        """Open the gradient window of ``gradient`` for a readout at ``last``."""
         self.grad_from = gradient.grad_from(last) if torch.is_grad_enabled() else -1
 
     def advance(self, **variant) -> torch.Tensor:
-        """One realized step (:meth:`LoopLM.step`, with ``variant``: ``mask``, ``injection_gain``):
-        t → t + 1; frozen rows keep their state. Returns the new h (B, L, d)."""
+        """One realized step (:meth:`LoopLM.step` with ``variant``), t → t + 1; frozen rows keep theirs. → h."""
         if self.t == self.grad_from:  # an exact zero keeps the initial state's parameters in the graph (DDP)
             self.state = self.state.detach() + 0.0 * self._state0.sum()
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.t >= self.grad_from):
@@ -182,8 +143,7 @@ class Loop:
             (self.state, self.ctx, self.h, self.e, self.clamp_rms, self.frozen, self._state0), keep, B)
 
     def freeze(self, rows: torch.Tensor) -> None:
-        """Freeze the rows where ``rows`` (B,) bool is set: they keep their state, and their later KV-cache
-        visits copy their exit visit's K/V (:meth:`~looplm.model.kvcache.AttentionScope.freeze`)."""
+        """Freeze ``rows`` (B,) bool: they keep their state and copy their exit visit's K/V forward."""
         self.frozen = rows
         if self.scope is not None:
             self.scope.freeze(rows)

@@ -97,16 +97,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                          chunk: int | None = None, ahead: bool = True) -> torch.Tensor:
     """Per-token NLL (fp32) of the readout ``h @ weightᵀ``, chunked (module docstring).
 
-    Args:
-        h: (..., d) readout features (after the final norm).
-        weight: (V, d) readout matrix.
-        targets: (...) int64 target ids, -100 = ignored (NLL 0, no gradient).
-        chunk: tokens per chunk (default :func:`chunk_rows`).
-        ahead: under autograd, form the gradients in the forward (module docstring); False always
-            recomputes the logits in backward.
-    Returns:
-        (...) float32, equal to ``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100,
-        reduction="none")``.
+    h (..., d), weight (V, d), targets (...) int64 (-100: NLL 0) → (...) float32, equal to
+    ``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="none")``. ``ahead``: form
+    the gradients in the forward (False: recompute the logits in backward).
     """
     shape = targets.shape
     dev = h.device.type

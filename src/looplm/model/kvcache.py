@@ -1,22 +1,12 @@
 """KV caches indexed by virtual layer, and the attention scope of one forward pass (SPEC §6).
 Source: terminal KV sharing, Looped Models Done Right, arXiv:2610.06833 (§3.2, Lemma 1, Figure 3).
 
-A looped model visits each physical attention layer once per recurrence, so the cache is indexed by
-*virtual* layer. ``per_visit``: one bank per (physical layer, visit), K·R banks; decoding with it
-reproduces the full forward exactly. ``terminal``: one bank per physical layer holding each prefix
-token's *last*-visit K/V, which every visit of later tokens attends to (within the chunk, visit r sees
-the chunk's own visit r, as in training); K banks instead of K·R.
-
-A forward creates one :class:`AttentionScope` (cache, key-padding mask, position ids, pending writes) and
-passes it down, as HF passes ``layer_idx``: each attention call gets ``scope.at(visit)``. Prelude and coda
-layers have visit 0; core call ``call`` of loop step t has visit ``t · calls_per_step + call`` (Ouro's
-``step·L + layer``; ``calls_per_step`` = 2 for ``sc_subtract`` / ``additive_subtract``). No global state,
-so scopes are re-entrant.
-
-**Early exit** (our choice): a row frozen by :meth:`AttentionScope.freeze` at visit r writes its visit-r
-K/V into every later visit slot ("copy-forward"). A chunk running more visits than the cache holds reads
-the prefix's deepest stored visit at or below the requested one; one running fewer copies its deepest
-visit forward, so every bank covers every cached token.
+``per_visit``: one bank per (physical layer, visit), K·R banks, exact. ``terminal``: one bank per physical
+layer holding each prefix token's last-visit K/V (a chunk's visit r still sees its own visit r); K banks.
+A forward passes one :class:`AttentionScope` down (as HF passes ``layer_idx``): prelude and coda attend at
+visit 0, core call ``call`` of step t at ``t · calls_per_step + call``. Early exit (our choice): a frozen row
+copies its exit visit's K/V forward; a chunk running more visits than cached reads the deepest stored visit
+at or below its own, one running fewer copies its deepest forward.
 """
 
 from __future__ import annotations
@@ -31,9 +21,8 @@ CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
 
 def chunk_positions(valid: torch.Tensor | None, start, L: int, device) -> torch.Tensor:
-    """Position ids (B, L) int64 of a chunk of L tokens (or (1, L) when nothing varies per row): ``start``
-    (B, 1) (real tokens cached before the chunk) or 0, plus the real tokens before each one in the chunk.
-    ``valid`` (B, L) bool marks real tokens (None: all); a left-padding position gets 0."""
+    """Position ids (B, L) (or (1, L)) of a chunk: ``start`` (B, 1) or 0 plus the real tokens (``valid`` (B, L)
+    bool, None = all) before each; left padding gets 0."""
     if valid is None:
         pos = start + torch.arange(L, device=device)  # (B, L) or (L,)
         return pos if pos.dim() == 2 else pos[None]
@@ -47,27 +36,10 @@ def _nearest(keys: list[int], v: int) -> int:
 
 
 class KVCache:
-    """Cached K/V of the tokens processed so far, for one batch of B sequences.
-
-    **Static layout** (issue 15): every bank is a preallocated pair (B, H_kv, capacity, head_dim) written
-    in place at ``[L_past, L_past + L_chunk)`` (capacity: ``max_len``, else the model's ``seq_len``;
-    doubled on overflow). During a chunk's forward, attention writes the chunk's K/V into the scratch
-    positions after the prefix and reads ``[:L_past + L_chunk]``; :meth:`AttentionScope.commit` then
-    writes every bank's final chunk K/V there. Under autograd, attention concatenates instead.
-
-    Args:
-        mode: ``per_visit`` or ``terminal`` (module docstring). max_len: capacity (None: ``seq_len``).
-
-    Attributes:
-        banks: {key: (K, V)}, each (B, H_kv, L_past, head_dim); key = (layer_id, visit) for ``per_visit``,
-            (layer_id, visit mod calls_per_step) for ``terminal``.
-        calls_per_step: core calls per loop step (2 for ``sc_subtract`` / ``additive_subtract``).
-        valid: (B, L_past) bool, False = left padding. n_valid: (B,) int64 real tokens per row.
-        stats: per-sequence running sums of prefix-dependent rules (SCSE mask energy ``‖Δ_t‖²_F``), {key: (B,)}.
-
-    Raises:
-        ValueError: unknown mode.
-    """
+    """Cached K/V of B sequences (``mode`` per_visit or terminal; ValueError otherwise). Banks are preallocated
+    (B, H_kv, capacity, hd) pairs (issue 15; capacity ``max_len`` or seq_len, doubled on overflow) written in
+    place; ``banks`` {(layer_id, visit or visit mod calls_per_step): (K, V)}; ``valid`` (B, L_past) bool,
+    ``n_valid`` (B,) real tokens; ``stats`` per-sequence running sums (SCSE mask energy)."""
 
     def __init__(self, mode: CacheMode = "per_visit", max_len: int | None = None):
         if mode not in CACHE_MODES:
@@ -83,13 +55,12 @@ class KVCache:
         self.calls_per_step = 1
 
     @property
-    def length(self) -> int:
-        """Cached positions L_past (including padding)."""
+    def length(self) -> int:  # cached positions L_past, padding included
         return self._len
 
     @property
     def banks(self) -> dict:
-        """{key: (K, V)} (B, H_kv, L_past, hd) each: views of the used part of the buffers."""
+        """{key: (K, V)} (B, H_kv, L_past, hd): views of the used part of the buffers."""
         n = self._len
         return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
 
@@ -98,8 +69,7 @@ class KVCache:
         return None if self._valid is None else self._valid[:, :self._len]
 
     def nbytes(self) -> int:
-        """Bytes of the cached tokens' K/V (the quantity terminal sharing reduces): L_past positions
-        of every bank — not the preallocated capacity, which :meth:`capacity_nbytes` reports."""
+        """Bytes of the cached tokens' K/V (L_past positions of every bank, not the capacity)."""
         return sum(2 * k[:, :, :self._len].numel() * k.element_size() for k, _ in self.buffers.values())
 
     def capacity_nbytes(self) -> int:
@@ -162,11 +132,7 @@ class KVCache:
 
 
 class KVVisit(NamedTuple):
-    """What an attention layer receives for one visit: the forward's scope and the visit index.
-
-    ``record=False`` reads the cache but writes nothing (extra readouts, such as intermediate-depth
-    codas or the readouts of logit-based exit criteria, leave no trace in the cache).
-    """
+    """What an attention layer receives for one visit; ``record=False`` reads the cache and writes nothing."""
 
     scope: "AttentionScope"
     visit: int
@@ -187,15 +153,8 @@ class KVVisit(NamedTuple):
 
 
 class AttentionScope:
-    """The attention context of one forward pass over a chunk of B × L_chunk tokens.
-
-    Args:
-        cache: the :class:`KVCache` to read the prefix from and append this chunk to (None: no cache).
-        key_valid: (B, L_chunk) bool — False marks left padding (None: every token is real).
-
-    The model passes ``scope.at(visit)`` to every attention call of the forward and calls
-    :meth:`commit` once the chunk is done, which appends its K/V to the cache.
-    """
+    """The attention context of one forward over a chunk: ``cache`` (or None), ``key_valid`` (B, L_chunk) bool
+    (False = left padding); :meth:`commit` appends the chunk's K/V to the cache."""
 
     check_positions = True  # the model checks its positions against seq_len (a static cache bounds them)
 
@@ -250,16 +209,8 @@ class AttentionScope:
 
     def attend(self, layer_id: int, visit: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                dropout_p: float = 0.0, *, record: bool = True) -> torch.Tensor:
-        """Attention of this chunk's queries over the cached prefix and the chunk itself.
-
-        Args:
-            layer_id: the physical attention layer. visit: the virtual-layer visit (module docstring).
-            q: (B, H, L_chunk, head_dim), k, v: (B, H_kv, L_chunk, head_dim) of the current visit (k rotated
-                when the model has rotary positions).
-            record: False reads the cache and writes nothing.
-        Returns:
-            (B, H, L_chunk, head_dim).
-        """
+        """Attention of the chunk's q (B, H, L, hd) over the cached prefix and the chunk's k, v (B, H_kv, L, hd)
+        at ``visit`` of physical layer ``layer_id`` → (B, H, L, hd); ``record=False`` writes nothing."""
         cache = self.cache
         if record:
             if self.frozen is not None and layer_id in self.last:

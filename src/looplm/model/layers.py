@@ -1,15 +1,9 @@
 """Transformer layers shared by every looplm architecture (SPEC §1).
 Sources: SCSE arXiv:2607.27656 §2 (G(0) = 0); DeepLoop arXiv:2607.13491 eq. 2–8 (Post-LN family).
 
-All projections are bias-free and RMSNorm maps 0 to 0, so a block's residual update is
-zero-preserving: ``Block(0) == 0`` exactly. SCSE relies on this (SPEC §2). (The optional q/k bias keeps
-it: at x = 0 the values are 0.) The options that Huginn-0125 and Ouro need (issue 14) are off by default:
-rotary positions (:class:`Rope`), grouped-query attention, a q/k bias, and sandwich / pre-post blocks.
-
-Modules return residual *updates*: ``Block(x)`` is the block's branch sum ``Block_full(x) − x`` and
-``Core(x)`` is G(x) = Core_full(x) − x, so callers write ``x + block(x)``. Calling blocks through
-``__call__`` (never a side method) keeps module hooks working: FSDP2 unshards parameters and
-``torch.compile`` compiles ``forward``.
+Projections are bias-free and RMSNorm(0) = 0, so ``Block(0) == 0`` exactly (SCSE relies on it, SPEC §2).
+Modules return residual *updates* (``Block(x) = Block_full(x) − x``, ``Core(x)`` = G(x)), called through
+``__call__`` so module hooks (FSDP2, torch.compile) work. Huginn-0125 / Ouro options (issue 14) are off by default.
 """
 
 from __future__ import annotations
@@ -23,10 +17,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) · g`` over the last dim; learned gain g (or none when ``affine=False``).
-
-    Shapes: (..., d) → (..., d). RMSNorm(0) = 0 exactly.
-    """
+    """``x / sqrt(mean(x²) + eps) · g`` over the last dim (no g when ``affine=False``): (..., d) → (..., d)."""
 
     def __init__(self, d: int, eps: float = 1e-6, affine: bool = True):
         super().__init__()
@@ -41,17 +32,9 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class Rope:
-    """Rotary position embedding (RoFormer, arXiv:2104.09864) of one attention layer's q and k.
-
-    Coordinate pair i of a head (i < head_dim/2) is rotated by the angle p·ω_i at position p, with
-    ω_i = θ^(−2i/head_dim) / factor (``factor`` > 1: linear position interpolation, HF's rope_type
-    ``linear``). ``layout`` names the pairs: ``half`` — (i, i + head_dim/2), the rotate-half form of HF
-    Llama/Qwen and Ouro; ``interleaved`` — (2i, 2i+1), the complex-pair form of Huginn-0125 and Meta's
-    Llama. The frequencies are formed as in both originals, ``1 / θ^(arange(0, hd, 2) / hd)`` in float32,
-    and the rotation runs in float32 (then back to the input dtype), as Huginn's does. ``table_dtype``
-    ``bfloat16`` rounds cos and sin to bf16 first: Huginn-0125 rotates with the table stored in its bf16
-    checkpoint (``freqs_cis``), which is this float32 table rounded to bf16 (checked by the importer).
-    """
+    """Rotary embedding (arXiv:2104.09864): pair i rotated by p·ω_i, ω_i = θ^(−2i/head_dim) / factor (linear
+    interpolation), in float32; pairs ``half`` (i, i + hd/2; HF Llama, Ouro) or ``interleaved`` (2i, 2i+1;
+    Huginn-0125). ``table_dtype`` bfloat16 rounds cos, sin first (Huginn-0125's stored ``freqs_cis``)."""
 
     head_dim: int
     theta: float
@@ -96,18 +79,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention through ``F.scaled_dot_product_attention``, bias-free by default.
-
-    Shapes: (B, L, d) → (B, L, d). ``n_kv_heads`` < ``n_heads`` gives grouped-query attention (the
-    fused ``qkv`` projection then has (n_heads + 2·n_kv_heads)·head_dim rows: q, k, v); ``qk_bias`` adds a
-    learned bias ``qk_bias`` ((n_heads + n_kv_heads)·head_dim,: q's, then k's) to q and k; ``rope`` (a
-    :class:`Rope`) rotates q and k by their positions. The KV cache stores the rotated keys.
-    ``qkv_inject`` (B, L, qkv rows), when given, is added to the Q/K/V projections (the ``deq_qkv``
-    injection, SPEC §2). ``kv`` (a :class:`looplm.model.kvcache.KVVisit`: the attention scope of the
-    forward and the virtual-layer visit index, passed down explicitly as HF passes ``layer_idx``), when
-    given, routes attention through the KV cache and/or key-padding mask of that scope, and gives the
-    positions (its scope's ``positions``); without it attention is plain causal SDPA at positions 0 … L−1.
-    ``layer_id`` (set by the model) names the physical layer.
+    """Causal self-attention (SDPA), bias-free: (B, L, d) → (B, L, d). ``n_kv_heads`` < ``n_heads``: grouped-query
+    (fused ``qkv`` rows q, k, v); ``qk_bias`` on q and k; ``rope`` rotates q, k (the cache stores rotated keys);
+    ``qkv_inject`` (B, L, qkv rows) is added to the projections (``deq_qkv``); ``kv`` (a
+    :class:`~looplm.model.kvcache.KVVisit`, passed as HF passes ``layer_idx``) routes through the cache and
+    padding mask and gives the positions. ``layer_id`` (set by the model) names the physical layer.
     """
 
     def __init__(self, d: int, n_heads: int, dropout: float, *, n_kv_heads: int | None = None,
@@ -147,11 +123,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Bias-free SwiGLU MLP: ``W_down(silu(W_gate x) ⊙ W_up x)``. Shapes: (B, L, d) → (B, L, d).
-
-    The gate and up projections are one fused matmul: ``gate_up.weight`` (2·d_ff, d) holds ``W_gate``
-    in rows ``[0, d_ff)`` and ``W_up`` in rows ``[d_ff, 2·d_ff)``.
-    """
+    """``W_down(silu(W_gate x) ⊙ W_up x)``, (B, L, d) → (B, L, d); ``gate_up.weight`` (2·d_ff, d) is [W_gate; W_up]."""
 
     def __init__(self, d: int, d_ff: int):
         super().__init__()
@@ -167,17 +139,11 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Transformer block (SPEC §1, §3), returning its residual update (full block output − x).
 
-    Pre-LN (``post_ln_alpha=None``, ``norm="pre"``): ``x + Attn(N₁(x))``, then ``+ MLP(N₂(·))``; the update
-    is the sum of the two branch outputs, so ``block(0) == 0`` holds exactly in floating point.
-    Sandwich (``norm="sandwich"``; Ouro): each branch's output is normalized too,
-    ``x₁ = x + N₁'(Attn(N₁(x)))``, ``x₂ = x₁ + N₂'(MLP(N₂(x₁)))``; the update is the sum of the branches.
-    Pre-post (``norm="pre_post"``; Huginn-0125's SandwichBlock): the residual sum is normalized,
-    ``x₁ = N₁'(x + Attn(N₁(x)))``, ``x₂ = N₂'(x₁ + MLP(N₂(x₁)))``; the update is ``x₂ − x``.
-    N₁, N₂ are ``norm1``, ``norm2``; N₁', N₂' are ``post_attn_norm``, ``post_mlp_norm``.
-    Post-LN family (``post_ln_alpha=α``, SPEC §3 / DeepNet eq. 1 / DeepLoop): ``x₁ = N₁(α·x + Attn(x))``,
-    ``x₂ = N₂(α·x₁ + MLP(x₁))``; the update is ``x₂ − x``. RMSNorm(0) = 0, so every form is
-    zero-preserving. Shapes: (B, L, d) → (B, L, d); ``qkv_inject`` (B, L, qkv rows) or None and ``kv`` (the
-    KV visit, or None) go to the attention; ``attn_kw`` (``n_kv_heads``, ``qk_bias``, ``rope``) too.
+    (B, L, d) → (B, L, d), N₁, N₂ = ``norm1``, ``norm2``, N₁', N₂' = ``post_attn_norm``, ``post_mlp_norm``:
+    pre: ``x + Attn(N₁(x))``, then ``+ MLP(N₂(·))`` (the update is the branch sum, so ``block(0) == 0`` exactly);
+    sandwich (Ouro): ``x₁ = x + N₁'(Attn(N₁(x)))``, ``x₂ = x₁ + N₂'(MLP(N₂(x₁)))``; pre_post (Huginn-0125):
+    ``x₁ = N₁'(x + Attn(N₁(x)))``, ``x₂ = N₂'(x₁ + MLP(N₂(x₁)))``; post-LN (``post_ln_alpha=α``, SPEC §3, DeepNet
+    eq. 1): ``x₁ = N₁(α·x + Attn(x))``, ``x₂ = N₂(α·x₁ + MLP(x₁))``. ``qkv_inject``, ``kv``, ``attn_kw``: attention's.
     """
 
     def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, eps: float,

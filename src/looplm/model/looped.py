@@ -28,15 +28,9 @@ from looplm.model.recurrence import LoopContext, build_rule, init_source_modules
 
 @dataclass
 class LoopOutput:
-    """What :meth:`LoopLM.forward` returns.
-
-    Attributes:
-        logits: (B, L, V) at the largest depth (None with ``Readout(logits=False)``). loss: mean CE over
-            targets != -100 there (None without targets). logits_by_depth: {T: (B, L, V)}.
-        nll_by_depth: {T: (B, L)} per-token NLL in nats (with targets).
-        states: h_0 … h_T, each (B, L, d), readout coordinates, before the coda (``Readout(states=True)``).
-        anchor: h* (B, L, d) (looped only). exit_logits_by_depth: {T: (B, L)} exit-gate logits (``exit_gate``).
-    """
+    """What :meth:`LoopLM.forward` returns: ``logits`` (B, L, V) and ``loss`` (mean CE over targets != -100) at the
+    largest depth; per depth T ``logits_by_depth`` (B, L, V), ``nll_by_depth`` (B, L) nats,
+    ``exit_logits_by_depth`` (B, L); ``states`` h_0 … h_T (B, L, d) before the coda; ``anchor`` h*."""
 
     logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None
@@ -52,8 +46,7 @@ def _post_ln_alpha(cfg: ModelConfig) -> float | None:
 
 
 def block_options(cfg: ModelConfig) -> dict:
-    """The keyword options every :class:`Block` of ``cfg`` takes: norm placement, key/value heads, q/k bias
-    and the rotary embedding (None without ``model.position.kind=rope``)."""
+    """The keyword options every :class:`Block` of ``cfg`` takes (norms, kv heads, q/k bias, rope or None)."""
     pos = cfg.position  # scaling_factor is 1 unless scaling=linear (the config checks it)
     rope = (Rope(cfg.head_dim, pos.theta, pos.layout, pos.scaling_factor, pos.table_dtype)
             if pos.NAME == "rope" else None)
@@ -66,9 +59,7 @@ def _block(cfg: ModelConfig) -> Block:
 
 
 def _normal(name: str, p: torch.Tensor, std: float) -> None:
-    """N(0, std) into ``p``; the fused SwiGLU ``gate_up`` matrix is drawn as its two halves, gate rows
-    first, then up rows — the same draws, in the same RNG order, as the separate ``gate`` and ``up``
-    matrices of the layout before the fusion (so every default model initializes bit for bit as before)."""
+    """N(0, std) into ``p``; the fused ``gate_up`` as its gate then up halves (the pre-fusion RNG order)."""
     if name.endswith("mlp.gate_up.weight"):
         half = p.shape[0] // 2
         with torch.no_grad():
@@ -79,9 +70,8 @@ def _normal(name: str, p: torch.Tensor, std: float) -> None:
 
 
 def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
-    """Xavier-normal (Glorot & Bengio 2010; DeepNet's base initializer, arXiv:2203.00555) into the block
-    matrix ``p`` (out, in): N(0, √(2/(fan_in + fan_out))) per logical matrix, the fused ``attn.qkv`` drawn
-    as its q, k, v row blocks and ``mlp.gate_up`` as gate, up (each with its own fan_out)."""
+    """Xavier-normal (DeepNet's base, arXiv:2203.00555) into block matrix ``p`` (out, in), per logical matrix
+    (q, k, v of ``attn.qkv``; gate, up of ``mlp.gate_up``)."""
     rows = p.shape[0]
     if name.endswith("attn.qkv.weight"):
         kv = cfg.kv_heads * cfg.head_dim
@@ -96,13 +86,9 @@ def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
 
 
 class DepthLM(nn.Module):
-    """What a looped model and its unshared reference share: embeddings, final norm, readout, the
-    initialization and :meth:`forward` — the recurrence on one screen.
-
-    Subclasses define the loop: :meth:`start` (initial state and context), :meth:`step` (one realized
-    step), :meth:`hidden` / :meth:`to_state` (readout coordinates ↔ loop state) and the ``blocks_before``
-    / ``blocks_after`` run by :meth:`embed` and :meth:`readout` (prelude and coda).
-    """
+    """What a looped model and its unshared reference share: embeddings, final norm, readout, init and
+    :meth:`forward`. Subclasses define :meth:`start`, :meth:`step`, :meth:`hidden` / :meth:`to_state` and
+    the prelude / coda (``blocks_before`` / ``blocks_after``)."""
 
     #: whether the model has a shared, depth-recurrent core (False for the unshared reference)
     shared = False
@@ -136,16 +122,9 @@ class DepthLM(nn.Module):
         raise NotImplementedError
 
     def reset_parameters(self) -> None:
-        """Initialization (our choice unless stated).
-
-        Pre-LN (GPT-2): N(0, init_std) everywhere; residual output projections (``proj``, ``down``) get
-        init_std/√(2·physical blocks). Post-LN (SPEC §3, DeepNet/DeepLoop): N(0, init_std) (or Xavier-normal
-        block matrices, ``block_init=xavier_normal``), then the value rows of ``attn.qkv``, ``attn.proj`` and
-        the MLP matrices are multiplied by β = (8N)^-p. Gains 1, biases 0, adapter α as configured. Then
-        ``embed_init_std`` (unless -1) re-draws the embeddings and the rule re-draws its source modules
-        (:func:`~looplm.model.recurrence.init_source_modules`), after the GPT-2 pass, so the defaults draw
-        exactly what they drew before these options.
-        """
+        """Pre-LN (GPT-2): N(0, init_std), residual projections init_std/√(2·blocks). Post-LN (SPEC §3): N(0,
+        init_std) or Xavier, then value rows, ``attn.proj`` and MLP matrices × β = (8N)^-p. Biases 0; then
+        ``embed_init_std`` and the rule's source modules re-draw (so the defaults draw as before)."""
         std = self.cfg.init_std
         post_ln = self.cfg.residual != "pre_ln"
         beta = self.cfg.residual_alpha_beta[1] if post_ln else 1.0
@@ -175,33 +154,23 @@ class DepthLM(nn.Module):
                 nn.init.normal_(self.pos_emb.weight, 0.0, self.cfg.embed_init_std)
 
     def num_params(self, trainable_only: bool = True) -> int:
-        """Number of (unique) parameters; tied embeddings count once."""
+        """Unique parameters; tied embeddings count once."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     # ------------------------------------------------------------------ the pieces of the loop
     @property
-    def blocks_before(self) -> Sequence[nn.Module]:
-        """Blocks :meth:`embed` runs after the embedding (the prelude)."""
+    def blocks_before(self) -> Sequence[nn.Module]:  # the prelude
         return ()
 
     @property
-    def blocks_after(self) -> Sequence[nn.Module]:
-        """Blocks :meth:`readout` runs before the final norm (the coda)."""
+    def blocks_after(self) -> Sequence[nn.Module]:  # the coda
         return ()
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None, *,
               scope: AttentionScope | None = None) -> torch.Tensor:
-        """Token embedding (times ``embed_scale``) + learned position embedding (+ input RMSNorm), then the
-        prelude. (B, L) int64 → (B, L, d).
-
-        ``positions`` (B, L) int64 are the position ids (default 0 … L−1; left-padded batches and
-        cached decoding pass their own). ``scope``: the forward's attention scope (KV cache,
-        key-padding mask; with ``model.position.kind=rope`` the attention reads the positions from it, so a
-        caller passing positions passes a scope that holds them); prelude layers attend at visit 0.
-
-        Raises:
-            ValueError: a position reaches ``seq_len``.
-        """
+        """Token embedding × ``embed_scale`` + positions (+ input RMSNorm), then the prelude: (B, L) → (B, L, d).
+        ``positions`` (B, L) default to 0 … L−1; ``scope`` (KV cache, padding mask, rope positions) at visit 0.
+        Raises ValueError when a position reaches ``seq_len``."""
         B, L = idx.shape
         if positions is None:
             if L > self.cfg.seq_len:
@@ -235,9 +204,7 @@ class DepthLM(nn.Module):
     def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                          record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
-        """:meth:`readout` up to the readout matrix: the exit norm (``model.exit_norm``), coda, token selection,
-        then the final norm as the readout mode asks. (B, L, d) → (B, L, d), or (N, d) with ``tokens``; ``readout`` is
-        ``lm_head(readout_features(...))``."""
+        """:meth:`readout` before ``lm_head``: exit norm, coda, token selection, final norm. → (B, L, d) or (N, d)."""
         if self.cfg.exit_norm != "none":  # the loop's exit, before the coda (Huginn-0125: ln_f)
             h = (self.exit_norm if self.exit_norm is not None else self.norm_f)(h)
         kv = None if scope is None else scope.at(0, record)
@@ -251,40 +218,31 @@ class DepthLM(nn.Module):
         return h
 
     def resolve_final_depth(self, final_depth: int | None, largest: int) -> int:
-        """The depth from which a ``final_only_norm`` readout normalizes: ``final_depth`` if given, else
-        ``self.final_depth``, else ``largest`` (the largest depth of the forward)."""
+        """Where ``final_only_norm`` starts: ``final_depth``, else ``self.final_depth``, else ``largest``."""
         return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
 
     def start(self, e: torch.Tensor, positions: torch.Tensor | None = None, *,
               scope: AttentionScope | None = None, valid: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, LoopContext]:
-        """Initial loop state (B, L, d) and the per-sequence :class:`LoopContext` from the prelude output
-        e (B, L, d). ``positions`` (B, L) position ids; ``scope`` the forward's attention scope;
-        ``valid`` (B, L) bool real-token mask (left padding), all stored in the context."""
+        """Initial loop state (B, L, d) and :class:`LoopContext` from e (B, L, d); ``valid`` (B, L) real tokens."""
         raise NotImplementedError
 
     def step(self, state: torch.Tensor, t: int, ctx: LoopContext, **kw) -> torch.Tensor:
         """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d)."""
         raise NotImplementedError
 
-    def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
-        """The hidden state h (readout coordinates) of a loop state. (B, L, d) → (B, L, d)."""
+    def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:  # readout coordinates h
         return state
 
-    def to_state(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
-        """The loop state whose hidden state is h (inverse of :meth:`hidden`)."""
+    def to_state(self, h: torch.Tensor, ctx: LoopContext) -> torch.Tensor:  # inverse of hidden
         return h
 
     # ------------------------------------------------------------------ forward: the recurrence
     def loop(self, idx: torch.Tensor, *, cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
              scale_clamp: bool = False) -> Loop:
         """A :class:`~looplm.model.cursor.Loop` at t = 0 on ``idx`` (B, L) int64: embed → prelude → start.
-
-        ``cache``: ``idx`` continues the cached tokens and its visits are appended (SPEC §6).
-        ``attention_mask``: (B, L) 0 marks left padding (masked keys; positions count real tokens).
-        ``scale_clamp``: the evaluation-time scale clamp (SPEC §4). Raises ValueError for a cache on the
-        unshared reference, or a position reaching ``seq_len``.
-        """
+        ``cache``: continue the cached tokens (SPEC §6); ``attention_mask`` (B, L): 0 = left padding;
+        ``scale_clamp``: the evaluation-time clamp (SPEC §4). ValueError: a cache on the unshared reference."""
         if cache is not None and not self.shared:
             raise ValueError("cache: KV caches need the shared architecture")
         scope, positions, valid = self._attention(idx, cache, attention_mask)
@@ -294,9 +252,8 @@ class DepthLM(nn.Module):
 
     def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, targets: torch.Tensor | None = None, *,
                 gradient: Gradient = BPTT, readout: Readout = Readout()) -> LoopOutput:
-        """The reading path of training and evaluation: :meth:`read` of a fresh :meth:`loop` on ``idx``
-        (B, L) int64, L ≤ seq_len. A cached, padded, clamped, resumed or hooked unroll opens its cursor
-        itself: ``model.read(model.loop(idx, cache=cache), depth)``."""
+        """:meth:`read` of a fresh :meth:`loop` on ``idx`` (B, L) int64; cached, padded or clamped unrolls use
+        ``model.read(model.loop(idx, cache=cache), depth)``."""
         return self.read(self.loop(idx), depth, targets, gradient=gradient, readout=readout)
 
     def read(self, loop: Loop, depth: int | Sequence[int], targets: torch.Tensor | None = None, *,
@@ -304,12 +261,9 @@ class DepthLM(nn.Module):
              on_depth: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None = None) -> LoopOutput:
         """Advance ``loop`` to the largest requested depth, reading out at every requested depth on the way.
 
-        Args:
-            loop: a cursor of this model (:meth:`loop`) at step t0. depth: T ≥ t0, or a sequence of depths.
-            targets: optional (B, L) int64 next-token ids (or (N,) with ``readout.tokens``); -100 ignored.
-            gradient: the :class:`Gradient`; ``endpoint`` reads depth T at ``gradient.key(T)`` = T + b.
-            on_depth: ``on_depth(T, h_T, logits_T)`` at every T = t0 … max(depth), logits None where not
-                formed: reduce each depth to statistics without keeping it.
+        ``loop`` is at step t0 ≤ every depth; ``targets`` (B, L) int64 (or (N,) with ``readout.tokens``), -100
+        ignored; ``endpoint`` reads depth T at ``gradient.key(T)``; ``on_depth(T, h_T, logits_T or None)`` runs at
+        every T = t0 … max(depth).
 
         Raises:
             ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
@@ -368,18 +322,8 @@ class DepthLM(nn.Module):
 
 
 class LoopLM(DepthLM):
-    """A looped causal language model: embed → prelude → T × (recurrence rule over a shared core) →
-    coda → readout (SPEC §1–2).
-
-    Args:
-        cfg: the model config (SPEC §1–2), ``architecture="shared"``.
-
-    ``model(idx, depth=T)`` returns a :class:`LoopOutput`; ``depth`` may be an int or a sequence of
-    depths, all read out from one unroll to the largest.
-
-    Raises:
-        ValueError: ``cfg.architecture`` is not ``shared`` (use :func:`build_model`).
-    """
+    """A looped LM: embed → prelude → T × (rule over a shared core) → coda → readout (SPEC §1–2).
+    Raises ValueError unless ``cfg.architecture`` is ``shared`` (use :func:`build_model`)."""
 
     shared = True
 
@@ -430,19 +374,10 @@ class LoopLM(DepthLM):
 
     def step(self, state: torch.Tensor, t: int, ctx: LoopContext, *, mask: bool = True,
              injection_gain: float = 1.0, clamp_rms: torch.Tensor | None = None) -> torch.Tensor:
-        """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d).
-
-        The rule's update (SPEC §2, with the SCSE zero-deviation mask), then the between-loop scale control
-        on h = hidden(state) (SPEC §4: ``inter_loop_norm`` RMSNorm with learned gain, ``spectral_damping``
-        h ← σ(ρ)·h, or ``final_norm``, Ouro's norm_f), then the scale clamp. The core attends through
-        ``ctx.scope`` at visit ``t · calls_per_step + call``.
-
-        Args:
-            state: the loop state (Δ for the SCSE family, else h). t: 0-based step. ctx: from :meth:`start`.
-            mask: False gives the SCSE family's raw pre-mask response b̃_t (arXiv:2607.27656 §2, after eq. 5;
-                the forcing-bias diagnostic). injection_gain: g scales the rule's injection (SPEC §7 dose
-                response; g = 0 removes it). clamp_rms: (B, L, 1) target RMS of the scale clamp, or None.
-        """
+        """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d): the rule's update (SPEC §2), the
+        scale control on h (SPEC §4), then the clamp to ``clamp_rms`` (B, L, 1). The core attends at visit
+        ``t · calls_per_step + call``. ``mask=False``: SCSE's raw b̃_t (arXiv:2607.27656 §2); ``injection_gain``:
+        the dose response g (SPEC §7)."""
         if injection_gain != 1.0:
             ctx = self.rule.with_injection_gain(ctx, injection_gain)
         scope, base = ctx.scope, t * self.calls_per_step
@@ -473,14 +408,8 @@ class LoopLM(DepthLM):
 
 
 class TransformerLM(DepthLM):
-    """The unshared Transformer reference (``architecture="unshared"``): ``n_layers`` distinct blocks.
-
-    Its "loop step" t applies block t (the identity past ``n_layers``), so depth T runs the first
-    ``min(T, n_layers)`` blocks and the same :meth:`forward`, runners and evaluations apply.
-
-    Raises:
-        ValueError: ``cfg.architecture`` is not ``unshared``.
-    """
+    """The unshared reference: step t applies block t (identity past ``n_layers``), so depth T runs the first
+    ``min(T, n_layers)`` blocks (SCSE eq. 20). Raises ValueError unless ``cfg.architecture`` is ``unshared``."""
 
     def __init__(self, cfg: ModelConfig):
         if cfg.architecture != "unshared":
@@ -508,10 +437,8 @@ class TransformerLM(DepthLM):
 
 
 class _Reader:
-    """The readouts of one forward into ``out`` at a requested depth T: the exit-gate logits, then the
-    logits (kept) and per-token NLL (with targets); or, when nobody reads the logits, the fused readout
-    + loss (with targets) or the coda alone (it fills the KV cache). Only the last readout's coda enters
-    the cache."""
+    """The readouts of one forward at depth T into ``out``: exit-gate logits, then logits and NLL, or the fused
+    readout + loss, or the coda alone (to fill the cache; only the last readout records)."""
 
     def __init__(self, model: DepthLM, out: LoopOutput, targets: torch.Tensor | None, readout: Readout, *,
                  final: int, last: int, scope: AttentionScope | None):
@@ -541,12 +468,8 @@ class _Reader:
 
 
 def build_model(cfg: Config | ModelConfig) -> DepthLM:
-    """The model a config describes: :class:`LoopLM` (shared) or :class:`TransformerLM` (unshared).
-
-    From a whole :class:`~looplm.config.Config`, a post-LN family model with ``model.residual_depth = 0``
-    takes R of N = K·R from the depth sampler's maximum (SPEC §3); a bare :class:`ModelConfig` must
-    state it.
-    """
+    """:class:`LoopLM` or :class:`TransformerLM`; from a whole Config, post-LN ``residual_depth = 0`` takes the
+    depth sampler's maximum (SPEC §3)."""
     # a whole Config has a model section (duck-typed: an export's remote code holds its own copy of the classes)
     model = getattr(cfg, "model", cfg)
     if model is not cfg and model.residual != "pre_ln" and model.residual_depth == 0:

@@ -31,14 +31,9 @@ from looplm.model.layers import RMSNorm, sinusoidal_step_embedding
 
 @dataclass
 class LoopContext:
-    """Per-sequence constants of one unroll. Tensors (B, L, d) unless stated.
-
-    ``anchor`` is h* (None for the unshared reference, which has none). ``injection`` is the
-    input-conditioned signal the rule re-adds at every step (None for none).
-    ``qkv`` holds per-core-block Q/K/V injections (B, L, 3d) (``deq_qkv``). ``valid`` (B, L, 1) marks
-    real tokens (None = all real; set by the model for left-padded batches) and ``scope`` is the
-    attention scope of a cached forward (for per-sequence running statistics), both set by the model.
-    """
+    """Per-sequence constants of one unroll, (B, L, d) unless stated: ``anchor`` h*, ``injection`` (re-added
+    every step; None for none), ``qkv`` per-core-block Q/K/V injections (B, L, 3d) of ``deq_qkv``; set by the
+    model: ``valid`` (B, L, 1) real tokens (None = all) and ``scope``, a cached forward's attention scope."""
 
     e: torch.Tensor
     anchor: torch.Tensor | None
@@ -67,12 +62,8 @@ class RecurrenceRule(nn.Module):
 
     def step(self, core, state: torch.Tensor, t: int, ctx: LoopContext, *,
              mask: bool = True) -> torch.Tensor:
-        """The rule's update ``state_t → state_{t+1}`` (B, L, d) at 0-based step t (module docstring;
-        call it through :meth:`looplm.model.LoopLM.step`).
-
-        ``core`` is the bound core ``core(x, qkv_inject=None, *, call=0)``. ``mask=False`` gives the
-        raw pre-mask map b̃ (only the masked SCSE family has a mask).
-        """
+        """``state_t → state_{t+1}`` (B, L, d) at 0-based step t (via :meth:`LoopLM.step`); ``mask=False``: the
+        raw pre-mask map b̃ (the masked SCSE family)."""
         raise NotImplementedError
 
     def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
@@ -82,16 +73,11 @@ class RecurrenceRule(nn.Module):
         return h
 
     def source_modules(self) -> list[tuple[nn.Linear, float]]:
-        """The rule's source modules (the linear maps of e, h* or γ_t that feed the loop, SPEC §1–2), each
-        with its std under ``source_init=matched`` (:func:`init_source_modules`), in a fixed order."""
+        """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order."""
         return []
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
-        """``ctx`` with the injection scaled by ``gain`` (evaluation-time dose response, SPEC §7).
-
-        gain 0 gives the injection-removed map, 1 the trained map. Rules without an injection return
-        ``ctx`` unchanged, so their dose response is zero by construction.
-        """
+        """``ctx`` with the injection scaled by ``gain`` (dose response, SPEC §7; unchanged without one)."""
         if ctx.injection is None and ctx.qkv is None:
             return ctx
         return dataclasses.replace(ctx, injection=None if ctx.injection is None else gain * ctx.injection,
@@ -107,11 +93,7 @@ def register_rule(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
 
 
 def build_rule(cfg: ModelConfig) -> RecurrenceRule:
-    """Instantiate the rule named by ``cfg.rule``.
-
-    Raises:
-        KeyError: the name is not registered (the message lists the known names).
-    """
+    """The rule named by ``cfg.rule`` (KeyError listing the known names if unregistered)."""
     if cfg.rule not in RULES:
         raise KeyError(f"model.rule: unknown recurrence rule {cfg.rule!r}; known: {', '.join(sorted(RULES))}")
     return RULES[cfg.rule](cfg)
@@ -127,17 +109,10 @@ def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
 
 
 def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, unit_projections: bool = False) -> None:
-    """Initialize the rule's source modules (:meth:`RecurrenceRule.source_modules`) by ``scheme`` (option
-    ``source_init``; SPEC §1, our choice): ``gpt2`` leaves :meth:`LoopLM.reset_parameters`' N(0, init_std);
-    ``torch`` is ``nn.Linear.reset_parameters``; ``normal`` draws N(0, ``std``) (with ``unit_projections``
-    only A and I, the rest σ_m = 1/√fan_in); ``matched`` draws N(0, σ_m), bias 0, so that what the module
-    feeds into the loop has the scale of the embedding.
-
-    **σ_m.** rms(Wx) = σ·√n·rms(x) for W with N(0, σ²) entries. SCSE's Δ₀ = c_0·I(e) − c_a·A(e) (eq. 3–4)
-    then has rms(Δ₀) = σ·√(d·(c_0² + c_a²))·rms(e), so rms(Δ₀) = rms(e) ⟺ σ_m = 1/√(d·(c_0² + c_a²)) (c_a only
-    with an A; 1/√d when c_0 = c_a = 0). At c_0 = c_a = 0.1, d = 192: σ_m = 0.51, where GPT-2's 0.02 gives
-    rms(Δ₀) ≈ 0.04·rms(e), swamped by the core's first output G(Δ₀) ~ rms(e). Every other source module
-    (W_in, W_c, P_step, Huginn's W_lin, W, W_e^(j)) gets 1/√fan_in: the rule's own scalar sets the size.
+    """Initialize the rule's source modules by ``scheme`` (option ``source_init``; SPEC §1, our choice): ``gpt2``
+    keeps N(0, init_std), ``torch`` nn.Linear's default, ``normal`` N(0, ``std``) (``unit_projections``: only A, I),
+    ``matched`` N(0, σ_m), bias 0. rms(Wx) = σ·√n·rms(x), so SCSE's Δ₀ = c_0·I(e) − c_a·A(e) (eq. 3–4) has the
+    RMS of e at σ_m = 1/√(d·(c_0² + c_a²)); the other maps get 1/√fan_in (the rule's scalar sets the size).
 
     Raises:
         ValueError: an unknown scheme, or ``normal`` without a positive ``std``.
@@ -161,10 +136,7 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, 
 
 @register_rule
 class Looped(RecurrenceRule):
-    """Looped Transformer baseline with additive injection: ``h_{t+1} = h_t + s·G(h_t + e)``.
-
-    h* = h_0 = e; s = 1 by default (SPEC §2, our choice).
-    """
+    """Looped baseline: ``h_{t+1} = h_t + s·G(h_t + e)``, h* = h_0 = e, s = 1 (SPEC §2, our choice)."""
 
     name = "looped"
 
@@ -214,8 +186,7 @@ class Adapter(_AnchoredStart):
     def source_modules(self):
         return super().source_modules() + _unit_gain(self.in_proj)
 
-    def step(self, core, state, t, ctx, *, mask=True):
-        return state + self.s * core(state + ctx.injection)
+    step = Looped.step
 
 
 @register_rule
@@ -239,15 +210,9 @@ class StepAdapter(Adapter):
 
 @register_rule
 class StepFilm(Adapter):
-    """Step-FiLM adapter (SCSE appendix, Step-Modulated Adapter Control; SPEC §2).
-
-    ``u = h + α·W_in h*``; ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)`` with (g_t, b_t) row
-    min(t, steps − 1) of a learned step-embedding table, σ = option ``sigma`` (0.1, our choice).
-    The table is zeros at construction, but :meth:`LoopLM.reset_parameters` draws every matrix from
-    N(0, init_std), so a model starts with a small random table: a near-identity modulation
-    (σ·init_std = 0.002) of the tuned adapter (our choice). Parameter ``film``: (steps, 2, d),
-    ``film[t, 0] = g_t``, ``film[t, 1] = b_t``. s = 0.35 by default (the tuned adapter's).
-    """
+    """Step-FiLM adapter (SCSE appendix; SPEC §2): ``u = h + α·W_in h*``, ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)``,
+    (g_t, b_t) = ``film[min(t, steps − 1)]`` of a learned (steps, 2, d) table, N(0, init_std) after
+    :meth:`LoopLM.reset_parameters` (a near-identity start; our choice)."""
 
     name = "step_film"
 
@@ -264,13 +229,8 @@ class StepFilm(Adapter):
 
 @register_rule
 class NormReset(Looped):
-    """Periodic normalization reset (SCSE appendix, Stabilization and Capacity Controls; SPEC §2).
-
-    The ``looped`` step ``h ← h + s·G(h + e)``, then after every P-th step (t + 1 ≡ 0 mod P,
-    P = option ``period``) ``h ← RMSNorm(h)`` per token. The RMSNorm is parameter-free (our
-    choice): the reset is a pure rescaling to unit RMS and the control stays parameter-matched to the
-    looped baseline. s = 1 by default (the looped baseline's).
-    """
+    """Periodic normalization reset (SCSE appendix; SPEC §2): the looped step, then ``h ← RMSNorm(h)``
+    (parameter-free, our choice: parameter-matched to looped) whenever t + 1 ≡ 0 mod ``period``."""
 
     name = "norm_reset"
 
@@ -285,15 +245,9 @@ class NormReset(Looped):
 
 
 class _SourceCentered(_AnchoredStart):
-    """The masked source-centered recurrence shared by the SCSE family (SCSE eq. 5 and Listing 1).
-
-    Loop state: the deviation Δ = h − h*. ``q_t = s·U(Δ_t)`` with the rule's raw update U,
-    ``m_b = 1{‖Δ_t^(b)‖²_F > ε}`` per example, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``; readout state
-    ``h* + Δ_T``. The conditioning input ``c_sc = κ·W_c h*`` (learned κ, initial value ``kappa``) is
-    the rule's injection; ``kappa=None`` builds no W_c. Anchor options (option ``anchor``): learned
-    (h* = e + c_a·A(e)), embedding (h* = e), init (h* = h_0, so Δ_0 = 0 exactly), frozen_random
-    (A random and not trained).
-    """
+    """The masked source-centered recurrence of the SCSE family (SCSE eq. 5, Listing 1) on Δ = h − h*:
+    ``q_t = s·U(Δ_t)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``, readout ``h* + Δ_T``;
+    the injection is ``c_sc = κ·W_c h*`` (none for ``kappa=None``); option ``anchor`` picks h*."""
 
     def __init__(self, cfg: ModelConfig, *, kappa: float | None, leak: float):
         super().__init__(cfg)
@@ -349,12 +303,7 @@ class _SourceCentered(_AnchoredStart):
 
 @register_rule
 class SCSE(_SourceCentered):
-    """Source-Centered State Evolution (SCSE eq. 5; SPEC §2). The loop state is the deviation Δ.
-
-    ``q_t = s·G(Δ_t + κ·W_c h*)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1−λ)Δ_t + m_b·q_t``;
-    the readout state is ``h* + Δ_T``. Main method: κ = 0 (no W_c, option ``kappa``), λ = 0
-    (option ``leak``), s = 0.5. Anchor options as in :class:`_SourceCentered`.
-    """
+    """Source-Centered State Evolution (SCSE eq. 5; SPEC §2); main method κ = 0 (no W_c), λ = 0, s = 0.5."""
 
     name = "scse"
 
@@ -365,12 +314,7 @@ class SCSE(_SourceCentered):
 
 @register_rule
 class SCCond(_SourceCentered):
-    """SC-Cond (SCSE appendix, Forcing-Bias Intervention Ablations; SPEC §2): the SCSE recurrence with
-    the source-conditioned input ``q = s·G(Δ + c_sc)``, ``c_sc = κ·W_c h*``, κ learned (initial
-    ``kappa`` = 0.15), no leak; masked or unmasked by option ``mask``. s = 0.5 by default.
-
-    Masked, its realized forcing bias is b_t = 0; its raw pre-mask response b̃_t = s·G(c_sc) is not.
-    """
+    """SC-Cond (SCSE appendix; SPEC §2): ``q = s·G(Δ + c_sc)``, no leak. Masked, b_t = 0 but b̃_t = s·G(c_sc)."""
 
     name = "sc_cond"
 
@@ -380,11 +324,8 @@ class SCCond(_SourceCentered):
 
 @register_rule
 class SCSubtract(SCCond):
-    """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core
-    applications per step (FLOP proxy c_body = 2). The mask follows option ``mask`` (on by default, our
-    choice; the subtraction alone already gives b̃_t = 0). With dropout off the two calls cancel
-    exactly at Δ = 0; in training they draw independent dropout masks (as in the paper).
-    """
+    """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core calls per step
+    (c_body = 2; independent dropout masks in training, as in the paper)."""
 
     name = "sc_subtract"
     core_calls_per_step = 2
@@ -395,10 +336,7 @@ class SCSubtract(SCCond):
 
 @register_rule
 class SCSELeak(_SourceCentered):
-    """SCSE leak diagnostic (SCSE appendix, Secondary Deviation-Leak Diagnostic; Listing 1): the masked
-    SCSE update with deviation leak λ_leak = option ``leak`` (0.02) and the conditioning input κ·W_c h*,
-    κ learned (initial option ``kappa`` = 0.15). s = 0.5 by default.
-    """
+    """SCSE leak diagnostic (SCSE appendix; Listing 1): SC-Cond with deviation leak λ_leak = ``leak``."""
 
     name = "scse_leak"
 
@@ -408,16 +346,9 @@ class SCSELeak(_SourceCentered):
 
 @register_rule
 class AdditiveSubtract(_AnchoredStart):
-    """Additive forcing subtraction (SCSE eq. 22; SPEC §2). The loop state is the deviation Δ.
-
-    ``u_t = G(h* + Δ_t + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; anchor
-    and initial state as the adapters (h* = e + c_a·A(e), h_0 = e + c_0·I(e)); α learned (initial
-    option ``alpha_init``); readout state h* + Δ_T. ``τ_t = τ·P_step γ_t`` with τ = option ``step_tau``;
-    the paper makes τ_t optional and zero for controls without step conditioning, and lists no step
-    term among this control's differences from the tuned adapter, so τ = 0 (no P_step) by default
-    (our choice). Two core applications per step (c_body = 2); no mask; s = 0.5 by default (our
-    choice, as SCSE). The injection is α·W_in e.
-    """
+    """Additive forcing subtraction (SCSE eq. 22; SPEC §2) on Δ: ``u_t = G(h* + Δ_t + α·W_in e + τ_t) −
+    G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; τ_t = τ·P_step γ_t, τ = 0 by default (our choice: the
+    paper lists no step term for this control); two core calls per step; no mask."""
 
     name = "additive_subtract"
     core_calls_per_step = 2
@@ -453,10 +384,7 @@ class AdditiveSubtract(_AnchoredStart):
 
 @register_rule
 class Plain(RecurrenceRule):
-    """No injection (DeepLoop baseline, readout blind spot; SPEC §2): ``h_{t+1} = Core(h_t) = h_t + G(h_t)``.
-
-    h* = h_0 = e (with ``input_norm`` the model normalizes e first). No residual scale s.
-    """
+    """No injection (DeepLoop baseline; SPEC §2): ``h_{t+1} = h_t + G(h_t)``, h* = h_0 = e, no scale s."""
 
     name = "plain"
 
@@ -468,18 +396,9 @@ class Plain(RecurrenceRule):
 
 
 class _Huginn(RecurrenceRule):
-    """Huginn-family rules (SPEC §2): the core input ζ is formed at the core entrance from the state h
-    and the prelude output e, then the core applies full blocks, ``h_{r+1} = Core(ζ_r) = ζ_r + G(ζ_r)``.
-
-    Initial state (option ``state_init``): zeros, embedding (h_0 = e), gaussian (N(0, σ²)) or
-    truncated_normal (N(0, σ²) truncated to ±3σ, ``torch.nn.init.trunc_normal_``; Huginn-0125 draws
-    σ·TN(0, 1, ±3) per token), σ = ``state_init_std``. In training mode the random draw uses the global
-    RNG, fresh per call; in evaluation mode (``state_init_seed`` ≥ 0) it is a fixed (seq_len, d) table
-    drawn from a generator seeded with ``state_init_seed`` and indexed by position, so evaluation,
-    batched and cached decoding see the same initial state (our choice; Huginn-0125 draws fresh noise
-    in evaluation too, which ``state_init_seed = -1`` gives).
-    The anchor is e; the injection (scaled by the dose response) is e itself.
-    """
+    """Huginn family (SPEC §2): ζ from h and e at the core entrance, ``h_{r+1} = ζ_r + G(ζ_r)``; anchor and
+    injection e. Random initial states draw from the global RNG in training; in evaluation (``state_init_seed``
+    ≥ 0) from a fixed seeded (seq_len, d) table indexed by position (our choice; -1: fresh, as Huginn-0125)."""
 
     uses_positions = True
 
@@ -528,10 +447,8 @@ class _Huginn(RecurrenceRule):
 
 @register_rule
 class HuginnLinear(_Huginn):
-    """Huginn's linear adapter: ``ζ = W_lin [h; e; 1]`` (Linear 2d→d with bias), and a parameter-free
-    RMSNorm at the core exit: ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2). Options ``adapter_bias=false``
-    (ζ = W_lin [h; e]) and ``step_norm=false`` (``h_{r+1} = ζ + G(ζ)``) give Huginn-0125's recurrence
-    (arXiv:2502.05171; its blocks end in a norm)."""
+    """``ζ = W_lin [h; e; 1]``, ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2); ``adapter_bias=false`` and
+    ``step_norm=false`` give Huginn-0125's recurrence (arXiv:2502.05171)."""
 
     name = "huginn_linear"
 
@@ -552,9 +469,7 @@ class HuginnLinear(_Huginn):
 
 
 class _Decay(_Huginn):
-    """Per-channel decay Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw) (SPEC §2, Parcae),
-    and the injection matrix W (bias-free d×d). Initial Δ_raw, α_raw: options ``delta_raw_init``,
-    ``alpha_raw_init`` (0, 0 → Δ = log 2, Λ = 1/2; our choice)."""
+    """Per-channel decay Λ = diag(exp(−Δ⊙α)), Δ = softplus(Δ_raw), α = exp(α_raw) (SPEC §2, Parcae), and W (d×d)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -573,15 +488,15 @@ class _Decay(_Huginn):
 
 
 @register_rule
-class ParcaeDecay(_Decay):
-    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2). The RMSNorm has learned gains (LMDR Table 7) unless option
-    ``input_norm_affine`` is false (parameter-free: W absorbs a gain; configs written before the option)."""
+class Parcae(_Decay):
+    """``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
 
-    name = "parcae_decay"
+    name = "parcae"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.in_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=cfg.options.input_norm_affine)
+        affine = getattr(cfg.options, "input_norm_affine", None)  # parcae_decay's option
+        self.in_norm = nn.Identity() if affine is None else RMSNorm(cfg.d_model, cfg.norm_eps, affine=affine)
 
     def core_input(self, state, ctx):
         lam, delta = self.decay()
@@ -589,21 +504,15 @@ class ParcaeDecay(_Decay):
 
 
 @register_rule
-class Parcae(_Decay):
-    """Parcae without the input norm: ``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
+class ParcaeDecay(Parcae):
+    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2; learned gains, LMDR Table 7, unless ``input_norm_affine=false``)."""
 
-    name = "parcae"
-
-    def core_input(self, state, ctx):
-        lam, delta = self.decay()
-        return lam * state + delta * self.in_proj(ctx.injection)
+    name = "parcae_decay"
 
 
 @register_rule
 class OrthoInj(_Decay):
-    """Orthogonal injection (SPEC §2): ``q = Δ ⊙ W e``; ``ζ = Q_q Λ h + q`` with the per-token
-    projection ``Q_q v = v − q (qᵀv)/(‖q‖² + 1e-6)`` removing the component of the carried state along
-    the injection."""
+    """Orthogonal injection (SPEC §2): ``q = Δ ⊙ W e``, ``ζ = Q_q Λ h + q``, ``Q_q v = v − q (qᵀv)/(‖q‖² + 1e-6)``."""
 
     name = "orthoinj"
 
@@ -617,8 +526,7 @@ class OrthoInj(_Decay):
 
 @register_rule
 class DEQQKV(_Huginn):
-    """Per-layer Q/K/V injection (SPEC §2, ``deq_qkv``): no entrance injection (ζ = h); recurrent block j
-    adds ``W_e^(j) e`` (bias-free Linear d→3d) to its Q, K and V projections at every recurrence."""
+    """Per-layer Q/K/V injection (SPEC §2): ζ = h; core block j adds ``W_e^(j) e`` (d→3d) to its Q, K, V."""
 
     name = "deq_qkv"
 
@@ -638,9 +546,4 @@ class DEQQKV(_Huginn):
         return state
 
 
-def _check_registry() -> None:
-    missing = set(RULE_NAMES) ^ set(RULES)
-    assert not missing, f"config RuleName and rule registry disagree on {sorted(missing)}"
-
-
-_check_registry()
+assert set(RULE_NAMES) == set(RULES), f"config RuleName and rule registry disagree on {set(RULE_NAMES) ^ set(RULES)}"

@@ -1,14 +1,8 @@
-"""One decode step as one static region (issue 28 §1): a fixed-capacity ``per_visit`` KV cache whose
-length and positions are tensors, so a whole token step — prelude, R core visits with their cache
-writes, coda, readout — has the same shapes and the same Python path at every token. It can then run
-under ``torch.compile`` (one graph, no recompilation as the cache grows) or be captured once as a CUDA
-graph and replayed per token.
-
-The step is the model's own forward (``model.read(model.loop(tok, cache=static), R)``); only the cache differs:
-:class:`StaticKVCache` is filled from a prefilled :class:`~looplm.model.kvcache.KVCache` (the prompt's
-prefill keeps the eager path) and hands the forward a :class:`StaticScope`, whose attention writes the
-token's K/V at slot ``length`` with ``index_copy_`` and attends over the whole capacity under a mask
-(real cached tokens and the new one). Fixed depth only: adaptive-depth decoding keeps the eager path.
+"""One decode step as one static region (issue 28 §1): a fixed-capacity ``per_visit`` KV cache whose length
+and positions are tensors, so the model's own forward (``model.read(model.loop(tok, cache=static), R)``) has
+the same shapes and Python path at every token: one ``torch.compile`` graph, or one captured CUDA graph.
+:class:`StaticScope` writes the token's K/V at slot ``length`` (``index_copy_``) and attends over the whole
+capacity under a mask. Fixed depth only; the prefill keeps the eager path.
 """
 
 from __future__ import annotations
@@ -22,14 +16,8 @@ from looplm.model.layers import attention
 
 
 class StaticKVCache:
-    """A ``per_visit`` cache of ``capacity`` positions built from a prefilled :class:`KVCache`.
-
-    Attributes (all tensors on the model's device, written in place by each step):
-        buffers: {(layer_id, visit): (K, V)}, each (B, H_kv, capacity, head_dim).
-        valid: (B, capacity) bool — real cached tokens. length: () int64 — positions used (the next slot).
-        n_valid: (B,) int64 — real tokens per row (the next token's position id).
-        stats: the per-sequence running sums of the prefix ({key: (B,)}).
-        steps_left: tokens that still fit (a Python count, checked outside the compiled step).
+    """A ``per_visit`` cache of ``capacity`` positions built from a prefilled :class:`KVCache`; tensors written in
+    place: ``buffers`` (B, H_kv, capacity, hd) pairs, ``valid`` (B, capacity), ``length`` (), ``n_valid`` (B,).
 
     Raises:
         ValueError: a cache that is not ``per_visit`` or is empty, or a capacity below the cached
@@ -135,16 +123,9 @@ class _Read(torch.nn.Module):
 class DecodeStep:
     """``step(tokens (B,)) → logits (B, V)``: one fixed-depth decode step on a :class:`StaticKVCache`.
 
-    ``how``: ``eager`` (the static step as is), ``compile`` (``torch.compile`` with ``backend``, static
-    shapes, ``fullgraph=True``: one graph or an error) or ``cuda_graph`` (captured once on CUDA after a
-    warm-up step, then replayed; the logits returned are a view of the graph's output buffer, overwritten
-    by the next step).
-
-    On CPU the readout matrix runs on a copy of ``lm_head.weight`` (V, d) laid out transposed in memory
-    ((d, V) row-major, the same values; V·d more floats held): a batch-1 readout is then one GEMV down
-    contiguous rows (at batch 1 and the Huginn shape the whole step runs about 1.3–1.5× faster:
-    ``benchmarks/results/decode-leads-cpu-2core.md``).
-    The copy is taken at construction: a step does not see later changes to the weights.
+    ``how``: ``eager``, ``compile`` (``fullgraph=True``) or ``cuda_graph`` (the logits are a view of the graph's
+    output buffer, overwritten by the next step). On CPU the readout uses a (d, V)-laid-out copy of ``lm_head``
+    taken at construction (1.3–1.5× at batch 1: ``benchmarks/results/decode-leads-cpu-2core.md``).
 
     Raises:
         ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity.

@@ -1,9 +1,4 @@
-"""The config of a Dr. GRPO run (``looplm rl train``; torch-free): ``--rl.FIELD`` and ``--optim.FIELD``.
-
-The optimizer is the shared :class:`looplm.config.OptimConfig` with RL's defaults: AdamW with betas
-(0.9, 0.98), no weight decay, a linear warm-up over ``optim.warmup_steps`` updates, then a constant
-learning rate (``min_lr_ratio`` 1: the cosine has nowhere to decay).
-"""
+"""The config of a Dr. GRPO run (``looplm rl train``; torch-free): ``--rl.FIELD`` and ``--optim.FIELD``."""
 
 from __future__ import annotations
 
@@ -26,16 +21,14 @@ class RLConfig(RunSection):
     """A Dr. GRPO run (:func:`looplm.rl.runner.rl_train`): rollouts, the update method and its evaluation."""
 
     _prefix = "rl."
-    method: UpdateMethod = _f("reuse", "update method: bptt (full BPTT through all R recurrences), recompute (R "
-                              "recurrences replayed without gradient, then Neumann-b) or reuse (Neumann-b from the "
-                              "rollout's saved depth-R states, no replay)")
+    method: UpdateMethod = _f("reuse", "update method: bptt (full), recompute (replay R, then Neumann-b) or reuse "
+                              "(Neumann-b from the saved depth-R states)")
     depth: int = _f(6, "R, the recurrence depth of sampling and of the BPTT / endpoint forward")
     neumann_steps: int = _f(4, "b, recurrences with gradient of recompute and reuse (read out at R + b)")
     group_size: int = _f(8, "G, responses per prompt (Dr. GRPO needs >= 2)")
     prompts_per_update: int = _f(16, "P, prompts per update")
     updates: int = _f(100, "policy updates (one per batch of P x G rollouts)")
-    train_problems: int = _f(0, "0 = fresh training problems every update; N = a fixed training set of N problems "
-                             "(as the paper's 400 GSM8K questions), visited in a reshuffled order each epoch")
+    train_problems: int = _f(0, "0 = fresh problems every update; N = a fixed set of N, reshuffled each epoch")
     temperature: float = _f(1.0, "sampling temperature of rollouts and of the pass@k samples")
     reward: RewardName = _f("exact_match", "verifier: exact_match or numeric")
     seed: int = _f(0, "seed of the training prompts and rollout samples")
@@ -44,20 +37,16 @@ class RLConfig(RunSection):
     eval_problems: int = _f(500, "held-out problems evaluated before and after")
     eval_samples: int = _f(8, "samples per held-out problem (pass@1 and pass@n)")
     eval_seed: int = _f(0, "seed of the evaluation samples (the same for every run, so runs are paired)")
-    compare_every: int = _f(10, "every this many updates, time all three methods and take their gradient cosines "
-                            "on that update's batch (0 = never)")
+    compare_every: int = _f(10, "every this many updates, compare the three methods' gradients (0 = never)")
     ckpt_every: int = _f(25, "checkpoint every this many updates (0 = only at the end)")
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, min_lr_ratio=1.0, weight_decay=0.0, beta2=0.98),
-        metadata={"help": "AdamW and its schedule (RL's defaults: lr 1e-4 after 10 warm-up updates, constant; betas "
-                          "(0.9, 0.98); no weight decay: Adam's first steps move every parameter by about lr, which "
-                          "the noisy policy gradient of a small model does not survive at 3e-4 without the warm-up)"})
+        metadata={"help": "AdamW and its schedule (RL's defaults: lr 1e-4 after 10 warm-up updates, then constant; "
+                          "betas (0.9, 0.98); no weight decay)"})
 
     def validate(self) -> None:
-        for name in ("depth", "neumann_steps", "updates", "prompts_per_update", "eval_problems", "eval_samples"):
-            self.require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("train_problems", "digits", "compare_every", "ckpt_every"):
-            self.require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        self.at_least(1, "depth", "neumann_steps", "updates", "prompts_per_update", "eval_problems", "eval_samples")
+        self.at_least(0, "train_problems", "digits", "compare_every", "ckpt_every")
         self.require(self.group_size >= 2, "group_size", f"Dr. GRPO needs >= 2 responses per prompt, got "
                      f"{self.group_size}")
         self.require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")

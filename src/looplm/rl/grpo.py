@@ -1,44 +1,18 @@
 """Dr. GRPO with rollout-state reuse (LMDR §3.1 "Post-training", §5.4, Table 4; appendix A.2).
 
-**Rollouts.** :func:`sample_rollouts` samples G responses per prompt at a fixed recurrence depth R with
-the KV cache (:func:`looplm.eval.generate.generate`, ``per_visit``, so decoding is exact) and keeps, for every
-position whose forward ran, the hidden state at depth R — the state the readout saw
-(``generate(save_states=True)``): the prompt's positions from the prefill, each fed-back response
-token's from its decode step. Rewards come from a registered verifier (:mod:`looplm.rl.rewards`).
-
-**Dr. GRPO** (Liu et al., "Understanding R1-Zero-Like Training", arXiv:2503.20783). For a prompt with
-rewards r_1 … r_G, the advantage is A_i = r_i − mean_j r_j (no division by the group's std); the
-loss sums each response's token log-probabilities without dividing by its length:
+:func:`sample_rollouts` samples G responses per prompt at depth R with the exact ``per_visit`` KV cache and
+keeps every input position's depth-R state (``generate(save_states=True)``); rewards come from
+:mod:`looplm.rl.rewards`. Dr. GRPO (arXiv:2503.20783): A_i = r_i − mean_j r_j (no std), and
 
     L(θ) = −1 / (P · G · M) · Σ_prompts Σ_i A_i Σ_t log π_θ(y_i,t | x, y_i,<t),
 
-with P prompts per update and M = ``max_new_tokens``, the constant that replaces the per-response
-length 1/|y_i| of GRPO. One policy update per batch of rollouts, so the importance ratio is 1 and the
-clipped surrogate's gradient is the one of L (no ratio or clipping is formed; no KL term, as Dr. GRPO).
-
-**Update methods** (:data:`UPDATE_METHODS`; Table 4's rows). Each re-scores the sampled tokens with one
-non-cached forward over ``prompt + response[:-1]`` (:meth:`looplm.model.LoopLM.forward`, the one loop)
-and back-propagates L:
-
-- ``bptt``: full BPTT, the forward at depth R with gradient through all R recurrences (D̃_R);
-- ``recompute``: recompute + Neumann-b, R recurrences replayed without gradient to the endpoint z^R,
-  then b recurrences with gradient from sg(z^R) (``Gradient("endpoint", b)``);
-- ``reuse``: reuse + Neumann-b, the same b recurrences from the saved rollout states
-  (:meth:`~looplm.model.cursor.Loop.resume` at R from the saved states): no replay.
-
-Reuse and recompute both read the log-probabilities out at z̄^b, i.e. after R + b recurrences, as the
-paper's "apply b recurrences from z̄" (its gradient is Σ_{k<b} J^k B along z̄ = Σ_{k<b} J_R^k B_R at a
-fixed point); the tokens were sampled from the readout at R, so π_{R+b} and π_R differ by how far z^R is
-from a fixed point (:func:`compare_methods` reports that gap). When the saved states equal the replay's,
-reuse and recompute compute the same numbers (the replayed endpoint enters through the same detach). The
-saved states equal a teacher-forced replay through the same cached decoding bit for bit, and the
-non-cached replay of ``recompute`` to fp32 rounding (~1e-6: a decode step multiplies one row where the
-full forward multiplies all of them, and CPU matmul kernels then sum in a different order).
-
-The update runs the model in evaluation mode: dropout off, and the Huginn Gaussian initial state from
-the fixed table the sampler used, so ``bptt`` and ``recompute`` replay the trajectory that was sampled.
+M = ``max_new_tokens``; one update per batch, so ratio 1, no clipping, no KL. Each update method
+(:data:`UPDATE_METHODS`, Table 4's rows) re-scores ``prompt + response[:-1]`` in one non-cached forward:
+``bptt`` through all R recurrences; ``recompute`` (Neumann-b) replays R without gradient, then b with
+gradient from sg(z^R); ``reuse`` runs the same b from the saved states (no replay). Both read out at R + b
+(:func:`compare_methods` reports the policy gap to R); the saved states equal the non-cached replay to fp32
+rounding (~1e-6). The update runs in eval mode (no dropout; Huginn's fixed initial-state table).
 """
-
 from __future__ import annotations
 
 import math
@@ -62,18 +36,8 @@ UPDATE_METHODS: tuple[str, ...] = get_args(UpdateMethod)
 
 @dataclass
 class Rollouts:
-    """G sampled responses for each of P prompts (row-major: prompt p's responses are rows p·G … p·G+G−1).
-
-    Attributes:
-        prompts: N = P·G prompt id lists (each prompt repeated G times).
-        responses: N response id lists (the EOS id included when emitted).
-        states: N tensors (len(prompt) + len(response) − 1, d): the depth-R states of the rollout, or
-            None when not saved.
-        rewards: (P, G) float32.
-        texts: N decoded responses (up to the EOS).
-        depth: the sampling depth R.
-        group_size: G.
-    """
+    """G responses for each of P prompts, row-major (N = P·G rows): ``states`` (len(prompt) + len(response) − 1, d)
+    per row at depth R or None, ``rewards`` (P, G), ``texts`` decoded up to EOS."""
 
     prompts: list[list[int]]
     responses: list[list[int]]
@@ -89,7 +53,7 @@ class Rollouts:
 
     @property
     def state_positions(self) -> int:
-        """Positions whose state was saved (prompt positions + fed-back response tokens; 0 when none)."""
+        """Positions whose state was saved (0 when none)."""
         return sum(s.shape[0] for s in self.states) if self.states is not None else 0
 
     def state_bytes(self) -> int:
@@ -107,23 +71,8 @@ def response_text(ids: Sequence[int], eos_id: int) -> str:
 def sample_rollouts(model, problems: Sequence[Problem], *, group_size: int, depth: int, max_new_tokens: int,
                     reward: str = "exact_match", temperature: float = 1.0, seed: int = 0, eos_id: int,
                     save_states: bool = True) -> Rollouts:
-    """Sample ``group_size`` responses per problem in one cached, batched decode at depth ``depth``.
-
-    Args:
-        model: a looped model (put in eval mode by :func:`looplm.eval.generate.generate`).
-        problems: P problems.
-        group_size: G responses per prompt.
-        depth: the recurrence depth R of every forward.
-        max_new_tokens: M, the response budget (and Dr. GRPO's normalizer).
-        reward: a name in :data:`looplm.rl.rewards.REWARDS`.
-        temperature: sampling temperature (no top-k/top-p).
-        seed: seed of the sampling generator.
-        eos_id: the id that ends a response.
-        save_states: keep each row's depth-R states (needed by ``reuse``).
-
-    Returns:
-        :class:`Rollouts`.
-    """
+    """Sample G = ``group_size`` responses per problem in one cached decode at depth R; M = ``max_new_tokens``;
+    ``reward`` names a verifier of :data:`looplm.rl.rewards.REWARDS`; ``save_states`` (for ``reuse``)."""
     score = get_reward(reward)
     prompts = [encode(p.prompt) for p in problems for _ in range(group_size)]
     gen = generate(model, prompts, max_new_tokens, depth, temperature=temperature, seed=seed, eos_id=eos_id,
@@ -145,33 +94,14 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def dr_grpo_loss(nll: torch.Tensor, advantages: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The Dr. GRPO loss from per-token NLLs (module docstring).
-
-    Args:
-        nll: (N, L) per-token −log π of the response tokens (0 at positions that score nothing).
-        advantages: (N,) per-response advantages (rows in the order of ``nll``; N = P·G).
-        max_new_tokens: M, the per-response token budget.
-
-    Returns:
-        Scalar ``Σ_i A_i Σ_t nll_i,t / (N · M)``: −1/(P·G·M) Σ A_i Σ_t log π.
-    """
+    """Dr. GRPO loss ``Σ_i A_i Σ_t nll_i,t / (N · M)`` from nll (N, L) (0 where nothing is scored), advantages (N,)."""
     return (advantages.to(nll.dtype)[:, None] * nll).sum() / (nll.shape[0] * max_new_tokens)
 
 
 @dataclass
 class ScoreBatch:
-    """The scoring forward's input for N responses (left-padded prompts, right-padded responses).
-
-    Row i is ``pad · prompt_i · response_i[:-1] · pad``; every prompt ends at column P_max − 1, so
-    response token j is read out at column P_max − 1 + j.
-
-    Attributes:
-        idx: (N, L) int64 token ids (0 at padding).
-        mask: (N, L) int64 attention mask (1 = real token).
-        targets: (N, L) int64: response token j at column P_max − 1 + j, −100 elsewhere.
-        states: (N, L, d) the rollout's saved depth-R states at the real positions (0 at padding), or None.
-        advantages: (N,) float32.
-    """
+    """Scoring input: row i is ``pad · prompt_i · response_i[:-1] · pad`` (prompts end at column P_max − 1);
+    ``idx``, ``mask``, ``targets`` (−100 off the response) (N, L); ``states`` (N, L, d) or None; ``advantages`` (N,)."""
 
     idx: torch.Tensor
     mask: torch.Tensor
@@ -207,15 +137,8 @@ def pack(rollouts: Rollouts, device: torch.device | str = "cpu") -> ScoreBatch:
 
 def score(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: int,
           state_depth: int | None = None) -> torch.Tensor:
-    """Per-token NLL (N, L) of the sampled tokens under ``method``, with the method's autograd graph.
-
-    Args:
-        model: the policy (a looped model).
-        batch: :func:`pack`'s output (``states`` needed by ``reuse``).
-        method: ``bptt``, ``recompute`` or ``reuse`` (module docstring).
-        depth: R, the sampling depth.
-        neumann_steps: b of ``recompute`` / ``reuse`` (ignored by ``bptt``).
-        state_depth: the depth T0 the saved states are at (default R); ``reuse`` reads out at T0 + b.
+    """Per-token NLL (N, L) of the sampled tokens under ``method`` (with its graph); b = ``neumann_steps``;
+    ``state_depth``: T0 of the saved states (default R; ``reuse`` reads out at T0 + b).
 
     Raises:
         ValueError: an unknown method, or ``reuse`` without saved states.
@@ -238,12 +161,7 @@ def score(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: i
 
 def update_gradient(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: int,
                     max_new_tokens: int, state_depth: int | None = None) -> tuple[dict[str, float], torch.Tensor]:
-    """Score + backward of the Dr. GRPO loss into ``model``'s ``.grad`` (zeroed first), timed.
-
-    Returns:
-        ``({"loss", "time_s" (scoring + backward, wall seconds), "nll_mean" (mean −log π per response
-        token)}, the per-token NLL (N, L), detached)``.
-    """
+    """Score + backward of the Dr. GRPO loss into ``.grad`` (zeroed first): ({"loss", "time_s", "nll_mean"}, nll)."""
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     nll = score(model, batch, method, depth=depth, neumann_steps=neumann_steps, state_depth=state_depth)
@@ -273,14 +191,8 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 def compare_methods(model, batch: ScoreBatch, *, depth: int, neumann_steps: int, max_new_tokens: int,
                     methods: Sequence[str] = UPDATE_METHODS) -> dict[str, Any]:
-    """Every method's gradient on one batch: timings, whole-model cosines between each pair, norms, and
-    the policy gap (mean |log π_{R+b} − log π_R| per response token, the Neumann readout against the
-    sampling readout). Leaves ``model``'s gradients zeroed.
-
-    Returns:
-        ``{"time_s": {method: s}, "grad_norm": {method: ‖g‖}, "cos": {"a|b": cosine},
-        "policy_gap": float | None}``.
-    """
+    """Every method's gradient on one batch (gradients left zeroed): ``{"time_s", "grad_norm", "cos": {"a|b"},
+    "policy_gap"}``, the gap being mean |log π_{R+b} − log π_R| per response token."""
     grads, times, nlls = {}, {}, {}
     for m in methods:
         res, nlls[m] = update_gradient(model, batch, m, depth=depth, neumann_steps=neumann_steps,

@@ -1,16 +1,8 @@
 """Verifiable rewards: a string-keyed registry of ``reward(response, answer) -> float``.
 
-``response`` is the decoded continuation (the EOS newline and anything after it removed), ``answer`` the
-problem's reference text. Both shipped rewards are binary (1.0 correct, 0.0 otherwise), as in the
-verifiable-reward RL of Dr. GRPO (Liu et al., arXiv:2503.20783) and LMDR §5.4:
-
-- ``exact_match``: the response equals the answer after stripping surrounding whitespace;
-- ``numeric``: the first number in the response (optional sign, digits, optional decimal part,
-  thousands separators ``,`` ignored) equals the answer's number within 1e-9 relative tolerance; so
-  ``"0357"``, ``"357.0"`` and ``"= 357"`` all match ``"357"``; a response without a number scores 0.
-
-Add a reward by registering a function in :data:`REWARDS`; :func:`get_reward` fails on an unknown name
-and lists the known ones.
+``response`` is the decoded continuation up to EOS. Rewards are binary, as in Dr. GRPO (arXiv:2503.20783) and
+LMDR §5.4: ``exact_match`` (equal after stripping whitespace) and ``numeric`` (the first number, ``,`` ignored,
+equals the answer's within 1e-9 relative: ``"0357"``, ``"357.0"``, ``"= 357"`` match ``"357"``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The RL drivers: supervised pretraining on a task, pass@k evaluation, and the resumable Dr. GRPO run.
-
-- :func:`pretrain_task`: a small looped model trained on the task's token stream with looplm's own
-  trainer (:func:`looplm.train.trainer.train` with the stream handed in as :class:`TrainData`), into a
-  run folder like ``looplm train``'s; resumable.
-- :func:`evaluate_passk`: pass@1 and pass@k on the task's held-out problems (n samples per problem,
-  the unbiased estimator of Chen et al. 2021), plus greedy accuracy.
-- :func:`rl_train`: Dr. GRPO from a checkpoint with one of the update methods of
-  :mod:`looplm.rl.grpo`, evaluating before and after; checkpoints (atomic, with the optimizer state and
-  the options) every ``ckpt_every`` updates, so ``resume=True`` continues exactly (rollout seeds and
-  prompts are pure functions of (seed, update)). Writes ``metrics.jsonl`` (one record per update),
-  ``results.json`` and ``rl.png``.
+"""The RL drivers: task pretraining with looplm's trainer (:func:`pretrain_task`), pass@k evaluation
+(:func:`evaluate_passk`), and the resumable Dr. GRPO run (:func:`rl_train`; rollout seeds and prompts are pure
+functions of (seed, update), so a resume continues exactly; writes metrics.jsonl, results.json, rl.png).
 """
 
 from __future__ import annotations
@@ -37,13 +28,8 @@ from looplm.rl.rewards import get_reward
 from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
 from looplm.train.optim import Optimization
 
-#: the pretraining config of :func:`pretrain_task` (our choice, sized for a shared 2-core CPU): a
-#: Huginn-style 1 + 2×R + 1 model (``huginn_linear``, d = 64, 4 heads, 0.28M parameters with the
-#: 14-token vocabulary) trained with LMDR's recipe at small scale: PLN depths of mean 5 (cap 16),
-#: truncated BPTT through the last 4 recurrences, WSD schedule, AdamW betas (0.9, 0.98). The context is
-#: one record of 3-digit addition (13 tokens: a window is one example, its prompt at position 0 as in
-#: RL; 128 of them per step). ``data`` is not read (the task's stream replaces the corpus) and is left
-#: at its defaults.
+#: :func:`pretrain_task`'s config (our choice, for a 2-core CPU): Huginn-style 1 + 2×R + 1 (0.28M parameters), LMDR's
+#: recipe at small scale (PLN mean 5 cap 16, TBPTT-4, WSD); the context is one 13-token record; ``data`` is unread.
 PRETRAIN_CONFIG = Config(
     name="addition",
     model=ModelConfig(rule="huginn_linear", vocab_size=14, d_model=64, n_heads=4, d_ff=256, seq_len=13,
@@ -67,11 +53,8 @@ def _seed(*key: object) -> int:
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
                   train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
                   progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Supervised pretraining of ``cfg``'s model on the task's token stream with looplm's trainer.
-
-    The trainer samples its windows from the stream at multiples of the record length
-    (``TrainData.window_stride``), so every window holds whole records at fixed positions; validation
-    reads non-overlapping windows from the start of the valid stream, aligned too.
+    """Supervised pretraining of ``cfg``'s model on the task's stream (windows at record boundaries); returns the
+    trainer's summary plus ``task``.
 
     Args:
         out: run folder (checkpoints, metrics.jsonl, config.json, tokenizer.json, summary.json, task.json).
@@ -83,12 +66,8 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
         stop_after: stop (with a checkpoint) after this many steps of this invocation.
         overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
 
-    Returns:
-        The trainer's summary, plus ``task``.
-
     Raises:
-        ValueError: ``model.seq_len`` not a multiple of the record length, a task file in ``out`` that
-            names another task, or the trainer's errors.
+        ValueError: ``model.seq_len`` not a multiple of the record length, or ``out`` holds another task.
     """
     from looplm.train.trainer import TrainData, train
 
@@ -118,12 +97,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
 def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature: float = 1.0, seed: int = 0,
                    max_new_tokens: int, reward: str = "exact_match", batch_rows: int = 1024,
                    greedy: bool = True, progress: bool = False) -> dict[str, Any]:
-    """pass@1 and pass@``samples`` on ``problems`` (``samples`` responses each at ``temperature``), and greedy accuracy.
-
-    Returns:
-        ``{"problems", "samples", "temperature", "depth", "pass@1", "pass@<samples>", "greedy",
-        "mean_correct_per_problem"}`` (fractions in [0, 1]).
-    """
+    """pass@1, pass@``samples`` (Chen et al. 2021) and greedy accuracy on ``problems``, as fractions."""
     score = get_reward(reward)
     rows = [(i, p) for i, p in enumerate(problems) for _ in range(samples)]
     correct = [0] * len(problems)
@@ -157,8 +131,7 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
     """The task a checkpoint was pretrained on (its run's task.json), unless given.
 
     Raises:
-        ValueError: the checkpoint's tokenizer is not the task vocabulary (not a `looplm rl pretrain`
-            model), or it has no task.json and ``digits`` is not given.
+        ValueError: not the task vocabulary (not a `looplm rl pretrain` model), or no task.json nor ``digits``.
     """
     from looplm.rl.task import VOCAB
 
@@ -193,9 +166,6 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
         seed: seed of the evaluation samples.
         reward: the verifier (exact_match or numeric).
         device: cpu, cuda or cuda:N.
-
-    Returns:
-        :func:`evaluate_passk`'s dict plus ``checkpoint``, ``task``, ``digits`` and ``markdown``.
     """
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     t = _task_of(Path(ckpt), task, digits)
@@ -213,9 +183,8 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
 
 
 def training_problems(task, cfg: RLConfig, update: int) -> list:
-    """The P problems of ``update``: fresh ones drawn for (seed, update), or the next P of a fixed
-    training set of ``train_problems`` (drawn once for the seed), reshuffled every epoch by (seed, epoch).
-    A pure function of (config, update), so a resumed run sees the same prompts."""
+    """The P problems of ``update``: fresh for (seed, update), or the next P of the fixed set, reshuffled by
+    (seed, epoch); a pure function of (config, update)."""
     P, N = cfg.prompts_per_update, cfg.train_problems
     if not N:
         return task.problems(P, "rl", cfg.seed, update)
@@ -230,26 +199,8 @@ def training_problems(task, cfg: RLConfig, update: int) -> list:
 
 def rl_train(checkpoint: str | Path | None, out: str | Path, cfg: RLConfig | None = None, *, resume: bool = False,
              stop_after: int | None = None, progress: bool = True, device: str = "cpu") -> dict[str, Any]:
-    """Dr. GRPO post-training of a looped checkpoint on a verifiable task (:mod:`looplm.rl.grpo`).
-
-    Every update (:func:`rl_update`): P = ``prompts_per_update`` training problems drawn for (seed, update), G =
-    ``group_size`` responses each sampled at depth R = ``depth`` (KV cache, saved depth-R states), rewards,
-    advantages, one scoring + backward of the Dr. GRPO loss with ``method`` (Neumann-b with b =
-    ``neumann_steps``), one step of the ``optim`` section's AdamW. Every ``compare_every`` updates, before that
-    update's step, all three methods' gradients are computed on the same batch (timed; pairwise whole-model
-    cosines; the policy gap). pass@1 / pass@k on the first ``eval_problems`` held-out problems before and after.
-
-    Args:
-        checkpoint: the starting checkpoint (e.g. a ``looplm rl pretrain`` run); None with ``resume``.
-        out: the run folder.
-        cfg: the run's config (default :class:`RLConfig`); ignored with ``resume`` (the saved one wins).
-        resume: continue from the newest valid checkpoint in ``out``.
-        stop_after: stop (with a checkpoint) after this many updates of this invocation.
-        device: cpu, cuda or cuda:N.
-
-    Returns:
-        The results dict written to ``out/results.json``: config (``options``), before / after evaluation,
-        per-method median scoring + backward time, reward curve summary, cosine summary, state memory.
+    """Dr. GRPO post-training of ``checkpoint`` (None with ``resume``, where the saved config wins over ``cfg``) into
+    ``out``: :func:`rl_update` per update, pass@k before and after; returns ``results.json``'s dict.
 
     Raises:
         ValueError: a fresh run into a folder that holds checkpoints, or no ``checkpoint``.
@@ -303,8 +254,7 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, cfg: RLConfig | Non
 
 
 def rl_update(model, optim: Optimization, task, cfg: RLConfig, update: int, *, device: str = "cpu") -> dict[str, Any]:
-    """One Dr. GRPO update (:func:`rl_train`): rollouts, (every ``compare_every``) the three methods
-    compared on the batch, the method's scoring + backward, one optimizer step. Returns the update's metrics record."""
+    """One Dr. GRPO update: rollouts, (every ``compare_every``) the methods compared, scoring + backward, one step."""
     R, b, M = cfg.depth, cfg.neumann_steps, task.digits + 2
     compare = cfg.compare_every > 0 and update % cfg.compare_every == 0
     t0 = time.perf_counter()

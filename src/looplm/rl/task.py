@@ -1,35 +1,15 @@
 """Verifiable synthetic tasks for RL post-training, with their character-level vocabulary.
 
-**Addition** (our choice of task; the paper trains on GSM8K and MBPP+, which a CPU model cannot learn):
-D-digit addition at fixed width. A problem is ``"\na+b="`` with operands of 1 … D digits (the digit
-count of each uniform, then the value uniform among the numbers with that count) written with D digits
-(leading zeros), and its answer is the sum with D + 1 digits, e.g. for D = 3 ``"\n012+345="`` →
-``"0357"``; the model's response ends with a newline (the EOS of RL sampling).
-
-A **record** is one example, ``"\n" + "a+b=" + answer``: 3D + 4 tokens, all of the same length, so a
-prompt always sits at positions 0 … 2D + 2 of its record. The pretraining **token stream**
-(:meth:`AdditionTask.stream`) is records concatenated (each record's leading newline is the previous
-answer's end); training windows start at multiples of the record length
-(:attr:`AdditionTask.record_len`, the trainer's ``window_stride``), so every window holds whole records
-at fixed positions, as the RL prompts are (position 0). With learned absolute positions this
-alignment is what makes the task learnable at CPU scale: in a 2-digit pilot the same model reached 3%
-greedy accuracy after 500 steps on windows at random offsets, 89% after 400 steps with one example per
-row at position 0 (``experiments/lmdr-rl/README.md``). The pretraining config puts one record in each
-window.
-
-Data, all pure functions of a seed (so runs and resumes are reproducible):
-
-- a **held-out set** (:meth:`AdditionTask.heldout`) of distinct problems that no training stream or RL
-  batch ever contains (pretraining, RL prompts and evaluation are disjoint by construction);
-- the **token stream** for supervised pretraining (train and valid streams differ);
-- **RL prompts** (:meth:`AdditionTask.problems`): problems drawn for a key such as (seed, update).
-
-The vocabulary is one token per character (``CHARS``) plus ``<|endoftext|>`` at id 0 (the padding id
-of :func:`looplm.eval.generate.generate`); :func:`tokenizer` is the same map as a Hugging Face
-``tokenizers.Tokenizer``, saved with every checkpoint as ``tokenizer.json`` (so ``looplm generate``
-reads it like any other).
+**Addition** (our choice; the paper's GSM8K and MBPP+ are out of a CPU model's reach): ``"\na+b="`` with
+operands of 1 … D digits written with D digits, answer the sum with D + 1 digits (D = 3: ``"\n012+345="`` →
+``"0357"``), the response ending in a newline (RL's EOS). A record ``"\n" + "a+b=" + answer`` has 3D + 4
+tokens; the pretraining stream concatenates records and training windows start at multiples of
+:attr:`AdditionTask.record_len` (``window_stride``), so prompts sit at fixed positions as in RL: with
+learned positions this alignment makes the task learnable at CPU scale (``experiments/lmdr-rl/README.md``).
+Held-out set, streams and RL prompts are pure functions of a seed and disjoint by construction. The
+vocabulary is one token per character plus ``<|endoftext|>`` at id 0; :func:`tokenizer` is the same map as a
+``tokenizers.Tokenizer`` (saved with each checkpoint).
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +38,7 @@ def _rng(*key: object) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class Problem:
-    """One verifiable example: ``prompt`` (text the model continues) and ``answer`` (the reference text
-    the reward compares the response with, without the trailing newline)."""
+    """One verifiable example: the ``prompt`` to continue and the reference ``answer`` (no trailing newline)."""
 
     prompt: str
     answer: str
@@ -67,16 +46,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class AdditionTask:
-    """Fixed-width D-digit addition ``a+b=`` → ``a+b`` (module docstring).
-
-    Args:
-        digits: D, the operand width.
-        heldout_size: problems in the held-out set.
-        seed: the task seed (held-out set and streams).
-
-    Raises:
-        ValueError: digits < 1, or a held-out set larger than half the problem space.
-    """
+    """Fixed-width D = ``digits`` addition ``a+b=`` → ``a+b`` (module docstring). Raises ValueError for digits < 1
+    or a held-out set larger than half the problem space."""
 
     digits: int = 3
     heldout_size: int = 500
@@ -102,8 +73,7 @@ class AdditionTask:
         return 3 * self.digits + 4
 
     def _operands(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """(n, 2) int64 operands: each one's digit count uniform in 1 … D, then its value uniform among
-        the numbers with that many digits (so short operands are as common as long ones)."""
+        """(n, 2) int64 operands: digit count uniform in 1 … D, then the value uniform among those numbers."""
         nd = rng.integers(1, self.digits + 1, size=(n, 2))
         lo = np.where(nd == 1, 0, 10 ** (nd - 1))
         return lo + (rng.random((n, 2)) * (10 ** nd - lo)).astype(np.int64)

@@ -1,38 +1,12 @@
 """Experiment tracking: the training loop's metric records mirrored to TensorBoard, W&B or trackio.
 
-``train.logger`` lists the backends (``--train.logger jsonl,tensorboard`` on the command line, a
-JSON/TOML list in a config or sweep file). ``metrics.jsonl`` in the run folder is always written
-(by the trainer; ``jsonl`` may be left out of the list, it is implied) and stays the exact record;
-the other backends are optional mirrors, written by rank 0 only, each from the same records:
-
-- ``tensorboard``: event files in ``RUN/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``;
-  needs the ``tensorboard`` package, extra ``looplm[tensorboard]``). Every scalar of a record under
-  its own name (``loss``, ``lr``, ``grad_norm``, ``val_ppl``, ``tokens_per_s``, ...) at the record's
-  step; the config as text ``config`` at the first step, the summary as text ``summary`` at the end.
-- ``wandb``: Weights & Biases in **offline** mode unless ``WANDB_MODE`` says otherwise (``online``
-  needs a login; an offline run is uploaded later with ``wandb sync RUN/wandb/offline-run-*``). The
-  run lives in ``RUN/wandb/``, project ``$WANDB_PROJECT`` (default ``looplm``), display name the run
-  name, config = the run config, summary = the training summary. Extra ``looplm[wandb]``.
-- ``trackio``: trackio's local store (a SQLite file per project in ``$TRACKIO_DIR``, default
-  ``~/.cache/huggingface/trackio``; ``trackio show`` opens its dashboard), project
-  ``$TRACKIO_PROJECT`` (default ``looplm``), run name the run name, config = the run config; the
-  summary is logged as the last step's ``summary/<name>`` values. Extra ``looplm[trackio]``.
-
-The scalars of a record (:func:`scalars`) are its numbers (bools as 0/1; NaN/inf kept as they are),
-without ``step``; the list ``depths`` (one loop depth per microbatch) becomes ``depth``, its mean.
-
-Resume (``looplm train --resume``): ``metrics.jsonl`` drops the records after the checkpoint's step and
-the resumed run appends from there. TensorBoard does the same: the writer opens with
-``purge_step = checkpoint step + 1``, so events logged after the checkpoint by the killed run are
-hidden by readers. W&B resumes the same run (its id is kept in ``RUN/wandb/run_id``, ``resume="allow"``);
-trackio resumes the run of the same name (``resume="allow"``). Neither can drop history, so steps
-between the checkpoint and the kill appear twice there (with the same values on an exact resume, bar
-``tokens_per_s``); ``metrics.jsonl`` and TensorBoard have each step once.
-
-A backend whose package is missing is an error at startup (:func:`check_loggers`, before any data is
-prepared or any step runs) that names the extra to install.
+``metrics.jsonl`` is always written and stays the exact record; the ``train.logger`` backends are optional
+mirrors written by rank 0 from the same records (:func:`scalars`): ``tensorboard`` (``RUN/tensorboard/``),
+``wandb`` (offline unless ``WANDB_MODE``; ``RUN/wandb/``, project ``$WANDB_PROJECT``), ``trackio`` (its
+local store, ``$TRACKIO_PROJECT``). On resume TensorBoard purges the steps after the checkpoint; W&B and
+trackio resume the same run and cannot drop history. A missing package fails at startup
+(:func:`check_loggers`), naming its extra. Details: README "Tracking and data", docs/interop.md.
 """
-
 from __future__ import annotations
 
 import importlib.util
@@ -56,11 +30,7 @@ class LoggerError(ValueError):
 
 
 def check_loggers(names: Sequence[str]) -> None:
-    """Fail early when a backend of ``names`` lacks its package.
-
-    Raises:
-        LoggerError: naming the backend and ``pip install "looplm[EXTRA]"``.
-    """
+    """Fail early (LoggerError naming ``pip install "looplm[EXTRA]"``) when a backend lacks its package."""
     for name in names:
         if name in REQUIREMENTS:
             module, extra = REQUIREMENTS[name]
@@ -75,9 +45,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     for key, value in record.items():
         if key == "step":
             continue
-        if isinstance(value, bool):
-            out[key] = float(value)
-        elif isinstance(value, (int, float)):
+        if isinstance(value, (bool, int, float)):
             out[key] = float(value)
         elif key == "depths" and isinstance(value, list) and value:
             out["depth"] = float(sum(value)) / len(value)
@@ -191,15 +159,8 @@ class Trackers:
 
 def open_trackers(names: Sequence[str], out: Path, config: Mapping[str, Any], *, name: str,
                   start_step: int = 0, resume: bool = False) -> Trackers:
-    """Start the backends of ``names`` (other than ``jsonl``) for the run in ``out``.
-
-    Args:
-        config: the run config as a dict (run metadata). name: the run name.
-        start_step: the step training starts from (the checkpoint's step on resume).
-
-    Raises:
-        LoggerError: a backend's package is missing.
-    """
+    """Start the backends of ``names`` (other than ``jsonl``) for the run in ``out`` from ``start_step``
+    (LoggerError: a backend's package is missing)."""
     check_loggers(names)
     out = Path(out)
     trackers: list[Tracker] = []

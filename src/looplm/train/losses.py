@@ -10,13 +10,8 @@ no arXiv id in our copy; exit_weighted after Ouro, arXiv:2510.25741; TBPTT: arXi
 - ``norm_penalty`` (any supervision): + λ·T⁻¹ Σ_{k=1..T} mean_tokens ‖H_k‖²_rms (SPEC §4), where
   ‖H‖²_rms = mean over d of H².
 
-The gradient estimator (``train.gradient``, b = ``train.gradient.steps``; SPEC §5, LMDR §3.1, A.2) is
-passed to the model's unroll. ``tbptt``: loops outside the window contribute their readout losses
-without gradient through the recurrence. ``endpoint`` (Neumann-b): the loop runs to the endpoint z^T
-without gradient, then b recurrences with gradient from sg(z^T); the terminal readout ("loop T" above,
-CE_T, the last exit-distribution term p_T and the last norm-penalty state) is taken at z̄^b (depth
-T + b), the readouts of loops 1..T−1 at the visited states, without gradient through the recurrence.
-The learned depth prior observes (T, CE_T): the drawn endpoint depth and the loss actually trained.
+The gradient estimator (``train.gradient``; SPEC §5, LMDR §3.1, A.2) is passed to the unroll; with ``endpoint``
+(Neumann-b) every "loop T" term above is read at z̄^b (depth T + b). The learned prior observes (T, CE_T).
 """
 
 from __future__ import annotations
@@ -41,13 +36,7 @@ class LossResult:
 
 
 def exit_distribution(exit_logits: list[torch.Tensor]) -> torch.Tensor:
-    """Exit probabilities over loops 1..T from per-loop gate logits.
-
-    Args:
-        exit_logits: T tensors (B, L); the last one is unused (p_T takes the remaining mass).
-    Returns:
-        (T, B, L) probabilities summing to 1 over the first axis.
-    """
+    """Exit probabilities (T, B, L) over loops 1..T from T gate logits (B, L) (the last unused: p_T is the rest)."""
     T = len(exit_logits)
     survive = torch.ones_like(exit_logits[0])
     probs = []
@@ -60,12 +49,7 @@ def exit_distribution(exit_logits: list[torch.Tensor]) -> torch.Tensor:
 
 
 def training_loss(model, x: torch.Tensor, y: torch.Tensor, depth: int, tcfg: TrainConfig) -> LossResult:
-    """The training loss of ``model`` (LoopLM, possibly DDP/FSDP-wrapped) on one microbatch at loop depth T.
-
-    Args:
-        x, y: (B, L) int64 inputs and next-token targets (-100 = ignored).
-        depth: the sampled loop depth T ≥ 1.
-    """
+    """The training loss of ``model`` (possibly DDP/FSDP-wrapped) on x, y (B, L) (-100 ignored) at depth T ≥ 1."""
     sup, lam = tcfg.supervision, tcfg.norm_penalty
     depths = list(range(1, depth + 1)) if sup != "terminal" else depth
     gradient = Gradient(tcfg.gradient.NAME, tcfg.gradient.steps)

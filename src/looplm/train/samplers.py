@@ -1,22 +1,7 @@
-"""Depth samplers (SPEC §5; PLN from Huginn, arXiv:2502.05171; the learned prior from "Towards Looped
-Models Done Right", arXiv:2610.06833, eq. 5–6): one loop depth per microbatch, a pure function of
-(seed, step, micro).
-
-Because a draw depends only on (seed, step, micro) — and, for the learned depth prior, on logits that
-every rank updates identically — every distributed rank draws the same depth and a resumed run draws
-exactly the depths the uninterrupted run would have drawn.
-
-Registry (``SAMPLERS``, keyed by ``depth.sampler``; each built from its config class in
-:data:`looplm.config.DEPTH_SAMPLERS`):
-
-- ``fixed``    T = depth.
-- ``uniform``  T ~ Uniform{lo..hi}.
-- ``pln``      Huginn's Poisson log-normal prior, capped, with μ recalibrated to a target capped mean.
-- ``learned``  the learned depth prior of Looped Models Done Right (LMDR §4.1, App. B.3): a categorical
-               over 1..R_max initialized to the capped PLN and trained by REINFORCE on the model's CE.
-
-The trainer may call ``observe`` / ``update`` / ``state_dict`` / ``load_state_dict`` on every sampler;
-they are no-ops except for the learned prior.
+"""Depth samplers (SPEC §5; PLN from Huginn, arXiv:2502.05171; the learned prior from LMDR, arXiv:2610.06833,
+eq. 5–6): one loop depth per microbatch, a pure function of (seed, step, micro) (and of logits every rank
+updates identically), so every rank and every resume draws the same depths. ``SAMPLERS`` is keyed by
+``depth.sampler``; ``observe`` / ``update`` / state are no-ops except for the learned prior.
 """
 
 from __future__ import annotations
@@ -28,7 +13,7 @@ import numpy as np
 import torch
 from scipy import optimize, special, stats
 
-from looplm.config import DepthConfig
+from looplm.config import DepthConfig, FixedDepthConfig, LearnedDepthConfig, PLNDepthConfig, UniformDepthConfig
 
 
 def _rng(seed: int, step: int, micro: int, stream: str) -> np.random.Generator:
@@ -44,11 +29,7 @@ def _draw_categorical(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class DepthSampler:
-    """Base class: ``sample(seed, step, micro) -> T`` and the largest depth it can return.
-
-    ``observe``/``update``/``state_dict``/``load_state_dict`` are no-ops here so the trainer can call
-    them on any sampler; only samplers that learn (``LearnedDepthPrior``) override them.
-    """
+    """Base class: ``sample(seed, step, micro) -> T`` and the largest depth it can return."""
 
     name = ""
 
@@ -79,8 +60,7 @@ class FixedDepth(DepthSampler):
     name = "fixed"
 
     def __init__(self, depth: int):
-        if depth < 1:
-            raise ValueError(f"depth.depth: must be >= 1, got {depth}")
+        FixedDepthConfig(depth=depth)  # raises naming the bad depth.* field
         self.depth = depth
 
     def sample(self, seed, step, micro=0):
@@ -97,8 +77,7 @@ class UniformDepth(DepthSampler):
     name = "uniform"
 
     def __init__(self, lo: int, hi: int):
-        if not 1 <= lo <= hi:
-            raise ValueError(f"depth.lo/hi: need 1 <= lo <= hi, got {lo}..{hi}")
+        UniformDepthConfig(lo=lo, hi=hi)
         self.lo, self.hi = lo, hi
 
     def sample(self, seed, step, micro=0):
@@ -110,14 +89,9 @@ class UniformDepth(DepthSampler):
 
 
 def _normal_nodes(sigma: float, cap: int) -> tuple[np.ndarray, np.ndarray]:
-    """Nodes z, weights w (each (n,)): Σ w f(z) ≈ E[f(Z)], Z ~ N(0, 1), for f = Poisson(k; e^{μ+σz}).
-
-    Trapezoid rule on z ∈ [−12, 12] (Gaussian mass outside < 1e-32), weights renormalized to sum to 1.
-    Poisson(k; e^ξ) has width ≈ 1/√k in ξ, so the step in ξ is at most 1/(8√cap) (and 1/8 in z):
-    the trapezoid rule on a smooth integrand that vanishes at both ends converges geometrically once the
-    step resolves its narrowest feature. (Gauss–Hermite with a fixed node count does not: its spacing in
-    ξ grows with σ — about 4e-4 error at σ = 2 with 160 nodes.)
-    """
+    """Nodes z, weights w (n,): Σ w f(z) ≈ E[f(Z)], Z ~ N(0, 1), for f = Poisson(k; e^{μ+σz}). Trapezoid rule on
+    [−12, 12] with a ξ step ≤ 1/(8√cap), below Poisson's width 1/√k, so it converges geometrically (Gauss–Hermite
+    with fixed nodes does not: ~4e-4 error at σ = 2, 160 nodes)."""
     h = min(1.0, 1.0 / (sigma * np.sqrt(cap))) / 8.0
     z = np.linspace(-12.0, 12.0, int(np.ceil(24.0 / h)) + 1)
     w = np.exp(-0.5 * z**2)
@@ -126,16 +100,8 @@ def _normal_nodes(sigma: float, cap: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pln_pmf(mu: float, sigma: float, cap: int) -> np.ndarray:
-    """P(R = r) for r = 1..cap of the capped Poisson log-normal (SPEC §5; LMDR eq. 5).
-
-    ξ ~ N(μ, σ²), K | ξ ~ Poisson(e^ξ), R = min(K + 1, cap).
-    P(K = k) = ∫ Poisson(k; e^ξ) N(ξ; μ, σ²) dξ by quadrature over ξ (``_normal_nodes``); all tail mass
-    P(K >= cap − 1) lands on r = cap (integrated as the Poisson survival function, so the pmf sums to 1
-    to rounding).
-
-    Returns:
-        float64 array of shape (cap,).
-    """
+    """P(R = r), r = 1..cap, float64 (cap,), of the capped Poisson log-normal (SPEC §5; LMDR eq. 5): ξ ~ N(μ, σ²),
+    K | ξ ~ Poisson(e^ξ), R = min(K + 1, cap), by quadrature; the tail P(K ≥ cap − 1) lands on r = cap."""
     z, w = _normal_nodes(sigma, cap)
     log_lam = mu + sigma * z  # (nodes,)
     lam = np.exp(log_lam)
@@ -147,26 +113,13 @@ def pln_pmf(mu: float, sigma: float, cap: int) -> np.ndarray:
 
 
 class PoissonLogNormalDepth(DepthSampler):
-    """Huginn's capped Poisson log-normal depth prior (SPEC §5 ``pln``; LMDR eq. 5 and App. B.3).
-
-    ξ ~ N(μ, σ²), K ~ Poisson(exp ξ), R = min(K + 1, cap), with μ solved (``scipy.optimize.brentq``) so
-    that E[min(R, cap)] = ``mean`` exactly under ``pmf()``.
-
-    Attributes:
-        mu: the recalibrated location μ of ξ (nats of log-rate).
-
-    Raises:
-        ValueError: naming ``depth.cap`` (cap < 2), ``depth.sigma`` (σ <= 0) or
-            ``depth.mean`` (mean outside (1, cap)).
-    """
+    """Huginn's capped Poisson log-normal depth prior (SPEC §5 ``pln``; LMDR eq. 5, App. B.3), with ``mu`` solved
+    (brentq) so that E[min(R, cap)] = ``mean`` exactly under ``pmf()``. ValueError names the bad depth.* field."""
 
     name = "pln"
 
     def __init__(self, mean: float, sigma: float, cap: int):
-        if cap < 2:
-            raise ValueError(f"depth.cap: pln needs cap >= 2, got {cap}")
-        if not sigma > 0:
-            raise ValueError(f"depth.sigma: must be > 0, got {sigma}")
+        PLNDepthConfig(mean=mean, sigma=sigma, cap=cap)
         if not 1 < mean < cap:
             raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cap}, got {mean}")
         self.mean, self.sigma, self.cap = float(mean), float(sigma), int(cap)
@@ -186,7 +139,7 @@ class PoissonLogNormalDepth(DepthSampler):
         return float(optimize.brentq(f, lo, hi, xtol=1e-14, rtol=1e-14, maxiter=500))
 
     def pmf(self) -> np.ndarray:
-        """P(R = r) for r = 1..cap, float64 array of shape (cap,)."""
+        """P(R = r) for r = 1..cap, float64 (cap,)."""
         return self._pmf.copy()
 
     def sample(self, seed, step, micro=0):
@@ -210,45 +163,17 @@ REWARDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class LearnedDepthPrior(DepthSampler):
-    """The learned depth prior (SPEC §5 ``learned``; LMDR §4.1 eq. 6, App. B.3).
-
-    A categorical p_φ over depths 1..R_max with float64 logits φ, initialized to log p_PLN of
-    ``PoissonLogNormalDepth(budget_mean, sigma, r_max)`` (or to ``init``, normalized), trained by its own Adam
-    (betas (0.9, 0.999), no weight decay) on
+    """The learned depth prior (SPEC §5 ``learned``; LMDR §4.1 eq. 6, App. B.3): a categorical p_φ over 1..R_max
+    (float64 logits, from the capped PLN of R̄ = ``budget_mean``, σ, or from ``init``) trained by its own Adam on
 
         J(φ) = −Ê_n[sg(A_n) log p_φ(r_n)] − λ_H H(p_φ) + λ_m (E_p[R] − R̄)²,
 
-    with Ê_n the token-weighted mean over the step's microbatches n (weights N_n / Σ N, LMDR App. B.3),
-    u_n = ω(CE_n) the reward arm of the microbatch's token-weighted mean CE, and A_n = u_n − b.
-
-    Our choices (not fixed by the paper): the baseline b is one scalar (not per depth), an exponential
-    moving average of the step's token-weighted mean reward with decay ``baseline_decay`` = 0.9,
-    initialized to the first step's mean reward; A_n uses b from *before* the current step is folded in.
-    The first ``warmup`` updates only move b (and s); the logits and the Adam state stay untouched.
-
-    Advantage scale (``scale=True``; LMDR App. B.3, "A_i = s_{n−1}(u_i − û_{n−1})"): A_n is multiplied by
-    s = max(std(CE), 1e-12) / max(std(u), 1e-12), the ratio of the CE and reward standard deviations over
-    the microbatches of the *previous* ``scale_window`` updates (the paper: the previous update), so a
-    reward arm moves the prior at the rate raw CE would. s starts at 1. Our choices: the stds are
-    token-weighted (weights N_n / Σ N, as Ê_n) population stds; a window W > 1 pools the last W updates'
-    microbatches (with one microbatch per update a single update's stds are 0 and s stays 1). For
-    ``neg_ce`` s is exactly 1.
-
-    Protocol per optimizer step: ``sample`` once per microbatch, ``observe`` once per microbatch after
-    its forward, then ``update`` once. Between updates the logits are frozen, so draws stay a pure
-    function of (seed, step, micro) given the logits.
-
-    Args:
-        budget_mean: R̄ (depth.mean), also the PLN initialization's capped mean.
-        sigma: σ of the PLN initialization (depth.sigma).
-        r_max: R_max (depth.cap).
-        lr, entropy_weight, budget_weight, warmup, reward: depth.lr, entropy (λ_H), budget (λ_m),
-            warmup, reward.
-        scale, scale_window: depth.scale, scale_window (the advantage scale s above).
-        init: depth.init, the initial weights over 1..R_max (normalized); None or [] = the PLN.
-
-    Raises:
-        ValueError: bad arguments, naming the depth.* field.
+    Ê_n token-weighted over the step's microbatches, A_n = u_n − b, u_n = ω(CE_n) the reward arm. Our choices: b
+    is one scalar EMA (``baseline_decay``) of the mean reward, from the first step's, taken before the step;
+    the first ``warmup`` updates move only b and s. ``scale`` multiplies A_n by s = max(std(CE), 1e-12) /
+    max(std(u), 1e-12), token-weighted population stds over the previous ``scale_window`` updates (s = 1
+    before; exactly 1 for neg_ce). Per step: ``sample`` and ``observe`` per microbatch, then ``update``.
+    Arguments are the depth.* fields (ValueError names a bad one).
     """
 
     name = "learned"
@@ -257,25 +182,13 @@ class LearnedDepthPrior(DepthSampler):
                  entropy_weight: float = 0.01, budget_weight: float = 1.0, warmup: int = 32,
                  reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1,
                  init: list[float] | None = None):
-        if reward not in REWARDS:
-            raise ValueError(f"depth.reward: unknown {reward!r}; known: {', '.join(REWARDS)}")
-        if not lr > 0:
-            raise ValueError(f"depth.lr: must be > 0, got {lr}")
-        if entropy_weight < 0 or budget_weight < 0:
-            raise ValueError(f"depth.entropy/budget: must be >= 0, got "
-                             f"{entropy_weight}/{budget_weight}")
-        if warmup < 0:
-            raise ValueError(f"depth.warmup: must be >= 0, got {warmup}")
         if not 0 <= baseline_decay < 1:
             raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
-        if scale_window < 1:
-            raise ValueError(f"depth.scale_window: must be >= 1, got {scale_window}")
-        pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()  # validates mean/σ/cap
-        if init:
-            w = np.asarray(init, dtype=np.float64)
-            if w.shape != (r_max,) or not (np.isfinite(w) & (w > 0)).all():
-                raise ValueError(f"depth.init: need {r_max} finite weights > 0, got {list(init)}")
-        init = w / w.sum() if init else pln
+        weights = LearnedDepthConfig(mean=budget_mean, sigma=sigma, cap=r_max, lr=lr, entropy=entropy_weight,
+                                     budget=budget_weight, warmup=warmup, reward=reward, scale=scale,
+                                     scale_window=scale_window, init=list(init or [])).init
+        pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()
+        init = np.asarray(weights, dtype=np.float64) / sum(weights) if weights else pln
         self.r_max, self.budget_mean = int(r_max), float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
         self.warmup, self.reward, self.baseline_decay = int(warmup), reward, float(baseline_decay)
@@ -298,7 +211,7 @@ class LearnedDepthPrior(DepthSampler):
     # --- the distribution -------------------------------------------------------------------------
 
     def probs(self) -> np.ndarray:
-        """p_φ(r) for r = 1..R_max, float64 array of shape (R_max,)."""
+        """p_φ(r) for r = 1..R_max, float64 (R_max,)."""
         return self._probs.copy()
 
     def mean_depth(self) -> float:
@@ -321,11 +234,7 @@ class LearnedDepthPrior(DepthSampler):
     # --- learning ---------------------------------------------------------------------------------
 
     def observe(self, depth: int, ce: float, n_tokens: int) -> None:
-        """Record one microbatch: its depth, token-weighted mean CE (nats/token) and token count.
-
-        Raises:
-            ValueError: depth outside 1..R_max or n_tokens < 1.
-        """
+        """Record one microbatch's depth, mean CE (nats/token) and tokens (ValueError outside 1..R_max or n < 1)."""
         if not 1 <= depth <= self.r_max:
             raise ValueError(f"learned prior: depth {depth} outside 1..{self.r_max}")
         if n_tokens < 1:
@@ -333,20 +242,9 @@ class LearnedDepthPrior(DepthSampler):
         self._obs.append((int(depth), float(ce), int(n_tokens)))
 
     def update(self, reduce=None):
-        """Fold the observations since the last update into one step of J; clears them.
-
-        Distributed use: every rank observes the same number of microbatches in the same order with the
-        same depths (depths come from (seed, step, micro)). ``reduce`` maps a 1-D float64 tensor to its
-        sum over ranks (e.g. an all-reduce); it is applied to the per-microbatch statistics
-        [N_n·CE_n (M), N_n (M), r_n (M), 1] so that every rank sees the *global* microbatch n (its
-        token-weighted mean CE over all ranks and its total tokens) before the nonlinear reward is
-        applied, and all ranks take the identical step. The summed depths and rank count check that
-        the ranks agreed on the depths.
-
-        Returns:
-            {} when nothing was observed; else {"loss": J before the step, "reward": token-weighted
-            mean reward, "baseline": b after the step, "mean_depth": E_p[R], "entropy": H(p) in nats,
-            "updates": count} with E_p[R] and H measured after the step.
+        """Fold the observations into one step of J. ``reduce`` (a sum over ranks) is applied to
+        [N_n·CE_n, N_n, r_n, 1] before the nonlinear reward, so every rank takes the identical global step.
+        Returns {} or {"loss" (before), "reward", "baseline", "mean_depth", "entropy", "updates"}.
 
         Raises:
             RuntimeError: the ranks disagreed on the microbatch depths.
@@ -395,8 +293,7 @@ class LearnedDepthPrior(DepthSampler):
         return out
 
     def _std_ratio(self) -> float:
-        """s = max(std(CE), 1e-12) / max(std(u), 1e-12) over the microbatches in the scale window
-        (token-weighted population stds)."""
+        """s = max(std(CE), 1e-12) / max(std(u), 1e-12) over the scale window (token-weighted)."""
         ce, reward, ntok = (torch.tensor([v for upd in self._scale_history for v in upd[i]], dtype=torch.float64)
                             for i in range(3))
         w = ntok / ntok.sum()
@@ -409,19 +306,13 @@ class LearnedDepthPrior(DepthSampler):
     # --- checkpointing ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Logits, Adam state, baseline, update count and the advantage scale s with its window
-        (torch.save-able); pending observations are not saved — checkpoints are written between
-        optimizer steps, when there are none."""
+        """Logits, Adam state, baseline, updates, s and its window (checkpoints fall between steps: no pending obs)."""
         return {"logits": self.logits.detach().clone(), "optimizer": self.optimizer.state_dict(),
                 "baseline": self.baseline, "updates": self.updates, "advantage_scale": self.advantage_scale,
                 "scale_history": [list(map(list, upd)) for upd in self._scale_history]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` output exactly.
-
-        Raises:
-            ValueError: the saved logits have a different R_max.
-        """
+        """Restore ``state_dict()`` output exactly (ValueError for another R_max)."""
         logits = torch.as_tensor(state["logits"], dtype=torch.float64)
         if logits.shape != self.logits.shape:
             raise ValueError(f"learned prior: checkpoint has R_max={logits.numel()}, config has "
@@ -442,11 +333,7 @@ SAMPLERS = {"fixed": FixedDepth, "uniform": UniformDepth, "pln": PoissonLogNorma
 
 
 def build_sampler(cfg: DepthConfig) -> DepthSampler:
-    """The sampler of the ``depth`` section ``cfg`` (its class named by ``cfg.NAME``).
-
-    Raises:
-        ValueError: invalid sampler arguments (names the depth.* field).
-    """
+    """The sampler of the ``depth`` section ``cfg``."""
     if cfg.NAME == "fixed":
         return FixedDepth(cfg.depth)
     if cfg.NAME == "uniform":

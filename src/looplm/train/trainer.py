@@ -1,17 +1,9 @@
 """The training loop: setup → fit, with periodic validation, atomic checkpoints and exact resume.
 
-Exact resume: batches and depth draws are pure functions of (seed, step, micro); the checkpoint keeps
-weights, optimizer, scheduler and the torch RNG (dropout) state, so a run resumed from step k
-reproduces the loss trace of the uninterrupted run bit for bit on CPU.
-
-The run folder, its lock, the metrics log, the RNG state and the step loop are :mod:`looplm.run.folder`'s.
-
-Faults: the run folder is locked while a process trains into it (:mod:`looplm.run.lock`). A step
-whose loss or gradient norm is NaN/inf is skipped (no optimizer update, no depth-prior update; its batch
-is not retried and the schedule advances, so resume stays exact) and logged with ``"skipped": true``;
-``train.max_nonfinite_steps`` such steps in a row stop the run with :class:`DivergenceError`. A
-checkpoint is never written from non-finite weights, and every JSON file is strict (NaN → null, listed
-under ``"nonfinite"``).
+Batches and depth draws are pure functions of (seed, step, micro) and checkpoints keep the optimizer, schedule
+and RNG state, so a resumed run reproduces the uninterrupted loss trace bit for bit on CPU. A step with a
+non-finite loss or gradient norm is skipped (schedule advancing) and logged ``"skipped": true``;
+``train.max_nonfinite_steps`` in a row raise :class:`DivergenceError`; no checkpoint holds non-finite weights.
 """
 
 from __future__ import annotations
@@ -49,13 +41,11 @@ if TYPE_CHECKING:
 
 
 class DivergenceError(NonFiniteError):
-    """Training stopped: ``train.max_nonfinite_steps`` consecutive steps had a non-finite loss or
-    gradient norm. The message names the steps and the newest checkpoint (whose weights are finite)."""
+    """``train.max_nonfinite_steps`` consecutive non-finite steps (the message names the newest checkpoint)."""
 
 
 def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
-    """``torch.compile`` every block in place (``nn.Module.compile``: weights and state-dict keys are
-    unchanged). Each block is one graph whatever the loop depth, so changing T does not recompile."""
+    """``torch.compile`` every block in place (state-dict keys unchanged; a new depth T does not recompile)."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(backend=backend)
@@ -124,32 +114,11 @@ def _check_init_vocab(ckpt: Path, vocab_size: int, data: TrainData) -> None:
 def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: bool = True,
           data: "TrainData | TaskData | None" = None, stop_after: int | None = None, steps: int | None = None,
           init_from: str | Path | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``).
-
-    Under ``torchrun`` (WORLD_SIZE > 1) this runs data-parallel with DDP or FSDP2
-    (``train.distributed``); rank 0 writes every file.
-
-    Args:
-        cfg: run config; ``model.vocab_size`` is set from the tokenizer.
-        out_dir: run directory.
-        resume: continue from the newest valid checkpoint in ``out_dir`` (its saved config wins; the
-            world size may differ from the one that saved it).
-        data: pre-tokenized data (tests and the demo reuse it across runs).
-        stop_after: stop (with a checkpoint) after this many steps of this invocation, e.g. to fit a
-            time box; ``resume`` continues later exactly as if never stopped.
-        steps: with ``resume``, train on to this many steps (e.g. a finished run of 400 to 800). The
-            saved ``train.steps`` becomes ``steps`` and the LR schedule is recomputed for the new total
-            (:func:`~looplm.train.optim.lr_factor` at the resumed step; a cosine that had decayed rises to
-            its value there). Unchanged ``steps``: the ordinary, bit-exact resume.
-        init_from: a new run starts from this checkpoint's weights (run, checkpoint or HF export folder;
-            strict loading): its model config replaces ``cfg.model``; optimizer, schedule and step start
-            fresh. The data's tokenizer must have the checkpoint's vocabulary.
-        overwrite: a fresh run may replace the ``metrics.jsonl`` of a run in ``out_dir`` that wrote no
-            checkpoint (it diverged or stopped before its first); refused otherwise.
-
-    Returns:
-        Summary: steps, final validation loss/PPL, wall time (``wall_s``: summed over every invocation
-        up to the newest checkpoint), tokens/s of this invocation, parameter count.
+    """Train ``cfg`` into ``out_dir`` (checkpoints, ``metrics.jsonl``, ``config.json``); data-parallel under
+    ``torchrun`` (``train.distributed``), rank 0 writing. ``resume``: from the newest valid checkpoint (its
+    config wins; any world size); ``data``: pre-tokenized; ``stop_after``: steps of this invocation; ``steps``:
+    with ``resume``, extend the schedule to this total; ``init_from``: a fresh run from a checkpoint's weights
+    and model config; ``overwrite``: replace a checkpoint-less run's metrics. Returns the summary.
 
     Raises:
         CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
