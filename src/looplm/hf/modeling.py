@@ -34,7 +34,7 @@ class LoopLMCache(Cache):
         kv: the looplm cache (banks, validity mask, real-token counts, per-sequence statistics).
     """
 
-    is_compileable = False
+    is_compileable = is_croppable = False
 
     def __init__(self, mode: str = "per_visit", kv: KVCache | None = None):
         try:
@@ -72,21 +72,7 @@ class LoopLMCache(Cache):
     def is_initialized(self) -> bool:
         return self.kv.valid is not None
 
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False]
+    is_sliding = is_linear = is_dummy = (False,)  # one cache "layer": no window, not linear, not a placeholder
 
     @property
     def batch_size(self) -> int:
