@@ -9,7 +9,6 @@ at position 0, prompt then answer, padded with id 0; every target but the answer
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,15 +20,14 @@ import torch
 from looplm.config import DataConfig
 from looplm.model.cursor import Readout
 from looplm.run.dist import unsharded
-from looplm.tasks.base import PAD_ID, Instance, encode, get_task, tokenizer
+from looplm.tasks.base import PAD_ID, Instance, encode, get_task, key_hash, tokenizer
 
 HELDOUT_SPLITS = ("valid", "test")
 
 
 def rng_for(*key: object) -> np.random.Generator:
     """A numpy generator seeded by a hash of ``key`` (a pure function of it)."""
-    h = hashlib.blake2b("|".join(map(str, ("looplm-task", *key))).encode(), digest_size=8).digest()
-    return np.random.default_rng(int.from_bytes(h, "little"))
+    return np.random.default_rng(key_hash("looplm-task", *key))
 
 
 def instance_key(inst: Instance) -> str:
