@@ -69,7 +69,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
     teacher.eval()
     bar = tqdm(total=math.ceil(n_full / batch_size), desc="eval distill", disable=not progress, leave=False,
                unit="batch")
-    try:
+    with bar:
         for x, y, mask in eval_windows(tokens, L, batch_size):
             full = mask.all(1)
             if not bool(full.any()):
@@ -79,8 +79,6 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
             n_rest += rest
             n_batches += 1
             bar.update(1)
-    finally:
-        bar.close()
     if n_first + n_rest == 0:
         raise ValueError(f"eval distill: no continuation target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
