@@ -213,9 +213,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids (and not inputs_embeds)")
         if output_attentions:
             raise ValueError("output_attentions: not supported (looplm attends through SDPA)")
-        kwargs.pop("logits_to_keep", None)
-        kwargs.pop("cache_position", None)
-        kwargs.pop("token_type_ids", None)
+        for ignored in ("logits_to_keep", "cache_position", "token_type_ids"):  # sent by generate or tokenizers; unused
+            kwargs.pop(ignored, None)
         if kwargs:
             raise TypeError(f"LoopLMForCausalLM.forward: unexpected arguments {sorted(kwargs)}")
         if cache is None:
