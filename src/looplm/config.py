@@ -204,10 +204,9 @@ class RuleOptions(_Base):
         _min(self, 0.0, *has("step_scale"), strict=True)
         _min(self, 0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
         _min(self, 1, *has("steps", "period"))
+        _min(self, -1, *has("state_init_seed"))
         if hasattr(self, "leak"):
             _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
-        if hasattr(self, "state_init_seed"):
-            _check(self.state_init_seed >= -1, p + "state_init_seed", f"must be >= -1, got {self.state_init_seed}")
         if hasattr(self, "source_init"):
             if self.source_init == "normal":
                 _check(self.source_init_std > 0, p + "source_init_std",
@@ -662,12 +661,10 @@ class ModelConfig(_Base):
         p = self._prefix
         _min(self, 1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
         _min(self, 0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
-        _min(self, 0, "embed_scale", strict=True)
+        _min(self, 0, "embed_scale", "norm_eps", "init_std", strict=True)
         _check(self.d_model % self.n_heads == 0, p + "n_heads",
                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
-        _check(self.norm_eps > 0, p + "norm_eps", "must be > 0")
-        _check(self.init_std > 0, p + "init_std", "must be > 0")
         _check(self.embed_init_std == -1.0 or self.embed_init_std > 0, p + "embed_init_std",
                f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
         _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",

@@ -148,8 +148,8 @@ def test_exit_criteria_hand_computed():
     h = torch.tensor([[3.0, 4.5], [1.0, 0.0]])
     rc = RelativeChange(0.2)
     assert rc.score(prev_h, h, None, None).tolist() == pytest.approx([0.1, 0.0])
-    assert rc.should_exit(prev_h, h).tolist() == [True, True]
-    assert RelativeChange(0.05).should_exit(prev_h, h).tolist() == [False, True]
+    assert rc.halts(rc.score(prev_h, h)).tolist() == [True, True]
+    assert RelativeChange(0.05).halts(rc.score(prev_h, h)).tolist() == [False, True]
     p = torch.tensor([[0.5, 0.5], [0.9, 0.1]])
     q = torch.tensor([[0.25, 0.75], [0.9, 0.1]])
     kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # KL(p ‖ q) with p the newer loop
@@ -157,7 +157,8 @@ def test_exit_criteria_hand_computed():
     ent = lambda r: -sum(x * math.log(x) for x in r)  # noqa: E731
     dh = abs(ent([0.5, 0.5]) - ent([0.25, 0.75]))
     assert EntropyChange(1.0).score(None, None, q.log(), p.log()).tolist() == pytest.approx([dh, 0.0], abs=1e-6)
-    assert EntropyChange(dh / 2).should_exit(None, None, q.log(), p.log()).tolist() == [False, True]
+    ec = EntropyChange(dh / 2)
+    assert ec.halts(ec.score(None, None, q.log(), p.log())).tolist() == [False, True]
     # one registry for generation, adaptive depth and halting (issue 10 §3)
     assert set(EXIT_CRITERIA) == {"relative", "kl", "entropy", "hidden_update", "margin", "exit_gate", "exit_cdf"}
     assert isinstance(build_exit_criterion("kl", 0.1), KLDivergence)

@@ -19,6 +19,7 @@ from typing import Any
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
 from looplm.analysis.store import ResultStore, RunRecord, record_dict
 from looplm.config import DepthConfig, build_choice
+from looplm.run.finite import md_table
 
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
@@ -236,11 +237,6 @@ def plot_name(sec: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", "_".join(parts)) + ".png"
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def _n_text(counts: list[int]) -> str:
     if not counts:
         return "0"
@@ -269,7 +265,7 @@ def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = No
                      f"{m['params']:,}" if m["params"] is not None else "–",
                      *[f"{m['flops'][str(t)]['body_head'] / 1e6:.2f}" if str(t) in m["flops"] else "–"
                        for t in depths]])
-    lines += _md_table(["variant", "architecture", "rule", "params", *[f"T={t}" for t in depths]], rows) + [""]
+    lines += md_table(["variant", "architecture", "rule", "params", *[f"T={t}" for t in depths]], rows) + [""]
 
     for i, sec in enumerate(report["sections"]):
         dn, depths = sec["depth_name"], sec["depths"]
@@ -279,14 +275,14 @@ def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = No
             rows.append([label, _n_text([c["n"] for c in per.values()]),
                          *[format_mean_std(per[str(t)]["mean"], per[str(t)]["std"]) if str(t) in per else "–"
                            for t in depths]])
-        lines += [f"## {title}", ""] + _md_table(["variant", "n", *[f"{dn}={t}" for t in depths]], rows) + [""]
+        lines += [f"## {title}", ""] + md_table(["variant", "n", *[f"{dn}={t}" for t in depths]], rows) + [""]
         if sec["deltas"]:
             rows = []
             for label, per in sec["deltas"].items():
                 rows.append([label, _n_text([d["n"] for d in per.values()]),
                              *[format_delta(per[str(t)]) if str(t) in per else "–" for t in depths]])
             lines += [f"### Paired deltas vs {report['baseline']}: {title}", ""]
-            lines += _md_table(["variant", "pairs", *[f"{dn}={t}" for t in depths]], rows) + [""]
+            lines += md_table(["variant", "pairs", *[f"{dn}={t}" for t in depths]], rows) + [""]
         if i in plots:
             lines += [f"![{title}]({plots[i]})", ""]
     return "\n".join(lines).rstrip() + "\n"

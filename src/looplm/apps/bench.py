@@ -19,6 +19,7 @@ import torch
 
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
+from looplm.eval.exits import sync_device
 from looplm.eval.perplexity import DEFAULT_DEPTHS
 from looplm.model import LoopLM, build_model
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
@@ -44,23 +45,20 @@ TIMED = ("mfu", "bf16_train_speedup", "loop_overhead_ratio", "scse_vs_looped_rat
 MAX_SPREAD = 0.25
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, the device synchronized before and after."""
+    sync_device(device)
+    t0 = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - t0
 
 
 def _times(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> list[float]:
     """Seconds of each of ``repeat`` calls of ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    return [_seconds(fn, device) for _ in range(repeat)]
 
 
 def _mid(values: list[float]) -> float:
@@ -116,10 +114,10 @@ def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repe
     def secs(fn: Callable[[], Any]) -> float:
         total = 0.0
         for _ in range(repeat):
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             out = fn()
-            _sync(device)
+            sync_device(device)
             total += out if isinstance(out, float) else time.perf_counter() - t0
         return total / repeat
 
@@ -221,11 +219,11 @@ def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new
                     torch.full((1,), prompt.shape[1] - 1, dtype=torch.long, device=device))
             nxt = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last))
             nxt = nxt.logits.argmax(-1)[:, None]
-            _sync(device)
+            sync_device(device)
             t1 = time.perf_counter()
             for _ in range(new_tokens - 1):
                 nxt = model.read(model.loop(nxt, cache=cache), depth).logits[:, -1:].argmax(-1)
-            _sync(device)
+            sync_device(device)
             res[f"decode_prefill_s_{mode}"] = t1 - t0
             res[f"decode_steps_s_{mode}"] = time.perf_counter() - t1
             res[f"kv_bytes_{mode}"] = cache.nbytes()
@@ -304,11 +302,11 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
     def step(tok: torch.Tensor) -> torch.Tensor:
         return model.read(model.loop(tok, cache=cache), depth).logits[:, -1:].argmax(-1)
     nxt = step(nxt)  # warm-up step
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens - 2):
         nxt = step(nxt)
-    _sync(device)
+    sync_device(device)
     return batch_size * (new_tokens - 2) / (time.perf_counter() - t0)
 
 
@@ -344,12 +342,9 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
         for rnd in range(repeat + 1):  # round 0 warms up
             for name, (_, prefill) in paths.items():
                 cache = KVCache("terminal", max_len=c)
-                _sync(device)
-                t0 = time.perf_counter()
-                prefill(prompt, cache, readout=Readout(tokens=last))
-                _sync(device)
+                sec = _seconds(lambda: prefill(prompt, cache, readout=Readout(tokens=last)), device)
                 if rnd:
-                    times[name].append(1000 * (time.perf_counter() - t0))
+                    times[name].append(1000 * sec)
         res[f"{prefix}prefill_ms_ctx{c}"] = {
             n: {"mean": statistics.fmean(t), "sd": statistics.stdev(t) if len(t) > 1 else 0.0,
                 "median": statistics.median(t)} for n, t in times.items()}
@@ -481,11 +476,11 @@ def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple
             def run() -> float:
                 step.rewind(start)
                 tok = step(first).argmax(-1)
-                _sync(device)
+                sync_device(device)
                 t0 = time.perf_counter()
                 for _ in range(new - 2):
                     tok = step(tok).argmax(-1)
-                _sync(device)
+                sync_device(device)
                 return time.perf_counter() - t0
             return run
         return lambda: (new - 2) / decode_tokens_per_s(model, batch_size=1, context=contexts[0], new_tokens=new,

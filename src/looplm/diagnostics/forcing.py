@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.recurrence import LoopContext
 
 RATIO_FLOOR = 1e-12  # the numerical floor of eq. 9
@@ -68,8 +68,6 @@ def along_trajectory(model: LoopLM, idx: torch.Tensor, steps: Sequence[int],
 def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> list[dict[str, float]]:
     """:func:`forcing_record` at loop steps ``steps`` of one unroll of ``idx`` (B, L), dropout off."""
     check_shared(model, "forcing bias", steps)
-    was_training = model.training
-    model.eval()
-    records = along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))
-    model.train(was_training)
+    with eval_mode(model):
+        records = along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))
     return records

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from looplm.diagnostics.forcing import along_trajectory, check_shared
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.recurrence import LoopContext
 
 FD_EPS = 1e-3
@@ -51,11 +51,9 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
                  n_directions: int = N_DIRECTIONS, seed: int = 0) -> list[dict[str, float]]:
     """``[{"t", "gain"}]`` at loop steps ``steps`` of one unroll of ``idx``, dropout off, in the model's dtype."""
     check_shared(model, "random-direction gain", steps)
-    was_training = model.training
-    model.eval()
-    dirs = random_directions((*idx.shape, model.cfg.d_model), n_directions, seed=seed,
-                             dtype=model.tok_emb.weight.dtype, device=idx.device)  # the loop state's
-    records = along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
-        "t": t, "gain": direction_gain(model, s, t, ctx, dirs, eps=eps)})
-    model.train(was_training)
+    with eval_mode(model):
+        dirs = random_directions((*idx.shape, model.cfg.d_model), n_directions, seed=seed,
+                                 dtype=model.tok_emb.weight.dtype, device=idx.device)  # the loop state's
+        records = along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
+            "t": t, "gain": direction_gain(model, s, t, ctx, dirs, eps=eps)})
     return records

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from looplm.analysis.plots import plt, save_figure
+from looplm.run.finite import md_table
 
 
 def _fmt(v: float | None) -> str:
@@ -18,11 +19,6 @@ def _fmt(v: float | None) -> str:
     if v == 0:
         return "0"
     return f"{v:.4g}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-            *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _by_t(records: list[dict[str, Any]], key: str) -> dict[int, float | None]:
@@ -41,7 +37,7 @@ def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
     for label, res in results.items():
         ratio, e = _by_t(res["forcing"], "ratio"), _by_t(res["forcing"], "anchor_energy")
         rows.append([label, *(_fmt(ratio.get(t)) for t in steps), *(_fmt(e.get(t)) for t in steps)])
-    out += _table(["Model", *(f"R_{t}" for t in steps), *(f"E_Δ,{t}" for t in steps)], rows)
+    out += md_table(["Model", *(f"R_{t}" for t in steps), *(f"E_Δ,{t}" for t in steps)], rows)
     out += ["", "**Mechanism diagnostics** (SCSE Table 22 layout): pointwise forcing bias b_t, raw "
             "pre-mask response b̃_t, random-direction gain ‖T_t(Δ+εv) − T_t(Δ)‖_F/ε (ε = 1e-3, mean of "
             "4 directions), anchor energy at the late step.", ""]
@@ -51,7 +47,7 @@ def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
         g, e = _by_t(res["gain"], "gain"), _by_t(res["forcing"], "anchor_energy")
         rows.append([label, *(_fmt(b.get(t)) for t in steps), *(_fmt(braw.get(t)) for t in steps),
                      *(_fmt(g.get(t)) for t in steps), _fmt(e.get(last))])
-    out += _table(["Model", *(f"N⁻¹‖b_{t}‖²" for t in steps), *(f"N⁻¹‖b̃_{t}‖²" for t in steps),
+    out += md_table(["Model", *(f"N⁻¹‖b_{t}‖²" for t in steps), *(f"N⁻¹‖b̃_{t}‖²" for t in steps),
                    *(f"gain t={t}" for t in steps), f"E_Δ,{last}"], rows)
     gains = sorted({float(r["gain"]) for res in results.values() for r in res["dose_response"]["records"]})
     shown = [g for g in gains if g != 0.0]
@@ -68,7 +64,7 @@ def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
                      *(_fmt(dose[g]["relative_to_push"]) if g in dose else "–" for g in shown),
                      *(_fmt(dose[g]["cosine_to_unit_gain"]) if g in dose else "–" for g in shown if g != 1.0)])
     depth = max(res["rollout"]["depth"] for res in results.values())
-    out += _table(["Model", f"cos(Δ_T, T·b_0), T={depth}", "push RMS", *(f"D_{g:g}/push" for g in shown),
+    out += md_table(["Model", f"cos(Δ_T, T·b_0), T={depth}", "push RMS", *(f"D_{g:g}/push" for g in shown),
                    *(f"cos(D_{g:g}, D_1)" for g in shown if g != 1.0)], rows)
     out += _scale_markdown(results)
     return "\n".join(out)
@@ -91,7 +87,7 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
                  _fmt(r.get("l2_mean")), _fmt(r.get("l2_max")), _fmt(r["ce"]), _fmt(r["radial_grad_fraction"]),
                  _fmt(r["radial_derivative"]), _fmt(r["radial_increment"]), _fmt(r["rms_increment"])]
                 for r in sc["loops"]]
-        out += _table(["k", "RMS mean", "p50", "p99", "max", "L2 mean", "L2 max", "CE_k", "r_k", "∂L_k/∂log s",
+        out += md_table(["k", "RMS mean", "p50", "p99", "max", "L2 mean", "L2 max", "CE_k", "r_k", "∂L_k/∂log s",
                        "a_rad,k", "ΔRMS"], rows)
     aligned = {label: res["visit_alignment"] for label, res in results.items() if "visit_alignment" in res}
     if aligned:
@@ -105,7 +101,7 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             visits = sorted({p["visits"] for p in va["per_sublayer"]})
             rows.append([label, str(va["depth"]), "/".join(map(str, visits)), va["loss"],
                          _fmt(va["kappa_hat"]), *(_fmt(per[n]["kappa"]) if n in per else "–" for n in names)])
-        out += _table(["Model", "R", "visits", "loss", "κ̂_R", *(f"κ̂ {n.removeprefix('core.')}" for n in names)],
+        out += md_table(["Model", "R", "visits", "loss", "κ̂_R", *(f"κ̂ {n.removeprefix('core.')}" for n in names)],
                       rows)
     conv = {label: res["convergence"] for label, res in results.items() if "convergence" in res}
     if conv:
@@ -118,7 +114,7 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
             rows.append([label, _fmt(c["tau"]), str(c["depth"]), str(c["tokens"]), _fmt(c["rho_mean"][0]),
                          _fmt(c["rho_mean"][-1]), _fmt(c["depth_mean"]), _fmt(c["depth_median"]),
                          _fmt(c["never_fraction"]), sp])
-        out += _table(["Model", "τ", "R", "tokens", "mean ρ_1", "mean ρ_R", "depth mean", "depth median",
+        out += md_table(["Model", "τ", "R", "tokens", "mean ρ_1", "mean ρ_R", "depth mean", "depth median",
                        "never", "Spearman(depth, position)"], rows)
     return out
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from looplm.diagnostics.forcing import check_shared, deviation_step, energy
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import Loop
 
 DOSE_GAINS: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
@@ -51,40 +51,38 @@ def anchor_rollouts(model: LoopLM, idx: torch.Tensor, depth: int, *, gains: Sequ
         raise ValueError(f"depth: need at least one loop step for a rollout, got {depth}")
     if any(g < 0 for g in gains):
         raise ValueError(f"gains: injection gains must be >= 0, got {list(gains)}")
-    was_training = model.training
-    model.eval()
-    ctx = model.loop(idx).ctx
-    run_gains = sorted({float(g) for g in gains} | {0.0, 1.0})
-    loops = {g: Loop(model, model.to_state(ctx.anchor, ctx), ctx) for g in run_gains}  # Δ_0 = 0
-    b0 = deviation_step(model, torch.zeros_like(ctx.anchor), 0, ctx)  # (B, L, d)
-    k = min(keep_examples, idx.shape[0])
+    with eval_mode(model):
+        ctx = model.loop(idx).ctx
+        run_gains = sorted({float(g) for g in gains} | {0.0, 1.0})
+        loops = {g: Loop(model, model.to_state(ctx.anchor, ctx), ctx) for g in run_gains}  # Δ_0 = 0
+        b0 = deviation_step(model, torch.zeros_like(ctx.anchor), 0, ctx)  # (B, L, d)
+        k = min(keep_examples, idx.shape[0])
 
-    def seq_mean(x: torch.Tensor) -> np.ndarray:
-        return x[:k].double().mean(dim=1).cpu().numpy()  # (k, d)
+        def seq_mean(x: torch.Tensor) -> np.ndarray:
+            return x[:k].double().mean(dim=1).cpu().numpy()  # (k, d)
 
-    zero = torch.zeros_like(ctx.anchor)
-    records = [{"t": 0, **_cos_summary([]), "delta_rms": 0.0, "ray_rms": 0.0}]
-    disp_by_t = {g: [0.0] for g in run_gains}
-    paths = {g: [seq_mean(zero)] for g in run_gains}
-    deltas = {g: zero for g in run_gains}
-    for t in range(depth):
-        for g in run_gains:
-            deltas[g] = loops[g].advance(injection_gain=g) - ctx.anchor  # (B, L, d)
-            disp_by_t[g].append(_rms(deltas[g] - deltas[0.0]))
-            paths[g].append(seq_mean(deltas[g]))
-        records.append({"t": t + 1, **_cos_summary(_cosines(deltas[1.0], b0)), "delta_rms": _rms(deltas[1.0]),
-                        "ray_rms": (t + 1) * _rms(b0)})
-    push = _rms(deltas[1.0])
-    unit = deltas[1.0] - deltas[0.0]
-    dose = []
-    for g in (float(g) for g in gains):
-        disp = deltas[g] - deltas[0.0]
-        cos = _cosines(disp, unit)
-        dose.append({"gain": g, "displacement_rms": disp_by_t[g][-1],
-                     "relative_to_push": disp_by_t[g][-1] / push if push > 0 else None,
-                     "cosine_to_unit_gain": sum(cos) / len(cos) if cos else None,
-                     "displacement_rms_by_t": disp_by_t[g]})
-    model.train(was_training)
+        zero = torch.zeros_like(ctx.anchor)
+        records = [{"t": 0, **_cos_summary([]), "delta_rms": 0.0, "ray_rms": 0.0}]
+        disp_by_t = {g: [0.0] for g in run_gains}
+        paths = {g: [seq_mean(zero)] for g in run_gains}
+        deltas = {g: zero for g in run_gains}
+        for t in range(depth):
+            for g in run_gains:
+                deltas[g] = loops[g].advance(injection_gain=g) - ctx.anchor  # (B, L, d)
+                disp_by_t[g].append(_rms(deltas[g] - deltas[0.0]))
+                paths[g].append(seq_mean(deltas[g]))
+            records.append({"t": t + 1, **_cos_summary(_cosines(deltas[1.0], b0)), "delta_rms": _rms(deltas[1.0]),
+                            "ray_rms": (t + 1) * _rms(b0)})
+        push = _rms(deltas[1.0])
+        unit = deltas[1.0] - deltas[0.0]
+        dose = []
+        for g in (float(g) for g in gains):
+            disp = deltas[g] - deltas[0.0]
+            cos = _cosines(disp, unit)
+            dose.append({"gain": g, "displacement_rms": disp_by_t[g][-1],
+                         "relative_to_push": disp_by_t[g][-1] / push if push > 0 else None,
+                         "cosine_to_unit_gain": sum(cos) / len(cos) if cos else None,
+                         "displacement_rms_by_t": disp_by_t[g]})
     return {"rollout": {"bias0_rms": _rms(b0), "records": records},
             "dose_response": {"push_rms": push, "records": dose},
             "paths": {"trajectory": {g: np.stack(p, axis=1) for g, p in paths.items()},  # (k, T+1, d)

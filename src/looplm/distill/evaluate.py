@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from looplm.data.tokens import eval_windows
 from looplm.distill.prefill import prefill_paths
 from looplm.distill.student import Student, default_student_dir, load_student
+from looplm.eval.exits import sync_device
 from looplm.eval.kvsharing import continuation_mask
 from looplm.run.finite import clean, write_json_markdown
 from looplm.model import KVCache, LoopLM
@@ -38,11 +39,6 @@ def _label(name: str, R: int) -> str:
         r = int(name[len("teacher_r"):])
         return f"{['', 'One', 'Two', 'Three', 'Four'][r] if r <= 4 else r} recurrence{'s' if r > 1 else ''} (R={r})"
     return LABELS[name].format(R=R)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @torch.no_grad()
@@ -73,7 +69,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
     teacher.eval()
     bar = tqdm(total=math.ceil(n_full / batch_size), desc="eval distill", disable=not progress, leave=False,
                unit="batch")
-    try:
+    with bar:
         for x, y, mask in eval_windows(tokens, L, batch_size):
             full = mask.all(1)
             if not bool(full.any()):
@@ -83,8 +79,6 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
             n_rest += rest
             n_batches += 1
             bar.update(1)
-    finally:
-        bar.close()
     if n_first + n_rest == 0:
         raise ValueError(f"eval distill: no continuation target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
@@ -116,10 +110,10 @@ def _score_batch(teacher: LoopLM, paths: dict, x: torch.Tensor, y: torch.Tensor,
     last = (torch.arange(B, device=dev), torch.full((B,), P - 1, device=dev))
     for name, (_, prefill) in paths.items():
         cache = KVCache("terminal")
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         pre = prefill(x[:, :P], cache, targets=y[:, P - 1], readout=Readout(logits=False, tokens=last))
-        _sync(dev)
+        sync_device(dev)
         sums[name]["prefill_s"] += time.perf_counter() - t0
         sums[name]["kv_bytes"] = cache.nbytes() // B
         (first_nll,) = pre.nll_by_depth.values()  # (B,), the prefill's only readout

@@ -24,7 +24,7 @@ from looplm.distill.prefill import student_readout, teacher_targets
 from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
                                     load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
 from looplm.run.finite import NonFiniteError, clean
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
 from looplm.run.dist import resolve_device
 from looplm.run.folder import Fit, RunFolder, run_state, set_rng_state
@@ -74,23 +74,21 @@ def validate(teacher: LoopLM, student: Student, tokens: np.ndarray, cfg: Distill
              seq_len: int, device: torch.device) -> dict[str, float]:
     """Token-weighted means over the first ``eval_batches`` full windows batches of ``tokens``: the two
     terms of eq. 4 and the cross-entropies of the teacher at R and of the student's own readout."""
-    was = student.training
-    student.eval()
     sums = {"hidden": 0.0, "kl": 0.0, "ce_teacher": 0.0, "ce_student": 0.0}
     n = 0
-    for x, y, mask in eval_windows(tokens, seq_len, cfg.batch_size, max_batches=cfg.eval_batches):
-        full = mask.all(1)
-        if not bool(full.any()):
-            continue
-        x, y = x[full].to(device), y[full].to(device)
-        res, ce = student_step(teacher, student, x, cfg, sigma2, y)
-        w = x.shape[0]
-        sums["hidden"] += float(res.hidden) * w
-        sums["kl"] += float(res.kl) * w
-        sums["ce_teacher"] += ce["teacher"] * w
-        sums["ce_student"] += ce["student"] * w
-        n += w
-    student.train(was)
+    with eval_mode(student):
+        for x, y, mask in eval_windows(tokens, seq_len, cfg.batch_size, max_batches=cfg.eval_batches):
+            full = mask.all(1)
+            if not bool(full.any()):
+                continue
+            x, y = x[full].to(device), y[full].to(device)
+            res, ce = student_step(teacher, student, x, cfg, sigma2, y)
+            w = x.shape[0]
+            sums["hidden"] += float(res.hidden) * w
+            sums["kl"] += float(res.kl) * w
+            sums["ce_teacher"] += ce["teacher"] * w
+            sums["ce_student"] += ce["student"] * w
+            n += w
     return {f"val_{k}": v / max(n, 1) for k, v in sums.items()}
 
 

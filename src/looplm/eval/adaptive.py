@@ -18,7 +18,7 @@ import torch
 from looplm.data.tokens import eval_windows
 from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, Trace, build_exit_criterion,
                                calibrate, halting_depths, run, trace)
-from looplm.model import DepthLM
+from looplm.model import DepthLM, eval_mode
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
@@ -36,14 +36,10 @@ def _on_windows(fn, model: DepthLM, tokens: np.ndarray, criterion: str | ExitCri
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
     crit = build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
     device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         batches = [(x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
                    for x, y, mask in eval_windows(tokens, model.cfg.seq_len, batch_size)]
         return fn(model, batches, crit, ceiling, **kw)
-    finally:
-        model.train(was_training)
 
 
 def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,

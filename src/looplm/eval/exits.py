@@ -84,10 +84,6 @@ class ExitCriterion:
         """Whether the criterion fires for each score (NaN never fires)."""
         return score < self.tau if self.direction == "below" else score >= self.tau
 
-    def should_exit(self, prev_h, h, prev_logits=None, logits=None, gate=None, valid=None) -> torch.Tensor:
-        """(B,) bool: :meth:`halts` of :meth:`score` reduced over ``valid`` (B, L) tokens."""
-        return self.halts(self.reduce(self.score(prev_h, h, prev_logits, logits, gate), valid))
-
     def never_fires(self) -> bool:
         """τ = −∞ ("below") or +∞ ("above"): the runner skips the statistic."""
         return self.tau == (-math.inf if self.direction == "below" else math.inf)

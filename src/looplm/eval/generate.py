@@ -28,6 +28,7 @@ from typing import Literal, Sequence
 import torch
 
 from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, check_criterion, exit_loop
+from looplm.model import eval_mode
 from looplm.model.cursor import Loop, Readout
 from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
 
@@ -130,9 +131,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     hook = states.hook if save_states else None
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(seed))
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         idx, mask = _left_pad(prompts, device)
         # capacity: the padded prompt and the new tokens (the last one is never fed back), not seq_len
         cache = KVCache(cache_mode, max_len=idx.shape[1] + max_new_tokens)
@@ -145,8 +144,6 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
                               capacity=idx.shape[1] + max_new_tokens - 1, states=states)
         _decode(result, logits, prefill_depth, advance, lambda lg: next_tokens(lg, temperature, top_k, top_p, gen),
                 max_new_tokens=max_new_tokens, eos_id=eos_id, forced=forced)
-    finally:
-        model.train(was_training)
     if states is not None:
         result.states = [torch.cat(parts) for parts in states.parts]
     return result

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from looplm.data.tokens import eval_windows
 from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, build_exit_criterion, calibrate,
                                run, sync_device, trace)
-from looplm.model import DepthLM
+from looplm.model import DepthLM, eval_mode
 from looplm.model.cursor import NLL
 
 DEFAULT_N_CALIB = 160
@@ -116,9 +116,7 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
     direction = EXIT_CRITERIA[criterion].direction
     device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         cal_batches = _batches(*calib, batch_size, device)
         margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
                                                 scale_clamp=scale_clamp)
@@ -140,8 +138,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
                 fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
                                                         scale_clamp=scale_clamp)
                 fixed_s[K].append(seconds)
-    finally:
-        model.train(was_training)
     n_tokens = int(dyn.tokens.sum())
     dyn_seconds = float(np.median(dyn_s))
     frontier = []

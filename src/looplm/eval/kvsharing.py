@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
 from looplm.run.finite import write_json_markdown
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Readout
 
@@ -73,14 +73,12 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
                          f"got {len(tokens)} tokens")
     # one final_only_norm threshold for the full forward and every continuation (see LoopLM.forward)
     final_depth = model.resolve_final_depth(None, depths[-1])
-    was_training = model.training
-    model.eval()
     sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}
     mem: dict[int, dict[str, int]] = {}
     count = n_seq = 0
     bar = tqdm(total=math.ceil(n_full / batch_size), desc="kv sharing", disable=not progress, leave=False,
                unit="batch")
-    try:
+    with eval_mode(model), bar:
         for x, y, mask in eval_windows(tokens, L, batch_size):
             full = mask.all(1)  # only full windows: both halves have real tokens
             if not bool(full.any()):
@@ -97,9 +95,6 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
             count += int(scored.sum())
             n_seq += x.shape[0]
             bar.update(1)
-    finally:
-        bar.close()
-        model.train(was_training)
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from looplm.data.paths import resolve_data_root
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import Readout
 
 LAMBADA_FILE = "lambada/lambada_test.jsonl"
@@ -132,25 +132,23 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
     if not examples:
         raise ValueError("score_lambada: no examples")
     device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    nll = {T: 0.0 for T in depths}
-    correct = {T: 0 for T in depths}
-    exact = {T: 0 for T in depths}
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-    for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
-                  unit="batch"):
-        chunk = [examples[k] for k in order[i:i + batch_size]]
-        x, rows, cols, tgt = _batch(chunk, device)
-        out = model(x, depths, readout=Readout(tokens=(rows, cols)))  # logits (N, V) per depth
-        for T in depths:
-            logits = out.logits_by_depth[T].float()
-            nll[T] += float(F.cross_entropy(logits, tgt, reduction="sum").double())
-            hit = logits.argmax(dim=-1) == tgt  # (N,)
-            misses = torch.zeros(len(chunk), device=device).index_add_(0, rows, (~hit).float())  # (B,)
-            correct[T] += int(hit.sum())
-            exact[T] += int((misses == 0).sum())
-    model.train(was_training)
+    with eval_mode(model):
+        nll = {T: 0.0 for T in depths}
+        correct = {T: 0 for T in depths}
+        exact = {T: 0 for T in depths}
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
+                      unit="batch"):
+            chunk = [examples[k] for k in order[i:i + batch_size]]
+            x, rows, cols, tgt = _batch(chunk, device)
+            out = model(x, depths, readout=Readout(tokens=(rows, cols)))  # logits (N, V) per depth
+            for T in depths:
+                logits = out.logits_by_depth[T].float()
+                nll[T] += float(F.cross_entropy(logits, tgt, reduction="sum").double())
+                hit = logits.argmax(dim=-1) == tgt  # (N,)
+                misses = torch.zeros(len(chunk), device=device).index_add_(0, rows, (~hit).float())  # (B,)
+                correct[T] += int(hit.sum())
+                exact[T] += int((misses == 0).sum())
     n_tok = sum(e.n_target for e in examples)
     return {T: {"target_ppl": math.exp(nll[T] / n_tok), "target_acc": correct[T] / n_tok,
                 "exact_acc": exact[T] / len(examples), "nll": nll[T] / n_tok, "examples": len(examples),

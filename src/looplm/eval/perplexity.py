@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.model import LoopLM
+from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import NLL
 from looplm.run.dist import unsharded
 
@@ -33,35 +33,33 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         tokens = tokens[: max_tokens + 1]
     if len(tokens) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    was_training = model.training
-    model.eval()
-    seq_len = model.cfg.seq_len
-    total_nll = {T: 0.0 for T in depths}
-    rms_sum = {T: 0.0 for T in depths}
-    rms_max = {T: 0.0 for T in depths}
-    count = 0
-    n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
-    bar = tqdm(total=math.ceil(n_windows / batch_size), desc=desc, disable=not progress, leave=False,
-               unit="batch")
-    for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
-        x, y, mask = x.to(device), y.to(device), mask.to(device)
-        y = y.masked_fill(~mask, -100)
+    with eval_mode(model):
+        seq_len = model.cfg.seq_len
+        total_nll = {T: 0.0 for T in depths}
+        rms_sum = {T: 0.0 for T in depths}
+        rms_max = {T: 0.0 for T in depths}
+        count = 0
+        n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
+        bar = tqdm(total=math.ceil(n_windows / batch_size), desc=desc, disable=not progress, leave=False,
+                   unit="batch")
+        for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
+            x, y, mask = x.to(device), y.to(device), mask.to(device)
+            y = y.masked_fill(~mask, -100)
 
-        def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # read's on_depth hook
-            if T in rms_sum:  # reduce h_T at once: no state is kept past its step
-                rms = h.double().pow(2).mean(-1).sqrt()[mask]
-                rms_sum[T] += float(rms.sum())
-                rms_max[T] = max(rms_max[T], float(rms.max()))
+            def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # read's on_depth hook
+                if T in rms_sum:  # reduce h_T at once: no state is kept past its step
+                    rms = h.double().pow(2).mean(-1).sqrt()[mask]
+                    rms_sum[T] += float(rms.sum())
+                    rms_max[T] = max(rms_max[T], float(rms.max()))
 
-        with unsharded(model):  # an FSDP-wrapped model (validation during training) bypasses its forward here
-            out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y, readout=NLL,
-                             on_depth=measure if state_rms else None)
-        for T in depths:
-            total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
-        count += int(mask.sum())
-        bar.update(1)
-    bar.close()
-    model.train(was_training)
+            with unsharded(model):  # an FSDP-wrapped model (validation during training) bypasses its forward here
+                out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y, readout=NLL,
+                                 on_depth=measure if state_rms else None)
+            for T in depths:
+                total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
+            count += int(mask.sum())
+            bar.update(1)
+        bar.close()
     return {T: {"nll": total_nll[T] / count, "ppl": _exp(total_nll[T] / count), "tokens": count,
                 **({"state_rms": rms_sum[T] / count, "state_rms_max": rms_max[T]} if state_rms else {})}
             for T in depths}

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, calibrate, exit_loop, trace
+from looplm.model import eval_mode
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
 from looplm.run.checkpoint import load_checkpoint
@@ -78,22 +79,20 @@ def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device) -> list[
 def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCriterion, ceiling: int, *,
                    batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """``(depth, correct)``: (N,) halting depths in [1, ceiling] and exact match there of each instance."""
-    was_training = model.training
-    model.eval()
-    final_from = model.resolve_final_depth(None, ceiling)
-    depth, correct = [], []
-    for xb, yb, scored in _batches(x, y, batch_size, device):
-        hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
+    with eval_mode(model):
+        final_from = model.resolve_final_depth(None, ceiling)
+        depth, correct = [], []
+        for xb, yb, scored in _batches(x, y, batch_size, device):
+            hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
 
-        def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
-            if logits is None:  # the readout the criterion would have read at k
-                logits = model.readout(h, final=k >= final_from)
-            hit[rows_] = ((logits.argmax(-1) == yb[rows_]) | ~scored[rows_]).all(-1)
+            def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
+                if logits is None:  # the readout the criterion would have read at k
+                    logits = model.readout(h, final=k >= final_from)
+                hit[rows_] = ((logits.argmax(-1) == yb[rows_]) | ~scored[rows_]).all(-1)
 
-        res = exit_loop(model.loop(xb), criterion, ceiling, drop=True, valid=scored, on_exit=score)
-        depth.append(res.depth.cpu())
-        correct.append(hit.cpu())
-    model.train(was_training)
+            res = exit_loop(model.loop(xb), criterion, ceiling, drop=True, valid=scored, on_exit=score)
+            depth.append(res.depth.cpu())
+            correct.append(hit.cpu())
     return torch.cat(depth).numpy(), torch.cat(correct).numpy()
 
 
@@ -106,10 +105,8 @@ def calibrate_tau(model, data_cfg, halting: Mapping[str, Any], *, max_examples: 
     crit = build_exit_criterion(halting["criterion"])
     insts = [i for k in range(1, data_cfg.task_k + 1)
              for i in heldout(data_cfg.task, k, "valid", data_cfg.task_heldout, data_cfg.task_seed)[:max_examples]]
-    was_training = model.training
-    model.eval()
-    tr = trace(model, _batches(*rows(insts, model.cfg.seq_len), batch_size, device), crit, halting["ceiling"])
-    model.train(was_training)
+    with eval_mode(model):
+        tr = trace(model, _batches(*rows(insts, model.cfg.seq_len), batch_size, device), crit, halting["ceiling"])
     return calibrate(tr.scores, crit.direction, target_depth=halting.get("target_depth"),
                      tolerance=halting.get("tolerance"), nll=tr.nll, tokens=tr.tokens).tau
 

@@ -34,7 +34,7 @@ class LoopLMCache(Cache):
         kv: the looplm cache (banks, validity mask, real-token counts, per-sequence statistics).
     """
 
-    is_compileable = False
+    is_compileable = is_croppable = False
 
     def __init__(self, mode: str = "per_visit", kv: KVCache | None = None):
         try:
@@ -72,21 +72,7 @@ class LoopLMCache(Cache):
     def is_initialized(self) -> bool:
         return self.kv.valid is not None
 
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False]
+    is_sliding = is_linear = is_dummy = (False,)  # one cache "layer": no window, not linear, not a placeholder
 
     @property
     def batch_size(self) -> int:
@@ -227,9 +213,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids (and not inputs_embeds)")
         if output_attentions:
             raise ValueError("output_attentions: not supported (looplm attends through SDPA)")
-        kwargs.pop("logits_to_keep", None)
-        kwargs.pop("cache_position", None)
-        kwargs.pop("token_type_ids", None)
+        for ignored in ("logits_to_keep", "cache_position", "token_type_ids"):  # sent by generate or tokenizers; unused
+            kwargs.pop(ignored, None)
         if kwargs:
             raise TypeError(f"LoopLMForCausalLM.forward: unexpected arguments {sorted(kwargs)}")
         if cache is None:

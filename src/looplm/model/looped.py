@@ -9,10 +9,11 @@ diagnostic call it and nothing else, variants being named arguments (``mask``, `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,17 @@ def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
     with torch.no_grad():
         for chunk in p.split(splits):
             nn.init.normal_(chunk, 0.0, math.sqrt(2.0 / (p.shape[1] + chunk.shape[0])))
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (dropout off) inside the block; its train/eval mode restored after, also on error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class DepthLM(nn.Module):

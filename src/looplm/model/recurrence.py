@@ -375,11 +375,7 @@ class AdditiveSubtract(_AnchoredStart):
         # base + 0 == base exactly, so at Δ = 0 the two (dropout-free) calls cancel bit for bit
         return state + self.s * (core(base + state) - core(base, call=1))
 
-    def hidden(self, state, ctx):
-        return ctx.anchor + state
-
-    def to_state(self, h, ctx):
-        return h - ctx.anchor
+    hidden, to_state = _SourceCentered.hidden, _SourceCentered.to_state  # the state is Δ = h − h*
 
 
 @register_rule

@@ -5,7 +5,6 @@ functions of (seed, update), so a resume continues exactly; writes metrics.jsonl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, re
                             update_gradient)
 from looplm.rl.rewards import get_reward
 from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
+from looplm.tasks.base import key_hash
 from looplm.train.optim import Optimization
 
 #: :func:`pretrain_task`'s config (our choice, for a 2-core CPU): Huginn-style 1 + 2×R + 1 (0.28M parameters), LMDR's
@@ -43,8 +43,7 @@ PRETRAIN_CONFIG = Config(
 
 
 def _seed(*key: object) -> int:
-    h = hashlib.blake2b("|".join(map(str, ("looplm-rl-seed", *key))).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+    return key_hash("looplm-rl-seed", *key) & ((1 << 63) - 1)
 
 
 # ---------------------------------------------------------------------------------------------- pretraining

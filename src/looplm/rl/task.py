@@ -12,13 +12,13 @@ vocabulary is one token per character plus ``<|endoftext|>`` at id 0; :func:`tok
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from looplm.data.tokenizer import CharVocab
+from looplm.tasks.base import key_hash
 
 EOT = "<|endoftext|>"
 #: the characters of the task vocabulary, ids 1 … len(CHARS) (id 0 is <|endoftext|>)
@@ -32,8 +32,7 @@ encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
 
 def _rng(*key: object) -> np.random.Generator:
     """A numpy generator seeded by a hash of ``key`` (a pure function of it)."""
-    h = hashlib.blake2b("|".join(map(str, ("looplm-rl", *key))).encode(), digest_size=8).digest()
-    return np.random.default_rng(int.from_bytes(h, "little"))
+    return np.random.default_rng(key_hash("looplm-rl", *key))
 
 
 @dataclass(frozen=True)

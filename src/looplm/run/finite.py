@@ -55,6 +55,12 @@ def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: st
     return [out, md]
 
 
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table: the header, a ``---`` rule per column, one line per row."""
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
     """Names of the floating tensors (a DTensor: its local shard) in ``(name, tensor)`` pairs holding NaN/inf."""
     import torch

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,11 @@ _VOCAB = CharVocab(CHARS, EOT)
 VOCAB: dict[str, int] = _VOCAB.vocab
 PAD_ID = 0
 encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
+
+
+def key_hash(*key: object) -> int:
+    """A 64-bit integer hash of ``key`` (BLAKE2b of its ``|``-joined strings): a seed that is a pure function of it."""
+    return int.from_bytes(hashlib.blake2b("|".join(map(str, key)).encode(), digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True)

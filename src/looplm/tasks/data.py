@@ -9,7 +9,6 @@ at position 0, prompt then answer, padded with id 0; every target but the answer
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,17 +18,17 @@ import numpy as np
 import torch
 
 from looplm.config import DataConfig
+from looplm.model import eval_mode
 from looplm.model.cursor import Readout
 from looplm.run.dist import unsharded
-from looplm.tasks.base import PAD_ID, Instance, encode, get_task, tokenizer
+from looplm.tasks.base import PAD_ID, Instance, encode, get_task, key_hash, tokenizer
 
 HELDOUT_SPLITS = ("valid", "test")
 
 
 def rng_for(*key: object) -> np.random.Generator:
     """A numpy generator seeded by a hash of ``key`` (a pure function of it)."""
-    h = hashlib.blake2b("|".join(map(str, ("looplm-task", *key))).encode(), digest_size=8).digest()
-    return np.random.default_rng(int.from_bytes(h, "little"))
+    return np.random.default_rng(key_hash("looplm-task", *key))
 
 
 def instance_key(inst: Instance) -> str:
@@ -106,25 +105,24 @@ def accuracy_by_depth(model, x: torch.Tensor, y: torch.Tensor, depths: list[int]
                       device: torch.device | str = "cpu") -> dict[int, dict[str, float]]:
     """``{T: {"acc", "correct", "n", "nll" (per answer token)}}`` from one unroll per batch: correct iff the
     argmax at every answer target is right (teacher-forced, = greedy decoding returns the answer)."""
-    was_training = model.training
-    model.eval()
-    depths = sorted(set(depths))
-    correct = {T: 0 for T in depths}
-    nll = {T: 0.0 for T in depths}
-    for i in range(0, len(x), batch_size):
-        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        scored = yb != -100
+    with eval_mode(model):
+        depths = sorted(set(depths))
+        correct = {T: 0 for T in depths}
+        nll = {T: 0.0 for T in depths}
+        for i in range(0, len(x), batch_size):
+            xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+            scored = yb != -100
 
-        def read(T: int, _h, logits, yb=yb, scored=scored) -> None:  # read's on_depth hook
-            if logits is not None:
-                hit = (logits.argmax(-1) == yb) | ~scored  # (B, L)
-                correct[T] += int(hit.all(-1).sum())
+            def read(T: int, _h, logits, yb=yb, scored=scored) -> None:  # read's on_depth hook
+                if logits is not None:
+                    hit = (logits.argmax(-1) == yb) | ~scored  # (B, L)
+                    correct[T] += int(hit.all(-1).sum())
 
-        with unsharded(model):  # validation of an FSDP-wrapped model bypasses its forward
-            out = model.read(model.loop(xb), depths, yb, readout=Readout(logits=False, fused_ce=False), on_depth=read)
-        for T in depths:
-            nll[T] += float(out.nll_by_depth[T][scored].double().sum())
-    model.train(was_training)
+            with unsharded(model):  # validation of an FSDP-wrapped model bypasses its forward
+                out = model.read(model.loop(xb), depths, yb, readout=Readout(logits=False, fused_ce=False),
+                                 on_depth=read)
+            for T in depths:
+                nll[T] += float(out.nll_by_depth[T][scored].double().sum())
     n, n_tok = len(x), int((y != -100).sum())
     return {T: {"acc": correct[T] / n, "correct": correct[T], "n": n, "nll": nll[T] / n_tok} for T in depths}
 
