@@ -17,6 +17,7 @@ provenance re-keyed to the new hash); and the ``config.json`` of every run folde
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import sqlite3
@@ -222,19 +223,19 @@ def main() -> None:
 def rewrite_run_folders() -> None:
     """The (git-ignored) run folders under experiments/: every ``config.json``, and the checkpoint manifest's
     size and sha256 of it, so the checkpoint stays valid and a sweep resumes or skips it."""
-    import hashlib
-
     for p in Path("experiments").glob("**/runs/**/config.json"):
         text = p.read_text()
         new = json.dumps(walk(json.loads(text), {}), indent=2 if text.startswith("{\n  ") else None,
                          ensure_ascii=False) + "\n" * text.endswith("\n")
         manifest = p.parent / "manifest.json"
         if manifest.is_file():
-            m = walk(json.loads(manifest.read_text()), {})  # its "config" copy too
+            old = json.loads(manifest.read_text())
+            m = walk(old, {})  # its "config" copy too
             entry = m.get("files", {}).get("config.json")
             if entry is not None:
                 entry.update(bytes=len(new.encode()), sha256=hashlib.sha256(new.encode()).hexdigest())
-                manifest.write_text(json.dumps(m, indent=2) + "\n")
+            if m != old:
+                manifest.write_text(json.dumps(m, indent=2))
         if new != text:
             p.write_text(new)
 

@@ -85,13 +85,6 @@ def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
                        f"known: {', '.join(known)}")
 
 
-def _min(obj: Any, lo: float, *names: str, strict: bool = False) -> None:
-    """Check ``obj.NAME >= lo`` (``> lo`` if ``strict``) for every name."""
-    for name in names:
-        v = getattr(obj, name)
-        _check(v > lo if strict else v >= lo, obj._prefix + name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
-
-
 def _check_literal(obj: Any, prefix: str) -> None:
     """Type-check every field of ``obj``: Literal names, bools, ints, finite floats."""
     hints = typing.get_type_hints(type(obj))
@@ -123,9 +116,19 @@ def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
 
 
 class _Base:
-    """Shared JSON round-trip for the config dataclasses."""
+    """Shared JSON round-trip and checks for the config dataclasses."""
 
     _prefix = ""
+
+    def require(self, cond: bool, name: str, msg: str) -> None:
+        """ConfigError naming field ``name`` (with the section prefix) unless ``cond``."""
+        _check(cond, self._prefix + name, msg)
+
+    def at_least(self, lo: float, *names: str, strict: bool = False) -> None:
+        """Check ``self.NAME >= lo`` (``> lo`` if ``strict``) for every name."""
+        for name in names:
+            v = getattr(self, name)
+            self.require(v > lo if strict else v >= lo, name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -201,10 +204,10 @@ class RuleOptions(_Base):
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
         p, has = self._prefix, (lambda *names: [n for n in names if hasattr(self, n)])
-        _min(self, 0.0, *has("step_scale"), strict=True)
-        _min(self, 0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
-        _min(self, 1, *has("steps", "period"))
-        _min(self, -1, *has("state_init_seed"))
+        self.at_least(0.0, *has("step_scale"), strict=True)
+        self.at_least(0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
+        self.at_least(1, *has("steps", "period"))
+        self.at_least(-1, *has("state_init_seed"))
         if hasattr(self, "leak"):
             _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "source_init"):
@@ -659,9 +662,9 @@ class ModelConfig(_Base):
 
     def validate(self) -> None:
         p = self._prefix
-        _min(self, 1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
-        _min(self, 0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
-        _min(self, 0, "embed_scale", "norm_eps", "init_std", strict=True)
+        self.at_least(1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
+        self.at_least(0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
+        self.at_least(0, "embed_scale", "norm_eps", "init_std", strict=True)
         _check(self.d_model % self.n_heads == 0, p + "n_heads",
                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
@@ -796,7 +799,7 @@ class DataConfig(_Base):
                    "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
             _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
         if self.dataset == "task":
-            _min(self, 1, "task_k", "task_heldout")
+            self.at_least(1, "task_k", "task_heldout")
         else:
             for name in ("task", "task_k", "task_heldout", "task_seed"):
                 _check(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, p + name,
@@ -829,7 +832,7 @@ class FixedDepthConfig(DepthConfig):
     depth: int = _f(8, "loop depth T")
 
     def validate(self) -> None:
-        _min(self, 1, "depth")
+        self.at_least(1, "depth")
 
     def max_depth(self) -> int:
         return self.depth
@@ -844,7 +847,7 @@ class UniformDepthConfig(DepthConfig):
     hi: int = _f(8, "highest depth")
 
     def validate(self) -> None:
-        _min(self, 1, "lo")
+        self.at_least(1, "lo")
         _check(self.lo <= self.hi, self._prefix + "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
 
     def max_depth(self) -> int:
@@ -863,8 +866,8 @@ class PLNDepthConfig(DepthConfig):
 
     def validate(self) -> None:
         p = self._prefix
-        _min(self, 0, "sigma", strict=True)
-        _min(self, 2, "cap")
+        self.at_least(0, "sigma", strict=True)
+        self.at_least(2, "cap")
         _check(1 <= self.mean < self.cap, p + "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
 
     def max_depth(self) -> int:
@@ -892,9 +895,9 @@ class LearnedDepthConfig(PLNDepthConfig):
     def validate(self) -> None:
         super().validate()
         p = self._prefix
-        _min(self, 0, "lr", strict=True)
-        _min(self, 0, "entropy", "budget", "warmup")
-        _min(self, 1, "scale_window")
+        self.at_least(0, "lr", strict=True)
+        self.at_least(0, "entropy", "budget", "warmup")
+        self.at_least(1, "scale_window")
         w = self.init
         _check(isinstance(w, list), p + "init", f"must be a list of numbers, got {w!r}")
         if not w:
@@ -978,8 +981,8 @@ class OptimConfig(_Base):
 
     def validate(self) -> None:
         p = self._prefix
-        _min(self, 0, "lr", strict=True)
-        _min(self, 0, "warmup_steps", "weight_decay", "grad_clip")
+        self.at_least(0, "lr", strict=True)
+        self.at_least(0, "warmup_steps", "weight_decay", "grad_clip")
         _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, p + name, f"must be in [0, 1), got {getattr(self, name)}")
@@ -997,12 +1000,6 @@ class RunSection(_Base):
             object.__setattr__(self, "optim", OptimConfig(**self.optim))
         _check(isinstance(getattr(self, "optim", None), OptimConfig), "optim", "must be an optimizer config")
         super().__post_init__()
-
-    def require(self, cond: bool, name: str, msg: str) -> None:
-        _check(cond, self._prefix + name, msg)
-
-    def at_least(self, lo: float, *names: str) -> None:
-        _min(self, lo, *names)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
@@ -1067,8 +1064,8 @@ class TrainConfig(_Base):
 
     def validate(self) -> None:
         p = self._prefix
-        _min(self, 1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
-        _min(self, 0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
+        self.at_least(1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
+        self.at_least(0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
         names = self.logger
         if isinstance(names, str):
             names = [s.strip() for s in names.split(",") if s.strip()]
