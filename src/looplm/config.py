@@ -79,6 +79,10 @@ def _suggest(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
 def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
     known = list(known)
     return ConfigError(f"{where}: unknown {kind}{_suggest(where.rsplit('.', 1)[-1], known)}; "
@@ -115,6 +119,12 @@ def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
     _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
 
 
+def _variant(base: type, name: str, doc: str, **attrs: Any) -> Any:
+    """A frozen subclass ``name`` of the config dataclass ``base`` without fields of its own (a variant's ``NAME``)."""
+    return dataclass(frozen=True)(type(name, (base,), {"__doc__": doc, "__module__": __name__, "__qualname__": name,
+                                                       **attrs}))
+
+
 class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
@@ -132,7 +142,7 @@ class _Base:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)  # type: ignore[call-overload]
-        return {**d, **{name: getattr(self, name).to_dict() for name in _choice_fields(type(self))}}
+        return {**d, **{name: getattr(self, name).to_dict() for name in _sections(type(self))}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -148,6 +158,7 @@ class _Base:
     @classmethod
     def _check_keys(cls, d: dict[str, Any]) -> None:
         """A complete dict (as read from a file): no unknown and no missing field."""
+        _check(isinstance(d, dict), cls._prefix.rstrip("."), "must be a JSON object")
         names = cls.field_names()
         for key in d:
             if key not in names:
@@ -161,24 +172,27 @@ class _Base:
     def from_dict(cls, d: dict[str, Any]):
         """Build from a complete dict, as ``to_dict`` writes it (ConfigError: unknown, missing or bad field)."""
         cls._check_keys(d)
-        choices = _choice_fields(cls)
-        return cls(**{k: choices[k].from_dict(v) if k in choices else v for k, v in d.items()})
+        sections = _sections(cls)
+        return cls(**{k: sections[k].from_dict(v) if k in sections else v for k, v in d.items()})
 
     def __post_init__(self) -> None:
-        self._build_choices()
+        self._build_sections()
         _check_literal(self, self._prefix)
         self.validate()
 
     def validate(self) -> None:
         """Range checks, after the type checks."""
 
-    def _build_choices(self) -> None:
-        """Each choice-section field given as a dict becomes its variant; anything else is an error."""
-        for name, base in _choice_fields(type(self)).items():
-            if isinstance(getattr(self, name), dict):
-                object.__setattr__(self, name, build_choice(base, getattr(self, name)))
-            _check(isinstance(getattr(self, name), base), self._prefix + name,
-                   f"must be a {name.replace('_', ' ')} config, got {getattr(self, name)!r}")
+    def _build_sections(self) -> None:
+        """Each section field given as a dict becomes its section (a choice section: its variant); anything else
+        is an error."""
+        for name, base in _sections(type(self)).items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                value = build_choice(base, value) if issubclass(base, ChoiceSection) else base(**value)
+                object.__setattr__(self, name, value)
+            _check(isinstance(value, base), self._prefix + name, f"must be {_a(name.replace('_', ' '))} config, "
+                   f"got {value!r}")
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
@@ -223,9 +237,7 @@ class RuleOptions(_Base):
                 object.__setattr__(self, "source_init_std", 0.0)
 
 
-@dataclass(frozen=True)
-class PlainOptions(RuleOptions):
-    """``plain``: no options (no injection, no residual scale)."""
+PlainOptions = _variant(RuleOptions, "PlainOptions", "``plain``: no options (no injection, no residual scale).")
 
 
 @dataclass(frozen=True)
@@ -387,8 +399,7 @@ def _not_a_field(prefix: str, name: str, variants: dict[str, Any], variant: str,
                  verb: str = "use", kind: str = "option") -> ConfigError:
     """``name`` is not a field of ``variant``: say which variants have it, list the variant's fields."""
     owners = [v for v, c in variants.items() if name in c.field_names()]
-    article = "an" if kind[0] in "aeiou" else "a"
-    what = (f"{key} {variant} does not {verb} it ({article} {kind} of {', '.join(owners)})"
+    what = (f"{key} {variant} does not {verb} it ({_a(kind)} of {', '.join(owners)})"
             if owners else f"unknown {kind}{_suggest(name, {n for c in variants.values() for n in c.field_names()})}")
     own = variants[variant].field_names()
     return ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
@@ -451,11 +462,11 @@ class ChoiceSection(_Base):
         return build_choice(next(b for b in _CHOICES if issubclass(cls, b)), d, complete=True)
 
 
-def _choice_fields(cls: type) -> dict[str, type[ChoiceSection]]:
-    """``{field: base class}`` of ``cls``'s fields that hold a typed choice section."""
+def _sections(cls: type) -> dict[str, type[_Base]]:
+    """``{field: class}`` of ``cls``'s fields that hold a section (a typed choice section's base class)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)
-            if isinstance(hints[f.name], type) and issubclass(hints[f.name], ChoiceSection)}
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], _Base)}
 
 
 def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
@@ -525,11 +536,8 @@ class PositionConfig(ChoiceSection):
             "Ouro), none (the causal mask only)")
 
 
-@dataclass(frozen=True)
-class LearnedPositionConfig(PositionConfig):
-    """``learned``: a table of seq_len absolute positions added to the token embedding (GPT-2)."""
-
-    NAME = "learned"
+LearnedPositionConfig = _variant(PositionConfig, "LearnedPositionConfig", "``learned``: a table of seq_len "
+                                 "absolute positions added to the token embedding (GPT-2).", NAME="learned")
 
 
 @dataclass(frozen=True)
@@ -555,11 +563,8 @@ class RopeConfig(PositionConfig):
             _check(self.scaling_factor > 0, p + "scaling_factor", f"must be > 0, got {self.scaling_factor}")
 
 
-@dataclass(frozen=True)
-class NoPositionConfig(PositionConfig):
-    """``none``: no position signal beyond the causal mask."""
-
-    NAME = "none"
+NoPositionConfig = _variant(PositionConfig, "NoPositionConfig", "``none``: no position signal beyond the causal mask.",
+                            NAME="none")
 
 
 #: the config class of every position signal (``model.position.kind``)
@@ -578,18 +583,10 @@ class ScaleControlConfig(ChoiceSection):
             "factor in (0, 1)), final_norm (h ← norm_f(h); Ouro; pair with model.readout=raw)")
 
 
-@dataclass(frozen=True)
-class NoScaleControlConfig(ScaleControlConfig):
-    """``none``: the state passes between loops unchanged."""
-
-    NAME = "none"
-
-
-@dataclass(frozen=True)
-class InterLoopNormConfig(ScaleControlConfig):
-    """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""
-
-    NAME = "inter_loop_norm"
+NoScaleControlConfig = _variant(ScaleControlConfig, "NoScaleControlConfig",
+                                "``none``: the state passes between loops unchanged.", NAME="none")
+InterLoopNormConfig = _variant(ScaleControlConfig, "InterLoopNormConfig", "``inter_loop_norm``: h ← RMSNorm(h) with "
+                               "its own learned gain after every step.", NAME="inter_loop_norm")
 
 
 @dataclass(frozen=True)
@@ -603,11 +600,8 @@ class SpectralDampingConfig(ScaleControlConfig):
         _check(0.0 < self.init < 1.0, self._prefix + "init", f"must be in (0, 1), got {self.init}")
 
 
-@dataclass(frozen=True)
-class FinalNormConfig(ScaleControlConfig):
-    """``final_norm``: h ← norm_f(h), the final norm itself, after every step (Ouro)."""
-
-    NAME = "final_norm"
+FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", "``final_norm``: h ← norm_f(h), the final norm "
+                           "itself, after every step (Ouro).", NAME="final_norm")
 
 
 #: the config class of every scale control (``model.scale_control.kind``)
@@ -929,11 +923,8 @@ class GradientConfig(ChoiceSection):
     steps: ClassVar[int] = 0
 
 
-@dataclass(frozen=True)
-class BPTTConfig(GradientConfig):
-    """``bptt``: full backpropagation through every recurrence (no fields)."""
-
-    NAME = "bptt"
+BPTTConfig = _variant(GradientConfig, "BPTTConfig", "``bptt``: full backpropagation through every recurrence "
+                      "(no fields).", NAME="bptt")
 
 
 @dataclass(frozen=True)
@@ -947,11 +938,8 @@ class TBPTTConfig(GradientConfig):
         _check(self.steps >= 1, self._prefix + "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
 
 
-@dataclass(frozen=True)
-class EndpointConfig(TBPTTConfig):
-    """``endpoint`` (Neumann-b): b recurrences with gradient from sg(z^T); the loss is read at T + b."""
-
-    NAME = "endpoint"
+EndpointConfig = _variant(TBPTTConfig, "EndpointConfig", "``endpoint`` (Neumann-b): b recurrences with gradient "
+                          "from sg(z^T); the loss is read at T + b.", NAME="endpoint")
 
 
 #: the config class of every gradient estimator (``train.gradient.kind``)
@@ -994,18 +982,6 @@ section_field = _f  # a RunSection field: its default and its --help text
 @dataclass(frozen=True)
 class RunSection(_Base):
     """The config of ``distill`` / ``rl train``: own fields (``--PREFIX.FIELD``) and an ``optim`` section."""
-
-    def __post_init__(self) -> None:
-        if isinstance(getattr(self, "optim", None), dict):
-            object.__setattr__(self, "optim", OptimConfig(**self.optim))
-        _check(isinstance(getattr(self, "optim", None), OptimConfig), "optim", "must be an optimizer config")
-        super().__post_init__()
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        cls._check_keys(d)
-        _check(isinstance(d["optim"], dict), "optim", "must be a JSON object")
-        return cls(**{**d, "optim": OptimConfig.from_dict(d["optim"])})
 
     def with_overrides(self, overrides: dict[str, Any]):
         """This config with ``{"PREFIX.FIELD" or "optim.FIELD": value}`` applied (ConfigError for a bad key/value)."""
@@ -1120,9 +1096,6 @@ class Config(_Base):
         for key in sections:
             if key not in d:
                 raise ConfigError(f"{key}: missing; a config file gives every section ({', '.join(sections)})")
-        for key in SECTIONS:
-            if not isinstance(d[key], dict):
-                raise ConfigError(f"{key}: must be a JSON object")
         if not isinstance(d["name"], str):
             raise ConfigError(f"name: must be a string, got {d['name']!r}")
         return cls(name=d["name"], **{key: section.from_dict(d[key]) for key, section in SECTIONS.items()})
@@ -1138,7 +1111,7 @@ def _field_type(section: str, name: str) -> Any:
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if name in _choice_fields(cls) or (section, name) == ("model", "options"):
+    if name in _sections(cls) or (section, name) == ("model", "options"):
         raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
