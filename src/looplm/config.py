@@ -37,7 +37,6 @@ ExitNorm = Literal["none", "learned", "final"]
 Supervision = Literal["terminal", "per_loop", "exit_weighted"]
 PriorReward = Literal["neg_ce", "log_ce", "exp_ce", "inv_ppl"]
 Schedule = Literal["cosine", "wsd"]
-Gradient = Literal["bptt", "tbptt", "endpoint"]
 SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 ProjectionInit = Literal["source", "unit"]
 BlockInit = Literal["normal", "xavier_normal"]
@@ -90,13 +89,15 @@ def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
 
 
 def _check_literal(obj: Any, prefix: str) -> None:
-    """Type-check every field of ``obj``: Literal names, bools, ints, finite floats."""
+    """Type-check every field of ``obj``: Literal names, strings, bools, ints, finite floats."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         tp, name, value = hints[f.name], prefix + f.name, getattr(obj, f.name)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if typing.get_origin(tp) is Literal:
             _check(value in get_args(tp), name, f"got {value!r}; allowed: {', '.join(map(repr, get_args(tp)))}")
+        elif tp is str:
+            _check(isinstance(value, str), name, f"must be a string, got {value!r}")
         elif tp is bool:
             _check(isinstance(value, bool), name, f"must be true/false, got {value!r}")
         elif tp is int:
@@ -106,13 +107,10 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
-GRADIENTS: tuple[str, ...] = get_args(Gradient)
-
-
 def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
     """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
-    if kind not in GRADIENTS:
-        raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS))}")
+    if kind not in GRADIENTS_CONFIG:
+        raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS_CONFIG))}")
     _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
            f"must be an integer >= 0, got {steps!r}")
     _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
@@ -395,27 +393,25 @@ def options_class(rule: str) -> type[RuleOptions]:
     return RULE_OPTIONS[rule]
 
 
-def _not_a_field(prefix: str, name: str, variants: dict[str, Any], variant: str, key: str = "rule",
-                 verb: str = "use", kind: str = "option") -> ConfigError:
-    """``name`` is not a field of ``variant``: say which variants have it, list the variant's fields."""
-    owners = [v for v, c in variants.items() if name in c.field_names()]
-    what = (f"{key} {variant} does not {verb} it ({_a(kind)} of {', '.join(owners)})"
-            if owners else f"unknown {kind}{_suggest(name, {n for c in variants.values() for n in c.field_names()})}")
+def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], variant: str, complete: bool,
+                  key: str = "rule", verb: str = "use", kind: str = "option") -> None:
+    """Every key of ``d`` is a field of ``variant`` (and with ``complete`` every field is a key); else ConfigError,
+    naming the variants that have the field and listing the variant's fields."""
     own = variants[variant].field_names()
-    return ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
-
-
-def _not_an_option(name: str, rule: str) -> ConfigError:
-    return _not_a_field("model.options.", name, RULE_OPTIONS, rule)
+    for name in d:
+        if name not in own:
+            owners = [v for v, c in variants.items() if name in c.field_names()]
+            known = {n for c in variants.values() for n in c.field_names()}
+            what = (f"{key} {variant} does not {verb} it ({_a(kind)} of {', '.join(owners)})"
+                    if owners else f"unknown {kind}{_suggest(name, known)}")
+            raise ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
+    if complete:
+        variants[variant]._check_keys(d)
 
 
 def _options_from_dict(rule: str, d: dict[str, Any], *, complete: bool) -> RuleOptions:
     cls = options_class(rule)
-    for key in d:
-        if key not in cls.field_names():
-            raise _not_an_option(key, rule)
-    if complete:
-        cls._check_keys(d)
+    _check_fields("model.options.", d, RULE_OPTIONS, rule, complete)
     return cls(**d)
 
 
@@ -490,14 +486,9 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     if name not in variants:
         raise ConfigError(f"{base._prefix}{base.KEY}: got {name!r}; allowed: {', '.join(map(repr, variants))}")
     cls = variants[name]
-    hints = typing.get_type_hints(cls)
-    for key in d:
-        if key not in cls.field_names():
-            raise _not_a_field(base._prefix, key, variants, name, base.KEY, "read", "field")
-    if complete:
-        cls._check_keys(d)
+    _check_fields(base._prefix, d, variants, name, complete, base.KEY, "read", "field")
     values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
-    values.update({k: _parse(hints[k], base._prefix + k, v) if isinstance(v, str) else v for k, v in d.items()})
+    values.update(_parsed(cls, base._prefix, d))
     return cls(**values)
 
 
@@ -782,8 +773,6 @@ class DataConfig(_Base):
             _check(len(self.text_files) == 3, self._prefix + "text_files",
                    "dataset=text needs three paths: train, valid, test")
         p = self._prefix
-        for name in ("hf_path", "hf_name", "text_column"):  # _check_literal does not check str
-            _check(isinstance(getattr(self, name), str), p + name, f"must be a string, got {getattr(self, name)!r}")
         _check(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
                and all(isinstance(x, str) and x.strip() for x in self.hf_splits), p + "hf_splits",
                f"must be three split specs (train, valid, test), e.g. train,validation,test or "
@@ -1096,8 +1085,6 @@ class Config(_Base):
         for key in sections:
             if key not in d:
                 raise ConfigError(f"{key}: missing; a config file gives every section ({', '.join(sections)})")
-        if not isinstance(d["name"], str):
-            raise ConfigError(f"name: must be a string, got {d['name']!r}")
         return cls(name=d["name"], **{key: section.from_dict(d[key]) for key, section in SECTIONS.items()})
 
 
@@ -1135,6 +1122,12 @@ def _parse(tp: Any, key: str, text: str) -> Any:
         return text
     except ValueError:
         raise ConfigError(f"{key}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}") from None
+
+
+def _parsed(cls: type, prefix: str, d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with its strings parsed as the types of ``cls``'s fields (names it does not have are kept as they are)."""
+    hints = typing.get_type_hints(cls)
+    return {k: _parse(hints[k], prefix + k, v) if isinstance(v, str) and k in hints else v for k, v in d.items()}
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
@@ -1177,13 +1170,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     if options:
         if m["architecture"] == "unshared":
             raise ConfigError(f"model.options.{next(iter(options))}: the unshared architecture has no rule options")
-        cls = options_class(m["rule"])
-        hints = typing.get_type_hints(cls)
-        merged = dict(m["options"] or {})
-        for name, value in options.items():
-            if name not in hints:
-                raise _not_an_option(name, m["rule"])
-            merged[name] = _parse(hints[name], f"model.options.{name}", value) if isinstance(value, str) else value
-        m["options"] = dataclasses.asdict(cls(**merged))
+        given = _parsed(options_class(m["rule"]), "model.options.", options)
+        m["options"] = _options_from_dict(m["rule"], {**(m["options"] or {}), **given}, complete=False).to_dict()
     return Config.from_dict(d)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from looplm.config import (Config, DataConfig, LearnedDepthConfig, LearnedPositionConfig, ModelConfig, OptimConfig,
-                            PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig, UniformDepthConfig)
+from looplm.config import (Config, DataConfig, DepthConfig, LearnedDepthConfig, LearnedPositionConfig, ModelConfig,
+                            OptimConfig, PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig, UniformDepthConfig)
 
 _PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32)
 _PAPER_OPTIM = OptimConfig(lr=3e-4, warmup_steps=500)
@@ -31,6 +31,13 @@ def _task(task: str, k_train: int, seq_len: int, position: PositionConfig) -> Co
     )
 
 
+def _cpu(name: str, depth: DepthConfig, optim: OptimConfig, model: dict, train: dict) -> Config:
+    """A CPU-sized run on Brown, tokenized by a byte-level BPE of the model's vocabulary size."""
+    return Config(name=name, model=ModelConfig(dropout=0.0, **model), depth=depth, optim=optim,
+                  data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=model["vocab_size"]),
+                  train=TrainConfig(device="cpu", **train))
+
+
 PRESETS: dict[str, Config] = {
     "scse-22m": _paper("scse-22m", 384, 6, 1536, rule="scse"),
     "scse-50m": _paper("scse-50m", 768, 12, 3072, rule="scse"),
@@ -39,51 +46,30 @@ PRESETS: dict[str, Config] = {
     "unshared-4x320": _paper("unshared-4x320", 320, 5, 1280, architecture="unshared", n_layers=4),
     "unshared-6x288": _paper("unshared-6x288", 288, 6, 1152, architecture="unshared", n_layers=6),
     "transformer-8": _paper("transformer-8", 384, 6, 1536, architecture="unshared", n_layers=8),
-    "cpu": Config(
-        name="cpu",
-        model=ModelConfig(rule="scse", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
-                          dropout=0.0),
-        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        depth=UniformDepthConfig(lo=1, hi=8),
-        optim=OptimConfig(lr=2e-3, warmup_steps=40),
-        train=TrainConfig(steps=400, batch_size=16, eval_every=200, eval_batches=4, eval_depth=8, ckpt_every=100,
-                          device="cpu"),
-    ),
+    "cpu": _cpu("cpu", UniformDepthConfig(lo=1, hi=8), OptimConfig(lr=2e-3, warmup_steps=40),
+                model=dict(rule="scse", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128),
+                train=dict(steps=400, batch_size=16, eval_every=200, eval_batches=4, eval_depth=8, ckpt_every=100)),
     # the CPU reference protocol with a Huginn-style 1 + 2×R + 1 layout (experiments/huginn-cpu)
-    "huginn-cpu": Config(
-        name="huginn-cpu",
-        model=ModelConfig(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
-                          dropout=0.0, n_prelude=1, n_core=2, n_coda=1),
-        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        depth=PLNDepthConfig(mean=5.0, cap=64),
-        optim=OptimConfig(lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98),
-        train=TrainConfig(steps=300, batch_size=16, gradient={"kind": "tbptt", "steps": 2}, eval_every=150,
-                          eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
-    ),
+    "huginn-cpu": _cpu(
+        "huginn-cpu", PLNDepthConfig(mean=5.0, cap=64),
+        OptimConfig(lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98),
+        model=dict(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
+                   n_prelude=1, n_core=2, n_coda=1),
+        train=dict(steps=300, batch_size=16, gradient={"kind": "tbptt", "steps": 2}, eval_every=150,
+                   eval_batches=4, eval_depth=5, ckpt_every=100)),
     # LMDR's recipe (arXiv:2610.06833 App. B–C) at CPU scale; deviations in docs/presets.md
-    "lmdr": Config(
-        name="lmdr",
-        model=ModelConfig(rule="parcae", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=512,
-                          dropout=0.0, n_prelude=1, n_core=2, n_coda=1, tie_embeddings=False,
-                          position=RopeConfig(),
-                          options=dict(state_init="truncated_normal",
-                                       state_init_std=math.sqrt(2.0 / 5.0))),  # Huginn-0125's σ
-        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=8192),
-        depth=LearnedDepthConfig(mean=5.0, cap=64, reward="inv_ppl", scale=True, scale_window=8),
-        optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="wsd", beta2=0.98),
-        train=TrainConfig(steps=1000, batch_size=4, gradient={"kind": "tbptt", "steps": 10}, eval_every=100,
-                          eval_batches=4, eval_depth=5, ckpt_every=100, device="cpu"),
-    ),
-    "debug": Config(
-        name="debug",
-        model=ModelConfig(rule="scse", vocab_size=1024, d_model=64, n_heads=2, d_ff=128, seq_len=64,
-                          dropout=0.0),
-        data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=1024),
-        depth=UniformDepthConfig(lo=1, hi=4),
-        optim=OptimConfig(lr=3e-3, warmup_steps=5),
-        train=TrainConfig(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20,
-                          device="cpu"),
-    ),
+    "lmdr": _cpu(
+        "lmdr", LearnedDepthConfig(mean=5.0, cap=64, reward="inv_ppl", scale=True, scale_window=8),
+        OptimConfig(lr=2e-3, warmup_steps=50, schedule="wsd", beta2=0.98),
+        model=dict(rule="parcae", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=512, n_prelude=1,
+                   n_core=2, n_coda=1, tie_embeddings=False, position=RopeConfig(),
+                   options=dict(state_init="truncated_normal",
+                                state_init_std=math.sqrt(2.0 / 5.0))),  # Huginn-0125's σ
+        train=dict(steps=1000, batch_size=4, gradient={"kind": "tbptt", "steps": 10}, eval_every=100,
+                   eval_batches=4, eval_depth=5, ckpt_every=100)),
+    "debug": _cpu("debug", UniformDepthConfig(lo=1, hi=4), OptimConfig(lr=3e-3, warmup_steps=5),
+                  model=dict(rule="scse", vocab_size=1024, d_model=64, n_heads=2, d_ff=128, seq_len=64),
+                  train=dict(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20)),
     # seq_len fits k up to 2·k_train (rows grow with k except for phop); rope where they do
     "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
