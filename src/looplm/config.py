@@ -189,8 +189,8 @@ class _Base:
             if isinstance(value, dict):
                 value = build_choice(base, value) if issubclass(base, ChoiceSection) else base(**value)
                 object.__setattr__(self, name, value)
-            _check(isinstance(value, base), self._prefix + name, f"must be {_a(name.replace('_', ' '))} config, "
-                   f"got {value!r}")
+            self.require(isinstance(value, base), name, f"must be {_a(name.replace('_', ' '))} config, "
+                         f"got {value!r}")
 
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
@@ -215,22 +215,22 @@ class RuleOptions(_Base):
 
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
-        p, has = self._prefix, (lambda *names: [n for n in names if hasattr(self, n)])
+        has = (lambda *names: [n for n in names if hasattr(self, n)])
         self.at_least(0.0, *has("step_scale"), strict=True)
         self.at_least(0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
         self.at_least(1, *has("steps", "period"))
         self.at_least(-1, *has("state_init_seed"))
         if hasattr(self, "leak"):
-            _check(0.0 <= self.leak < 1.0, p + "leak", f"must be in [0, 1), got {self.leak}")
+            self.require(0.0 <= self.leak < 1.0, "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "source_init"):
             if self.source_init == "normal":
-                _check(self.source_init_std > 0, p + "source_init_std",
-                       f"must be > 0 with source_init=normal, got {self.source_init_std}")
+                self.require(self.source_init_std > 0, "source_init_std",
+                             f"must be > 0 with source_init=normal, got {self.source_init_std}")
             else:
                 default = type(self).__dataclass_fields__["source_init_std"].default
-                _check(self.source_init_std in (0.0, default), p + "source_init_std",
-                       f"read only by source_init=normal (got source_init={self.source_init!r}); leave it at "
-                       f"{default:g} (its default) or 0, got {self.source_init_std}")
+                self.require(self.source_init_std in (0.0, default), "source_init_std",
+                             f"read only by source_init=normal (got source_init={self.source_init!r}); leave it at "
+                             f"{default:g} (its default) or 0, got {self.source_init_std}")
                 # stored as 0 when unread, so a scheme's config is the same whichever default it came from
                 object.__setattr__(self, "source_init_std", 0.0)
 
@@ -267,8 +267,8 @@ class _AnchoredOptions(RuleOptions):
 
     def validate(self) -> None:
         super().validate()
-        _check(self.projection_init == "source" or self.source_init == "normal", self._prefix + "projection_init",
-               f"read only by source_init=normal (got source_init={self.source_init!r}); allowed: 'source'")
+        self.require(self.projection_init == "source" or self.source_init == "normal", "projection_init",
+                     f"read only by source_init=normal (got source_init={self.source_init!r}); allowed: 'source'")
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,6 @@ class StepFilmOptions(AdapterOptions):
 class _SourceCenteredOptions(_AnchoredOptions):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5)."""
 
-    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
     anchor: AnchorName = _f("learned", "anchor h*: learned (e + c_a·A(e)), embedding (e), init (h_0), frozen_random")
     mask: bool = _f(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
     eps: float = _f(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
@@ -330,7 +329,6 @@ class SCSELeakOptions(SCCondOptions):
 class AdditiveSubtractOptions(_AnchoredOptions):
     """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
 
-    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
     alpha_init: float = _f(0.15, "initial value of the learned source gain α")
     step_tau: float = _f(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's control)")
 
@@ -465,10 +463,6 @@ def _sections(cls: type) -> dict[str, type[_Base]]:
             if isinstance(hints[f.name], type) and issubclass(hints[f.name], _Base)}
 
 
-def _variants(base: type[ChoiceSection]) -> dict[str, type[ChoiceSection]]:
-    return _CHOICES[base][0]
-
-
 def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
                  carry: ChoiceSection | None = None) -> ChoiceSection:
     """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
@@ -480,7 +474,7 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     """
     if not isinstance(d, dict):
         raise ConfigError(f"{base._prefix.rstrip('.')}: must be a JSON object, got {d!r}")
-    variants = _variants(base)
+    variants = _CHOICES[base][0]
     d = dict(d)
     name = d.pop(base.KEY, carry.NAME if carry is not None else None)
     if name not in variants:
@@ -507,7 +501,7 @@ def _fields_help(prefix: str, classes: dict[str, Any], tag: str) -> dict[str, st
 def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
     """``--help`` of the variant key and of every field of every variant of ``base``."""
     return {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_CHOICES[base][1]}]",
-            **_fields_help(prefix, _variants(base), base.KEY)}
+            **_fields_help(prefix, _CHOICES[base][0], base.KEY)}
 
 
 def options_help() -> dict[str, str]:
@@ -545,13 +539,12 @@ class RopeConfig(PositionConfig):
                             "Huginn-0125's stored table)")
 
     def validate(self) -> None:
-        p = self._prefix
-        _check(self.theta > 1.0, p + "theta", f"must be > 1, got {self.theta}")
+        self.require(self.theta > 1.0, "theta", f"must be > 1, got {self.theta}")
         if self.scaling == "none":
-            _check(self.scaling_factor == 1.0, p + "scaling_factor",
-                   f"read only by scaling=linear; leave it at 1, got {self.scaling_factor}")
+            self.require(self.scaling_factor == 1.0, "scaling_factor",
+                         f"read only by scaling=linear; leave it at 1, got {self.scaling_factor}")
         else:
-            _check(self.scaling_factor > 0, p + "scaling_factor", f"must be > 0, got {self.scaling_factor}")
+            self.require(self.scaling_factor > 0, "scaling_factor", f"must be > 0, got {self.scaling_factor}")
 
 
 NoPositionConfig = _variant(PositionConfig, "NoPositionConfig", "``none``: no position signal beyond the causal mask.",
@@ -588,7 +581,7 @@ class SpectralDampingConfig(ScaleControlConfig):
     init: float = _f(0.9, "initial factor σ(ρ) in (0, 1)")
 
     def validate(self) -> None:
-        _check(0.0 < self.init < 1.0, self._prefix + "init", f"must be in (0, 1), got {self.init}")
+        self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
 
 
 FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", "``final_norm``: h ← norm_f(h), the final norm "
@@ -646,32 +639,33 @@ class ModelConfig(_Base):
     exit_norm: ExitNorm = _f("none", "an RMSNorm of h_T before the coda: none, learned, final (norm_f; Huginn-0125)")
 
     def validate(self) -> None:
-        p = self._prefix
         self.at_least(1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
         self.at_least(0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
         self.at_least(0, "embed_scale", "norm_eps", "init_std", strict=True)
-        _check(self.d_model % self.n_heads == 0, p + "n_heads",
-               f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        _check(0.0 <= self.dropout < 1.0, p + "dropout", f"must be in [0, 1), got {self.dropout}")
-        _check(self.embed_init_std == -1.0 or self.embed_init_std > 0, p + "embed_init_std",
-               f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
-        _check(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, p + "residual_p",
-               f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
-        _check(self.block_init == "normal" or self.residual != "pre_ln", p + "block_init",
-               "xavier_normal is the post-LN family's base initializer; allowed with residual=pre_ln: 'normal'")
-        _check(self.n_heads % self.kv_heads == 0, p + "n_kv_heads",
-               f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        self.require(self.d_model % self.n_heads == 0, "n_heads",
+                     f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        self.require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        self.require(self.embed_init_std == -1.0 or self.embed_init_std > 0, "embed_init_std",
+                     f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
+        self.require(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, "residual_p",
+                     f"must be in [0, 2] or -1 (family default), got {self.residual_p}")
+        self.require(self.block_init == "normal" or self.residual != "pre_ln", "block_init",
+                     "xavier_normal is the post-LN family's base initializer; allowed with residual=pre_ln: 'normal'")
+        self.require(self.n_heads % self.kv_heads == 0, "n_kv_heads",
+                     f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
         if self.position.NAME == "rope":
-            _check(self.head_dim % 2 == 0, p + "position.kind",
-                   f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be even")
-        _check(self.block_norm == "pre" or self.residual == "pre_ln", p + "block_norm",
-               f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: pre")
+            self.require(self.head_dim % 2 == 0, "position.kind",
+                         f"rope rotates pairs of coordinates; head_dim = d_model / n_heads = {self.head_dim} must be "
+                         "even")
+        self.require(self.block_norm == "pre" or self.residual == "pre_ln", "block_norm",
+                     f"{self.block_norm} blocks have their own norm placement; allowed with residual={self.residual}: "
+                     "pre")
         self._resolve_options()
         if self.architecture == "unshared":
-            _check(self.residual == "pre_ln", p + "residual", "the unshared reference supports pre_ln only")
-            _check(self.scale_control.NAME == "none", p + "scale_control.kind",
-                   "the unshared reference has no loop to control; allowed: none")
-            _check(not self.exit_gate, p + "exit_gate", "exit gates need the shared architecture; allowed: false")
+            self.require(self.residual == "pre_ln", "residual", "the unshared reference supports pre_ln only")
+            self.require(self.scale_control.NAME == "none", "scale_control.kind",
+                         "the unshared reference has no loop to control; allowed: none")
+            self.require(not self.exit_gate, "exit_gate", "exit gates need the shared architecture; allowed: false")
 
     @property
     def kv_heads(self) -> int:
@@ -700,8 +694,8 @@ class ModelConfig(_Base):
         """
         if self.residual == "pre_ln":
             return 1.0, 1.0
-        _check(self.residual_depth >= 1, self._prefix + "residual_depth",
-               "must be >= 1 for a post-LN family model (set it, or build the model from a full Config)")
+        self.require(self.residual_depth >= 1, "residual_depth",
+                     "must be >= 1 for a post-LN family model (set it, or build the model from a full Config)")
         n = self.n_core * self.residual_depth
         p = self.resolved_residual_p
         return (2.0 * n) ** p, (8.0 * n) ** (-p)
@@ -710,8 +704,8 @@ class ModelConfig(_Base):
         """Turn ``options`` into the rule's options object (None → defaults, dict → fields)."""
         opts = self.options
         if self.architecture == "unshared":
-            _check(opts is None or opts == {}, self._prefix + "options",
-                   f"the unshared architecture has no rule options; got {opts!r}")
+            self.require(opts is None or opts == {}, "options",
+                         f"the unshared architecture has no rule options; got {opts!r}")
             object.__setattr__(self, "options", None)
             return
         cls = RULE_OPTIONS[self.rule]
@@ -768,25 +762,24 @@ class DataConfig(_Base):
     cache_dir: str = _f("", "token cache; empty = $LOOPLM_CACHE, else ~/.cache/looplm")
 
     def validate(self) -> None:
-        _check(self.bpe_vocab_size >= 260, self._prefix + "bpe_vocab_size", "must be >= 260")
+        self.require(self.bpe_vocab_size >= 260, "bpe_vocab_size", "must be >= 260")
         if self.dataset == "text":
-            _check(len(self.text_files) == 3, self._prefix + "text_files",
-                   "dataset=text needs three paths: train, valid, test")
-        p = self._prefix
-        _check(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
-               and all(isinstance(x, str) and x.strip() for x in self.hf_splits), p + "hf_splits",
-               f"must be three split specs (train, valid, test), e.g. train,validation,test or "
-               f"train[:90%],train[90%:95%],train[95%:]; got {self.hf_splits!r}")
+            self.require(len(self.text_files) == 3, "text_files",
+                         "dataset=text needs three paths: train, valid, test")
+        self.require(isinstance(self.hf_splits, list) and len(self.hf_splits) == 3
+                     and all(isinstance(x, str) and x.strip() for x in self.hf_splits), "hf_splits",
+                     f"must be three split specs (train, valid, test), e.g. train,validation,test or "
+                     f"train[:90%],train[90%:95%],train[95%:]; got {self.hf_splits!r}")
         if self.dataset == "hf":
-            _check(bool(self.hf_path.strip()), p + "hf_path",
-                   "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
-            _check(bool(self.text_column.strip()), p + "text_column", "must name a column")
+            self.require(bool(self.hf_path.strip()), "hf_path",
+                         "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
+            self.require(bool(self.text_column.strip()), "text_column", "must name a column")
         if self.dataset == "task":
             self.at_least(1, "task_k", "task_heldout")
         else:
             for name in ("task", "task_k", "task_heldout", "task_seed"):
-                _check(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, p + name,
-                       f"only read with data.dataset=task (dataset is {self.dataset})")
+                self.require(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, name,
+                             f"only read with data.dataset=task (dataset is {self.dataset})")
 
 
 # ---------------------------------------------------------------- depth sampler (SPEC §5)
@@ -831,7 +824,7 @@ class UniformDepthConfig(DepthConfig):
 
     def validate(self) -> None:
         self.at_least(1, "lo")
-        _check(self.lo <= self.hi, self._prefix + "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
+        self.require(self.lo <= self.hi, "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
 
     def max_depth(self) -> int:
         return self.hi
@@ -848,10 +841,9 @@ class PLNDepthConfig(DepthConfig):
     cap: int = _f(64, "pln: cap on R; learned: R_max")
 
     def validate(self) -> None:
-        p = self._prefix
         self.at_least(0, "sigma", strict=True)
         self.at_least(2, "cap")
-        _check(1 <= self.mean < self.cap, p + "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
+        self.require(1 <= self.mean < self.cap, "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
 
     def max_depth(self) -> int:
         return self.cap
@@ -877,21 +869,20 @@ class LearnedDepthConfig(PLNDepthConfig):
 
     def validate(self) -> None:
         super().validate()
-        p = self._prefix
         self.at_least(0, "lr", strict=True)
         self.at_least(0, "entropy", "budget", "warmup")
         self.at_least(1, "scale_window")
         w = self.init
-        _check(isinstance(w, list), p + "init", f"must be a list of numbers, got {w!r}")
+        self.require(isinstance(w, list), "init", f"must be a list of numbers, got {w!r}")
         if not w:
             return
-        _check(len(w) == self.cap, p + "init", f"needs depth.cap={self.cap} weights, got {len(w)}")
+        self.require(len(w) == self.cap, "init", f"needs depth.cap={self.cap} weights, got {len(w)}")
         try:  # command-line lists arrive as strings
             vals = [float(v) for v in w if not isinstance(v, bool)]
         except (TypeError, ValueError):
             vals = []
-        _check(len(vals) == len(w) and all(math.isfinite(v) and v > 0 for v in vals), p + "init",
-               f"weights must be finite numbers > 0, got {w!r}")
+        self.require(len(vals) == len(w) and all(math.isfinite(v) and v > 0 for v in vals), "init",
+                     f"weights must be finite numbers > 0, got {w!r}")
         object.__setattr__(self, "init", vals)
 
 
@@ -924,7 +915,7 @@ class TBPTTConfig(GradientConfig):
     steps: int = _f(1, "b: recurrences with gradient (>= 1)")
 
     def validate(self) -> None:
-        _check(self.steps >= 1, self._prefix + "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
+        self.require(self.steps >= 1, "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
 
 
 EndpointConfig = _variant(TBPTTConfig, "EndpointConfig", "``endpoint`` (Neumann-b): b recurrences with gradient "
@@ -957,12 +948,11 @@ class OptimConfig(_Base):
     grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
 
     def validate(self) -> None:
-        p = self._prefix
         self.at_least(0, "lr", strict=True)
         self.at_least(0, "warmup_steps", "weight_decay", "grad_clip")
-        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
-            _check(0 <= getattr(self, name) < 1, p + name, f"must be in [0, 1), got {getattr(self, name)}")
+            self.require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
 
 
 section_field = _f  # a RunSection field: its default and its --help text
@@ -1028,18 +1018,17 @@ class TrainConfig(_Base):
                       "unless WANDB_MODE), trackio; the optional ones need their extra")
 
     def validate(self) -> None:
-        p = self._prefix
         self.at_least(1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
         self.at_least(0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
         names = self.logger
         if isinstance(names, str):
             names = [s.strip() for s in names.split(",") if s.strip()]
-        _check(isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names), p + "logger",
-               f"must be a list of names or a comma-separated string, got {self.logger!r}")
+        self.require(isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names), "logger",
+                     f"must be a list of names or a comma-separated string, got {self.logger!r}")
         for n in names:
-            _check(n in LOGGER_NAMES, p + "logger",
-                   f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
-        _check(len(set(names)) == len(names), p + "logger", f"a logger is named twice in {list(names)!r}")
+            self.require(n in LOGGER_NAMES, "logger",
+                         f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
+        self.require(len(set(names)) == len(names), "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
 
@@ -1065,9 +1054,7 @@ class Config(_Base):
                "exit_weighted needs model.exit_gate=true (the learned exit gate it trains)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "name": self.name, "model": self.model.to_dict(),
-                "data": self.data.to_dict(), "depth": self.depth.to_dict(), "optim": self.optim.to_dict(),
-                "train": self.train.to_dict()}
+        return {"format_version": FORMAT_VERSION, "name": self.name, **{k: getattr(self, k).to_dict() for k in SECTIONS}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
@@ -1085,11 +1072,10 @@ class Config(_Base):
         for key in sections:
             if key not in d:
                 raise ConfigError(f"{key}: missing; a config file gives every section ({', '.join(sections)})")
-        return cls(name=d["name"], **{key: section.from_dict(d[key]) for key, section in SECTIONS.items()})
+        return super().from_dict(d)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "depth": DepthConfig, "optim": OptimConfig,
-                             "train": TrainConfig}
+SECTIONS: dict[str, type] = _sections(Config)
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
@@ -1141,24 +1127,20 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             or variant does not have (naming it and its fields), or a bad value.
     """
     d = cfg.to_dict()
-    options: dict[str, Any] = {}
     choices = {"depth": cfg.depth, "train.gradient": cfg.train.gradient, "model.position": cfg.model.position,
                "model.scale_control": cfg.model.scale_control}
-    given: dict[str, dict[str, Any]] = {where: {} for where in choices}
+    given: dict[str, dict[str, Any]] = {where: {} for where in [*choices, "model.options"]}
     for key, value in overrides.items():
+        where, _, name = key.rpartition(".")
+        section, _, fname = key.partition(".")
         if key == "name":
             d["name"] = str(value)
-            continue
-        section, _, fname = key.partition(".")
-        if section == "model" and fname.startswith("options."):
-            options[fname[len("options."):]] = value
-            continue
-        where = key.rpartition(".")[0]
-        if where in choices:
-            given[where][key.rpartition(".")[2]] = value
-            continue
-        tp = _field_type(section, fname)
-        d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
+        elif where in given:
+            given[where][name] = value
+        else:
+            tp = _field_type(section, fname)
+            d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
+    options = given.pop("model.options")
     for where, carry in choices.items():
         base = next(b for b in _CHOICES if isinstance(carry, b))
         section, _, name = where.rpartition(".")
@@ -1170,7 +1152,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     if options:
         if m["architecture"] == "unshared":
             raise ConfigError(f"model.options.{next(iter(options))}: the unshared architecture has no rule options")
-        given = _parsed(options_class(m["rule"]), "model.options.", options)
-        m["options"] = _options_from_dict(m["rule"], {**(m["options"] or {}), **given}, complete=False).to_dict()
+        parsed = _parsed(options_class(m["rule"]), "model.options.", options)
+        m["options"] = _options_from_dict(m["rule"], {**(m["options"] or {}), **parsed}, complete=False).to_dict()
     return Config.from_dict(d)
 
