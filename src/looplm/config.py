@@ -109,8 +109,8 @@ def _check_literal(obj: Any, prefix: str) -> None:
 
 def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
     """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
-    if kind not in GRADIENTS_CONFIG:
-        raise ConfigError(f"gradient kind: got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS_CONFIG))}")
+    _check(kind in GRADIENTS_CONFIG, "gradient kind",
+           f"got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS_CONFIG))}")
     _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
            f"must be an integer >= 0, got {steps!r}")
     _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
@@ -386,8 +386,7 @@ def _rules_of(cls: type[RuleOptions]) -> list[str]:
 
 def options_class(rule: str) -> type[RuleOptions]:
     """The options class of ``rule`` (ConfigError for an unknown rule, listing the known ones)."""
-    if rule not in RULE_OPTIONS:
-        raise ConfigError(f"model.rule: got {rule!r}; allowed: {', '.join(map(repr, RULE_NAMES))}")
+    _check(rule in RULE_OPTIONS, "model.rule", f"got {rule!r}; allowed: {', '.join(map(repr, RULE_NAMES))}")
     return RULE_OPTIONS[rule]
 
 
@@ -472,13 +471,11 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
         ConfigError: an unknown variant (listing the known ones), a field the variant does not read
             (naming the variant and its fields), a missing field with ``complete``, or a bad value.
     """
-    if not isinstance(d, dict):
-        raise ConfigError(f"{base._prefix.rstrip('.')}: must be a JSON object, got {d!r}")
+    _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
     variants = _CHOICES[base][0]
     d = dict(d)
     name = d.pop(base.KEY, carry.NAME if carry is not None else None)
-    if name not in variants:
-        raise ConfigError(f"{base._prefix}{base.KEY}: got {name!r}; allowed: {', '.join(map(repr, variants))}")
+    _check(name in variants, base._prefix + base.KEY, f"got {name!r}; allowed: {', '.join(map(repr, variants))}")
     cls = variants[name]
     _check_fields(base._prefix, d, variants, name, complete, base.KEY, "read", "field")
     values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
@@ -722,13 +719,11 @@ class ModelConfig(_Base):
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a complete ``model`` dict, options and choice sections too (ConfigError otherwise)."""
         cls._check_keys(d)
-        opts = d["options"]
         if d["architecture"] == "shared" and d["rule"] in RULE_OPTIONS:
-            if not isinstance(opts, dict):
-                raise ConfigError(f"model.options: must be a JSON object of the options of rule {d['rule']}, "
-                                  f"got {opts!r}")
-            opts = _options_from_dict(d["rule"], opts, complete=True)
-        return super().from_dict({**d, "options": opts})
+            _check(isinstance(d["options"], dict), "model.options",
+                   f"must be a JSON object of the options of rule {d['rule']}, got {d['options']!r}")
+            d = {**d, "options": _options_from_dict(d["rule"], d["options"], complete=True)}
+        return super().from_dict(d)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """``dataclasses.replace``; a new rule or architecture carries the options over (:func:`carry_options`)."""
@@ -1060,18 +1055,17 @@ class Config(_Base):
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """Build from a complete ``config.json`` dict (ConfigError names a bad, unknown or missing key)."""
         d = dict(d)
-        if "format_version" not in d:
-            raise ConfigError(f"format_version: missing; a config file states its format ({FORMAT_VERSION})")
+        _check("format_version" in d, "format_version",
+               f"missing; a config file states its format ({FORMAT_VERSION})")
         version = d.pop("format_version")
-        if version != FORMAT_VERSION:
-            raise ConfigError(f"format_version: this looplm reads version {FORMAT_VERSION}, got {version!r}")
+        _check(version == FORMAT_VERSION, "format_version",
+               f"this looplm reads version {FORMAT_VERSION}, got {version!r}")
         sections = ["name", *SECTIONS]
         for key in d:
             if key not in sections:
                 raise _unknown(key, "section", sections)
         for key in sections:
-            if key not in d:
-                raise ConfigError(f"{key}: missing; a config file gives every section ({', '.join(sections)})")
+            _check(key in d, key, f"missing; a config file gives every section ({', '.join(sections)})")
         return super().from_dict(d)
 
 
@@ -1084,8 +1078,8 @@ def _field_type(section: str, name: str) -> Any:
     if section not in SECTIONS:
         raise _unknown(section, "section", SECTIONS)
     cls = SECTIONS[section]
-    if name in _sections(cls) or (section, name) == ("model", "options"):
-        raise ConfigError(f"{section}.{name}: set its fields one at a time, as {section}.{name}.FIELD")
+    _check(name not in _sections(cls) and (section, name) != ("model", "options"), f"{section}.{name}",
+           f"set its fields one at a time, as {section}.{name}.FIELD")
     if name not in cls.field_names():
         raise _unknown(f"{section}.{name}", "field", cls.field_names())
     return typing.get_type_hints(cls)[name]
@@ -1150,8 +1144,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         carried = carry_options(cfg.model, m["rule"], m["architecture"])
         m["options"] = None if carried is None else dataclasses.asdict(RULE_OPTIONS[m["rule"]](**carried))
     if options:
-        if m["architecture"] == "unshared":
-            raise ConfigError(f"model.options.{next(iter(options))}: the unshared architecture has no rule options")
+        _check(m["architecture"] != "unshared", f"model.options.{next(iter(options))}",
+               "the unshared architecture has no rule options")
         parsed = _parsed(options_class(m["rule"]), "model.options.", options)
         m["options"] = _options_from_dict(m["rule"], {**(m["options"] or {}), **parsed}, complete=False).to_dict()
     return Config.from_dict(d)
