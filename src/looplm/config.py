@@ -1049,7 +1049,7 @@ class Config(_Base):
                "exit_weighted needs model.exit_gate=true (the learned exit gate it trains)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "name": self.name, **{k: getattr(self, k).to_dict() for k in SECTIONS}}
+        return {"format_version": FORMAT_VERSION, "name": self.name, **super().to_dict()}  # name second, as in files
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
