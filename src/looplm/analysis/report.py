@@ -293,9 +293,9 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
 
     if isinstance(db, ResultStore):
         report = build_report(db, baseline=baseline, sweep=sweep)
+    elif not Path(db).is_file():
+        raise FileNotFoundError(f"--db: {db} does not exist")
     else:
-        if not Path(db).is_file():
-            raise FileNotFoundError(f"--db: {db} does not exist")
         with ResultStore(db, readonly=True) as store:  # never changes the file
             report = build_report(store, baseline=baseline, sweep=sweep)
     out = Path(out)

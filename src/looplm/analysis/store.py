@@ -440,7 +440,4 @@ def _none_if_nan(v: Any) -> float | None:
 
 def record_dict(run: RunRecord) -> dict[str, Any]:
     """JSON-ready dict of a :class:`RunRecord` (with its config hash)."""
-    d = asdict(run)
-    d["config_hash"] = run.config_hash
-    d["flops"] = {str(k): v for k, v in run.flops.items()}
-    return d
+    return {**asdict(run), "config_hash": run.config_hash, "flops": {str(k): v for k, v in run.flops.items()}}
