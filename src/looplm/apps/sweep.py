@@ -91,10 +91,6 @@ class EvalProtocol:
         """``datasets``, else the training corpus (none for a synthetic task: the ``tasks`` hook scores it)."""
         return self.datasets or (() if data.dataset == "task" else (data.dataset,))
 
-    def ppl_settings(self) -> dict[str, Any]:
-        """Settings that change a perplexity (hashed into the evaluation identity)."""
-        return {"max_tokens": self.max_tokens, "stride": self.stride}
-
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -471,7 +467,7 @@ class _Runner:
 
     def _eval_ppl(self, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
         done, ev = [], self.ev
-        settings = ev.ppl_settings()
+        settings = {"max_tokens": ev.max_tokens, "stride": ev.stride}  # they change a perplexity: hashed
         for dataset in ev.ppl_datasets(saved.data):
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
@@ -684,15 +680,6 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
             store.close()
 
 
-def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, Any]], *,
-                  program: str = "looplm") -> list[str]:
-    """``looplm sweep FILE --out OUT --only RUN_ID`` per pending run (they may run in any order, in parallel)."""
-    import shlex
-
-    return [f"{program} sweep {shlex.quote(str(sweep_file))} --out {shlex.quote(str(out))} "
-            f"--only {shlex.quote(p['run_id'])}" for p in plan]
-
-
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
     """SweepError unless every corpus split the evaluation reads can be found (nothing downloaded or tokenized)."""
     from looplm.data.corpora import source_fingerprint
@@ -779,6 +766,7 @@ def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard
             into one --out; no report is written (run `looplm report --db OUT/results.db` at the end)
         only: RUN_ID,...: only these runs (ids as in --plan); no report is written
     """
+    import shlex
     import sys
 
     spec = load_sweep(file)
@@ -788,7 +776,9 @@ def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard
         if only is not None:
             raise SweepError("--only and --plan do not go together (--plan lists the pending runs)")
         pending = plan_sweep(spec, out, shard=shards)
-        print("\n".join(plan_commands(file, out, pending)), end="\n" if pending else "")
+        # one command per pending run: they may run in any order, in parallel
+        print("\n".join(f"looplm sweep {shlex.quote(str(file))} --out {shlex.quote(str(out))} "
+                        f"--only {shlex.quote(p['run_id'])}" for p in pending), end="\n" if pending else "")
         print(f"# {len(pending)} pending of {len(spec.runs())} runs; afterwards: looplm report --db "
               f"{out / 'results.db'}", file=sys.stderr)
         return None
