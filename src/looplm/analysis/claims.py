@@ -147,11 +147,9 @@ def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: lis
     lines = ["| variant | " + " | ".join(map(str, steps)) + " |", "|---|" + "---:|" * len(steps)]
     for v in [v for v in order if v in by_variant]:
         most = max(len(x) for x in by_variant[v].values())
-        cells = []
-        for s in steps:
-            vals = by_variant[v].get(s, [])
-            cells.append("–" if not vals else f"{statistics.mean(vals):.{digits}f}"
-                         + (f" [{len(vals)}]" if len(vals) != most else ""))
+        cells = ["–" if not vals
+                 else f"{statistics.mean(vals):.{digits}f}" + (f" [{len(vals)}]" if len(vals) != most else "")
+                 for vals in (by_variant[v].get(s, []) for s in steps)]
         lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
     settled = settled_ranking({v: d for v, d in by_variant.items() if v in order})
     if settled:

@@ -23,6 +23,22 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
+def _depth_axes(ax, curves: Mapping[str, Mapping[int, object]], ylabel: str, title: str, log_y: bool = True):
+    """Log2 x axis ticked at every T of ``curves`` (log y); labels, grid and legend."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    depths = sorted({t for curve in curves.values() for t in curve})
+    ax.set_xticks(depths, [str(t) for t in depths])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("loop depth T (log2)")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: str | Path, *,
                       train_range: tuple[int, int] | None = None,
                       baselines: Mapping[str, Mapping[str, float]] | None = None, title: str = "") -> Path:
@@ -38,16 +54,7 @@ def plot_ppl_vs_depth(panels: Mapping[str, Mapping[str, Mapping[int, float]]], p
             ax.axhline(value, linestyle="--", color="gray", linewidth=1, label=f"{label} ({value:.0f})")
         if train_range:
             ax.axvspan(train_range[0], train_range[1], color="tab:green", alpha=0.08, label="training depths")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        depths = sorted({t for curve in models.values() for t in curve})
-        ax.set_xticks(depths, [str(t) for t in depths])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("loop depth T (log2)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(ptitle)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        _depth_axes(ax, models, "perplexity", ptitle)
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
@@ -72,21 +79,10 @@ def plot_mean_std_vs_depth(curves: Mapping[str, Mapping[int, tuple[float, float]
                         linewidth=0)
     if train_range:
         ax.axvspan(train_range[0], train_range[1], color="gray", alpha=0.1, label="training depths")
-    ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
-    depths = sorted({t for curve in curves.values() for t in curve})
-    ax.set_xticks(depths, [str(t) for t in depths])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _depth_axes(ax, curves, ylabel, title, log_y)
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 450, not 4.5×10^2
     ax.yaxis.set_major_formatter(plain)
     lo, hi = ax.get_ylim()
     if log_y and hi / lo < 10:  # within one decade the minor ticks are the only labels
         ax.yaxis.set_minor_formatter(plain)
-    ax.set_xlabel("loop depth T (log2)")
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     return save_figure(fig, path)

@@ -182,26 +182,20 @@ def _eval_table(store: ResultStore, groups: list[_Group]) -> dict[tuple, dict[st
 
 def _cells(data: dict[str, dict[int, dict[int, float]]], groups: list[_Group]) -> dict[str, dict[str, Any]]:
     cells: dict[str, dict[str, Any]] = {}
-    for g in groups:
-        if g.label not in data:
-            continue
-        cells[g.label] = {}
-        for t, per_seed in sorted(data[g.label].items()):
+    for label in (g.label for g in groups if g.label in data):
+        cells[label] = {}
+        for t, per_seed in sorted(data[label].items()):
             seeds = sorted(per_seed)
             values = [per_seed[s] for s in seeds]
             m, s = mean_std(values)
-            cells[g.label][str(t)] = {"n": len(values), "mean": m, "std": s, "seeds": seeds, "values": values}
+            cells[label][str(t)] = {"n": len(values), "mean": m, "std": s, "seeds": seeds, "values": values}
     return cells
 
 
 def _deltas(ours: dict[int, dict[int, float]], base: dict[int, dict[int, float]], base_label: str,
             paired: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for t, per_seed in sorted(ours.items()):
-        summary = summarize_paired(per_seed, base.get(t, {}), **paired)
-        if summary is not None:
-            out[str(t)] = {**summary.to_dict(), "baseline": base_label}
-    return out
+    summaries = {t: summarize_paired(per_seed, base.get(t, {}), **paired) for t, per_seed in sorted(ours.items())}
+    return {str(t): {**s.to_dict(), "baseline": base_label} for t, s in summaries.items() if s is not None}
 
 
 def _model_entry(g: _Group) -> dict[str, Any]:
@@ -216,12 +210,8 @@ def _model_entry(g: _Group) -> dict[str, Any]:
 def _section_title(sec: dict[str, Any]) -> str:
     metric = METRIC_TITLES.get(sec["metric"], sec["metric"])
     where = f"{sec['dataset']} {sec['split']}"
-    if sec["protocol"] == "lambada":
-        title = metric
-    elif sec["protocol"] == "diagnose":
-        title = f"diagnose {metric} — {where}"
-    else:
-        title = f"{metric} — {where}"
+    title = {"lambada": metric, "diagnose": f"diagnose {metric} — {where}"}.get(sec["protocol"],
+                                                                              f"{metric} — {where}")
     if sec["tag"]:
         title += f" (tag {sec['tag']})"
     if sec["ambiguous_settings"]:
@@ -259,28 +249,24 @@ def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = No
     depths = sorted({int(t) for m in report["models"] for t in m["flops"]})
     lines += ["## Parameters and FLOP proxy", "",
               "FLOPs per token, body + head (SCSE eq. 20–21), in millions.", ""]
-    rows = []
-    for m in report["models"]:
-        rows.append([m["label"], str(m["architecture"]), str(m["rule"]) if m["architecture"] != "unshared" else "–",
-                     f"{m['params']:,}" if m["params"] is not None else "–",
-                     *[f"{m['flops'][str(t)]['body_head'] / 1e6:.2f}" if str(t) in m["flops"] else "–"
-                       for t in depths]])
+    rows = [[m["label"], str(m["architecture"]), str(m["rule"]) if m["architecture"] != "unshared" else "–",
+             f"{m['params']:,}" if m["params"] is not None else "–",
+             *[f"{m['flops'][str(t)]['body_head'] / 1e6:.2f}" if str(t) in m["flops"] else "–" for t in depths]]
+            for m in report["models"]]
     lines += md_table(["variant", "architecture", "rule", "params", *[f"T={t}" for t in depths]], rows) + [""]
 
     for i, sec in enumerate(report["sections"]):
         dn, depths = sec["depth_name"], sec["depths"]
         title = _section_title(sec)
-        rows = []
-        for label, per in sec["cells"].items():
-            rows.append([label, _n_text([c["n"] for c in per.values()]),
-                         *[format_mean_std(per[str(t)]["mean"], per[str(t)]["std"]) if str(t) in per else "–"
-                           for t in depths]])
+        rows = [[label, _n_text([c["n"] for c in per.values()]),
+                 *[format_mean_std(per[str(t)]["mean"], per[str(t)]["std"]) if str(t) in per else "–"
+                   for t in depths]]
+                for label, per in sec["cells"].items()]
         lines += [f"## {title}", ""] + md_table(["variant", "n", *[f"{dn}={t}" for t in depths]], rows) + [""]
         if sec["deltas"]:
-            rows = []
-            for label, per in sec["deltas"].items():
-                rows.append([label, _n_text([d["n"] for d in per.values()]),
-                             *[format_delta(per[str(t)]) if str(t) in per else "–" for t in depths]])
+            rows = [[label, _n_text([d["n"] for d in per.values()]),
+                     *[format_delta(per[str(t)]) if str(t) in per else "–" for t in depths]]
+                    for label, per in sec["deltas"].items()]
             lines += [f"### Paired deltas vs {report['baseline']}: {title}", ""]
             lines += md_table(["variant", "pairs", *[f"{dn}={t}" for t in depths]], rows) + [""]
         if i in plots:
@@ -307,9 +293,9 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
 
     if isinstance(db, ResultStore):
         report = build_report(db, baseline=baseline, sweep=sweep)
+    elif not Path(db).is_file():
+        raise FileNotFoundError(f"--db: {db} does not exist")
     else:
-        if not Path(db).is_file():
-            raise FileNotFoundError(f"--db: {db} does not exist")
         with ResultStore(db, readonly=True) as store:  # never changes the file
             report = build_report(store, baseline=baseline, sweep=sweep)
     out = Path(out)
@@ -322,8 +308,7 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
             curves = {label: {int(t): (c["mean"], c["std"]) for t, c in per.items()}
                       for label, per in sec["cells"].items()}
             name = plot_name(sec)
-            title = _section_title(sec)
-            plot_mean_std_vs_depth(curves, out / name, title=title,
+            plot_mean_std_vs_depth(curves, out / name, title=_section_title(sec),
                                    ylabel=METRIC_TITLES.get(sec["metric"], sec["metric"]),
                                    train_range=report["train_range"])
             pngs[i] = name

@@ -77,24 +77,15 @@ class PairedSummary:
     deltas: tuple[float, ...]
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["t_interval"], d["bootstrap"] = list(self.t_interval), list(self.bootstrap)
-        d["keys"], d["deltas"] = list(self.keys), list(self.deltas)
-        return d
-
-
-def paired_deltas(variant: Mapping[Hashable, float], baseline: Mapping[Hashable, float]
-                  ) -> tuple[list, list[float]]:
-    """``(keys, deltas)``: the sorted common keys of two ``{key: value}`` maps and ``variant[k] − baseline[k]``."""
-    keys = sorted(set(variant) & set(baseline))
-    return keys, [float(variant[k]) - float(baseline[k]) for k in keys]
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def summarize_paired(variant: Mapping[Hashable, float], baseline: Mapping[Hashable, float], *,
                      confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES,
                      seed: int = DEFAULT_BOOTSTRAP_SEED) -> PairedSummary | None:
-    """Paired-delta summary of ``variant − baseline`` over their common keys (None if none match)."""
-    keys, deltas = paired_deltas(variant, baseline)
+    """Paired-delta summary of ``variant − baseline`` over their sorted common keys (None if none match)."""
+    keys = sorted(set(variant) & set(baseline))
+    deltas = [float(variant[k]) - float(baseline[k]) for k in keys]
     if not deltas:
         return None
     mean, sd = mean_std(deltas)

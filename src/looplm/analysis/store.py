@@ -194,11 +194,11 @@ class ResultStore:
     def __init__(self, path: str | Path, *, timeout: float = 60.0, readonly: bool = False) -> None:
         self.path = Path(path)
         self.timeout = timeout
-        if readonly and not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: the results database does not exist")
         if readonly:
-            uri = f"{self.path.resolve().as_uri()}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+            if not self.path.is_file():
+                raise FileNotFoundError(f"{self.path}: the results database does not exist")
+            self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=self.timeout,
+                                         isolation_level=None)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
@@ -420,18 +420,13 @@ class ResultStore:
     def runs(self, sweep: str | None = None) -> list[RunRecord]:
         """Stored runs (of one sweep, or all), ordered by sweep, variant order, run id."""
         sql = ("SELECT sweep, run_id, variant, variant_order, grid_json, seed, config_json, params, flops_json, "
-               "run_dir, weights_sha256, summary_json FROM runs")
-        args: tuple = ()
-        if sweep is not None:
-            sql, args = sql + " WHERE sweep = ?", (sweep,)
-        out = []
-        for (sw, rid, var, order, grid, seed, cfg, params, flops, run_dir, sha, summary) in self._conn.execute(
-                sql + " ORDER BY sweep, variant_order, run_id", args):
-            out.append(RunRecord(sweep=sw, run_id=rid, variant=var, variant_order=order, grid=json.loads(grid),
-                                 seed=seed, config=json.loads(cfg), params=params,
-                                 flops={int(k): v for k, v in json.loads(flops).items()}, run_dir=run_dir,
-                                 weights_sha256=sha, summary=json.loads(summary)))
-        return out
+               "run_dir, weights_sha256, summary_json FROM runs" + (" WHERE sweep = ?" if sweep is not None else ""))
+        args = (sweep,) if sweep is not None else ()
+        rows = self._conn.execute(sql + " ORDER BY sweep, variant_order, run_id", args)
+        return [RunRecord(sweep=sw, run_id=rid, variant=var, variant_order=order, grid=json.loads(grid), seed=seed,
+                          config=json.loads(cfg), params=params, run_dir=run_dir, weights_sha256=sha,
+                          flops={int(k): v for k, v in json.loads(flops).items()}, summary=json.loads(summary))
+                for (sw, rid, var, order, grid, seed, cfg, params, flops, run_dir, sha, summary) in rows]
 
     def run(self, sweep: str, run_id: str) -> RunRecord | None:
         """One stored run (None when missing)."""
@@ -445,7 +440,4 @@ def _none_if_nan(v: Any) -> float | None:
 
 def record_dict(run: RunRecord) -> dict[str, Any]:
     """JSON-ready dict of a :class:`RunRecord` (with its config hash)."""
-    d = asdict(run)
-    d["config_hash"] = run.config_hash
-    d["flops"] = {str(k): v for k, v in run.flops.items()}
-    return d
+    return {**asdict(run), "config_hash": run.config_hash, "flops": {str(k): v for k, v in run.flops.items()}}

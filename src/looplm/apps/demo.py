@@ -96,13 +96,11 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
     base = base.replace(model=base.model.replace(vocab_size=data.vocab_size))  # as train() builds the models
     tok = Tokenizer.from_str(data.tokenizer_json)
     root, cache = resolve_data_root(base.data.data_root), resolve_cache_dir(base.data.cache_dir)
-    eval_sets = {}
-    for dataset, title in EVAL_SPLITS:
-        toks = load_tokens(DataConfig(dataset=dataset, data_root=base.data.data_root,
-                                      cache_dir=base.data.cache_dir), "test", tok, root, cache)
-        if eval_tokens:
-            toks = toks[: eval_tokens + 1]
-        eval_sets[title] = toks
+    eval_sets = {title: load_tokens(DataConfig(dataset=dataset, data_root=base.data.data_root,
+                                               cache_dir=base.data.cache_dir), "test", tok, root, cache)
+                 for dataset, title in EVAL_SPLITS}
+    if eval_tokens:
+        eval_sets = {title: toks[: eval_tokens + 1] for title, toks in eval_sets.items()}
     unigram = {title: unigram_ppl(data.train, toks, data.vocab_size) for title, toks in eval_sets.items()}
     _log("unigram baseline PPL: " + ", ".join(f"{k}: {v:.1f}" for k, v in unigram.items()))
 

@@ -91,10 +91,6 @@ class EvalProtocol:
         """``datasets``, else the training corpus (none for a synthetic task: the ``tasks`` hook scores it)."""
         return self.datasets or (() if data.dataset == "task" else (data.dataset,))
 
-    def ppl_settings(self) -> dict[str, Any]:
-        """Settings that change a perplexity (hashed into the evaluation identity)."""
-        return {"max_tokens": self.max_tokens, "stride": self.stride}
-
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -137,7 +133,6 @@ class Sweep:
                     out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed,
                                        grid=point, config=cfg))
         return out
-
 
 
 def _value_text(v: Any) -> str:
@@ -358,14 +353,10 @@ class SweepResult:
     runs: list[dict[str, Any]] = field(default_factory=list)
     report: dict[str, Any] | None = None
 
-    def count(self, status: str) -> int:
-        return sum(r["status"] == status for r in self.runs)
-
     def summary(self) -> dict[str, Any]:
         return {"out": str(self.out), "db": str(self.db), "runs": len(self.runs),
-                **{s: self.count(s) for s in ("trained", "resumed", "evaluated", "skipped")},
+                **{s: sum(r["status"] == s for r in self.runs) for s in ("trained", "resumed", "evaluated", "skipped")},
                 "report": str(self.report["markdown"]) if self.report else None}
-
 
 
 def _weights_sha(ckpt: Path) -> str | None:
@@ -409,15 +400,6 @@ class _Runner:
         if self.progress:
             tqdm.write(f"[sweep {self.sweep.name} {time.strftime('%H:%M:%S')}] {msg}")
 
-    def data_for(self, cfg: Config):
-        from looplm.train.trainer import prepare_data
-
-        key = json.dumps(cfg.data.to_dict(), sort_keys=True)
-        if key not in self.data:
-            self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
-            self.data[key] = prepare_data(cfg, progress=self.progress)
-        return self.data[key]
-
     def device(self) -> str:
         from looplm.run.dist import resolve_device
 
@@ -440,7 +422,7 @@ class _Runner:
     def train(self, spec: RunSpec, run_dir: Path) -> tuple[str | None, Path]:
         """Train or resume as needed. Returns (what was done or None, newest checkpoint)."""
         from looplm.run.checkpoint import newest_valid_checkpoint
-        from looplm.train.trainer import train
+        from looplm.train.trainer import prepare_data, train
 
         cfg = spec.config
         ckpt = newest_valid_checkpoint(run_dir)
@@ -448,11 +430,14 @@ class _Runner:
             _, step = self._saved_run(spec, run_dir, ckpt)
             if step >= cfg.train.steps:
                 return None, ckpt
-        data = self.data_for(cfg)
+        key = json.dumps(cfg.data.to_dict(), sort_keys=True)  # one prepared dataset per data config
+        if key not in self.data:
+            self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
+            self.data[key] = prepare_data(cfg, progress=self.progress)
         step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
         self.log(f"{spec.run_id}: {'resuming from step ' + str(step) if ckpt else 'training'} "
                  f"({cfg.train.steps} steps)")
-        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=data,
+        train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=self.data[key],
               overwrite=True)  # its own run folder: a run with no checkpoint starts again
         return ("resumed" if ckpt is not None else "trained"), newest_valid_checkpoint(run_dir)
 
@@ -482,7 +467,7 @@ class _Runner:
 
     def _eval_ppl(self, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
         done, ev = [], self.ev
-        settings = ev.ppl_settings()
+        settings = {"max_tokens": ev.max_tokens, "stride": ev.stride}  # they change a perplexity: hashed
         for dataset in ev.ppl_datasets(saved.data):
             for split in ev.splits:
                 idents = {T: EvalIdentity.make(saved, "ppl", dataset=dataset, split=split, depth=T,
@@ -671,7 +656,6 @@ def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
             if (only is None or s.run_id in only) and (shard is None or k % shard[1] == shard[0])]
 
 
-
 def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
                shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """The runs of ``sweep`` that :func:`run_sweep` would train, resume or evaluate in ``out``; runs nothing.
@@ -689,25 +673,11 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
         store.rehash()  # rows stored under an older identity rule count as done
     try:
         runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
-        plan = []
-        for k, spec in enumerate(specs):
-            if spec.run_id in chosen:
-                todo = runner.pending(spec)
-                if todo:
-                    plan.append({"index": k, "run_id": spec.run_id, "todo": todo})
-        return plan
+        todos = [(k, spec.run_id, runner.pending(spec)) for k, spec in enumerate(specs) if spec.run_id in chosen]
+        return [{"index": k, "run_id": run_id, "todo": todo} for k, run_id, todo in todos if todo]
     finally:
         if store is not None:
             store.close()
-
-
-def plan_commands(sweep_file: str | Path, out: str | Path, plan: list[dict[str, Any]], *,
-                  program: str = "looplm") -> list[str]:
-    """``looplm sweep FILE --out OUT --only RUN_ID`` per pending run (they may run in any order, in parallel)."""
-    import shlex
-
-    return [f"{program} sweep {shlex.quote(str(sweep_file))} --out {shlex.quote(str(out))} "
-            f"--only {shlex.quote(p['run_id'])}" for p in plan]
 
 
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
@@ -796,6 +766,7 @@ def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard
             into one --out; no report is written (run `looplm report --db OUT/results.db` at the end)
         only: RUN_ID,...: only these runs (ids as in --plan); no report is written
     """
+    import shlex
     import sys
 
     spec = load_sweep(file)
@@ -805,7 +776,9 @@ def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard
         if only is not None:
             raise SweepError("--only and --plan do not go together (--plan lists the pending runs)")
         pending = plan_sweep(spec, out, shard=shards)
-        print("\n".join(plan_commands(file, out, pending)), end="\n" if pending else "")
+        # one command per pending run: they may run in any order, in parallel
+        print("\n".join(f"looplm sweep {shlex.quote(str(file))} --out {shlex.quote(str(out))} "
+                        f"--only {shlex.quote(p['run_id'])}" for p in pending), end="\n" if pending else "")
         print(f"# {len(pending)} pending of {len(spec.runs())} runs; afterwards: looplm report --db "
               f"{out / 'results.db'}", file=sys.stderr)
         return None
