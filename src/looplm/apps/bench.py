@@ -17,7 +17,7 @@ import re
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from functools import partial
+from functools import partial, reduce
 from typing import Any, Callable
 
 import torch
@@ -65,12 +65,7 @@ def _seconds(fn: Callable[[], Any], device: torch.device, own: bool = False) -> 
 def _timed_loop(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, n: int, device: torch.device
                 ) -> float:
     """Wall seconds of ``n`` chained calls ``tok = step(tok)``, the device synchronized before and after."""
-    sync_device(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = step(tok)
-    sync_device(device)
-    return time.perf_counter() - t0
+    return _seconds(lambda: reduce(lambda t, _: step(t), range(n), tok), device)
 
 
 def _mid(values: list[float]) -> float:
@@ -316,11 +311,10 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
     teacher = build_model(long).to(device).eval()
     student = build_student(teacher, DistillConfig(n_blocks=n_blocks)).eval()
     paths = prefill_paths(teacher, student, depth, early_depths)
-    ends = long.n_prelude + long.n_coda
+    blocks = {n: long.n_prelude + long.n_coda + (n_blocks + long.n_core if n == "distilled" else r * long.n_core)
+              for n, (r, _) in paths.items()}
     res: dict[str, Any] = {f"{prefix}prefill_depth": depth, f"{prefix}prefill_batch_size": batch_size,
-                           f"{prefix}prefill_blocks": {n: ends + (n_blocks + long.n_core if n == "distilled"
-                                                                  else r * long.n_core)
-                                                       for n, (r, _) in paths.items()}}
+                           f"{prefix}prefill_blocks": blocks}
     for c in contexts:
         prompt = torch.randint(0, long.vocab_size, (batch_size, c), device=device)
         last = (torch.arange(batch_size, device=device), torch.full((batch_size,), c - 1, device=device))
