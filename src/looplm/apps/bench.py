@@ -8,24 +8,33 @@ shrinks every shape (a smoke test; the values mean nothing).
 """
 from __future__ import annotations
 
+import copy
 import math
+import multiprocessing as mp
 import os
-import statistics
 import platform
+import re
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial, reduce
 from typing import Any, Callable
 
 import torch
 
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
 from looplm.config import ModelConfig
+from looplm.distill.config import DistillConfig
+from looplm.distill.prefill import prefill_paths
+from looplm.distill.student import build_student
 from looplm.eval.exits import sync_device
 from looplm.eval.perplexity import DEFAULT_DEPTHS
-from looplm.model import LoopLM, build_model
+from looplm.model import KVCache, LoopLM, build_model
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
+from looplm.model.static_decode import DecodeStep, StaticKVCache
 from looplm.presets import get_preset
 from looplm.run.dist import resolve_device
-from looplm.train.trainer import autocast_context
+from looplm.train.trainer import autocast_context, compile_blocks
 
 TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
@@ -38,27 +47,25 @@ TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhea
            # issue 12 §3: LMDR §5.5 reports 1.5–1.8× at R = 5 (8K prompts, batch 8)
            "distilled_prefill_speedup": (">=", 1.5)}
 #: targets measured by timing (their status is "unstable" when the machine's speed moved during the run)
-TIMED = ("mfu", "bf16_train_speedup", "loop_overhead_ratio", "scse_vs_looped_ratio", "multidepth_eval_ratio",
-         "decode_cache_speedup", "huginn_shape_mfu", "multidepth_flop_ratio", "multidepth_vs_separate_speedup",
-         "huginn_decode_cache_speedup", "distilled_prefill_speedup")
+TIMED = set(TARGETS) - {"tbptt_peak_mem_ratio", "terminal_kv_bytes_ratio", "peak_train_mem_ratio"}
 #: largest relative spread of the fp32 matmul rate (between repeats, and start vs end) of a stable run
 MAX_SPREAD = 0.25
 
 
-def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    """Wall seconds of one call of ``fn``, the device synchronized before and after."""
+def _seconds(fn: Callable[[], Any], device: torch.device, own: bool = False) -> float:
+    """Wall seconds of one call of ``fn``, the device synchronized before and after; ``own``: a call may return
+    its own seconds (a float)."""
     sync_device(device)
     t0 = time.perf_counter()
-    fn()
+    out = fn()
     sync_device(device)
-    return time.perf_counter() - t0
+    return out if own and isinstance(out, float) else time.perf_counter() - t0
 
 
-def _times(fn: Callable[[], Any], *, warmup: int, repeat: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``repeat`` calls of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    return [_seconds(fn, device) for _ in range(repeat)]
+def _timed_loop(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, n: int, device: torch.device
+                ) -> float:
+    """Wall seconds of ``n`` chained calls ``tok = step(tok)``, the device synchronized before and after."""
+    return _seconds(lambda: reduce(lambda t, _: step(t), range(n), tok), device)
 
 
 def _mid(values: list[float]) -> float:
@@ -68,19 +75,10 @@ def _mid(values: list[float]) -> float:
 
 def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
     """GFLOP/s of each repeat of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return [2 * n ** 3 / sec / 1e9 for sec in _times(lambda: a @ b, warmup=warmup, repeat=repeat, device=device)]
-
-
-def matmul_peak_gflops(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> float:
-    """Median GFLOP/s of an (n × n) @ (n × n) matmul in ``dtype`` (2n³ FLOPs per call)."""
-    return _mid(matmul_rates(dtype, n, device, repeat=repeat, warmup=warmup))
-
-
-def spread(rates: list[float]) -> float:
-    """(max − min) / median of a list of rates (0 for one value)."""
-    return (max(rates) - min(rates)) / _mid(rates) if _mid(rates) > 0 else math.inf
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    for _ in range(warmup):
+        a @ b
+    return [2 * n ** 3 / _seconds(lambda: a @ b, device) / 1e9 for _ in range(repeat)]
 
 
 def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) -> dict[str, dict[str, Any]]:
@@ -111,21 +109,11 @@ def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repe
                 scale: float = 1.0, warmup: int = 1) -> dict[str, Any]:
     """The ratio ``scale × t_B / t_A`` in interleaved A/B/B/A rounds of ``repeat`` calls each (issue 28 §3); a
     call may return its own seconds (a float). ``{"median", "min", "max", "rounds", "a_s", "b_s"}``."""
-    def secs(fn: Callable[[], Any]) -> float:
-        total = 0.0
-        for _ in range(repeat):
-            sync_device(device)
-            t0 = time.perf_counter()
-            out = fn()
-            sync_device(device)
-            total += out if isinstance(out, float) else time.perf_counter() - t0
-        return total / repeat
-
     for _ in range(warmup):
         a(), b()
     ta, tb, ratios = [], [], []
     for _ in range(rounds):
-        a1, b1, b2, a2 = secs(a), secs(b), secs(b), secs(a)
+        a1, b1, b2, a2 = [sum(_seconds(f, device, own=True) for _ in range(repeat)) / repeat for f in (a, b, b, a)]
         ta.append((a1 + a2) / 2)
         tb.append((b1 + b2) / 2)
         ratios.append(scale * tb[-1] / ta[-1])
@@ -134,13 +122,25 @@ def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repe
             "b_s": med(tb)}
 
 
+def _ratio(res: dict[str, Any], key: str, a: Callable[[], Any], b: Callable[[], Any], **kw: Any) -> dict[str, Any]:
+    """:func:`interleaved` ``(a, b, **kw)`` into ``res["intervals"][key]`` and its median into ``res[key]``."""
+    iv = res["intervals"][key] = interleaved(a, b, **kw)
+    res[key] = iv["median"]
+    return iv
+
+
+def _model_batch(cfg: ModelConfig, batch_size: int, device: torch.device) -> tuple[LoopLM, torch.Tensor]:
+    """``cfg``'s model (seed 0, train mode) on ``device`` and a random (batch_size, seq_len) token batch."""
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    return model, torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+
+
 def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
                dtype: str = "float32") -> Callable[[], None]:
     """One training step (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
-    torch.manual_seed(0)
-    model = build_model(cfg).to(device).train()
+    model, x = _model_batch(cfg, batch_size, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
 
     def step() -> None:
         with autocast_context(device, dtype):
@@ -186,9 +186,7 @@ def training_memory_bytes(model: LoopLM, x: torch.Tensor, depth: int, tbptt: int
 def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.device, depth: int = 32,
                        window: int = 4, short: int = 4) -> dict[str, float]:
     """Truncated BPTT (b = ``window``) at T = ``depth`` against full BPTT at T = ``short`` (issue 6)."""
-    torch.manual_seed(0)
-    model = build_model(cfg).to(device).train()
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
+    model, x = _model_batch(cfg, batch_size, device)
     trunc = training_memory_bytes(model, x, depth, window)
     full_short = training_memory_bytes(model, x, short, 0)
     full_deep = training_memory_bytes(model, x, depth, 0)
@@ -197,117 +195,105 @@ def tbptt_measurements(cfg: ModelConfig, *, batch_size: int, device: torch.devic
             "tbptt_mem_bytes_full_deep": full_deep, "tbptt_peak_mem_ratio": trunc / full_short}
 
 
+def _prefill(model: LoopLM, prompt: torch.Tensor, cache: KVCache, depth: int) -> torch.Tensor:
+    """Greedy next tokens (B, 1) after ``prompt`` (B, n), reading out only the last position, as generate's does."""
+    b, n = prompt.shape
+    last = (torch.arange(b, device=prompt.device), torch.full((b,), n - 1, device=prompt.device))
+    return model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last)).logits.argmax(-1)[:, None]
+
+
+def _step(model: LoopLM, tok: torch.Tensor, cache: KVCache, depth: int) -> torch.Tensor:
+    return model.read(model.loop(tok, cache=cache), depth).logits[:, -1:].argmax(-1)
+
+
+def _uncached(model: LoopLM, seq: torch.Tensor, n: int, depth: int) -> None:
+    """Greedy decoding of ``n`` tokens after ``seq``, recomputing the whole sequence for each."""
+    for _ in range(n):
+        seq = torch.cat([seq, model(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
+
+
 @torch.no_grad()
-def decode_measurements(cfg: ModelConfig, *, depth: int, context: int = 512, new_tokens: int = 32,
-                        device: torch.device, rounds: int = 3) -> dict[str, Any]:
+def decode_measurements(res: dict[str, Any], cfg: ModelConfig, *, depth: int, context: int = 512,
+                        new_tokens: int = 32, device: torch.device, rounds: int = 3) -> None:
     """Greedy decoding of ``new_tokens`` after a ``context``-token prompt with the per_visit and terminal KV
     caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached (issue 6)."""
-    from looplm.model.kvcache import KVCache
-
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
     torch.manual_seed(0)
     model = build_model(long).to(device).eval()
     prompt = torch.randint(0, long.vocab_size, (1, context - new_tokens), device=device)
-    res: dict[str, float] = {"decode_depth": depth, "decode_context": context, "decode_new_tokens": new_tokens}
+    res.update(decode_depth=depth, decode_context=context, decode_new_tokens=new_tokens)
 
     def cached(mode: str) -> Callable[[], float]:
         def run() -> float:  # the decode phase's seconds
             cache = KVCache(mode)
             t0 = time.perf_counter()
-            # the prefill reads out only the last position, as generate's does
-            last = (torch.zeros(1, dtype=torch.long, device=device),
-                    torch.full((1,), prompt.shape[1] - 1, dtype=torch.long, device=device))
-            nxt = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last))
-            nxt = nxt.logits.argmax(-1)[:, None]
+            nxt = _prefill(model, prompt, cache, depth)
             sync_device(device)
-            t1 = time.perf_counter()
-            for _ in range(new_tokens - 1):
-                nxt = model.read(model.loop(nxt, cache=cache), depth).logits[:, -1:].argmax(-1)
-            sync_device(device)
-            res[f"decode_prefill_s_{mode}"] = t1 - t0
-            res[f"decode_steps_s_{mode}"] = time.perf_counter() - t1
+            res[f"decode_prefill_s_{mode}"] = time.perf_counter() - t0
+            res[f"decode_steps_s_{mode}"] = _timed_loop(lambda t: _step(model, t, cache, depth), nxt, new_tokens - 1,
+                                                        device)
             res[f"kv_bytes_{mode}"] = cache.nbytes()
             return res[f"decode_steps_s_{mode}"]
         return run
 
-    def uncached() -> None:
-        seq = prompt
-        for _ in range(new_tokens):
-            seq = torch.cat([seq, model(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
-
     for mode in ("per_visit", "terminal"):
-        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _times(cached(mode), warmup=1, repeat=1,
-                                                                             device=device)[0]
+        cached(mode)()  # warm-up
+        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _seconds(cached(mode), device)
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
-    iv = interleaved(cached("per_visit"), uncached, rounds=rounds, repeat=1, device=device,
-                     scale=(new_tokens - 1) / new_tokens)
-    res["intervals"] = {"decode_cache_speedup": iv}
+    iv = _ratio(res, "decode_cache_speedup", cached("per_visit"), lambda: _uncached(model, prompt, new_tokens, depth),
+                rounds=rounds, repeat=1, device=device, scale=(new_tokens - 1) / new_tokens)
     res["decode_tokens_per_s_uncached"] = new_tokens / iv["b_s"]
     res["decode_tokens_per_s_per_visit"] = (new_tokens - 1) / iv["a_s"]
-    res["decode_cache_speedup"] = iv["median"]
     res["decode_cache_speedup_with_prefill"] = (res["decode_tokens_per_s_with_prefill_per_visit"]
                                                 / res["decode_tokens_per_s_uncached"])
     res["terminal_kv_bytes_ratio"] = res["kv_bytes_terminal"] / res["kv_bytes_per_visit"]
-    return res
 
 
 def huginn_config(quick: bool = False) -> ModelConfig:
     """The Huginn shape of issue 15 (``huginn_linear``, no dropout); ``quick``: the same layout at toy sizes."""
-    if quick:
-        return ModelConfig(rule="huginn_linear", vocab_size=512, d_model=32, n_heads=2, d_ff=64, seq_len=16,
-                           n_prelude=1, n_core=2, n_coda=1, dropout=0.0)
-    return ModelConfig(rule="huginn_linear", vocab_size=50257, d_model=256, n_heads=4, d_ff=1024, seq_len=128,
-                       n_prelude=1, n_core=2, n_coda=1, dropout=0.0)
+    sizes = (dict(vocab_size=512, d_model=32, n_heads=2, d_ff=64, seq_len=16) if quick
+             else dict(vocab_size=50257, d_model=256, n_heads=4, d_ff=1024, seq_len=128))
+    return ModelConfig(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, dropout=0.0, **sizes)
 
 
-def multidepth_measurements(model, depths: list[int], *, batch_size: int, repeat: int, device: torch.device,
-                            rounds: int, prefix: str = "") -> dict[str, Any]:
+def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, *, quick: bool, batch_size: int, repeat: int,
+                            device: torch.device, rounds: int, prefix: str = "") -> None:
     """Multi-depth evaluation against one at the largest depth, its FLOP-predicted time, and separate runs."""
-    cfg = model.cfg.replace(dropout=0.0)
+    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
+    model, x = _model_batch(cfg, batch_size, device)
     model.eval()
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
 
     @torch.no_grad()
     def run(ds: list[int]) -> None:
         model(x, ds, x, readout=NLL)
 
     f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
-    single_multi = interleaved(lambda: run([max(depths)]), lambda: run(depths), rounds=rounds, repeat=repeat,
-                               device=device)
+    single_multi = _ratio(res, f"{prefix}multidepth_eval_ratio", lambda: run([max(depths)]), lambda: run(depths),
+                          rounds=rounds, repeat=repeat, device=device)
     multi_sep = interleaved(lambda: run(depths), lambda: [run([t]) for t in depths], rounds=rounds, repeat=1,
                             device=device)
     flop = {k: v * f_single / f_multi if k in ("median", "min", "max") else v for k, v in single_multi.items()}
     flop["rounds"] = [r * f_single / f_multi for r in single_multi["rounds"]]
-    iv = {f"{prefix}multidepth_eval_ratio": single_multi, f"{prefix}multidepth_flop_ratio": flop,
-          f"{prefix}multidepth_vs_separate_speedup": multi_sep}
-    return {f"{prefix}multidepth_eval_s": single_multi["b_s"], f"{prefix}multidepth_single_s": single_multi["a_s"],
-            f"{prefix}multidepth_separate_s": multi_sep["b_s"],
-            f"{prefix}multidepth_flops_ratio_predicted": f_multi / f_single,
-            **{k: v["median"] for k, v in iv.items()}, "intervals": iv}
+    for key, iv in (("multidepth_flop_ratio", flop), ("multidepth_vs_separate_speedup", multi_sep)):
+        res["intervals"][prefix + key] = iv
+        res[prefix + key] = iv["median"]
+    res.update({f"{prefix}multidepth_eval_s": single_multi["b_s"], f"{prefix}multidepth_single_s": single_multi["a_s"],
+                f"{prefix}multidepth_separate_s": multi_sep["b_s"],
+                f"{prefix}multidepth_flops_ratio_predicted": f_multi / f_single})
 
 
 @torch.no_grad()
 def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int, depth: int,
                         device: torch.device, mode: str = "per_visit") -> float:
     """Decode-phase tokens/s (all rows) of greedy cached decoding after a ``context``-token prompt (prefill untimed)."""
-    from looplm.model.kvcache import KVCache
-
     torch.manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch_size, context - new_tokens), device=device)
-    last = (torch.arange(batch_size, device=device), torch.full((batch_size,), prompt.shape[1] - 1, device=device))
     cache = KVCache(mode, max_len=context)
-    nxt = model.read(model.loop(prompt, cache=cache), depth, readout=Readout(tokens=last)).logits.argmax(-1)[:, None]
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        return model.read(model.loop(tok, cache=cache), depth).logits[:, -1:].argmax(-1)
-    nxt = step(nxt)  # warm-up step
-    sync_device(device)
-    t0 = time.perf_counter()
-    for _ in range(new_tokens - 2):
-        nxt = step(nxt)
-    sync_device(device)
-    return batch_size * (new_tokens - 2) / (time.perf_counter() - t0)
+    nxt = _step(model, _prefill(model, prompt, cache, depth), cache, depth)  # the prefill and a warm-up step
+    return batch_size * (new_tokens - 2) / _timed_loop(lambda t: _step(model, t, cache, depth), nxt, new_tokens - 2,
+                                                       device)
 
 
 @torch.no_grad()
@@ -320,21 +306,15 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
 
     Returns ``{prefix}prefill_ms_ctx{C}`` → path → {mean, sd, median} (ms), ``{prefix}prefill_blocks`` → path →
     blocks per token, ``{prefix}distilled_prefill_speedup_ctx{C}`` (teacher / distilled, :func:`interleaved`)."""
-    from looplm.distill.config import DistillConfig
-    from looplm.distill.prefill import prefill_paths
-    from looplm.distill.student import build_student
-    from looplm.model.kvcache import KVCache
-
     long = cfg.replace(seq_len=max(cfg.seq_len, *contexts))
     torch.manual_seed(0)
     teacher = build_model(long).to(device).eval()
     student = build_student(teacher, DistillConfig(n_blocks=n_blocks)).eval()
     paths = prefill_paths(teacher, student, depth, early_depths)
-    ends = long.n_prelude + long.n_coda
+    blocks = {n: long.n_prelude + long.n_coda + (n_blocks + long.n_core if n == "distilled" else r * long.n_core)
+              for n, (r, _) in paths.items()}
     res: dict[str, Any] = {f"{prefix}prefill_depth": depth, f"{prefix}prefill_batch_size": batch_size,
-                           f"{prefix}prefill_blocks": {n: ends + (n_blocks + long.n_core if n == "distilled"
-                                                                  else r * long.n_core)
-                                                       for n, (r, _) in paths.items()}}
+                           f"{prefix}prefill_blocks": blocks}
     for c in contexts:
         prompt = torch.randint(0, long.vocab_size, (batch_size, c), device=device)
         last = (torch.arange(batch_size, device=device), torch.full((batch_size,), c - 1, device=device))
@@ -368,15 +348,14 @@ def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
              "| blocks per token | " + " | ".join(f"{c}-token prompt (ms)" for c in ctx) + " |",
              "|---|---:|" + "---:|" * len(ctx)]
     for name in blocks:
-        cells = [f"{res[f'{prefix}prefill_ms_ctx{c}'][name]['mean']:.1f} ± {res[f'{prefix}prefill_ms_ctx{c}'][name]['sd']:.1f}"
-                 for c in ctx]
+        cells = [f"{m['mean']:.1f} ± {m['sd']:.1f}" for m in (res[f"{prefix}prefill_ms_ctx{c}"][name] for c in ctx)]
         lines.append(f"| {name} | {blocks[name]} | " + " | ".join(cells) + " |")
     lines.append("| distilled speed-up (teacher / distilled, median of interleaved rounds) | | " + " | ".join(
         f"{res[f'{prefix}distilled_prefill_speedup_ctx{c}']:.2f}×" for c in ctx) + " |")
     return lines
 
 
-def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int, queue) -> None:
+def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int) -> int:
     """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS before it."""
     import resource
 
@@ -402,7 +381,7 @@ def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: boo
     peak = status("VmHWM")
     if before is None or peak is None:  # no procfs: the process's lifetime peak
         before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put(max(0, peak - before))
+    return max(0, peak - before)
 
 
 def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
@@ -410,40 +389,19 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
     """Peak bytes of one training step above the memory before it (CUDA peak allocated; CPU a fresh subprocess's
     VmHWM, as tracemalloc misses torch); ``fused=False``: the plain readout + loss."""
     if device.type == "cuda":
-        torch.manual_seed(0)
-        model = build_model(cfg).to(device).train()
-        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), device=device)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_train_step_peak_rss,
-                    args=(cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads(), q))
-    p.start()
-    try:
-        while True:  # a child that dies (exit code set) without a value is an error, not a 30-minute wait
-            try:
-                return int(q.get(timeout=5))
-            except queue.Empty:
-                if p.exitcode is not None:
-                    raise RuntimeError(f"peak_train_memory: the measuring subprocess exited with {p.exitcode}")
-    finally:
-        p.join()
+        model, x = _model_batch(cfg, batch_size, device)
+        return _cuda_peak(lambda: model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward())
+    # a child that dies without a value raises BrokenProcessPool, not a 30-minute wait
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        args = (cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads())
+        return pool.submit(_train_step_peak_rss, *args).result()
 
 
 @torch.no_grad()
-def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int], quick: bool, rounds: int,
-                               device: torch.device, log: Callable[..., None]) -> dict[str, Any]:
+def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int],
+                               quick: bool, rounds: int, device: torch.device, log: Callable[..., None]) -> None:
     """Decoding at the Huginn shape: tokens/s at batch 1, 8 per context; at batch 1, compiled blocks and the
     compiled static step over eager, cached over uncached (interleaved)."""
-    res: dict[str, Any] = {"intervals": {}}
     new = 4 if quick else 16
     long = hcfg.replace(seq_len=max(contexts))
     torch.manual_seed(0)
@@ -455,18 +413,11 @@ def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple
             log(f"huginn shape: decode batch {b}, {c}-token context: {res[key]:.1f} tok/s")
     res["decode_b1_tokens_per_s"] = res[f"huginn_decode_b1_ctx{contexts[0]}_tokens_per_s"]
     # blocks compiled by torch.compile (inductor; the cache bookkeeping stays eager at a graph break)
-    import copy
-
-    from looplm.train.trainer import compile_blocks
-
     backend = "aot_eager" if quick else "inductor"
     compiled = compile_blocks(copy.deepcopy(dec), backend=backend)
 
     def b1(model=dec, how: str | None = None) -> Callable[[], float]:  # seconds of new − 2 batch-1 steps
         if how is not None:  # one static step (compiled once), rewound to the prompt before every run
-            from looplm.model.kvcache import KVCache
-            from looplm.model.static_decode import DecodeStep, StaticKVCache
-
             prompt = torch.randint(0, long.vocab_size, (1, contexts[0] - new), device=device)
             cache = KVCache("per_visit")
             first = model.read(model.loop(prompt, cache=cache), depth).logits[:, -1].argmax(-1)
@@ -475,87 +426,60 @@ def huginn_decode_measurements(hcfg: ModelConfig, *, depth: int, contexts: tuple
             step(first)  # compiles
             def run() -> float:
                 step.rewind(start)
-                tok = step(first).argmax(-1)
-                sync_device(device)
-                t0 = time.perf_counter()
-                for _ in range(new - 2):
-                    tok = step(tok).argmax(-1)
-                sync_device(device)
-                return time.perf_counter() - t0
+                return _timed_loop(lambda t: step(t).argmax(-1), step(first).argmax(-1), new - 2, device)
             return run
         return lambda: (new - 2) / decode_tokens_per_s(model, batch_size=1, context=contexts[0], new_tokens=new,
                                                        depth=depth, device=device)
 
     for key, a in (("decode_compile_speedup", b1(compiled)), ("decode_static_compile_speedup", b1(how="compile"))):
-        iv = res["intervals"][key] = interleaved(a, b1(), rounds=rounds, repeat=1, device=device)
-        res[key] = iv["median"]
+        iv = _ratio(res, key, a, b1(), rounds=rounds, repeat=1, device=device)
         log(f"huginn shape: decode batch 1, {key} ×{iv['median']:.2f} [{iv['min']:.2f}, {iv['max']:.2f}] of eager")
     res["decode_b1_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_compile_speedup"]["a_s"]
     res["decode_b1_static_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_static_compile_speedup"]["a_s"]
     del compiled
-
-    @torch.no_grad()
-    def uncached() -> None:
-        seq = torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device)
-        for _ in range(n_unc):
-            seq = torch.cat([seq, dec(seq, depth=depth).logits[:, -1:].argmax(-1)], 1)
-
     n_unc = 2 if quick else 4
-    iv = res["intervals"]["huginn_decode_cache_speedup"] = interleaved(b1(), uncached, rounds=rounds, repeat=1,
-                                                                       device=device, scale=(new - 2) / n_unc)
+    iv = _ratio(res, "huginn_decode_cache_speedup", b1(),
+                lambda: _uncached(dec, torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device),
+                                  n_unc, depth), rounds=rounds, repeat=1, device=device, scale=(new - 2) / n_unc)
     res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / iv["b_s"]
-    res["huginn_decode_cache_speedup"] = iv["median"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
-    return res
 
 
-def huginn_measurements(*, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor], device: torch.device,
-                        quick: bool, rounds: int, log: Callable[..., None]) -> dict[str, Any]:
+def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor],
+                        device: torch.device, quick: bool, rounds: int, log: Callable[..., None]) -> None:
     """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding, prefill, memory."""
     hcfg = huginn_config(quick)
     B = 2 if quick else 16
-    res: dict[str, Any] = {"huginn_config": {k: getattr(hcfg, k) for k in (
+    res.update(huginn_config={k: getattr(hcfg, k) for k in (
         "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
-        "huginn_batch_size": B, "huginn_depth": depth, "intervals": {}}
+        huginn_batch_size=B, huginn_depth=depth)
     ma, mb = matmul
     flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
-    iv = res["intervals"]["huginn_shape_mfu"] = interleaved(
-        train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb, rounds=rounds, repeat=steps,
-        device=device, scale=flops / (2 * ma.shape[0] ** 3))
+    iv = _ratio(res, "huginn_shape_mfu", train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb,
+                rounds=rounds, repeat=steps, device=device, scale=flops / (2 * ma.shape[0] ** 3))
     res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
-    res["huginn_shape_mfu"] = iv["median"]
     log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
 
-    torch.manual_seed(0)
-    model = build_model(hcfg).to(device)
-    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    md = multidepth_measurements(model, depths, batch_size=B, repeat=1 if quick else steps, device=device,
-                                 rounds=rounds, prefix="huginn_")
-    res["intervals"].update(md.pop("intervals"))
-    res.update(md)
+    multidepth_measurements(res, hcfg, quick=quick, batch_size=B, repeat=steps, device=device, rounds=rounds,
+                            prefix="huginn_")
     log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
         f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
 
     contexts = (12, 16) if quick else (512, 2048)
-    dm = huginn_decode_measurements(hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
-                                    log=log)
-    res["intervals"].update(dm.pop("intervals"))
-    res.update(dm)
-    del model
-
-    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=1 if quick else steps,
-                                    rounds=rounds, device=device, prefix="huginn_"))
+    huginn_decode_measurements(res, hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
+                               log=log)
+    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=steps, rounds=rounds, device=device,
+                                    prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
     res["intervals"]["distilled_prefill_speedup"] = res.pop(f"huginn_prefill_rounds_ctx{contexts[-1]}")
-    log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at R={depth} "
-        f"({contexts[-1]}-token prompt)")
+    log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at "
+        f"R={depth} ({contexts[-1]}-token prompt)")
 
     res["peak_train_mem_bytes"] = peak_train_memory(hcfg, depth, batch_size=B, device=device)
     res["peak_train_mem_bytes_plain"] = peak_train_memory(hcfg, depth, batch_size=B, device=device, fused=False)
     res["peak_train_mem_ratio"] = res["peak_train_mem_bytes"] / max(1, res["peak_train_mem_bytes_plain"])
     log(f"huginn shape: peak training memory {res['peak_train_mem_bytes'] / 2**20:.0f} MiB fused vs "
         f"{res['peak_train_mem_bytes_plain'] / 2**20:.0f} MiB plain readout + loss")
-    return res
 
 
 def machine() -> dict[str, Any]:
@@ -575,9 +499,9 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
     peak32 = _mid(rates32[peak_n])
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
-    slow_bf16 = dev.type == "cpu" and matmul_peak_gflops(torch.bfloat16, 256, dev, repeat=1, warmup=1) < 0.1 * peak32
-    peak16 = matmul_peak_gflops(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
-                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2)
+    slow_bf16 = dev.type == "cpu" and _mid(matmul_rates(torch.bfloat16, 256, dev, repeat=1, warmup=1)) < 0.1 * peak32
+    peak16 = _mid(matmul_rates(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
+                               repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2))
     res["bf16_native"] = not slow_bf16
     res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
     return rates32, peak_n, slow_bf16
@@ -587,28 +511,23 @@ def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
     """Whether the fp32 matmul rate held: its spread at the start and its drift to ``end`` within :data:`MAX_SPREAD`."""
     start = _mid(rates)
     drift = abs(end - start) / max(end, start)
-    return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread(rates),
+    spread = (max(rates) - min(rates)) / start if start > 0 else math.inf  # (max − min) / median
+    return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread,
             "matmul_fp32_peak_end_gflops": end, "matmul_fp32_drift": drift, "max_spread": MAX_SPREAD,
-            "stable": spread(rates) <= MAX_SPREAD and drift <= MAX_SPREAD}
+            "stable": spread <= MAX_SPREAD and drift <= MAX_SPREAD}
 
 
 def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
                     device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
                     log: Callable[..., None]) -> None:
     """``mfu``, ``bf16_train_speedup``, ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res`` (interleaved)."""
-
-    def ratio(key: str, a: Callable, b: Callable, scale: float = 1.0, repeat: int = steps) -> dict[str, Any]:
-        iv = res["intervals"][key] = interleaved(a, b, rounds=rounds, repeat=repeat, device=device, scale=scale)
-        res[key] = iv["median"]
-        return iv
-
+    ratio = partial(_ratio, res, rounds=rounds, repeat=steps, device=device)
     # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
     ma, mb = matmul
-    peak_n = ma.shape[0]
     tokens = batch_size * cfg.seq_len
     model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
     fp32 = train_step(cfg, depth, batch_size=batch_size, device=device)
-    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * peak_n ** 3))
+    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * ma.shape[0] ** 3))
     res["train_tokens_per_s"] = tokens / iv["a_s"]
     res["train_model_flops_per_token"] = model_flops
     bf16 = train_step(cfg, depth, batch_size=batch_size, device=device, dtype="bfloat16")
@@ -645,13 +564,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
     training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
                     slow_bf16=slow_bf16, log=log)
-
-    torch.manual_seed(0)
-    model = build_model(cfg).to(dev)
-    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    md = multidepth_measurements(model, depths, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds)
-    res["intervals"].update(md.pop("intervals"))
-    res.update(md)
+    multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
         f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
         f"×{res['multidepth_flop_ratio']:.3f}")
@@ -659,19 +572,13 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    dm = decode_measurements(cfg, depth=depth, device=dev, rounds=rounds, **({"new_tokens": 8} if quick else {}))
-    res["intervals"].update(dm.pop("intervals"))
-    res.update(dm)
+    decode_measurements(res, cfg, depth=depth, device=dev, rounds=rounds, **({"new_tokens": 8} if quick else {}))
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
+    huginn_measurements(res, depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds, log=log)
 
-    hm = huginn_measurements(depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds,
-                             log=log)
-    res["intervals"].update(hm.pop("intervals"))
-    res.update(hm)
-
-    st = res["stability"] = stability(rates32[peak_n], matmul_peak_gflops(torch.float32, peak_n, dev), peak_n)
+    st = res["stability"] = stability(rates32[peak_n], _mid(matmul_rates(torch.float32, peak_n, dev)), peak_n)
     log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
         f"{st['matmul_fp32_drift']:.1%} start vs end ({'stable' if st['stable'] else 'UNSTABLE'})")
 
@@ -697,8 +604,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"| activation bytes: TBPTT T={res['tbptt_depth']} b={res['tbptt_window']} / full T="
              f"{res['tbptt_short_depth']} / full T={res['tbptt_depth']} | {res['tbptt_mem_bytes_truncated']:,} / "
              f"{res['tbptt_mem_bytes_full_short']:,} / {res['tbptt_mem_bytes_full_deep']:,} |",
-             f"| decoding tokens/s (decode phase) at T={res['decode_depth']}, {res['decode_context']}-token context: per_visit / "
-             f"terminal / uncached | {res['decode_tokens_per_s_per_visit']:.1f} / "
+             f"| decoding tokens/s (decode phase) at T={res['decode_depth']}, {res['decode_context']}-token context: "
+             f"per_visit / terminal / uncached | {res['decode_tokens_per_s_per_visit']:.1f} / "
              f"{res['decode_tokens_per_s_terminal']:.1f} / {res['decode_tokens_per_s_uncached']:.1f} |",
              f"| the same with the prompt's prefill counted (per_visit / terminal); cached vs uncached | "
              f"{res['decode_tokens_per_s_with_prefill_per_visit']:.1f} / "
@@ -711,10 +618,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['huginn_train_tokens_per_s']:.0f} |",
              f"| Huginn shape: peak training-step memory fused / plain readout + loss | "
              f"{res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
-             *[f"| Huginn shape: decode tokens/s, batch {b}, {c}-token context | {res[k]:.1f} |"
-               for k in sorted(res) if k.startswith("huginn_decode_b") and k.endswith("_tokens_per_s")
-               and "uncached" not in k
-               for b, c in [tuple(int(p[1:]) if p[0] == "b" else int(p[3:]) for p in k.split("_")[2:4])]],
+             *[f"| Huginn shape: decode tokens/s, batch {g[1]}, {g[2]}-token context | {res[k]:.1f} |"
+               for k in sorted(res) if (g := re.fullmatch(r"huginn_decode_b(\d+)_ctx(\d+)_tokens_per_s", k))],
              f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
              f"{res['decode_b1_compiled_tokens_per_s']:.1f} |",
              f"| Huginn shape: decode batch 1 with the compiled static step (DecodeStep) tokens/s | "
@@ -725,11 +630,10 @@ def markdown(res: dict[str, Any]) -> str:
              "", "| target | median [min, max] of the interleaved rounds | per-round ratios | target | status |",
              "|---|---:|---|---:|:---:|"]
     for k, t in res["targets"].items():
-        status = t.get("status", "met" if t["met"] else "not met")
         iv = res.get("intervals", {}).get(k)
         span = f" [{iv['min']:.3f}, {iv['max']:.3f}]" if iv else ""
         per_round = ", ".join(f"{r:.3f}" for r in iv["rounds"]) if iv else "(not timed)"
-        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {t['op']} {t['target']} | {status} |")
+        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {t['op']} {t['target']} | {t['status']} |")
     st = res.get("stability")
     if st is not None:
         lines += ["", "Status rule: a ratio measured in interleaved A/B/B/A rounds is `met` only when every round's "
