@@ -80,14 +80,11 @@ def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCrite
                    batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """``(depth, correct)``: (N,) halting depths in [1, ceiling] and exact match there of each instance."""
     with eval_mode(model):
-        final_from = model.resolve_final_depth(None, ceiling)
         depth, correct = [], []
         for xb, yb, scored in _batches(x, y, batch_size, device):
             hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
 
             def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
-                if logits is None:  # the readout the criterion would have read at k
-                    logits = model.readout(h, final=k >= final_from)
                 hit[rows_] = ((logits.argmax(-1) == yb[rows_]) | ~scored[rows_]).all(-1)
 
             res = exit_loop(model.loop(xb), criterion, ceiling, drop=True, valid=scored, on_exit=score)
