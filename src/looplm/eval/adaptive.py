@@ -61,7 +61,6 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
                        progress=progress, desc=desc, scale_clamp=scale_clamp)
 
 
-
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
                    targets: Sequence[float] = DEFAULT_TARGETS, ceiling: int = DEFAULT_CEILING,
                    max_tokens: int | None = None, batch_size: int = 16, device: str | torch.device = "cpu",

@@ -174,8 +174,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     }
 
 
-
-
 def markdown_report(res: dict[str, Any], label: str = "model") -> str:
     """Markdown: calibration summary and the timed table (dynamic, then fixed K = 1 … K_max)."""
     cal, tm = res["calibration"], res["timed"]
@@ -215,22 +213,18 @@ def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Pat
     dyn = res["timed"]["dynamic"]
     ax.scatter([dyn["tokens_per_s"]], [dyn["ppl"]], marker="*", s=160, color="tab:red", zorder=3,
                label=f"dynamic (mean loops {dyn['mean_loops']:.2f})")
-    ax.set_xlabel("measured throughput (tokens/s)")
-    ax.set_ylabel("perplexity (timed slice)")
-    ax.set_title("PPL–throughput frontier")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set(xlabel="measured throughput (tokens/s)", ylabel="perplexity (timed slice)", title="PPL–throughput frontier")
     cal = res["calibration"]
     ax2.plot(cal["sweep"]["mean_loops"], cal["sweep"]["ppl"], marker=".", linestyle="-", label="τ sweep")
     ax2.axhline(cal["ppl_budget"], linestyle="--", color="gray", linewidth=1,
                 label=f"budget {1 + res['tolerance']:.3g}× PPL(K_max)")
     ax2.scatter([cal["mean_loops"]], [cal["ppl_dynamic"]], marker="*", s=160, color="tab:red", zorder=3,
                 label="chosen τ")
-    ax2.set_xlabel("mean loops (calibration slice)")
-    ax2.set_ylabel("dynamic perplexity (calibration slice)")
-    ax2.set_title("τ calibration")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
+    ax2.set(xlabel="mean loops (calibration slice)", ylabel="dynamic perplexity (calibration slice)",
+            title="τ calibration")
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
@@ -266,8 +260,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
            "provenance": opened.provenance(timed_tokens, calib_tokens_sha256=tokens_sha256(calib_tokens))}
     label = f"{cfg.name} ({res['rule']}, readout {res['readout']}, {data_cfg.dataset})"
     res["markdown"] = markdown_report(res, label)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created by save_figure
     files = {"json": out / "halting.json", "markdown": out / "halting.md", "plot": out / "halting_frontier.png"}
     plot_frontier(res, files["plot"], title=label)
     res["files"] = {k: str(v) for k, v in files.items()}

@@ -173,8 +173,7 @@ def plot_heatmap(acc: dict[int, dict[int, dict[str, float]]], path: str | Path, 
         ax.axvline(ks.index(k_train) + 0.5, color="red", linestyle="--", linewidth=1)
     if train_depth in depths:
         ax.axhline(depths.index(train_depth) + 0.5, color="red", linestyle="--", linewidth=1)
-    ax.set_xlabel("difficulty k (steps)")
-    ax.set_ylabel("loop depth T")
+    ax.set(xlabel="difficulty k (steps)", ylabel="loop depth T")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="exact match (%)")
     return save_figure(fig, path)
