@@ -456,8 +456,7 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
     """Real early exit (:func:`exit_loop`, ``drop=True``, eval mode), each example's NLL at its halting depth;
     equals :func:`trace` + :func:`halting_depths` up to float rounding."""
     device = batches[0][0].device
-    depths, nlls, all_scores, counts = [], [], [], []
-    row_steps = 0
+    parts, row_steps = [], 0  # per batch: depth, nll, scores, tokens
     sync_device(device)
     t0 = time.perf_counter()
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
@@ -469,15 +468,12 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
         res = exit_loop(model.loop(x, scale_clamp=scale_clamp), criterion, ceiling, drop=True, valid=mask,
                         on_exit=score)
         row_steps += res.row_steps
-        depths.append(res.depth)
-        nlls.append(nll)
-        all_scores.append(res.scores)
-        counts.append(mask.sum(dim=1))
+        parts.append((res.depth, nll, res.scores, mask.sum(dim=1)))
     sync_device(device)
     seconds = time.perf_counter() - t0
-    return ExitRun(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
-                   scores=torch.cat(all_scores).cpu().numpy(), tokens=torch.cat(counts).cpu().numpy().astype(np.int64),
-                   seconds=seconds, row_steps=row_steps)
+    depth, nll, scores, tokens = (torch.cat(p).cpu().numpy() for p in zip(*parts))
+    return ExitRun(depth=depth, nll=nll, scores=scores, tokens=tokens.astype(np.int64), seconds=seconds,
+                   row_steps=row_steps)
 
 
 @dataclass
@@ -503,7 +499,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
         raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     check_criterion(model, criterion)
     depths = list(range(0 if criterion.needs_logits and criterion.needs_previous else 1, ceiling + 1))
-    all_scores, nlls, counts = [], [], []
+    parts = []  # per batch: scores, nll, tokens
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
         s = torch.zeros(len(x), ceiling, dtype=torch.float64)
         prev: dict[str, Any] = {}
@@ -518,8 +514,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
         # the plain readout: the hook reads every requested depth's logits
         out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y,
                          readout=Readout(logits=False, fused_ce=False), on_depth=on_depth)
-        all_scores.append(s)
-        nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
-        counts.append(mask.sum(dim=1).cpu())
-    return Trace(scores=torch.cat(all_scores).numpy(), nll=torch.cat(nlls).numpy(),
-                 tokens=torch.cat(counts).numpy().astype(np.int64))
+        nll = torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1)  # (B, C)
+        parts.append((s, nll.cpu(), mask.sum(dim=1).cpu()))
+    scores, nll, tokens = (torch.cat(p).numpy() for p in zip(*parts))
+    return Trace(scores=scores, nll=nll, tokens=tokens.astype(np.int64))
