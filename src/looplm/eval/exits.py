@@ -216,8 +216,10 @@ def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
     return cls(cls.default_tau if tau is None else tau)
 
 
-def check_criterion(model, criterion: ExitCriterion) -> None:
-    """Raise ValueError when ``criterion`` needs something ``model`` lacks (an exit gate)."""
+def check_criterion(model, criterion: ExitCriterion, ceiling: int = 1) -> None:
+    """Raise ValueError for a ceiling < 1, or when ``criterion`` needs something ``model`` lacks (an exit gate)."""
+    if ceiling < 1:
+        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     if criterion.needs_gate and getattr(model, "exit_gate", None) is None:
         raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
                          "(model.exit_gate, trained with train.supervision=exit_weighted)")
@@ -375,9 +377,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
     """
     model = loop.model
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    check_criterion(model, criterion)
+    check_criterion(model, criterion, ceiling)
     B, device = loop.state.shape[0], loop.state.device
     final_from = model.resolve_final_depth(None, ceiling)
 
@@ -495,9 +495,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
           desc: str = "trace", scale_clamp: bool = False) -> Trace:
     """One multi-depth forward per batch (depths 1 … C, and 0 for a logits criterion comparing with loop 0),
     recording the statistic and NLL per depth through ``on_depth``. ValueError as :func:`exit_loop`."""
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    check_criterion(model, criterion)
+    check_criterion(model, criterion, ceiling)
     depths = list(range(0 if criterion.needs_logits and criterion.needs_previous else 1, ceiling + 1))
     parts = []  # per batch: scores, nll, tokens
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):

@@ -80,11 +80,8 @@ class Generation:
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, P) int64 ids (pad id 0) and (B, P) int64 attention mask (0 = left padding)."""
     P = max(len(p) for p in prompts)
-    idx = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        idx[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, P - len(p):] = 1
+    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
     return idx.to(device), mask.to(device)
 
 

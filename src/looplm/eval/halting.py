@@ -121,28 +121,26 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
                                                 scale_clamp=scale_clamp)
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
-        tau = cal.tau
 
         batches, kw = _batches(*timed, batch_size, device), {"criterion": criterion, "scale_clamp": scale_clamp}
-        dynamic_halting_run(model, batches[:1], tau, k_max, **kw)  # untimed warm-ups
-        for K in range(1, k_max + 1):
-            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
-        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+        # r = -1: untimed warm-ups on one batch; repeats interleave the modes, so slow drift (clocks, other
+        # load) hits them alike
         dyn_s: list[float] = []
         fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
         fixed_nll: dict[int, np.ndarray] = {}
-        for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
+        for r in range(-1, repeats):
+            part = batches if r >= 0 else batches[:1]
+            dyn = dynamic_halting_run(model, part, cal.tau, k_max, progress=progress and r == 0, **kw)
             dyn_s.append(dyn.seconds)
             for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                fixed_nll[K], seconds = fixed_depth_run(model, part, K, progress=progress and r == 0,
                                                         scale_clamp=scale_clamp)
                 fixed_s[K].append(seconds)
     n_tokens = int(dyn.tokens.sum())
-    dyn_seconds = float(np.median(dyn_s))
+    dyn_seconds = float(np.median(dyn_s[1:]))
     frontier = []
     for K in range(1, k_max + 1):
-        seconds = float(np.median(fixed_s[K]))
+        seconds = float(np.median(fixed_s[K][1:]))
         frontier.append({"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": seconds,
                          "tokens_per_s": n_tokens / seconds})
     static = frontier[-1]

@@ -127,9 +127,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
         raise ValueError("score_lambada: no examples")
     device = torch.device(device)
     with eval_mode(model):
-        nll = {T: 0.0 for T in depths}
-        correct = {T: 0 for T in depths}
-        exact = {T: 0 for T in depths}
+        nll, correct, exact = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0), dict.fromkeys(depths, 0)
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
         for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
                       unit="batch"):
