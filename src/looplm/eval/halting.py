@@ -138,11 +138,9 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
                 fixed_s[K].append(seconds)
     n_tokens = int(dyn.tokens.sum())
     dyn_seconds = float(np.median(dyn_s[1:]))
-    frontier = []
-    for K in range(1, k_max + 1):
-        seconds = float(np.median(fixed_s[K][1:]))
-        frontier.append({"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": seconds,
-                         "tokens_per_s": n_tokens / seconds})
+    med = {K: float(np.median(s[1:])) for K, s in fixed_s.items()}  # seconds per fixed K
+    frontier = [{"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": med[K],
+                 "tokens_per_s": n_tokens / med[K]} for K in range(1, k_max + 1)]
     static = frontier[-1]
     dyn_ppl = dyn.ppl()
     N = len(timed[0])

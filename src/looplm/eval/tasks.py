@@ -40,8 +40,8 @@ def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, 
     return out
 
 
-HALTING_KEYS = ("criterion", "ceiling", "tau", "target_depth", "tolerance")
 HALTING_RULES = ("tau", "target_depth", "tolerance")
+HALTING_KEYS = ("criterion", "ceiling", *HALTING_RULES)
 
 
 def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, Any]:
