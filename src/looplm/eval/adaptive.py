@@ -27,9 +27,7 @@ DEFAULT_CEILING = 48
 def _on_windows(fn, model: DepthLM, tokens: np.ndarray, criterion: str | ExitCriterion, tau: float, ceiling: int,
                 batch_size: int, max_tokens: int | None, device: str | torch.device, **kw: Any):
     """``fn`` (exits.trace or exits.run) in eval mode over the non-overlapping windows of ``tokens[: max_tokens
-    + 1]`` (x, y with -100 on unscored targets, mask). ValueError: ceiling < 1 or fewer than two tokens."""
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
+    + 1]`` (x, y with -100 on unscored targets, mask). ValueError: fewer than two tokens, or as ``fn``."""
     if max_tokens is not None:
         tokens = tokens[: max_tokens + 1]
     if len(tokens) < 2:
@@ -59,7 +57,6 @@ def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int
     example to the ceiling (the speedup's reference)."""
     return _on_windows(run, model, tokens, criterion, tau, ceiling, batch_size, max_tokens, device,
                        progress=progress, desc=desc, scale_clamp=scale_clamp)
-
 
 
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,

@@ -48,16 +48,12 @@ class ExitCriterion:
     aggregate = "mean"
     needs_logits = False
     needs_gate = False
+    needs_previous = True  # the statistic at loop k compares with loop k − 1 (so loop 0 is read out too)
     #: the threshold used when none is given (``looplm generate --exit-tau``)
     default_tau = 0.0
 
     def __init__(self, tau: float):
         self.tau = float(tau)
-
-    @property
-    def needs_previous(self) -> bool:
-        """Whether the statistic at loop k compares with loop k − 1 (so loop 0 is read out too)."""
-        return True
 
     def score(self, prev_h: torch.Tensor | None, h: torch.Tensor | None, prev_logits: torch.Tensor | None = None,
               logits: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,7 +78,7 @@ class ExitCriterion:
 
     def halts(self, score: torch.Tensor) -> torch.Tensor:
         """Whether the criterion fires for each score (NaN never fires)."""
-        return score < self.tau if self.direction == "below" else score >= self.tau
+        return fires(score, self.tau, self.direction)
 
     def never_fires(self) -> bool:
         """τ = −∞ ("below") or +∞ ("above"): the runner skips the statistic."""
@@ -90,6 +86,11 @@ class ExitCriterion:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tau={self.tau})"
+
+
+def fires(s, tau, direction: Direction):
+    """``s < τ`` ("below") or ``s ≥ τ`` ("above"), elementwise on tensors or arrays; NaN never fires."""
+    return s < tau if direction == "below" else s >= tau
 
 
 def relative_change(prev_h: torch.Tensor, h: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -155,10 +156,7 @@ class LogitMargin(ExitCriterion):
     needs_logits = True
     default_tau = 2.0  # our choice
 
-    @property
-    def needs_previous(self) -> bool:
-        return False
-
+    needs_previous = False
     def score(self, prev_h, h, prev_logits, logits, gate=None):
         top2 = logits.float().topk(2, dim=-1).values  # (..., 2)
         return top2[..., 0] - top2[..., 1]
@@ -173,10 +171,7 @@ class ExitGate(ExitCriterion):
     needs_gate = True
     default_tau = 0.5  # our choice
 
-    @property
-    def needs_previous(self) -> bool:
-        return False
-
+    needs_previous = False
     def score(self, prev_h, h, prev_logits, logits, gate):
         return torch.sigmoid(gate.float())
 
@@ -221,8 +216,10 @@ def build_exit_criterion(name: str, tau: float | None = None) -> ExitCriterion:
     return cls(cls.default_tau if tau is None else tau)
 
 
-def check_criterion(model, criterion: ExitCriterion) -> None:
-    """Raise ValueError when ``criterion`` needs something ``model`` lacks (an exit gate)."""
+def check_criterion(model, criterion: ExitCriterion, ceiling: int = 1) -> None:
+    """Raise ValueError for a ceiling < 1, or when ``criterion`` needs something ``model`` lacks (an exit gate)."""
+    if ceiling < 1:
+        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
     if criterion.needs_gate and getattr(model, "exit_gate", None) is None:
         raise ValueError(f"exit criterion {criterion.name!r} needs a model with a learned exit gate "
                          "(model.exit_gate, trained with train.supervision=exit_weighted)")
@@ -239,12 +236,7 @@ def halting_depths(scores: np.ndarray, tau: float, direction: Direction) -> np.n
         raise ValueError(f"scores: expected shape (N, C) with C >= 1, got {s.shape}")
     if direction not in ("below", "above"):
         raise ValueError(f"direction: expected 'below' or 'above', got {direction!r}")
-    C = s.shape[1]
-    if C == 1:
-        return np.ones(len(s), dtype=np.int64)
-    with np.errstate(invalid="ignore"):
-        hit = s[:, : C - 1] < tau if direction == "below" else s[:, : C - 1] >= tau  # (N, C-1)
-    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, C).astype(np.int64)
+    return _depths_all(s, np.array([tau], dtype=np.float64), direction)[0]
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -269,7 +261,7 @@ def _candidates(scores: np.ndarray, direction: Direction) -> np.ndarray:
     """Ascending thresholds, one per distinct halting pattern: "above", every distinct finite score of loops
     1 … C−1 and +∞; "below", the smallest score, the midpoints (float noise cannot flip a halt) and one above all."""
     C = scores.shape[1]
-    decide = scores[:, : C - 1] if C > 1 else scores[:, :0]
+    decide = scores[:, : C - 1]
     v = np.unique(decide[np.isfinite(decide)])
     if direction == "above":
         return np.append(v, np.inf)
@@ -280,15 +272,13 @@ def _candidates(scores: np.ndarray, direction: Direction) -> np.ndarray:
 
 def _depths_all(scores: np.ndarray, taus: np.ndarray, direction: Direction) -> np.ndarray:
     """(M, N) halting depths of every candidate: 1 + #{k < C : the running max ("above") / min of the scores up
-    to k does not fire}."""
+    to k does not fire} (the running statistic skips NaN; a leading NaN stays NaN and never fires)."""
     N, C = scores.shape
     depths = np.ones((len(taus), N), dtype=np.int64)
-    above = direction == "above"
-    decide = scores[:, : C - 1]
-    acc, fill = (np.fmax, -np.inf) if above else (np.fmin, np.inf)
-    running = acc.accumulate(np.where(np.isnan(decide), fill, decide), axis=1)
-    for k in range(C - 1):  # no NaN left: "not < τ" is "≥ τ"
-        depths += (running[None, :, k] < taus[:, None]) == above
+    running = (np.fmin if direction == "below" else np.fmax).accumulate(scores[:, : C - 1], axis=1)
+    with np.errstate(invalid="ignore"):
+        for k in range(C - 1):
+            depths += ~fires(running[None, :, k], taus[:, None], direction)
     return depths
 
 
@@ -338,13 +328,8 @@ def calibrate(scores: np.ndarray, direction: Direction, *, target_depth: float |
             raise ValueError(f"target mean depth {target_depth} outside [1, ceiling={C}]")
         # order the candidates by non-increasing mean depth: ascending τ for "below", descending for "above"
         order = np.arange(len(taus)) if direction == "below" else np.arange(len(taus))[::-1]
-        lo, hi = 0, len(order) - 1  # the last has mean depth 1 <= target (or the only candidate)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if mean_depth[order[mid]] <= target_depth:
-                hi = mid
-            else:
-                lo = mid + 1
+        # the first candidate not above the target (else the last, the shallowest)
+        lo = min(int(np.searchsorted(-mean_depth[order], -target_depth)), len(order) - 1)
         best = int(order[lo])
         if lo > 0 and abs(mean_depth[order[lo - 1]] - target_depth) < abs(mean_depth[best] - target_depth):
             best = int(order[lo - 1])
@@ -387,13 +372,12 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
 
     ``drop``: remove halted rows (:meth:`Loop.select`), else freeze them (:meth:`Loop.freeze`: copy-forward
     K/V) until all exited. ``valid``: (B, L) tokens a statistic aggregates over. ``on_exit(rows, k, h, logits)``
-    when rows halt at loop k (input-batch indices, (n, L, d), the (n, L, V) readout at k or None).
+    when rows halt at loop k (input-batch indices, (n, L, d), and their (n, L, V) readout at k: the criterion's,
+    else one without the cache, final iff k ≥ the final depth).
     ValueError: ceiling < 1, or the criterion needs an exit gate the model lacks.
     """
     model = loop.model
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    check_criterion(model, criterion)
+    check_criterion(model, criterion, ceiling)
     B, device = loop.state.shape[0], loop.state.device
     final_from = model.resolve_final_depth(None, ceiling)
 
@@ -427,8 +411,9 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
             done = halt.nonzero().squeeze(1)
             depth[rows[done]] = k
             if on_exit is not None:
-                on_exit(rows[done], k, h.index_select(0, done),
-                        None if logits is None else logits.index_select(0, done))
+                h_done = h.index_select(0, done)
+                on_exit(rows[done], k, h_done, model.readout(h_done, final=k >= final_from) if logits is None
+                        else logits.index_select(0, done))
             if drop:
                 keep = (~halt).nonzero().squeeze(1)
                 if len(keep) == 0:
@@ -471,31 +456,24 @@ def run(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: int,
     """Real early exit (:func:`exit_loop`, ``drop=True``, eval mode), each example's NLL at its halting depth;
     equals :func:`trace` + :func:`halting_depths` up to float rounding."""
     device = batches[0][0].device
-    depths, nlls, all_scores, counts = [], [], [], []
-    row_steps = 0
-    final_from = model.resolve_final_depth(None, ceiling)
+    parts, row_steps = [], 0  # per batch: depth, nll, scores, tokens
     sync_device(device)
     t0 = time.perf_counter()
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
         nll = torch.zeros(len(x), dtype=torch.float64, device=device)
 
         def score(rows, k, h, logits, y=y):
-            if logits is None:  # the criterion's own readout at k is the same (final iff k >= final_from)
-                logits = model.readout(h, final=k >= final_from)
             nll[rows] = _sequence_nll(logits, y.index_select(0, rows))
 
         res = exit_loop(model.loop(x, scale_clamp=scale_clamp), criterion, ceiling, drop=True, valid=mask,
                         on_exit=score)
         row_steps += res.row_steps
-        depths.append(res.depth)
-        nlls.append(nll)
-        all_scores.append(res.scores)
-        counts.append(mask.sum(dim=1))
+        parts.append((res.depth, nll, res.scores, mask.sum(dim=1)))
     sync_device(device)
     seconds = time.perf_counter() - t0
-    return ExitRun(depth=torch.cat(depths).cpu().numpy(), nll=torch.cat(nlls).cpu().numpy(),
-                   scores=torch.cat(all_scores).cpu().numpy(), tokens=torch.cat(counts).cpu().numpy().astype(np.int64),
-                   seconds=seconds, row_steps=row_steps)
+    depth, nll, scores, tokens = (torch.cat(p).cpu().numpy() for p in zip(*parts))
+    return ExitRun(depth=depth, nll=nll, scores=scores, tokens=tokens.astype(np.int64), seconds=seconds,
+                   row_steps=row_steps)
 
 
 @dataclass
@@ -505,10 +483,6 @@ class Trace:
     scores: np.ndarray
     nll: np.ndarray
     tokens: np.ndarray
-
-    @property
-    def ceiling(self) -> int:
-        return self.scores.shape[1]
 
     def ppl_at(self, depths: np.ndarray | int) -> float:
         """Token-weighted PPL with example b read out at ``depths[b]`` (or one depth for all)."""
@@ -521,11 +495,9 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
           desc: str = "trace", scale_clamp: bool = False) -> Trace:
     """One multi-depth forward per batch (depths 1 … C, and 0 for a logits criterion comparing with loop 0),
     recording the statistic and NLL per depth through ``on_depth``. ValueError as :func:`exit_loop`."""
-    if ceiling < 1:
-        raise ValueError(f"ceiling must be >= 1, got {ceiling}")
-    check_criterion(model, criterion)
+    check_criterion(model, criterion, ceiling)
     depths = list(range(0 if criterion.needs_logits and criterion.needs_previous else 1, ceiling + 1))
-    all_scores, nlls, counts = [], [], []
+    parts = []  # per batch: scores, nll, tokens
     for x, y, mask in tqdm(batches, desc=desc, disable=not progress, leave=False, unit="batch"):
         s = torch.zeros(len(x), ceiling, dtype=torch.float64)
         prev: dict[str, Any] = {}
@@ -540,8 +512,7 @@ def trace(model, batches: Sequence[Batch], criterion: ExitCriterion, ceiling: in
         # the plain readout: the hook reads every requested depth's logits
         out = model.read(model.loop(x, scale_clamp=scale_clamp), depths, y,
                          readout=Readout(logits=False, fused_ce=False), on_depth=on_depth)
-        all_scores.append(s)
-        nlls.append(torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1).cpu())
-        counts.append(mask.sum(dim=1).cpu())
-    return Trace(scores=torch.cat(all_scores).numpy(), nll=torch.cat(nlls).numpy(),
-                 tokens=torch.cat(counts).numpy().astype(np.int64))
+        nll = torch.stack([out.nll_by_depth[T].double().sum(1) for T in range(1, ceiling + 1)], 1)  # (B, C)
+        parts.append((s, nll.cpu(), mask.sum(dim=1).cpu()))
+    scores, nll, tokens = (torch.cat(p).numpy() for p in zip(*parts))
+    return Trace(scores=scores, nll=nll, tokens=tokens.astype(np.int64))

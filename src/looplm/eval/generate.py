@@ -80,11 +80,8 @@ class Generation:
 def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, P) int64 ids (pad id 0) and (B, P) int64 attention mask (0 = left padding)."""
     P = max(len(p) for p in prompts)
-    idx = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        idx[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, P - len(p):] = 1
+    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
     return idx.to(device), mask.to(device)
 
 
@@ -116,8 +113,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     (default ``depth``); ``student_depth``: the student's R (default ``depth``).
 
     Raises:
-        ValueError: a bad argument or combination (:func:`_check_request` names it), the unshared
-            architecture, or a prompt + continuation longer than seq_len.
+        ValueError: a bad argument or combination (:func:`_check_request` names it), the unshared architecture,
+            or a prompt + continuation longer than seq_len.
     """
     ceiling = _check_request(model, prompts, max_new_tokens, depth, cache_mode=cache_mode,
                              exit_criterion=exit_criterion, max_depth=max_depth, save_states=save_states,
@@ -226,14 +223,13 @@ def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mod
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens - 1} positions but the model's seq_len is {seq_len}: "
                              "shorten the prompt or ask for fewer tokens")
-    adaptive = exit_criterion is not None
     ceiling = depth if max_depth is None else int(max_depth)
-    if adaptive and ceiling < 1:
-        raise ValueError(f"max_depth must be >= 1, got {ceiling}")
-    if adaptive:
+    if exit_criterion is not None:
+        if ceiling < 1:
+            raise ValueError(f"max_depth must be >= 1, got {ceiling}")
         check_criterion(model, exit_criterion)
-    if save_states and adaptive:
-        raise ValueError("save_states: needs fixed-depth decoding (every token's state at the same depth R)")
+        if save_states:
+            raise ValueError("save_states: needs fixed-depth decoding (every token's state at the same depth R)")
     if save_states and student is not None:
         raise ValueError("save_states: a distilled prefill has no depth-R states of the prompt (the student "
                          "predicts them); use the teacher's prefill")

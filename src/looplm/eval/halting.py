@@ -121,30 +121,26 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
                                                 scale_clamp=scale_clamp)
         cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
-        tau = cal.tau
 
         batches, kw = _batches(*timed, batch_size, device), {"criterion": criterion, "scale_clamp": scale_clamp}
-        dynamic_halting_run(model, batches[:1], tau, k_max, **kw)  # untimed warm-ups
-        for K in range(1, k_max + 1):
-            fixed_depth_run(model, batches[:1], K, scale_clamp=scale_clamp)
-        # repeats interleave the modes, so slow drift (clocks, other load) hits them alike
+        # r = -1: untimed warm-ups on one batch; repeats interleave the modes, so slow drift (clocks, other
+        # load) hits them alike
         dyn_s: list[float] = []
         fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
         fixed_nll: dict[int, np.ndarray] = {}
-        for r in range(repeats):
-            dyn = dynamic_halting_run(model, batches, tau, k_max, progress=progress and r == 0, **kw)
+        for r in range(-1, repeats):
+            part = batches if r >= 0 else batches[:1]
+            dyn = dynamic_halting_run(model, part, cal.tau, k_max, progress=progress and r == 0, **kw)
             dyn_s.append(dyn.seconds)
             for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, batches, K, progress=progress and r == 0,
+                fixed_nll[K], seconds = fixed_depth_run(model, part, K, progress=progress and r == 0,
                                                         scale_clamp=scale_clamp)
                 fixed_s[K].append(seconds)
     n_tokens = int(dyn.tokens.sum())
-    dyn_seconds = float(np.median(dyn_s))
-    frontier = []
-    for K in range(1, k_max + 1):
-        seconds = float(np.median(fixed_s[K]))
-        frontier.append({"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": seconds,
-                         "tokens_per_s": n_tokens / seconds})
+    dyn_seconds = float(np.median(dyn_s[1:]))
+    med = {K: float(np.median(s[1:])) for K, s in fixed_s.items()}  # seconds per fixed K
+    frontier = [{"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": med[K],
+                 "tokens_per_s": n_tokens / med[K]} for K in range(1, k_max + 1)]
     static = frontier[-1]
     dyn_ppl = dyn.ppl()
     N = len(timed[0])
@@ -172,8 +168,6 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         },
         "frontier": frontier,
     }
-
-
 
 
 def markdown_report(res: dict[str, Any], label: str = "model") -> str:
@@ -215,22 +209,18 @@ def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Pat
     dyn = res["timed"]["dynamic"]
     ax.scatter([dyn["tokens_per_s"]], [dyn["ppl"]], marker="*", s=160, color="tab:red", zorder=3,
                label=f"dynamic (mean loops {dyn['mean_loops']:.2f})")
-    ax.set_xlabel("measured throughput (tokens/s)")
-    ax.set_ylabel("perplexity (timed slice)")
-    ax.set_title("PPL–throughput frontier")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set(xlabel="measured throughput (tokens/s)", ylabel="perplexity (timed slice)", title="PPL–throughput frontier")
     cal = res["calibration"]
     ax2.plot(cal["sweep"]["mean_loops"], cal["sweep"]["ppl"], marker=".", linestyle="-", label="τ sweep")
     ax2.axhline(cal["ppl_budget"], linestyle="--", color="gray", linewidth=1,
                 label=f"budget {1 + res['tolerance']:.3g}× PPL(K_max)")
     ax2.scatter([cal["mean_loops"]], [cal["ppl_dynamic"]], marker="*", s=160, color="tab:red", zorder=3,
                 label="chosen τ")
-    ax2.set_xlabel("mean loops (calibration slice)")
-    ax2.set_ylabel("dynamic perplexity (calibration slice)")
-    ax2.set_title("τ calibration")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
+    ax2.set(xlabel="mean loops (calibration slice)", ylabel="dynamic perplexity (calibration slice)",
+            title="τ calibration")
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
@@ -266,8 +256,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
            "provenance": opened.provenance(timed_tokens, calib_tokens_sha256=tokens_sha256(calib_tokens))}
     label = f"{cfg.name} ({res['rule']}, readout {res['readout']}, {data_cfg.dataset})"
     res["markdown"] = markdown_report(res, label)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created by save_figure
     files = {"json": out / "halting.json", "markdown": out / "halting.md", "plot": out / "halting_frontier.png"}
     plot_frontier(res, files["plot"], title=label)
     res["files"] = {k: str(v) for k, v in files.items()}

@@ -49,9 +49,7 @@ class EncodedExample:
 def split_passage(text: str) -> LambadaExample:
     """Split a passage into context and last-word target (module docstring); ValueError for < 2 words."""
     text = text.rstrip()
-    i = len(text)
-    while i > 0 and not text[i - 1].isspace():
-        i -= 1
+    i = len(text) - len(text.split()[-1]) if text else 0  # the last word starts at i
     if i == 0 or not text[:i].strip():
         raise ValueError(f"LAMBADA passage needs a context and a last word, got {text!r}")
     if text[i - 1] == " ":
@@ -108,16 +106,12 @@ def _batch(examples: Sequence[EncodedExample], device: torch.device):
     """Right-padded inputs x (B, Lmax), target ids (N,), their (row, col) positions and example index."""
     width = max(len(e.ids) for e in examples) - 1
     x = torch.zeros(len(examples), width, dtype=torch.int64)
-    rows, cols, tgt = [], [], []
     for b, e in enumerate(examples):
-        n = len(e.ids)
-        x[b, : n - 1] = torch.tensor(e.ids[:-1])
-        for j in range(n - 1 - e.n_target, n - 1):  # position j predicts ids[j + 1]
-            rows.append(b)
-            cols.append(j)
-            tgt.append(e.ids[j + 1])
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return x.to(device), as_t(rows), as_t(cols), as_t(tgt)
+        x[b, : len(e.ids) - 1] = torch.tensor(e.ids[:-1])
+    pos = [(b, j, e.ids[j + 1]) for b, e in enumerate(examples)
+           for j in range(len(e.ids) - 1 - e.n_target, len(e.ids) - 1)]  # position j predicts ids[j + 1]
+    rows, cols, tgt = torch.tensor(pos, dtype=torch.int64, device=device).unbind(1)
+    return x.to(device), rows, cols, tgt
 
 
 @torch.no_grad()
@@ -133,9 +127,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
         raise ValueError("score_lambada: no examples")
     device = torch.device(device)
     with eval_mode(model):
-        nll = {T: 0.0 for T in depths}
-        correct = {T: 0 for T in depths}
-        exact = {T: 0 for T in depths}
+        nll, correct, exact = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0), dict.fromkeys(depths, 0)
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
         for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
                       unit="batch"):

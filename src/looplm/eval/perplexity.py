@@ -35,9 +35,7 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
     with eval_mode(model):
         seq_len = model.cfg.seq_len
-        total_nll = {T: 0.0 for T in depths}
-        rms_sum = {T: 0.0 for T in depths}
-        rms_max = {T: 0.0 for T in depths}
+        total_nll, rms_sum, rms_max = ({T: 0.0 for T in depths} for _ in range(3))
         count = 0
         n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
         bar = tqdm(total=math.ceil(n_windows / batch_size), desc=desc, disable=not progress, leave=False,

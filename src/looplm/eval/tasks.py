@@ -40,8 +40,8 @@ def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, 
     return out
 
 
-HALTING_KEYS = ("criterion", "ceiling", "tau", "target_depth", "tolerance")
 HALTING_RULES = ("tau", "target_depth", "tolerance")
+HALTING_KEYS = ("criterion", "ceiling", *HALTING_RULES)
 
 
 def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, Any]:
@@ -80,14 +80,11 @@ def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCrite
                    batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """``(depth, correct)``: (N,) halting depths in [1, ceiling] and exact match there of each instance."""
     with eval_mode(model):
-        final_from = model.resolve_final_depth(None, ceiling)
         depth, correct = [], []
         for xb, yb, scored in _batches(x, y, batch_size, device):
             hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
 
             def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
-                if logits is None:  # the readout the criterion would have read at k
-                    logits = model.readout(h, final=k >= final_from)
                 hit[rows_] = ((logits.argmax(-1) == yb[rows_]) | ~scored[rows_]).all(-1)
 
             res = exit_loop(model.loop(xb), criterion, ceiling, drop=True, valid=scored, on_exit=score)
@@ -176,8 +173,7 @@ def plot_heatmap(acc: dict[int, dict[int, dict[str, float]]], path: str | Path, 
         ax.axvline(ks.index(k_train) + 0.5, color="red", linestyle="--", linewidth=1)
     if train_depth in depths:
         ax.axhline(depths.index(train_depth) + 0.5, color="red", linestyle="--", linewidth=1)
-    ax.set_xlabel("difficulty k (steps)")
-    ax.set_ylabel("loop depth T")
+    ax.set(xlabel="difficulty k (steps)", ylabel="loop depth T")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="exact match (%)")
     return save_figure(fig, path)
