@@ -84,10 +84,9 @@ def validate(teacher: LoopLM, student: Student, tokens: np.ndarray, cfg: Distill
             x, y = x[full].to(device), y[full].to(device)
             res, ce = student_step(teacher, student, x, cfg, sigma2, y)
             w = x.shape[0]
-            sums["hidden"] += float(res.hidden) * w
-            sums["kl"] += float(res.kl) * w
-            sums["ce_teacher"] += ce["teacher"] * w
-            sums["ce_student"] += ce["student"] * w
+            for k, v in (("hidden", float(res.hidden)), ("kl", float(res.kl)), ("ce_teacher", ce["teacher"]),
+                         ("ce_student", ce["student"])):
+                sums[k] += v * w
             n += w
     return {f"val_{k}": v / max(n, 1) for k, v in sums.items()}
 

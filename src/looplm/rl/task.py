@@ -25,7 +25,6 @@ EOT = "<|endoftext|>"
 CHARS = "\n0123456789+="
 _VOCAB = CharVocab(CHARS, EOT)
 VOCAB: dict[str, int] = _VOCAB.vocab
-ID_TO_CHAR: dict[int, str] = _VOCAB.id_to_char
 NEWLINE_ID = VOCAB["\n"]
 encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
 
@@ -123,11 +122,7 @@ TASKS = {"addition": AdditionTask}
 
 
 def build_task(name: str, **kw) -> AdditionTask:
-    """The task registered as ``name`` with its options.
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
+    """The task registered as ``name`` with its options; ValueError (listing the known ones) for an unknown name."""
     if name not in TASKS:
         raise ValueError(f"task: unknown {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name](**kw)

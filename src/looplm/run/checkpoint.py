@@ -236,12 +236,10 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of nested dicts."""
     if not isinstance(d, dict):
         return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+    return {key: leaf for k, v in d.items() for key, leaf in _flatten(v, f"{prefix}.{k}" if prefix else str(k)).items()}
 
 
 def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
@@ -415,23 +413,20 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     return _replace_file(ckpt, manifest, MODEL_FILE, tmp)
 
 
+def _problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` fails :func:`verify_checkpoint`, or None."""
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def newest_valid_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest checkpoint of a run that passes :func:`verify_checkpoint` (None if none does)."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        try:
-            verify_checkpoint(ckpt)
-            return ckpt
-        except CheckpointError:
-            continue
-    return None
+    return next((c for c in reversed(list_checkpoints(run_dir)) if _problem(c) is None), None)
 
 
 def checkpoint_problems(run_dir: str | Path) -> list[tuple[Path, str]]:
     """(checkpoint, reason) for every checkpoint of a run that fails :func:`verify_checkpoint`."""
-    problems = []
-    for ckpt in list_checkpoints(run_dir):
-        try:
-            verify_checkpoint(ckpt)
-        except CheckpointError as exc:
-            problems.append((ckpt, str(exc)))
-    return problems
+    return [(c, p) for c in list_checkpoints(run_dir) if (p := _problem(c)) is not None]
