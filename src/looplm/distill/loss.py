@@ -72,9 +72,7 @@ class VarianceAccumulator:
     """Population variance of every entry seen (float64 sums): σ² = E[z²] − E[z]² over all entries."""
 
     def __init__(self) -> None:
-        self.n = 0
-        self.total = 0.0
-        self.total_sq = 0.0
+        self.n, self.total, self.total_sq = 0, 0.0, 0.0
 
     def add(self, z: torch.Tensor) -> None:
         z = z.detach().double()

@@ -21,8 +21,7 @@ from looplm.data.tokens import eval_windows, load_tokens, sample_batch
 from looplm.distill.config import DistillConfig, StudentRecord
 from looplm.distill.loss import VarianceAccumulator, distill_loss
 from looplm.distill.prefill import student_readout, teacher_targets
-from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
-                                    load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
+from looplm.distill.student import Student, build_student, default_student_dir, load_student, read_record, teacher_ref
 from looplm.run.finite import NonFiniteError, clean
 from looplm.model import LoopLM, eval_mode
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
@@ -175,6 +174,3 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
                      "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
                      "out": str(folder.path)})
     return folder.summary(summary, start=start, end=fit.end, total=cfg.steps)
-
-
-__all__ = ["distill", "resolve_config", "estimate_sigma2", "student_step", "validate", "StudentMismatchError"]

@@ -139,11 +139,8 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
     if vocab != VOCAB:
         raise ValueError(f"checkpoint {ckpt}: its tokenizer is not the RL task's character vocabulary "
                          f"({len(VOCAB)} tokens); RL post-training needs a base model from `looplm rl pretrain`")
-    spec = {}
-    for folder in (ckpt, ckpt.parent.parent):
-        if (folder / "task.json").exists():
-            spec = json.loads((folder / "task.json").read_text())
-            break
+    found = next((f / "task.json" for f in (ckpt, ckpt.parent.parent) if (f / "task.json").exists()), None)
+    spec = json.loads(found.read_text()) if found else {}
     if digits is None and "digits" not in spec:
         raise ValueError(f"checkpoint {ckpt}: no task.json next to it to say the task's width; give --digits")
     name = task or spec.get("task", "addition")
@@ -340,13 +337,10 @@ def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     ax[0].plot(x, rew, alpha=0.3, label="batch mean")
     ax[0].plot(x, run, label=f"running mean ({w})")
-    ax[0].set_xlabel("update")
-    ax[0].set_ylabel("reward")
-    ax[0].set_title(f"Dr. GRPO, {results['options']['method']}")
+    ax[0].set(xlabel="update", ylabel="reward", title=f"Dr. GRPO, {results['options']['method']}")
     ax[0].legend()
     ax[1].plot(x, [r["update_s"] for r in recs], ".", ms=3)
-    ax[1].set_xlabel("update")
-    ax[1].set_ylabel("scoring + backward (s)")
+    ax[1].set(xlabel="update", ylabel="scoring + backward (s)")
     fig.tight_layout()
     path = out / "rl.png"
     fig.savefig(path, dpi=120)

@@ -16,7 +16,6 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from looplm.config import LOGGER_NAMES as LOGGERS  # every backend name; ``jsonl`` is always written
 #: backend → (module that must import, looplm extra that installs it)
 REQUIREMENTS: dict[str, tuple[str, str]] = {name: (name, name) for name in ("tensorboard", "wandb", "trackio")}
 
@@ -172,7 +171,3 @@ def open_trackers(names: Sequence[str], out: Path, config: Mapping[str, Any], *,
         Trackers(trackers).close(None)
         raise
     return Trackers(trackers)
-
-
-__all__ = ["LOGGERS", "REQUIREMENTS", "LoggerError", "Tracker", "Trackers", "check_loggers", "open_trackers",
-           "scalars"]
