@@ -171,14 +171,10 @@ def update_gradient(model, batch: ScoreBatch, method: str, *, depth: int, neuman
 
 
 def flat_grad(model) -> torch.Tensor:
-    """Every parameter's gradient (zeros where none) as one float64 vector, tied weights once."""
-    seen, parts = set(), []
-    for p in model.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double())
-    return torch.cat(parts)
+    """Every parameter's gradient (zeros where none) as one float64 vector, tied weights once (``parameters()``
+    yields a shared tensor once)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in model.parameters() if p.requires_grad])
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float | None:

@@ -79,13 +79,10 @@ class AdditionTask:
     @cached_property
     def _heldout(self) -> np.ndarray:
         """(heldout_size, 2) distinct held-out operand pairs."""
-        rng, seen, out = _rng(self.name, self.digits, self.seed, "heldout"), set(), []
-        while len(out) < self.heldout_size:
-            for a, b in self._operands(rng, self.heldout_size).tolist():
-                if (a, b) not in seen and len(out) < self.heldout_size:
-                    seen.add((a, b))
-                    out.append((a, b))
-        return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+        rng, pairs = _rng(self.name, self.digits, self.seed, "heldout"), {}  # a dict: distinct, in draw order
+        while len(pairs) < self.heldout_size:
+            pairs.update(dict.fromkeys(map(tuple, self._operands(rng, self.heldout_size).tolist())))
+        return np.asarray(list(pairs)[:self.heldout_size], dtype=np.int64).reshape(-1, 2)
 
     @cached_property
     def _heldout_set(self) -> set[tuple[int, int]]:

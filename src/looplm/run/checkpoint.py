@@ -263,9 +263,7 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
-    if is_hf_export(ckpt):
-        return hf_export_config(ckpt)
-    return Config.from_json((ckpt / CONFIG_FILE).read_text())
+    return hf_export_config(ckpt) if is_hf_export(ckpt) else Config.from_json((ckpt / CONFIG_FILE).read_text())
 
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
