@@ -64,8 +64,7 @@ def distill_loss(z_hat: torch.Tensor, z: torch.Tensor, sigma2: float, *, student
         raise ValueError("distill loss: kl_weight > 0 needs the teacher's and the student's logits")
     else:
         kl = hidden.new_zeros(())
-    loss = hidden_weight * hidden + kl_weight * kl
-    return DistillLoss(loss=loss, hidden=hidden, kl=kl)
+    return DistillLoss(loss=hidden_weight * hidden + kl_weight * kl, hidden=hidden, kl=kl)
 
 
 class VarianceAccumulator:

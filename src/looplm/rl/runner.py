@@ -295,7 +295,7 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
     n = len(recs)
     tail = recs[-max(1, n // 10):]
     med = (lambda v: statistics.median(v) if v else None)
-    res = {
+    return {
         "options": cfg.to_dict(), "source": str(source), "params": params, "updates": n,
         "before": before, "after": after,
         "update_s_median": med([r["update_s"] for r in recs]),
@@ -316,7 +316,6 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
         "state_bytes_per_position": state_bytes / positions if positions else None,
         "state_bytes_per_update_median": med([r["state_bytes"] for r in saved]),
     }
-    return res
 
 
 def plot_run(out: Path, results: dict[str, Any]) -> Path | None:

@@ -234,10 +234,9 @@ class _Run:
             set_rng_state(state["rng"])
             if state.get("depth_prior"):
                 sampler.load_state_dict(state["depth_prior"])
-        state_ = state or {}
-        guard = state_.get("nonfinite", {})
+        guard = (state or {}).get("nonfinite", {})
         return cls(cfg, folder, env, rows, data, model, wrapped, optim, sampler, state, n_params,
-                   wall_before=float(state_.get("wall_s", 0.0)), skipped=int(guard.get("skipped_steps", 0)),
+                   wall_before=float((state or {}).get("wall_s", 0.0)), skipped=int(guard.get("skipped_steps", 0)),
                    streak=int(guard.get("streak", 0)))
 
     def checkpoint(self, step: int) -> None:
