@@ -64,17 +64,14 @@ def distill_loss(z_hat: torch.Tensor, z: torch.Tensor, sigma2: float, *, student
         raise ValueError("distill loss: kl_weight > 0 needs the teacher's and the student's logits")
     else:
         kl = hidden.new_zeros(())
-    loss = hidden_weight * hidden + kl_weight * kl
-    return DistillLoss(loss=loss, hidden=hidden, kl=kl)
+    return DistillLoss(loss=hidden_weight * hidden + kl_weight * kl, hidden=hidden, kl=kl)
 
 
 class VarianceAccumulator:
     """Population variance of every entry seen (float64 sums): σ² = E[z²] − E[z]² over all entries."""
 
     def __init__(self) -> None:
-        self.n = 0
-        self.total = 0.0
-        self.total_sq = 0.0
+        self.n, self.total, self.total_sq = 0, 0.0, 0.0
 
     def add(self, z: torch.Tensor) -> None:
         z = z.detach().double()

@@ -21,8 +21,7 @@ from looplm.data.tokens import eval_windows, load_tokens, sample_batch
 from looplm.distill.config import DistillConfig, StudentRecord
 from looplm.distill.loss import VarianceAccumulator, distill_loss
 from looplm.distill.prefill import student_readout, teacher_targets
-from looplm.distill.student import (Student, StudentMismatchError, build_student, default_student_dir,
-                                    load_student, read_record, teacher_ref)  # noqa: F401 (re-exported)
+from looplm.distill.student import Student, build_student, default_student_dir, load_student, read_record, teacher_ref
 from looplm.run.finite import NonFiniteError, clean
 from looplm.model import LoopLM, eval_mode
 from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
@@ -84,10 +83,9 @@ def validate(teacher: LoopLM, student: Student, tokens: np.ndarray, cfg: Distill
             x, y = x[full].to(device), y[full].to(device)
             res, ce = student_step(teacher, student, x, cfg, sigma2, y)
             w = x.shape[0]
-            sums["hidden"] += float(res.hidden) * w
-            sums["kl"] += float(res.kl) * w
-            sums["ce_teacher"] += ce["teacher"] * w
-            sums["ce_student"] += ce["student"] * w
+            for k, v in (("hidden", float(res.hidden)), ("kl", float(res.kl)), ("ce_teacher", ce["teacher"]),
+                         ("ce_student", ce["student"])):
+                sums[k] += v * w
             n += w
     return {f"val_{k}": v / max(n, 1) for k, v in sums.items()}
 
@@ -176,6 +174,3 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
                      "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
                      "out": str(folder.path)})
     return folder.summary(summary, start=start, end=fit.end, total=cfg.steps)
-
-
-__all__ = ["distill", "resolve_config", "estimate_sigma2", "student_step", "validate", "StudentMismatchError"]

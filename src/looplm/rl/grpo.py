@@ -112,11 +112,9 @@ class ScoreBatch:
 
 def pack(rollouts: Rollouts, device: torch.device | str = "cpu") -> ScoreBatch:
     """The :class:`ScoreBatch` of ``rollouts`` (advantages from :func:`group_advantages`)."""
-    P = max(len(p) for p in rollouts.prompts)
-    n = max(len(r) for r in rollouts.responses)
+    P, n = max(map(len, rollouts.prompts)), max(map(len, rollouts.responses))
     N, L = len(rollouts.prompts), P + n - 1
-    idx = torch.zeros(N, L, dtype=torch.long)
-    mask = torch.zeros(N, L, dtype=torch.long)
+    idx, mask = torch.zeros(N, L, dtype=torch.long), torch.zeros(N, L, dtype=torch.long)
     targets = torch.full((N, L), -100, dtype=torch.long)
     states = None
     if rollouts.states is not None:
@@ -124,15 +122,14 @@ def pack(rollouts: Rollouts, device: torch.device | str = "cpu") -> ScoreBatch:
         states = torch.zeros(N, L, d, dtype=rollouts.states[0].dtype, device=rollouts.states[0].device)
     for i, (p, r) in enumerate(zip(rollouts.prompts, rollouts.responses)):
         seq = p + r[:-1]
-        idx[i, P - len(p):P - len(p) + len(seq)] = torch.tensor(seq)
-        mask[i, P - len(p):P - len(p) + len(seq)] = 1
+        cols = slice(P - len(p), P - len(p) + len(seq))  # the prompt ends at column P − 1
+        idx[i, cols], mask[i, cols] = torch.tensor(seq), 1
         targets[i, P - 1:P - 1 + len(r)] = torch.tensor(r)
         if states is not None:
-            states[i, P - len(p):P - len(p) + len(seq)] = rollouts.states[i]
+            states[i, cols] = rollouts.states[i]
     adv = group_advantages(rollouts.rewards).flatten()
-    dev = torch.device(device)
-    return ScoreBatch(idx=idx.to(dev), mask=mask.to(dev), targets=targets.to(dev),
-                      states=None if states is None else states.to(dev), advantages=adv.to(dev))
+    return ScoreBatch(idx=idx.to(device), mask=mask.to(device), targets=targets.to(device),
+                      states=None if states is None else states.to(device), advantages=adv.to(device))
 
 
 def score(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: int,
@@ -174,14 +171,10 @@ def update_gradient(model, batch: ScoreBatch, method: str, *, depth: int, neuman
 
 
 def flat_grad(model) -> torch.Tensor:
-    """Every parameter's gradient (zeros where none) as one float64 vector, tied weights once."""
-    seen, parts = set(), []
-    for p in model.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        parts.append((p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double())
-    return torch.cat(parts)
+    """Every parameter's gradient (zeros where none) as one float64 vector, tied weights once (``parameters()``
+    yields a shared tensor once)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in model.parameters() if p.requires_grad])
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float | None:

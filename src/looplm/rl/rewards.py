@@ -44,11 +44,7 @@ REWARDS: dict[str, Reward] = {"exact_match": exact_match, "numeric": numeric}
 
 
 def get_reward(name: str) -> Reward:
-    """The reward registered as ``name``.
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
+    """The reward registered as ``name``; ValueError (listing the known ones) for an unknown name."""
     if name not in REWARDS:
         raise ValueError(f"reward: unknown {name!r}; known: {', '.join(REWARDS)}")
     return REWARDS[name]

@@ -139,11 +139,8 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
     if vocab != VOCAB:
         raise ValueError(f"checkpoint {ckpt}: its tokenizer is not the RL task's character vocabulary "
                          f"({len(VOCAB)} tokens); RL post-training needs a base model from `looplm rl pretrain`")
-    spec = {}
-    for folder in (ckpt, ckpt.parent.parent):
-        if (folder / "task.json").exists():
-            spec = json.loads((folder / "task.json").read_text())
-            break
+    found = next((f / "task.json" for f in (ckpt, ckpt.parent.parent) if (f / "task.json").exists()), None)
+    spec = json.loads(found.read_text()) if found else {}
     if digits is None and "digits" not in spec:
         raise ValueError(f"checkpoint {ckpt}: no task.json next to it to say the task's width; give --digits")
     name = task or spec.get("task", "addition")
@@ -298,7 +295,7 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
     n = len(recs)
     tail = recs[-max(1, n // 10):]
     med = (lambda v: statistics.median(v) if v else None)
-    res = {
+    return {
         "options": cfg.to_dict(), "source": str(source), "params": params, "updates": n,
         "before": before, "after": after,
         "update_s_median": med([r["update_s"] for r in recs]),
@@ -319,7 +316,6 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
         "state_bytes_per_position": state_bytes / positions if positions else None,
         "state_bytes_per_update_median": med([r["state_bytes"] for r in saved]),
     }
-    return res
 
 
 def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
@@ -340,13 +336,10 @@ def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     ax[0].plot(x, rew, alpha=0.3, label="batch mean")
     ax[0].plot(x, run, label=f"running mean ({w})")
-    ax[0].set_xlabel("update")
-    ax[0].set_ylabel("reward")
-    ax[0].set_title(f"Dr. GRPO, {results['options']['method']}")
+    ax[0].set(xlabel="update", ylabel="reward", title=f"Dr. GRPO, {results['options']['method']}")
     ax[0].legend()
     ax[1].plot(x, [r["update_s"] for r in recs], ".", ms=3)
-    ax[1].set_xlabel("update")
-    ax[1].set_ylabel("scoring + backward (s)")
+    ax[1].set(xlabel="update", ylabel="scoring + backward (s)")
     fig.tight_layout()
     path = out / "rl.png"
     fig.savefig(path, dpi=120)

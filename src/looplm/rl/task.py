@@ -25,7 +25,6 @@ EOT = "<|endoftext|>"
 CHARS = "\n0123456789+="
 _VOCAB = CharVocab(CHARS, EOT)
 VOCAB: dict[str, int] = _VOCAB.vocab
-ID_TO_CHAR: dict[int, str] = _VOCAB.id_to_char
 NEWLINE_ID = VOCAB["\n"]
 encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
 
@@ -80,13 +79,10 @@ class AdditionTask:
     @cached_property
     def _heldout(self) -> np.ndarray:
         """(heldout_size, 2) distinct held-out operand pairs."""
-        rng, seen, out = _rng(self.name, self.digits, self.seed, "heldout"), set(), []
-        while len(out) < self.heldout_size:
-            for a, b in self._operands(rng, self.heldout_size).tolist():
-                if (a, b) not in seen and len(out) < self.heldout_size:
-                    seen.add((a, b))
-                    out.append((a, b))
-        return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+        rng, pairs = _rng(self.name, self.digits, self.seed, "heldout"), {}  # a dict: distinct, in draw order
+        while len(pairs) < self.heldout_size:
+            pairs.update(dict.fromkeys(map(tuple, self._operands(rng, self.heldout_size).tolist())))
+        return np.asarray(list(pairs)[:self.heldout_size], dtype=np.int64).reshape(-1, 2)
 
     @cached_property
     def _heldout_set(self) -> set[tuple[int, int]]:
@@ -123,11 +119,7 @@ TASKS = {"addition": AdditionTask}
 
 
 def build_task(name: str, **kw) -> AdditionTask:
-    """The task registered as ``name`` with its options.
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
+    """The task registered as ``name`` with its options; ValueError (listing the known ones) for an unknown name."""
     if name not in TASKS:
         raise ValueError(f"task: unknown {name!r}; known: {', '.join(TASKS)}")
     return TASKS[name](**kw)

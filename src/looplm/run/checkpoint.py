@@ -52,7 +52,8 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (its entries) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -91,17 +92,16 @@ def _commit(tmp: Path, run_dir: Path, name: str, step: int, cfg: Config, train_s
                                         for f in files}, "config": cfg.to_dict()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     for f in _files(tmp):
-        with open(tmp / f, "rb") as fh:
-            os.fsync(fh.fileno())
+        _fsync(tmp / f)
     final = ckpts / name
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(ckpts)
+    _fsync(ckpts)
     latest_tmp = run_dir / f".latest-{os.getpid()}"
     latest_tmp.write_text(name + "\n")
     os.replace(latest_tmp, run_dir / "latest")
-    _fsync_dir(run_dir)
+    _fsync(run_dir)
     for old in sorted(p for p in ckpts.iterdir() if p.name.startswith("step-"))[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -117,13 +117,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LoopLM, cfg: Config, 
     if bad:
         raise NonFiniteError(f"{run_dir}: refusing to write checkpoint step {step}: non-finite weights in "
                              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    tmp = ckpts / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = run_dir / "checkpoints" / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     _save_weights(model, tmp / MODEL_FILE)
     return _commit(tmp, run_dir, name, step, cfg, train_state, tokenizer_json, extra_files)
 
@@ -138,10 +135,8 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str
     name = f"step-{step:06d}"
     tmp = ckpts / f".tmp-{name}-sharded"  # one name for all ranks (their pids differ)
     if env.is_main:
-        ckpts.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     barrier(env)
     save_shards(state_dict, tmp / SHARDED_DIR, env)
     barrier(env)  # every rank's shards are on disk before rank 0 hashes and renames
@@ -241,12 +236,10 @@ def verify_checkpoint(ckpt: Path, *, skip: frozenset[str] = frozenset()) -> dict
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of nested dicts."""
     if not isinstance(d, dict):
         return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+    return {key: leaf for k, v in d.items() for key, leaf in _flatten(v, f"{prefix}.{k}" if prefix else str(k)).items()}
 
 
 def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
@@ -270,9 +263,7 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
-    if is_hf_export(ckpt):
-        return hf_export_config(ckpt)
-    return Config.from_json((ckpt / CONFIG_FILE).read_text())
+    return hf_export_config(ckpt) if is_hf_export(ckpt) else Config.from_json((ckpt / CONFIG_FILE).read_text())
 
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
@@ -314,26 +305,28 @@ def convert_train_state(ckpt: str | Path) -> Path:
     path = ckpt / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"{path}: missing (nothing to convert)")
-    verify_checkpoint(ckpt, skip=frozenset({STATE_FILE}))  # the file being vouched for; rerunnable
+    manifest = verify_checkpoint(ckpt, skip=frozenset({STATE_FILE}))  # the file being vouched for; rerunnable
     state = _as_data(torch.load(path, map_location="cpu", weights_only=False))
     tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
     torch.save(state, tmp)
     torch.load(tmp, map_location="cpu", weights_only=True)  # proves the new file loads as data
-    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
-    manifest["files"][STATE_FILE] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
-    mtmp = ckpt / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
-    mtmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)
-    os.replace(mtmp, ckpt / MANIFEST_FILE)
-    _fsync_dir(ckpt)
-    return path
+    return _replace_file(ckpt, manifest, STATE_FILE, tmp)
 
 
-def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Config]:
-    """``(model, config)`` of an export folder, loaded strictly, in eval mode, with the export's ``final_depth``."""
-    cfg = hf_export_config(path)
-    hf = read_hf_config(path) or {}
-    model = build_model(cfg)
+def _replace_file(ckpt: Path, manifest: dict[str, Any], name: str, tmp: Path) -> Path:
+    """Move the written ``tmp`` onto ``ckpt/name`` and record it in ``manifest``, rewritten atomically."""
+    _fsync(tmp)
+    os.replace(tmp, ckpt / name)
+    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": sha256_file(ckpt / name)}
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    with atomic_write(ckpt / MANIFEST_FILE) as fh:
+        fh.write(json.dumps(manifest, indent=2).encode())
+    _fsync(ckpt)
+    return ckpt / name
+
+
+def _load_hf_weights(path: Path, model: LoopLM, device: str | torch.device) -> None:
+    """Load an export folder's ``model*.safetensors`` into ``model`` strictly (without the export's key prefix)."""
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no model.safetensors in this Hugging Face export")
@@ -344,7 +337,7 @@ def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Con
     except Exception as exc:  # safetensors raises several types for damaged files
         raise CheckpointError(f"{path}: cannot load weights ({exc})") from exc
     state = {k[len(WEIGHTS_PREFIX):] if k.startswith(WEIGHTS_PREFIX) else k: v for k, v in state.items()}
-    if cfg.model.tie_embeddings and "lm_head.weight" not in state and "tok_emb.weight" in state:
+    if model.cfg.tie_embeddings and "lm_head.weight" not in state and "tok_emb.weight" in state:
         state["lm_head.weight"] = state["tok_emb.weight"]  # save_pretrained drops the tied copy
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -352,13 +345,6 @@ def _load_hf_export(path: Path, device: str | torch.device) -> tuple[LoopLM, Con
         raise CheckpointError(f"{path}: weights do not match the model of config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.load_state_dict(state, strict=True)
-    bad = nonfinite_tensors(model.state_dict().items())
-    if bad:
-        raise NonFiniteError(f"{path}: the weights hold NaN/inf values (in {', '.join(bad[:5])})")
-    model.to(device)
-    model.final_depth = hf.get("final_depth", cfg.depth.nominal_depth())
-    model.eval()
-    return model, cfg
 
 
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
@@ -376,30 +362,34 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
     ckpt = resolve_checkpoint(path)
-    if not with_state and not (ckpt / MANIFEST_FILE).exists() and is_hf_export(ckpt):
-        model, cfg = _load_hf_export(ckpt, device)  # a Hugging Face export (`looplm export`): no transformers
-        return model, cfg, None, ckpt
-    if not (ckpt / MANIFEST_FILE).exists() and not with_state and (ckpt / CONFIG_FILE).exists() \
-            and (ckpt / MODEL_FILE).exists():
-        manifest = {"files": {MODEL_FILE: {}}}  # a plain export: config.json + model.safetensors (+ tokenizer)
-    else:  # inference does not need the training state
-        manifest = verify_checkpoint(ckpt, skip=frozenset() if with_state else frozenset({STATE_FILE}))
-    cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
-    model = build_model(cfg)
-    if MODEL_FILE not in manifest["files"] and is_sharded(ckpt):
-        _load_sharded_model(ckpt, model)
+    bare = not with_state and not (ckpt / MANIFEST_FILE).exists()
+    hf = read_hf_config(ckpt) if bare and is_hf_export(ckpt) else None
+    if hf is not None:  # a Hugging Face export (`looplm export`): no transformers
+        cfg = hf_export_config(ckpt)
+        model = build_model(cfg)
+        _load_hf_weights(ckpt, model, device)
     else:
-        try:
-            load_model(model, str(ckpt / MODEL_FILE), strict=True, device=str(device))
-        except Exception as exc:  # safetensors raises several types for damaged files
-            raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
+        if bare and (ckpt / CONFIG_FILE).exists() and (ckpt / MODEL_FILE).exists():
+            files = {MODEL_FILE}  # a plain export: config.json + model.safetensors (+ tokenizer)
+        else:  # inference does not need the training state
+            files = verify_checkpoint(ckpt, skip=frozenset() if with_state else frozenset({STATE_FILE}))["files"]
+        cfg = Config.from_json((ckpt / CONFIG_FILE).read_text())
+        model = build_model(cfg)
+        if MODEL_FILE not in files and is_sharded(ckpt):
+            _load_sharded_model(ckpt, model)
+        else:
+            try:
+                load_model(model, str(ckpt / MODEL_FILE), strict=True, device=str(device))
+            except Exception as exc:  # safetensors raises several types for damaged files
+                raise CheckpointError(f"{ckpt / MODEL_FILE}: cannot load weights ({exc})") from exc
     bad = nonfinite_tensors(model.state_dict().items())
     if bad:  # evaluating, generating or resuming from it would only propagate NaN
         raise NonFiniteError(f"{ckpt}: the weights hold NaN/inf values (in {', '.join(bad[:5])}"
                              f"{', ...' if len(bad) > 5 else ''}): the run diverged before this checkpoint was "
                              "written; use an earlier checkpoint")
     model.to(device)
-    model.final_depth = cfg.depth.nominal_depth()  # where a final_only_norm readout normalizes
+    # where a final_only_norm readout normalizes: the nominal training depth, or the export's
+    model.final_depth = (hf or {}).get("final_depth", cfg.depth.nominal_depth())
     model.eval()  # inference by default (dropout off); the trainer switches to train mode
     state = load_train_state(ckpt) if with_state else None
     return model, cfg, state, ckpt
@@ -410,43 +400,31 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     a no-op when it has one. Returns its path."""
     ckpt = resolve_checkpoint(path)
     manifest = verify_checkpoint(ckpt)
-    target = ckpt / MODEL_FILE
     if MODEL_FILE in manifest["files"]:
-        return target
+        return ckpt / MODEL_FILE
     if not is_sharded(ckpt):
         raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
     model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()))
     _load_sharded_model(ckpt, model)
     tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
     _save_weights(model, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    manifest["files"][MODEL_FILE] = {"bytes": target.stat().st_size, "sha256": sha256_file(target)}
-    manifest["files"] = dict(sorted(manifest["files"].items()))
-    with atomic_write(ckpt / MANIFEST_FILE) as fh:
-        fh.write(json.dumps(manifest, indent=2).encode())
-    _fsync_dir(ckpt)
-    return target
+    return _replace_file(ckpt, manifest, MODEL_FILE, tmp)
+
+
+def _problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` fails :func:`verify_checkpoint`, or None."""
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def newest_valid_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest checkpoint of a run that passes :func:`verify_checkpoint` (None if none does)."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        try:
-            verify_checkpoint(ckpt)
-            return ckpt
-        except CheckpointError:
-            continue
-    return None
+    return next((c for c in reversed(list_checkpoints(run_dir)) if _problem(c) is None), None)
 
 
 def checkpoint_problems(run_dir: str | Path) -> list[tuple[Path, str]]:
     """(checkpoint, reason) for every checkpoint of a run that fails :func:`verify_checkpoint`."""
-    problems = []
-    for ckpt in list_checkpoints(run_dir):
-        try:
-            verify_checkpoint(ckpt)
-        except CheckpointError as exc:
-            problems.append((ckpt, str(exc)))
-    return problems
+    return [(c, p) for c in list_checkpoints(run_dir) if (p := _problem(c)) is not None]

@@ -121,12 +121,10 @@ def unsharded(model: nn.Module) -> Iterator[None]:
 
 
 def mean_across_ranks(value: float, env: DistEnv) -> float:
-    """Average a Python float over ranks (for logging)."""
+    """Average a Python float over ranks (float64 sum; for logging)."""
     if not env.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=env.device if env.device.type == "cuda" else "cpu")
-    dist.all_reduce(t)
-    return float(t.item()) / env.world_size
+    return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64), env)) / env.world_size
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -65,9 +65,5 @@ def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
     """Names of the floating tensors (a DTensor: its local shard) in ``(name, tensor)`` pairs holding NaN/inf."""
     import torch
 
-    bad = []
-    for name, t in named:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
-            bad.append(name)
-    return bad
+    local = ((name, t.to_local() if hasattr(t, "to_local") else t) for name, t in named)
+    return [name for name, t in local if torch.is_floating_point(t) and not bool(torch.isfinite(t).all())]

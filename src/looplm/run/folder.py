@@ -70,12 +70,8 @@ class RunFolder:
 
     @contextlib.contextmanager
     def locked(self, *, hold: bool = True) -> Iterator["RunFolder"]:
-        """Hold the folder's lock for the block (``hold=False``: another process holds it for this one, rank 0
-        under torchrun). A block that fails before writing anything into the folder leaves no trace of it.
-
-        Raises:
-            RunLockedError: another process holds the lock.
-        """
+        """Hold the folder's lock for the block (RunLockedError if another process does; ``hold=False``: rank 0
+        holds it for this process under torchrun). A block that fails before writing anything leaves no trace."""
         existed = self.path.exists()
         empty = not existed or not any(self.path.iterdir())
         lock = RunLock(self.path).acquire() if hold else None
@@ -94,30 +90,19 @@ class RunFolder:
     @contextlib.contextmanager
     def start(self, *, resume: bool, what: str = "a run", hold: bool = True) -> Iterator[Path | None]:
         """:meth:`locked` for the block, yielding the checkpoint to resume from (:meth:`resume_checkpoint`), or
-        None for a fresh run (:meth:`check_fresh`: refused where checkpoints are).
-
-        Raises:
-            RunLockedError, CheckpointError, ValueError: as those methods.
-        """
+        None for a fresh run (:meth:`check_fresh`); raises as those methods."""
         with self.locked(hold=hold):
             yield self.resume_checkpoint() if resume else self.check_fresh(what)
 
     def check_fresh(self, what: str = "a run") -> None:
-        """Refuse to start a new run where checkpoints are.
-
-        Raises:
-            ValueError: the folder holds checkpoints.
-        """
+        """ValueError: a new run where checkpoints are."""
         if list_checkpoints(self.path):
             raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose another "
                              "--out")
 
     def resume_checkpoint(self) -> Path:
-        """The newest checkpoint that passes verification; newer damaged ones are skipped with a warning.
-
-        Raises:
-            CheckpointError: no valid checkpoint (the message gives each one's reason).
-        """
+        """The newest checkpoint that passes verification, newer damaged ones skipped with a warning;
+        CheckpointError (each one's reason) when none does."""
         problems = dict(checkpoint_problems(self.path))
         valid = [c for c in list_checkpoints(self.path) if c not in problems]
         if not valid:

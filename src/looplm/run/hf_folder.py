@@ -6,7 +6,6 @@ remote code (:mod:`looplm.hf.remote`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -34,12 +33,12 @@ def is_hf_export(path: str | Path) -> bool:
 
 def hf_export_config(path: str | Path) -> Config:
     """The looplm Config of an export, ``train.eval_depth`` = its ``num_steps`` (transformers' default depth)."""
-    d = read_hf_config(Path(path))
+    d = read_hf_config(path)
     if d is None or not isinstance(d.get(CONFIG_KEY), dict):
         raise ValueError(f"{path}: not a looplm Hugging Face export (config.json without a '{CONFIG_KEY}' entry)")
     cfg = Config.from_dict(d[CONFIG_KEY])
     if d.get("num_steps") is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_depth=int(d["num_steps"])))
+        cfg = cfg.replace(train=cfg.train.replace(eval_depth=int(d["num_steps"])))
     return cfg
 
 

@@ -16,13 +16,8 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from looplm.config import LOGGER_NAMES as LOGGERS  # every backend name; ``jsonl`` is always written
 #: backend → (module that must import, looplm extra that installs it)
-REQUIREMENTS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "trackio": ("trackio", "trackio"),
-}
+REQUIREMENTS: dict[str, tuple[str, str]] = {name: (name, name) for name in ("tensorboard", "wandb", "trackio")}
 
 
 class LoggerError(ValueError):
@@ -69,7 +64,7 @@ class Tracker:
 
 
 class TensorBoardTracker(Tracker):
-    def __init__(self, out: Path, config: Mapping[str, Any], start_step: int) -> None:
+    def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = out / "tensorboard"
@@ -90,7 +85,7 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    def __init__(self, out: Path, config: Mapping[str, Any], name: str, resume: bool) -> None:
+    def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         import wandb
 
         root = out / "wandb"
@@ -117,7 +112,7 @@ class WandbTracker(Tracker):
 
 
 class TrackioTracker(Tracker):
-    def __init__(self, config: Mapping[str, Any], name: str) -> None:
+    def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         import trackio
 
         self.trackio = trackio
@@ -136,6 +131,11 @@ class TrackioTracker(Tracker):
             if values:
                 self.run.log(values, step=self.step)
         self.run.finish()
+
+
+#: backend → its tracker, built as ``Tracker(out, config, name, start_step, resume)``
+TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
+                                      "trackio": TrackioTracker}
 
 
 class Trackers:
@@ -165,18 +165,9 @@ def open_trackers(names: Sequence[str], out: Path, config: Mapping[str, Any], *,
     out = Path(out)
     trackers: list[Tracker] = []
     try:
-        for backend in names:
-            if backend == "tensorboard":
-                trackers.append(TensorBoardTracker(out, config, start_step))
-            elif backend == "wandb":
-                trackers.append(WandbTracker(out, config, name, resume))
-            elif backend == "trackio":
-                trackers.append(TrackioTracker(config, name))
+        for backend in filter(TRACKERS.__contains__, names):  # appended one by one: a failure closes the rest
+            trackers.append(TRACKERS[backend](out, config, name, start_step, resume))
     except BaseException:
         Trackers(trackers).close(None)
         raise
     return Trackers(trackers)
-
-
-__all__ = ["LOGGERS", "REQUIREMENTS", "LoggerError", "Tracker", "Trackers", "check_loggers", "open_trackers",
-           "scalars"]

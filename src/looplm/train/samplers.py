@@ -29,15 +29,12 @@ def _draw_categorical(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class DepthSampler:
-    """Base class: ``sample(seed, step, micro) -> T`` and the largest depth it can return."""
+    """Base class: ``sample(seed, step, micro) -> T`` and ``max_depth``, the largest T it can return."""
 
     name = ""
+    max_depth: int
 
     def sample(self, seed: int, step: int, micro: int = 0) -> int:
-        raise NotImplementedError
-
-    @property
-    def max_depth(self) -> int:
         raise NotImplementedError
 
     def observe(self, depth: int, ce: float, n_tokens: int) -> None:
@@ -61,13 +58,9 @@ class FixedDepth(DepthSampler):
 
     def __init__(self, depth: int):
         FixedDepthConfig(depth=depth)  # raises naming the bad depth.* field
-        self.depth = depth
+        self.depth = self.max_depth = depth
 
     def sample(self, seed, step, micro=0):
-        return self.depth
-
-    @property
-    def max_depth(self):
         return self.depth
 
 
@@ -78,14 +71,10 @@ class UniformDepth(DepthSampler):
 
     def __init__(self, lo: int, hi: int):
         UniformDepthConfig(lo=lo, hi=hi)
-        self.lo, self.hi = lo, hi
+        self.lo, self.hi, self.max_depth = lo, hi, hi
 
     def sample(self, seed, step, micro=0):
         return int(_rng(seed, step, micro, "depth").integers(self.lo, self.hi + 1))
-
-    @property
-    def max_depth(self):
-        return self.hi
 
 
 def _normal_nodes(sigma: float, cap: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,16 +112,14 @@ class PoissonLogNormalDepth(DepthSampler):
         if not 1 < mean < cap:
             raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cap}, got {mean}")
         self.mean, self.sigma, self.cap = float(mean), float(sigma), int(cap)
+        self.max_depth = self.cap
         self.mu = self._solve_mu()
         self._pmf = pln_pmf(self.mu, self.sigma, self.cap)
-
-    def _capped_mean(self, mu: float) -> float:
-        return float(np.arange(1, self.cap + 1) @ pln_pmf(mu, self.sigma, self.cap))
 
     def _solve_mu(self) -> float:
         # E[min(R, cap)] rises monotonically in μ from 1 (μ → −∞) to cap (μ → +∞).
         lo, hi = -40.0, np.log(self.cap) + 10.0 + 10.0 * self.sigma
-        f = lambda mu: self._capped_mean(mu) - self.mean  # noqa: E731
+        f = lambda mu: float(np.arange(1, self.cap + 1) @ pln_pmf(mu, self.sigma, self.cap)) - self.mean  # noqa: E731
         if f(lo) > 0 or f(hi) < 0:
             raise ValueError(f"depth.mean: cannot reach capped mean {self.mean} with "
                              f"σ={self.sigma}, cap={self.cap}")
@@ -146,10 +133,6 @@ class PoissonLogNormalDepth(DepthSampler):
         rng = _rng(seed, step, micro, "depth")
         xi = rng.normal(self.mu, self.sigma)
         return int(min(rng.poisson(np.exp(xi)) + 1, self.cap))
-
-    @property
-    def max_depth(self):
-        return self.cap
 
 
 # Reward arms u = ω(CE) of the learned prior (SPEC §5; LMDR App. B.3 "Alternative prior signals").
@@ -189,7 +172,8 @@ class LearnedDepthPrior(DepthSampler):
                                      scale_window=scale_window, init=list(init or [])).init
         pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()
         init = np.asarray(weights, dtype=np.float64) / sum(weights) if weights else pln
-        self.r_max, self.budget_mean = int(r_max), float(budget_mean)
+        self.r_max = self.max_depth = int(r_max)
+        self.budget_mean = float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
         self.warmup, self.reward, self.baseline_decay = int(warmup), reward, float(baseline_decay)
         self.logits = torch.nn.Parameter(torch.from_numpy(np.log(init)))  # (R_max,) float64
@@ -226,10 +210,6 @@ class LearnedDepthPrior(DepthSampler):
 
     def sample(self, seed, step, micro=0):
         return _draw_categorical(self._probs, _rng(seed, step, micro, "depth"))
-
-    @property
-    def max_depth(self):
-        return self.r_max
 
     # --- learning ---------------------------------------------------------------------------------
 

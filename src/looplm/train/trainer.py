@@ -187,6 +187,7 @@ class _Run:
     sampler: Any
     state: dict | None
     n_params: int
+    wall_before: float = 0.0  # seconds of training before this invocation (train_state's wall_s)
     skipped: int = 0
     streak: int = 0
     t_start: float = 0.0
@@ -233,9 +234,10 @@ class _Run:
             set_rng_state(state["rng"])
             if state.get("depth_prior"):
                 sampler.load_state_dict(state["depth_prior"])
-        guard = state.get("nonfinite", {}) if state is not None else {}
+        guard = (state or {}).get("nonfinite", {})
         return cls(cfg, folder, env, rows, data, model, wrapped, optim, sampler, state, n_params,
-                   skipped=int(guard.get("skipped_steps", 0)), streak=int(guard.get("streak", 0)))
+                   wall_before=float((state or {}).get("wall_s", 0.0)), skipped=int(guard.get("skipped_steps", 0)),
+                   streak=int(guard.get("streak", 0)))
 
     def checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` (consolidated on rank 0, or sharded); never from non-finite weights."""
@@ -246,11 +248,10 @@ class _Run:
             raise NonFiniteError(f"step {step}: refusing to write a checkpoint: non-finite weights"
                                  f"{' in ' + ', '.join(bad[:5]) if bad else ' on another rank'}; the newest "
                                  f"checkpoint under {out / 'checkpoints'} is left as it was")
-        wall_before = float(self.state.get("wall_s", 0.0)) if self.state is not None else 0.0
         train_state = run_state(step, cfg.train.seed, scheduler=self.optim.sched.state_dict(),
                                 world_size=env.world_size, depth_prior=self.sampler.state_dict(),
                                 nonfinite={"skipped_steps": self.skipped, "streak": self.streak},
-                                wall_s=wall_before + time.time() - self.t_start)
+                                wall_s=self.wall_before + time.time() - self.t_start)
         if cfg.train.checkpoint_format == "sharded":
             model_sd, opt_sd = sharded_state(wrapped, self.optim.opt)
             save_sharded_checkpoint(out, step, {"model": model_sd, "optimizer": opt_sd}, cfg, env,
@@ -280,12 +281,11 @@ class _Run:
             if device.type == "cuda":  # page-locked host memory makes the copy asynchronous
                 x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            sync = contextlib.nullcontext()
-            if micro < tcfg.grad_accum - 1 and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                sync = wrapped.no_sync()
-            with sync, autocast_context(device, tcfg.dtype):
-                res = training_loss(wrapped, x, y, T, tcfg)
-            with sync:
+            ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+            # one block: no_sync() is a generator context manager, which can be entered once
+            with wrapped.no_sync() if ddp and micro < tcfg.grad_accum - 1 else contextlib.nullcontext():
+                with autocast_context(device, tcfg.dtype):
+                    res = training_loss(wrapped, x, y, T, tcfg)
                 (res.loss / tcfg.grad_accum).backward()
             loss_sum += res.ce
             observed.append((T, res.ce, res.n_tokens))  # fed to the depth prior only if the step is kept
@@ -337,9 +337,8 @@ class _Run:
                 if self.streak >= tcfg.max_nonfinite_steps:
                     self._diverged(last)
         wall = time.time() - self.t_start
-        wall_before = float(self.state.get("wall_s", 0.0)) if self.state is not None else 0.0
         summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": fit.end, "skipped_steps": self.skipped,
-                   "params": self.n_params, "world_size": env.world_size, "wall_s": wall_before + wall,
+                   "params": self.n_params, "world_size": env.world_size, "wall_s": self.wall_before + wall,
                    "train_tokens_per_s": tokens / wall if wall > 0 else 0.0,
                    "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
         # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
