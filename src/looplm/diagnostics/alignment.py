@@ -155,6 +155,3 @@ def merge_alignment(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"kappa_hat": max(kappas) if kappas else None, "depth": records[0]["depth"],
             "loss": records[0]["loss"], "batches": len(records),
             "kappa_hat_batch_max": max(batch) if batch else None, "per_sublayer": per}
-
-
-__all__ = ["kappa_hat", "core_sublayers", "visit_gradients", "visit_alignment", "merge_alignment"]

@@ -15,6 +15,7 @@ from looplm.model import LoopLM, eval_mode
 from looplm.model.recurrence import LoopContext
 
 RATIO_FLOOR = 1e-12  # the numerical floor of eq. 9
+DTYPES = {"float64": torch.float64, "float32": torch.float32}  # the diagnostics' computation dtypes
 
 
 def energy(x: torch.Tensor) -> float:

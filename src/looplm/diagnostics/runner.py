@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from looplm.diagnostics.alignment import LOSSES, merge_alignment, visit_alignment
 from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
-from looplm.diagnostics.forcing import along_trajectory, check_shared, forcing_record
+from looplm.diagnostics.forcing import DTYPES, along_trajectory, check_shared, forcing_record
 from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
 from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
@@ -25,9 +25,6 @@ from looplm.data.paths import atomic_write
 from looplm.run.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
 
 def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
     """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min`` minned,
@@ -161,6 +158,11 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     return result
 
 
+def check_batches(batches: int, batch_size: int) -> None:
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+
+
 def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batch_size: int, batches: int,
                  device: str = "cpu"):
     """``(model, cfg, ckpt_dir, data_cfg, windows)``: a shared checkpoint (ValueError naming ``what``) and the
@@ -199,14 +201,10 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         scale_loops: K of the scale diagnostic and R of the visit alignment (default: the nominal training depth)
         convergence_tau: threshold τ of token convergence
     """
-    if batches < 1 or batch_size < 1:
-        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+    check_batches(batches, batch_size)
     steps = (0, depth - 1) if steps is None else steps
     _check_args(sorted(steps), depth, DOSE_GAINS, N_DIRECTIONS, FD_EPS)
-    if scale_loops is not None:
-        _check_scale_args(scale_loops, convergence_tau, "terminal")
-    elif convergence_tau <= 0:
-        raise ValueError(f"convergence_tau: need a threshold > 0, got {convergence_tau}")
+    _check_scale_args(1 if scale_loops is None else scale_loops, convergence_tau, "terminal")
     model, cfg, ckpt, data_cfg, xs = load_windows(checkpoint, "looplm diagnose", dataset=dataset, split=split,
                                                   batch_size=batch_size, batches=batches, device=device)
     label = f"{cfg.name} ({cfg.model.rule})"
