@@ -70,5 +70,4 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     """:func:`forcing_record` at loop steps ``steps`` of one unroll of ``idx`` (B, L), dropout off."""
     check_shared(model, "forcing bias", steps)
     with eval_mode(model):
-        records = along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))
-    return records
+        return along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))

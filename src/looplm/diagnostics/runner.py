@@ -222,13 +222,13 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         out.mkdir(parents=True, exist_ok=True)
         md = out / f"{stem}.md"
         md.write_text(result["markdown"] + "\n")
-        files = {"markdown": str(md),
-                 "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
-                 "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
-                                                          train_depth=cfg.depth.nominal_depth())),
-                 "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
-                 "json": str(out / f"{stem}.json")}
-        result["files"] = files
+        result["files"] = {
+            "markdown": str(md),
+            "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
+            "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
+                                                     train_depth=cfg.depth.nominal_depth())),
+            "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
+            "json": str(out / f"{stem}.json")}
         with atomic_write(out / f"{stem}.json") as fh:
             fh.write(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2,
                                 default=float).encode())

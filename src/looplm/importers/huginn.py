@@ -74,8 +74,6 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     if not 1 <= seq_len <= block_size:
         raise ImporterError(f"--seq-len {seq_len}: must be in 1..block_size = {block_size} (Huginn's RoPE table "
                             "covers positions < block_size)")
-    if initial_state not in INITIAL_STATES:
-        raise ImporterError(f"--initial-state: got {initial_state!r}; allowed: {', '.join(INITIAL_STATES)}")
     qk_bias = r.require("qk_bias", [True, False])
     # read by the training code only, or (injection_type, state_init) never by the minimal modeling file
     r.ignore("vocab_size", "padding_multiple", "effective_expected_depth", "mean_backprop_depth", "sampling_scheme",
