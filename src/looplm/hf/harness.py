@@ -11,6 +11,7 @@ command line with it). Methods, and how its numbers differ from ``looplm eval``'
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -55,11 +56,10 @@ class LoopLMEvalHarness(TemplateLM):
                  tokenizer=None, **kwargs: Any):
         super().__init__()
         from looplm.data.tokenizer import eot_id
+        from looplm.run.hf_folder import export_kv_cache
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # the harness's command line defaults to cuda; a user who asked for it gets the warning
-            import logging
-
             logging.getLogger(__name__).warning("looplm: device=%s but no CUDA device is available; using cpu", device)
             device = "cpu"
         if model is None:
@@ -85,8 +85,6 @@ class LoopLMEvalHarness(TemplateLM):
         self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
         self.depths = sorted(set(listed) | {self.depth})
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        from looplm.run.hf_folder import export_kv_cache
-
         self.kv_cache = kv_cache or (checkpoint is not None and export_kv_cache(checkpoint)) or "per_visit"
         self.stride = None if stride in (None, "", "none") else int(stride)
         try:
@@ -112,10 +110,8 @@ class LoopLMEvalHarness(TemplateLM):
         return self.tok.decode(list(tokens), skip_special_tokens=False)
 
     def get_model_info(self) -> dict[str, Any]:
-        cfg = self.config
         return {"model": MODEL_NAME, "checkpoint": self.checkpoint, "depth": self.depth, "depths": self.depths,
-                "rule": None if cfg is None else cfg.model.rule,
-                "params": self.model.num_params()}
+                "rule": None if self.config is None else self.config.model.rule, "params": self.model.num_params()}
 
     def set_depth(self, depth: int) -> None:
         """Make ``depth`` the depth whose answers are returned (it must be one of ``depths``)."""

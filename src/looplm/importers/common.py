@@ -300,6 +300,16 @@ def fill(model: torch.nn.Module, source: Source, entries: Sequence[Entry], *, pr
             h.__exit__(None, None, None)
 
 
+def imported_config(model_cfg, depth: int, name: str):
+    """The looplm :class:`~looplm.config.Config` of an imported ``model_cfg``: fixed depth ``depth`` (also the
+    eval depth), a BPE data section sized to its vocabulary."""
+    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
+
+    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model_cfg.vocab_size))
+    return Config(model=model_cfg, data=data, depth=FixedDepthConfig(depth=depth), train=TrainConfig(eval_depth=depth),
+                  name=name)
+
+
 def empty_model(model_cfg, dtype: torch.dtype) -> torch.nn.Module:
     """The looplm model of ``model_cfg`` with uninitialized weights in ``dtype`` (built on the meta device,
     so a multi-billion-parameter model costs no initialization time or second copy); eval mode."""
