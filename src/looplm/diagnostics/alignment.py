@@ -101,9 +101,8 @@ def visit_gradients(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, dep
     rec = _VisitRecorder(modules)
     try:
         with torch.enable_grad():
-            value = _loss(model, idx, targets, depth, loss)
-            weights = [m.weight for m in modules.values()]
-            torch.autograd.grad(value, weights, allow_unused=True)
+            torch.autograd.grad(_loss(model, idx, targets, depth, loss), [m.weight for m in modules.values()],
+                                allow_unused=True)
     finally:
         rec.close()
     out: dict[str, dict[str, Any]] = {}

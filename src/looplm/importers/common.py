@@ -301,8 +301,7 @@ def fill(model: torch.nn.Module, source: Source, entries: Sequence[Entry], *, pr
 
 
 def imported_config(model_cfg, depth: int, name: str):
-    """The looplm :class:`~looplm.config.Config` of an imported ``model_cfg``: fixed depth ``depth`` (also the
-    eval depth), a BPE data section sized to its vocabulary."""
+    """The looplm Config of an imported ``model_cfg``: fixed (and eval) depth ``depth``, BPE data of its vocabulary."""
     from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
 
     data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model_cfg.vocab_size))
