@@ -64,8 +64,7 @@ def load_split_documents(cfg: DataConfig, split: str, data_root: Path) -> list[s
 
 def load_split_text(cfg: DataConfig, split: str, data_root: Path) -> str:
     """The documents of ``split`` joined with the corpus's separator (LF line endings)."""
-    corpus = get_corpus(cfg.dataset)
-    return corpus.separator.join(load_split_documents(cfg, split, data_root))
+    return get_corpus(cfg.dataset).separator.join(load_split_documents(cfg, split, data_root))
 
 
 def source_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
