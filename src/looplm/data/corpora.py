@@ -386,9 +386,10 @@ def _hf_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
     if local is None:  # the hub id names the data (a dataset changed on the hub is not detected)
         return f"hf:{split}:hub:{cfg.hf_path}|{cfg.hf_name}|{what}"
     builder, files = _hf_local_files(local)
-    # a file: its content; a folder: also the file names (they name the splits)
-    content = file_sha256(local) if local.is_file() else ",".join(f"{p.relative_to(local)}={file_sha256(p)}"
-                                                                  for p in files)
+    if local.is_file():  # its content; a folder: also the file names (they name the splits)
+        content = file_sha256(local)
+    else:
+        content = ",".join(f"{p.relative_to(local)}={file_sha256(p)}" for p in files)
     return f"hf:{split}:local:{builder}:{content}|{what}"
 
 

@@ -26,6 +26,7 @@ from looplm.run.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout
 
+
 def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
     """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min`` minned,
     lists averaged elementwise, None ignored."""
