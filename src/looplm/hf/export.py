@@ -43,8 +43,7 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
     fast.save_pretrained(str(out))
     (Path(out) / "tokenizer.json").write_text(tok.to_str())  # exactly the checkpoint's tokenizer
     path = Path(out) / "tokenizer_config.json"
-    d = json.loads(path.read_text())
-    d["tokenizer_class"] = TOKENIZER_CLASS
+    d = {**json.loads(path.read_text()), "tokenizer_class": TOKENIZER_CLASS}
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

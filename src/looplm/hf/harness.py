@@ -388,9 +388,8 @@ def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = 
 def wikitext_documents(text: str) -> list[str]:
     """Split a raw WikiText file into articles: a new one starts at each top-level heading line
     (`` = Title = ``, not `` = = Section = = ``)."""
-    lines = text.splitlines(keepends=True)
     docs: list[list[str]] = []
-    for i, line in enumerate(lines):
+    for line in text.splitlines(keepends=True):
         s = line.strip()
         top = s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
         if top or not docs:
