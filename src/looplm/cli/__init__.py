@@ -45,13 +45,9 @@ class Cmd:
     extra: str | None = None
 
 
-def _rl_choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
-    return lambda: tuple(getattr(importlib.import_module(module), name))
-
-
 _C = "looplm.cli.commands:"
 _TASK = Opt(type=str, choices=("addition",), help="the task")
-_RL = {"task": _TASK, "reward": Opt(choices=_rl_choices("looplm.rl.rewards", "REWARDS")),
+_RL = {"task": _TASK, "reward": Opt(choices=lambda: tuple(importlib.import_module("looplm.rl.rewards").REWARDS)),
        "digits": Opt(help="the task's operand width D (default: the starting checkpoint's task.json)")}
 _IMPORT = {"src": Opt(positional=True, metavar="SRC", help="the downloaded Hugging Face folder"),
            "out": Opt(metavar="DIR", help="run folder to write; must not hold a checkpoint")}

@@ -44,17 +44,6 @@ class Corpus:
     separator: str  # joins documents back into the split's text
 
 
-CORPORA: dict[str, Corpus] = {}
-
-
-def register_corpus(corpus: Corpus) -> Corpus:
-    """Add ``corpus`` to the registry under ``corpus.name`` (a ValueError if the name is taken)."""
-    if corpus.name in CORPORA:
-        raise ValueError(f"corpus {corpus.name!r} is already registered")
-    CORPORA[corpus.name] = corpus
-    return corpus
-
-
 def get_corpus(name: str) -> Corpus:
     """The registered corpus called ``name``; ValueError listing the known names otherwise."""
     if name not in CORPORA:
@@ -75,8 +64,7 @@ def load_split_documents(cfg: DataConfig, split: str, data_root: Path) -> list[s
 
 def load_split_text(cfg: DataConfig, split: str, data_root: Path) -> str:
     """The documents of ``split`` joined with the corpus's separator (LF line endings)."""
-    corpus = get_corpus(cfg.dataset)
-    return corpus.separator.join(load_split_documents(cfg, split, data_root))
+    return get_corpus(cfg.dataset).separator.join(load_split_documents(cfg, split, data_root))
 
 
 def source_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
@@ -122,14 +110,12 @@ def brown_documents(path: Path) -> list[str]:
     500 documents, 57,340 sentences in the shared copy."""
     docs: list[str] = []
     sentences: list[str] = []
-    for line in read_text_lf(path).split("\n"):
+    for line in [*read_text_lf(path).split("\n"), ""]:  # "": the last document ends too
         if line.strip():
             sentences.append(line)
         elif sentences:
             docs.append("\n".join(sentences))
             sentences = []
-    if sentences:
-        docs.append("\n".join(sentences))
     return docs
 
 
@@ -157,9 +143,6 @@ def _brown_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
 
 def _brown_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
     return f"brown:{split}:{_BROWN_SPLIT_VERSION}:{file_sha256(_brown_path(data_root))}"
-
-
-register_corpus(Corpus("brown", _brown_docs, _brown_fingerprint, "\n\n"))
 
 
 # --- wikitext ---------------------------------------------------------------------------------
@@ -216,10 +199,6 @@ def _wikitext(dirname: str, hub_config: str) -> tuple[Callable, Callable]:
     return documents, fingerprint
 
 
-register_corpus(Corpus("wikitext2", *_wikitext("wikitext-2-raw", "wikitext-2-raw-v1"), ""))
-register_corpus(Corpus("wikitext103", *_wikitext("wikitext-103-raw", "wikitext-103-raw-v1"), ""))
-
-
 # --- text (local files) -----------------------------------------------------------------------
 
 
@@ -239,9 +218,6 @@ def _text_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
 
 def _text_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
     return f"text:{split}:{file_sha256(_text_path(cfg, split))}"
-
-
-register_corpus(Corpus("text", _text_docs, _text_fingerprint, ""))
 
 
 # --- hub-only corpora (openwebtext, c4) -------------------------------------------------------
@@ -307,8 +283,6 @@ C4_SLICES = {
     "valid": HubSlice("allenai/c4", "en", "validation", 0, 4_096),
     "test": HubSlice("allenai/c4", "en", "validation", 4_096, 8_192),
 }
-register_corpus(_hub_corpus("openwebtext", OPENWEBTEXT_SLICES))
-register_corpus(_hub_corpus("c4", C4_SLICES))
 
 
 # --- hf (any Hugging Face dataset, or local json/jsonl/parquet/text files) ---------------------
@@ -396,12 +370,11 @@ def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
     if not _hub_available():
         raise FileNotFoundError("dataset 'hf' is read with the `datasets` package, which is not installed; "
                                 "pip install \"looplm[hub]\"")
-    if _hf_local(cfg) is not None:
-        return _hf_rows(cfg, split)
     try:
         return _hf_rows(cfg, split)
     except Exception as e:  # offline, unknown id, auth …: all end in the same advice
-        if isinstance(e, ValueError) and "data." in str(e):  # our own messages (a split or column it lacks)
+        # but local data, and our own messages (a split or column it lacks), raise as they are
+        if _hf_local(cfg) is not None or isinstance(e, ValueError) and "data." in str(e):
             raise
         raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
 
@@ -420,4 +393,12 @@ def _hf_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
     return f"hf:{split}:local:{builder}:{content}|{what}"
 
 
-register_corpus(Corpus("hf", _hf_docs, _hf_fingerprint, "\n\n"))
+#: the registry: name → :class:`Corpus` (the names are the ``DataConfig.dataset`` Literal, tested)
+CORPORA: dict[str, Corpus] = {c.name: c for c in (
+    Corpus("brown", _brown_docs, _brown_fingerprint, "\n\n"),
+    Corpus("wikitext2", *_wikitext("wikitext-2-raw", "wikitext-2-raw-v1"), ""),
+    Corpus("wikitext103", *_wikitext("wikitext-103-raw", "wikitext-103-raw-v1"), ""),
+    Corpus("text", _text_docs, _text_fingerprint, ""),
+    _hub_corpus("openwebtext", OPENWEBTEXT_SLICES),
+    _hub_corpus("c4", C4_SLICES),
+    Corpus("hf", _hf_docs, _hf_fingerprint, "\n\n"))}

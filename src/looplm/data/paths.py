@@ -24,10 +24,7 @@ def resolve_data_root(configured: str = "") -> Path:
     if configured or os.environ.get("LOOPLM_DATA", ""):
         return Path(configured or os.environ["LOOPLM_DATA"]).expanduser()
     candidates = default_data_roots()
-    for path in candidates:
-        if path.is_dir():
-            return path
-    return candidates[-1]
+    return next((path for path in candidates if path.is_dir()), candidates[-1])
 
 
 def resolve_cache_dir(configured: str = "") -> Path:

@@ -7,8 +7,8 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders
-from tokenizers.models import BPE
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE, WordLevel
 from tokenizers.pre_tokenizers import ByteLevel
 from tokenizers.trainers import BpeTrainer
 
@@ -153,9 +153,6 @@ class CharVocab:
 
 def char_tokenizer(vocab: dict[str, int], eot: str = "<|endoftext|>"):
     """A ``tokenizers.Tokenizer`` of one token per character of ``vocab`` (``eot`` special and unknown)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
     tok = Tokenizer(WordLevel(dict(vocab), unk_token=eot))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()

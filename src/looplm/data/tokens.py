@@ -72,12 +72,6 @@ def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing
     bar.close()
 
 
-def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
-    if path.stat().st_size == 0:  # np.memmap refuses empty files
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, cache_dir: Path, *,
                 progress: bool = True) -> np.ndarray:
     """The token stream of ``split`` as a read-only 1-D memmap, built and cached on first use."""
@@ -88,7 +82,9 @@ def load_tokens(cfg: DataConfig, split: str, tok: Tokenizer, data_root: Path, ca
         with atomic_write(path) as f:
             for ids in encode_documents(docs, tok, desc=f"tokenizing {cfg.dataset}/{split}", progress=progress):
                 f.write(ids.tobytes())
-    return _open_tokens(path, dtype)
+    if path.stat().st_size == 0:  # np.memmap refuses empty files
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def batch_seed(seed: int, step: int, micro: int = 0) -> int:

@@ -101,9 +101,8 @@ def visit_gradients(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, dep
     rec = _VisitRecorder(modules)
     try:
         with torch.enable_grad():
-            value = _loss(model, idx, targets, depth, loss)
-            weights = [m.weight for m in modules.values()]
-            torch.autograd.grad(value, weights, allow_unused=True)
+            torch.autograd.grad(_loss(model, idx, targets, depth, loss), [m.weight for m in modules.values()],
+                                allow_unused=True)
     finally:
         rec.close()
     out: dict[str, dict[str, Any]] = {}
@@ -155,6 +154,3 @@ def merge_alignment(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"kappa_hat": max(kappas) if kappas else None, "depth": records[0]["depth"],
             "loss": records[0]["loss"], "batches": len(records),
             "kappa_hat_batch_max": max(batch) if batch else None, "per_sublayer": per}
-
-
-__all__ = ["kappa_hat", "core_sublayers", "visit_gradients", "visit_alignment", "merge_alignment"]

@@ -62,11 +62,10 @@ class ConvergenceAccumulator:
         keep = torch.ones(B, L, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
         rho = rho.cpu()
         depth = convergence_depths(rho, self.tau)  # (B, L)
-        pos = torch.arange(L).expand(B, L)
         s = rho[:, keep].sum(1)  # (R,)
         self.rho_sum = s if self.rho_sum is None else self.rho_sum + s
         self.depths.append(depth[keep].numpy())
-        self.positions.append(pos[keep].numpy())
+        self.positions.append(torch.arange(L).expand(B, L)[keep].numpy())
 
     def result(self) -> dict[str, Any]:
         """``tau``, ``depth``, ``tokens``, ``rho_mean`` (R), ``depth_hist`` (R + 1: never last), depth mean and

@@ -15,6 +15,7 @@ from looplm.model import LoopLM, eval_mode
 from looplm.model.recurrence import LoopContext
 
 RATIO_FLOOR = 1e-12  # the numerical floor of eq. 9
+DTYPES = {"float64": torch.float64, "float32": torch.float32}  # the diagnostics' computation dtypes
 
 
 def energy(x: torch.Tensor) -> float:
@@ -69,5 +70,4 @@ def forcing_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int]) -> l
     """:func:`forcing_record` at loop steps ``steps`` of one unroll of ``idx`` (B, L), dropout off."""
     check_shared(model, "forcing bias", steps)
     with eval_mode(model):
-        records = along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))
-    return records
+        return along_trajectory(model, idx, steps, lambda t, s, nxt, ctx: forcing_record(model, s, nxt, t, ctx))

@@ -54,6 +54,5 @@ def gain_profile(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], *, eps:
     with eval_mode(model):
         dirs = random_directions((*idx.shape, model.cfg.d_model), n_directions, seed=seed,
                                  dtype=model.tok_emb.weight.dtype, device=idx.device)  # the loop state's
-        records = along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
+        return along_trajectory(model, idx, steps, lambda t, s, _nxt, ctx: {
             "t": t, "gain": direction_gain(model, s, t, ctx, dirs, eps=eps)})
-    return records

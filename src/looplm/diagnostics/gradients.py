@@ -14,24 +14,21 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from looplm.diagnostics.forcing import check_shared
+from tqdm.auto import tqdm
+
+from looplm.diagnostics.forcing import DTYPES, check_shared
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 
 GROUPS: tuple[str, ...] = ("embeddings/readout", "prelude", "core", "rule", "coda", "other")
 ESTIMATORS: tuple[str, ...] = ("tbptt", "endpoint")
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_GROUP_OF = {**dict.fromkeys(("tok_emb", "pos_emb", "in_norm", "norm_f", "lm_head"), "embeddings/readout"),
+             "prelude": "prelude", "coda": "coda", "rule": "rule",
+             **dict.fromkeys(("core", "loop_norm", "damping_raw"), "core")}  # scale control counts as core
 
 
 def parameter_group(name: str) -> str:
-    """The :data:`GROUPS` entry of a parameter name (scale control counts as core)."""
-    head = name.split(".", 1)[0]
-    if head in ("tok_emb", "pos_emb", "in_norm", "norm_f", "lm_head"):
-        return "embeddings/readout"
-    if head in ("prelude", "coda", "rule"):
-        return head
-    if head in ("core", "loop_norm", "damping_raw"):
-        return "core"
-    return "other"
+    """The :data:`GROUPS` entry of a parameter name."""
+    return _GROUP_OF.get(name.split(".", 1)[0], "other")
 
 
 def _grads(model, x, y, depth: int, gradient: Gradient = BPTT) -> tuple[dict[str, torch.Tensor], float]:
@@ -87,13 +84,9 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     per_batch: dict[Any, list[dict[str, float | None]]] = {k: [] for k in keys}
     ces: dict[Any, list[float]] = {k: [] for k in [("bptt", 0), *keys]}
     residuals: list[torch.Tensor] = []
-    n = 0
-    it = list(batches)
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(it, desc="gradient cosines", unit="batch")
-    for x, y in it:
-        n += 1
+    batches = list(batches)
+    n = len(batches)
+    for x, y in tqdm(batches, desc="gradient cosines", unit="batch", disable=not progress):
         with torch.no_grad():
             hs = m(x, depth + 1, readout=Readout(logits=False, states=True)).states
             r = (hs[depth + 1] - hs[depth]).double().norm(dim=-1) / hs[depth].double().norm(dim=-1).clamp(min=1e-30)
@@ -132,11 +125,8 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _accumulate(sums: dict, key: Any, g: dict[str, torch.Tensor]) -> None:
-    if key not in sums:
-        sums[key] = {k: v.clone() for k, v in g.items()}
-    else:
-        for k, v in g.items():
-            sums[key][k] += v
+    old = sums.get(key)
+    sums[key] = {k: v.clone() if old is None else old[k] + v for k, v in g.items()}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -172,10 +162,9 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
         batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows.
         dtype: float32 or float64.
     """
-    from looplm.diagnostics.runner import load_windows
+    from looplm.diagnostics.runner import check_batches, load_windows
 
-    if batches < 1 or batch_size < 1:
-        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+    check_batches(batches, batch_size)
     model, cfg, ckpt, data_cfg, windows = load_windows(checkpoint, "looplm gradcheck", dataset=dataset, split=split,
                                                        batch_size=batch_size, batches=batches, device=device)
     depth = cfg.depth.nominal_depth() if depth is None else depth

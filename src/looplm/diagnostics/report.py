@@ -33,20 +33,15 @@ def markdown_report(results: Mapping[str, Mapping[str, Any]]) -> str:
     out = ["**Anchor-response forcing-bias diagnostic** (SCSE Table 3 layout): R_t = N⁻¹‖b_t‖² / "
            "max(N⁻¹‖Δ_{t+1} − Δ_t‖², 1e-12), anchor energy E_Δ,t = N⁻¹‖Δ_t‖², in each model's own "
            "anchor coordinates.", ""]
-    rows = []
-    for label, res in results.items():
-        ratio, e = _by_t(res["forcing"], "ratio"), _by_t(res["forcing"], "anchor_energy")
-        rows.append([label, *(_fmt(ratio.get(t)) for t in steps), *(_fmt(e.get(t)) for t in steps)])
+    rows = [[label, *(_fmt(_by_t(res["forcing"], key).get(t)) for key in ("ratio", "anchor_energy") for t in steps)]
+            for label, res in results.items()]
     out += md_table(["Model", *(f"R_{t}" for t in steps), *(f"E_Δ,{t}" for t in steps)], rows)
     out += ["", "**Mechanism diagnostics** (SCSE Table 22 layout): pointwise forcing bias b_t, raw "
             "pre-mask response b̃_t, random-direction gain ‖T_t(Δ+εv) − T_t(Δ)‖_F/ε (ε = 1e-3, mean of "
             "4 directions), anchor energy at the late step.", ""]
-    rows = []
-    for label, res in results.items():
-        b, braw = _by_t(res["forcing"], "bias_energy"), _by_t(res["forcing"], "raw_bias_energy")
-        g, e = _by_t(res["gain"], "gain"), _by_t(res["forcing"], "anchor_energy")
-        rows.append([label, *(_fmt(b.get(t)) for t in steps), *(_fmt(braw.get(t)) for t in steps),
-                     *(_fmt(g.get(t)) for t in steps), _fmt(e.get(last))])
+    parts = (("forcing", "bias_energy"), ("forcing", "raw_bias_energy"), ("gain", "gain"))
+    rows = [[label, *(_fmt(_by_t(res[part], key).get(t)) for part, key in parts for t in steps),
+             _fmt(_by_t(res["forcing"], "anchor_energy").get(last))] for label, res in results.items()]
     out += md_table(["Model", *(f"N⁻¹‖b_{t}‖²" for t in steps), *(f"N⁻¹‖b̃_{t}‖²" for t in steps),
                    *(f"gain t={t}" for t in steps), f"E_Δ,{last}"], rows)
     gains = sorted({float(r["gain"]) for res in results.values() for r in res["dose_response"]["records"]})
@@ -119,7 +114,6 @@ def _scale_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-
 def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:
     """Bar plot of R_t per model (SCSE Figure 5 style): bars at the last step, open markers at earlier ones."""
     labels = list(results)
@@ -147,6 +141,15 @@ def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Pat
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     return save_figure(fig, path)
+
+
+def _pca_axes(ax, title: str, share: list[float]) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
+    ax.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, alpha=0.3)
 
 
 def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: str = "",
@@ -177,13 +180,7 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
     if result["rollout"]["bias0_rms"] == 0:
         ax_a.text(0.05, 0.92, "b_t(e) = 0: an anchor start stays at the anchor", transform=ax_a.transAxes,
                   color="tab:green", fontsize=11)
-    share = view["basis_share"]
-    ax_a.set_title(f"(a) anchor-start trajectories, T={result['rollout']['depth']}")
-    ax_a.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
-    ax_a.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
-    ax_a.set_aspect("equal", adjustable="datalim")
-    ax_a.legend(fontsize=7, loc="lower right")
-    ax_a.grid(True, alpha=0.3)
+    _pca_axes(ax_a, f"(a) anchor-start trajectories, T={result['rollout']['depth']}", view["basis_share"])
 
     view = result["dose_response"]["pca"]
     any_motion = False
@@ -201,13 +198,7 @@ def plot_anchor_rollouts(result: Mapping[str, Any], path: str | Path, *, label: 
         ax_b.text(0.05, 0.92, "no injection response: D ≡ 0", transform=ax_b.transAxes, color="tab:green",
                   fontsize=11)
     ax_b.plot([0], [0], marker="*", markersize=12, color="black", linestyle="none")
-    share = view["basis_share"]
-    ax_b.set_title("(b) displacement from the injection-removed rollout")
-    ax_b.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
-    ax_b.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
-    ax_b.set_aspect("equal", adjustable="datalim")
-    ax_b.legend(fontsize=7, loc="lower right")
-    ax_b.grid(True, alpha=0.3)
+    _pca_axes(ax_b, "(b) displacement from the injection-removed rollout", view["basis_share"])
     if label:
         fig.suptitle(label)
     return save_figure(fig, path)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from looplm.diagnostics.alignment import LOSSES, merge_alignment, visit_alignment
 from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
-from looplm.diagnostics.forcing import along_trajectory, check_shared, forcing_record
+from looplm.diagnostics.forcing import DTYPES, along_trajectory, check_shared, forcing_record
 from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
 from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
@@ -25,8 +25,6 @@ from looplm.data.paths import atomic_write
 from looplm.run.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
@@ -161,6 +159,11 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     return result
 
 
+def check_batches(batches: int, batch_size: int) -> None:
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+
+
 def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batch_size: int, batches: int,
                  device: str = "cpu"):
     """``(model, cfg, ckpt_dir, data_cfg, windows)``: a shared checkpoint (ValueError naming ``what``) and the
@@ -199,14 +202,10 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         scale_loops: K of the scale diagnostic and R of the visit alignment (default: the nominal training depth)
         convergence_tau: threshold τ of token convergence
     """
-    if batches < 1 or batch_size < 1:
-        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
+    check_batches(batches, batch_size)
     steps = (0, depth - 1) if steps is None else steps
     _check_args(sorted(steps), depth, DOSE_GAINS, N_DIRECTIONS, FD_EPS)
-    if scale_loops is not None:
-        _check_scale_args(scale_loops, convergence_tau, "terminal")
-    elif convergence_tau <= 0:
-        raise ValueError(f"convergence_tau: need a threshold > 0, got {convergence_tau}")
+    _check_scale_args(1 if scale_loops is None else scale_loops, convergence_tau, "terminal")
     model, cfg, ckpt, data_cfg, xs = load_windows(checkpoint, "looplm diagnose", dataset=dataset, split=split,
                                                   batch_size=batch_size, batches=batches, device=device)
     label = f"{cfg.name} ({cfg.model.rule})"
@@ -224,13 +223,13 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         out.mkdir(parents=True, exist_ok=True)
         md = out / f"{stem}.md"
         md.write_text(result["markdown"] + "\n")
-        files = {"markdown": str(md),
-                 "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
-                 "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
-                                                          train_depth=cfg.depth.nominal_depth())),
-                 "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
-                 "json": str(out / f"{stem}.json")}
-        result["files"] = files
+        result["files"] = {
+            "markdown": str(md),
+            "forcing_ratio_plot": str(plot_forcing_ratio({label: result}, out / f"{stem}_forcing_ratio.png")),
+            "rollout_plot": str(plot_anchor_rollouts(result, out / f"{stem}_rollouts.png", label=label,
+                                                     train_depth=cfg.depth.nominal_depth())),
+            "scale_plot": str(plot_scale(result, out / f"{stem}_scale.png", label=label)),
+            "json": str(out / f"{stem}.json")}
         with atomic_write(out / f"{stem}.json") as fh:
             fh.write(json.dumps({k: v for k, v in result.items() if k != "markdown"}, indent=2,
                                 default=float).encode())

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from looplm.diagnostics.forcing import check_shared
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout, token_rms
 
@@ -44,17 +45,10 @@ class ScaleAccumulator:
         if loops < 1:
             raise ValueError(f"loops: need K >= 1 for the scale diagnostic, got {loops}")
         self.K = loops
-        n = loops + 1
-        self.rms: list[list[np.ndarray]] = [[] for _ in range(n)]
-        self.l2: list[list[np.ndarray]] = [[] for _ in range(n)]
-        self.d = 0
-        self.rad_num = [0.0] * n
-        self.rad_den = [0.0] * n
-        self.radial_deriv: list[list[float]] = [[] for _ in range(n)]
-        self.ce: list[list[float]] = [[] for _ in range(n)]
-        self.a_rad = [0.0] * n
-        self.rms_inc = [0.0] * n
-        self.tokens = 0
+        self.d = self.tokens = 0
+        # per loop k = 0 … K: token values (rms, l2) and batch values (radial_deriv, ce); pooled sums
+        self.rms, self.l2, self.radial_deriv, self.ce = ([[] for _ in range(loops + 1)] for _ in range(4))
+        self.rad_num, self.rad_den, self.a_rad, self.rms_inc = ([0.0] * (loops + 1) for _ in range(4))
 
     def add(self, model: LoopLM, states: Sequence[torch.Tensor], targets: torch.Tensor,
             mask: torch.Tensor | None = None) -> None:
@@ -114,9 +108,7 @@ def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.
                      masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
     """:meth:`ScaleAccumulator.result` over (idx, targets) batches for k = 0 … ``loops`` (eval mode); ValueError:
     unshared, loops < 1, or no batches."""
-    if not model.shared:
-        raise ValueError("the scale diagnostic needs a shared (looped) architecture; this model is "
-                         "model.architecture=unshared")
+    check_shared(model, "the scale diagnostic")
     acc = ScaleAccumulator(loops)
     for i, (idx, targets) in enumerate(batches):
         with torch.no_grad():

@@ -5,9 +5,12 @@ when transformers is installed (``import looplm`` does so only if transformers i
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["register", "LoopLMConfig", "LoopLMForCausalLM", "LoopLMCache"]
+#: the lazily imported classes and their modules
+_LAZY = {"LoopLMConfig": "configuration", "LoopLMForCausalLM": "modeling", "LoopLMCache": "modeling"}
 
 _registered = False
 
@@ -25,26 +28,16 @@ def register() -> bool:
     from looplm.hf.configuration import LoopLMConfig
     from looplm.hf.modeling import LoopLMForCausalLM
 
-    try:
-        AutoConfig.register("looplm", LoopLMConfig, exist_ok=True)
-        AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)
-    except TypeError:  # transformers without exist_ok
-        AutoConfig.register("looplm", LoopLMConfig)
-        AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM)
+    AutoConfig.register("looplm", LoopLMConfig, exist_ok=True)
+    AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)
     _registered = True
     return True
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LoopLMConfig":
-        from looplm.hf.configuration import LoopLMConfig
-
-        return LoopLMConfig
-    if name in ("LoopLMForCausalLM", "LoopLMCache"):
-        from looplm.hf import modeling
-
-        return getattr(modeling, name)
-    raise AttributeError(f"module 'looplm.hf' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'looplm.hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"looplm.hf.{_LAZY[name]}"), name)
 
 
 try:  # registration on import, when transformers is installed

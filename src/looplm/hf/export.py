@@ -43,8 +43,7 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
     fast.save_pretrained(str(out))
     (Path(out) / "tokenizer.json").write_text(tok.to_str())  # exactly the checkpoint's tokenizer
     path = Path(out) / "tokenizer_config.json"
-    d = json.loads(path.read_text())
-    d["tokenizer_class"] = TOKENIZER_CLASS
+    d = {**json.loads(path.read_text()), "tokenizer_class": TOKENIZER_CLASS}
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -78,8 +77,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
     eot = eot_id(tok)
     hf = LoopLMForCausalLM.from_looplm(model, cfg, num_steps=num_steps, kv_cache=kv_cache, bos_token_id=eot,
                                        eos_token_id=eot, pad_token_id=eot)
-    hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = eot
-    hf.generation_config.pad_token_id = eot
+    gen = hf.generation_config
+    gen.bos_token_id = gen.eos_token_id = gen.pad_token_id = eot
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
         old.unlink()

@@ -11,6 +11,7 @@ command line with it). Methods, and how its numbers differ from ``looplm eval``'
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -55,11 +56,10 @@ class LoopLMEvalHarness(TemplateLM):
                  tokenizer=None, **kwargs: Any):
         super().__init__()
         from looplm.data.tokenizer import eot_id
+        from looplm.run.hf_folder import export_kv_cache
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # the harness's command line defaults to cuda; a user who asked for it gets the warning
-            import logging
-
             logging.getLogger(__name__).warning("looplm: device=%s but no CUDA device is available; using cpu", device)
             device = "cpu"
         if model is None:
@@ -73,11 +73,10 @@ class LoopLMEvalHarness(TemplateLM):
             self.checkpoint = str(ckpt)
         else:
             self.checkpoint = checkpoint
-        if kwargs:
-            unknown = {k: v for k, v in kwargs.items() if v is not None}
-            if unknown:
-                raise ValueError(f"looplm: unknown model_args {sorted(unknown)}; allowed: checkpoint, depth, depths, "
-                                 "batch_size, device, kv_cache, stride")
+        unknown = sorted(k for k, v in kwargs.items() if v is not None)
+        if unknown:
+            raise ValueError(f"looplm: unknown model_args {unknown}; allowed: checkpoint, depth, depths, "
+                             "batch_size, device, kv_cache, stride")
         self.model, self.config, self.tok = model, config, tokenizer
         self.device_ = torch.device(device or "cpu")
         self.seq_len = int(model.cfg.seq_len)
@@ -86,8 +85,6 @@ class LoopLMEvalHarness(TemplateLM):
         self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
         self.depths = sorted(set(listed) | {self.depth})
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        from looplm.run.hf_folder import export_kv_cache
-
         self.kv_cache = kv_cache or (checkpoint is not None and export_kv_cache(checkpoint)) or "per_visit"
         self.stride = None if stride in (None, "", "none") else int(stride)
         try:
@@ -113,10 +110,8 @@ class LoopLMEvalHarness(TemplateLM):
         return self.tok.decode(list(tokens), skip_special_tokens=False)
 
     def get_model_info(self) -> dict[str, Any]:
-        cfg = self.config
         return {"model": MODEL_NAME, "checkpoint": self.checkpoint, "depth": self.depth, "depths": self.depths,
-                "rule": None if cfg is None else cfg.model.rule,
-                "params": self.model.num_params()}
+                "rule": None if self.config is None else self.config.model.rule, "params": self.model.num_params()}
 
     def set_depth(self, depth: int) -> None:
         """Make ``depth`` the depth whose answers are returned (it must be one of ``depths``)."""
@@ -137,14 +132,13 @@ class LoopLMEvalHarness(TemplateLM):
             n_cont = [min(len(t), len(s) - 1) for (_, t), s in zip(chunk, seqs)]
             width = max(len(s) for s in seqs) - 1
             x = torch.zeros(len(chunk), width, dtype=torch.long)
-            rows, cols, tgt = [], [], []
-            for b, (s, n) in enumerate(zip(seqs, n_cont)):
+            for b, s in enumerate(seqs):
                 x[b, :len(s) - 1] = torch.tensor(s[:-1])
-                for j in range(len(s) - 1 - n, len(s) - 1):  # position j predicts s[j + 1]
-                    rows.append(b)
-                    cols.append(j)
-                    tgt.append(s[j + 1])
-            rows_t, cols_t, tgt_t = (torch.tensor(v, dtype=torch.long, device=self.device_) for v in (rows, cols, tgt))
+            # (row, position j, the token s[j + 1] that j predicts) of every continuation token
+            scored = [(b, j, s[j + 1]) for b, (s, n) in enumerate(zip(seqs, n_cont))
+                      for j in range(len(s) - 1 - n, len(s) - 1)]
+            rows_t, cols_t, tgt_t = (torch.tensor([p[i] for p in scored], dtype=torch.long, device=self.device_)
+                                     for i in range(3))
             out = self.model(x.to(self.device_), self.depths, readout=Readout(tokens=(rows_t, cols_t)))
             self.unrolls += 1
             per_depth = {}
@@ -157,10 +151,8 @@ class LoopLMEvalHarness(TemplateLM):
                 per_depth[T] = (sums.tolist(), (miss == 0).tolist())
             for b, k in enumerate(chunk):
                 self._memo[k] = {T: (float(per_depth[T][0][b]), bool(per_depth[T][1][b])) for T in self.depths}
-        results = []
-        for (req, _, _), k in zip(requests, keys):
-            ans = self._memo[k][self.depth]
-            results.append(ans)
+        results = [self._memo[k][self.depth] for k in keys]
+        for (req, _, _), ans in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req, ans)
         return results
 
@@ -277,22 +269,18 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
             per_depth[str(T)] = {"results": {task: _metrics(r) for task, r in res["results"].items()},
                                  "n_samples": res.get("n-samples", {})}
     version = getattr(lm_eval, "__version__", "unknown")
-    out: dict[str, Any] = {"checkpoint": lm.checkpoint, "tasks": list(tasks), "depths": per_depth,
-                           "unrolls": lm.unrolls, "lm_eval_version": version, "stored": 0}
     settings = {"lm_eval_version": version, "num_fewshot": num_fewshot, "limit": limit, "stride": lm.stride,
                 "kv_cache": lm.kv_cache}
-    out["settings"] = settings
+    out: dict[str, Any] = {"checkpoint": lm.checkpoint, "tasks": list(tasks), "depths": per_depth,
+                           "unrolls": lm.unrolls, "lm_eval_version": version, "stored": 0, "settings": settings}
     if db is not None:
         if lm.config is None:
             raise ValueError("db: storing results needs the checkpoint's looplm config")
         from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
 
-        items = []
-        for T, r in per_depth.items():
-            for task, metrics in r["results"].items():
-                if metrics:
-                    items.append((EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T),
-                                                    settings=settings, tag=tag), metrics))
+        items = [(EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T), settings=settings,
+                                    tag=tag), metrics)
+                 for T, r in per_depth.items() for task, metrics in r["results"].items() if metrics]
         run = RunRecord(sweep=CHECKPOINT_SWEEP, run_id=str(lm.checkpoint), variant="", seed=lm.config.train.seed,
                         config=lm.config.to_dict(), run_dir=str(lm.checkpoint), params=lm.model.num_params())
         run.variant = f"{lm.config.name or 'checkpoint'} [{run.config_hash[:8]}]"
@@ -320,15 +308,18 @@ def markdown_table(per_depth: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------- local tasks
 
-LAMBADA_YAML = """task: {name}
+TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {path}
-output_type: loglikelihood
+output_type: {output_type}
 test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+{body}metadata:
+  version: 1.0
+"""
+LAMBADA_BODY = """doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
+doc_to_target: "{{' '+text.split(' ')[-1]}}"
 metric_list:
   - metric: perplexity
     aggregation: perplexity
@@ -336,25 +327,13 @@ metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
-metadata:
-  version: 1.0
 """
-
-WIKITEXT_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{page}}}}"
+WIKITEXT_BODY = """doc_to_text: ""
+doc_to_target: "{{page}}"
 metric_list:
   - metric: word_perplexity
   - metric: byte_perplexity
   - metric: bits_per_byte
-metadata:
-  version: 1.0
 """
 
 
@@ -370,11 +349,10 @@ def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | 
 
     root = resolve_data_root(str(data_root or ""))
     files = {name: root / LOCAL_TASKS[name] for name in tasks if name in LOCAL_TASKS}
-    for name, path in list(files.items()):
-        if not path.is_file() and required:
+    for name, path in files.items():
+        if required and not path.is_file():
             raise FileNotFoundError(f"--tasks {name}: needs {path} (the data folder is $LOOPLM_DATA or ../shared/data)")
-        if not path.is_file():
-            del files[name]
+    files = {name: path for name, path in files.items() if path.is_file()}
     if files:
         write_local_tasks(folder, lambada_jsonl=files.get("looplm_lambada"), wikitext_raw=files.get("looplm_wikitext"))
     return bool(files)
@@ -391,8 +369,8 @@ def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = 
     out = {}
     if lambada_jsonl is not None:
         path = folder / "looplm_lambada.yaml"
-        path.write_text(LAMBADA_YAML.format(name="looplm_lambada",
-                                            path=json.dumps(str(Path(lambada_jsonl).resolve()))))
+        path.write_text(TASK_YAML.format(name="looplm_lambada", path=json.dumps(str(Path(lambada_jsonl).resolve())),
+                                         output_type="loglikelihood", body=LAMBADA_BODY))
         out["looplm_lambada"] = path
     if wikitext_raw is not None:
         pages = wikitext_documents(Path(wikitext_raw).read_text(encoding="utf-8"))[:docs]
@@ -401,7 +379,8 @@ def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = 
         data = folder / "looplm_wikitext.jsonl"
         data.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages), encoding="utf-8")
         path = folder / "looplm_wikitext.yaml"
-        path.write_text(WIKITEXT_YAML.format(name="looplm_wikitext", path=json.dumps(str(data.resolve()))))
+        path.write_text(TASK_YAML.format(name="looplm_wikitext", path=json.dumps(str(data.resolve())),
+                                         output_type="loglikelihood_rolling", body=WIKITEXT_BODY))
         out["looplm_wikitext"] = path
     return out
 
@@ -409,9 +388,8 @@ def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = 
 def wikitext_documents(text: str) -> list[str]:
     """Split a raw WikiText file into articles: a new one starts at each top-level heading line
     (`` = Title = ``, not `` = = Section = = ``)."""
-    lines = text.splitlines(keepends=True)
     docs: list[list[str]] = []
-    for i, line in enumerate(lines):
+    for line in text.splitlines(keepends=True):
         s = line.strip()
         top = s.startswith("= ") and s.endswith(" =") and not s.startswith("= =")
         if top or not docs:

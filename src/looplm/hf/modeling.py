@@ -37,10 +37,7 @@ class LoopLMCache(Cache):
     is_compileable = is_croppable = False
 
     def __init__(self, mode: str = "per_visit", kv: KVCache | None = None):
-        try:
-            super().__init__(layers=[])
-        except TypeError:  # older Cache signatures
-            super().__init__()
+        super().__init__(layers=[])
         if mode not in CACHE_MODES:
             raise ValueError(f"kv_cache: unknown {mode!r}; allowed: {', '.join(CACHE_MODES)}")
         self.kv = kv if kv is not None else KVCache(mode)
@@ -81,20 +78,15 @@ class LoopLMCache(Cache):
     def nbytes(self) -> int:
         return self.kv.nbytes()
 
-    def _rows(self, index: torch.Tensor) -> None:
-        if self.kv.valid is not None:
-            self.kv.select(index.to(self.kv.valid.device).long())
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep the rows ``beam_idx`` (beam search), in place; duplicates copy a row."""
-        self._rows(beam_idx)
+        """Keep the rows ``beam_idx`` (beam search, batch selection), in place; duplicates copy a row."""
+        if self.kv.valid is not None:
+            self.kv.select(beam_idx.to(self.kv.valid.device).long())
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows(indices)
+    batch_select_indices = reorder_cache
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.kv.valid is not None:
-            self._rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+        self.reorder_cache(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("LoopLMCache cannot be cropped (assisted decoding is not supported)")
@@ -188,12 +180,10 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             return None
         if isinstance(cache, LoopLMCache):
             return cache
-        if cache is not None:
-            if cache.get_seq_length() > 0:
-                raise ValueError(f"cache: a non-empty {type(cache).__name__} cannot hold a looped model's K/V; "
-                                 "pass a LoopLMCache (or none)")
-            return LoopLMCache(kv_cache or self.config.kv_cache)
-        return LoopLMCache(kv_cache or self.config.kv_cache) if use_cache else None
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(f"cache: a non-empty {type(cache).__name__} cannot hold a looped model's K/V; "
+                             "pass a LoopLMCache (or none)")
+        return LoopLMCache(kv_cache or self.config.kv_cache) if use_cache or cache is not None else None
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
@@ -217,12 +207,10 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             kwargs.pop(ignored, None)
         if kwargs:
             raise TypeError(f"LoopLMForCausalLM.forward: unexpected arguments {sorted(kwargs)}")
-        if cache is None:
-            cache = past_key_values
+        cache = past_key_values if cache is None else cache
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        use_cache = bool(use_cache) and not self.training
+        use_cache = bool(use_cache if use_cache is not None else self.config.use_cache) and not self.training
         steps = self.config.num_steps if num_steps is None else num_steps
         multi = not isinstance(steps, int)
         depths = sorted({int(t) for t in steps}) if multi else [int(steps)]
@@ -240,9 +228,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
                 raise ValueError(f"attention_mask: {tuple(mask.shape)} for {L} new tokens after {past} cached ones")
             if kv is None and bool(mask.all()):
                 mask = None  # no padding: the plain causal forward (the same numbers)
-        targets = None
-        if labels is not None:
-            targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), -100)], dim=1)
+        targets = None if labels is None else torch.cat([labels[:, 1:], labels.new_full((B, 1), -100)], dim=1)
         out = self.model.read(self.model.loop(input_ids, cache=kv, attention_mask=mask), depths if multi else depths[0],
                               targets, readout=Readout(states=bool(output_hidden_states)))
         result = {"loss": out.loss, "logits": out.logits, _cache_field(): hf_cache,

@@ -6,6 +6,7 @@ naming it; every weight comes from a stored tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -282,22 +283,28 @@ def fill(model: torch.nn.Module, source: Source, entries: Sequence[Entry], *, pr
     params = model.state_dict()
     handles = {}
     total = sum(math.prod(source.shapes[s]) * source.dtypes[s].itemsize for e in entries for s in e.sources)
-    try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"{desc} ({len(source.shards)} shard"
-                  f"{'s' if len(source.shards) > 1 else ''})", disable=not progress) as bar:
-            for e in entries:
-                tensors = []
-                for s in e.sources:
-                    shard = source.where[s]
-                    if shard not in handles:
-                        handles[shard] = safe_open(str(shard), framework="pt").__enter__()
-                    tensors.append(handles[shard].get_tensor(s))
-                    bar.update(tensors[-1].numel() * tensors[-1].element_size())
-                with torch.no_grad():
-                    params[e.target].copy_(e.build(tensors))
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                               desc=f"{desc} ({len(source.shards)} shard"
+                                                    f"{'s' if len(source.shards) > 1 else ''})") as bar:
+        for e in entries:
+            tensors = []
+            for s in e.sources:
+                shard = source.where[s]
+                if shard not in handles:
+                    handles[shard] = stack.enter_context(safe_open(str(shard), framework="pt"))
+                tensors.append(handles[shard].get_tensor(s))
+                bar.update(tensors[-1].numel() * tensors[-1].element_size())
+            with torch.no_grad():
+                params[e.target].copy_(e.build(tensors))
+
+
+def imported_config(model_cfg, depth: int, name: str):
+    """The looplm Config of an imported ``model_cfg``: fixed (and eval) depth ``depth``, BPE data of its vocabulary."""
+    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
+
+    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model_cfg.vocab_size))
+    return Config(model=model_cfg, data=data, depth=FixedDepthConfig(depth=depth), train=TrainConfig(eval_depth=depth),
+                  name=name)
 
 
 def empty_model(model_cfg, dtype: torch.dtype) -> torch.nn.Module:

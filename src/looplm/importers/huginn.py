@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from looplm.importers.common import (ConfigReader, Entry, ImporterError, Source, check_coverage, check_out,
-                                     empty_model, fill, open_source, store_dtype, write_checkpoint)
+                                     empty_model, fill, imported_config, open_source, store_dtype, write_checkpoint)
 
 MODEL_NAME = "Huginn-0125"
 #: ``initial_state`` choices: the loop's initial state s₀ of the imported model (see :func:`import_huginn`)
@@ -37,8 +37,6 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     Raises:
         ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
     """
-    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
-
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["huginn_raven"], why="not a Huginn-0125 config")
     r.require("architecture_class_name", ["RecurrentGPT"])
@@ -74,8 +72,6 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     if not 1 <= seq_len <= block_size:
         raise ImporterError(f"--seq-len {seq_len}: must be in 1..block_size = {block_size} (Huginn's RoPE table "
                             "covers positions < block_size)")
-    if initial_state not in INITIAL_STATES:
-        raise ImporterError(f"--initial-state: got {initial_state!r}; allowed: {', '.join(INITIAL_STATES)}")
     qk_bias = r.require("qk_bias", [True, False])
     # read by the training code only, or (injection_type, state_init) never by the minimal modeling file
     r.ignore("vocab_size", "padding_multiple", "effective_expected_depth", "mean_backprop_depth", "sampling_scheme",
@@ -86,9 +82,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
         n_prelude=P, n_core=R, n_coda=C, norm_eps=r.number("norm_eps"), rope_theta=r.number("rope_base"),
         qk_bias=qk_bias, initial_state=initial_state)
     r.finish()
-    train = TrainConfig(eval_depth=depth)
-    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, vocab))
-    return Config(model=model, data=data, depth=FixedDepthConfig(depth=depth), train=train, name="huginn-0125"), depth
+    return imported_config(model, depth, "huginn-0125"), depth
 
 
 def huginn_layout_config(*, vocab_size: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, n_prelude: int,

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from looplm.importers.common import (ConfigReader, Entry, ImporterError, cat_rows, check_coverage, check_out,
-                                     empty_model, fill, open_source, store_dtype, write_checkpoint)
+                                     empty_model, fill, imported_config, open_source, store_dtype,
+                                     write_checkpoint)
 
 MODEL_NAME = "Ouro"
 _NORMS = {"input_layernorm": "norm1", "input_layernorm_2": "post_attn_norm", "post_attention_layernorm": "norm2",
@@ -32,8 +33,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
             ``head_dim`` other than hidden_size / num_attention_heads, RoPE scaling other than linear,
             attention biases, a fixed ``early_exit_step``, quantized weights.
     """
-    from looplm.config import (Config, DataConfig, FinalNormConfig, FixedDepthConfig, ModelConfig, RopeConfig,
-                               TrainConfig)
+    from looplm.config import FinalNormConfig, ModelConfig, RopeConfig
 
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["ouro"], why="not an Ouro config")
@@ -86,9 +86,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
                             scaling="linear" if scaling is not None else "none", scaling_factor=factor),
         n_kv_heads=0 if kv == heads else kv, block_norm="sandwich")
     r.finish()
-    train = TrainConfig(eval_depth=depth)
-    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model.vocab_size))
-    return Config(model=model, data=data, depth=FixedDepthConfig(depth=depth), train=train, name="ouro"), depth, tau
+    return imported_config(model, depth, "ouro"), depth, tau
 
 
 def tensor_map(model_cfg) -> list[Entry]:
