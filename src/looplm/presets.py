@@ -84,11 +84,12 @@ PRESETS: dict[str, Config] = {
         train=TrainConfig(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20,
                           device="cpu"),
     ),
-    # seq_len fits k up to 2·k_train (rows grow with k except for phop); rope where they do
+    # seq_len fits k up to 2·k_train (rows grow with k except for phop and pointer); rope where they do
     "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
     "task-modsum": _task("modsum", 8, 40, RopeConfig()),
     "task-addition": _task("addition", 4, 32, RopeConfig()),
+    "task-pointer": _task("pointer", 4, 20, LearnedPositionConfig()),
 }
 
 
