@@ -89,7 +89,7 @@ PRESETS: dict[str, Config] = {
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
     "task-modsum": _task("modsum", 8, 40, RopeConfig()),
     "task-addition": _task("addition", 4, 32, RopeConfig()),
-    "task-pointer": _task("pointer", 4, 20, LearnedPositionConfig()),
+    "task-pointer": _task("pointer", 4, 30, LearnedPositionConfig()),
 }
 
 

@@ -63,15 +63,20 @@ def solve_addition(prompt: str) -> tuple[str, int]:
 
 def solve_pointer(prompt: str) -> tuple[str, int]:
     parents, query = prompt[:-1].split("?")
-    nodes = "abcdefghijklmnop"
+    nodes = "abcdefghijklmnopqrstuvwxyz"
     assert len(parents) == len(nodes) and len(query) == 1, "one parent per node, one queried node"
     parent = dict(zip(nodes, parents))
-    assert sum(parent[n] == n for n in nodes) == 3, "three roots"
-    v, steps = query, 0
-    while parent[v] != v:
-        v, steps = parent[v], steps + 1
-        assert steps <= len(nodes), "no cycle but the roots' self-loops"
-    return v, steps
+
+    def root(v: str) -> tuple[str, int]:
+        steps = 0
+        while parent[v] != v:
+            v, steps = parent[v], steps + 1
+            assert steps <= len(nodes), "no cycle but the roots' self-loops"
+        return v, steps
+
+    roots = [root(v)[0] for v in nodes]
+    assert len(set(roots)) == 2 and roots.count(roots[0]) == 13, "two trees of 13 nodes"
+    return root(query)
 
 
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
