@@ -61,7 +61,26 @@ def solve_addition(prompt: str) -> tuple[str, int]:
     return str(total).zfill(len(a) + 1)[::-1], len(a)
 
 
-SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition}
+def solve_pointer(prompt: str) -> tuple[str, int]:
+    parents, query = prompt[:-1].split("?")
+    nodes = "abcdefghijklmnopqrstuvwxyz"
+    assert len(parents) == len(nodes) and len(query) == 1, "one parent per node, one queried node"
+    parent = dict(zip(nodes, parents))
+
+    def root(v: str) -> tuple[str, int]:
+        steps = 0
+        while parent[v] != v:
+            v, steps = parent[v], steps + 1
+            assert steps <= len(nodes), "no cycle but the roots' self-loops"
+        return v, steps
+
+    roots = [root(v)[0] for v in nodes]
+    assert len(set(roots)) == 2 and roots.count(roots[0]) == 13, "two trees of 13 nodes"
+    return root(query)
+
+
+SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
+           "pointer": solve_pointer}
 
 
 def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
@@ -70,7 +89,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, varchain"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, pointer, varchain"):
         get_task("nope")
 
 
