@@ -117,12 +117,6 @@ def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
     _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
 
 
-def _variant(base: type, name: str, doc: str, **attrs: Any) -> Any:
-    """A frozen subclass ``name`` of the config dataclass ``base`` without fields of its own (a variant's ``NAME``)."""
-    return dataclass(frozen=True)(type(name, (base,), {"__doc__": doc, "__module__": __name__, "__qualname__": name,
-                                                       **attrs}))
-
-
 class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
@@ -235,7 +229,9 @@ class RuleOptions(_Base):
                 object.__setattr__(self, "source_init_std", 0.0)
 
 
-PlainOptions = _variant(RuleOptions, "PlainOptions", "``plain``: no options (no injection, no residual scale).")
+@dataclass(frozen=True)
+class PlainOptions(RuleOptions):
+    """``plain``: no options (no injection, no residual scale)."""
 
 
 @dataclass(frozen=True)
@@ -518,8 +514,11 @@ class PositionConfig(ChoiceSection):
             "Ouro), none (the causal mask only)")
 
 
-LearnedPositionConfig = _variant(PositionConfig, "LearnedPositionConfig", "``learned``: a table of seq_len "
-                                 "absolute positions added to the token embedding (GPT-2).", NAME="learned")
+@dataclass(frozen=True)
+class LearnedPositionConfig(PositionConfig):
+    """``learned``: a table of seq_len absolute positions added to the token embedding (GPT-2)."""
+
+    NAME = "learned"
 
 
 @dataclass(frozen=True)
@@ -544,8 +543,11 @@ class RopeConfig(PositionConfig):
             self.require(self.scaling_factor > 0, "scaling_factor", f"must be > 0, got {self.scaling_factor}")
 
 
-NoPositionConfig = _variant(PositionConfig, "NoPositionConfig", "``none``: no position signal beyond the causal mask.",
-                            NAME="none")
+@dataclass(frozen=True)
+class NoPositionConfig(PositionConfig):
+    """``none``: no position signal beyond the causal mask."""
+
+    NAME = "none"
 
 
 #: the config class of every position signal (``model.position.kind``)
@@ -564,10 +566,16 @@ class ScaleControlConfig(ChoiceSection):
             "factor in (0, 1)), final_norm (h ← norm_f(h); Ouro; pair with model.readout=raw)")
 
 
-NoScaleControlConfig = _variant(ScaleControlConfig, "NoScaleControlConfig",
-                                "``none``: the state passes between loops unchanged.", NAME="none")
-InterLoopNormConfig = _variant(ScaleControlConfig, "InterLoopNormConfig", "``inter_loop_norm``: h ← RMSNorm(h) with "
-                               "its own learned gain after every step.", NAME="inter_loop_norm")
+@dataclass(frozen=True)
+class NoScaleControlConfig(ScaleControlConfig):
+    """``none``: the state passes between loops unchanged."""
+
+    NAME = "none"
+@dataclass(frozen=True)
+class InterLoopNormConfig(ScaleControlConfig):
+    """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""
+
+    NAME = "inter_loop_norm"
 
 
 @dataclass(frozen=True)
@@ -581,8 +589,11 @@ class SpectralDampingConfig(ScaleControlConfig):
         self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
 
 
-FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", "``final_norm``: h ← norm_f(h), the final norm "
-                           "itself, after every step (Ouro).", NAME="final_norm")
+@dataclass(frozen=True)
+class FinalNormConfig(ScaleControlConfig):
+    """``final_norm``: h ← norm_f(h), the final norm itself, after every step (Ouro)."""
+
+    NAME = "final_norm"
 
 
 #: the config class of every scale control (``model.scale_control.kind``)
@@ -898,8 +909,11 @@ class GradientConfig(ChoiceSection):
     steps: ClassVar[int] = 0
 
 
-BPTTConfig = _variant(GradientConfig, "BPTTConfig", "``bptt``: full backpropagation through every recurrence "
-                      "(no fields).", NAME="bptt")
+@dataclass(frozen=True)
+class BPTTConfig(GradientConfig):
+    """``bptt``: full backpropagation through every recurrence (no fields)."""
+
+    NAME = "bptt"
 
 
 @dataclass(frozen=True)
@@ -913,8 +927,11 @@ class TBPTTConfig(GradientConfig):
         self.require(self.steps >= 1, "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
 
 
-EndpointConfig = _variant(TBPTTConfig, "EndpointConfig", "``endpoint`` (Neumann-b): b recurrences with gradient "
-                          "from sg(z^T); the loss is read at T + b.", NAME="endpoint")
+@dataclass(frozen=True)
+class EndpointConfig(TBPTTConfig):
+    """``endpoint`` (Neumann-b): b recurrences with gradient from sg(z^T); the loss is read at T + b."""
+
+    NAME = "endpoint"
 
 
 #: the config class of every gradient estimator (``train.gradient.kind``)
