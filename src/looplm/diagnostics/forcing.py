@@ -26,7 +26,7 @@ def energy(x: torch.Tensor) -> float:
 def check_shared(model: LoopLM, what: str, steps: Sequence[int] | None = None) -> None:
     """ValueError for an unshared ``model`` or (if given) empty or negative ``steps``."""
     if not model.shared:
-        raise ValueError(f"{what} needs a shared (looped) architecture with an anchor; this model is "
+        raise ValueError(f"{what} needs a shared (looped) architecture; this model is "
                          "model.architecture=unshared")
     if steps is not None and (not steps or min(steps) < 0):
         raise ValueError(f"steps: need loop steps >= 0, got {list(steps)}")
