@@ -2,7 +2,8 @@
 # Distilled prefill at CPU scale (issue 12 §3; LMDR §3.2, §5.5, Table 5). Two Huginn-style teachers on Brown
 # (preset huginn-cpu: huginn_linear, 1 + 2×R + 1 blocks, d = 192, 4.03M parameters):
 #   learned  LMDR's learned depth prior (inv_ppl reward with the advantage scale; not LMDR's recipe, which is
-#            preset lmdr: docs/presets.md), TBPTT b = 2, 1,000 steps × 16×128 tokens (the lmdr-ablation variant learned_tbptt2, seed 0); R = 5
+#            preset lmdr: docs/presets.md), TBPTT b = 2, 1,000 steps × 16×128 tokens (the lmdr-ablation variant
+#            learned_tbptt2, seed 0); R = 5
 #   fixed5   fixed depth R = 5, full BPTT, 1,000 steps (the lmdr-ablation variant fixed5_bptt, seed 0)
 # Per teacher: a 2-block student initialized from its core, trained with eq. 4 (hidden + KL) on a quarter
 # of the teacher's tokens (250 steps × 16×128, the default budget); for `learned` also a randomly
