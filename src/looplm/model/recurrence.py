@@ -1,18 +1,12 @@
 """Recurrence rules: one registry, one name each (SPEC §2).
 Sources: SCSE arXiv:2607.27656 (eq. 2–6, 22); Huginn-family injections arXiv:2610.06833 (eq. 8, Table 7).
 
-A rule defines, from the embedding ``e`` (B, L, d):
-
-- ``start(e)``: the anchor ``h*``, the initial loop state and per-sequence constants, in a :class:`LoopContext`;
-- ``step(core, state, t, ctx)``: the rule's update ``state_t → state_{t+1}``, wrapped by the realized step
-  :meth:`LoopLM.step` (scale control and clamp). ``core(x, qkv_inject=None, *, call=0)`` returns G(x);
-  ``call`` numbers the core applications within the step, naming KV visit ``t · core_calls_per_step + call``;
-- ``hidden(state, ctx)`` / ``to_state(h, ctx)``: loop state ↔ read-out ``h`` (identity for additive rules;
-  Δ = h − h* for the SCSE family and additive_subtract);
-- ``with_injection_gain(ctx, g)``: the injection scaled by g (dose response, SPEC §7): ``e`` (looped,
-  norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
-  scse_leak, scse with ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none.
-
+A rule maps the embedding ``e`` (B, L, d) to h*, the initial loop state and a :class:`LoopContext` (``start``),
+and updates the loop state (``step``, wrapped by :meth:`LoopLM.step`); ``core(x, qkv_inject=None, *, call=0)``
+returns G(x) at KV visit ``t · core_calls_per_step + call``. The state is h, or Δ = h − h* for the SCSE family
+and additive_subtract (``hidden`` / ``to_state``). Injections (scaled by ``with_injection_gain``, SPEC §7): ``e``
+(looped, norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
+scse_leak, scse with ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none.
 :func:`register_rule` adds a rule; ``ModelConfig.rule`` names it and ``config.RULE_OPTIONS`` its options.
 """
 
@@ -74,7 +68,8 @@ class RecurrenceRule(nn.Module):
 
     def source_modules(self) -> list[tuple[nn.Linear, float]]:
         """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order."""
-        return []
+        maps = (getattr(self, name, None) for name in ("in_proj", "step_proj", "cond_proj", "adapter"))
+        return _unit_gain(*maps, *getattr(self, "qkv_proj", ()))
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
         """``ctx`` with the injection scaled by ``gain`` (dose response, SPEC §7; unchanged without one)."""
@@ -160,12 +155,12 @@ class _AnchoredStart(RecurrenceRule):
         return e + self.c_a * self.anchor_proj(e), e + self.c_0 * self.init_proj(e)
 
     def source_modules(self):
-        """A (when the rule has it) and I with σ_m = 1/√(d·(c_0² + c_a²)) (:func:`init_source_modules`)."""
+        """A (if the rule has it) and I at σ_m = 1/√(d·(c_0² + c_a²)) (:func:`init_source_modules`), then the rest."""
         A = getattr(self, "anchor_proj", None)
         d = self.init_proj.in_features
         c2 = self.c_0 ** 2 + (self.c_a ** 2 if A is not None else 0.0)
         sigma = 1.0 / math.sqrt(d * c2) if c2 > 0 else 1.0 / math.sqrt(d)
-        return [(m, sigma) for m in (A, self.init_proj) if m is not None]
+        return [(m, sigma) for m in (A, self.init_proj) if m is not None] + super().source_modules()
 
 
 @register_rule
@@ -183,9 +178,6 @@ class Adapter(_AnchoredStart):
         anchor, h0 = self.anchor_and_init(e)
         return h0, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(anchor))
 
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.in_proj)
-
     step = Looped.step
 
 
@@ -199,9 +191,6 @@ class StepAdapter(Adapter):
         super().__init__(cfg)
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model)  # P_step
-
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.step_proj)
 
     def step(self, core, state, t, ctx, *, mask=True):
         gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
@@ -247,26 +236,27 @@ class NormReset(Looped):
 class _SourceCentered(_AnchoredStart):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5, Listing 1) on Δ = h − h*:
     ``q_t = s·U(Δ_t)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``, readout ``h* + Δ_T``;
-    the injection is ``c_sc = κ·W_c h*`` (none for ``kappa=None``); option ``anchor`` picks h*."""
+    the injection is ``c_sc = κ·W_c h*``; option ``anchor`` picks h*, ``leak`` λ (0 without the option)."""
 
-    def __init__(self, cfg: ModelConfig, *, kappa: float | None, leak: float):
+    #: κ = 0 means no W_c at all (main SCSE); the SC-Cond rules keep W_c whatever κ
+    zero_kappa_drops = False
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.anchor_kind = cfg.options.anchor
         self.use_mask = cfg.options.mask
         self.eps = cfg.options.eps
-        self.leak = leak
+        self.leak = getattr(cfg.options, "leak", 0.0)
         if self.anchor_kind in ("embedding", "init"):
             del self.anchor_proj
         elif self.anchor_kind == "frozen_random":
             self.anchor_proj.weight.requires_grad_(False)
-        if kappa is not None:
+        kappa = cfg.options.kappa
+        if kappa != 0.0 or not self.zero_kappa_drops:
             self.cond_proj = _linear(cfg.d_model)  # W_c
             self.kappa = nn.Parameter(torch.tensor(float(kappa)))
         else:
             self.cond_proj = None
-
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.cond_proj)
 
     def start(self, e):
         h0 = e + self.c_0 * self.init_proj(e)
@@ -306,10 +296,7 @@ class SCSE(_SourceCentered):
     """Source-Centered State Evolution (SCSE eq. 5; SPEC §2); main method κ = 0 (no W_c), λ = 0, s = 0.5."""
 
     name = "scse"
-
-    def __init__(self, cfg: ModelConfig):
-        kappa = cfg.options.kappa
-        super().__init__(cfg, kappa=kappa if kappa != 0.0 else None, leak=cfg.options.leak)
+    zero_kappa_drops = True
 
 
 @register_rule
@@ -317,9 +304,6 @@ class SCCond(_SourceCentered):
     """SC-Cond (SCSE appendix; SPEC §2): ``q = s·G(Δ + c_sc)``, no leak. Masked, b_t = 0 but b̃_t = s·G(c_sc)."""
 
     name = "sc_cond"
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.options.kappa, leak=0.0)
 
 
 @register_rule
@@ -340,12 +324,9 @@ class SCSELeak(_SourceCentered):
 
     name = "scse_leak"
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.options.kappa, leak=cfg.options.leak)
-
 
 @register_rule
-class AdditiveSubtract(_AnchoredStart):
+class AdditiveSubtract(Adapter):
     """Additive forcing subtraction (SCSE eq. 22; SPEC §2) on Δ: ``u_t = G(h* + Δ_t + α·W_in e + τ_t) −
     G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; τ_t = τ·P_step γ_t, τ = 0 by default (our choice: the
     paper lists no step term for this control); two core calls per step; no mask."""
@@ -354,14 +335,9 @@ class AdditiveSubtract(_AnchoredStart):
     core_calls_per_step = 2
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.in_proj = _linear(cfg.d_model)  # W_in
-        self.alpha = nn.Parameter(torch.tensor(float(cfg.options.alpha_init)))
+        super().__init__(cfg)  # A, I, then W_in and α
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model) if self.tau else None  # P_step
-
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.in_proj, self.step_proj)
 
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
@@ -453,9 +429,6 @@ class HuginnLinear(_Huginn):
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.options.adapter_bias)  # W_lin
         self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False) if cfg.options.step_norm else None
 
-    def source_modules(self):
-        return _unit_gain(self.adapter)
-
     def core_input(self, state, ctx):
         return self.adapter(torch.cat([state, ctx.injection], dim=-1))
 
@@ -473,9 +446,6 @@ class _Decay(_Huginn):
         self.delta_raw = nn.Parameter(torch.full((d,), float(cfg.options.delta_raw_init)))
         self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.options.alpha_raw_init)))
         self.in_proj = _linear(d)  # W
-
-    def source_modules(self):
-        return _unit_gain(self.in_proj)
 
     def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Λ, Δ), each (d,)."""
@@ -530,9 +500,6 @@ class DEQQKV(_Huginn):
         super().__init__(cfg)
         self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, cfg.qkv_width, bias=False)
                                       for _ in range(cfg.n_core))  # W_e^(j), d → Q/K/V rows (3d without GQA)
-
-    def source_modules(self):
-        return _unit_gain(*self.qkv_proj)
 
     def start(self, e, positions=None):
         h0, ctx = super().start(e, positions)
