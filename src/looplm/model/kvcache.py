@@ -101,13 +101,6 @@ class KVCache:
         visits = [v for (lid, v) in self.buffers if lid == layer_id]
         return (layer_id, _nearest(visits, visit)) if visits else None
 
-    def _prefix(self, layer_id: int, visit: int):
-        key = self._prefix_key(layer_id, visit)
-        if key is None:
-            return None
-        k, v = self.buffers[key]
-        return k[:, :, :self._len], v[:, :, :self._len]
-
     def reserve(self, n: int) -> None:
         """Make room for ``n`` cached positions (grows every buffer to max(n, 2 × capacity) if needed)."""
         if self.capacity is not None and n <= self.capacity:
@@ -117,7 +110,7 @@ class KVCache:
         L = self._len
         grown = {}
         for key, (k, v) in self.buffers.items():
-            nk, nv = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            nk, nv = self._new_bank(k)
             nk[:, :, :L], nv[:, :, :L] = k[:, :, :L], v[:, :, :L]
             grown[key] = (nk, nv)
         self.buffers = grown
@@ -192,9 +185,7 @@ class AttentionScope:
         has_pad = self.has_pad
         past_pad = self.cache is not None and Lp > 0 and not self.cache.all_valid
         if Lp == 0 and not has_pad:
-            return None
-        if Lq == 1 and not has_pad and not past_pad:
-            return torch.ones(1, 1, 1, Lp + 1, dtype=torch.bool, device=device)  # one query sees everything
+            return None  # (one query over an all-valid prefix never gets here: _sdpa attends without a mask)
         causal = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril()  # (Lq, Lq)
         cur = causal.expand(B, Lq, Lq)
         if has_pad:
@@ -228,8 +219,8 @@ class AttentionScope:
             return self._sdpa(q, k, v, dropout_p)
         L, Lc = cache.length, k.shape[2]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # autograd: no in-place writes
-            pk, pv = cache._prefix(layer_id, visit)
-            return self._sdpa(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), dropout_p)
+            pk, pv = cache.buffers[key]
+            return self._sdpa(q, torch.cat([pk[:, :, :L], k], 2), torch.cat([pv[:, :, :L], v], 2), dropout_p)
         cache.reserve(L + Lc)
         bk, bv = cache.buffers[key]
         # the chunk's own K/V right after the prefix (scratch: commit writes the final values there)
@@ -263,8 +254,6 @@ class AttentionScope:
         first = next(iter(self.pending.values()))[0]
         B, Lc, dev = first.shape[0], first.shape[2], first.device
         L = cache.length
-        if cache.capacity is None:
-            cache.capacity = L + Lc
         cache.reserve(L + Lc)
         end = L + Lc
         if cache.mode == "terminal":
