@@ -67,9 +67,10 @@ class RecurrenceRule(nn.Module):
         return h
 
     def source_modules(self) -> list[tuple[nn.Linear, float]]:
-        """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order."""
-        maps = (getattr(self, name, None) for name in ("in_proj", "step_proj", "cond_proj", "adapter"))
-        return _unit_gain(*maps, *getattr(self, "qkv_proj", ()))
+        """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order: here
+        1/√fan_in, the σ_m of a map whose output keeps its input's RMS."""
+        maps = [getattr(self, name, None) for name in ("in_proj", "step_proj", "cond_proj", "adapter")]
+        return [(m, 1.0 / math.sqrt(m.in_features)) for m in maps + [*getattr(self, "qkv_proj", ())] if m is not None]
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
         """``ctx`` with the injection scaled by ``gain`` (dose response, SPEC §7; unchanged without one)."""
@@ -96,11 +97,6 @@ def build_rule(cfg: ModelConfig) -> RecurrenceRule:
 
 def _linear(d: int) -> nn.Linear:
     return nn.Linear(d, d, bias=False)
-
-
-def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
-    """(module, 1/√fan_in) for each module that exists: σ_m of a map whose output keeps its input's RMS."""
-    return [(m, 1.0 / math.sqrt(m.in_features)) for m in modules if m is not None]
 
 
 def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, unit_projections: bool = False) -> None:
