@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from looplm.model.layers import attention
 
@@ -47,7 +48,7 @@ class KVCache:
         self.mode = mode
         self.capacity = max_len
         self.buffers: dict = {}  # key → (K, V) (B, H_kv, capacity, hd)
-        self._len = 0
+        self.length = 0  # cached positions L_past, padding included
         self._valid: torch.Tensor | None = None  # (B, capacity) bool
         self.all_valid = True  # no cached position is padding
         self.n_valid: torch.Tensor | None = None
@@ -55,22 +56,18 @@ class KVCache:
         self.calls_per_step = 1
 
     @property
-    def length(self) -> int:  # cached positions L_past, padding included
-        return self._len
-
-    @property
     def banks(self) -> dict:
         """{key: (K, V)} (B, H_kv, L_past, hd): views of the used part of the buffers."""
-        n = self._len
+        n = self.length
         return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
 
     @property
     def valid(self) -> torch.Tensor | None:
-        return None if self._valid is None else self._valid[:, :self._len]
+        return None if self._valid is None else self._valid[:, :self.length]
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens' K/V (L_past positions of every bank, not the capacity)."""
-        return sum(2 * k[:, :, :self._len].numel() * k.element_size() for k, _ in self.buffers.values())
+        return sum(2 * k[:, :, :self.length].numel() * k.element_size() for k, _ in self.buffers.values())
 
     def capacity_nbytes(self) -> int:
         """Bytes allocated for the banks (the whole capacity)."""
@@ -105,9 +102,8 @@ class KVCache:
         """Make room for ``n`` cached positions (grows every buffer to max(n, 2 × capacity) if needed)."""
         if self.capacity is not None and n <= self.capacity:
             return
-        cap = max(n, 2 * (self.capacity or 0))
-        self.capacity = cap
-        L = self._len
+        self.capacity = cap = max(n, 2 * (self.capacity or 0))
+        L = self.length
         grown = {}
         for key, (k, v) in self.buffers.items():
             nk, nv = self._new_bank(k)
@@ -115,9 +111,7 @@ class KVCache:
             grown[key] = (nk, nv)
         self.buffers = grown
         if self._valid is not None:
-            nvb = self._valid.new_zeros(self._valid.shape[0], cap)
-            nvb[:, :L] = self._valid[:, :L]
-            self._valid = nvb
+            self._valid = F.pad(self._valid[:, :L], (0, cap - L))  # (B, cap), False past L
 
     def _new_bank(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (*like.shape[:2], self.capacity, like.shape[3])
@@ -282,7 +276,7 @@ class AttentionScope:
         if cache._valid is None:
             cache._valid = torch.zeros(B, cache.capacity, dtype=torch.bool, device=dev)
         cache._valid[:, L:end] = valid
-        cache._len = end
+        cache.length = end
         cache.all_valid = cache.all_valid and not self.has_pad
         n = valid.sum(1)
         cache.n_valid = n if cache.n_valid is None else cache.n_valid + n
