@@ -38,7 +38,7 @@ class LoopContext:
 
 
 class RecurrenceRule(nn.Module):
-    """Base class. Subclasses set ``name`` and implement ``start`` and ``step``."""
+    """Base class. Subclasses implement ``start`` and ``step``; :func:`register_rule` names them (``name``)."""
 
     name = ""
     #: whether ``start`` takes the token positions (the Huginn family's gaussian initial state)
@@ -83,9 +83,13 @@ class RecurrenceRule(nn.Module):
 RULES: dict[str, type[RecurrenceRule]] = {}
 
 
-def register_rule(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
-    RULES[cls.name] = cls
-    return cls
+def register_rule(name: str):
+    """Class decorator: ``RULES[name]`` is the class, and ``name`` its ``name``."""
+    def register(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
+        cls.name = name
+        RULES[name] = cls
+        return cls
+    return register
 
 
 def build_rule(cfg: ModelConfig) -> RecurrenceRule:
@@ -125,11 +129,9 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, 
             nn.init.zeros_(module.bias)
 
 
-@register_rule
+@register_rule("looped")
 class Looped(RecurrenceRule):
     """Looped baseline: ``h_{t+1} = h_t + s·G(h_t + e)``, h* = h_0 = e, s = 1 (SPEC §2, our choice)."""
-
-    name = "looped"
 
     def start(self, e):
         return e, LoopContext(e=e, anchor=e, injection=e)
@@ -159,11 +161,9 @@ class _AnchoredStart(RecurrenceRule):
         return [(m, sigma) for m in (A, self.init_proj) if m is not None] + super().source_modules()
 
 
-@register_rule
+@register_rule("adapter")
 class Adapter(_AnchoredStart):
     """Tuned adapter: ``h_{t+1} = h_t + s·G(h_t + α·W_in h*)``; α learned (init 0.15), s = 0.35."""
-
-    name = "adapter"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -177,11 +177,9 @@ class Adapter(_AnchoredStart):
     step = Looped.step
 
 
-@register_rule
+@register_rule("step_adapter")
 class StepAdapter(Adapter):
     """Recurrent-step-conditioned adapter (SCSE eq. 6): adds ``τ·P_step γ_t`` to the core input."""
-
-    name = "step_adapter"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -193,13 +191,11 @@ class StepAdapter(Adapter):
         return state + self.s * core(state + ctx.injection + self.tau * self.step_proj(gamma))
 
 
-@register_rule
+@register_rule("step_film")
 class StepFilm(Adapter):
     """Step-FiLM adapter (SCSE appendix; SPEC §2): ``u = h + α·W_in h*``, ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)``,
     (g_t, b_t) = ``film[min(t, steps − 1)]`` of a learned (steps, 2, d) table, N(0, init_std) after
     :meth:`LoopLM.reset_parameters` (a near-identity start; our choice)."""
-
-    name = "step_film"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -212,12 +208,10 @@ class StepFilm(Adapter):
         return state + self.s * core((1.0 + self.sigma * g) * u + self.sigma * b)
 
 
-@register_rule
+@register_rule("norm_reset")
 class NormReset(Looped):
     """Periodic normalization reset (SCSE appendix; SPEC §2): the looped step, then ``h ← RMSNorm(h)``
     (parameter-free, our choice: parameter-matched to looped) whenever t + 1 ≡ 0 mod ``period``."""
-
-    name = "norm_reset"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -287,47 +281,40 @@ class _SourceCentered(_AnchoredStart):
         return h - ctx.anchor
 
 
-@register_rule
+@register_rule("scse")
 class SCSE(_SourceCentered):
     """Source-Centered State Evolution (SCSE eq. 5; SPEC §2); main method κ = 0 (no W_c), λ = 0, s = 0.5."""
 
-    name = "scse"
     zero_kappa_drops = True
 
 
-@register_rule
+@register_rule("sc_cond")
 class SCCond(_SourceCentered):
     """SC-Cond (SCSE appendix; SPEC §2): ``q = s·G(Δ + c_sc)``, no leak. Masked, b_t = 0 but b̃_t = s·G(c_sc)."""
 
-    name = "sc_cond"
 
-
-@register_rule
+@register_rule("sc_subtract")
 class SCSubtract(SCCond):
     """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core calls per step
     (c_body = 2; independent dropout masks in training, as in the paper)."""
 
-    name = "sc_subtract"
     core_calls_per_step = 2
 
     def raw_update(self, core, state, ctx):
         return core(state + ctx.injection) - core(ctx.injection, call=1)
 
 
-@register_rule
+@register_rule("scse_leak")
 class SCSELeak(_SourceCentered):
     """SCSE leak diagnostic (SCSE appendix; Listing 1): SC-Cond with deviation leak λ_leak = ``leak``."""
 
-    name = "scse_leak"
 
-
-@register_rule
+@register_rule("additive_subtract")
 class AdditiveSubtract(Adapter):
     """Additive forcing subtraction (SCSE eq. 22; SPEC §2) on Δ: ``u_t = G(h* + Δ_t + α·W_in e + τ_t) −
     G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; τ_t = τ·P_step γ_t, τ = 0 by default (our choice: the
     paper lists no step term for this control); two core calls per step; no mask."""
 
-    name = "additive_subtract"
     core_calls_per_step = 2
 
     def __init__(self, cfg: ModelConfig):
@@ -350,11 +337,9 @@ class AdditiveSubtract(Adapter):
     hidden, to_state = _SourceCentered.hidden, _SourceCentered.to_state  # the state is Δ = h − h*
 
 
-@register_rule
+@register_rule("plain")
 class Plain(RecurrenceRule):
     """No injection (DeepLoop baseline; SPEC §2): ``h_{t+1} = h_t + G(h_t)``, h* = h_0 = e, no scale s."""
-
-    name = "plain"
 
     def start(self, e):
         return e, LoopContext(e=e, anchor=e, injection=None)
@@ -413,12 +398,10 @@ class _Huginn(RecurrenceRule):
         return z + core(z, ctx.qkv)
 
 
-@register_rule
+@register_rule("huginn_linear")
 class HuginnLinear(_Huginn):
     """``ζ = W_lin [h; e; 1]``, ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2); ``adapter_bias=false`` and
     ``step_norm=false`` give Huginn-0125's recurrence (arXiv:2502.05171)."""
-
-    name = "huginn_linear"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -449,11 +432,9 @@ class _Decay(_Huginn):
         return torch.exp(-delta * torch.exp(self.alpha_raw)), delta
 
 
-@register_rule
+@register_rule("parcae")
 class Parcae(_Decay):
     """``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
-
-    name = "parcae"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -465,18 +446,14 @@ class Parcae(_Decay):
         return lam * state + delta * self.in_proj(self.in_norm(ctx.injection))
 
 
-@register_rule
+@register_rule("parcae_decay")
 class ParcaeDecay(Parcae):
     """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2; learned gains, LMDR Table 7, unless ``input_norm_affine=false``)."""
 
-    name = "parcae_decay"
 
-
-@register_rule
+@register_rule("orthoinj")
 class OrthoInj(_Decay):
     """Orthogonal injection (SPEC §2): ``q = Δ ⊙ W e``, ``ζ = Q_q Λ h + q``, ``Q_q v = v − q (qᵀv)/(‖q‖² + 1e-6)``."""
-
-    name = "orthoinj"
 
     def core_input(self, state, ctx):
         lam, delta = self.decay()
@@ -486,11 +463,9 @@ class OrthoInj(_Decay):
         return v - q * coef + q
 
 
-@register_rule
+@register_rule("deq_qkv")
 class DEQQKV(_Huginn):
     """Per-layer Q/K/V injection (SPEC §2): ζ = h; core block j adds ``W_e^(j) e`` (d→3d) to its Q, K, V."""
-
-    name = "deq_qkv"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
