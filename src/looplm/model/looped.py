@@ -199,17 +199,15 @@ class DepthLM(nn.Module):
 
     def readout(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                 record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Coda, then the readout (SPEC §4): (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols).
-
-        ``rmsnorm``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw unless ``final``.
-        Coda layers attend through ``scope`` at visit 0; ``record=False`` reads the KV cache without writing.
-        """
+        """``lm_head`` of :meth:`readout_features`: (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols)."""
         return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
 
     def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                          record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
-        """:meth:`readout` before ``lm_head``: exit norm, coda, token selection, final norm. → (B, L, d) or (N, d)."""
+        """Exit norm, coda, token selection, then the readout norm (SPEC §4) → (B, L, d) or (N, d): ``rmsnorm``
+        ``RMSNorm(h)``, ``raw`` h, ``final_only_norm`` raw unless ``final``. Coda layers attend through ``scope`` at
+        visit 0; ``record=False`` reads the KV cache without writing."""
         if self.cfg.exit_norm != "none":  # the loop's exit, before the coda (Huginn-0125: ln_f)
             h = (self.exit_norm if self.exit_norm is not None else self.norm_f)(h)
         kv = None if scope is None else scope.at(0, record)

@@ -390,8 +390,8 @@ class _Huginn(RecurrenceRule):
         return self.initial_state(e, positions), LoopContext(e=e, anchor=e, injection=e)
 
     def core_input(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
-        """ζ (B, L, d)."""
-        raise NotImplementedError
+        """ζ (B, L, d); h itself unless the rule mixes in e (deq_qkv injects into attention instead)."""
+        return state
 
     def step(self, core, state, t, ctx, *, mask=True):
         z = self.core_input(state, ctx)
@@ -475,9 +475,6 @@ class DEQQKV(_Huginn):
     def start(self, e, positions=None):
         h0, ctx = super().start(e, positions)
         return h0, dataclasses.replace(ctx, injection=None, qkv=[w(e) for w in self.qkv_proj])
-
-    def core_input(self, state, ctx):
-        return state
 
 
 assert set(RULE_NAMES) == set(RULES), f"config RuleName and rule registry disagree on {set(RULE_NAMES) ^ set(RULES)}"
