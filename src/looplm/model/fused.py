@@ -79,10 +79,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = gw * (w[0] if w.numel() else 0.0)
         redo_h, redo_w = need_h and grad_h is None, need_w and grad_w is None
         if redo_h or redo_w:  # recompute each chunk's logits
-            if redo_h:
-                grad_h = torch.empty_like(h)
-            if redo_w:
-                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_h = torch.empty_like(h) if redo_h else grad_h
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if redo_w else grad_w
             _chunks(h, weight, targets, ctx.chunk, grad_h if redo_h else None, grad_w if redo_w else None,
                     scale=grad_nll)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None

@@ -21,9 +21,10 @@ from looplm.model.layers import attention
 CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
 
-def chunk_positions(valid: torch.Tensor | None, start, L: int, device) -> torch.Tensor:
-    """Position ids (B, L) (or (1, L)) of a chunk: ``start`` (B, 1) or 0 plus the real tokens (``valid`` (B, L)
-    bool, None = all) before each; left padding gets 0."""
+def chunk_positions(valid: torch.Tensor | None, cache: KVCache | None, L: int, device) -> torch.Tensor:
+    """Position ids (B, L) (or (1, L)) of a chunk: the real tokens of ``cache`` (None: 0) plus those of the chunk
+    (``valid`` (B, L) bool, None = all) before each; left padding gets 0."""
+    start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0  # (B, 1) or 0
     if valid is None:
         pos = start + torch.arange(L, device=device)  # (B, L) or (L,)
         return pos if pos.dim() == 2 else pos[None]
@@ -90,8 +91,6 @@ class KVCache:
         self.stats = {key: s[index] for key, s in self.stats.items()}
 
     def _prefix_key(self, layer_id: int, visit: int):
-        if not self.buffers:
-            return None
         if self.mode == "terminal":
             key = (layer_id, visit % self.calls_per_step)
             return key if key in self.buffers else None
@@ -161,8 +160,7 @@ class AttentionScope:
         cache's real-token counts plus the real tokens before each in the chunk (:func:`chunk_positions`).
         Rotary embeddings read them."""
         if self._positions is None:
-            start = self.cache.n_valid[:, None] if self.cache is not None and self.cache.n_valid is not None else 0
-            self._positions = chunk_positions(self.key_valid, start, L, device)
+            self._positions = chunk_positions(self.key_valid, self.cache, L, device)
         return self._positions
 
     def at(self, visit: int, record: bool = True) -> KVVisit:

@@ -336,8 +336,7 @@ class DepthLM(nn.Module):
             cache.calls_per_step = self.calls_per_step
             if cache.capacity is None:
                 cache.capacity = self.cfg.seq_len  # the static cache's preallocated positions
-        start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
-        positions = chunk_positions(valid, start, idx.shape[1], idx.device)  # (B, L)
+        positions = chunk_positions(valid, cache, idx.shape[1], idx.device)  # (B, L)
         key_valid = valid if attention_mask is not None else None
         scope = AttentionScope(None, key_valid, positions) if cache is None else cache.open_scope(key_valid, positions)
         return scope, positions, key_valid

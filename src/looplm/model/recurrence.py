@@ -74,8 +74,6 @@ class RecurrenceRule(nn.Module):
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
         """``ctx`` with the injection scaled by ``gain`` (dose response, SPEC §7; unchanged without one)."""
-        if ctx.injection is None and ctx.qkv is None:
-            return ctx
         return dataclasses.replace(ctx, injection=None if ctx.injection is None else gain * ctx.injection,
                                    qkv=None if ctx.qkv is None else [gain * q for q in ctx.qkv])
 
