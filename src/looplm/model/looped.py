@@ -54,13 +54,8 @@ def _block_args(cfg: ModelConfig) -> dict:
 
 def _normal(name: str, p: torch.Tensor, std: float) -> None:
     """N(0, std) into ``p``; the fused ``gate_up`` as its gate then up halves (the pre-fusion RNG order)."""
-    if name.endswith("mlp.gate_up.weight"):
-        half = p.shape[0] // 2
-        with torch.no_grad():
-            nn.init.normal_(p[:half], 0.0, std)
-            nn.init.normal_(p[half:], 0.0, std)
-    else:
-        nn.init.normal_(p, 0.0, std)
+    for part in p.chunk(2 if name.endswith("mlp.gate_up.weight") else 1):
+        nn.init.normal_(part, 0.0, std)
 
 
 def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:

@@ -136,9 +136,8 @@ class DecodeStep:
         if how == "cuda_graph" and cache.length.device.type != "cuda":
             raise ValueError("how: cuda_graph needs the model and cache on a CUDA device")
         self.model, self.cache, self.depth, self.how = model, cache, depth, how
-        cpu = cache.length.device.type == "cpu"
-        w = model.lm_head.weight.detach()
-        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cpu else {}  # (V, d), strides (1, V)
+        w = model.lm_head.weight.detach()  # on CPU: (V, d) with strides (1, V)
+        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cache.length.device.type == "cpu" else {}
         self._read = _Read(model)
         self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
                                                                               dynamic=False, fullgraph=True)
