@@ -29,36 +29,38 @@ def chunk_rows(vocab: int, n: int) -> int:
     return max(1, min(n, max(16, CHUNK_ELEMENTS // max(1, vocab))))
 
 
-def _grad_logits(logp: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """∂NLL/∂logits = softmax − onehot (ignored rows 0) from a chunk's log-probabilities, in place."""
-    g = logp.exp_()
-    keep = targets != -100
-    rows = torch.arange(len(targets), device=g.device)
-    g[rows[keep], targets[keep]] -= 1.0
-    g.mul_(keep[:, None])
-    return g.to(dtype)
+def _chunks(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, gh: torch.Tensor | None,
+            gw: torch.Tensor | None, nll: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
+    """Chunk by chunk of rows of h (N, d): the NLL into ``nll`` (N,), G = softmax − onehot (ignored rows 0; × the
+    per-token ``scale`` (N,) fp32) as G @ W into ``gh`` (N, d) and accumulated Gᵀh into ``gw`` (V, d) fp32."""
+    for i in range(0, h.shape[0], chunk):
+        hc, tc = h[i:i + chunk], targets[i:i + chunk]
+        logp = F.log_softmax(F.linear(hc, weight).float(), dim=-1)  # (c, V)
+        if nll is not None:
+            # = F.cross_entropy(..., ignore_index=-100, reduction="none"), bitwise (log-softmax, gather)
+            nll[i:i + chunk] = torch.where(tc != -100, -logp.gather(1, tc.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        if gh is None and gw is None:
+            continue
+        g = logp.exp_()  # softmax − onehot, in place
+        keep = tc != -100
+        rows = torch.arange(len(tc), device=g.device)
+        g[rows[keep], tc[keep]] -= 1.0
+        g.mul_(keep[:, None])
+        g = g.to(h.dtype) if scale is None else g.to(torch.float32).mul_(scale[i:i + chunk, None]).to(h.dtype)
+        if gh is not None:
+            torch.mm(g, weight, out=gh[i:i + chunk])
+        if gw is not None:
+            gw.addmm_(g.t(), hc) if g.dtype == torch.float32 else gw.add_((g.t() @ hc).float())
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
                 shape: torch.Size, ahead_h: bool, ahead_w: bool) -> torch.Tensor:
-        n = h.shape[0]
         out = torch.empty(shape, dtype=torch.float32, device=h.device)  # not a view: FSDP2 hooks outputs
-        nll = out.view(-1)
         gh = torch.empty_like(h) if ahead_h else None  # (N, d): rows of (softmax − onehot) @ W
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ahead_w else None  # (V, d)
-        for i in range(0, n, chunk):
-            hc, tc = h[i:i + chunk], targets[i:i + chunk]
-            logp = F.log_softmax(F.linear(hc, weight).float(), dim=-1)  # (c, V)
-            # = F.cross_entropy(..., ignore_index=-100, reduction="none"), bitwise (log-softmax, gather)
-            nll[i:i + chunk] = torch.where(tc != -100, -logp.gather(1, tc.clamp(min=0)[:, None]).squeeze(1), 0.0)
-            if ahead_h or ahead_w:
-                g = _grad_logits(logp, tc, h.dtype)
-                if ahead_h:
-                    torch.mm(g, weight, out=gh[i:i + chunk])
-                if ahead_w:
-                    gw.addmm_(g.t(), hc) if g.dtype == torch.float32 else gw.add_((g.t() @ hc).float())
+        _chunks(h, weight, targets, chunk, gh, gw, out.view(-1))
         ctx.save_for_backward(h, weight, targets, gh, gw)
         ctx.chunk = chunk
         return out
@@ -66,7 +68,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll: torch.Tensor):
         h, weight, targets, gh, gw = ctx.saved_tensors
-        chunk, n = ctx.chunk, h.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_nll = grad_nll.reshape(-1).float()
         grad_h = grad_w = None
@@ -78,18 +79,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = gw * (w[0] if w.numel() else 0.0)
         redo_h, redo_w = need_h and grad_h is None, need_w and grad_w is None
         if redo_h or redo_w:  # recompute each chunk's logits
-            if redo_h:
-                grad_h = torch.empty_like(h)
-            if redo_w:
-                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            for i in range(0, n, chunk):
-                hc, tc = h[i:i + chunk], targets[i:i + chunk]
-                logp = F.log_softmax(F.linear(hc, weight).float(), dim=-1)
-                g = _grad_logits(logp, tc, torch.float32).mul_(grad_nll[i:i + chunk, None]).to(h.dtype)
-                if redo_h:
-                    torch.mm(g, weight, out=grad_h[i:i + chunk])
-                if redo_w:
-                    grad_w.addmm_(g.t(), hc) if g.dtype == torch.float32 else grad_w.add_((g.t() @ hc).float())
+            grad_h = torch.empty_like(h) if redo_h else grad_h
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if redo_w else grad_w
+            _chunks(h, weight, targets, ctx.chunk, grad_h if redo_h else None, grad_w if redo_w else None,
+                    scale=grad_nll)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 

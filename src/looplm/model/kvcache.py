@@ -14,15 +14,17 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from looplm.model.layers import attention
 
 CacheMode = Literal["per_visit", "terminal"]
 CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
 
-def chunk_positions(valid: torch.Tensor | None, start, L: int, device) -> torch.Tensor:
-    """Position ids (B, L) (or (1, L)) of a chunk: ``start`` (B, 1) or 0 plus the real tokens (``valid`` (B, L)
-    bool, None = all) before each; left padding gets 0."""
+def chunk_positions(valid: torch.Tensor | None, cache: KVCache | None, L: int, device) -> torch.Tensor:
+    """Position ids (B, L) (or (1, L)) of a chunk: the real tokens of ``cache`` (None: 0) plus those of the chunk
+    (``valid`` (B, L) bool, None = all) before each; left padding gets 0."""
+    start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0  # (B, 1) or 0
     if valid is None:
         pos = start + torch.arange(L, device=device)  # (B, L) or (L,)
         return pos if pos.dim() == 2 else pos[None]
@@ -47,7 +49,7 @@ class KVCache:
         self.mode = mode
         self.capacity = max_len
         self.buffers: dict = {}  # key → (K, V) (B, H_kv, capacity, hd)
-        self._len = 0
+        self.length = 0  # cached positions L_past, padding included
         self._valid: torch.Tensor | None = None  # (B, capacity) bool
         self.all_valid = True  # no cached position is padding
         self.n_valid: torch.Tensor | None = None
@@ -55,22 +57,18 @@ class KVCache:
         self.calls_per_step = 1
 
     @property
-    def length(self) -> int:  # cached positions L_past, padding included
-        return self._len
-
-    @property
     def banks(self) -> dict:
         """{key: (K, V)} (B, H_kv, L_past, hd): views of the used part of the buffers."""
-        n = self._len
+        n = self.length
         return {key: (k[:, :, :n], v[:, :, :n]) for key, (k, v) in self.buffers.items()}
 
     @property
     def valid(self) -> torch.Tensor | None:
-        return None if self._valid is None else self._valid[:, :self._len]
+        return None if self._valid is None else self._valid[:, :self.length]
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens' K/V (L_past positions of every bank, not the capacity)."""
-        return sum(2 * k[:, :, :self._len].numel() * k.element_size() for k, _ in self.buffers.values())
+        return sum(2 * k[:, :, :self.length].numel() * k.element_size() for k, _ in self.buffers.values())
 
     def capacity_nbytes(self) -> int:
         """Bytes allocated for the banks (the whole capacity)."""
@@ -93,38 +91,26 @@ class KVCache:
         self.stats = {key: s[index] for key, s in self.stats.items()}
 
     def _prefix_key(self, layer_id: int, visit: int):
-        if not self.buffers:
-            return None
         if self.mode == "terminal":
             key = (layer_id, visit % self.calls_per_step)
             return key if key in self.buffers else None
         visits = [v for (lid, v) in self.buffers if lid == layer_id]
         return (layer_id, _nearest(visits, visit)) if visits else None
 
-    def _prefix(self, layer_id: int, visit: int):
-        key = self._prefix_key(layer_id, visit)
-        if key is None:
-            return None
-        k, v = self.buffers[key]
-        return k[:, :, :self._len], v[:, :, :self._len]
-
     def reserve(self, n: int) -> None:
         """Make room for ``n`` cached positions (grows every buffer to max(n, 2 × capacity) if needed)."""
         if self.capacity is not None and n <= self.capacity:
             return
-        cap = max(n, 2 * (self.capacity or 0))
-        self.capacity = cap
-        L = self._len
+        self.capacity = cap = max(n, 2 * (self.capacity or 0))
+        L = self.length
         grown = {}
         for key, (k, v) in self.buffers.items():
-            nk, nv = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            nk, nv = self._new_bank(k)
             nk[:, :, :L], nv[:, :, :L] = k[:, :, :L], v[:, :, :L]
             grown[key] = (nk, nv)
         self.buffers = grown
         if self._valid is not None:
-            nvb = self._valid.new_zeros(self._valid.shape[0], cap)
-            nvb[:, :L] = self._valid[:, :L]
-            self._valid = nvb
+            self._valid = F.pad(self._valid[:, :L], (0, cap - L))  # (B, cap), False past L
 
     def _new_bank(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (*like.shape[:2], self.capacity, like.shape[3])
@@ -174,8 +160,7 @@ class AttentionScope:
         cache's real-token counts plus the real tokens before each in the chunk (:func:`chunk_positions`).
         Rotary embeddings read them."""
         if self._positions is None:
-            start = self.cache.n_valid[:, None] if self.cache is not None and self.cache.n_valid is not None else 0
-            self._positions = chunk_positions(self.key_valid, start, L, device)
+            self._positions = chunk_positions(self.key_valid, self.cache, L, device)
         return self._positions
 
     def at(self, visit: int, record: bool = True) -> KVVisit:
@@ -192,9 +177,7 @@ class AttentionScope:
         has_pad = self.has_pad
         past_pad = self.cache is not None and Lp > 0 and not self.cache.all_valid
         if Lp == 0 and not has_pad:
-            return None
-        if Lq == 1 and not has_pad and not past_pad:
-            return torch.ones(1, 1, 1, Lp + 1, dtype=torch.bool, device=device)  # one query sees everything
+            return None  # (one query over an all-valid prefix never gets here: _sdpa attends without a mask)
         causal = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril()  # (Lq, Lq)
         cur = causal.expand(B, Lq, Lq)
         if has_pad:
@@ -228,8 +211,8 @@ class AttentionScope:
             return self._sdpa(q, k, v, dropout_p)
         L, Lc = cache.length, k.shape[2]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # autograd: no in-place writes
-            pk, pv = cache._prefix(layer_id, visit)
-            return self._sdpa(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), dropout_p)
+            pk, pv = cache.buffers[key]
+            return self._sdpa(q, torch.cat([pk[:, :, :L], k], 2), torch.cat([pv[:, :, :L], v], 2), dropout_p)
         cache.reserve(L + Lc)
         bk, bv = cache.buffers[key]
         # the chunk's own K/V right after the prefix (scratch: commit writes the final values there)
@@ -263,8 +246,6 @@ class AttentionScope:
         first = next(iter(self.pending.values()))[0]
         B, Lc, dev = first.shape[0], first.shape[2], first.device
         L = cache.length
-        if cache.capacity is None:
-            cache.capacity = L + Lc
         cache.reserve(L + Lc)
         end = L + Lc
         if cache.mode == "terminal":
@@ -293,7 +274,7 @@ class AttentionScope:
         if cache._valid is None:
             cache._valid = torch.zeros(B, cache.capacity, dtype=torch.bool, device=dev)
         cache._valid[:, L:end] = valid
-        cache._len = end
+        cache.length = end
         cache.all_valid = cache.all_valid and not self.has_pad
         n = valid.sum(1)
         cache.n_valid = n if cache.n_valid is None else cache.n_valid + n

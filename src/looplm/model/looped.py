@@ -42,32 +42,20 @@ class LoopOutput:
     exit_logits_by_depth: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _post_ln_alpha(cfg: ModelConfig) -> float | None:
-    return None if cfg.residual == "pre_ln" else cfg.residual_alpha_beta[0]
-
-
-def block_options(cfg: ModelConfig) -> dict:
-    """The keyword options every :class:`Block` of ``cfg`` takes (norms, kv heads, q/k bias, rope or None)."""
+def _block_args(cfg: ModelConfig) -> dict:
+    """The arguments every :class:`Block` of ``cfg`` takes (sizes, post-LN α, norms, kv heads, q/k bias, rope)."""
     pos = cfg.position  # scaling_factor is 1 unless scaling=linear (the config checks it)
     rope = (Rope(cfg.head_dim, pos.theta, pos.layout, pos.scaling_factor, pos.table_dtype)
             if pos.NAME == "rope" else None)
-    return dict(norm=cfg.block_norm, n_kv_heads=cfg.kv_heads, qk_bias=cfg.qk_bias, rope=rope)
-
-
-def _block(cfg: ModelConfig) -> Block:
-    return Block(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg),
-                 **block_options(cfg))
+    return dict(d=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff, dropout=cfg.dropout, eps=cfg.norm_eps,
+                post_ln_alpha=None if cfg.residual == "pre_ln" else cfg.residual_alpha_beta[0],
+                norm=cfg.block_norm, n_kv_heads=cfg.kv_heads, qk_bias=cfg.qk_bias, rope=rope)
 
 
 def _normal(name: str, p: torch.Tensor, std: float) -> None:
     """N(0, std) into ``p``; the fused ``gate_up`` as its gate then up halves (the pre-fusion RNG order)."""
-    if name.endswith("mlp.gate_up.weight"):
-        half = p.shape[0] // 2
-        with torch.no_grad():
-            nn.init.normal_(p[:half], 0.0, std)
-            nn.init.normal_(p[half:], 0.0, std)
-    else:
-        nn.init.normal_(p, 0.0, std)
+    for part in p.chunk(2 if name.endswith("mlp.gate_up.weight") else 1):
+        nn.init.normal_(part, 0.0, std)
 
 
 def _xavier(name: str, p: torch.Tensor, cfg: ModelConfig) -> None:
@@ -131,7 +119,7 @@ class DepthLM(nn.Module):
 
     # ------------------------------------------------------------------ init and accounting
     def n_physical_blocks(self) -> int:
-        raise NotImplementedError
+        return sum(isinstance(m, Block) for m in self.modules())
 
     def reset_parameters(self) -> None:
         """Pre-LN (GPT-2): N(0, init_std), residual projections init_std/√(2·blocks). Post-LN (SPEC §3): N(0,
@@ -206,17 +194,15 @@ class DepthLM(nn.Module):
 
     def readout(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                 record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Coda, then the readout (SPEC §4): (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols).
-
-        ``rmsnorm``: ``W_out · RMSNorm(h)``; ``raw``: ``W_out · h``; ``final_only_norm``: raw unless ``final``.
-        Coda layers attend through ``scope`` at visit 0; ``record=False`` reads the KV cache without writing.
-        """
+        """``lm_head`` of :meth:`readout_features`: (B, L, d) → (B, L, V), or (N, V) for ``tokens`` = (rows, cols)."""
         return self.lm_head(self.readout_features(h, final, scope=scope, record=record, tokens=tokens))
 
     def readout_features(self, h: torch.Tensor, final: bool = True, *, scope: AttentionScope | None = None,
                          record: bool = True, tokens: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
-        """:meth:`readout` before ``lm_head``: exit norm, coda, token selection, final norm. → (B, L, d) or (N, d)."""
+        """Exit norm, coda, token selection, then the readout norm (SPEC §4) → (B, L, d) or (N, d): ``rmsnorm``
+        ``RMSNorm(h)``, ``raw`` h, ``final_only_norm`` raw unless ``final``. Coda layers attend through ``scope`` at
+        visit 0; ``record=False`` reads the KV cache without writing."""
         if self.cfg.exit_norm != "none":  # the loop's exit, before the coda (Huginn-0125: ln_f)
             h = (self.exit_norm if self.exit_norm is not None else self.norm_f)(h)
         kv = None if scope is None else scope.at(0, record)
@@ -295,8 +281,29 @@ class DepthLM(nn.Module):
         wanted = {*depths[:-1], last}
         loop.window(gradient, last)
         out = LoopOutput(states=[] if readout.states else None, anchor=loop.ctx.anchor)
-        read = _Reader(self, out, targets, readout, final=self.resolve_final_depth(readout.final_depth, last),
-                       last=last, scope=loop.scope)
+        final = self.resolve_final_depth(readout.final_depth, last)
+        fused = readout.fused_ce and targets is not None and not readout.logits
+
+        def read(T: int, h: torch.Tensor) -> torch.Tensor | None:
+            """Exit-gate logits, then logits and NLL, or the fused readout + loss, or the coda alone (to fill the
+            cache; only the last readout records)."""
+            if self.exit_gate is not None and T >= 1:
+                out.exit_logits_by_depth[T] = self.exit_gate(h).squeeze(-1)  # (B, L)
+            kw = dict(final=T >= final, scope=loop.scope, record=T == last, tokens=readout.tokens)
+            if fused or (targets is None and not readout.logits):  # no (B, L, V) logits
+                feats = self.readout_features(h, **kw)
+                if fused:
+                    out.nll_by_depth[T] = linear_cross_entropy(feats, self.lm_head.weight, targets)
+                return None
+            logits = self.readout(h, **kw)
+            if readout.logits:
+                out.logits_by_depth[T] = logits
+            if targets is not None:
+                # returned tensors must not be views: FSDP2 hooks the root module's outputs for backward
+                out.nll_by_depth[T] = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
+                                                      ignore_index=-100, reduction="none").view(targets.shape).clone()
+            return logits
+
         while True:
             if readout.states:
                 out.states.append(loop.h)
@@ -324,8 +331,7 @@ class DepthLM(nn.Module):
             cache.calls_per_step = self.calls_per_step
             if cache.capacity is None:
                 cache.capacity = self.cfg.seq_len  # the static cache's preallocated positions
-        start = cache.n_valid[:, None] if cache is not None and cache.n_valid is not None else 0
-        positions = chunk_positions(valid, start, idx.shape[1], idx.device)  # (B, L)
+        positions = chunk_positions(valid, cache, idx.shape[1], idx.device)  # (B, L)
         key_valid = valid if attention_mask is not None else None
         scope = AttentionScope(None, key_valid, positions) if cache is None else cache.open_scope(key_valid, positions)
         return scope, positions, key_valid
@@ -345,11 +351,10 @@ class LoopLM(DepthLM):
                              "use looplm.model.build_model (TransformerLM for the unshared reference)")
         super().__init__(cfg)
         d = cfg.d_model
-        self.prelude = nn.ModuleList(_block(cfg) for _ in range(cfg.n_prelude))
-        self.core = Core(cfg.n_core, d, cfg.n_heads, cfg.d_ff, cfg.dropout, cfg.norm_eps, _post_ln_alpha(cfg),
-                         **block_options(cfg))
+        self.prelude = nn.ModuleList(Block(**_block_args(cfg)) for _ in range(cfg.n_prelude))
+        self.core = Core(cfg.n_core, **_block_args(cfg))
         self.rule = build_rule(cfg)
-        self.coda = nn.ModuleList(_block(cfg) for _ in range(cfg.n_coda))
+        self.coda = nn.ModuleList(Block(**_block_args(cfg)) for _ in range(cfg.n_coda))
         control = cfg.scale_control
         self.loop_norm = RMSNorm(d, cfg.norm_eps) if control.NAME == "inter_loop_norm" else None
         self.damping_raw = (nn.Parameter(torch.tensor(math.log(control.init / (1 - control.init))))
@@ -365,9 +370,6 @@ class LoopLM(DepthLM):
     @property
     def blocks_after(self):
         return self.coda
-
-    def n_physical_blocks(self) -> int:
-        return self.cfg.n_prelude + self.cfg.n_core + self.cfg.n_coda
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -428,12 +430,9 @@ class TransformerLM(DepthLM):
             raise ValueError(f"model.architecture: TransformerLM builds the unshared reference, got "
                              f"{cfg.architecture!r}")
         super().__init__(cfg)
-        self.layers = nn.ModuleList(_block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(**_block_args(cfg)) for _ in range(cfg.n_layers))
         self.exit_gate = None
         self._finish_init()
-
-    def n_physical_blocks(self) -> int:
-        return self.cfg.n_layers
 
     def start(self, e, positions=None, *, scope=None, valid=None):
         return e, LoopContext(e=e, anchor=None, valid=None if valid is None else valid[..., None].to(e.dtype),
@@ -446,37 +445,6 @@ class TransformerLM(DepthLM):
         if t >= len(self.layers):
             return state
         return state + self.layers[t](state, None, None if ctx.scope is None else ctx.scope.at(0))
-
-
-class _Reader:
-    """The readouts of one forward at depth T into ``out``: exit-gate logits, then logits and NLL, or the fused
-    readout + loss, or the coda alone (to fill the cache; only the last readout records)."""
-
-    def __init__(self, model: DepthLM, out: LoopOutput, targets: torch.Tensor | None, readout: Readout, *,
-                 final: int, last: int, scope: AttentionScope | None):
-        self.model, self.out, self.targets, self.final, self.last = model, out, targets, final, last
-        self.keep_logits, self.tokens, self.scope = readout.logits, readout.tokens, scope
-        self.fused = readout.fused_ce and targets is not None and not readout.logits
-        self.unread = targets is None and not readout.logits
-
-    def __call__(self, T: int, h: torch.Tensor) -> torch.Tensor | None:
-        model, out, targets = self.model, self.out, self.targets
-        if model.exit_gate is not None and T >= 1:
-            out.exit_logits_by_depth[T] = model.exit_gate(h).squeeze(-1)  # (B, L)
-        kw = dict(final=T >= self.final, scope=self.scope, record=T == self.last, tokens=self.tokens)
-        if self.fused or self.unread:  # no (B, L, V) logits
-            feats = model.readout_features(h, **kw)
-            if self.fused:
-                out.nll_by_depth[T] = linear_cross_entropy(feats, model.lm_head.weight, targets)
-            return None
-        logits = model.readout(h, **kw)
-        if self.keep_logits:
-            out.logits_by_depth[T] = logits
-        if targets is not None:
-            # returned tensors must not be views: FSDP2 hooks the root module's outputs for backward
-            out.nll_by_depth[T] = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100,
-                                                  reduction="none").view(targets.shape).clone()
-        return logits
 
 
 def build_model(cfg: Config | ModelConfig) -> DepthLM:

@@ -1,18 +1,12 @@
 """Recurrence rules: one registry, one name each (SPEC §2).
 Sources: SCSE arXiv:2607.27656 (eq. 2–6, 22); Huginn-family injections arXiv:2610.06833 (eq. 8, Table 7).
 
-A rule defines, from the embedding ``e`` (B, L, d):
-
-- ``start(e)``: the anchor ``h*``, the initial loop state and per-sequence constants, in a :class:`LoopContext`;
-- ``step(core, state, t, ctx)``: the rule's update ``state_t → state_{t+1}``, wrapped by the realized step
-  :meth:`LoopLM.step` (scale control and clamp). ``core(x, qkv_inject=None, *, call=0)`` returns G(x);
-  ``call`` numbers the core applications within the step, naming KV visit ``t · core_calls_per_step + call``;
-- ``hidden(state, ctx)`` / ``to_state(h, ctx)``: loop state ↔ read-out ``h`` (identity for additive rules;
-  Δ = h − h* for the SCSE family and additive_subtract);
-- ``with_injection_gain(ctx, g)``: the injection scaled by g (dose response, SPEC §7): ``e`` (looped,
-  norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
-  scse_leak, scse with ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none.
-
+A rule maps the embedding ``e`` (B, L, d) to h*, the initial loop state and a :class:`LoopContext` (``start``),
+and updates the loop state (``step``, wrapped by :meth:`LoopLM.step`); ``core(x, qkv_inject=None, *, call=0)``
+returns G(x) at KV visit ``t · core_calls_per_step + call``. The state is h, or Δ = h − h* for the SCSE family
+and additive_subtract (``hidden`` / ``to_state``). Injections (scaled by ``with_injection_gain``, SPEC §7): ``e``
+(looped, norm_reset), ``α·W_in h*`` (adapter, step_adapter, step_film), ``κ·W_c h*`` (sc_cond, sc_subtract,
+scse_leak, scse with ``kappa ≠ 0``), ``α·W_in e`` (additive_subtract); main SCSE has none.
 :func:`register_rule` adds a rule; ``ModelConfig.rule`` names it and ``config.RULE_OPTIONS`` its options.
 """
 
@@ -44,7 +38,7 @@ class LoopContext:
 
 
 class RecurrenceRule(nn.Module):
-    """Base class. Subclasses set ``name`` and implement ``start`` and ``step``."""
+    """Base class. Subclasses implement ``start`` and ``step``; :func:`register_rule` names them (``name``)."""
 
     name = ""
     #: whether ``start`` takes the token positions (the Huginn family's gaussian initial state)
@@ -73,13 +67,13 @@ class RecurrenceRule(nn.Module):
         return h
 
     def source_modules(self) -> list[tuple[nn.Linear, float]]:
-        """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order."""
-        return []
+        """The linear maps of e, h* or γ_t that feed the loop, each with its ``matched`` std, in a fixed order: here
+        1/√fan_in, the σ_m of a map whose output keeps its input's RMS."""
+        maps = [getattr(self, name, None) for name in ("in_proj", "step_proj", "cond_proj", "adapter")]
+        return [(m, 1.0 / math.sqrt(m.in_features)) for m in maps + [*getattr(self, "qkv_proj", ())] if m is not None]
 
     def with_injection_gain(self, ctx: LoopContext, gain: float) -> LoopContext:
         """``ctx`` with the injection scaled by ``gain`` (dose response, SPEC §7; unchanged without one)."""
-        if ctx.injection is None and ctx.qkv is None:
-            return ctx
         return dataclasses.replace(ctx, injection=None if ctx.injection is None else gain * ctx.injection,
                                    qkv=None if ctx.qkv is None else [gain * q for q in ctx.qkv])
 
@@ -87,9 +81,13 @@ class RecurrenceRule(nn.Module):
 RULES: dict[str, type[RecurrenceRule]] = {}
 
 
-def register_rule(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
-    RULES[cls.name] = cls
-    return cls
+def register_rule(name: str):
+    """Class decorator: ``RULES[name]`` is the class, and ``name`` its ``name``."""
+    def register(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
+        cls.name = name
+        RULES[name] = cls
+        return cls
+    return register
 
 
 def build_rule(cfg: ModelConfig) -> RecurrenceRule:
@@ -101,11 +99,6 @@ def build_rule(cfg: ModelConfig) -> RecurrenceRule:
 
 def _linear(d: int) -> nn.Linear:
     return nn.Linear(d, d, bias=False)
-
-
-def _unit_gain(*modules: nn.Linear | None) -> list[tuple[nn.Linear, float]]:
-    """(module, 1/√fan_in) for each module that exists: σ_m of a map whose output keeps its input's RMS."""
-    return [(m, 1.0 / math.sqrt(m.in_features)) for m in modules if m is not None]
 
 
 def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, unit_projections: bool = False) -> None:
@@ -134,11 +127,9 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, 
             nn.init.zeros_(module.bias)
 
 
-@register_rule
+@register_rule("looped")
 class Looped(RecurrenceRule):
     """Looped baseline: ``h_{t+1} = h_t + s·G(h_t + e)``, h* = h_0 = e, s = 1 (SPEC §2, our choice)."""
-
-    name = "looped"
 
     def start(self, e):
         return e, LoopContext(e=e, anchor=e, injection=e)
@@ -160,19 +151,17 @@ class _AnchoredStart(RecurrenceRule):
         return e + self.c_a * self.anchor_proj(e), e + self.c_0 * self.init_proj(e)
 
     def source_modules(self):
-        """A (when the rule has it) and I with σ_m = 1/√(d·(c_0² + c_a²)) (:func:`init_source_modules`)."""
+        """A (if the rule has it) and I at σ_m = 1/√(d·(c_0² + c_a²)) (:func:`init_source_modules`), then the rest."""
         A = getattr(self, "anchor_proj", None)
         d = self.init_proj.in_features
         c2 = self.c_0 ** 2 + (self.c_a ** 2 if A is not None else 0.0)
         sigma = 1.0 / math.sqrt(d * c2) if c2 > 0 else 1.0 / math.sqrt(d)
-        return [(m, sigma) for m in (A, self.init_proj) if m is not None]
+        return [(m, sigma) for m in (A, self.init_proj) if m is not None] + super().source_modules()
 
 
-@register_rule
+@register_rule("adapter")
 class Adapter(_AnchoredStart):
     """Tuned adapter: ``h_{t+1} = h_t + s·G(h_t + α·W_in h*)``; α learned (init 0.15), s = 0.35."""
-
-    name = "adapter"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -183,38 +172,28 @@ class Adapter(_AnchoredStart):
         anchor, h0 = self.anchor_and_init(e)
         return h0, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(anchor))
 
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.in_proj)
-
     step = Looped.step
 
 
-@register_rule
+@register_rule("step_adapter")
 class StepAdapter(Adapter):
     """Recurrent-step-conditioned adapter (SCSE eq. 6): adds ``τ·P_step γ_t`` to the core input."""
-
-    name = "step_adapter"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model)  # P_step
 
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.step_proj)
-
     def step(self, core, state, t, ctx, *, mask=True):
         gamma = sinusoidal_step_embedding(t, state.shape[-1], device=state.device, dtype=state.dtype)  # (d,)
         return state + self.s * core(state + ctx.injection + self.tau * self.step_proj(gamma))
 
 
-@register_rule
+@register_rule("step_film")
 class StepFilm(Adapter):
     """Step-FiLM adapter (SCSE appendix; SPEC §2): ``u = h + α·W_in h*``, ``h_{t+1} = h + s·G((1 + σ·g_t)⊙u + σ·b_t)``,
     (g_t, b_t) = ``film[min(t, steps − 1)]`` of a learned (steps, 2, d) table, N(0, init_std) after
     :meth:`LoopLM.reset_parameters` (a near-identity start; our choice)."""
-
-    name = "step_film"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -227,12 +206,10 @@ class StepFilm(Adapter):
         return state + self.s * core((1.0 + self.sigma * g) * u + self.sigma * b)
 
 
-@register_rule
+@register_rule("norm_reset")
 class NormReset(Looped):
     """Periodic normalization reset (SCSE appendix; SPEC §2): the looped step, then ``h ← RMSNorm(h)``
     (parameter-free, our choice: parameter-matched to looped) whenever t + 1 ≡ 0 mod ``period``."""
-
-    name = "norm_reset"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -247,26 +224,27 @@ class NormReset(Looped):
 class _SourceCentered(_AnchoredStart):
     """The masked source-centered recurrence of the SCSE family (SCSE eq. 5, Listing 1) on Δ = h − h*:
     ``q_t = s·U(Δ_t)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``, readout ``h* + Δ_T``;
-    the injection is ``c_sc = κ·W_c h*`` (none for ``kappa=None``); option ``anchor`` picks h*."""
+    the injection is ``c_sc = κ·W_c h*``; option ``anchor`` picks h*, ``leak`` λ (0 without the option)."""
 
-    def __init__(self, cfg: ModelConfig, *, kappa: float | None, leak: float):
+    #: κ = 0 means no W_c at all (main SCSE); the SC-Cond rules keep W_c whatever κ
+    zero_kappa_drops = False
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.anchor_kind = cfg.options.anchor
         self.use_mask = cfg.options.mask
         self.eps = cfg.options.eps
-        self.leak = leak
+        self.leak = getattr(cfg.options, "leak", 0.0)
         if self.anchor_kind in ("embedding", "init"):
             del self.anchor_proj
         elif self.anchor_kind == "frozen_random":
             self.anchor_proj.weight.requires_grad_(False)
-        if kappa is not None:
+        kappa = cfg.options.kappa
+        if kappa != 0.0 or not self.zero_kappa_drops:
             self.cond_proj = _linear(cfg.d_model)  # W_c
             self.kappa = nn.Parameter(torch.tensor(float(kappa)))
         else:
             self.cond_proj = None
-
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.cond_proj)
 
     def start(self, e):
         h0 = e + self.c_0 * self.init_proj(e)
@@ -301,67 +279,46 @@ class _SourceCentered(_AnchoredStart):
         return h - ctx.anchor
 
 
-@register_rule
+@register_rule("scse")
 class SCSE(_SourceCentered):
     """Source-Centered State Evolution (SCSE eq. 5; SPEC §2); main method κ = 0 (no W_c), λ = 0, s = 0.5."""
 
-    name = "scse"
-
-    def __init__(self, cfg: ModelConfig):
-        kappa = cfg.options.kappa
-        super().__init__(cfg, kappa=kappa if kappa != 0.0 else None, leak=cfg.options.leak)
+    zero_kappa_drops = True
 
 
-@register_rule
+@register_rule("sc_cond")
 class SCCond(_SourceCentered):
     """SC-Cond (SCSE appendix; SPEC §2): ``q = s·G(Δ + c_sc)``, no leak. Masked, b_t = 0 but b̃_t = s·G(c_sc)."""
 
-    name = "sc_cond"
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.options.kappa, leak=0.0)
-
-
-@register_rule
+@register_rule("sc_subtract")
 class SCSubtract(SCCond):
     """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core calls per step
     (c_body = 2; independent dropout masks in training, as in the paper)."""
 
-    name = "sc_subtract"
     core_calls_per_step = 2
 
     def raw_update(self, core, state, ctx):
         return core(state + ctx.injection) - core(ctx.injection, call=1)
 
 
-@register_rule
+@register_rule("scse_leak")
 class SCSELeak(_SourceCentered):
     """SCSE leak diagnostic (SCSE appendix; Listing 1): SC-Cond with deviation leak λ_leak = ``leak``."""
 
-    name = "scse_leak"
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, kappa=cfg.options.kappa, leak=cfg.options.leak)
-
-
-@register_rule
-class AdditiveSubtract(_AnchoredStart):
+@register_rule("additive_subtract")
+class AdditiveSubtract(Adapter):
     """Additive forcing subtraction (SCSE eq. 22; SPEC §2) on Δ: ``u_t = G(h* + Δ_t + α·W_in e + τ_t) −
     G(h* + α·W_in e + τ_t)``, ``Δ_{t+1} = Δ_t + s·u_t``; τ_t = τ·P_step γ_t, τ = 0 by default (our choice: the
     paper lists no step term for this control); two core calls per step; no mask."""
 
-    name = "additive_subtract"
     core_calls_per_step = 2
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.in_proj = _linear(cfg.d_model)  # W_in
-        self.alpha = nn.Parameter(torch.tensor(float(cfg.options.alpha_init)))
+        super().__init__(cfg)  # A, I, then W_in and α
         self.tau = cfg.options.step_tau
         self.step_proj = _linear(cfg.d_model) if self.tau else None  # P_step
-
-    def source_modules(self):
-        return super().source_modules() + _unit_gain(self.in_proj, self.step_proj)
 
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
@@ -378,11 +335,9 @@ class AdditiveSubtract(_AnchoredStart):
     hidden, to_state = _SourceCentered.hidden, _SourceCentered.to_state  # the state is Δ = h − h*
 
 
-@register_rule
+@register_rule("plain")
 class Plain(RecurrenceRule):
     """No injection (DeepLoop baseline; SPEC §2): ``h_{t+1} = h_t + G(h_t)``, h* = h_0 = e, no scale s."""
-
-    name = "plain"
 
     def start(self, e):
         return e, LoopContext(e=e, anchor=e, injection=None)
@@ -433,28 +388,23 @@ class _Huginn(RecurrenceRule):
         return self.initial_state(e, positions), LoopContext(e=e, anchor=e, injection=e)
 
     def core_input(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
-        """ζ (B, L, d)."""
-        raise NotImplementedError
+        """ζ (B, L, d); h itself unless the rule mixes in e (deq_qkv injects into attention instead)."""
+        return state
 
     def step(self, core, state, t, ctx, *, mask=True):
         z = self.core_input(state, ctx)
         return z + core(z, ctx.qkv)
 
 
-@register_rule
+@register_rule("huginn_linear")
 class HuginnLinear(_Huginn):
     """``ζ = W_lin [h; e; 1]``, ``h_{r+1} = RMSNorm(ζ + G(ζ))`` (SPEC §2); ``adapter_bias=false`` and
     ``step_norm=false`` give Huginn-0125's recurrence (arXiv:2502.05171)."""
-
-    name = "huginn_linear"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=cfg.options.adapter_bias)  # W_lin
         self.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, affine=False) if cfg.options.step_norm else None
-
-    def source_modules(self):
-        return _unit_gain(self.adapter)
 
     def core_input(self, state, ctx):
         return self.adapter(torch.cat([state, ctx.injection], dim=-1))
@@ -474,20 +424,15 @@ class _Decay(_Huginn):
         self.alpha_raw = nn.Parameter(torch.full((d,), float(cfg.options.alpha_raw_init)))
         self.in_proj = _linear(d)  # W
 
-    def source_modules(self):
-        return _unit_gain(self.in_proj)
-
     def decay(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Λ, Δ), each (d,)."""
         delta = nn.functional.softplus(self.delta_raw)
         return torch.exp(-delta * torch.exp(self.alpha_raw)), delta
 
 
-@register_rule
+@register_rule("parcae")
 class Parcae(_Decay):
     """``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
-
-    name = "parcae"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -499,18 +444,14 @@ class Parcae(_Decay):
         return lam * state + delta * self.in_proj(self.in_norm(ctx.injection))
 
 
-@register_rule
+@register_rule("parcae_decay")
 class ParcaeDecay(Parcae):
     """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2; learned gains, LMDR Table 7, unless ``input_norm_affine=false``)."""
 
-    name = "parcae_decay"
 
-
-@register_rule
+@register_rule("orthoinj")
 class OrthoInj(_Decay):
     """Orthogonal injection (SPEC §2): ``q = Δ ⊙ W e``, ``ζ = Q_q Λ h + q``, ``Q_q v = v − q (qᵀv)/(‖q‖² + 1e-6)``."""
-
-    name = "orthoinj"
 
     def core_input(self, state, ctx):
         lam, delta = self.decay()
@@ -520,26 +461,18 @@ class OrthoInj(_Decay):
         return v - q * coef + q
 
 
-@register_rule
+@register_rule("deq_qkv")
 class DEQQKV(_Huginn):
     """Per-layer Q/K/V injection (SPEC §2): ζ = h; core block j adds ``W_e^(j) e`` (d→3d) to its Q, K, V."""
-
-    name = "deq_qkv"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.qkv_proj = nn.ModuleList(nn.Linear(cfg.d_model, cfg.qkv_width, bias=False)
                                       for _ in range(cfg.n_core))  # W_e^(j), d → Q/K/V rows (3d without GQA)
 
-    def source_modules(self):
-        return _unit_gain(*self.qkv_proj)
-
     def start(self, e, positions=None):
         h0, ctx = super().start(e, positions)
         return h0, dataclasses.replace(ctx, injection=None, qkv=[w(e) for w in self.qkv_proj])
-
-    def core_input(self, state, ctx):
-        return state
 
 
 assert set(RULE_NAMES) == set(RULES), f"config RuleName and rule registry disagree on {set(RULE_NAMES) ^ set(RULES)}"

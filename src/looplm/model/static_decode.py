@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from looplm.model.kvcache import KVCache
 from looplm.model.layers import attention
@@ -35,15 +36,11 @@ class StaticKVCache:
                              f"got {capacity}")
         L = cache.length
         self.capacity, self.calls_per_step, self.steps_left = capacity, cache.calls_per_step, capacity - L
-        self.buffers = {}
-        for key, (k, v) in cache.buffers.items():
-            bk, bv = k.new_zeros(*k.shape[:2], capacity, k.shape[3]), v.new_zeros(*v.shape[:2], capacity, v.shape[3])
-            bk[:, :, :L], bv[:, :, :L] = k[:, :, :L], v[:, :, :L]
-            self.buffers[key] = (bk, bv)
-        dev = next(iter(self.buffers.values()))[0].device
-        self.valid = torch.zeros(cache.valid.shape[0], capacity, dtype=torch.bool, device=dev)
-        self.valid[:, :L] = cache.valid
-        self.length = torch.tensor(L, device=dev)
+        # the cached positions, then zeros up to the capacity: (B, H_kv, capacity, hd) banks, (B, capacity) valid
+        self.buffers = {key: tuple(F.pad(t[:, :, :L], (0, 0, 0, capacity - L)) for t in kv)
+                        for key, kv in cache.buffers.items()}
+        self.valid = F.pad(cache.valid, (0, capacity - L))
+        self.length = torch.tensor(L, device=self.valid.device)
         self.n_valid = cache.n_valid.clone()
         self.stats = {key: s.clone() for key, s in cache.stats.items()}
         for t in (*[t for kv in self.buffers.values() for t in kv], self.valid, self.length, self.n_valid,
@@ -139,9 +136,8 @@ class DecodeStep:
         if how == "cuda_graph" and cache.length.device.type != "cuda":
             raise ValueError("how: cuda_graph needs the model and cache on a CUDA device")
         self.model, self.cache, self.depth, self.how = model, cache, depth, how
-        cpu = cache.length.device.type == "cpu"
-        w = model.lm_head.weight.detach()
-        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cpu else {}  # (V, d), strides (1, V)
+        w = model.lm_head.weight.detach()  # on CPU: (V, d) with strides (1, V)
+        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cache.length.device.type == "cpu" else {}
         self._read = _Read(model)
         self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
                                                                               dynamic=False, fullgraph=True)

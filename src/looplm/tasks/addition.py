@@ -19,6 +19,7 @@ def _number(k: int, rng: np.random.Generator) -> int:
     return int("".join(map(str, digits)))
 
 
+@register_task
 class Addition(TaskFamily):
     name = "addition"
     max_k = 30
@@ -32,6 +33,3 @@ class Addition(TaskFamily):
 
     def space(self, k: int) -> int:
         return min((10**k - (0 if k == 1 else 10 ** (k - 1))) ** 2, 10**9)
-
-
-register_task(Addition())

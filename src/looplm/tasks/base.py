@@ -58,12 +58,12 @@ class TaskFamily:
 TASKS: dict[str, TaskFamily] = {}
 
 
-def register_task(family: TaskFamily) -> TaskFamily:
-    """Add ``family`` to :data:`TASKS` under its name (ValueError if the name is taken)."""
-    if family.name in TASKS:
-        raise ValueError(f"task {family.name!r} is already registered")
-    TASKS[family.name] = family
-    return family
+def register_task(cls: type[TaskFamily]) -> type[TaskFamily]:
+    """Class decorator: an instance of ``cls`` into :data:`TASKS` under its name (ValueError if the name is taken)."""
+    if cls.name in TASKS:
+        raise ValueError(f"task {cls.name!r} is already registered")
+    TASKS[cls.name] = cls()
+    return cls
 
 
 def get_task(name: str) -> TaskFamily:

@@ -31,32 +31,28 @@ def rng_for(*key: object) -> np.random.Generator:
     return np.random.default_rng(key_hash("looplm-task", *key))
 
 
-def instance_key(inst: Instance) -> str:
-    """The identity of an instance (its prompt; the answer is a function of it)."""
-    return inst.prompt
-
-
 @lru_cache(maxsize=256)
 def heldout(task: str, k: int, split: str, size: int, seed: int) -> tuple[Instance, ...]:
-    """The held-out instances of ``split`` ∈ {valid, test} at difficulty k (ValueError: bad task, split or k)."""
+    """The held-out instances of ``split`` ∈ {valid, test} at difficulty k, distinct by prompt (the answer is a
+    function of it); ValueError: bad task, split or k."""
     family = get_task(task)
     family.check_k(k)
     if split not in HELDOUT_SPLITS:
         raise ValueError(f"split: got {split!r}; allowed: {', '.join(HELDOUT_SPLITS)}")
     n = min(size, family.space(k) // 4)
-    taken = {instance_key(i) for i in heldout(task, k, "test", size, seed)} if split == "valid" else set()
+    taken = {i.prompt for i in heldout(task, k, "test", size, seed)} if split == "valid" else set()
     rng, out = rng_for(task, k, split, seed), {}
     while len(out) < n:
         inst = family.make(k, rng)
-        if instance_key(inst) not in taken:
-            out.setdefault(instance_key(inst), inst)
+        if inst.prompt not in taken:
+            out.setdefault(inst.prompt, inst)
     return tuple(out.values())
 
 
 @lru_cache(maxsize=256)
 def heldout_keys(task: str, k: int, size: int, seed: int) -> frozenset[str]:
     """Prompts of every held-out instance (valid and test) at difficulty k."""
-    return frozenset(instance_key(i) for s in HELDOUT_SPLITS for i in heldout(task, k, s, size, seed))
+    return frozenset(i.prompt for s in HELDOUT_SPLITS for i in heldout(task, k, s, size, seed))
 
 
 def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
@@ -67,7 +63,7 @@ def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
         k = int(rng.integers(1, cfg.task_k + 1))
         held = heldout_keys(cfg.task, k, cfg.task_heldout, cfg.task_seed)
         inst = family.make(k, rng)
-        while instance_key(inst) in held:
+        while inst.prompt in held:
             inst = family.make(k, rng)
         out.append(inst)
     return out

@@ -12,6 +12,7 @@ import numpy as np
 from looplm.tasks.base import Instance, TaskFamily, register_task
 
 
+@register_task
 class ModSum(TaskFamily):
     name = "modsum"
     max_k = 64
@@ -25,6 +26,3 @@ class ModSum(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10 ** min(k, 9)
-
-
-register_task(ModSum())

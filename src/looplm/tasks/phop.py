@@ -29,6 +29,7 @@ def hop_chain(seq: str, p: int) -> list[int] | None:
     return path
 
 
+@register_task
 class PHop(TaskFamily):
     name = "phop"
     max_k = 24  # draws redrawn for a missing hop: ~79% at k = 24, ~97% at k = 28 (64 symbols over 4)
@@ -46,6 +47,3 @@ class PHop(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10**9  # 4**64 sequences
-
-
-register_task(PHop())

@@ -16,6 +16,7 @@ from looplm.tasks.base import Instance, TaskFamily, register_task
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
+@register_task
 class VarChain(TaskFamily):
     name = "varchain"
     max_k = 13
@@ -38,6 +39,3 @@ class VarChain(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10**9  # ≥ 26!/(26 − 2k)! · 90 orderings of names and values
-
-
-register_task(VarChain())
