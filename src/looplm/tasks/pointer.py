@@ -21,6 +21,7 @@ NODES = "abcdefghijklmnopqrstuvwxyz"
 TREE = len(NODES) // 2  # nodes per tree
 
 
+@register_task
 class Pointer(TaskFamily):
     name = "pointer"
     max_k = TREE - 1
@@ -42,6 +43,3 @@ class Pointer(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10**9  # 26! / (13!)**2 tree splits times their chains and attachments
-
-
-register_task(Pointer())
