@@ -243,6 +243,9 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):
     assert {k: {T: r["correct"] for T, r in v.items()} for k, v in res["accuracy"].items()} == \
         {str(k): {str(T): r["correct"] for T, r in v.items()} for k, v in ref.items()}
     assert (res["k_train"], res["train_depth"], res["accuracy"]["1"]["1"]["n"]) == (3, 3, 2)  # k=1: 10 // 4 per split
+    from looplm.run.provenance import weights_sha256
+    assert res["provenance"]["weights_sha256"] == weights_sha256(res["checkpoint"])
+    assert (res["provenance"]["task"], res["provenance"]["task_seed"]) == (res["task"], 0)
     # a task checkpoint has no text to score: a one-line error naming `eval tasks`
     assert main(["eval", "ppl", "--checkpoint", str(full), "--depths", "1", "--quiet"]) == 2
     assert "looplm eval tasks" in capsys.readouterr().err

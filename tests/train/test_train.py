@@ -275,6 +275,9 @@ def test_train_cli_continues_initializes_and_overwrites(tmp_path, tiny_cfg, tiny
     assert main(["train", "--out", str(run), "--resume", "--train.steps", "3", "--quiet"]) == 0
     assert "ignoring" not in capsys.readouterr().err
     assert [r["step"] for r in _trace(run)] == [1, 2, 3]
+    assert main(["train", "--preset", "debug", "--out", str(run), "--resume", "--train.steps", "4", "--quiet"]) == 0
+    assert "ignoring --preset" in capsys.readouterr().err  # the saved config wins, and says so
+    assert [r["step"] for r in _trace(run)] == [1, 2, 3, 4]
     ft = tmp_path / "ft"
     assert main(["train", "--config", str(cfg), "--out", str(ft), "--init-from", str(run), "--quiet"]) == 0
     assert [r["step"] for r in _trace(ft)] == [1, 2]

@@ -165,7 +165,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
         try:
             cfg = (Config if base is None else type(base)).from_json(args.config.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--config {args.config}: {exc}") from None
+            raise ConfigError(f"--config {args.config}: expected a JSON config file ({exc})") from None
     elif args._cmd.config == "preset":
         from looplm.presets import get_preset
 
@@ -238,10 +238,11 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             options["overrides"] = overrides
         if "out" in vars(args) and args.out is None and hasattr(cfg, "train"):  # distill: a default --out
             leaf.error("the following arguments are required: --out")
-        ignored = [k for k in overrides if k != "train.steps"]  # train.steps: train a finished run on to it
-        if getattr(args, "resume", False) and (ignored or args.config):
+        ignored = [f"--{n}" for n in ("preset", "config") if getattr(args, n, None)]
+        ignored += [k for k in overrides if k != "train.steps"]  # train.steps: train a finished run on to it
+        if getattr(args, "resume", False) and ignored:
             print(f"{leaf.prog}: warning: --resume continues with the config saved in {args.out}; ignoring "
-                  f"{', '.join(ignored) or '--config'}", file=sys.stderr)
+                  f"{', '.join(ignored)}", file=sys.stderr)
     prepare_outputs(args)
     first = (args.checkpoint,) if args._first else ()
     report = Report(args.out, args.json) if cmd.report else None

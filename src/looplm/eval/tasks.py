@@ -25,6 +25,7 @@ from looplm.model import eval_mode
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
 from looplm.run.checkpoint import load_checkpoint
+from looplm.run.provenance import provenance
 
 
 def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, split: str = "test",
@@ -211,7 +212,8 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
     result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "task": data.task,
               "k_train": data.task_k, "train_depth": train_depth, "split": split, "params": model.num_params(),
               "accuracy": {str(k): {str(T): r for T, r in by_T.items()} for k, by_T in acc.items()},
-              "markdown": markdown_table(acc, data.task_k, title)}
+              "markdown": markdown_table(acc, data.task_k, title),
+              "provenance": provenance(ckpt, task=data.task, task_seed=data.task_seed, task_heldout=data.task_heldout)}
     if halting is not None:
         h = task_halting(model, data, ks, halting, split=split, max_examples=max_examples, batch_size=batch_size,
                          device=torch.device(device))
