@@ -428,6 +428,7 @@ tasks = {ks = [1, 2, 4], max_examples = 6}
 def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
     """``eval.tasks``: two shards of a task sweep fill one DB with one row set per (k, T), equal to what
     ``evaluate_task_checkpoint`` (``looplm eval tasks``) computes; no ppl rows; a re-run skips everything."""
+    from looplm.analysis.store import IDENTITY_COLUMNS, EvalIdentity
     from looplm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, UniformDepthConfig
     from looplm.eval.tasks import evaluate_task_checkpoint
 
@@ -450,12 +451,17 @@ def test_tasks_protocol_sweep_shards_store_what_eval_tasks_computes(tmp_path):
         for run in store.runs("tasks"):
             got = {(r["dataset"], r["depth"], r["metric"]): r["value"]
                    for r in store.evaluations(protocol="tasks", config_hash=run.config_hash)}
-            ref = evaluate_task_checkpoint(run.run_dir, depths=[1, 2, 3], ks=[1, 2, 4], max_examples=6,
-                                           progress=False)["accuracy"]
+            full = evaluate_task_checkpoint(run.run_dir, depths=[1, 2, 3], ks=[1, 2, 4], max_examples=6,
+                                            progress=False)
+            ref = full["accuracy"]
             # the same function on the same weights and instances: exact
             assert got == {(f"modsum-k{k}", int(T), m): float(v) for k, by_T in ref.items()
                            for T, r in by_T.items() for m, v in r.items()}
             assert got[("modsum-k1", 1, "n")] == 2 and got[("modsum-k4", 3, "n")] == 6  # k=1: 10 // 4 held out
+            one = store.evaluations(protocol="tasks", config_hash=run.config_hash)[0]
+            prov = store.provenance(EvalIdentity(**{c: one[c] for c in IDENTITY_COLUMNS}))
+            assert prov["weights_sha256"] and prov["weights_sha256"] == full["provenance"]["weights_sha256"]
+            assert prov["task"] == "modsum"
     again = run_sweep(path, out, progress=False)
     assert [r["status"] for r in again.runs] == ["skipped", "skipped"]
     md = (out / "report" / "report.md").read_text()

@@ -531,11 +531,13 @@ class _Runner:
             return ["tasks"]
         res = self._run_hook("tasks", ckpt, depths=list(ev.depths), halting=halting, **settings)
         self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
-                             for (k, T), ident in idents.items()], config=saved, settings=settings)
+                             for (k, T), ident in idents.items()], config=saved, settings=settings,
+                            provenance=res.get("provenance"))
         if halting is not None:
             tau = res["halting"]["tau"]
             self.store.put_many([(ident, {**_numeric(res["halting"]["by_k"][str(k)]), "tau": tau})
-                                 for k, ident in halt_idents.items()], config=saved, settings=halt_settings)
+                                 for k, ident in halt_idents.items()], config=saved, settings=halt_settings,
+                                provenance=res.get("provenance"))
         T = ev.depths[-1]
         return [f"tasks: acc (%) at T={T} " + ", ".join(
             f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks)]
