@@ -571,6 +571,8 @@ class NoScaleControlConfig(ScaleControlConfig):
     """``none``: the state passes between loops unchanged."""
 
     NAME = "none"
+
+
 @dataclass(frozen=True)
 class InterLoopNormConfig(ScaleControlConfig):
     """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""

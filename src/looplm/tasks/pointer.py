@@ -3,12 +3,12 @@
 Nodes ``a … z``; the prompt lists each node's parent in node order (a root is its own parent), then the query:
 ``"<26 parents>?q="``, answer the root of q (one token). Each tree has 13 nodes and holds a chain of exactly k hops
 (the queried one ends at q); its other 12 − k nodes attach, in a random order, to a uniformly chosen node of the
-same tree placed before them. Both trees have the same size and a k-hop chain, so no count tells the roots apart: only
-following q's pointers does (a first design, three roots and unequal trees, was solved at 55–80% without following
-pointers: accuracy rose with k, the queried tree growing with it). Unlike the other families the prompt has the
-same length at every k, so k beyond training asks for more hops, never for unseen positions (the addition
-headline's k > k_train failure is positional). Our design, after the pointer-chasing tasks of the looped-model
-literature; sizes our choice.
+same tree placed before them. Both trees have the same size and a k-hop chain, so no count tells the roots apart:
+only following q's pointers does (a first design, three roots and unequal trees, reached 76% valid accuracy without
+following pointers: test accuracy rose with k, as the queried tree grows with k). Unlike the other families the
+prompt has the same length at every k, so k beyond training asks for more hops, never for unseen positions (the
+addition headline's k > k_train failure is positional). Our design, after the pointer-chasing tasks of the looped-
+model literature; sizes our choice.
 """
 
 from __future__ import annotations
