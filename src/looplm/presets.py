@@ -70,12 +70,14 @@ PRESETS: dict[str, Config] = {
     "debug": _cpu("debug", UniformDepthConfig(lo=1, hi=4), OptimConfig(lr=3e-3, warmup_steps=5),
                   model=dict(rule="scse", vocab_size=1024, d_model=64, n_heads=2, d_ff=128, seq_len=64),
                   train=dict(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20)),
-    # seq_len fits k up to 2·k_train (rows grow with k except for phop and pointer); rope where they do
+    # seq_len fits k up to 2·k_train (rows grow with k except for phop and pointer*); rope where they grow and
+    # for pointer_edges (relative look-ups: an edge's child is the token before its parent)
     "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
     "task-modsum": _task("modsum", 8, 40, RopeConfig()),
     "task-addition": _task("addition", 4, 32, RopeConfig()),
     "task-pointer": _task("pointer", 4, 30, LearnedPositionConfig()),
+    "task-pointer_edges": _task("pointer_edges", 3, 52, RopeConfig()),
 }
 
 

@@ -65,7 +65,21 @@ def solve_pointer(prompt: str) -> tuple[str, int]:
     parents, query = prompt[:-1].split("?")
     nodes = "abcdefghijklmnopqrstuvwxyz"
     assert len(parents) == len(nodes) and len(query) == 1, "one parent per node, one queried node"
-    parent = dict(zip(nodes, parents))
+    return _root_of(dict(zip(nodes, parents)), query)
+
+
+def solve_pointer_edges(prompt: str) -> tuple[str, int]:
+    edges, query = prompt[:-1].split("?")
+    pairs = edges.split(";")
+    assert pairs.pop() == "" and all(len(p) == 2 for p in pairs), "child-parent pairs, each ended by ;"
+    parent = dict(pairs)
+    assert sorted(parent) == list("abcdefghijklmnop") and len(query) == 1, "one edge per node, one query"
+    return _root_of(parent, query)
+
+
+def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
+    """The root of ``query`` and its hop count; checks the forest is two trees of equal size."""
+    nodes = sorted(parent)
 
     def root(v: str) -> tuple[str, int]:
         steps = 0
@@ -75,12 +89,12 @@ def solve_pointer(prompt: str) -> tuple[str, int]:
         return v, steps
 
     roots = [root(v)[0] for v in nodes]
-    assert len(set(roots)) == 2 and roots.count(roots[0]) == 13, "two trees of 13 nodes"
+    assert len(set(roots)) == 2 and roots.count(roots[0]) == len(nodes) // 2, "two trees of equal size"
     return root(query)
 
 
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
-           "pointer": solve_pointer}
+           "pointer": solve_pointer, "pointer_edges": solve_pointer_edges}
 
 
 def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
@@ -89,7 +103,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, pointer, varchain"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, pointer, pointer_edges, varchain"):
         get_task("nope")
 
 

@@ -1,4 +1,6 @@
-"""Pointer chasing to a root: a two-tree forest over 26 nodes, k = the hops from the queried node to its root.
+"""Pointer chasing to a root: a two-tree forest, k = the hops from the queried node to its root.
+
+``pointer`` addresses nodes by position; ``pointer_edges`` by content (an edge list in random order).
 
 Nodes ``a … z``; the prompt lists each node's parent in node order (a root is its own parent), then the query:
 ``"<26 parents>?q="``, answer the root of q (one token). Each tree has 13 nodes and holds a chain of exactly k hops
@@ -21,20 +23,27 @@ NODES = "abcdefghijklmnopqrstuvwxyz"
 TREE = len(NODES) // 2  # nodes per tree
 
 
+def _forest(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(parent, trees)``: two trees of n/2 nodes over ``range(n)``, each with a chain of exactly k hops ending
+    at ``trees[i][k]`` (``trees[0]`` holds the query); the other nodes attach to an earlier node of their tree."""
+    parent = np.empty(n, dtype=np.int64)
+    trees = rng.permutation(n).reshape(2, n // 2)
+    for tree in trees:
+        chain, rest = tree[: k + 1], tree[k + 1:]
+        parent[chain[0]] = chain[0]
+        parent[chain[1:]] = chain[:-1]
+        for i, node in enumerate(rest):
+            parent[node] = tree[rng.integers(k + 1 + i)]
+    return parent, trees
+
+
 @register_task
 class Pointer(TaskFamily):
     name = "pointer"
     max_k = TREE - 1
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent = np.empty(len(NODES), dtype=np.int64)
-        trees = rng.permutation(len(NODES)).reshape(2, TREE)  # trees[0] holds the query
-        for tree in trees:
-            chain, rest = tree[: k + 1], tree[k + 1:]
-            parent[chain[0]] = chain[0]
-            parent[chain[1:]] = chain[:-1]
-            for i, node in enumerate(rest):
-                parent[node] = tree[rng.integers(k + 1 + i)]
+        parent, trees = _forest(len(NODES), k, rng)
         prompt = "".join(NODES[p] for p in parent) + f"?{NODES[trees[0][k]]}="
         return Instance(prompt=prompt, answer=NODES[trees[0][0]], k=k)
 
@@ -43,3 +52,27 @@ class Pointer(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10**9  # 26! / (13!)**2 tree splits times their chains and attachments
+
+
+EDGE_NODES = NODES[:16]
+
+
+@register_task
+class PointerEdges(TaskFamily):
+    """The same forest over 16 nodes (two trees of 8) as an edge list: ``"<child><parent>;"`` per node in random
+    order (a root is its own parent), then ``"?q="``. Each hop is a look-up by content (find q's edge), so one
+    loop can follow one pointer whatever the positions; past the root more hops change nothing (a fixed point)."""
+
+    name = "pointer_edges"
+    max_k = len(EDGE_NODES) // 2 - 1
+
+    def make(self, k: int, rng: np.random.Generator) -> Instance:
+        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        edges = "".join(f"{EDGE_NODES[c]}{EDGE_NODES[parent[c]]};" for c in rng.permutation(len(EDGE_NODES)))
+        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k)
+
+    def row_len(self, k: int) -> int:
+        return 3 * len(EDGE_NODES) + 3 + 1
+
+    def space(self, k: int) -> int:
+        return 10**9  # 16! edge orders alone
