@@ -186,6 +186,22 @@ def test_eval_options_come_from_the_driven_functions():
     assert (halt.k_max, halt.split_timed, halt.n_calib, halt.tolerance) == (5, "valid", 160, 0.01)
 
 
+def test_every_option_has_help_text():
+    """``--help`` explains each option: a text beyond its default (config fields, listed as --SECTION.FIELD, too)."""
+    import argparse
+
+    def walk(p: argparse.ArgumentParser):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in {id(c): c for c in action.choices.values()}.values():
+                    yield from walk(sub)
+
+    bare = [f"{p.prog} {a.option_strings[-1]}" for p in walk(build_all(build_parser())) for a in p._actions
+            if a.option_strings and a.help is not argparse.SUPPRESS and not re.sub(r"\(default[^)]*\)", "", a.help or "").strip()]
+    assert not bare, bare
+
+
 # ---------------------------------------------------------------- helpers
 def test_split_config_overrides():
     rest, ov = split_config_overrides(["--out", "d", "--optim.lr", "-1e-3", "--model.rule=scse", "--quiet",

@@ -288,7 +288,12 @@ def _strict_json(obj: Any) -> Any:
 def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str | None = None,
                  sweep: str | None = None, plots: bool = True) -> dict[str, Any]:
     """Write ``report.md``, ``report.json`` and depth plots of ``db`` to ``out``; returns their paths and the
-    ``report``."""
+    ``report``.
+
+    Args:
+        baseline: the variant every paired delta is taken against (default: the first variant)
+        sweep: report only the runs of this sweep name (default: every sweep in the database)
+    """
     from looplm.analysis.plots import plot_mean_std_vs_depth
 
     if isinstance(db, ResultStore):

@@ -548,7 +548,16 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
               device: str = "auto", quick: bool = False, rounds: int = 3, progress: bool = True) -> dict[str, Any]:
     """Run every measurement; returns the JSON-ready results (with ``targets`` and ``markdown``).
 
-    ``rounds``: interleaved A/B/B/A rounds per timed ratio (``steps`` calls each). ``quick``: toy shapes."""
+    Args:
+        preset: the model measured (a preset name: its model section)
+        depth: the loop depth T of the training, overhead and decoding figures
+        batch_size: rows per training step
+        steps: timed calls per variant in each round
+        matmul_n: side of the square fp32 matmul that measures the peak (the best of it and 1024)
+        device: cpu, cuda or auto
+        quick: toy shapes, one round (a smoke test; its values mean nothing)
+        rounds: interleaved A/B/B/A rounds per timed ratio
+    """
     if quick:
         preset, depth, batch_size, steps, matmul_n, rounds = "debug", min(depth, 2), 2, 1, 64, 1
     dev = resolve_device(device, "--device")

@@ -77,7 +77,13 @@ def demo_title(rules: Sequence[str]) -> str:
 def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | None = 16384,
              depths: Sequence[int] = DEFAULT_DEPTHS, rules: str = "looped,scse", progress: bool = True,
              preset: str = "cpu") -> dict:
-    """Run the main job into ``out``; returns the results (also results.json, a non-finite PPL as null)."""
+    """Run the main job into ``out``; returns the results (also results.json, a non-finite PPL as null).
+
+    Args:
+        steps: training steps per model (default: the preset's)
+        eval_tokens: tokens of each evaluation split
+        rules: comma-separated recurrence rules, one model each
+    """
     t0 = time.time()
     rule_list = [r.strip() for r in rules.split(",") if r.strip()]
     if not rule_list:

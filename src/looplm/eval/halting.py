@@ -235,7 +235,17 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
                                 scale_clamp: bool = False) -> dict[str, Any]:
     """Halting of a checkpoint by ``criterion`` (module docstring): the first ``n_calib`` full windows of
     ``split_calib`` calibrate, the first ``n_timed`` of ``split_timed`` (after those on one split) are timed.
-    Writes ``out_dir/halting.json``, ``halting.md`` and ``halting_frontier.png``."""
+    Writes ``out_dir/halting.json``, ``halting.md`` and ``halting_frontier.png``.
+
+    Args:
+        k_max: the deepest loop (default: the checkpoint's training depth)
+        split_calib: the split that calibrates τ
+        split_timed: the split that is timed
+        tolerance: τ is the smallest whose PPL is within (1 + tolerance) × PPL at k_max
+        n_calib: windows of the calibration split
+        n_timed: windows of the timed split
+        repeats: interleaved timed passes per mode (the median is kept)
+    """
     from looplm.eval.runner import open_checkpoint
     from looplm.run.provenance import tokens_sha256
 
