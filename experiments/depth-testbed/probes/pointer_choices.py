@@ -1,0 +1,51 @@
+"""What a `pointer_edges` probe answers: per k and T, the share of valid instances whose argmax answer is the
+queried node's root (right), the other tree's root (the wrong root), the queried node's parent, or another node.
+
+    python experiments/depth-testbed/probes/pointer_choices.py RUN_DIR OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from looplm.run.checkpoint import load_checkpoint
+from looplm.tasks import decode
+from looplm.tasks.data import heldout, rows
+
+
+def choice(prompt: str, answer: str) -> tuple[str, str, str]:
+    """(q's root, the other root, q's parent) read from the prompt's edge list."""
+    edges, q = prompt[:-1].split("?")
+    parent = dict(e for e in edges.split(";") if e)
+    roots = [c for c, p in parent.items() if c == p]
+    return answer, next(r for r in roots if r != answer), parent[q]
+
+
+def main(run: str, out: str, depths=(1, 2, 4, 8, 16)) -> None:
+    model, cfg, _, _ = load_checkpoint(run)
+    model.eval()
+    res = {}
+    for k in range(1, max(2 * cfg.data.task_k, 4) + 1):
+        insts = list(heldout(cfg.data.task, k, "valid", cfg.data.task_heldout, cfg.data.task_seed))
+        x, y = rows(insts, cfg.model.seq_len)
+        pos = (y != -100).float().argmax(1)  # the one answer position per row
+        refs = [choice(i.prompt, i.answer) for i in insts]
+        res[str(k)] = {}
+        for T in depths:
+            with torch.no_grad():
+                pred = model(x, depth=T).logits.argmax(-1)[torch.arange(len(x)), pos]
+            said = [decode([int(t)]) for t in pred]
+            n = len(insts)
+            res[str(k)][str(T)] = {
+                "right_root": round(100 * sum(s == r[0] for s, r in zip(said, refs)) / n, 1),
+                "other_root": round(100 * sum(s == r[1] for s, r in zip(said, refs)) / n, 1),
+                "parent_not_root": round(100 * sum(s == r[2] != r[0] for s, r in zip(said, refs)) / n, 1),
+                "other": round(100 * sum(s not in (r[0], r[1], r[2]) for s, r in zip(said, refs)) / n, 1)}
+    json.dump({"run": cfg.name, "split": "valid", "n": len(insts), "answers_pct": res}, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
