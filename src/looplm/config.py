@@ -41,9 +41,6 @@ SourceInit = Literal["gpt2", "torch", "matched", "normal"]
 ProjectionInit = Literal["source", "unit"]
 BlockInit = Literal["normal", "xavier_normal"]
 
-#: rules of the Huginn family (SPEC §2): injection at the core entrance, full-block core
-#: ``H^{r+1} = Core(ζ^r)``, initial state from ``state_init``.
-HUGINN_RULES: tuple[str, ...] = ("huginn_linear", "parcae_decay", "parcae", "orthoinj", "deq_qkv")
 #: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
 DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf", "task"]
