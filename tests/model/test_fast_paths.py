@@ -62,7 +62,7 @@ def test_bench_writes_every_measurement(tmp_path):
     res = json.loads(out.read_text())
     for key in ("matmul_peak_gflops", "train_tokens_per_s", "mfu", "loop_overhead_ratio", "scse_vs_looped_ratio",
                 "multidepth_eval_ratio", "bf16_train_speedup", "tbptt_peak_mem_ratio", "decode_cache_speedup",
-                "terminal_kv_bytes_ratio",
+                "terminal_kv_bytes_ratio", "train_compile_speedup", "mfu_compiled", "train_tokens_per_s_compiled",
                 # issue 15
                 "huginn_shape_mfu", "multidepth_flop_ratio", "decode_b1_tokens_per_s", "peak_train_mem_bytes",
                 "multidepth_vs_separate_speedup", "huginn_decode_cache_speedup", "peak_train_mem_ratio",

@@ -137,9 +137,12 @@ def _model_batch(cfg: ModelConfig, batch_size: int, device: torch.device) -> tup
 
 
 def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
-               dtype: str = "float32") -> Callable[[], None]:
-    """One training step (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``."""
+               dtype: str = "float32", backend: str | None = None) -> Callable[[], None]:
+    """One training step (forward + backward + AdamW step) of ``cfg`` at loop depth ``depth``; ``backend``: blocks
+    compiled by ``torch.compile`` with it (``train.compile``), compiling on the first call."""
     model, x = _model_batch(cfg, batch_size, device)
+    if backend is not None:
+        compile_blocks(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -519,8 +522,10 @@ def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
 
 def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
                     device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
-                    log: Callable[..., None]) -> None:
-    """``mfu``, ``bf16_train_speedup``, ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res`` (interleaved)."""
+                    log: Callable[..., None], backend: str = "inductor") -> None:
+    """``mfu``, ``bf16_train_speedup``, ``train_compile_speedup`` (compiled blocks, ``backend``, over eager; its MFU
+    ``mfu_compiled`` = ``mfu`` × the speed-up), ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res``
+    (interleaved)."""
     ratio = partial(_ratio, res, rounds=rounds, repeat=steps, device=device)
     # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
     ma, mb = matmul
@@ -535,6 +540,11 @@ def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_
     res["train_tokens_per_s_bf16"] = tokens / iv["a_s"]
     log(f"train: {res['train_tokens_per_s']:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), "
         f"{res['train_tokens_per_s_bf16']:.0f} tok/s bf16")
+    iv = ratio("train_compile_speedup", train_step(cfg, depth, batch_size=batch_size, device=device, backend=backend),
+               fp32)  # the untimed warm-up call compiles
+    res["train_tokens_per_s_compiled"] = tokens / iv["a_s"]
+    res["mfu_compiled"] = res["mfu"] * iv["median"]
+    log(f"train: compiled blocks ×{iv['median']:.2f} of eager (MFU {res['mfu_compiled']:.1%})")
 
     looped = train_step(cfg.replace(rule="looped"), depth, batch_size=batch_size, device=device)
     unshared = train_step(cfg.replace(architecture="unshared", n_layers=depth), depth, batch_size=batch_size,
@@ -572,7 +582,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["intervals"] = {}
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
     training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
-                    slow_bf16=slow_bf16, log=log)
+                    slow_bf16=slow_bf16, log=log, backend="aot_eager" if quick else "inductor")
     multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
         f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
@@ -609,6 +619,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"| bf16 matmul peak | {res['matmul_peak_gflops']['bfloat16']:.1f} GFLOP/s |",
              f"| training tokens/s (fp32) | {res['train_tokens_per_s']:.0f} |",
              f"| training tokens/s (bf16 autocast) | {res['train_tokens_per_s_bf16']:.0f} |",
+             f"| training tokens/s (fp32, compiled blocks) and its MFU | {res['train_tokens_per_s_compiled']:.0f}; "
+             f"{res['mfu_compiled']:.1%} |",
              f"| multi-depth eval vs separate runs | {res['multidepth_vs_separate_speedup']:.2f}× faster |",
              f"| activation bytes: TBPTT T={res['tbptt_depth']} b={res['tbptt_window']} / full T="
              f"{res['tbptt_short_depth']} / full T={res['tbptt_depth']} | {res['tbptt_mem_bytes_truncated']:,} / "
