@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SPEC = importlib.util.spec_from_file_location("bench_agreement", Path(__file__).resolve().parents[2] / "benchmarks"
                                               / "bench_agreement.py")
 mod = importlib.util.module_from_spec(SPEC)
@@ -29,3 +31,11 @@ def test_agreement_over_shared_ratios(tmp_path):
     assert mod.main([str(pa), str(pb), "--out", str(tmp_path / "cmp")]) == 1
     assert json.loads((tmp_path / "cmp.json").read_text())["rows"] == res["rows"]
     assert "2 of 3 ratios agree within 5%" in (tmp_path / "cmp.md").read_text()
+
+
+def test_no_shared_ratio_a_null_value_or_another_shape_never_agree():
+    assert not mod.agreement({"targets": {"mfu": {}}, "mfu": 0.6}, {"targets": {"x": {}}, "x": 1.0})["agree"]
+    res = mod.agreement({"targets": {"mfu": {}}, "mfu": None}, {"targets": {"mfu": {}}, "mfu": 0.6})
+    assert res["rows"] == [{"key": "mfu", "a": None, "b": 0.6, "rel_diff": None, "agree": False}]
+    with pytest.raises(ValueError, match="different things: depth 8 vs 4"):
+        mod.agreement({"depth": 8}, {"depth": 4})

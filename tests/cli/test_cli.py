@@ -197,8 +197,11 @@ def test_every_option_has_help_text():
                 for sub in {id(c): c for c in action.choices.values()}.values():
                     yield from walk(sub)
 
+    def text(help_: str | None) -> str:  # the help without "(default X)" or a config field's "[X]"
+        return re.sub(r"\(default[^)]*\)|\[[^]]*\]$", "", help_ or "").strip()
+
     bare = [f"{p.prog} {a.option_strings[-1]}" for p in walk(build_all(build_parser())) for a in p._actions
-            if a.option_strings and a.help is not argparse.SUPPRESS and not re.sub(r"\(default[^)]*\)", "", a.help or "").strip()]
+            if a.option_strings and a.help is not argparse.SUPPRESS and not text(a.help)]
     assert not bare, bare
 
 

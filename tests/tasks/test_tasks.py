@@ -69,16 +69,19 @@ def solve_pointer(prompt: str) -> tuple[str, int]:
 
 
 def solve_pointer_edges(prompt: str) -> tuple[str, int]:
+    assert prompt.endswith("="), "the query ends with ="
     edges, query = prompt[:-1].split("?")
     pairs = edges.split(";")
     assert pairs.pop() == "" and all(len(p) == 2 for p in pairs), "child-parent pairs, each ended by ;"
     parent = dict(pairs)
-    assert sorted(parent) == list("abcdefghijklmnop") and len(query) == 1, "one edge per node, one query"
+    assert len(pairs) == 16 and sorted(parent) == list("abcdefghijklmnop") and len(query) == 1, \
+        "one edge per node a … p, one query"
     return _root_of(parent, query)
 
 
 def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
-    """The root of ``query`` and its hop count; checks the forest is two trees of equal size."""
+    """The root of ``query`` and its hop count; checks the forest is two trees of equal size, the other one with
+    a chain as long as the query's (no count tells the roots apart)."""
     nodes = sorted(parent)
 
     def root(v: str) -> tuple[str, int]:
@@ -90,7 +93,9 @@ def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
 
     roots = [root(v)[0] for v in nodes]
     assert len(set(roots)) == 2 and roots.count(roots[0]) == len(nodes) // 2, "two trees of equal size"
-    return root(query)
+    answer, hops = root(query)
+    assert any(r != answer and d == hops for r, d in map(root, nodes)), "the other tree has a k-hop chain"
+    return answer, hops
 
 
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
@@ -103,7 +108,8 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    with pytest.raises(ValueError, match="unknown task 'nope'; known: addition, modsum, phop, pointer, pointer_edges, varchain"):
+    known = "addition, modsum, phop, pointer, pointer_edges, varchain"
+    with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
         get_task("nope")
 
 

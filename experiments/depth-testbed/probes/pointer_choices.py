@@ -17,7 +17,7 @@ from looplm.tasks.data import heldout, rows
 
 
 def choice(prompt: str, answer: str) -> tuple[str, str, str]:
-    """(q's root, the other root, q's parent) read from the prompt's edge list."""
+    """(q's root = the answer, the other root, q's parent): the last two read from the prompt's edge list."""
     edges, q = prompt[:-1].split("?")
     parent = dict(e for e in edges.split(";") if e)
     roots = [c for c, p in parent.items() if c == p]

@@ -561,9 +561,12 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     Args:
         preset: the model measured (a preset name: its model section)
         depth: the loop depth T of the training, overhead and decoding figures
-        batch_size: rows per training step
-        steps: timed calls per variant in each round
-        matmul_n: side of the square fp32 matmul that measures the peak (the best of it and 1024)
+        batch_size: rows per step of the preset's training, multi-depth and TBPTT-memory figures (the Huginn-shape
+            figures use 16)
+        steps: calls per variant in each round of the training and multi-depth ratios (decoding and prefill
+            time one call per round)
+        matmul_n: side of the square matmuls that measure the fp32 and bf16 peaks (fp32: also 1024 when larger,
+            the best kept)
         device: cpu, cuda or auto
         quick: toy shapes, one round (a smoke test; its values mean nothing)
         rounds: interleaved A/B/B/A rounds per timed ratio

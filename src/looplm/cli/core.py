@@ -215,7 +215,7 @@ NAMES: dict[str, Opt] = {
                      "max_depth", "digits"),
                     Opt(type=positive_int, metavar="N")),
     "batch_size": Opt(type=positive_int, metavar="N", help="rows per forward pass"),
-    "max_tokens": Opt(type=positive_int, metavar="N", help="read only the first N tokens of each split (default: all)"),
+    "max_tokens": Opt(type=positive_int, metavar="N", help="score only the first N tokens of each split read (default: all)"),
     "max_examples": Opt(type=positive_int, metavar="N", help="read only the first N examples (default: all)"),
     "ceiling": Opt(type=positive_int, metavar="N", help="the deepest loop an adaptive run may reach"),
     "seed": Opt(help="the random seed of this command's draws"),

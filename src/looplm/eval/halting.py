@@ -241,7 +241,7 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
         k_max: the deepest loop (default: the checkpoint's training depth)
         split_calib: the split that calibrates τ
         split_timed: the split that is timed
-        tolerance: τ is the smallest whose PPL is within (1 + tolerance) × PPL at k_max
+        tolerance: τ is the earliest-halting threshold whose calibration PPL is ≤ (1 + tolerance) × the PPL at k_max
         n_calib: windows of the calibration split
         n_timed: windows of the timed split
         repeats: interleaved timed passes per mode (the median is kept)
