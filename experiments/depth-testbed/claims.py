@@ -173,6 +173,24 @@ def read_only(sw: Sweep) -> list[str]:
                     f"{k} {e[0][1]:.2f} (step {e[0][0]}) → {e[-1][1]:.2f} (step {e[-1][0]})" for k, e in ends.items()))
         if not lines[-1].startswith("- "):
             lines.append("not run yet (no learned-prior run folder and no cache).")
+    if sw.name == "deeploop":  # which leave the loss plateau, and when (metrics.jsonl, cached in deeploop/curves.json)
+        lines += learning_table(sw, validation_curves(sw.folder / "runs", sw.folder / "curves.json"))
+    return lines
+
+
+def learning_table(sw: Sweep, curves: dict[str, dict], steps=(100, 200, 300, 400, 500, 600, 700, 800)) -> list[str]:
+    """D4: answer-token validation perplexity over training per variant (mean over the seeds logged at each step)."""
+    by_variant: dict[str, dict[int, list[float]]] = {}
+    for run_id, c in curves.items():
+        for st, ppl in c["val"].items():
+            by_variant.setdefault(run_id.rsplit("-s", 1)[0], {}).setdefault(int(st), []).append(ppl)
+    lines = ["", "D4 (answer-token validation perplexity over training, mean over seeds [seeds]; read, no verdict; "
+             "a digit guessed uniformly: 10):", "", "| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "|---|" + "---:|" * len(steps)]
+    for v in sw.cells:
+        row = by_variant.get(v, {})
+        lines.append(f"| `{v}` | " + " | ".join(f"{statistics.mean(row[s]):.2f} [{len(row[s])}]" if s in row else "–"
+                                                  for s in steps) + " |")
     return lines
 
 
