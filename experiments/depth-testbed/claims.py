@@ -178,19 +178,23 @@ def read_only(sw: Sweep) -> list[str]:
     return lines
 
 
-def learning_table(sw: Sweep, curves: dict[str, dict], steps=(100, 200, 300, 400, 500, 600, 700, 800)) -> list[str]:
-    """D4: answer-token validation perplexity over training per variant (mean over the seeds logged at each step)."""
+def learning_table(sw: Sweep, curves: dict[str, dict], steps=(100, 200, 300, 400, 500, 600, 700, 800),
+                   below: float = 8.0) -> list[str]:
+    """D4: answer-token validation perplexity over training per variant (mean over the seeds logged at each step),
+    and how many seeds end below ``below`` (off the plateau of ≈ 8.5 that every run starts on)."""
     by_variant: dict[str, dict[int, list[float]]] = {}
     for run_id, c in curves.items():
         for st, ppl in c["val"].items():
             by_variant.setdefault(run_id.rsplit("-s", 1)[0], {}).setdefault(int(st), []).append(ppl)
     lines = ["", "D4 (answer-token validation perplexity over training, mean over seeds [seeds]; read, no verdict; "
-             "a digit guessed uniformly: 10):", "", "| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
-             "|---|" + "---:|" * len(steps)]
+             f"a digit guessed uniformly: 10; last column: seeds below {below:g} at step {steps[-1]}):", "",
+             "| variant | " + " | ".join(f"step {s}" for s in steps) + " | off the plateau |",
+             "|---|" + "---:|" * (len(steps) + 1)]
     for v in sw.cells:
         row = by_variant.get(v, {})
+        off = f"{sum(p < below for p in row[steps[-1]])} of {len(row[steps[-1]])}" if steps[-1] in row else "–"
         lines.append(f"| `{v}` | " + " | ".join(f"{statistics.mean(row[s]):.2f} [{len(row[s])}]" if s in row else "–"
-                                                  for s in steps) + " |")
+                                                  for s in steps) + f" | {off} |")
     return lines
 
 
