@@ -91,10 +91,11 @@ def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
             assert steps <= len(nodes), "no cycle but the roots' self-loops"
         return v, steps
 
-    roots = [root(v)[0] for v in nodes]
+    walks = {v: root(v) for v in nodes}
+    roots = [r for r, _ in walks.values()]
     assert len(set(roots)) == 2 and roots.count(roots[0]) == len(nodes) // 2, "two trees of equal size"
-    answer, hops = root(query)
-    assert any(r != answer and d == hops for r, d in map(root, nodes)), "the other tree has a k-hop chain"
+    answer, hops = walks[query]
+    assert any(r != answer and d == hops for r, d in walks.values()), "the other tree has a k-hop chain"
     return answer, hops
 
 
