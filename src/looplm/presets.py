@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from looplm.config import (Config, DataConfig, DepthConfig, LearnedDepthConfig, LearnedPositionConfig, ModelConfig,
-                            OptimConfig, PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig, UniformDepthConfig)
+                            NoPositionConfig, OptimConfig, PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig,
+                            UniformDepthConfig)
 
 _PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32)
 _PAPER_OPTIM = OptimConfig(lr=3e-4, warmup_steps=500)
@@ -71,13 +72,15 @@ PRESETS: dict[str, Config] = {
                   model=dict(rule="scse", vocab_size=1024, d_model=64, n_heads=2, d_ff=128, seq_len=64),
                   train=dict(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20)),
     # seq_len fits k up to 2·k_train (rows grow with k except for phop and pointer*); rope where they grow and
-    # for pointer_edges (relative look-ups: an edge's child is the token before its parent)
+    # for pointer_edges (relative look-ups: an edge's child is the token before its parent); none for pointer_pairs
+    # (edges in random order, the query the only node token: a hop is a pure content match)
     "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
     "task-modsum": _task("modsum", 8, 40, RopeConfig()),
     "task-addition": _task("addition", 4, 32, RopeConfig()),
     "task-pointer": _task("pointer", 4, 30, LearnedPositionConfig()),
     "task-pointer_edges": _task("pointer_edges", 3, 52, RopeConfig()),
+    "task-pointer_pairs": _task("pointer_pairs", 3, 20, NoPositionConfig()),
 }
 
 

@@ -79,6 +79,15 @@ def solve_pointer_edges(prompt: str) -> tuple[str, int]:
     return _root_of(parent, query)
 
 
+def solve_pointer_pairs(prompt: str) -> tuple[str, int]:
+    edges, query = prompt[:-1].split("?")
+    nodes = "abcdefghijklmnop"
+    parent = dict(divmod(ord(c) - 0x100, 16) for c in edges)  # token U+0100 + 16·child + parent
+    assert len(edges) == 16 and sorted(parent) == list(range(16)) and len(query) == 1, \
+        "one edge token per node a … p, one query"
+    return _root_of({nodes[c]: nodes[p] for c, p in parent.items()}, query)
+
+
 def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
     """The root of ``query`` and its hop count; checks the forest is two trees of equal size, the other one with
     a chain as long as the query's (no count tells the roots apart)."""
@@ -100,7 +109,8 @@ def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
 
 
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
-           "pointer": solve_pointer, "pointer_edges": solve_pointer_edges}
+           "pointer": solve_pointer, "pointer_edges": solve_pointer_edges,
+           "pointer_pairs": solve_pointer_pairs}
 
 
 def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
@@ -109,7 +119,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    known = "addition, modsum, phop, pointer, pointer_edges, varchain"
+    known = "addition, modsum, phop, pointer, pointer_edges, pointer_pairs, varchain"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
         get_task("nope")
 
@@ -134,7 +144,7 @@ def test_independent_solver_agrees_on_answer_and_difficulty(task):
     for inst in insts:
         answer, steps = solve(inst.prompt)
         assert (answer, steps) == (inst.answer, inst.k), inst
-        assert len(encode(inst.prompt + inst.answer)) <= fam.row_len(inst.k)
+        assert len(fam.vocab.encode(inst.prompt + inst.answer)) <= fam.row_len(inst.k)
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -158,7 +168,7 @@ def test_train_and_heldout_instances_never_overlap(task):
 
 def test_rows_put_the_answer_targets_at_the_right_places():
     insts = [get_task("addition").make(k, rng_for("rows", k)) for k in (1, 3)]
-    x, y = rows(insts, 16)
+    x, y = rows("addition", insts, 16)
     assert x.shape == (2, len(insts[1].prompt) + len(insts[1].answer) - 1)  # trimmed to the longest row
     for r, inst in enumerate(insts):
         scored = (y[r] != -100).nonzero().flatten()
@@ -166,7 +176,7 @@ def test_rows_put_the_answer_targets_at_the_right_places():
         assert x[r, scored[0]].item() == encode("=")[0]  # the answer is read after the prompt's last token
     # k = 3: an 8-token prompt "abc+def=" and a 4-digit answer, 11 inputs
     with pytest.raises(ValueError, match="model.seq_len: 8 is too short for a k=3 instance; need >= 11"):
-        rows(insts, 8)
+        rows("addition", insts, 8)
 
 
 def test_task_fields_leave_other_configs_as_they_were():
@@ -202,7 +212,7 @@ def test_accuracy_protocol_equals_a_per_depth_loop():
     model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
                                     dropout=0.0, position=dict(kind="rope"))).eval()
     insts = [i for k in (1, 2, 4) for i in heldout("modsum", k, "test", 12, 0)]
-    x, y = rows(insts, 24)
+    x, y = rows("modsum", insts, 24)
     scored = y != -100
     with torch.no_grad():  # half the rows answered as the model does at T = 2, so the counts are not all 0
         y = torch.where(scored & (torch.arange(len(y)) % 2 == 0)[:, None], model(x, depth=2).logits.argmax(-1), y)
@@ -318,7 +328,7 @@ def test_halting_per_difficulty_equals_a_hand_written_per_depth_computation(crit
     model = build_model(ModelConfig(rule="looped", vocab_size=64, d_model=32, n_heads=2, d_ff=64, seq_len=24,
                                     dropout=0.0, position=dict(kind="rope"))).eval()
     insts = [i for k in (2, 3) for i in heldout("modsum", k, "test", 16, 0)]
-    x, y = rows(insts, 24)
+    x, y = rows("modsum", insts, 24)
     scored = y != -100
     with torch.no_grad():  # row r's target is the model's answer at T = r % C + 1: correctness depends on depth
         preds = {T: model(x, depth=T).logits.argmax(-1) for T in range(1, C + 1)}
@@ -336,7 +346,7 @@ def test_halting_per_difficulty_equals_a_hand_written_per_depth_computation(crit
     got = task_halting(model, data, [2, 3], {"criterion": criterion, "ceiling": C, "tau": tau}, batch_size=7)
     assert got["tau"] == tau
     for k in (2, 3):
-        xk, yk = rows(list(heldout("modsum", k, "test", 16, 0)), 24)
+        xk, yk = rows("modsum", list(heldout("modsum", k, "test", 16, 0)), 24)
         d, c, fixed, _ = _hand_halting(model, xk, yk, criterion, tau, C)
         m = d.double().mean().item()
         lo, hi = int(m), min(int(m) + 1, C)  # the compute-matched mix of the two fixed depths around m

@@ -21,7 +21,7 @@ def main(run: str, out: str, depths=(1, 2, 4, 8, 16)) -> None:
     res = {}
     for k in range(1, 2 * cfg.data.task_k + 1):
         insts = heldout(cfg.data.task, k, "valid", cfg.data.task_heldout, cfg.data.task_seed)
-        x, y = rows(list(insts), cfg.model.seq_len)
+        x, y = rows(cfg.data.task, list(insts), cfg.model.seq_len)
         pos = (y != -100).nonzero()[:, 1].view(len(y), -1)  # (N, k + 1): answer targets, least significant first
         with torch.no_grad():
             out_T = {T: model(x, depth=T).logits.argmax(-1) for T in depths}

@@ -30,7 +30,7 @@ def main(run: str, out: str, depths=(1, 2, 4, 8, 16)) -> None:
     res = {}
     for k in range(1, max(2 * cfg.data.task_k, 4) + 1):
         insts = list(heldout(cfg.data.task, k, "valid", cfg.data.task_heldout, cfg.data.task_seed))
-        x, y = rows(insts, cfg.model.seq_len)
+        x, y = rows(cfg.data.task, insts, cfg.model.seq_len)
         pos = (y != -100).float().argmax(1)  # the one answer position per row
         refs = [choice(i.prompt, i.answer) for i in insts]
         res[str(k)] = {}

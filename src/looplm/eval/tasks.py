@@ -36,8 +36,8 @@ def task_accuracy(model, data_cfg, ks: Sequence[int], depths: Sequence[int], *, 
     out = {}
     for k in tqdm(ks, desc=f"{data_cfg.task} k", disable=not progress, leave=False):
         insts = list(heldout(data_cfg.task, k, split, data_cfg.task_heldout, data_cfg.task_seed))[:max_examples]
-        out[k] = accuracy_by_depth(model, *rows(insts, model.cfg.seq_len), list(depths), batch_size=batch_size,
-                                   device=device)
+        out[k] = accuracy_by_depth(model, *rows(data_cfg.task, insts, model.cfg.seq_len), list(depths),
+                                   batch_size=batch_size, device=device)
     return out
 
 
@@ -104,7 +104,8 @@ def calibrate_tau(model, data_cfg, halting: Mapping[str, Any], *, max_examples: 
     insts = [i for k in range(1, data_cfg.task_k + 1)
              for i in heldout(data_cfg.task, k, "valid", data_cfg.task_heldout, data_cfg.task_seed)[:max_examples]]
     with eval_mode(model):
-        tr = trace(model, _batches(*rows(insts, model.cfg.seq_len), batch_size, device), crit, halting["ceiling"])
+        x, y = rows(data_cfg.task, insts, model.cfg.seq_len)
+        tr = trace(model, _batches(x, y, batch_size, device), crit, halting["ceiling"])
     return calibrate(tr.scores, crit.direction, target_depth=halting.get("target_depth"),
                      tolerance=halting.get("tolerance"), nll=tr.nll, tokens=tr.tokens).tau
 
@@ -119,7 +120,7 @@ def task_halting(model, data_cfg, ks: Sequence[int], halting: Mapping[str, Any],
     by_k = {}
     for k in ks:
         insts = list(heldout(data_cfg.task, k, split, data_cfg.task_heldout, data_cfg.task_seed))[:max_examples]
-        x, y = rows(insts, model.cfg.seq_len)
+        x, y = rows(data_cfg.task, insts, model.cfg.seq_len)
         depth, correct = halt_instances(model, x, y, crit, C, batch_size=batch_size, device=device)
         fixed = accuracy_by_depth(model, x, y, list(range(1, C + 1)), batch_size=batch_size, device=device)
         m = float(depth.mean())

@@ -39,6 +39,8 @@ class TaskFamily:
 
     name: str = ""
     max_k: int = 64
+    #: the family's tokens (the shared character vocabulary unless a family needs more)
+    vocab: CharVocab = _VOCAB
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
         raise NotImplementedError

@@ -21,7 +21,7 @@ from looplm.config import DataConfig
 from looplm.model import eval_mode
 from looplm.model.cursor import Readout
 from looplm.run.dist import unsharded
-from looplm.tasks.base import PAD_ID, Instance, encode, get_task, key_hash, tokenizer
+from looplm.tasks.base import PAD_ID, Instance, get_task, key_hash
 
 HELDOUT_SPLITS = ("valid", "test")
 
@@ -69,9 +69,10 @@ def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
     return out
 
 
-def rows(instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, y int64 (N, L), L the longest instance − 1 (causal: more padding changes no score); ValueError when
-    an instance does not fit ``seq_len``."""
+def rows(task: str, instances: list[Instance], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y int64 (N, L) of ``task``'s instances, L the longest instance − 1 (causal: more padding changes no
+    score); ValueError when an instance does not fit ``seq_len``."""
+    encode = get_task(task).vocab.encode
     enc = [(encode(i.prompt), encode(i.answer), i.k) for i in instances]
     L = max(len(p) + len(a) - 1 for p, a, _ in enc)
     if L > seq_len:
@@ -91,7 +92,7 @@ def heldout_windows(cfg: DataConfig, split: str, seq_len: int, batch_size: int, 
     """``batches`` (x, y, mask of real tokens) batches of held-out rows, as many of each k ≤ task_k (diagnostics)."""
     per_k = -(-batches * batch_size // cfg.task_k)
     insts = [i for k in range(1, cfg.task_k + 1) for i in heldout(cfg.task, k, split, cfg.task_heldout, cfg.task_seed)[:per_k]]
-    x, y = rows(insts, seq_len)
+    x, y = rows(cfg.task, insts, seq_len)
     return [(x[i:i + batch_size], y[i:i + batch_size], x[i:i + batch_size] != PAD_ID)
             for i in range(0, min(len(x), batches * batch_size), batch_size)]
 
@@ -133,15 +134,15 @@ class TaskData:
 
     def batch(self, batch_size: int, seq_len: int, *, seed: int, step: int, micro: int = 0):
         """Training rows (module docstring): x, y int64 (B, L)."""
-        return rows(train_instances(self.cfg, batch_size, seed, step, micro), seq_len)
+        return rows(self.cfg.task, train_instances(self.cfg, batch_size, seed, step, micro), seq_len)
 
     def validate(self, model, depth: int, *, batch_size: int, batches: int, device) -> dict[str, Any]:
         """``val_loss`` (answer NLL), ``val_ppl``, ``val_acc`` on ~batches × batch_size valid instances, even in k."""
         per_k = max(1, batches * batch_size // self.cfg.task_k)
         insts = [i for k in range(1, self.cfg.task_k + 1)
                  for i in heldout(self.cfg.task, k, "valid", self.cfg.task_heldout, self.cfg.task_seed)[:per_k]]
-        r = accuracy_by_depth(model, *rows(insts, model.cfg.seq_len), [depth], batch_size=batch_size,
-                              device=device)[depth]
+        r = accuracy_by_depth(model, *rows(self.cfg.task, insts, model.cfg.seq_len), [depth],
+                              batch_size=batch_size, device=device)[depth]
         return {"val_loss": r["nll"], "val_ppl": math.exp(min(r["nll"], 700.0)), "val_acc": r["acc"]}
 
 
@@ -149,5 +150,5 @@ def task_data(cfg: DataConfig) -> TaskData:
     """The :class:`TaskData` of ``cfg`` (``dataset == "task"``)."""
     family = get_task(cfg.task)
     family.check_k(cfg.task_k, "data.task_k")
-    tok = tokenizer()
+    tok = family.vocab.tokenizer()
     return TaskData(cfg=cfg, tokenizer_json=tok.to_str(), vocab_size=tok.get_vocab_size())

@@ -1,6 +1,7 @@
 """Pointer chasing to a root: a two-tree forest, k = the hops from the queried node to its root.
 
-``pointer`` addresses nodes by position; ``pointer_edges`` by content (an edge list in random order).
+``pointer`` addresses nodes by position; ``pointer_edges`` by content (an edge list in random order);
+``pointer_pairs`` by content with each edge one token.
 
 Nodes ``a … z``; the prompt lists each node's parent in node order (a root is its own parent), then the query:
 ``"<26 parents>?q="``, answer the root of q (one token). Each tree has 13 nodes and holds a chain of exactly k hops
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from looplm.tasks.base import Instance, TaskFamily, register_task
+from looplm.data.tokenizer import CharVocab
+from looplm.tasks.base import CHARS, EOT, Instance, TaskFamily, register_task
 
 NODES = "abcdefghijklmnopqrstuvwxyz"
 TREE = len(NODES) // 2  # nodes per tree
@@ -73,6 +75,33 @@ class PointerEdges(TaskFamily):
 
     def row_len(self, k: int) -> int:
         return 3 * len(EDGE_NODES) + 3 + 1
+
+    def space(self, k: int) -> int:
+        return 10**9  # 16! edge orders alone
+
+
+def pair_token(child: int, parent: int) -> str:
+    """The token of the edge child → parent (``EDGE_NODES`` indices): one of 256 letters from U+0100 on."""
+    return chr(0x100 + len(EDGE_NODES) * child + parent)
+
+
+@register_task
+class PointerPairs(TaskFamily):
+    """``pointer_edges`` with each edge ``<child><parent>`` one token (:func:`pair_token`; a vocabulary of the
+    shared characters and the 256 pairs), then ``"?q="``: a hop is one attention look-up (match q against the
+    edge tokens' child, read their parent), with no induction-head composition to learn first. 19 prompt tokens."""
+
+    name = "pointer_pairs"
+    max_k = len(EDGE_NODES) // 2 - 1
+    vocab = CharVocab(CHARS + "".join(pair_token(c, p) for c in range(16) for p in range(16)), EOT)
+
+    def make(self, k: int, rng: np.random.Generator) -> Instance:
+        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
+        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k)
+
+    def row_len(self, k: int) -> int:
+        return len(EDGE_NODES) + 3 + 1
 
     def space(self, k: int) -> int:
         return 10**9  # 16! edge orders alone
