@@ -79,13 +79,24 @@ def solve_pointer_edges(prompt: str) -> tuple[str, int]:
     return _root_of(parent, query)
 
 
-def solve_pointer_pairs(prompt: str) -> tuple[str, int]:
-    edges, query = prompt[:-1].split("?")
+def solve_pointer_pairs(prompt: str, k_train: int | None = None) -> tuple[str, int]:
+    """Also a ``pointer_pairs_mq`` training row: its earlier queries ``?x=r`` are answered right, each ≤ k_train
+    hops, and none is the final query or one of its ancestors."""
+    edges, *extra, query = prompt[:-1].split("?")
     nodes = "abcdefghijklmnop"
-    parent = dict(divmod(ord(c) - 0x100, 16) for c in edges)  # token U+0100 + 16·child + parent
-    assert len(edges) == 16 and sorted(parent) == list(range(16)) and len(query) == 1, \
+    parent = {nodes[c]: nodes[p] for c, p in (divmod(ord(t) - 0x100, 16) for t in edges)}  # U+0100 + 16·c + p
+    assert len(edges) == 16 and sorted(parent) == list(nodes) and len(query) == 1, \
         "one edge token per node a … p, one query"
-    return _root_of({nodes[c]: nodes[p] for c, p in parent.items()}, query)
+    def walk(v: str) -> list[str]:
+        path = [v]
+        while parent[path[-1]] != path[-1]:
+            path.append(parent[path[-1]])
+        return path
+
+    for x, eq, r in extra:
+        assert eq == "=" and x not in walk(query) and walk(x)[-1] == r and 1 <= len(walk(x)) - 1 <= k_train
+    assert len({x for x, _, _ in extra}) == len(extra), "distinct extra queries"
+    return _root_of(parent, query)
 
 
 def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
@@ -110,7 +121,7 @@ def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
 
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
            "pointer": solve_pointer, "pointer_edges": solve_pointer_edges,
-           "pointer_pairs": solve_pointer_pairs}
+           "pointer_pairs": solve_pointer_pairs, "pointer_pairs_mq": solve_pointer_pairs}
 
 
 def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
@@ -119,7 +130,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    known = "addition, modsum, phop, pointer, pointer_edges, pointer_pairs, varchain"
+    known = "addition, modsum, phop, pointer, pointer_edges, pointer_pairs, pointer_pairs_mq, varchain"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
         get_task("nope")
 
@@ -142,9 +153,26 @@ def test_independent_solver_agrees_on_answer_and_difficulty(task):
     insts = [fam.make(k, rng_for("solver", task, k, i)) for k in ks for i in range(20)]
     insts += list(train_instances(_cfg(task), 40, 0, 0, 0))
     for inst in insts:
-        answer, steps = solve(inst.prompt)
+        answer, steps = solve(inst.prompt, 3) if task == "pointer_pairs_mq" else solve(inst.prompt)  # k_train 3
         assert (answer, steps) == (inst.answer, inst.k), inst
         assert len(fam.vocab.encode(inst.prompt + inst.answer)) <= fam.row_len(inst.k)
+
+
+def test_multi_query_rows_score_every_answer_and_hold_out_every_view():
+    cfg = _cfg("pointer_pairs_mq", k=3, heldout_size=64)
+    insts = [i for step in range(30) for i in train_instances(cfg, 16, 0, step, 0)]
+    assert {i.prompt.count("?") for i in insts} == {1, 2, 3, 4}  # 0 … 3 extra queries
+    x, y = rows("pointer_pairs_mq", insts, 32)
+    for r, inst in enumerate(insts):
+        ids = get_task("pointer_pairs_mq").vocab.encode(inst.prompt + inst.answer)
+        scored = (y[r] != -100).nonzero().flatten().tolist()
+        # each extra query's answer (the token after its "=") and the final answer, nothing else
+        eqs = [j for j, c in enumerate(inst.prompt + inst.answer) if c == "="]
+        assert scored == eqs and [y[r, j].item() for j in scored] == [ids[j + 1] for j in eqs]
+    held = {i.prompt for k in (1, 2, 3) for s in ("valid", "test") for i in heldout("pointer_pairs_mq", k, s, 64, 0)}
+    views = {p for i in insts for _, p in get_task("pointer_pairs_mq").views(i)}
+    assert len(views) > len(insts) and not views & held
+    assert all(len(i.prompt) == 19 for k in (1, 5, 7) for i in heldout("pointer_pairs_mq", k, "test", 8, 0))
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -1,4 +1,4 @@
-"""What a `pointer_edges` probe answers: per k and T, the share of valid instances whose argmax answer is the
+"""What a `pointer_edges` or `pointer_pairs` probe answers: per k and T, the share of valid instances whose argmax answer is the
 queried node's root (right), the other tree's root (the wrong root), the queried node's parent, or another node.
 
     python experiments/depth-testbed/probes/pointer_choices.py RUN_DIR OUT.json
@@ -19,7 +19,10 @@ from looplm.tasks.data import heldout, rows
 def choice(prompt: str, answer: str) -> tuple[str, str, str]:
     """(q's root = the answer, the other root, q's parent): the last two read from the prompt's edge list."""
     edges, q = prompt[:-1].split("?")
-    parent = dict(e for e in edges.split(";") if e)
+    if ";" in edges:  # pointer_edges: "<child><parent>;" …
+        parent = dict(e for e in edges.split(";") if e)
+    else:  # pointer_pairs: one token U+0100 + 16·child + parent per edge
+        parent = {"abcdefghijklmnop"[c]: "abcdefghijklmnop"[p] for c, p in (divmod(ord(t) - 0x100, 16) for t in edges)}
     roots = [c for c, p in parent.items() if c == p]
     return answer, next(r for r in roots if r != answer), parent[q]
 

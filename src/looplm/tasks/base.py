@@ -26,11 +26,13 @@ def key_hash(*key: object) -> int:
 
 @dataclass(frozen=True)
 class Instance:
-    """One problem: ``prompt`` (text the model reads), ``answer`` (the text scored by exact match), ``k``."""
+    """One problem: ``prompt`` (text the model reads), ``answer`` (the text scored by exact match), ``k``;
+    ``scored``: prompt tokens also trained on (earlier queries' answers in a training row), by token index."""
 
     prompt: str
     answer: str
     k: int
+    scored: tuple[int, ...] = ()
 
 
 class TaskFamily:
@@ -44,6 +46,14 @@ class TaskFamily:
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
         raise NotImplementedError
+
+    def make_train(self, k: int, k_train: int, rng: np.random.Generator) -> Instance:
+        """A training instance whose scored answers each need ≤ k_train steps; by default :meth:`make`."""
+        return self.make(k, rng)
+
+    def views(self, inst: Instance) -> list[tuple[int, str]]:
+        """``(k, prompt)`` of each held-out-form instance a training instance holds (all must stay unseen)."""
+        return [(inst.k, inst.prompt)]
 
     def row_len(self, k: int) -> int:
         raise NotImplementedError

@@ -3,8 +3,9 @@
 Held-out sets: per k, ``data.task_heldout`` distinct instances (at most a quarter of the k's space) seeded by
 hash(task, k, split, task_seed); ``valid`` excludes ``test``. Training row r of step s (micro m): k uniform in
 1 … task_k, seeded by hash(task, "train", task_seed, seed, s, m, r), redrawn while held out. Rows: one instance
-at position 0, prompt then answer, padded with id 0; every target but the answer's is −100 (the prompts of
-``phop`` and ``varchain`` are random symbols: a loss on them would only add noise).
+at position 0, prompt then answer, padded with id 0; every target but the answer's (and a training row's
+``Instance.scored`` tokens) is −100 (the prompts of ``phop`` and ``varchain`` are random symbols: a loss on
+them would only add noise).
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ def train_instances(cfg: DataConfig, n: int, *key: object) -> list[Instance]:
     for r in range(n):
         rng = rng_for(cfg.task, "train", cfg.task_seed, *key, r)
         k = int(rng.integers(1, cfg.task_k + 1))
-        held = heldout_keys(cfg.task, k, cfg.task_heldout, cfg.task_seed)
-        inst = family.make(k, rng)
-        while inst.prompt in held:
-            inst = family.make(k, rng)
+        inst = family.make_train(k, cfg.task_k, rng)
+        while any(p in heldout_keys(cfg.task, j, cfg.task_heldout, cfg.task_seed) for j, p in family.views(inst)):
+            inst = family.make_train(k, cfg.task_k, rng)
         out.append(inst)
     return out
 
@@ -84,6 +84,8 @@ def rows(task: str, instances: list[Instance], seq_len: int) -> tuple[torch.Tens
         ids = p + a
         x[r, : len(ids) - 1] = torch.tensor(ids[:-1])
         y[r, len(p) - 1: len(ids) - 1] = torch.tensor(a)  # target j is token j + 1: the answer's tokens
+        for j in instances[r].scored:
+            y[r, j - 1] = ids[j]
     return x, y
 
 

@@ -105,3 +105,49 @@ class PointerPairs(TaskFamily):
 
     def space(self, k: int) -> int:
         return 10**9  # 16! edge orders alone
+
+
+def _hops(parent: np.ndarray) -> np.ndarray:
+    """Hops from each node to its root (``parent[root] == root``)."""
+    hops = np.zeros(len(parent), dtype=np.int64)
+    for v in range(len(parent)):
+        u = v
+        while parent[u] != u:
+            u, hops[v] = parent[u], hops[v] + 1
+    return hops
+
+
+@register_task
+class PointerPairsMQ(PointerPairs):
+    """``pointer_pairs`` whose training rows carry up to ``queries`` queries, each answer scored (multi-query
+    associative recall, Zoology, arXiv:2312.04927): ``"<edges>?x=r?y=s?q="``. The extra queries are nodes of
+    either tree 1 … k_train hops from their root, never q nor one of q's ancestors (whose answer would shorten
+    q's chain). Held-out instances are single-query, as in ``pointer_pairs``: the extra queries only add
+    training signal (probe 13: one scored answer per row did not learn the look-up)."""
+
+    name = "pointer_pairs_mq"
+    queries = 4
+
+    def make_train(self, k: int, k_train: int, rng: np.random.Generator) -> Instance:
+        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        hops, chain = _hops(parent), set(trees[0][: k + 1].tolist())
+        pool = [v for v in range(len(EDGE_NODES)) if v not in chain and 1 <= hops[v] <= k_train]
+        extra = rng.permutation(pool)[: int(rng.integers(self.queries))]
+        edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
+        roots = {v: EDGE_NODES[trees[0][0] if v in trees[0] else trees[1][0]] for v in extra.tolist()}
+        prompt = edges + "".join(f"?{EDGE_NODES[v]}={roots[v]}" for v in extra.tolist())
+        scored = tuple(len(edges) + 4 * i + 3 for i in range(len(extra)))
+        return Instance(prompt=prompt + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k,
+                        scored=scored)
+
+    def views(self, inst: Instance) -> list[tuple[int, str]]:
+        edges, *queries = inst.prompt.split("?")
+        parent = np.empty(len(EDGE_NODES), dtype=np.int64)
+        for t in edges:
+            c, p = divmod(ord(t) - 0x100, len(EDGE_NODES))
+            parent[c] = p
+        hops = _hops(parent)
+        return [(int(hops[EDGE_NODES.index(qa[0])]), f"{edges}?{qa[0]}=") for qa in queries]
+
+    def row_len(self, k: int) -> int:
+        return len(EDGE_NODES) + 4 * self.queries
