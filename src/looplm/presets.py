@@ -80,8 +80,8 @@ PRESETS: dict[str, Config] = {
     "task-addition": _task("addition", 4, 32, RopeConfig()),
     "task-pointer": _task("pointer", 4, 30, LearnedPositionConfig()),
     "task-pointer_edges": _task("pointer_edges", 3, 52, RopeConfig()),
-    "task-pointer_pairs": _task("pointer_pairs", 3, 20, NoPositionConfig()),
-    "task-pointer_pairs_mq": _task("pointer_pairs_mq", 3, 32, NoPositionConfig()),
+    "task-pointer_pairs": _task("pointer_pairs", 3, 18, NoPositionConfig()),
+    "task-pointer_pairs_mq": _task("pointer_pairs_mq", 3, 28, NoPositionConfig()),
 }
 
 

@@ -80,9 +80,9 @@ def solve_pointer_edges(prompt: str) -> tuple[str, int]:
 
 
 def solve_pointer_pairs(prompt: str, k_train: int | None = None) -> tuple[str, int]:
-    """Also a ``pointer_pairs_mq`` training row: its earlier queries ``?x=r`` are answered right, each ≤ k_train
+    """Also a ``pointer_pairs_mq`` training row: its earlier queries ``?xr`` are answered right, each ≤ k_train
     hops, and none is the final query or one of its ancestors."""
-    edges, *extra, query = prompt[:-1].split("?")
+    edges, *extra, query = prompt.split("?")
     nodes = "abcdefghijklmnop"
     parent = {nodes[c]: nodes[p] for c, p in (divmod(ord(t) - 0x100, 16) for t in edges)}  # U+0100 + 16·c + p
     assert len(edges) == 16 and sorted(parent) == list(nodes) and len(query) == 1, \
@@ -93,9 +93,9 @@ def solve_pointer_pairs(prompt: str, k_train: int | None = None) -> tuple[str, i
             path.append(parent[path[-1]])
         return path
 
-    for x, eq, r in extra:
-        assert eq == "=" and x not in walk(query) and walk(x)[-1] == r and 1 <= len(walk(x)) - 1 <= k_train
-    assert len({x for x, _, _ in extra}) == len(extra), "distinct extra queries"
+    for x, r in extra:
+        assert x not in walk(query) and walk(x)[-1] == r and 1 <= len(walk(x)) - 1 <= k_train
+    assert len({x for x, _ in extra}) == len(extra), "distinct extra queries"
     return _root_of(parent, query)
 
 
@@ -162,17 +162,17 @@ def test_multi_query_rows_score_every_answer_and_hold_out_every_view():
     cfg = _cfg("pointer_pairs_mq", k=3, heldout_size=64)
     insts = [i for step in range(30) for i in train_instances(cfg, 16, 0, step, 0)]
     assert {i.prompt.count("?") for i in insts} == {1, 2, 3, 4}  # 0 … 3 extra queries
-    x, y = rows("pointer_pairs_mq", insts, 32)
+    x, y = rows("pointer_pairs_mq", insts, 28)
     for r, inst in enumerate(insts):
         ids = get_task("pointer_pairs_mq").vocab.encode(inst.prompt + inst.answer)
         scored = (y[r] != -100).nonzero().flatten().tolist()
-        # each extra query's answer (the token after its "=") and the final answer, nothing else
-        eqs = [j for j, c in enumerate(inst.prompt + inst.answer) if c == "="]
-        assert scored == eqs and [y[r, j].item() for j in scored] == [ids[j + 1] for j in eqs]
+        # each query's answer (the token after the queried node, 2 after its "?"), nothing else
+        asks = [j + 1 for j, c in enumerate(inst.prompt + inst.answer) if c == "?"]
+        assert scored == asks and [y[r, j].item() for j in scored] == [ids[j + 1] for j in asks]
     held = {i.prompt for k in (1, 2, 3) for s in ("valid", "test") for i in heldout("pointer_pairs_mq", k, s, 64, 0)}
     views = {p for i in insts for _, p in get_task("pointer_pairs_mq").views(i)}
     assert len(views) > len(insts) and not views & held
-    assert all(len(i.prompt) == 19 for k in (1, 5, 7) for i in heldout("pointer_pairs_mq", k, "test", 8, 0))
+    assert all(len(i.prompt) == 18 for k in (1, 5, 7) for i in heldout("pointer_pairs_mq", k, "test", 8, 0))
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

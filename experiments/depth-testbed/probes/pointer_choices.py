@@ -18,7 +18,7 @@ from looplm.tasks.data import heldout, rows
 
 def choice(prompt: str, answer: str) -> tuple[str, str, str]:
     """(q's root = the answer, the other root, q's parent): the last two read from the prompt's edge list."""
-    edges, q = prompt[:-1].split("?")
+    edges, q = prompt.removesuffix("=").split("?")
     if ";" in edges:  # pointer_edges: "<child><parent>;" …
         parent = dict(e for e in edges.split(";") if e)
     else:  # pointer_pairs: one token U+0100 + 16·child + parent per edge

@@ -88,8 +88,9 @@ def pair_token(child: int, parent: int) -> str:
 @register_task
 class PointerPairs(TaskFamily):
     """``pointer_edges`` with each edge ``<child><parent>`` one token (:func:`pair_token`; a vocabulary of the
-    shared characters and the 256 pairs), then ``"?q="``: a hop is one attention look-up (match q against the
-    edge tokens' child, read their parent), with no induction-head composition to learn first. 19 prompt tokens."""
+    shared characters and the 256 pairs), then ``"?q"``, the answer read at q itself: a hop is one attention
+    look-up (match q against the edge tokens' child, read their parent) from the first loop on, with no
+    induction-head composition and no copy of q to learn first. 18 prompt tokens."""
 
     name = "pointer_pairs"
     max_k = len(EDGE_NODES) // 2 - 1
@@ -98,10 +99,10 @@ class PointerPairs(TaskFamily):
     def make(self, k: int, rng: np.random.Generator) -> Instance:
         parent, trees = _forest(len(EDGE_NODES), k, rng)
         edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
-        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k)
+        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}", answer=EDGE_NODES[trees[0][0]], k=k)
 
     def row_len(self, k: int) -> int:
-        return len(EDGE_NODES) + 3 + 1
+        return len(EDGE_NODES) + 2 + 1
 
     def space(self, k: int) -> int:
         return 10**9  # 16! edge orders alone
@@ -120,7 +121,7 @@ def _hops(parent: np.ndarray) -> np.ndarray:
 @register_task
 class PointerPairsMQ(PointerPairs):
     """``pointer_pairs`` whose training rows carry up to ``queries`` queries, each answer scored (multi-query
-    associative recall, Zoology, arXiv:2312.04927): ``"<edges>?x=r?y=s?q="``. The extra queries are nodes of
+    associative recall, Zoology, arXiv:2312.04927): ``"<edges>?xr?ys?q"``. The extra queries are nodes of
     either tree 1 … k_train hops from their root, never q nor one of q's ancestors (whose answer would shorten
     q's chain). Held-out instances are single-query, as in ``pointer_pairs``: the extra queries only add
     training signal (probe 13: one scored answer per row did not learn the look-up)."""
@@ -135,9 +136,9 @@ class PointerPairsMQ(PointerPairs):
         extra = rng.permutation(pool)[: int(rng.integers(self.queries))]
         edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
         roots = {v: EDGE_NODES[trees[0][0] if v in trees[0] else trees[1][0]] for v in extra.tolist()}
-        prompt = edges + "".join(f"?{EDGE_NODES[v]}={roots[v]}" for v in extra.tolist())
-        scored = tuple(len(edges) + 4 * i + 3 for i in range(len(extra)))
-        return Instance(prompt=prompt + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k,
+        prompt = edges + "".join(f"?{EDGE_NODES[v]}{roots[v]}" for v in extra.tolist())
+        scored = tuple(len(edges) + 3 * i + 2 for i in range(len(extra)))
+        return Instance(prompt=prompt + f"?{EDGE_NODES[trees[0][k]]}", answer=EDGE_NODES[trees[0][0]], k=k,
                         scored=scored)
 
     def views(self, inst: Instance) -> list[tuple[int, str]]:
@@ -147,7 +148,7 @@ class PointerPairsMQ(PointerPairs):
             c, p = divmod(ord(t) - 0x100, len(EDGE_NODES))
             parent[c] = p
         hops = _hops(parent)
-        return [(int(hops[EDGE_NODES.index(qa[0])]), f"{edges}?{qa[0]}=") for qa in queries]
+        return [(int(hops[EDGE_NODES.index(qa[0])]), f"{edges}?{qa[0]}") for qa in queries]
 
     def row_len(self, k: int) -> int:
-        return len(EDGE_NODES) + 4 * self.queries
+        return len(EDGE_NODES) + 3 * self.queries
