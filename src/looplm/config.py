@@ -187,6 +187,26 @@ class _Base:
     def replace(self, **changes: Any):
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
+    def fields_help(self) -> list[tuple[str, str, Any]]:
+        """``(key, help, default)`` of every leaf field below this config, for ``--help``: the rule options and the
+        choice sections list each field with the variants that read it (default ``dataclasses.MISSING``); a
+        top-level scalar (the run name) has its own flag."""
+        out: list[tuple[str, str, Any]] = []
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            key, value = self._prefix + f.name, getattr(self, f.name)
+            if key == "model.options":
+                classes = {"/".join(_rules_of(cls)): cls for cls in RULE_OPTIONS.values()}
+                out += _variants_help("model.options.", classes, "rule default")
+            elif isinstance(value, ChoiceSection):
+                out.append((value._prefix + value.KEY, f"{value.HELP}; its fields follow [default: {value.NAME}]",
+                            dataclasses.MISSING))
+                out += _variants_help(value._prefix, value.VARIANTS, value.KEY)
+            elif isinstance(value, _Base):
+                out += value.fields_help()
+            elif self._prefix:
+                out.append((key, f.metadata.get("help", ""), value))
+        return out
+
 
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
 #: step_scale defaults (SPEC §2): looped 1, adapter 0.35, SCSE 0.5 (paper); controls take their family's value
@@ -434,11 +454,20 @@ def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[st
 # ---------------------------------------------------------------- typed choice sections
 class ChoiceSection(_Base):
     """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); one frozen subclass per variant
-    (``NAME``) holds exactly the fields it reads. :func:`build_choice` builds one from a dict."""
+    (``NAME``) holds exactly the fields it reads and registers itself, in definition order, in the ``VARIANTS``
+    of its family's base (the class that sets ``KEY``). :func:`build_choice` builds one from a dict."""
 
     KEY: ClassVar[str]
     NAME: ClassVar[str]
     HELP: ClassVar[str]
+    VARIANTS: ClassVar[dict[str, type[ChoiceSection]]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "KEY" in vars(cls):
+            cls.VARIANTS = {}
+        if "NAME" in vars(cls):
+            cls.VARIANTS[cls.NAME] = cls
 
     def to_dict(self) -> dict[str, Any]:
         return {self.KEY: self.NAME, **dataclasses.asdict(self)}
@@ -446,7 +475,7 @@ class ChoiceSection(_Base):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChoiceSection":
         """The variant a complete dict names (:func:`build_choice`)."""
-        return build_choice(next(b for b in _CHOICES if issubclass(cls, b)), d, complete=True)
+        return build_choice(cls, d, complete=True)
 
 
 def _sections(cls: type) -> dict[str, type[_Base]]:
@@ -458,7 +487,7 @@ def _sections(cls: type) -> dict[str, type[_Base]]:
 
 def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
                  carry: ChoiceSection | None = None) -> ChoiceSection:
-    """The variant of ``base`` named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
+    """The variant of ``base``'s family named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
     others from ``carry`` where its variant has them, else defaults. Strings are parsed to the field's type.
 
     Raises:
@@ -466,7 +495,7 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
             (naming the variant and its fields), a missing field with ``complete``, or a bad value.
     """
     _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
-    variants = _CHOICES[base][0]
+    variants = base.VARIANTS
     d = dict(d)
     name = d.pop(base.KEY, carry.NAME if carry is not None else None)
     _check(name in variants, base._prefix + base.KEY, f"got {name!r}; allowed: {', '.join(map(repr, variants))}")
@@ -477,8 +506,8 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     return cls(**values)
 
 
-def _fields_help(prefix: str, classes: dict[str, Any], tag: str) -> dict[str, str]:
-    """``{prefix + FIELD: help [tag: variant default; ...]}`` over the ``{variant: class}`` (for ``--help``)."""
+def _variants_help(prefix: str, classes: dict[str, Any], tag: str) -> list[tuple[str, str, Any]]:
+    """``(prefix + FIELD, help [tag: variant default; ...], MISSING)`` over the ``{variant: class}``."""
     readers: dict[str, list[str]] = {}
     helps: dict[str, str] = {}
     for name, cls in classes.items():
@@ -486,19 +515,7 @@ def _fields_help(prefix: str, classes: dict[str, Any], tag: str) -> dict[str, st
             helps.setdefault(f.name, f.metadata["help"])
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             readers.setdefault(f.name, []).append(f"{name} {default!r}")
-    return {prefix + n: f"{helps[n]} [{tag}: {'; '.join(r)}]" for n, r in readers.items()}
-
-
-def choice_help(base: type[ChoiceSection], prefix: str) -> dict[str, str]:
-    """``--help`` of the variant key and of every field of every variant of ``base``."""
-    return {prefix + base.KEY: f"{base.HELP}; its fields follow [default: {_CHOICES[base][1]}]",
-            **_fields_help(prefix, _CHOICES[base][0], base.KEY)}
-
-
-def options_help() -> dict[str, str]:
-    """``{"model.options.FIELD": help}`` over every rule, with the rules that read it and their defaults."""
-    classes = {"/".join(_rules_of(cls)): cls for cls in RULE_OPTIONS.values()}
-    return _fields_help("model.options.", classes, "rule default")
+    return [(prefix + n, f"{helps[n]} [{tag}: {'; '.join(r)}]", dataclasses.MISSING) for n, r in readers.items()]
 
 
 # ---------------------------------------------------------------- position signal (SPEC §1)
@@ -549,8 +566,7 @@ class NoPositionConfig(PositionConfig):
 
 
 #: the config class of every position signal (``model.position.kind``)
-POSITIONS: dict[str, type[PositionConfig]] = {"learned": LearnedPositionConfig, "rope": RopeConfig,
-                                              "none": NoPositionConfig}
+POSITIONS = PositionConfig.VARIANTS
 
 
 # ---------------------------------------------------------------- scale control (SPEC §4)
@@ -597,9 +613,7 @@ class FinalNormConfig(ScaleControlConfig):
 
 
 #: the config class of every scale control (``model.scale_control.kind``)
-SCALE_CONTROLS: dict[str, type[ScaleControlConfig]] = {
-    "none": NoScaleControlConfig, "inter_loop_norm": InterLoopNormConfig, "spectral_damping": SpectralDampingConfig,
-    "final_norm": FinalNormConfig}
+SCALE_CONTROLS = ScaleControlConfig.VARIANTS
 
 @dataclass(frozen=True)
 class ModelConfig(_Base):
@@ -893,8 +907,7 @@ class LearnedDepthConfig(PLNDepthConfig):
 
 
 #: the config class of every depth sampler (``depth.sampler``; looplm.train.samplers.SAMPLERS builds them)
-DEPTH_SAMPLERS: dict[str, type[DepthConfig]] = {
-    "fixed": FixedDepthConfig, "uniform": UniformDepthConfig, "pln": PLNDepthConfig, "learned": LearnedDepthConfig}
+DEPTH_SAMPLERS = DepthConfig.VARIANTS
 
 
 # ---------------------------------------------------------------- gradient estimator (SPEC §5)
@@ -935,12 +948,7 @@ class EndpointConfig(TBPTTConfig):
 
 
 #: the config class of every gradient estimator (``train.gradient.kind``)
-GRADIENTS_CONFIG: dict[str, type[GradientConfig]] = {"bptt": BPTTConfig, "tbptt": TBPTTConfig,
-                                                     "endpoint": EndpointConfig}
-#: every choice section: its variants and its default variant
-_CHOICES: dict[type, tuple[dict[str, Any], str]] = {
-    PositionConfig: (POSITIONS, "learned"), ScaleControlConfig: (SCALE_CONTROLS, "none"),
-    DepthConfig: (DEPTH_SAMPLERS, "uniform"), GradientConfig: (GRADIENTS_CONFIG, "bptt")}
+GRADIENTS_CONFIG = GradientConfig.VARIANTS
 
 
 # ---------------------------------------------------------------- optimizer (SPEC §5)
@@ -988,14 +996,6 @@ class RunSection(_Base):
                 raise _unknown(key, "field", names)
             target[name] = _parse(typing.get_type_hints(cls)[name], key, value) if isinstance(value, str) else value
         return type(self).from_dict(d)
-
-    @classmethod
-    def fields_help(cls) -> list[tuple[str, str, Any]]:
-        """``(key, help, default)`` of every field, ``PREFIX.FIELD`` then ``optim.FIELD`` (for ``--help``)."""
-        default = cls()
-        return [(f"{prefix}{f.name}", f.metadata.get("help", ""), getattr(obj, f.name))
-                for prefix, obj in ((cls._prefix, default), ("optim.", default.optim))
-                for f in dataclasses.fields(obj) if f.name != "optim"]
 
 
 @dataclass(frozen=True)
@@ -1153,9 +1153,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
     options = given.pop("model.options")
     for where, carry in choices.items():
-        base = next(b for b in _CHOICES if isinstance(carry, b))
         section, _, name = where.rpartition(".")
-        (d[section] if section else d)[name] = build_choice(base, given[where], carry=carry).to_dict()
+        (d[section] if section else d)[name] = build_choice(type(carry), given[where], carry=carry).to_dict()
     m = d["model"]
     if (m["rule"], m["architecture"]) != (cfg.model.rule, cfg.model.architecture):
         carried = carry_options(cfg.model, m["rule"], m["architecture"])

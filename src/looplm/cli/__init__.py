@@ -144,10 +144,12 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
                                                                       "the built-in one"))
             p.add_argument("--print_config", "--print-config", action="store_true",
                            help="print the resolved config (base, then overrides) as JSON and exit")
+            from looplm.config import Config
+
             section = None if cmd.config == "preset" else _resolve(cmd.config)
             add_config_fields(p, "--preset or --config" if cmd.config == "preset" else "the built-in config "
                               "(`--print_config` shows it) or --config",
-                              section.fields_help() if isinstance(section, type) else None)  # distill, rl train
+                              (section if isinstance(section, type) else Config)().fields_help())  # distill, rl train
         p.set_defaults(_cmd=cmd, _parser=p, _first=first)
     return build
 

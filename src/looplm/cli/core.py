@@ -354,47 +354,14 @@ def split_config_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, st
     return rest, overrides
 
 
-def config_fields(root: type | None = None, prefix: str = "") -> list[tuple[str, str, Any]]:
-    """``(key, help, default)`` of every leaf config field (dotted keys; per-rule options and the choice
-    sections list each field with the variants that read it), for ``--help`` and suggestions."""
-    from looplm import config
-
-    root = config.Config if root is None else root
-    out: list[tuple[str, str, Any]] = []
-    try:
-        hints = typing.get_type_hints(root)
-    except Exception:  # noqa: BLE001 - a forward reference the help walk cannot resolve
-        hints = {}
-    for f in dataclasses.fields(root):
-        key, tp = prefix + f.name, hints.get(f.name, f.type)
-        if f.name.startswith("_"):
-            continue
-        if key == "model.options":
-            out += [(k, text, dataclasses.MISSING) for k, text in config.options_help().items()]
-            continue
-        if isinstance(tp, type) and issubclass(tp, config.ChoiceSection):
-            out += [(k, text, dataclasses.MISSING) for k, text in config.choice_help(tp, key + ".").items()]
-            continue
-        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        members = [t for t in (typing.get_args(tp) or (tp,)) if isinstance(t, type) and dataclasses.is_dataclass(t)]
-        if dataclasses.is_dataclass(default) and type(default) not in members:
-            members.append(type(default))
-        for item in (item for member in members for item in config_fields(member, key + ".")):
-            if item[0] not in {o[0] for o in out}:
-                out.append(item)
-        if not members and prefix:  # top-level scalars (the run name) have their own flags
-            out.append((key, str(f.metadata.get("help", "")), default))
-    return out
-
-
-def add_config_fields(parser: argparse.ArgumentParser, start: str,
-                      fields: list[tuple[str, str, Any]] | None = None) -> None:
-    """List every config field (``fields``, default :func:`config_fields`) in ``parser``'s --help (never parsed:
-    :func:`split_config_overrides` takes them first; ``start``: what the overrides apply to)."""
+def add_config_fields(parser: argparse.ArgumentParser, start: str, fields: list[tuple[str, str, Any]]) -> None:
+    """List every config field (``(key, help, default)``, as ``fields_help`` of :mod:`looplm.config` gives them)
+    in ``parser``'s --help (never parsed: :func:`split_config_overrides` takes them first; ``start``: what the
+    overrides apply to)."""
     parser.usage = parser.format_usage().removeprefix("usage: ").rstrip() + " [--SECTION.FIELD V ...]"
     group = parser.add_argument_group("config fields", f"override any as --SECTION.FIELD VALUE on top of {start}; "
                                       "the config parses and checks the value; [the base default]")
-    for key, text, default in config_fields() if fields is None else fields:
+    for key, text, default in fields:
         if "--" + key not in parser._option_string_actions:
             group.add_argument("--" + key, metavar="V", default=argparse.SUPPRESS, help=(text + (
                 "" if default is dataclasses.MISSING else f" [{default!r}]")).replace("%", "%%"))
