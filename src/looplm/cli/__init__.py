@@ -276,9 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _unknown_options_error(parser, args, extras)
     leaf = args._parser
     if overrides and not args._cmd.config:
-        key = "--" + next(iter(overrides))
-        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to `looplm train`, "
-                   f"`looplm info`, `looplm rl pretrain`, `looplm rl train` and `looplm distill`){suggest(key, option_strings(leaf))}")
+        key, takers = "--" + next(iter(overrides)), [f"`looplm {c.name}`" for c in COMMANDS if c.config]
+        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to "
+                   f"{', '.join(takers[:-1])} and {takers[-1]}){suggest(key, option_strings(leaf))}")
     try:
         return int(_run(args, overrides) or 0)
     except UsageError as exc:
