@@ -208,14 +208,14 @@ def exit_criteria() -> tuple[str, ...]:
 
 #: what a parameter name means in every command (the signature's annotation and docstring come first)
 NAMES: dict[str, Opt] = {
-    **dict.fromkeys(("batch_size", "max_tokens", "max_examples", "batches", "n_calib", "n_timed", "repeats", "steps",
-                     "eval_tokens", "matmul_n", "rounds", "train_records", "group_size", "updates", "stop_after",
-                     "prompts_per_update", "eval_problems", "eval_samples", "samples", "problems", "seq_len",
-                     "max_new_tokens", "depth", "ceiling", "k_max", "scale_loops", "neumann_steps", "num_steps",
-                     "max_depth", "digits"),
+    **dict.fromkeys(("batches", "n_calib", "n_timed", "repeats", "steps", "eval_tokens", "matmul_n", "rounds",
+                     "train_records", "group_size", "updates", "stop_after", "prompts_per_update", "eval_problems",
+                     "eval_samples", "samples", "problems", "seq_len", "max_new_tokens", "depth", "k_max",
+                     "scale_loops", "neumann_steps", "num_steps", "max_depth", "digits"),
                     Opt(type=positive_int, metavar="N")),
     "batch_size": Opt(type=positive_int, metavar="N", help="rows per forward pass"),
-    "max_tokens": Opt(type=positive_int, metavar="N", help="score only the first N tokens of each split read (default: all)"),
+    "max_tokens": Opt(type=positive_int, metavar="N",
+                      help="score only the first N tokens of each split read (default: all)"),
     "max_examples": Opt(type=positive_int, metavar="N", help="read only the first N examples (default: all)"),
     "ceiling": Opt(type=positive_int, metavar="N", help="the deepest loop an adaptive run may reach"),
     "seed": Opt(help="the random seed of this command's draws"),
