@@ -29,8 +29,8 @@ import torch
 
 from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, check_criterion, exit_loop
 from looplm.model import eval_mode
-from looplm.model.cursor import Loop, Readout
-from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
+from looplm.model.cursor import Readout
+from looplm.model.kvcache import CACHE_MODES, KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -91,13 +91,10 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
 
     Returns (logits (B, V) at each row's exit state, depth (B,) int64 loop steps run).
     """
-    positions = cache.n_valid[:, None]  # (B, 1): the next position of each row
-    scope = AttentionScope(cache, None)
-    cache.calls_per_step = model.calls_per_step
-    state, ctx = model.start(model.embed(idx, positions, scope=scope), positions, scope=scope)
-    res = exit_loop(Loop(model, state, ctx), criterion, max_depth, drop=False)
-    out = model.readout(res.h, final=True, scope=scope)[:, -1]  # (B, V), each row at its own exit state
-    scope.commit()
+    loop = model.loop(idx, cache=cache)
+    res = exit_loop(loop, criterion, max_depth, drop=False)
+    out = model.readout(res.h, final=True, scope=loop.scope)[:, -1]  # (B, V), each row at its own exit state
+    loop.scope.commit()
     return out, res.depth
 
 
