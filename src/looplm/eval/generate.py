@@ -347,11 +347,10 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     kv_cache = _check_cli_request(prompts, temperature, top_k, top_p, exit, exit_tau, max_depth, prefill, student,
                                   kv_cache, checkpoint)
     from looplm.data.tokenizer import eot_id
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.run.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    tok = load_tokenizer_for(ckpt)
+    opened = open_checkpoint(checkpoint, device=device)
+    model, cfg, ckpt, tok = opened.model, opened.cfg, opened.ckpt, opened.tokenizer
     try:
         eos = eot_id(tok)
     except ValueError:
@@ -369,8 +368,8 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     depth = depth or student_depth or cfg.train.eval_depth
     criterion = None if exit == "none" else build_exit_criterion(exit, exit_tau)
     gen = generate(model, ids, max_new_tokens, depth, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
-                       student=model_student, student_depth=student_depth, static_step=static_step)
+                   seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
+                   student=model_student, student_depth=student_depth, static_step=static_step)
     settings = {"depth": depth, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                 "top_p": top_p, "seed": seed, "kv_cache": kv_cache, "prefill": prefill, "student_depth": student_depth,
                 "exit": exit, "exit_tau": None if criterion is None else criterion.tau,
