@@ -55,7 +55,8 @@ def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, A
     if bad:
         raise ValueError(f"halting.{bad[0]}: unknown key; allowed: {', '.join(HALTING_KEYS)}")
     if halting.get("criterion") not in EXIT_CRITERIA:
-        raise ValueError(f"halting.criterion: got {halting.get('criterion')!r}; allowed: {', '.join(sorted(EXIT_CRITERIA))}")
+        raise ValueError(f"halting.criterion: got {halting.get('criterion')!r}; "
+                         f"allowed: {', '.join(sorted(EXIT_CRITERIA))}")
     rules = [k for k in HALTING_RULES if k in halting]
     if len(rules) != 1:
         raise ValueError(f"halting: give exactly one of {', '.join(HALTING_RULES)}, got {rules or 'none'}")
