@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig
-from looplm.eval.exits import calibrate, halting_depths
-from looplm.eval.halting import (dynamic_halting_run, evaluate_halting_checkpoint, fixed_depth_run, make_windows,
-                                 trace_margins)
+from looplm.eval import exits
+from looplm.eval.exits import build_exit_criterion, calibrate, halting_depths, split_batches
+from looplm.eval.halting import evaluate_halting_checkpoint, fixed_depth_run, make_windows
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import RULES, LoopLM, build_model
 
@@ -112,8 +112,9 @@ def test_dynamic_batching_equals_cached_per_loop_nll(rule, kw):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (23, 16), generator=g)
     y = torch.randint(0, 64, (23, 16), generator=g)
-    batches = [(x[i:i + 5], y[i:i + 5]) for i in range(0, 23, 5)]  # uneven last batch
-    margins, nll_sum, n_tok = trace_margins(model, batches, K_MAX)
+    batches = split_batches(x, y, 5, "cpu")  # uneven last batch
+    tr = exits.trace(model, batches, build_exit_criterion("margin", 0.0), K_MAX)
+    margins, nll_sum, n_tok = tr.scores, tr.nll, tr.tokens
     assert margins.shape == nll_sum.shape == (23, K_MAX) and (n_tok == 16).all()
     # τ halfway between two observed margins (no ties under float rounding), the one spreading the
     # halting loops most, so rows leave the batch at several loops and the rest continue
@@ -122,7 +123,7 @@ def test_dynamic_batching_equals_cached_per_loop_nll(rule, kw):
               for t in (v[:-1] + v[1:]) / 2 for d in [halting_depths(margins, t, "above")]]
     tau = float(max(spread)[2])
     ref_loops = halting_depths(margins, tau, "above")
-    run = dynamic_halting_run(model, batches, tau, K_MAX)
+    run = exits.run(model, batches, build_exit_criterion("margin", tau), K_MAX)
     print(rule, kw, "loops", np.bincount(run.depth, minlength=K_MAX + 1)[1:].tolist(),
           "max |Δnll|", np.abs(run.nll - nll_sum[np.arange(23), run.depth - 1]).max())
     assert len(np.unique(ref_loops)) > 1  # the check covers halted and continuing rows
@@ -133,7 +134,7 @@ def test_dynamic_batching_equals_cached_per_loop_nll(rule, kw):
     np.testing.assert_allclose(run.scores[seen], margins[seen], rtol=0, atol=1e-5)
     assert run.row_steps == run.depth.sum()
     # τ = ∞: everything at K, equal to the cached K column and to the fixed-depth forward
-    full = dynamic_halting_run(model, batches, math.inf, K_MAX)
+    full = exits.run(model, batches, build_exit_criterion("margin", math.inf), K_MAX)
     nll_fixed, _ = fixed_depth_run(model, batches, K_MAX)
     assert (full.depth == K_MAX).all() and full.row_steps == 23 * K_MAX
     np.testing.assert_allclose(full.nll, nll_sum[:, -1], rtol=0, atol=1e-5 * 16)
@@ -191,7 +192,8 @@ def test_halting_checkpoint_report(checkpoint, tmp_path):
     # the timed dynamic PPL: the same halting rule applied to a cached trace of the timed windows
     model.eval()
     x, y = make_windows(valid, L, 160, 48)
-    margins, nll_sum, n_tok = trace_margins(model, [(x, y)], K)
+    tr = exits.trace(model, split_batches(x, y, len(x), "cpu"), build_exit_criterion("margin", 0.0), K)
+    margins, nll_sum, n_tok = tr.scores, tr.nll, tr.tokens
     tau = math.inf if cal["tau"] is None else cal["tau"]
     loops = halting_depths(margins, tau, "above")
     assert tm["dynamic"]["mean_loops"] == pytest.approx(loops.mean())

@@ -135,18 +135,14 @@ def plot_forcing_ratio(results: Mapping[str, Mapping[str, Any]], path: str | Pat
                     markerfacecolor="none", markeredgecolor="black", label=lab)
     ax.axhline(1.0, linestyle="--", color="gray", linewidth=1, label="unit reference")
     ax.set_xticks(x, labels, rotation=15, ha="right")
-    ax.set_ylabel("R_t (pointwise bias / update energy)")
-    ax.set_title("Forcing-bias energy ratio R_t")
-    ax.set_ylim(bottom=0)
+    ax.set(ylabel="R_t (pointwise bias / update energy)", title="Forcing-bias energy ratio R_t", ylim=(0, None))
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     return save_figure(fig, path)
 
 
 def _pca_axes(ax, title: str, share: list[float]) -> None:
-    ax.set_title(title)
-    ax.set_xlabel(f"PC1 ({100 * share[0]:.0f}%)")
-    ax.set_ylabel(f"PC2 ({100 * share[1]:.0f}%)")
+    ax.set(title=title, xlabel=f"PC1 ({100 * share[0]:.0f}%)", ylabel=f"PC2 ({100 * share[1]:.0f}%)")
     ax.set_aspect("equal", adjustable="datalim")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, alpha=0.3)
@@ -212,12 +208,8 @@ def plot_scale(result: Mapping[str, Any], path: str | Path, *, label: str = "") 
     for key, style, name in (("rms_mean", "-o", "mean"), ("rms_p50", "--", "p50"), ("rms_p99", "-.", "p99"),
                              ("rms_max", ":", "max")):
         ax_a.plot(k, [r[key] for r in loops], style, markersize=3, label=name)
-    ax_a.set_yscale("log")
-    ax_a.set_xlabel("loop k")
-    ax_a.set_ylabel("token RMS of H_k")
-    ax_a.set_title(f"(a) hidden-state scale, K={result['scale']['K']}")
-    ax_a.legend(fontsize=8)
-    ax_a.grid(True, which="both", alpha=0.3)
+    ax_a.set(yscale="log", xlabel="loop k", ylabel="token RMS of H_k",
+             title=f"(a) hidden-state scale, K={result['scale']['K']}")
     conv = result["convergence"]
     r = np.arange(1, len(conv["rho_mean"]) + 1)
     rho = np.asarray(conv["rho_mean"], dtype=float)
@@ -225,12 +217,11 @@ def plot_scale(result: Mapping[str, Any], path: str | Path, *, label: str = "") 
     ax_b.axhline(conv["tau"], linestyle="--", color="gray", linewidth=1, label=f"τ = {conv['tau']:g}")
     if np.any(rho > 0):
         ax_b.set_yscale("log")
-    ax_b.set_xlabel("recurrence r")
-    ax_b.set_ylabel("‖h^r − h^{r−1}‖ / ‖h^{r−1}‖")
-    never = conv["never_fraction"]
-    ax_b.set_title(f"(b) token convergence (never converged: {100 * (never or 0):.0f}%)")
-    ax_b.legend(fontsize=8)
-    ax_b.grid(True, which="both", alpha=0.3)
+    ax_b.set(xlabel="recurrence r", ylabel="‖h^r − h^{r−1}‖ / ‖h^{r−1}‖",
+             title=f"(b) token convergence (never converged: {100 * (conv['never_fraction'] or 0):.0f}%)")
+    for ax in (ax_a, ax_b):
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
     if label:
         fig.suptitle(label)
     return save_figure(fig, path)

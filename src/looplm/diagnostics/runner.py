@@ -50,7 +50,9 @@ def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) 
     return out
 
 
-def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float], n_directions: int, eps: float) -> None:
+def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float] = DOSE_GAINS, n_directions: int = N_DIRECTIONS,
+                eps: float = FD_EPS, scale_loops: int = 1, convergence_tau: float = DEFAULT_TAU,
+                alignment_loss: str = "terminal", dtype: str = "float64") -> None:
     if depth < 1:
         raise ValueError(f"depth: need a rollout depth >= 1, got {depth}")
     if not steps or min(steps) < 0 or max(steps) >= depth:
@@ -61,9 +63,6 @@ def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float], n_dire
         raise ValueError(f"n_directions: need >= 1, got {n_directions}")
     if eps <= 0:
         raise ValueError(f"eps: need > 0, got {eps}")
-
-
-def _check_scale_args(scale_loops: int, convergence_tau: float, alignment_loss: str, dtype: str = "float64") -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if scale_loops < 1:
@@ -114,8 +113,7 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     diagnostic and the R of the visit alignment. ValueError: an unshared model or a bad setting."""
     check_shared(model, "mechanism diagnostics")
     steps = sorted({int(t) for t in steps})
-    _check_args(steps, depth, gains, n_directions, eps)
-    _check_scale_args(scale_loops, convergence_tau, alignment_loss, dtype)
+    _check_args(steps, depth, gains, n_directions, eps, scale_loops, convergence_tau, alignment_loss, dtype)
     model = copy.deepcopy(model).to(DTYPES[dtype]).eval()
     device = next(model.parameters()).device
     forcing, gain, rollout, dose, views = [], [], [], [], None
@@ -204,8 +202,8 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
     """
     check_batches(batches, batch_size)
     steps = (0, depth - 1) if steps is None else steps
-    _check_args(sorted(steps), depth, DOSE_GAINS, N_DIRECTIONS, FD_EPS)
-    _check_scale_args(1 if scale_loops is None else scale_loops, convergence_tau, "terminal")
+    _check_args(sorted(steps), depth, scale_loops=1 if scale_loops is None else scale_loops,
+                convergence_tau=convergence_tau)
     model, cfg, ckpt, data_cfg, xs = load_windows(checkpoint, "looplm diagnose", dataset=dataset, split=split,
                                                   batch_size=batch_size, batches=batches, device=device)
     label = f"{cfg.name} ({cfg.model.rule})"

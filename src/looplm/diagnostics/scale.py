@@ -62,7 +62,7 @@ class ScaleAccumulator:
         for k in range(K + 1):
             H = states[k].detach()
             H64 = H.double()
-            rms = token_rms(H.detach().double())[..., 0]  # (B, L) float64
+            rms = token_rms(H64)[..., 0]  # (B, L) float64
             self.rms[k].append(rms[keep].cpu().numpy())
             ce, g = immediate_readout_gradient(model, H, targets, final=k == K)
             g64 = g.double()

@@ -85,7 +85,8 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
     full = (early_exit_eval(model, test, never, ceiling, desc="full depth", criterion=criterion, **kw)
             if timed else None)
     res: dict[str, Any] = {
-        "criterion": criterion, "scale_clamp": scale_clamp, "ceiling": ceiling, "max_tokens": max_tokens, "batch_size": batch_size,
+        "criterion": criterion, "scale_clamp": scale_clamp, "ceiling": ceiling, "max_tokens": max_tokens,
+        "batch_size": batch_size,
         "examples": {"valid": len(tr_valid.tokens), "test": len(tr_test.tokens)},
         "tokens": {"valid": int(tr_valid.tokens.sum()), "test": int(tr_test.tokens.sum())},
         "static": {str(T): {"valid_ppl": tr_valid.ppl_at(T), "test_ppl": tr_test.ppl_at(T)}

@@ -35,6 +35,12 @@ Direction = Literal["below", "above"]
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def split_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device | str) -> list[Batch]:
+    """(N, L) inputs and targets as :data:`Batch` es of ``batch_size`` rows on ``device`` (scored: y != -100)."""
+    return [(xb.to(device), yb.to(device), (yb != -100).to(device))
+            for xb, yb in zip(x.split(batch_size), y.split(batch_size))]
+
+
 # ---------------------------------------------------------------------------------------------- criteria
 
 

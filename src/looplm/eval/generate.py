@@ -29,8 +29,8 @@ import torch
 
 from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, check_criterion, exit_loop
 from looplm.model import eval_mode
-from looplm.model.cursor import Loop, Readout
-from looplm.model.kvcache import CACHE_MODES, AttentionScope, KVCache
+from looplm.model.cursor import Readout
+from looplm.model.kvcache import CACHE_MODES, KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -91,13 +91,10 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
 
     Returns (logits (B, V) at each row's exit state, depth (B,) int64 loop steps run).
     """
-    positions = cache.n_valid[:, None]  # (B, 1): the next position of each row
-    scope = AttentionScope(cache, None)
-    cache.calls_per_step = model.calls_per_step
-    state, ctx = model.start(model.embed(idx, positions, scope=scope), positions, scope=scope)
-    res = exit_loop(Loop(model, state, ctx), criterion, max_depth, drop=False)
-    out = model.readout(res.h, final=True, scope=scope)[:, -1]  # (B, V), each row at its own exit state
-    scope.commit()
+    loop = model.loop(idx, cache=cache)
+    res = exit_loop(loop, criterion, max_depth, drop=False)
+    out = model.readout(res.h, final=True, scope=loop.scope)[:, -1]  # (B, V), each row at its own exit state
+    loop.scope.commit()
     return out, res.depth
 
 
@@ -350,11 +347,10 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     kv_cache = _check_cli_request(prompts, temperature, top_k, top_p, exit, exit_tau, max_depth, prefill, student,
                                   kv_cache, checkpoint)
     from looplm.data.tokenizer import eot_id
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.run.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
-    tok = load_tokenizer_for(ckpt)
+    opened = open_checkpoint(checkpoint, device=device)
+    model, cfg, ckpt, tok = opened.model, opened.cfg, opened.ckpt, opened.tokenizer
     try:
         eos = eot_id(tok)
     except ValueError:
@@ -372,8 +368,8 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     depth = depth or student_depth or cfg.train.eval_depth
     criterion = None if exit == "none" else build_exit_criterion(exit, exit_tau)
     gen = generate(model, ids, max_new_tokens, depth, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
-                       student=model_student, student_depth=student_depth, static_step=static_step)
+                   seed=seed, cache_mode=kv_cache, exit_criterion=criterion, max_depth=max_depth, eos_id=eos,
+                   student=model_student, student_depth=student_depth, static_step=static_step)
     settings = {"depth": depth, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                 "top_p": top_p, "seed": seed, "kv_cache": kv_cache, "prefill": prefill, "student_depth": student_depth,
                 "exit": exit, "exit_tau": None if criterion is None else criterion.tau,

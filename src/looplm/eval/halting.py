@@ -2,9 +2,10 @@
 
 Per window b and loop k = 1 … K_max: margin_k(b) = mean over its tokens of top-1 − top-2 of the loop-k logits,
 halt(b) = min({k < K_max : margin_k(b) ≥ τ} ∪ {K_max}), scored at its halting loop. (1) Calibration
-(``n_calib`` windows, :func:`trace_margins`): the smallest τ whose dynamic PPL ≤ (1 + tolerance) × PPL(K_max).
-(2) Timed run (``n_timed`` disjoint windows): :func:`dynamic_halting_run` against every fixed depth
-(:func:`fixed_depth_run`); speedup = static / dynamic seconds. (3) Frontier: (tokens/s, PPL) per K.
+(``n_calib`` windows, :func:`~looplm.eval.exits.trace`): the smallest τ whose dynamic PPL ≤ (1 + tolerance) ×
+PPL(K_max). (2) Timed run (``n_timed`` disjoint windows): dynamic batching (:func:`~looplm.eval.exits.run`,
+halted rows leave the batch) against every fixed depth (:func:`fixed_depth_run`); speedup = static / dynamic
+seconds. (3) Frontier: (tokens/s, PPL) per K.
 
 Choices (ours): full non-overlapping windows (timed after calibration ones on one split); inference mode,
 batches prebuilt on the device, one untimed warm-up batch per mode, the median of ``repeats`` interleaved passes.
@@ -16,23 +17,21 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, build_exit_criterion, calibrate,
-                               run, sync_device, trace)
+from looplm.eval.exits import (EXIT_CRITERIA, Batch, build_exit_criterion, calibrate, run, split_batches,
+                               sync_device, trace)
 from looplm.model import DepthLM, eval_mode
 from looplm.model.cursor import NLL
 
 DEFAULT_N_CALIB = 160
 DEFAULT_N_TIMED = 160
 DEFAULT_TOLERANCE = 0.01  # dynamic PPL within 1% of K_max (readout blind spot, Appendix H)
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, L) int64
 
 
 def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,46 +46,15 @@ def make_windows(tokens: np.ndarray, seq_len: int, first: int, n: int) -> tuple[
     return x, y
 
 
-def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device) -> list[Batch]:
-    return [(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)) for i in range(0, len(x), batch_size)]
-
-
-def _with_masks(batches: list[Batch]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return [(x, y, torch.ones_like(y, dtype=torch.bool)) for x, y in batches]
-
-
-def _criterion(criterion: str | ExitCriterion, tau: float) -> ExitCriterion:
-    return build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
-
-
-def trace_margins(model: DepthLM, batches: list[Batch], k_max: int, *, progress: bool = False,
-                  criterion: str | ExitCriterion = "margin",
-                  scale_clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(N, K) statistics, (N, K) summed NLL (nats), (N,) tokens of every window (:func:`~looplm.eval.exits.trace`)."""
-    tr = trace(model, _with_masks(batches), _criterion(criterion, 0.0), k_max, progress=progress,
-               desc="calibration trace", scale_clamp=scale_clamp)
-    return tr.scores, tr.nll, tr.tokens
-
-
-def dynamic_halting_run(model: DepthLM, batches: list[Batch], tau: float, k_max: int, *,
-                        progress: bool = False, criterion: str | ExitCriterion = "margin",
-                        scale_clamp: bool = False) -> ExitRun:
-    """Dynamic batching (:func:`~looplm.eval.exits.run`): halted rows are scored and leave the batch."""
-    if k_max < 1:
-        raise ValueError(f"k_max must be >= 1, got {k_max}")
-    return run(model, _with_masks(batches), _criterion(criterion, tau), k_max, progress=progress,
-               desc="dynamic halting", scale_clamp=scale_clamp)
-
-
 @torch.inference_mode()
-def fixed_depth_run(model: DepthLM, batches: list[Batch], depth: int, *,
+def fixed_depth_run(model: DepthLM, batches: Sequence[Batch], depth: int, *,
                     progress: bool = False, scale_clamp: bool = False) -> tuple[np.ndarray, float]:
     """``(nll, seconds)``: (N,) summed NLL (nats) of every window at depth K, and the wall time."""
     device = batches[0][0].device
     nlls = []
     sync_device(device)
     t0 = time.perf_counter()
-    for x, y in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
+    for x, y, _ in tqdm(batches, desc=f"fixed K={depth}", disable=not progress, leave=False, unit="batch"):
         out = model.read(model.loop(x, scale_clamp=scale_clamp), depth, y, readout=NLL)
         nlls.append(out.nll_by_depth[depth].double().sum(dim=1))
     sync_device(device)
@@ -117,28 +85,24 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
     direction = EXIT_CRITERIA[criterion].direction
     device = torch.device(device)
     with eval_mode(model):
-        cal_batches = _batches(*calib, batch_size, device)
-        margins, nll_sum, n_tok = trace_margins(model, cal_batches, k_max, progress=progress, criterion=criterion,
-                                                scale_clamp=scale_clamp)
-        cal = calibrate(margins, direction, tolerance=tolerance, nll=nll_sum, tokens=n_tok)
-
-        batches, kw = _batches(*timed, batch_size, device), {"criterion": criterion, "scale_clamp": scale_clamp}
+        tr = trace(model, split_batches(*calib, batch_size, device), build_exit_criterion(criterion, 0.0), k_max,
+                   progress=progress, desc="calibration trace", scale_clamp=scale_clamp)
+        cal = calibrate(tr.scores, direction, tolerance=tolerance, nll=tr.nll, tokens=tr.tokens)
+        batches, crit = split_batches(*timed, batch_size, device), build_exit_criterion(criterion, cal.tau)
         # r = -1: untimed warm-ups on one batch; repeats interleave the modes, so slow drift (clocks, other
         # load) hits them alike
-        dyn_s: list[float] = []
-        fixed_s: dict[int, list[float]] = {K: [] for K in range(1, k_max + 1)}
+        seconds: dict[int, list[float]] = {K: [] for K in range(k_max + 1)}  # per fixed K; 0: the dynamic run
         fixed_nll: dict[int, np.ndarray] = {}
         for r in range(-1, repeats):
-            part = batches if r >= 0 else batches[:1]
-            dyn = dynamic_halting_run(model, part, cal.tau, k_max, progress=progress and r == 0, **kw)
-            dyn_s.append(dyn.seconds)
+            part, show = (batches if r >= 0 else batches[:1]), progress and r == 0
+            dyn = run(model, part, crit, k_max, progress=show, desc="dynamic halting", scale_clamp=scale_clamp)
+            seconds[0].append(dyn.seconds)
             for K in range(1, k_max + 1):
-                fixed_nll[K], seconds = fixed_depth_run(model, part, K, progress=progress and r == 0,
-                                                        scale_clamp=scale_clamp)
-                fixed_s[K].append(seconds)
+                fixed_nll[K], secs = fixed_depth_run(model, part, K, progress=show, scale_clamp=scale_clamp)
+                seconds[K].append(secs)
     n_tokens = int(dyn.tokens.sum())
-    dyn_seconds = float(np.median(dyn_s[1:]))
-    med = {K: float(np.median(s[1:])) for K, s in fixed_s.items()}  # seconds per fixed K
+    med = {K: float(np.median(s[1:])) for K, s in seconds.items()}  # median seconds per mode
+    dyn_seconds = med[0]
     frontier = [{"k": K, "ppl": math.exp(fixed_nll[K].sum() / n_tokens), "seconds": med[K],
                  "tokens_per_s": n_tokens / med[K]} for K in range(1, k_max + 1)]
     static = frontier[-1]
@@ -148,11 +112,11 @@ def halting_eval(model: DepthLM, calib: tuple[torch.Tensor, torch.Tensor], timed
         "criterion": criterion, "scale_clamp": scale_clamp, "k_max": k_max, "tolerance": tolerance,
         "batch_size": batch_size, "repeats": repeats, "device": str(device), "seq_len": int(calib[0].shape[1]),
         "calibration": {
-            "sequences": len(n_tok), "tokens": int(n_tok.sum()), "tau": _finite(cal.tau),
+            "sequences": len(tr.tokens), "tokens": int(tr.tokens.sum()), "tau": _finite(cal.tau),
             "halts_early": math.isfinite(cal.tau), "candidates": len(cal.taus),
             "mean_loops": cal.mean_depth, "ppl_dynamic": cal.ppl, "ppl_kmax": cal.ppl_max,
             "ppl_ratio": cal.ppl / cal.ppl_max, "ppl_budget": (1.0 + tolerance) * cal.ppl_max,
-            "ppl_by_k": {str(k): math.exp(nll_sum[:, k - 1].sum() / n_tok.sum()) for k in range(1, k_max + 1)},
+            "ppl_by_k": {str(k): math.exp(tr.nll[:, k - 1].sum() / tr.tokens.sum()) for k in range(1, k_max + 1)},
             "loop_counts": _counts(cal.depths),
             "sweep": {"tau": [_finite(float(t)) for t in cal.taus], "ppl": cal.ppl_by_tau.tolist(),
                       "mean_loops": cal.mean_depth_by_tau.tolist()},

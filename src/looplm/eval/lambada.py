@@ -178,20 +178,19 @@ def evaluate_lambada_checkpoint(checkpoint: str | Path, *, depths: Sequence[int]
                                 progress: bool = True) -> dict[str, Any]:
     """LAMBADA completion of a checkpoint at several loop depths (SCSE Table 16); ``data_root`` None: the
     checkpoint's; ``max_examples``: the first N passages."""
-    from looplm.eval.runner import load_tokenizer_for
-    from looplm.run.provenance import provenance
-    from looplm.run.checkpoint import load_checkpoint
+    from looplm.eval.runner import open_checkpoint
 
-    model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
+    opened = open_checkpoint(checkpoint, device=device)
+    model, cfg, ckpt = opened.model, opened.cfg, opened.ckpt
     path = lambada_path(resolve_data_root(cfg.data.data_root) if data_root is None else data_root)
     examples = load_lambada(path, max_examples)
-    encoded = encode_examples(examples, load_tokenizer_for(ckpt), cfg.model.seq_len)
+    encoded = encode_examples(examples, opened.tokenizer, cfg.model.seq_len)
     res = score_lambada(model, encoded, depths, batch_size=batch_size, device=device, progress=progress)
     out = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule,
            "architecture": cfg.model.architecture, "params": model.num_params(), "dataset": "lambada",
            "file": str(path), "seq_len": cfg.model.seq_len, "examples": len(encoded),
            "target_tokens": sum(e.n_target for e in encoded),
            "truncated": sum(e.truncated for e in encoded),
-           "depths": {str(T): r for T, r in res.items()}, "provenance": provenance(ckpt, data_files=[path])}
+           "depths": {str(T): r for T, r in res.items()}, "provenance": opened.provenance(data_files=[path])}
     out["markdown"] = markdown_table({f"{cfg.name} (LAMBADA)": out})
     return out

@@ -80,5 +80,6 @@ def markdown_table(results: dict[str, dict[int, dict[str, float]]], depths: Sequ
     """A Markdown table of PPL by depth: one row per named result, one column per depth."""
     depths = list(depths)
     rows = ["| model | " + " | ".join(f"T={T}" for T in depths) + " |", "|---|" + "---:|" * len(depths)]
-    rows += [f"| {name} | " + " | ".join(f"{res[T]['ppl']:.2f}" for T in depths) + " |" for name, res in results.items()]
+    rows += [f"| {name} | " + " | ".join(f"{res[T]['ppl']:.2f}" for T in depths) + " |"
+             for name, res in results.items()]
     return "\n".join(rows)

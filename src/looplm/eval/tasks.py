@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, calibrate, exit_loop, trace
+from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, build_exit_criterion, calibrate, exit_loop,
+                               split_batches, trace)
 from looplm.model import eval_mode
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
@@ -54,7 +55,8 @@ def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, A
     if bad:
         raise ValueError(f"halting.{bad[0]}: unknown key; allowed: {', '.join(HALTING_KEYS)}")
     if halting.get("criterion") not in EXIT_CRITERIA:
-        raise ValueError(f"halting.criterion: got {halting.get('criterion')!r}; allowed: {', '.join(sorted(EXIT_CRITERIA))}")
+        raise ValueError(f"halting.criterion: got {halting.get('criterion')!r}; "
+                         f"allowed: {', '.join(sorted(EXIT_CRITERIA))}")
     rules = [k for k in HALTING_RULES if k in halting]
     if len(rules) != 1:
         raise ValueError(f"halting: give exactly one of {', '.join(HALTING_RULES)}, got {rules or 'none'}")
@@ -70,19 +72,13 @@ def check_halting(halting: Mapping[str, Any], largest_depth: int) -> dict[str, A
     return out
 
 
-def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, device) -> list[tuple[torch.Tensor, ...]]:
-    """(x, y, answer mask) batches on ``device``: the exit statistic aggregates over the answer tokens."""
-    return [(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device), (y[i:i + batch_size] != -100).to(device))
-            for i in range(0, len(x), batch_size)]
-
-
 @torch.no_grad()
 def halt_instances(model, x: torch.Tensor, y: torch.Tensor, criterion: ExitCriterion, ceiling: int, *,
                    batch_size: int = 64, device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """``(depth, correct)``: (N,) halting depths in [1, ceiling] and exact match there of each instance."""
     with eval_mode(model):
         depth, correct = [], []
-        for xb, yb, scored in _batches(x, y, batch_size, device):
+        for xb, yb, scored in split_batches(x, y, batch_size, device):  # scored: the answer tokens
             hit = torch.zeros(len(xb), dtype=torch.bool, device=xb.device)
 
             def score(rows_, k, h, logits, yb=yb, scored=scored, hit=hit):  # exit_loop's on_exit hook
@@ -105,7 +101,7 @@ def calibrate_tau(model, data_cfg, halting: Mapping[str, Any], *, max_examples: 
              for i in heldout(data_cfg.task, k, "valid", data_cfg.task_heldout, data_cfg.task_seed)[:max_examples]]
     with eval_mode(model):
         x, y = rows(data_cfg.task, insts, model.cfg.seq_len)
-        tr = trace(model, _batches(x, y, batch_size, device), crit, halting["ceiling"])
+        tr = trace(model, split_batches(x, y, batch_size, device), crit, halting["ceiling"])
     return calibrate(tr.scores, crit.direction, target_depth=halting.get("target_depth"),
                      tolerance=halting.get("tolerance"), nll=tr.nll, tokens=tr.tokens).tau
 
