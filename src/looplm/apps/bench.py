@@ -3,26 +3,26 @@
 Every figure is a ratio taken within the same run, so the machine's speed cancels; every timed ratio is
 measured in interleaved A/B/B/A rounds (:func:`interleaved`, issue 28 §3) and judged by
 :func:`judge_targets` (``met`` / ``not met`` / ``undecided`` / ``invalid`` / ``unstable``: the fp32 matmul
-rate moved by more than :data:`MAX_SPREAD`). What each key measures: benchmarks/README.md. ``quick=True``
-shrinks every shape (a smoke test; the values mean nothing).
+rate moved by more than :data:`MAX_SPREAD`). Memory figures are byte counts, the same on every run on CPU. What
+each key measures: benchmarks/README.md. ``quick=True`` shrinks every shape (a smoke test; the values mean
+nothing).
 """
 from __future__ import annotations
 
 import copy
 import math
-import multiprocessing as mp
 import os
 import platform
 import re
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial, reduce
 from typing import Any, Callable
 
 import torch
 
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
+from looplm.analysis.memory import peak_live_bytes
 from looplm.config import ModelConfig
 from looplm.distill.config import DistillConfig
 from looplm.distill.prefill import prefill_paths
@@ -358,46 +358,18 @@ def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
     return lines
 
 
-def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int) -> int:
-    """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS before it."""
-    import resource
-
-    torch.set_num_threads(threads)
-    cfg = ModelConfig.from_dict(cfg_dict)
-    torch.manual_seed(0)
-    model = build_model(cfg).train()
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
-    def status(field: str) -> int | None:  # /proc/self/status field in bytes (Linux)
-        try:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-        except (OSError, StopIteration):
-            return None
-
-    try:  # reset the peak RSS (VmHWM) to the current RSS (Linux ≥ 4.0), so imports and model building do not count
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    before = status("VmRSS")
-    model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
-    peak = status("VmHWM")
-    if before is None or peak is None:  # no procfs: the process's lifetime peak
-        before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return max(0, peak - before)
-
-
 def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
                       fused: bool = True) -> int:
-    """Peak bytes of one training step above the memory before it (CUDA peak allocated; CPU a fresh subprocess's
-    VmHWM, as tracemalloc misses torch); ``fused=False``: the plain readout + loss."""
-    if device.type == "cuda":
-        model, x = _model_batch(cfg, batch_size, device)
-        return _cuda_peak(lambda: model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward())
-    # a child that dies without a value raises BrokenProcessPool, not a 30-minute wait
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        args = (cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads())
-        return pool.submit(_train_step_peak_rss, *args).result()
+    """Peak bytes of one training step's forward + backward above the memory before it: on CUDA the peak
+    allocated (``max_memory_allocated``), else the peak of the live tensor bytes the step creates
+    (:func:`looplm.analysis.memory.peak_live_bytes`: exact, the same on every run); ``fused=False``: the plain
+    readout + loss."""
+    model, x = _model_batch(cfg, batch_size, device)
+
+    def step() -> None:
+        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
+
+    return _cuda_peak(step) if device.type == "cuda" else peak_live_bytes(step)
 
 
 @torch.no_grad()
@@ -481,6 +453,7 @@ def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: 
     res["peak_train_mem_bytes"] = peak_train_memory(hcfg, depth, batch_size=B, device=device)
     res["peak_train_mem_bytes_plain"] = peak_train_memory(hcfg, depth, batch_size=B, device=device, fused=False)
     res["peak_train_mem_ratio"] = res["peak_train_mem_bytes"] / max(1, res["peak_train_mem_bytes_plain"])
+    res["peak_train_mem_measure"] = "max_memory_allocated" if device.type == "cuda" else "live_tensor_bytes"
     log(f"huginn shape: peak training memory {res['peak_train_mem_bytes'] / 2**20:.0f} MiB fused vs "
         f"{res['peak_train_mem_bytes_plain'] / 2**20:.0f} MiB plain readout + loss")
 
@@ -640,8 +613,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['multidepth_flop_ratio']:.3f}; {res['huginn_multidepth_flop_ratio']:.3f} |",
              f"| Huginn shape: training tokens/s (fp32, B={res['huginn_batch_size']}, T={res['huginn_depth']}) | "
              f"{res['huginn_train_tokens_per_s']:.0f} |",
-             f"| Huginn shape: peak training-step memory fused / plain readout + loss | "
-             f"{res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
+             f"| Huginn shape: peak training-step bytes ({res['peak_train_mem_measure']}) fused / plain readout + "
+             f"loss | {res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
              *[f"| Huginn shape: decode tokens/s, batch {g[1]}, {g[2]}-token context | {res[k]:.1f} |"
                for k in sorted(res) if (g := re.fullmatch(r"huginn_decode_b(\d+)_ctx(\d+)_tokens_per_s", k))],
              f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
