@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CPU timings of issue 28 that need a quiet machine, in one run (33 min on the 2-core machine of
-# results/quiet-cpu-2core-*; start it before any sweep, and run nothing else meanwhile): two `looplm bench`
-# runs and their agreement (§3: within 5% on every ratio), then greedy decoding side by side with Huginn's own
-# modeling file (§1: batch 1 >= 3x Huginn).
+# results/quiet-cpu-2core-*, before every quarter of a round lasted >= 1 s: by that run's per-call times about
+# 3 min more per bench now, an estimate; start it before any sweep, and run nothing else meanwhile): two
+# `looplm bench` runs and their agreement (§3: within 5% on every ratio), then greedy decoding side by side with
+# Huginn's own modeling file (§1: batch 1 >= 3x Huginn).
 # Usage: benchmarks/quiet-cpu.sh [NAME]   (default NAME: quiet-cpu-2core; writes benchmarks/results/NAME-*)
 # Needs: the project's .venv (make install); network access to the package index once, for transformers
 # 4.51.3 (Huginn's file does not run with transformers 5) into /tmp/tf451; Huginn's raven_modeling_minimal.py

@@ -1,28 +1,28 @@
 """``looplm bench``: throughput and memory measurements with their targets (issues 6, 12 §3, 15), as JSON + Markdown.
 
 Every figure is a ratio taken within the same run, so the machine's speed cancels; every timed ratio is
-measured in interleaved A/B/B/A rounds (:func:`interleaved`, issue 28 §3) and judged by
-:func:`judge_targets` (``met`` / ``not met`` / ``undecided`` / ``invalid`` / ``unstable``: the fp32 matmul
-rate moved by more than :data:`MAX_SPREAD`). What each key measures: benchmarks/README.md. ``quick=True``
-shrinks every shape (a smoke test; the values mean nothing).
+measured in interleaved A/B/B/A rounds (:func:`interleaved`, issue 28 §3), each quarter at least
+:data:`MIN_QUARTER_S` of calls, and judged by :func:`judge_targets` (``met`` / ``not met`` / ``undecided`` /
+``invalid`` / ``unstable``: the fp32 matmul rate moved by more than :data:`MAX_SPREAD`). Memory figures are byte
+counts, the same on every run on CPU. What each key measures: benchmarks/README.md. ``quick=True`` shrinks every
+shape (a smoke test; the values mean nothing).
 """
 from __future__ import annotations
 
 import copy
 import math
-import multiprocessing as mp
 import os
 import platform
 import re
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial, reduce
 from typing import Any, Callable
 
 import torch
 
 from looplm.analysis.flops import flops_per_token, multidepth_flops_per_token
+from looplm.analysis.memory import peak_live_bytes
 from looplm.config import ModelConfig
 from looplm.distill.config import DistillConfig
 from looplm.distill.prefill import prefill_paths
@@ -50,6 +50,9 @@ TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhea
 TIMED = set(TARGETS) - {"tbptt_peak_mem_ratio", "terminal_kv_bytes_ratio", "peak_train_mem_ratio"}
 #: largest relative spread of the fp32 matmul rate (between repeats, and start vs end) of a stable run
 MAX_SPREAD = 0.25
+#: seconds each quarter of an interleaved round lasts at least (a side whose call is shorter runs more calls):
+#: a 10-ms hiccup of the machine then moves a quarter by ≤ 1% (not in ``quick`` runs)
+MIN_QUARTER_S = 1.0
 
 
 def _seconds(fn: Callable[[], Any], device: torch.device, own: bool = False) -> float:
@@ -105,21 +108,36 @@ def judge_targets(res: dict[str, Any], targets: dict[str, tuple[str, float]]) ->
     return out
 
 
+def _calls_to_fill(fn: Callable[[], Any], seconds: float, device: torch.device) -> int:
+    """How many calls of ``fn``, one after another, it takes to spend ``seconds`` (at least one); a call may
+    return its own seconds."""
+    n, spent = 0, 0.0
+    while spent < seconds or n == 0:
+        spent += _seconds(fn, device, own=True)
+        n += 1
+    return n
+
+
 def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repeat: int, device: torch.device,
-                scale: float = 1.0, warmup: int = 1) -> dict[str, Any]:
-    """The ratio ``scale × t_B / t_A`` in interleaved A/B/B/A rounds of ``repeat`` calls each (issue 28 §3); a
-    call may return its own seconds (a float). ``{"median", "min", "max", "rounds", "a_s", "b_s"}``."""
+                scale: float = 1.0, warmup: int = 1, min_s: float = 0.0) -> dict[str, Any]:
+    """The ratio ``scale × t_B / t_A`` of the mean seconds per call, in interleaved A/B/B/A rounds (issue 28 §3);
+    a call may return its own seconds (a float). Each quarter runs ``repeat`` calls of its side, or more: as
+    many as filled ``min_s`` seconds in a sizing quarter after the warm-up (a slow first call, such as a
+    recompilation, then costs a few calls, not the count).
+    ``{"median", "min", "max", "rounds", "a_s", "b_s", "calls"}`` (``calls``: per quarter, A's and B's)."""
     for _ in range(warmup):
         a(), b()
+    calls = [max(repeat, _calls_to_fill(f, min_s, device)) if min_s > 0 else repeat for f in (a, b)]
     ta, tb, ratios = [], [], []
     for _ in range(rounds):
-        a1, b1, b2, a2 = [sum(_seconds(f, device, own=True) for _ in range(repeat)) / repeat for f in (a, b, b, a)]
+        a1, b1, b2, a2 = [sum(_seconds(f, device, own=True) for _ in range(n)) / n
+                          for f, n in ((a, calls[0]), (b, calls[1]), (b, calls[1]), (a, calls[0]))]
         ta.append((a1 + a2) / 2)
         tb.append((b1 + b2) / 2)
         ratios.append(scale * tb[-1] / ta[-1])
     med = statistics.median
     return {"median": med(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios, "a_s": med(ta),
-            "b_s": med(tb)}
+            "b_s": med(tb), "calls": calls}
 
 
 def _ratio(res: dict[str, Any], key: str, a: Callable[[], Any], b: Callable[[], Any], **kw: Any) -> dict[str, Any]:
@@ -217,9 +235,10 @@ def _uncached(model: LoopLM, seq: torch.Tensor, n: int, depth: int) -> None:
 
 @torch.no_grad()
 def decode_measurements(res: dict[str, Any], cfg: ModelConfig, *, depth: int, context: int = 512,
-                        new_tokens: int = 32, device: torch.device, rounds: int = 3) -> None:
+                        new_tokens: int = 32, device: torch.device, rounds: int = 3, min_s: float = 0.0) -> None:
     """Greedy decoding of ``new_tokens`` after a ``context``-token prompt with the per_visit and terminal KV
-    caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached (issue 6)."""
+    caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached (issue 6;
+    :func:`interleaved` with ``min_s``)."""
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
     torch.manual_seed(0)
     model = build_model(long).to(device).eval()
@@ -246,7 +265,7 @@ def decode_measurements(res: dict[str, Any], cfg: ModelConfig, *, depth: int, co
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
     iv = _ratio(res, "decode_cache_speedup", cached("per_visit"), lambda: _uncached(model, prompt, new_tokens, depth),
-                rounds=rounds, repeat=1, device=device, scale=(new_tokens - 1) / new_tokens)
+                rounds=rounds, repeat=1, device=device, scale=(new_tokens - 1) / new_tokens, min_s=min_s)
     res["decode_tokens_per_s_uncached"] = new_tokens / iv["b_s"]
     res["decode_tokens_per_s_per_visit"] = (new_tokens - 1) / iv["a_s"]
     res["decode_cache_speedup_with_prefill"] = (res["decode_tokens_per_s_with_prefill_per_visit"]
@@ -262,7 +281,7 @@ def huginn_config(quick: bool = False) -> ModelConfig:
 
 
 def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, *, quick: bool, batch_size: int, repeat: int,
-                            device: torch.device, rounds: int, prefix: str = "") -> None:
+                            device: torch.device, rounds: int, min_s: float = 0.0, prefix: str = "") -> None:
     """Multi-depth evaluation against one at the largest depth, its FLOP-predicted time, and separate runs."""
     depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
     model, x = _model_batch(cfg, batch_size, device)
@@ -274,9 +293,9 @@ def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, *, quick: boo
 
     f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
     single_multi = _ratio(res, f"{prefix}multidepth_eval_ratio", lambda: run([max(depths)]), lambda: run(depths),
-                          rounds=rounds, repeat=repeat, device=device)
+                          rounds=rounds, repeat=repeat, device=device, min_s=min_s)
     multi_sep = interleaved(lambda: run(depths), lambda: [run([t]) for t in depths], rounds=rounds, repeat=1,
-                            device=device)
+                            device=device, min_s=min_s)
     flop = {k: v * f_single / f_multi if k in ("median", "min", "max") else v for k, v in single_multi.items()}
     flop["rounds"] = [r * f_single / f_multi for r in single_multi["rounds"]]
     for key, iv in (("multidepth_flop_ratio", flop), ("multidepth_vs_separate_speedup", multi_sep)):
@@ -302,8 +321,8 @@ def decode_tokens_per_s(model, *, batch_size: int, context: int, new_tokens: int
 @torch.no_grad()
 def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, ...] = (512, 2048),
                          batch_size: int = 1, early_depths: tuple[int, ...] = (3, 2, 1), n_blocks: int = 2,
-                         repeat: int = 5, rounds: int = 3, device: torch.device, prefix: str = ""
-                         ) -> dict[str, Any]:
+                         repeat: int = 5, rounds: int = 3, min_s: float = 0.0, device: torch.device,
+                         prefix: str = "") -> dict[str, Any]:
     """Prefill latency of each path of LMDR Table 5 (:func:`looplm.distill.prefill.prefill_paths`) at ``cfg``
     (random weights, ``n_blocks`` student, terminal KV cache, last position read out), paths alternating.
 
@@ -336,7 +355,7 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
             return lambda: paths[name][1](prompt, KVCache("terminal", max_len=c), readout=Readout(tokens=last))
 
         iv = res[f"{prefix}prefill_rounds_ctx{c}"] = interleaved(run("distilled"), run("teacher"), rounds=rounds,
-                                                                 repeat=1, device=device)
+                                                                 repeat=1, device=device, min_s=min_s)
         res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = iv["median"]
     return res
 
@@ -358,53 +377,26 @@ def prefill_markdown(res: dict[str, Any], prefix: str = "") -> list[str]:
     return lines
 
 
-def _train_step_peak_rss(cfg_dict: dict, depth: int, batch_size: int, fused: bool, threads: int) -> int:
-    """Subprocess body of :func:`peak_train_memory` (CPU): peak RSS of one training step over the RSS before it."""
-    import resource
-
-    torch.set_num_threads(threads)
-    cfg = ModelConfig.from_dict(cfg_dict)
-    torch.manual_seed(0)
-    model = build_model(cfg).train()
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
-    def status(field: str) -> int | None:  # /proc/self/status field in bytes (Linux)
-        try:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-        except (OSError, StopIteration):
-            return None
-
-    try:  # reset the peak RSS (VmHWM) to the current RSS (Linux ≥ 4.0), so imports and model building do not count
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    before = status("VmRSS")
-    model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
-    peak = status("VmHWM")
-    if before is None or peak is None:  # no procfs: the process's lifetime peak
-        before, peak = 0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return max(0, peak - before)
-
-
 def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.device,
                       fused: bool = True) -> int:
-    """Peak bytes of one training step above the memory before it (CUDA peak allocated; CPU a fresh subprocess's
-    VmHWM, as tracemalloc misses torch); ``fused=False``: the plain readout + loss."""
-    if device.type == "cuda":
-        model, x = _model_batch(cfg, batch_size, device)
-        return _cuda_peak(lambda: model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward())
-    # a child that dies without a value raises BrokenProcessPool, not a 30-minute wait
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        args = (cfg.to_dict(), depth, batch_size, fused, torch.get_num_threads())
-        return pool.submit(_train_step_peak_rss, *args).result()
+    """Peak bytes of one training step's forward + backward above the memory before it: on CUDA the peak
+    allocated (``max_memory_allocated``), else the peak of the live tensor bytes the step creates
+    (:func:`looplm.analysis.memory.peak_live_bytes`: exact, the same on every run); ``fused=False``: the plain
+    readout + loss."""
+    model, x = _model_batch(cfg, batch_size, device)
+
+    def step() -> None:
+        model(x, depth, x, readout=Readout(logits=False, fused_ce=fused)).loss.backward()
+
+    return _cuda_peak(step) if device.type == "cuda" else peak_live_bytes(step)
 
 
 @torch.no_grad()
 def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int],
-                               quick: bool, rounds: int, device: torch.device, log: Callable[..., None]) -> None:
+                               quick: bool, rounds: int, device: torch.device, log: Callable[..., None],
+                               min_s: float = 0.0) -> None:
     """Decoding at the Huginn shape: tokens/s at batch 1, 8 per context; at batch 1, compiled blocks and the
-    compiled static step over eager, cached over uncached (interleaved)."""
+    compiled static step over eager, cached over uncached (:func:`interleaved` with ``min_s``)."""
     new = 4 if quick else 16
     long = hcfg.replace(seq_len=max(contexts))
     torch.manual_seed(0)
@@ -435,7 +427,7 @@ def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth:
                                                        depth=depth, device=device)
 
     for key, a in (("decode_compile_speedup", b1(compiled)), ("decode_static_compile_speedup", b1(how="compile"))):
-        iv = _ratio(res, key, a, b1(), rounds=rounds, repeat=1, device=device)
+        iv = _ratio(res, key, a, b1(), rounds=rounds, repeat=1, device=device, min_s=min_s)
         log(f"huginn shape: decode batch 1, {key} ×{iv['median']:.2f} [{iv['min']:.2f}, {iv['max']:.2f}] of eager")
     res["decode_b1_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_compile_speedup"]["a_s"]
     res["decode_b1_static_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_static_compile_speedup"]["a_s"]
@@ -443,13 +435,15 @@ def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth:
     n_unc = 2 if quick else 4
     iv = _ratio(res, "huginn_decode_cache_speedup", b1(),
                 lambda: _uncached(dec, torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device),
-                                  n_unc, depth), rounds=rounds, repeat=1, device=device, scale=(new - 2) / n_unc)
+                                  n_unc, depth), rounds=rounds, repeat=1, device=device, scale=(new - 2) / n_unc,
+                min_s=min_s)
     res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / iv["b_s"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
 
 
 def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor],
-                        device: torch.device, quick: bool, rounds: int, log: Callable[..., None]) -> None:
+                        device: torch.device, quick: bool, rounds: int, log: Callable[..., None],
+                        min_s: float = 0.0) -> None:
     """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding, prefill, memory."""
     hcfg = huginn_config(quick)
     B = 2 if quick else 16
@@ -459,20 +453,20 @@ def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: 
     ma, mb = matmul
     flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
     iv = _ratio(res, "huginn_shape_mfu", train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb,
-                rounds=rounds, repeat=steps, device=device, scale=flops / (2 * ma.shape[0] ** 3))
+                rounds=rounds, repeat=steps, device=device, scale=flops / (2 * ma.shape[0] ** 3), min_s=min_s)
     res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
     log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
 
     multidepth_measurements(res, hcfg, quick=quick, batch_size=B, repeat=steps, device=device, rounds=rounds,
-                            prefix="huginn_")
+                            min_s=min_s, prefix="huginn_")
     log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
         f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
 
     contexts = (12, 16) if quick else (512, 2048)
     huginn_decode_measurements(res, hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
-                               log=log)
-    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=steps, rounds=rounds, device=device,
-                                    prefix="huginn_"))
+                               log=log, min_s=min_s)
+    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=steps, rounds=rounds, min_s=min_s,
+                                    device=device, prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
     res["intervals"]["distilled_prefill_speedup"] = res.pop(f"huginn_prefill_rounds_ctx{contexts[-1]}")
     log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at "
@@ -481,6 +475,7 @@ def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: 
     res["peak_train_mem_bytes"] = peak_train_memory(hcfg, depth, batch_size=B, device=device)
     res["peak_train_mem_bytes_plain"] = peak_train_memory(hcfg, depth, batch_size=B, device=device, fused=False)
     res["peak_train_mem_ratio"] = res["peak_train_mem_bytes"] / max(1, res["peak_train_mem_bytes_plain"])
+    res["peak_train_mem_measure"] = "max_memory_allocated" if device.type == "cuda" else "live_tensor_bytes"
     log(f"huginn shape: peak training memory {res['peak_train_mem_bytes'] / 2**20:.0f} MiB fused vs "
         f"{res['peak_train_mem_bytes_plain'] / 2**20:.0f} MiB plain readout + loss")
 
@@ -522,11 +517,11 @@ def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
 
 def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
                     device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
-                    log: Callable[..., None], backend: str = "inductor") -> None:
+                    log: Callable[..., None], backend: str = "inductor", min_s: float = 0.0) -> None:
     """``mfu``, ``bf16_train_speedup``, ``train_compile_speedup`` (compiled blocks, ``backend``, over eager; its MFU
     ``mfu_compiled`` = ``mfu`` × the speed-up), ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res``
     (interleaved)."""
-    ratio = partial(_ratio, res, rounds=rounds, repeat=steps, device=device)
+    ratio = partial(_ratio, res, rounds=rounds, repeat=steps, device=device, min_s=min_s)
     # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
     ma, mb = matmul
     tokens = batch_size * cfg.seq_len
@@ -563,8 +558,9 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
         depth: the loop depth T of the training, overhead and decoding figures
         batch_size: rows per step of the preset's training, multi-depth and TBPTT-memory figures (the Huginn-shape
             figures use 16)
-        steps: calls per variant in each round of the training and multi-depth ratios (decoding and prefill
-            time one call per round)
+        steps: calls per variant in each quarter of an interleaved round of the training and multi-depth ratios
+            (decoding, prefill and multi-depth against separate runs: 1); a side whose calls are short runs more,
+            as many as last 1 s (MIN_QUARTER_S; not with quick)
         matmul_n: side of the square matmuls that measure the fp32 and bf16 peaks (fp32: also 1024 when larger,
             the best kept)
         device: cpu, cuda or auto
@@ -576,8 +572,9 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     dev = resolve_device(device, "--device")
     cfg = get_preset(preset).model.replace(dropout=0.0)
     log = print if progress else (lambda *a, **k: None)
+    min_s = 0.0 if quick else MIN_QUARTER_S
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
-                           "batch_size": batch_size, "seq_len": cfg.seq_len}
+                           "batch_size": batch_size, "seq_len": cfg.seq_len, "min_quarter_s": min_s}
     rates32, peak_n, slow_bf16 = matmul_peaks(res, dev, matmul_n)
     log(f"matmul peak: fp32 {res['matmul_peak_gflops']['float32']:.1f} GFLOP/s, bf16 "
         f"{res['matmul_peak_gflops']['bfloat16']:.1f} GFLOP/s")
@@ -585,8 +582,9 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["intervals"] = {}
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
     training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
-                    slow_bf16=slow_bf16, log=log, backend="aot_eager" if quick else "inductor")
-    multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds)
+                    slow_bf16=slow_bf16, log=log, backend="aot_eager" if quick else "inductor", min_s=min_s)
+    multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds,
+                            min_s=min_s)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
         f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
         f"×{res['multidepth_flop_ratio']:.3f}")
@@ -594,11 +592,13 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    decode_measurements(res, cfg, depth=depth, device=dev, rounds=rounds, **({"new_tokens": 8} if quick else {}))
+    decode_measurements(res, cfg, depth=depth, device=dev, rounds=rounds, min_s=min_s,
+                        **({"new_tokens": 8} if quick else {}))
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
-    huginn_measurements(res, depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds, log=log)
+    huginn_measurements(res, depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds, log=log,
+                        min_s=min_s)
 
     st = res["stability"] = stability(rates32[peak_n], _mid(matmul_rates(torch.float32, peak_n, dev)), peak_n)
     log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
@@ -640,8 +640,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['multidepth_flop_ratio']:.3f}; {res['huginn_multidepth_flop_ratio']:.3f} |",
              f"| Huginn shape: training tokens/s (fp32, B={res['huginn_batch_size']}, T={res['huginn_depth']}) | "
              f"{res['huginn_train_tokens_per_s']:.0f} |",
-             f"| Huginn shape: peak training-step memory fused / plain readout + loss | "
-             f"{res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
+             f"| Huginn shape: peak training-step bytes ({res['peak_train_mem_measure']}) fused / plain readout + "
+             f"loss | {res['peak_train_mem_bytes']:,} / {res['peak_train_mem_bytes_plain']:,} |",
              *[f"| Huginn shape: decode tokens/s, batch {g[1]}, {g[2]}-token context | {res[k]:.1f} |"
                for k in sorted(res) if (g := re.fullmatch(r"huginn_decode_b(\d+)_ctx(\d+)_tokens_per_s", k))],
              f"| Huginn shape: decode batch 1 with compiled blocks (torch.compile) tokens/s | "
@@ -651,13 +651,15 @@ def markdown(res: dict[str, Any]) -> str:
              f"| Huginn shape: decode batch 1 uncached recompute tokens/s | "
              f"{res['huginn_decode_b1_uncached_tokens_per_s']:.2f} |",
              "", *prefill_markdown(res, "huginn_"),
-             "", "| target | median [min, max] of the interleaved rounds | per-round ratios | target | status |",
-             "|---|---:|---|---:|:---:|"]
+             "", "| target | median [min, max] of the interleaved rounds | per-round ratios | calls per quarter A / B "
+             "| target | status |", "|---|---:|---|---:|---:|:---:|"]
     for k, t in res["targets"].items():
         iv = res.get("intervals", {}).get(k)
         span = f" [{iv['min']:.3f}, {iv['max']:.3f}]" if iv else ""
         per_round = ", ".join(f"{r:.3f}" for r in iv["rounds"]) if iv else "(not timed)"
-        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {t['op']} {t['target']} | {t['status']} |")
+        calls = " / ".join(map(str, iv["calls"])) if iv and "calls" in iv else ""
+        lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {calls} | {t['op']} {t['target']} | "
+                     f"{t['status']} |")
     st = res.get("stability")
     if st is not None:
         lines += ["", "Status rule: a ratio measured in interleaved A/B/B/A rounds is `met` only when every round's "
