@@ -104,13 +104,16 @@ def main() -> None:
         if v in metric and ref in metric:
             lines.append(f"| {text} | {' | '.join(paired_claim(metric[v], metric[ref], digits=2))} |")
 
-    lines += ["", "## Depth priors at the end of training (mean ± std over seeds; per-step traces in curves.json)", "",
-              "| variant | E_p[R] | H(p) (nats) | advantage scale s |", "|---|---:|---:|---:|"]
+    lines += ["", "## Depth priors at the end of training (mean ± std over the evaluated seeds; per-step traces in "
+              "curves.json)", "", "| variant | seeds | E_p[R] | H(p) (nats) | advantage scale s |",
+              "|---|---:|---:|---:|---:|"]
     for v in PRIORS:
-        runs = [x for rid, x in curves.items() if rid.rsplit("-s", 1)[0] == v]
+        done = set(ppl.get(v, {}).get(R_TRAIN, {}))  # runs still training are left out
+        runs = [x for rid, x in curves.items() if rid.rsplit("-s", 1)[0] == v and int(rid.rsplit("-s", 1)[1]) in done]
         last = {k: [x[k][max(x[k], key=int)] for x in runs if x.get(k)] for k in PRIOR_SERIES}
         if last["prior_mean_depth"]:
-            lines.append(f"| `{v}` | {fmt(last['prior_mean_depth'], 2)} | {fmt(last['prior_entropy'], 3)} | "
+            lines.append(f"| `{v}` | {len(runs)} | {fmt(last['prior_mean_depth'], 2)} | "
+                         f"{fmt(last['prior_entropy'], 3)} | "
                          f"{fmt(last['prior_advantage_scale'], 3) if last['prior_advantage_scale'] else '– (no s)'} |")
 
     gain = diagnose_sections(EXP / "runs", EXP / "gain.json", "gain", lambda g: {str(x["t"]): x["gain"] for x in g})

@@ -1,5 +1,6 @@
-"""What a `pointer_edges` or `pointer_pairs` probe answers: per k and T, the share of valid instances whose argmax answer is the
-queried node's root (right), the other tree's root (the wrong root), the queried node's parent, or another node.
+"""What a `pointer_edges` or `pointer_pairs` probe answers: per k and T, the share of valid instances whose
+argmax answer is the queried node's root (right), the other tree's root (the wrong root), the queried node's
+parent, or another node.
 
     python experiments/depth-testbed/probes/pointer_choices.py RUN_DIR OUT.json
 """
