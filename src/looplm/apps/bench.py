@@ -394,7 +394,7 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
 @torch.no_grad()
 def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int],
                                quick: bool, rounds: int, device: torch.device, log: Callable[..., None],
-                               min_s: float = 0.0) -> None:
+                               backend: str = "inductor", min_s: float = 0.0) -> None:
     """Decoding at the Huginn shape: tokens/s at batch 1, 8 per context; at batch 1, compiled blocks and the
     compiled static step over eager, cached over uncached (:func:`interleaved` with ``min_s``)."""
     new = 4 if quick else 16
@@ -407,8 +407,7 @@ def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth:
             res[key] = decode_tokens_per_s(dec, batch_size=b, context=c, new_tokens=new, depth=depth, device=device)
             log(f"huginn shape: decode batch {b}, {c}-token context: {res[key]:.1f} tok/s")
     res["decode_b1_tokens_per_s"] = res[f"huginn_decode_b1_ctx{contexts[0]}_tokens_per_s"]
-    # blocks compiled by torch.compile (inductor; the cache bookkeeping stays eager at a graph break)
-    backend = "aot_eager" if quick else "inductor"
+    # blocks compiled by torch.compile (the cache bookkeeping stays eager at a graph break)
     compiled = compile_blocks(copy.deepcopy(dec), backend=backend)
 
     def b1(model=dec, how: str | None = None) -> Callable[[], float]:  # seconds of new − 2 batch-1 steps
@@ -443,7 +442,7 @@ def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth:
 
 def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor],
                         device: torch.device, quick: bool, rounds: int, log: Callable[..., None],
-                        min_s: float = 0.0) -> None:
+                        backend: str = "inductor", min_s: float = 0.0) -> None:
     """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding, prefill, memory."""
     hcfg = huginn_config(quick)
     B = 2 if quick else 16
@@ -464,7 +463,7 @@ def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: 
 
     contexts = (12, 16) if quick else (512, 2048)
     huginn_decode_measurements(res, hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
-                               log=log, min_s=min_s)
+                               log=log, backend=backend, min_s=min_s)
     res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=steps, rounds=rounds, min_s=min_s,
                                     device=device, prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
@@ -573,6 +572,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     cfg = get_preset(preset).model.replace(dropout=0.0)
     log = print if progress else (lambda *a, **k: None)
     min_s = 0.0 if quick else MIN_QUARTER_S
+    backend = "aot_eager" if quick else "inductor"  # torch.compile's backend for every compiled measurement
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
                            "batch_size": batch_size, "seq_len": cfg.seq_len, "min_quarter_s": min_s}
     rates32, peak_n, slow_bf16 = matmul_peaks(res, dev, matmul_n)
@@ -582,7 +582,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res["intervals"] = {}
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
     training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
-                    slow_bf16=slow_bf16, log=log, backend="aot_eager" if quick else "inductor", min_s=min_s)
+                    slow_bf16=slow_bf16, log=log, backend=backend, min_s=min_s)
     multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds,
                             min_s=min_s)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
@@ -598,7 +598,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
     huginn_measurements(res, depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds, log=log,
-                        min_s=min_s)
+                        backend=backend, min_s=min_s)
 
     st = res["stability"] = stability(rates32[peak_n], _mid(matmul_rates(torch.float32, peak_n, dev)), peak_n)
     log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
