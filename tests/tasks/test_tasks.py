@@ -308,6 +308,10 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):
     # a task checkpoint has no text to score: a one-line error naming `eval tasks`
     assert main(["eval", "ppl", "--checkpoint", str(full), "--depths", "1", "--quiet"]) == 2
     assert "looplm eval tasks" in capsys.readouterr().err
+    # a character outside the task vocabulary is refused, not read as <|endoftext|>
+    assert main(["generate", "--checkpoint", str(full), "--prompt", "12+€", "--max-new-tokens", "1"]) == 2
+    assert "outside the tokenizer's vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(full), "--prompt", "12+34=", "--max-new-tokens", "1"]) == 0
 
 
 def _hand_halting(model, x, y, criterion: str, tau: float, C: int):

@@ -359,6 +359,9 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
     for p, i in zip(prompts, ids):
         if not i:
             raise ValueError(f"prompt {p!r} encodes to no tokens")
+        if eos is not None and i.count(eos) > p.count(tok.id_to_token(eos)):  # a vocabulary's unknown token
+            raise ValueError(f"prompt {p!r} has characters outside the tokenizer's vocabulary (they would read "
+                             f"as {tok.id_to_token(eos)})")
     model_student = student_depth = None
     if prefill == "distilled":
         from looplm.distill.student import default_student_dir, load_student
