@@ -15,6 +15,7 @@ import torch
 from looplm.run.checkpoint import load_checkpoint
 from looplm.tasks import decode
 from looplm.tasks.data import heldout, rows
+from looplm.tasks.pointer import EDGE_NODES, pair_of
 
 
 def choice(prompt: str, answer: str) -> tuple[str, str, str]:
@@ -22,8 +23,8 @@ def choice(prompt: str, answer: str) -> tuple[str, str, str]:
     edges, q = prompt.removesuffix("=").split("?")
     if ";" in edges:  # pointer_edges: "<child><parent>;" …
         parent = dict(e for e in edges.split(";") if e)
-    else:  # pointer_pairs: one token U+0100 + 16·child + parent per edge
-        parent = {"abcdefghijklmnop"[c]: "abcdefghijklmnop"[p] for c, p in (divmod(ord(t) - 0x100, 16) for t in edges)}
+    else:  # pointer_pairs: one token per edge
+        parent = {EDGE_NODES[c]: EDGE_NODES[p] for c, p in map(pair_of, edges)}
     roots = [c for c, p in parent.items() if c == p]
     return answer, next(r for r in roots if r != answer), parent[q]
 

@@ -85,16 +85,21 @@ def pair_token(child: int, parent: int) -> str:
     return chr(0x100 + len(EDGE_NODES) * child + parent)
 
 
+def pair_of(token: str) -> tuple[int, int]:
+    """``(child, parent)`` of a :func:`pair_token`."""
+    return divmod(ord(token) - 0x100, len(EDGE_NODES))
+
+
 @register_task
-class PointerPairs(TaskFamily):
+class PointerPairs(PointerEdges):
     """``pointer_edges`` with each edge ``<child><parent>`` one token (:func:`pair_token`; a vocabulary of the
     shared characters and the 256 pairs), then ``"?q"``, the answer read at q itself: a hop is one attention
     look-up (match q against the edge tokens' child, read their parent) from the first loop on, with no
     induction-head composition and no copy of q to learn first. 18 prompt tokens."""
 
     name = "pointer_pairs"
-    max_k = len(EDGE_NODES) // 2 - 1
-    vocab = CharVocab(CHARS + "".join(pair_token(c, p) for c in range(16) for p in range(16)), EOT)
+    vocab = CharVocab(CHARS + "".join(pair_token(c, p) for c in range(len(EDGE_NODES))
+                                      for p in range(len(EDGE_NODES))), EOT)
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
         parent, trees = _forest(len(EDGE_NODES), k, rng)
@@ -103,9 +108,6 @@ class PointerPairs(TaskFamily):
 
     def row_len(self, k: int) -> int:
         return len(EDGE_NODES) + 2 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # 16! edge orders alone
 
 
 def _hops(parent: np.ndarray) -> np.ndarray:
@@ -144,8 +146,7 @@ class PointerPairsMQ(PointerPairs):
     def views(self, inst: Instance) -> list[tuple[int, str]]:
         edges, *queries = inst.prompt.split("?")
         parent = np.empty(len(EDGE_NODES), dtype=np.int64)
-        for t in edges:
-            c, p = divmod(ord(t) - 0x100, len(EDGE_NODES))
+        for c, p in map(pair_of, edges):
             parent[c] = p
         hops = _hops(parent)
         return [(int(hops[EDGE_NODES.index(qa[0])]), f"{edges}?{qa[0]}") for qa in queries]
