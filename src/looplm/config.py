@@ -70,10 +70,10 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
-def _suggest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest known name, or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
-    return f" (did you mean {close[0]}?)" if close else ""
+def suggest(name: str, known: Iterable[str], form: str = " (did you mean {}?)", cutoff: float = 0.7) -> str:
+    """``form`` holding the closest known name (the CLI's: ``"; did you mean {}?"``, cutoff 0.6), or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return form.format(close[0]) if close else ""
 
 
 def _a(noun: str) -> str:
@@ -82,7 +82,7 @@ def _a(noun: str) -> str:
 
 def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
     known = list(known)
-    return ConfigError(f"{where}: unknown {kind}{_suggest(where.rsplit('.', 1)[-1], known)}; "
+    return ConfigError(f"{where}: unknown {kind}{suggest(where.rsplit('.', 1)[-1], known)}; "
                        f"known: {', '.join(known)}")
 
 
@@ -119,6 +119,7 @@ class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
     _prefix = ""
+    _key_kind = "field"  # what a key of its dict is, in the errors of _check_keys (Config: a section)
 
     def require(self, cond: bool, name: str, msg: str) -> None:
         """ConfigError naming field ``name`` (with the section prefix) unless ``cond``."""
@@ -152,10 +153,10 @@ class _Base:
         names = cls.field_names()
         for key in d:
             if key not in names:
-                raise _unknown(f"{cls._prefix}{key}", "field", names)
+                raise _unknown(f"{cls._prefix}{key}", cls._key_kind, names)
         missing = [n for n in names if n not in d]
         if missing:
-            raise ConfigError(f"{cls._prefix}{missing[0]}: missing; a config file gives every field "
+            raise ConfigError(f"{cls._prefix}{missing[0]}: missing; a config file gives every {cls._key_kind} "
                               f"(missing: {', '.join(missing)})")
 
     @classmethod
@@ -414,7 +415,7 @@ def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], vari
             owners = [v for v, c in variants.items() if name in c.field_names()]
             known = {n for c in variants.values() for n in c.field_names()}
             what = (f"{key} {variant} does not {verb} it ({_a(kind)} of {', '.join(owners)})"
-                    if owners else f"unknown {kind}{_suggest(name, known)}")
+                    if owners else f"unknown {kind}{suggest(name, known)}")
             raise ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
     if complete:
         variants[variant]._check_keys(d)
@@ -1039,7 +1040,7 @@ class TrainConfig(_Base):
                      f"must be a list of names or a comma-separated string, got {self.logger!r}")
         for n in names:
             self.require(n in LOGGER_NAMES, "logger",
-                         f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
+                         f"unknown logger {n!r}{suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
         self.require(len(set(names)) == len(names), "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
@@ -1055,6 +1056,7 @@ class Config(_Base):
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
+    _key_kind = "section"
 
     def validate(self) -> None:
         sup = self.train.supervision
@@ -1077,12 +1079,6 @@ class Config(_Base):
         version = d.pop("format_version")
         _check(version == FORMAT_VERSION, "format_version",
                f"this looplm reads version {FORMAT_VERSION}, got {version!r}")
-        sections = ["name", *SECTIONS]
-        for key in d:
-            if key not in sections:
-                raise _unknown(key, "section", sections)
-        for key in sections:
-            _check(key in d, key, f"missing; a config file gives every section ({', '.join(sections)})")
         return super().from_dict(d)
 
 

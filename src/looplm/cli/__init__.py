@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 
 from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, UsageError, add_command,
                              add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
-                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands,
-                             suggest)
+                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
+from looplm.config import suggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Cmd:
 
 
 _C = "looplm.cli.commands:"
+_OPTION_HINT = ("; did you mean {}?", 0.6)  # suggest()'s form and cutoff for an option
 _TASK = Opt(type=str, choices=("addition",), help="the task")
 _RL = {"task": _TASK, "reward": Opt(choices=lambda: tuple(importlib.import_module("looplm.rl.rewards").REWARDS)),
        "digits": Opt(help="the task's operand width D (default: the starting checkpoint's task.json)")}
@@ -218,7 +219,7 @@ def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Names
         owners = [p.prog for p in (subcommands(_command_parser(parser, [group])) if group else [])
                   if p is not leaf and flags[0] in option_strings(p)]
         msg += (f" ({flags[0]} is an option of {', '.join(owners)})" if owners else
-                suggest(flags[0], option_strings(leaf)))
+                suggest(flags[0], option_strings(leaf), *_OPTION_HINT))
     leaf.error(msg)
 
 
@@ -277,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     leaf = args._parser
     if overrides and not args._cmd.config:
         key, takers = "--" + next(iter(overrides)), [f"`looplm {c.name}`" for c in COMMANDS if c.config]
-        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to "
-                   f"{', '.join(takers[:-1])} and {takers[-1]}){suggest(key, option_strings(leaf))}")
+        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to {', '.join(takers[:-1])} "
+                   f"and {takers[-1]}){suggest(key, option_strings(leaf), *_OPTION_HINT)}")
     try:
         return int(_run(args, overrides) or 0)
     except UsageError as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import collections.abc
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -74,12 +73,6 @@ def build_all(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for child in subcommands(parser):
         build_all(child)
     return parser
-
-
-def suggest(word: str, candidates: Iterable[str]) -> str:
-    """``"; did you mean --x?"`` for the closest candidate to ``word``, or ``""``."""
-    match = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]}?" if match else ""
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
