@@ -22,7 +22,7 @@ from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, Usa
                              add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
                              option_strings, out_file, prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
-from looplm.config import suggest
+from looplm.config import Config, ConfigError, apply_overrides, suggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +145,6 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
                                                                       "the built-in one"))
             p.add_argument("--print_config", "--print-config", action="store_true",
                            help="print the resolved config (base, then overrides) as JSON and exit")
-            from looplm.config import Config
-
             section = None if cmd.config == "preset" else _resolve(cmd.config)
             add_config_fields(p, "--preset or --config" if cmd.config == "preset" else "the built-in config "
                               "(`--print_config` shows it) or --config",
@@ -157,8 +155,6 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
 
 def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     """--preset (default cpu), --config or the command's built-in config, then the overrides (and --name)."""
-    from looplm.config import Config, ConfigError, apply_overrides
-
     preset = getattr(args, "preset", None)
     if args.config and preset:
         raise ConfigError("--preset and --config: give one starting config, not both")
@@ -170,7 +166,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--config {args.config}: expected a JSON config file ({exc})") from None
     elif args._cmd.config == "preset":
-        from looplm.presets import get_preset
+        from looplm.presets import get_preset  # builds every preset: not for `looplm --help`
 
         cfg = get_preset(preset or "cpu")
     else:
@@ -264,8 +260,6 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from looplm.config import ConfigError
-
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
