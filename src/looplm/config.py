@@ -70,10 +70,10 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
-def _suggest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest known name, or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
-    return f" (did you mean {close[0]}?)" if close else ""
+def suggest(name: str, known: Iterable[str], form: str = " (did you mean {}?)", cutoff: float = 0.7) -> str:
+    """``form`` holding the closest known name (the CLI's: ``"; did you mean {}?"``, cutoff 0.6), or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return form.format(close[0]) if close else ""
 
 
 def _a(noun: str) -> str:
@@ -82,7 +82,7 @@ def _a(noun: str) -> str:
 
 def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
     known = list(known)
-    return ConfigError(f"{where}: unknown {kind}{_suggest(where.rsplit('.', 1)[-1], known)}; "
+    return ConfigError(f"{where}: unknown {kind}{suggest(where.rsplit('.', 1)[-1], known)}; "
                        f"known: {', '.join(known)}")
 
 
@@ -119,6 +119,7 @@ class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
     _prefix = ""
+    _key_kind = "field"  # what a key of its dict is, in the errors of _check_keys (Config: a section)
 
     def require(self, cond: bool, name: str, msg: str) -> None:
         """ConfigError naming field ``name`` (with the section prefix) unless ``cond``."""
@@ -152,10 +153,10 @@ class _Base:
         names = cls.field_names()
         for key in d:
             if key not in names:
-                raise _unknown(f"{cls._prefix}{key}", "field", names)
+                raise _unknown(f"{cls._prefix}{key}", cls._key_kind, names)
         missing = [n for n in names if n not in d]
         if missing:
-            raise ConfigError(f"{cls._prefix}{missing[0]}: missing; a config file gives every field "
+            raise ConfigError(f"{cls._prefix}{missing[0]}: missing; a config file gives every {cls._key_kind} "
                               f"(missing: {', '.join(missing)})")
 
     @classmethod
@@ -211,7 +212,7 @@ class _Base:
 # ---------------------------------------------------------------- per-rule options (SPEC §2)
 #: step_scale defaults (SPEC §2): looped 1, adapter 0.35, SCSE 0.5 (paper); controls take their family's value
 _STEP_SCALE_HELP = "residual step scale s of the rule's update"
-_SOURCE_INIT_HELP = ("init of the source modules ({}): gpt2 (N(0, model.init_std){}), torch (nn.Linear's default), "
+_SOURCE_INIT_HELP = ("init of the source modules ({}): gpt2 (N(0, model.init_std)), torch (nn.Linear's default), "
                      "matched ({}; see recurrence.init_source_modules), normal (N(0, source_init_std))")
 _SOURCE_INIT_STD_HELP = "source_init=normal: std of the source modules' weights (stored 0 under other schemes)"
 #: SCSE/adapter source-module init from the init study of issue 11 (experiments/scse-cpu/init-study, Brown valid
@@ -274,7 +275,7 @@ class _AnchoredOptions(RuleOptions):
     anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e)")
     init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
     source_init: SourceInit = _f(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
-        "A, I, W_in, W_c, P_step", "", "Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e") + "; default: the init study's")
+        "A, I, W_in, W_c, P_step", "Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e") + "; default: the init study's")
     source_init_std: float = _f(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
     projection_init: ProjectionInit = _f("source", "source_init=normal: W_in, W_c, P_step draw from source (N(0, "
                                          "source_init_std)) or unit (N(0, 1/√fan_in); issue 25 §3)")
@@ -357,7 +358,7 @@ class HuginnOptions(RuleOptions):
     state_init_seed: int = _f(0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise "
                               "table; -1: fresh global-RNG noise in evaluation too (Huginn-0125)")
     source_init: SourceInit = _f("gpt2", _SOURCE_INIT_HELP.format(
-        "the injection matrices", "", "N(0, 1/√fan_in): the injected term has its input's RMS"))
+        "the injection matrices", "N(0, 1/√fan_in): the injected term has its input's RMS"))
     source_init_std: float = _f(0.0, _SOURCE_INIT_STD_HELP)
 
 
@@ -414,7 +415,7 @@ def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], vari
             owners = [v for v, c in variants.items() if name in c.field_names()]
             known = {n for c in variants.values() for n in c.field_names()}
             what = (f"{key} {variant} does not {verb} it ({_a(kind)} of {', '.join(owners)})"
-                    if owners else f"unknown {kind}{_suggest(name, known)}")
+                    if owners else f"unknown {kind}{suggest(name, known)}")
             raise ConfigError(f"{prefix}{name}: {what}; {kind}s of {variant}: {', '.join(own) or 'none'}")
     if complete:
         variants[variant]._check_keys(d)
@@ -987,14 +988,7 @@ class RunSection(_Base):
         d = self.to_dict()
         own = self._prefix[:-1]
         for key, value in overrides.items():
-            section, _, name = key.partition(".")
-            if section not in (own, "optim"):
-                raise _unknown(section, "section", [own, "optim"])
-            cls, target = (OptimConfig, d["optim"]) if section == "optim" else (type(self), d)
-            names = [n for n in cls.field_names() if n != "optim"]
-            if name not in names:
-                raise _unknown(key, "field", names)
-            target[name] = _parse(typing.get_type_hints(cls)[name], key, value) if isinstance(value, str) else value
+            _set_field({own: type(self), "optim": OptimConfig}, {own: d, "optim": d["optim"]}, key, value)
         return type(self).from_dict(d)
 
 
@@ -1039,7 +1033,7 @@ class TrainConfig(_Base):
                      f"must be a list of names or a comma-separated string, got {self.logger!r}")
         for n in names:
             self.require(n in LOGGER_NAMES, "logger",
-                         f"unknown logger {n!r}{_suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
+                         f"unknown logger {n!r}{suggest(n, LOGGER_NAMES)}; allowed: {', '.join(LOGGER_NAMES)}")
         self.require(len(set(names)) == len(names), "logger", f"a logger is named twice in {list(names)!r}")
         # canonical form: jsonl first (always written), then the others in the order given
         object.__setattr__(self, "logger", ["jsonl", *(n for n in names if n != "jsonl")])
@@ -1055,6 +1049,7 @@ class Config(_Base):
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
+    _key_kind = "section"
 
     def validate(self) -> None:
         sup = self.train.supervision
@@ -1077,12 +1072,6 @@ class Config(_Base):
         version = d.pop("format_version")
         _check(version == FORMAT_VERSION, "format_version",
                f"this looplm reads version {FORMAT_VERSION}, got {version!r}")
-        sections = ["name", *SECTIONS]
-        for key in d:
-            if key not in sections:
-                raise _unknown(key, "section", sections)
-        for key in sections:
-            _check(key in d, key, f"missing; a config file gives every section ({', '.join(sections)})")
         return super().from_dict(d)
 
 
@@ -1090,20 +1079,28 @@ SECTIONS: dict[str, type] = _sections(Config)
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
-def _field_type(section: str, name: str) -> Any:
-    """The type of config field ``section.name`` (ConfigError for an unknown one)."""
-    if section not in SECTIONS:
-        raise _unknown(section, "section", SECTIONS)
-    cls = SECTIONS[section]
-    _check(name not in _sections(cls) and (section, name) != ("model", "options"), f"{section}.{name}",
-           f"set its fields one at a time, as {section}.{name}.FIELD")
+def _set_field(sections: dict[str, type], d: dict[str, Any], key: str, value: Any) -> None:
+    """``d[section][field] = value`` for ``key = "section.field"`` of the ``{section: class}`` (strings parsed).
+
+    Raises:
+        ConfigError: an unknown section or field (with the closest known name), a section set whole, a bad string.
+    """
+    section, _, name = key.partition(".")
+    if section not in sections:
+        raise _unknown(section, "section", sections)
+    cls = sections[section]
+    whole = _sections(cls).get(name, RuleOptions if key == "model.options" else None)
+    if whole is not None:
+        raise ConfigError(f"{key}: set its fields one at a time, as {whole._prefix}FIELD")
     if name not in cls.field_names():
-        raise _unknown(f"{section}.{name}", "field", cls.field_names())
-    return typing.get_type_hints(cls)[name]
+        raise _unknown(key, "field", cls.field_names())
+    d[section][name] = _parse(typing.get_type_hints(cls)[name], key, value)
 
 
-def _parse(tp: Any, key: str, text: str) -> Any:
-    """Parse a command-line string as type ``tp`` (bool, int, float, list, or a string name)."""
+def _parse(tp: Any, key: str, text: Any) -> Any:
+    """Parse a command-line string as type ``tp`` (bool, int, float, list, or a string name); other values pass."""
+    if not isinstance(text, str):
+        return text
     try:
         if tp is bool:
             low = text.lower()
@@ -1124,7 +1121,7 @@ def _parse(tp: Any, key: str, text: str) -> Any:
 def _parsed(cls: type, prefix: str, d: dict[str, Any]) -> dict[str, Any]:
     """``d`` with its strings parsed as the types of ``cls``'s fields (names it does not have are kept as they are)."""
     hints = typing.get_type_hints(cls)
-    return {k: _parse(hints[k], prefix + k, v) if isinstance(v, str) and k in hints else v for k, v in d.items()}
+    return {k: _parse(hints[k], prefix + k, v) if k in hints else v for k, v in d.items()}
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
@@ -1143,14 +1140,12 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     given: dict[str, dict[str, Any]] = {where: {} for where in [*choices, "model.options"]}
     for key, value in overrides.items():
         where, _, name = key.rpartition(".")
-        section, _, fname = key.partition(".")
         if key == "name":
             d["name"] = str(value)
         elif where in given:
             given[where][name] = value
         else:
-            tp = _field_type(section, fname)
-            d[section][fname] = _parse(tp, key, value) if isinstance(value, str) else value
+            _set_field(SECTIONS, d, key, value)
     options = given.pop("model.options")
     for where, carry in choices.items():
         section, _, name = where.rpartition(".")

@@ -9,14 +9,10 @@ from looplm.config import (Config, DataConfig, DepthConfig, LearnedDepthConfig, 
                             NoPositionConfig, OptimConfig, PLNDepthConfig, PositionConfig, RopeConfig, TrainConfig,
                             UniformDepthConfig)
 
-_PAPER_TRAIN = TrainConfig(steps=5000, batch_size=32)
-_PAPER_OPTIM = OptimConfig(lr=3e-4, warmup_steps=500)
-_PAPER_DATA = DataConfig(dataset="wikitext103", tokenizer="gpt2")
-
-
 def _paper(name: str, d: int, heads: int, d_ff: int, **model) -> Config:
+    """The paper's protocol is the defaults (5k steps, batch 32, lr 3e-4, 500 warm-up, depths 1..8, GPT-2 BPE)."""
     return Config(name=name, model=ModelConfig(d_model=d, n_heads=heads, d_ff=d_ff, **model),
-                  data=_PAPER_DATA, depth=UniformDepthConfig(lo=1, hi=8), optim=_PAPER_OPTIM, train=_PAPER_TRAIN)
+                  data=DataConfig(dataset="wikitext103"))
 
 
 def _task(task: str, k_train: int, seq_len: int, position: PositionConfig) -> Config:

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 
 from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, UsageError, add_command,
                              add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
-                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands,
-                             suggest)
+                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
+from looplm.config import Config, ConfigError, apply_overrides, suggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Cmd:
 
 
 _C = "looplm.cli.commands:"
+_OPTION_HINT = ("; did you mean {}?", 0.6)  # suggest()'s form and cutoff for an option
 _TASK = Opt(type=str, choices=("addition",), help="the task")
 _RL = {"task": _TASK, "reward": Opt(choices=lambda: tuple(importlib.import_module("looplm.rl.rewards").REWARDS)),
        "digits": Opt(help="the task's operand width D (default: the starting checkpoint's task.json)")}
@@ -144,8 +145,6 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
                                                                       "the built-in one"))
             p.add_argument("--print_config", "--print-config", action="store_true",
                            help="print the resolved config (base, then overrides) as JSON and exit")
-            from looplm.config import Config
-
             section = None if cmd.config == "preset" else _resolve(cmd.config)
             add_config_fields(p, "--preset or --config" if cmd.config == "preset" else "the built-in config "
                               "(`--print_config` shows it) or --config",
@@ -156,8 +155,6 @@ def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
 
 def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     """--preset (default cpu), --config or the command's built-in config, then the overrides (and --name)."""
-    from looplm.config import Config, ConfigError, apply_overrides
-
     preset = getattr(args, "preset", None)
     if args.config and preset:
         raise ConfigError("--preset and --config: give one starting config, not both")
@@ -169,7 +166,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--config {args.config}: expected a JSON config file ({exc})") from None
     elif args._cmd.config == "preset":
-        from looplm.presets import get_preset
+        from looplm.presets import get_preset  # builds every preset: not for `looplm --help`
 
         cfg = get_preset(preset or "cpu")
     else:
@@ -218,7 +215,7 @@ def _unknown_options_error(parser: argparse.ArgumentParser, args: argparse.Names
         owners = [p.prog for p in (subcommands(_command_parser(parser, [group])) if group else [])
                   if p is not leaf and flags[0] in option_strings(p)]
         msg += (f" ({flags[0]} is an option of {', '.join(owners)})" if owners else
-                suggest(flags[0], option_strings(leaf)))
+                suggest(flags[0], option_strings(leaf), *_OPTION_HINT))
     leaf.error(msg)
 
 
@@ -263,8 +260,6 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from looplm.config import ConfigError
-
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -277,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     leaf = args._parser
     if overrides and not args._cmd.config:
         key, takers = "--" + next(iter(overrides)), [f"`looplm {c.name}`" for c in COMMANDS if c.config]
-        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to "
-                   f"{', '.join(takers[:-1])} and {takers[-1]}){suggest(key, option_strings(leaf))}")
+        leaf.error(f"{key}: {leaf.prog} takes no config overrides (--SECTION.FIELD applies to {', '.join(takers[:-1])} "
+                   f"and {takers[-1]}){suggest(key, option_strings(leaf), *_OPTION_HINT)}")
     try:
         return int(_run(args, overrides) or 0)
     except UsageError as exc:

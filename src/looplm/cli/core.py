@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import collections.abc
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -74,12 +73,6 @@ def build_all(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for child in subcommands(parser):
         build_all(child)
     return parser
-
-
-def suggest(word: str, candidates: Iterable[str]) -> str:
-    """``"; did you mean --x?"`` for the closest candidate to ``word``, or ``""``."""
-    match = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]}?" if match else ""
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -160,10 +153,8 @@ _DOC_ARG = re.compile(r"^(\s*)([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*(?:\([^)]
 
 def doc_args(func: Callable[..., Any]) -> dict[str, str]:
     """Help per parameter from a Google-style ``Args:`` section (``a, b: text`` names both; indented lines
-    continue); a dataclass's fields from ``metadata["help"]``."""
+    continue)."""
     out: dict[str, str] = {}
-    if dataclasses.is_dataclass(func):
-        out = {f.name: f.metadata["help"] for f in dataclasses.fields(func) if "help" in f.metadata}
     lines = (inspect.getdoc(func) or "").splitlines()
     start = next((i for i, line in enumerate(lines) if line.strip() == "Args:"), len(lines))
     names: list[str] = []
@@ -238,11 +229,10 @@ _MARKS = {"in": in_file, "out": out_file, "outdir": out_dir}
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
     """The parameter annotations of ``func``, resolved one by one (an unresolvable one: ``str``)."""
-    target = func.__init__ if isinstance(func, type) else func
     out = {}
-    for name, value in getattr(target, "__annotations__", {}).items():
+    for name, value in getattr(func, "__annotations__", {}).items():
         try:
-            out[name] = eval(value, target.__globals__) if isinstance(value, str) else value
+            out[name] = eval(value, func.__globals__) if isinstance(value, str) else value
         except Exception:  # noqa: BLE001 - e.g. a name imported only for type checking
             out[name] = str
     return out

@@ -7,8 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from looplm.config import ConfigError, Device, OptimConfig, RunSection
-from looplm.config import section_field as _f
+from looplm.config import ConfigError, Device, OptimConfig, RunSection, section_field as _f
 
 StudentInit = Literal["teacher", "random"]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from looplm.config import OptimConfig, RunSection
-from looplm.config import section_field as _f
+from looplm.config import OptimConfig, RunSection, section_field as _f
 
 #: update methods of :mod:`looplm.rl.grpo` (``grpo.UPDATE_METHODS``)
 UpdateMethod = Literal["bptt", "recompute", "reuse"]
