@@ -18,6 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from functools import reduce
+from statistics import median_high
 from typing import Any, Callable
 
 import torch
@@ -70,11 +71,6 @@ def _timed_loop(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor,
                 ) -> float:
     """Wall seconds of ``n`` chained calls ``tok = step(tok)``, the device synchronized before and after."""
     return _seconds(lambda: reduce(lambda t, _: step(t), range(n), tok), device)
-
-
-def _mid(values: list[float]) -> float:
-    """The (upper) median."""
-    return sorted(values)[len(values) // 2]
 
 
 def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
@@ -295,7 +291,8 @@ def huginn_config(quick: bool = False) -> ModelConfig:
     return ModelConfig(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, dropout=0.0, **sizes)
 
 
-def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, batch_size: int, prefix: str = "") -> None:
+def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, batch_size: int,
+                            prefix: str = "") -> None:
     """Multi-depth evaluation against one at the largest depth, its FLOP-predicted time, and separate runs."""
     depths = [1, 2, 4] if t.quick else list(DEFAULT_DEPTHS)
     model, x = _model_batch(cfg, batch_size, t.device)
@@ -498,12 +495,13 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
     """The fp32 and bf16 matmul peaks into ``res``; returns (fp32 rates per size, peak size, slow bf16)."""
     # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
     rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
-    peak_n = max(rates32, key=lambda n: _mid(rates32[n]))
-    peak32 = _mid(rates32[peak_n])
+    peak_n = max(rates32, key=lambda n: median_high(rates32[n]))
+    peak32 = median_high(rates32[peak_n])
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
-    slow_bf16 = dev.type == "cpu" and _mid(matmul_rates(torch.bfloat16, 256, dev, repeat=1, warmup=1)) < 0.1 * peak32
-    peak16 = _mid(matmul_rates(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
+    slow_bf16 = (dev.type == "cpu"
+                 and median_high(matmul_rates(torch.bfloat16, 256, dev, repeat=1, warmup=1)) < 0.1 * peak32)
+    peak16 = median_high(matmul_rates(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2))
     res["bf16_native"] = not slow_bf16
     res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
@@ -512,7 +510,7 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
 
 def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
     """Whether the fp32 matmul rate held: its spread at the start and its drift to ``end`` within :data:`MAX_SPREAD`."""
-    start = _mid(rates)
+    start = median_high(rates)
     drift = abs(end - start) / max(end, start)
     spread = (max(rates) - min(rates)) / start if start > 0 else math.inf  # (max − min) / median
     return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread,
@@ -603,7 +601,7 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
     huginn_measurements(res, t, depth, (ma, mb))
 
-    st = res["stability"] = stability(rates32[peak_n], _mid(matmul_rates(torch.float32, peak_n, dev)), peak_n)
+    st = res["stability"] = stability(rates32[peak_n], median_high(matmul_rates(torch.float32, peak_n, dev)), peak_n)
     log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
         f"{st['matmul_fp32_drift']:.1%} start vs end ({'stable' if st['stable'] else 'UNSTABLE'})")
 
