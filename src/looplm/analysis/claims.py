@@ -56,8 +56,7 @@ def validation_curves(runs_dir: str | Path, cache: str | Path, extra: Iterable[s
     """``{run_id: {"steps_done", "finished", "val": {str(step): val_ppl}, <extra metric>: {...}}}`` from
     ``runs_dir/<variant>-s<seed>/metrics.jsonl``, merged into (and written back to) ``cache``."""
     curves: dict[str, dict] = {}
-    runs_dir = Path(runs_dir)
-    for run in sorted(runs_dir.glob("*-s*")) if runs_dir.is_dir() else []:
+    for run in sorted(Path(runs_dir).glob("*-s*")):  # none when runs_dir is missing
         m = run / "metrics.jsonl"
         if not m.exists():
             continue
@@ -78,8 +77,7 @@ def diagnose_sections(runs_dir: str | Path, cache: str | Path, section: str,
     """``{run_id: pick(section)}`` of each ``runs_dir/<run>/diagnose/diagnose.json`` holding ``section``,
     merged into (and written back to) ``cache``."""
     records = {}
-    runs_dir = Path(runs_dir)
-    for f in sorted(runs_dir.glob("*-s*/diagnose/diagnose.json")) if runs_dir.is_dir() else []:
+    for f in sorted(Path(runs_dir).glob("*-s*/diagnose/diagnose.json")):
         sec = json.loads(f.read_text()).get(section)
         if sec:
             records[f.parent.parent.name] = pick(sec)

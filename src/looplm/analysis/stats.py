@@ -19,25 +19,26 @@ DEFAULT_RESAMPLES = 10_000
 DEFAULT_BOOTSTRAP_SEED = 0
 
 
-def _as_array(values: Sequence[float], name: str) -> np.ndarray:
+def _as_array(values: Sequence[float], confidence: float = 0.5) -> np.ndarray:
+    """``values`` as a flat float64 array; ValueError when empty or ``confidence`` is outside (0, 1)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
     arr = np.asarray(values, dtype=np.float64).reshape(-1)
     if arr.size == 0:
-        raise ValueError(f"{name}: need at least one value")
+        raise ValueError("values: need at least one value")
     return arr
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """``(mean, sample std)`` of ``values``; the std is NaN for a single value. ValueError when empty."""
-    arr = _as_array(values, "values")
+    arr = _as_array(values)
     return float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else math.nan
 
 
 def t_half_width(values: Sequence[float], confidence: float = 0.95) -> float:
     """``t_{(1+c)/2, n−1} · sd / √n``, e.g. [1, 2, 3] → 4.302653/√3 = 2.48414; NaN for one value. ValueError:
     empty ``values`` or ``confidence`` outside (0, 1)."""
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
-    arr = _as_array(values, "values")
+    arr = _as_array(values, confidence)
     n = arr.size
     if n < 2:
         return math.nan
@@ -50,11 +51,9 @@ def bootstrap_interval(values: Sequence[float], *, confidence: float = 0.95,
                        seed: int = DEFAULT_BOOTSTRAP_SEED) -> tuple[float, float]:
     """The ``(1−c)/2`` and ``(1+c)/2`` percentiles of the means of ``n_resamples`` resamples with replacement
     (``np.random.default_rng(seed)``: deterministic). ValueError: no values, a bad confidence or n_resamples."""
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence: must be in (0, 1), got {confidence}")
+    arr = _as_array(values, confidence)
     if n_resamples < 1:
         raise ValueError(f"n_resamples: must be >= 1, got {n_resamples}")
-    arr = _as_array(values, "values")
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, arr.size, size=(n_resamples, arr.size))  # (n_resamples, n)
     means = arr[idx].mean(axis=1)  # (n_resamples,)

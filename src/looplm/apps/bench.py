@@ -16,7 +16,9 @@ import platform
 import re
 import statistics
 import time
-from functools import partial, reduce
+from dataclasses import dataclass
+from functools import reduce
+from statistics import median_high
 from typing import Any, Callable
 
 import torch
@@ -69,11 +71,6 @@ def _timed_loop(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor,
                 ) -> float:
     """Wall seconds of ``n`` chained calls ``tok = step(tok)``, the device synchronized before and after."""
     return _seconds(lambda: reduce(lambda t, _: step(t), range(n), tok), device)
-
-
-def _mid(values: list[float]) -> float:
-    """The (upper) median."""
-    return sorted(values)[len(values) // 2]
 
 
 def matmul_rates(dtype: torch.dtype, n: int, device: torch.device, repeat: int = 5, warmup: int = 2) -> list[float]:
@@ -140,11 +137,25 @@ def interleaved(a: Callable[[], Any], b: Callable[[], Any], *, rounds: int, repe
             "b_s": med(tb), "calls": calls}
 
 
-def _ratio(res: dict[str, Any], key: str, a: Callable[[], Any], b: Callable[[], Any], **kw: Any) -> dict[str, Any]:
-    """:func:`interleaved` ``(a, b, **kw)`` into ``res["intervals"][key]`` and its median into ``res[key]``."""
-    iv = res["intervals"][key] = interleaved(a, b, **kw)
-    res[key] = iv["median"]
-    return iv
+@dataclass(frozen=True)
+class Timing:
+    """A run's settings: :func:`interleaved`'s, torch.compile's ``backend``, progress ``log``, ``quick`` toy shapes."""
+    device: torch.device
+    rounds: int = 3
+    repeat: int = 5
+    min_s: float = 0.0
+    backend: str = "inductor"
+    quick: bool = False
+    log: Callable[..., None] = print
+
+    def ratio(self, res: dict[str, Any], key: str, a: Callable[[], Any], b: Callable[[], Any],
+              **kw: Any) -> dict[str, Any]:
+        """:func:`interleaved` ``(a, b)`` with these settings (``kw`` overrides them) into ``res["intervals"][key]``
+        and its median into ``res[key]``."""
+        iv = res["intervals"][key] = interleaved(a, b, **{"rounds": self.rounds, "repeat": self.repeat,
+                                                          "device": self.device, "min_s": self.min_s, **kw})
+        res[key] = iv["median"]
+        return iv
 
 
 def _model_batch(cfg: ModelConfig, batch_size: int, device: torch.device) -> tuple[LoopLM, torch.Tensor]:
@@ -234,11 +245,11 @@ def _uncached(model: LoopLM, seq: torch.Tensor, n: int, depth: int) -> None:
 
 
 @torch.no_grad()
-def decode_measurements(res: dict[str, Any], cfg: ModelConfig, *, depth: int, context: int = 512,
-                        new_tokens: int = 32, device: torch.device, rounds: int = 3, min_s: float = 0.0) -> None:
-    """Greedy decoding of ``new_tokens`` after a ``context``-token prompt with the per_visit and terminal KV
-    caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached (issue 6;
-    :func:`interleaved` with ``min_s``)."""
+def decode_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, depth: int, context: int = 512) -> None:
+    """Greedy decoding of 32 tokens (8 when quick) after a ``context``-token prompt with the per_visit and
+    terminal KV caches and uncached; decode-phase and with-prefill tokens/s, KV bytes, cached over uncached
+    (issue 6)."""
+    new_tokens, device = 8 if t.quick else 32, t.device
     long = cfg.replace(seq_len=max(cfg.seq_len, context))
     torch.manual_seed(0)
     model = build_model(long).to(device).eval()
@@ -264,8 +275,8 @@ def decode_measurements(res: dict[str, Any], cfg: ModelConfig, *, depth: int, co
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
-    iv = _ratio(res, "decode_cache_speedup", cached("per_visit"), lambda: _uncached(model, prompt, new_tokens, depth),
-                rounds=rounds, repeat=1, device=device, scale=(new_tokens - 1) / new_tokens, min_s=min_s)
+    iv = t.ratio(res, "decode_cache_speedup", cached("per_visit"), lambda: _uncached(model, prompt, new_tokens, depth),
+                 repeat=1, scale=(new_tokens - 1) / new_tokens)
     res["decode_tokens_per_s_uncached"] = new_tokens / iv["b_s"]
     res["decode_tokens_per_s_per_visit"] = (new_tokens - 1) / iv["a_s"]
     res["decode_cache_speedup_with_prefill"] = (res["decode_tokens_per_s_with_prefill_per_visit"]
@@ -280,11 +291,11 @@ def huginn_config(quick: bool = False) -> ModelConfig:
     return ModelConfig(rule="huginn_linear", n_prelude=1, n_core=2, n_coda=1, dropout=0.0, **sizes)
 
 
-def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, *, quick: bool, batch_size: int, repeat: int,
-                            device: torch.device, rounds: int, min_s: float = 0.0, prefix: str = "") -> None:
+def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, batch_size: int,
+                            prefix: str = "") -> None:
     """Multi-depth evaluation against one at the largest depth, its FLOP-predicted time, and separate runs."""
-    depths = [1, 2, 4] if quick else list(DEFAULT_DEPTHS)
-    model, x = _model_batch(cfg, batch_size, device)
+    depths = [1, 2, 4] if t.quick else list(DEFAULT_DEPTHS)
+    model, x = _model_batch(cfg, batch_size, t.device)
     model.eval()
 
     @torch.no_grad()
@@ -292,15 +303,13 @@ def multidepth_measurements(res: dict[str, Any], cfg: ModelConfig, *, quick: boo
         model(x, ds, x, readout=NLL)
 
     f_multi, f_single = multidepth_flops_per_token(cfg, depths), flops_per_token(cfg, max(depths))["body_head"]
-    single_multi = _ratio(res, f"{prefix}multidepth_eval_ratio", lambda: run([max(depths)]), lambda: run(depths),
-                          rounds=rounds, repeat=repeat, device=device, min_s=min_s)
-    multi_sep = interleaved(lambda: run(depths), lambda: [run([t]) for t in depths], rounds=rounds, repeat=1,
-                            device=device, min_s=min_s)
+    single_multi = t.ratio(res, f"{prefix}multidepth_eval_ratio", lambda: run([max(depths)]), lambda: run(depths))
     flop = {k: v * f_single / f_multi if k in ("median", "min", "max") else v for k, v in single_multi.items()}
     flop["rounds"] = [r * f_single / f_multi for r in single_multi["rounds"]]
-    for key, iv in (("multidepth_flop_ratio", flop), ("multidepth_vs_separate_speedup", multi_sep)):
-        res["intervals"][prefix + key] = iv
-        res[prefix + key] = iv["median"]
+    res["intervals"][f"{prefix}multidepth_flop_ratio"] = flop
+    res[f"{prefix}multidepth_flop_ratio"] = flop["median"]
+    multi_sep = t.ratio(res, f"{prefix}multidepth_vs_separate_speedup", lambda: run(depths),
+                        lambda: [run([d]) for d in depths], repeat=1)
     res.update({f"{prefix}multidepth_eval_s": single_multi["b_s"], f"{prefix}multidepth_single_s": single_multi["a_s"],
                 f"{prefix}multidepth_separate_s": multi_sep["b_s"],
                 f"{prefix}multidepth_flops_ratio_predicted": f_multi / f_single})
@@ -392,12 +401,11 @@ def peak_train_memory(cfg: ModelConfig, depth: int, *, batch_size: int, device: 
 
 
 @torch.no_grad()
-def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth: int, contexts: tuple[int, int],
-                               quick: bool, rounds: int, device: torch.device, log: Callable[..., None],
-                               backend: str = "inductor", min_s: float = 0.0) -> None:
+def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, t: Timing, depth: int,
+                               contexts: tuple[int, int]) -> None:
     """Decoding at the Huginn shape: tokens/s at batch 1, 8 per context; at batch 1, compiled blocks and the
-    compiled static step over eager, cached over uncached (:func:`interleaved` with ``min_s``)."""
-    new = 4 if quick else 16
+    compiled static step over eager, cached over uncached."""
+    new, device, log = 4 if t.quick else 16, t.device, t.log
     long = hcfg.replace(seq_len=max(contexts))
     torch.manual_seed(0)
     dec = build_model(long).to(device).eval()
@@ -408,64 +416,59 @@ def huginn_decode_measurements(res: dict[str, Any], hcfg: ModelConfig, *, depth:
             log(f"huginn shape: decode batch {b}, {c}-token context: {res[key]:.1f} tok/s")
     res["decode_b1_tokens_per_s"] = res[f"huginn_decode_b1_ctx{contexts[0]}_tokens_per_s"]
     # blocks compiled by torch.compile (the cache bookkeeping stays eager at a graph break)
-    compiled = compile_blocks(copy.deepcopy(dec), backend=backend)
+    compiled = compile_blocks(copy.deepcopy(dec), backend=t.backend)
 
     def b1(model=dec, how: str | None = None) -> Callable[[], float]:  # seconds of new − 2 batch-1 steps
         if how is not None:  # one static step (compiled once), rewound to the prompt before every run
             prompt = torch.randint(0, long.vocab_size, (1, contexts[0] - new), device=device)
             cache = KVCache("per_visit")
             first = model.read(model.loop(prompt, cache=cache), depth).logits[:, -1].argmax(-1)
-            step = DecodeStep(model, StaticKVCache(cache, contexts[0], long.seq_len), depth, how, backend)
+            step = DecodeStep(model, StaticKVCache(cache, contexts[0], long.seq_len), depth, how, t.backend)
             start = step.state()
             step(first)  # compiles
             def run() -> float:
                 step.rewind(start)
-                return _timed_loop(lambda t: step(t).argmax(-1), step(first).argmax(-1), new - 2, device)
+                return _timed_loop(lambda tok: step(tok).argmax(-1), step(first).argmax(-1), new - 2, device)
             return run
         return lambda: (new - 2) / decode_tokens_per_s(model, batch_size=1, context=contexts[0], new_tokens=new,
                                                        depth=depth, device=device)
 
     for key, a in (("decode_compile_speedup", b1(compiled)), ("decode_static_compile_speedup", b1(how="compile"))):
-        iv = _ratio(res, key, a, b1(), rounds=rounds, repeat=1, device=device, min_s=min_s)
+        iv = t.ratio(res, key, a, b1(), repeat=1)
         log(f"huginn shape: decode batch 1, {key} ×{iv['median']:.2f} [{iv['min']:.2f}, {iv['max']:.2f}] of eager")
     res["decode_b1_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_compile_speedup"]["a_s"]
     res["decode_b1_static_compiled_tokens_per_s"] = (new - 2) / res["intervals"]["decode_static_compile_speedup"]["a_s"]
     del compiled
-    n_unc = 2 if quick else 4
-    iv = _ratio(res, "huginn_decode_cache_speedup", b1(),
-                lambda: _uncached(dec, torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device),
-                                  n_unc, depth), rounds=rounds, repeat=1, device=device, scale=(new - 2) / n_unc,
-                min_s=min_s)
+    n_unc = 2 if t.quick else 4
+    iv = t.ratio(res, "huginn_decode_cache_speedup", b1(),
+                 lambda: _uncached(dec, torch.randint(0, long.vocab_size, (1, contexts[0] - n_unc), device=device),
+                                   n_unc, depth), repeat=1, scale=(new - 2) / n_unc)
     res["huginn_decode_b1_uncached_tokens_per_s"] = n_unc / iv["b_s"]
     log(f"huginn shape: cached decoding {res['huginn_decode_cache_speedup']:.1f}× uncached recompute")
 
 
-def huginn_measurements(res: dict[str, Any], *, depth: int, steps: int, matmul: tuple[torch.Tensor, torch.Tensor],
-                        device: torch.device, quick: bool, rounds: int, log: Callable[..., None],
-                        backend: str = "inductor", min_s: float = 0.0) -> None:
+def huginn_measurements(res: dict[str, Any], t: Timing, depth: int, matmul: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Issue 15's workloads at the Huginn shape: training MFU, multi-depth evaluation, decoding, prefill, memory."""
-    hcfg = huginn_config(quick)
-    B = 2 if quick else 16
+    hcfg, device, log = huginn_config(t.quick), t.device, t.log
+    B = 2 if t.quick else 16
     res.update(huginn_config={k: getattr(hcfg, k) for k in (
         "vocab_size", "d_model", "n_heads", "d_ff", "n_prelude", "n_core", "n_coda", "seq_len", "rule")},
         huginn_batch_size=B, huginn_depth=depth)
     ma, mb = matmul
     flops = B * hcfg.seq_len * 3 * flops_per_token(hcfg, depth)["body_head"]
-    iv = _ratio(res, "huginn_shape_mfu", train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb,
-                rounds=rounds, repeat=steps, device=device, scale=flops / (2 * ma.shape[0] ** 3), min_s=min_s)
+    iv = t.ratio(res, "huginn_shape_mfu", train_step(hcfg, depth, batch_size=B, device=device), lambda: ma @ mb,
+                 scale=flops / (2 * ma.shape[0] ** 3))
     res["huginn_train_tokens_per_s"] = B * hcfg.seq_len / iv["a_s"]
     log(f"huginn shape: train {res['huginn_train_tokens_per_s']:.0f} tok/s (MFU {res['huginn_shape_mfu']:.1%})")
 
-    multidepth_measurements(res, hcfg, quick=quick, batch_size=B, repeat=steps, device=device, rounds=rounds,
-                            min_s=min_s, prefix="huginn_")
+    multidepth_measurements(res, hcfg, t, B, prefix="huginn_")
     log(f"huginn shape: multi-depth eval / FLOP-predicted {res['huginn_multidepth_flop_ratio']:.3f}, "
         f"{res['huginn_multidepth_vs_separate_speedup']:.2f}× faster than separate runs")
 
-    contexts = (12, 16) if quick else (512, 2048)
-    huginn_decode_measurements(res, hcfg, depth=depth, contexts=contexts, quick=quick, rounds=rounds, device=device,
-                               log=log, backend=backend, min_s=min_s)
-    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=steps, rounds=rounds, min_s=min_s,
-                                    device=device, prefix="huginn_"))
+    contexts = (12, 16) if t.quick else (512, 2048)
+    huginn_decode_measurements(res, hcfg, t, depth, contexts)
+    res.update(prefill_measurements(hcfg, depth=depth, contexts=contexts, repeat=t.repeat, rounds=t.rounds,
+                                    min_s=t.min_s, device=device, prefix="huginn_"))
     res["distilled_prefill_speedup"] = res[f"huginn_distilled_prefill_speedup_ctx{contexts[-1]}"]
     res["intervals"]["distilled_prefill_speedup"] = res.pop(f"huginn_prefill_rounds_ctx{contexts[-1]}")
     log(f"huginn shape: distilled prefill {res['distilled_prefill_speedup']:.2f}× faster than the teacher's at "
@@ -492,12 +495,13 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
     """The fp32 and bf16 matmul peaks into ``res``; returns (fp32 rates per size, peak size, slow bf16)."""
     # the peak is the best of two sizes: one size alone can land on a slow blocking of the BLAS
     rates32 = {n: matmul_rates(torch.float32, n, dev) for n in sorted({min(1024, matmul_n), matmul_n})}
-    peak_n = max(rates32, key=lambda n: _mid(rates32[n]))
-    peak32 = _mid(rates32[peak_n])
+    peak_n = max(rates32, key=lambda n: median_high(rates32[n]))
+    peak32 = median_high(rates32[peak_n])
     # CPUs without native bf16 (no AVX512-BF16/AMX) run bf16 matmuls ~100× slower: probe a small one
     # first and keep the bf16 measurements short when it is slow.
-    slow_bf16 = dev.type == "cpu" and _mid(matmul_rates(torch.bfloat16, 256, dev, repeat=1, warmup=1)) < 0.1 * peak32
-    peak16 = _mid(matmul_rates(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
+    slow_bf16 = (dev.type == "cpu"
+                 and median_high(matmul_rates(torch.bfloat16, 256, dev, repeat=1, warmup=1)) < 0.1 * peak32)
+    peak16 = median_high(matmul_rates(torch.bfloat16, min(matmul_n, 512) if slow_bf16 else matmul_n, dev,
                                repeat=1 if slow_bf16 else 5, warmup=1 if slow_bf16 else 2))
     res["bf16_native"] = not slow_bf16
     res["matmul_peak_gflops"] = {"float32": peak32, "bfloat16": peak16}
@@ -506,7 +510,7 @@ def matmul_peaks(res: dict[str, Any], dev: torch.device, matmul_n: int) -> tuple
 
 def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
     """Whether the fp32 matmul rate held: its spread at the start and its drift to ``end`` within :data:`MAX_SPREAD`."""
-    start = _mid(rates)
+    start = median_high(rates)
     drift = abs(end - start) / max(end, start)
     spread = (max(rates) - min(rates)) / start if start > 0 else math.inf  # (max − min) / median
     return {"matmul_n": n, "matmul_fp32_rates_gflops": rates, "matmul_fp32_spread": spread,
@@ -514,28 +518,28 @@ def stability(rates: list[float], end: float, n: int) -> dict[str, Any]:
             "stable": spread <= MAX_SPREAD and drift <= MAX_SPREAD}
 
 
-def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_size: int, steps: int, rounds: int,
-                    device: torch.device, matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool,
-                    log: Callable[..., None], backend: str = "inductor", min_s: float = 0.0) -> None:
+def training_ratios(res: dict[str, Any], cfg: ModelConfig, t: Timing, depth: int, *, batch_size: int,
+                    matmul: tuple[torch.Tensor, torch.Tensor], slow_bf16: bool) -> None:
     """``mfu``, ``bf16_train_speedup``, ``train_compile_speedup`` (compiled blocks, ``backend``, over eager; its MFU
     ``mfu_compiled`` = ``mfu`` × the speed-up), ``loop_overhead_ratio``, ``scse_vs_looped_ratio`` into ``res``
     (interleaved)."""
-    ratio = partial(_ratio, res, rounds=rounds, repeat=steps, device=device, min_s=min_s)
+    device, log = t.device, t.log
     # MFU: training FLOP rate over the matmul's, A/B/B/A: (F_train / F_matmul) × t_matmul / t_train
     ma, mb = matmul
     tokens = batch_size * cfg.seq_len
     model_flops = 3 * flops_per_token(cfg, depth)["body_head"]  # forward + backward ≈ 3 × forward
     fp32 = train_step(cfg, depth, batch_size=batch_size, device=device)
-    iv = ratio("mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * ma.shape[0] ** 3))
+    iv = t.ratio(res, "mfu", fp32, lambda: ma @ mb, scale=tokens * model_flops / (2 * ma.shape[0] ** 3))
     res["train_tokens_per_s"] = tokens / iv["a_s"]
     res["train_model_flops_per_token"] = model_flops
     bf16 = train_step(cfg, depth, batch_size=batch_size, device=device, dtype="bfloat16")
-    iv = ratio("bf16_train_speedup", bf16, fp32, repeat=1 if slow_bf16 else steps)
+    iv = t.ratio(res, "bf16_train_speedup", bf16, fp32, repeat=1 if slow_bf16 else t.repeat)
     res["train_tokens_per_s_bf16"] = tokens / iv["a_s"]
     log(f"train: {res['train_tokens_per_s']:.0f} tok/s fp32 (MFU {res['mfu']:.1%}), "
         f"{res['train_tokens_per_s_bf16']:.0f} tok/s bf16")
-    iv = ratio("train_compile_speedup", train_step(cfg, depth, batch_size=batch_size, device=device, backend=backend),
-               fp32)  # the untimed warm-up call compiles
+    iv = t.ratio(res, "train_compile_speedup",
+                 train_step(cfg, depth, batch_size=batch_size, device=device, backend=t.backend),
+                 fp32)  # the untimed warm-up call compiles
     res["train_tokens_per_s_compiled"] = tokens / iv["a_s"]
     res["mfu_compiled"] = res["mfu"] * iv["median"]
     log(f"train: compiled blocks ×{iv['median']:.2f} of eager (MFU {res['mfu_compiled']:.1%})")
@@ -543,8 +547,8 @@ def training_ratios(res: dict[str, Any], cfg: ModelConfig, depth: int, *, batch_
     looped = train_step(cfg.replace(rule="looped"), depth, batch_size=batch_size, device=device)
     unshared = train_step(cfg.replace(architecture="unshared", n_layers=depth), depth, batch_size=batch_size,
                           device=device)
-    ratio("loop_overhead_ratio", looped, unshared)
-    ratio("scse_vs_looped_ratio", fp32, looped)
+    t.ratio(res, "loop_overhead_ratio", looped, unshared)
+    t.ratio(res, "scse_vs_looped_ratio", fp32, looped)
     log(f"looped / unshared-{depth} {res['loop_overhead_ratio']:.3f}; scse/looped {res['scse_vs_looped_ratio']:.3f}")
 
 
@@ -570,21 +574,20 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
         preset, depth, batch_size, steps, matmul_n, rounds = "debug", min(depth, 2), 2, 1, 64, 1
     dev = resolve_device(device, "--device")
     cfg = get_preset(preset).model.replace(dropout=0.0)
-    log = print if progress else (lambda *a, **k: None)
-    min_s = 0.0 if quick else MIN_QUARTER_S
-    backend = "aot_eager" if quick else "inductor"  # torch.compile's backend for every compiled measurement
+    t = Timing(dev, rounds, steps, min_s=0.0 if quick else MIN_QUARTER_S,
+               backend="aot_eager" if quick else "inductor", quick=quick,
+               log=print if progress else (lambda *a, **k: None))
+    log = t.log
     res: dict[str, Any] = {"machine": machine(), "device": str(dev), "preset": preset, "depth": depth,
-                           "batch_size": batch_size, "seq_len": cfg.seq_len, "min_quarter_s": min_s}
+                           "batch_size": batch_size, "seq_len": cfg.seq_len, "min_quarter_s": t.min_s}
     rates32, peak_n, slow_bf16 = matmul_peaks(res, dev, matmul_n)
     log(f"matmul peak: fp32 {res['matmul_peak_gflops']['float32']:.1f} GFLOP/s, bf16 "
         f"{res['matmul_peak_gflops']['bfloat16']:.1f} GFLOP/s")
 
     res["intervals"] = {}
     ma, mb = torch.randn(peak_n, peak_n, device=dev), torch.randn(peak_n, peak_n, device=dev)
-    training_ratios(res, cfg, depth, batch_size=batch_size, steps=steps, rounds=rounds, device=dev, matmul=(ma, mb),
-                    slow_bf16=slow_bf16, log=log, backend=backend, min_s=min_s)
-    multidepth_measurements(res, cfg, quick=quick, batch_size=batch_size, repeat=steps, device=dev, rounds=rounds,
-                            min_s=min_s)
+    training_ratios(res, cfg, t, depth, batch_size=batch_size, matmul=(ma, mb), slow_bf16=slow_bf16)
+    multidepth_measurements(res, cfg, t, batch_size)
     log(f"multi-depth eval {res['multidepth_eval_s']:.3f}s vs deepest only {res['multidepth_single_s']:.3f}s vs "
         f"separate {res['multidepth_separate_s']:.3f}s per batch; vs its FLOP-predicted time "
         f"×{res['multidepth_flop_ratio']:.3f}")
@@ -592,15 +595,13 @@ def run_bench(*, preset: str = "cpu", depth: int = 8, batch_size: int = 16, step
     res.update(tbptt_measurements(cfg, batch_size=batch_size, device=dev))
     log(f"TBPTT b={res['tbptt_window']} at T={res['tbptt_depth']} vs full at T={res['tbptt_short_depth']}: "
         f"memory ×{res['tbptt_peak_mem_ratio']:.3f}")
-    decode_measurements(res, cfg, depth=depth, device=dev, rounds=rounds, min_s=min_s,
-                        **({"new_tokens": 8} if quick else {}))
+    decode_measurements(res, cfg, t, depth)
     log(f"decode T={depth}, 512 context: per_visit {res['decode_tokens_per_s_per_visit']:.1f} tok/s, terminal "
         f"{res['decode_tokens_per_s_terminal']:.1f} tok/s, uncached {res['decode_tokens_per_s_uncached']:.1f} tok/s; "
         f"KV bytes terminal/per_visit {res['terminal_kv_bytes_ratio']:.4f}")
-    huginn_measurements(res, depth=depth, steps=steps, matmul=(ma, mb), device=dev, quick=quick, rounds=rounds, log=log,
-                        backend=backend, min_s=min_s)
+    huginn_measurements(res, t, depth, (ma, mb))
 
-    st = res["stability"] = stability(rates32[peak_n], _mid(matmul_rates(torch.float32, peak_n, dev)), peak_n)
+    st = res["stability"] = stability(rates32[peak_n], median_high(matmul_rates(torch.float32, peak_n, dev)), peak_n)
     log(f"fp32 matmul rate: spread {st['matmul_fp32_spread']:.1%} between repeats, "
         f"{st['matmul_fp32_drift']:.1%} start vs end ({'stable' if st['stable'] else 'UNSTABLE'})")
 
