@@ -73,10 +73,9 @@ def _unpack(item: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     if isinstance(item, torch.Tensor):
         targets = torch.full_like(item, -100)
         targets[:, :-1] = item[:, 1:]
-        return item.to(device), targets.to(device), None
-    idx, targets, *rest = item
-    mask = rest[0] if rest else None
-    return idx.to(device), targets.to(device), None if mask is None else mask.to(device)
+        item = (item, targets)
+    idx, targets, *mask = (t.to(device) for t in item)
+    return idx, targets, mask[0] if mask else None
 
 
 @torch.no_grad()

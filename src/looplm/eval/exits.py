@@ -86,10 +86,6 @@ class ExitCriterion:
         """Whether the criterion fires for each score (NaN never fires)."""
         return fires(score, self.tau, self.direction)
 
-    def never_fires(self) -> bool:
-        """τ = −∞ ("below") or +∞ ("above"): the runner skips the statistic."""
-        return self.tau == (-math.inf if self.direction == "below" else math.inf)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tau={self.tau})"
 
@@ -390,7 +386,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     def read(h: torch.Tensor, k: int) -> torch.Tensor:  # an extra readout: leaves no trace in a cache
         return model.readout(h, final=k >= final_from, scope=loop.scope, record=False)
 
-    fires = not criterion.never_fires()
+    fires = criterion.tau != (-math.inf if criterion.direction == "below" else math.inf)  # else skip the statistic
     use_logits = fires and criterion.needs_logits
     rows = torch.arange(B, device=device)  # input row of each running row
     depth = torch.full((B,), ceiling, dtype=torch.int64, device=device)
