@@ -395,8 +395,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     logits = read(loop.h, 0) if use_logits and criterion.needs_previous else None
     carry = None  # a cumulative criterion's per-token state (ExitCriterion.carry_score)
     row_steps = 0
-    for t in range(ceiling):
-        k = t + 1
+    for k in range(1, ceiling + 1):
         row_steps += len(rows)
         prev_h, h = loop.h, loop.advance()
         prev_logits, logits = logits, (read(h, k) if use_logits and k < ceiling else None)
@@ -407,7 +406,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
         else:
             tok, carry = criterion.carry_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), carry)
             s = criterion.reduce(tok, valid)
-            scores[rows, t] = s.double()
+            scores[rows, k - 1] = s.double()
             halt = criterion.halts(s) & ~exited
         if bool(halt.any()):
             done = halt.nonzero().squeeze(1)
