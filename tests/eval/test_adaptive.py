@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig
-from looplm.eval.adaptive import adaptive_depth_checkpoint, early_exit_eval, trace_depths
-from looplm.eval.exits import calibrate, halting_depths
+from looplm.eval.adaptive import adaptive_depth_checkpoint, token_batches
+from looplm.eval.exits import build_exit_criterion, calibrate, halting_depths, run, trace
 from looplm.eval.perplexity import evaluate_depths
 from looplm.model import RULES, LoopLM, build_model
 from looplm.model.cursor import Readout
@@ -63,7 +63,7 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
     """u_t from LoopLM.forward's returned states, NLL from its nll_by_depth: one window at a time."""
     model = _model("scse", tiny_data.vocab_size, n_prelude=1, n_coda=1)
     tokens = np.asarray(tiny_data.valid[:300])
-    tr = trace_depths(model, tokens, CEIL, batch_size=4, progress=False)
+    tr = trace(model, token_batches(tokens, model.cfg.seq_len, 4), build_exit_criterion("hidden_update", 0.0), CEIL)
     L = model.cfg.seq_len
     assert tr.scores.shape == tr.nll.shape == (math.ceil(299 / L), CEIL)
     for b in range(len(tr.tokens)):
@@ -84,14 +84,15 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
 def test_early_exit_equals_offline_accounting(rule, tiny_data):
     model = _model(rule, tiny_data.vocab_size, **({"n_layers": 4} if rule == "unshared" else {}))
     tokens = np.asarray(tiny_data.valid[:800])
-    tr = trace_depths(model, tokens, CEIL, batch_size=8, progress=False)
+    batches = token_batches(tokens, model.cfg.seq_len, 8)
+    tr = trace(model, batches, build_exit_criterion("hidden_update", 0.0), CEIL)
     for target in (CEIL / 2, CEIL / 2 + 0.5, CEIL / 2 + 1, CEIL / 2 - 0.5):  # the first that splits examples
         # (rules started from h_0 = 0 halt in lockstep early)
         tau = calibrate(tr.scores, "below", target_depth=target).tau
         offline = halting_depths(tr.scores, tau, "below")
         if len(set(offline.tolist())) > 1:
             break
-    ee = early_exit_eval(model, tokens, tau, CEIL, batch_size=8, progress=False)
+    ee = run(model, batches, build_exit_criterion("hidden_update", tau), CEIL)
     print(rule, "tau", tau, "depths", np.bincount(offline, minlength=CEIL + 1)[1:],
           "max |Δnll|", np.abs(ee.nll - tr.nll[np.arange(len(offline)), offline - 1]).max())
     assert len(set(offline.tolist())) > 1  # the rule really halts examples at different depths
@@ -99,7 +100,7 @@ def test_early_exit_equals_offline_accounting(rule, tiny_data):
     np.testing.assert_allclose(ee.nll, tr.nll[np.arange(len(offline)), offline - 1], rtol=1e-5)
     assert ee.tokens.tolist() == tr.tokens.tolist()
     assert ee.row_steps == offline.sum()  # halted rows really left the batch
-    full = early_exit_eval(model, tokens, -math.inf, CEIL, batch_size=8, progress=False)
+    full = run(model, batches, build_exit_criterion("hidden_update", -math.inf), CEIL)
     assert (full.depth == CEIL).all() and full.row_steps == CEIL * len(offline)
     np.testing.assert_allclose(full.nll, tr.nll[:, -1], rtol=1e-5)
 

@@ -137,20 +137,35 @@ def visit_alignment(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, dep
     return {"kappa_hat": max(kappas) if kappas else None, "depth": depth, "loss": loss, "per_sublayer": per}
 
 
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def merge_batches(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
+    """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min`` minned,
+    lists averaged elementwise, None ignored."""
+    out: dict[str, Any] = {}
+    for key in records[0]:
+        vals = [r[key] for r in records]
+        if key in labels:
+            out[key] = vals[0]
+        elif isinstance(vals[0], list):
+            out[key] = [_mean(col) for col in zip(*vals)]
+        else:
+            nums = [float(v) for v in vals if v is not None]
+            pick = max if key.endswith(("_max", "_max_abs")) else min if key.endswith("_min") else _mean
+            out[key] = pick(nums) if nums else None
+    return out
+
+
 def merge_alignment(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Batch means of κ̂_j and visit norms (each batch a minibatch gradient, as an optimizer step sees it);
     κ̂_R = max_j of the means; ``kappa_hat_batch_max`` the largest single-batch κ̂_R."""
     if not records:
         raise ValueError("visit alignment: no batches to merge")
-    per = []
-    for j, first in enumerate(records[0]["per_sublayer"]):
-        vals = [r["per_sublayer"][j]["kappa"] for r in records if r["per_sublayer"][j]["kappa"] is not None]
-        norms = [r["per_sublayer"][j]["visit_grad_norm"] for r in records]
-        per.append({"name": first["name"], "visits": first["visits"],
-                    "kappa": sum(vals) / len(vals) if vals else None,
-                    "visit_grad_norm": [sum(c) / len(c) for c in zip(*norms)]})
+    per = [merge_batches([r["per_sublayer"][j] for r in records], labels=("name", "visits"))
+           for j in range(len(records[0]["per_sublayer"]))]
     kappas = [p["kappa"] for p in per if p["kappa"] is not None]
     batch = [r["kappa_hat"] for r in records if r["kappa_hat"] is not None]
-    return {"kappa_hat": max(kappas) if kappas else None, "depth": records[0]["depth"],
-            "loss": records[0]["loss"], "batches": len(records),
-            "kappa_hat_batch_max": max(batch) if batch else None, "per_sublayer": per}
+    return {"kappa_hat": max(kappas) if kappas else None, "depth": records[0]["depth"], "loss": records[0]["loss"],
+            "batches": len(records), "kappa_hat_batch_max": max(batch) if batch else None, "per_sublayer": per}

@@ -82,8 +82,7 @@ class ConvergenceAccumulator:
         rho, p = None, None
         if n >= 2 and np.ptp(depth) > 0 and np.ptp(pos) > 0:
             res = spearmanr(depth, pos)
-            rho, p = float(res.statistic), float(res.pvalue)
-            rho, p = (None if math.isnan(rho) else rho), (None if math.isnan(p) else p)
+            rho, p = (None if math.isnan(v) else v for v in (float(res.statistic), float(res.pvalue)))
         return {
             "tau": self.tau, "depth": R, "tokens": n,
             "rho_mean": [float(v) / max(n, 1) for v in self.rho_sum.tolist()],

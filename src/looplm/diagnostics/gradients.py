@@ -162,9 +162,8 @@ def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, st
         batches, batch_size: the first BATCHES batches of BATCH_SIZE non-overlapping windows.
         dtype: float32 or float64.
     """
-    from looplm.diagnostics.runner import check_batches, load_windows
+    from looplm.diagnostics.runner import load_windows
 
-    check_batches(batches, batch_size)
     model, cfg, ckpt, data_cfg, windows = load_windows(checkpoint, "looplm gradcheck", dataset=dataset, split=split,
                                                        batch_size=batch_size, batches=batches, device=device)
     depth = cfg.depth.nominal_depth() if depth is None else depth

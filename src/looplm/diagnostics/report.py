@@ -16,9 +16,7 @@ from looplm.run.finite import md_table
 def _fmt(v: float | None) -> str:
     if v is None:
         return "–"
-    if v == 0:
-        return "0"
-    return f"{v:.4g}"
+    return f"{v:.4g}" if v != 0 else "0"
 
 
 def _by_t(records: list[dict[str, Any]], key: str) -> dict[int, float | None]:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from looplm.diagnostics.alignment import LOSSES, merge_alignment, visit_alignment
+from looplm.diagnostics.alignment import LOSSES, merge_alignment, merge_batches, visit_alignment
 from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
 from looplm.diagnostics.forcing import DTYPES, along_trajectory, check_shared, forcing_record
 from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
@@ -25,29 +25,6 @@ from looplm.data.paths import atomic_write
 from looplm.run.provenance import provenance, tokens_sha256
 from looplm.model import LoopLM
 from looplm.model.cursor import Readout
-
-
-def _merge(records: Sequence[dict[str, Any]], labels: tuple[str, ...] = ("t",)) -> dict[str, Any]:
-    """Average per-batch records key by key: labels kept, ``*_max``/``*_max_abs`` maxed, ``*_min`` minned,
-    lists averaged elementwise, None ignored."""
-    out: dict[str, Any] = {}
-    for key in records[0]:
-        vals = [r[key] for r in records]
-        if key in labels:
-            out[key] = vals[0]
-        elif isinstance(vals[0], list):
-            out[key] = [sum(col) / len(col) for col in zip(*vals)]
-        else:
-            nums = [float(v) for v in vals if v is not None]
-            if not nums:
-                out[key] = None
-            elif key.endswith("_max") or key.endswith("_max_abs"):
-                out[key] = max(nums)
-            elif key.endswith("_min"):
-                out[key] = min(nums)
-            else:
-                out[key] = sum(nums) / len(nums)
-    return out
 
 
 def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float] = DOSE_GAINS, n_directions: int = N_DIRECTIONS,
@@ -96,10 +73,9 @@ def _unpack(item: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     if isinstance(item, torch.Tensor):
         targets = torch.full_like(item, -100)
         targets[:, :-1] = item[:, 1:]
-        return item.to(device), targets.to(device), None
-    idx, targets, *rest = item
-    mask = rest[0] if rest else None
-    return idx.to(device), targets.to(device), None if mask is None else mask.to(device)
+        item = (item, targets)
+    idx, targets, *mask = (t.to(device) for t in item)
+    return idx, targets, mask[0] if mask else None
 
 
 @torch.no_grad()
@@ -138,15 +114,15 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     result = {
         "steps": steps, "depth": depth, "eps": eps, "n_directions": n_directions, "seed": seed,
         "gains": [float(g) for g in gains], "dtype": dtype, "batches": len(forcing),
-        "forcing": [_merge([b[j] for b in forcing]) for j in range(len(steps))],
-        "gain": [_merge([b[j] for b in gain]) for j in range(len(steps))],
+        "forcing": [merge_batches([b[j] for b in forcing]) for j in range(len(steps))],
+        "gain": [merge_batches([b[j] for b in gain]) for j in range(len(steps))],
         "rollout": {"depth": depth, "start": "anchor (delta_0 = 0)",
-                    "bias0_rms": _merge([{"v": b["bias0_rms"]} for b in rollout])["v"],
-                    "records": [_merge([b["records"][j] for b in rollout]) for j in range(depth + 1)],
+                    "bias0_rms": merge_batches([{"v": b["bias0_rms"]} for b in rollout])["v"],
+                    "records": [merge_batches([b["records"][j] for b in rollout]) for j in range(depth + 1)],
                     "pca": views["trajectories"]},
         "dose_response": {"gains": [float(g) for g in gains],
-                          "push_rms": _merge([{"v": b["push_rms"]} for b in dose])["v"],
-                          "records": [_merge([b["records"][j] for b in dose], labels=("gain",))
+                          "push_rms": merge_batches([{"v": b["push_rms"]} for b in dose])["v"],
+                          "records": [merge_batches([b["records"][j] for b in dose], labels=("gain",))
                                       for j in range(len(gains))],
                           "pca": views["displacements"]},
         "scale": scale.result(),
@@ -157,11 +133,6 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     return result
 
 
-def check_batches(batches: int, batch_size: int) -> None:
-    if batches < 1 or batch_size < 1:
-        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
-
-
 def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batch_size: int, batches: int,
                  device: str = "cpu"):
     """``(model, cfg, ckpt_dir, data_cfg, windows)``: a shared checkpoint (ValueError naming ``what``) and the
@@ -169,6 +140,8 @@ def load_windows(checkpoint, what: str, *, dataset: str | None, split: str, batc
     from looplm.data.tokens import eval_windows
     from looplm.eval.runner import open_checkpoint
 
+    if batches < 1 or batch_size < 1:
+        raise ValueError(f"batches and batch_size must be >= 1, got {batches} and {batch_size}")
     opened = open_checkpoint(checkpoint, dataset=dataset, device=device)
     model, cfg, ckpt, data_cfg = opened.model, opened.cfg, opened.ckpt, opened.data
     check_shared(model, what)
@@ -200,7 +173,6 @@ def diagnose_checkpoint(checkpoint: str | Path, *, steps: Sequence[int] | None =
         scale_loops: K of the scale diagnostic and R of the visit alignment (default: the nominal training depth)
         convergence_tau: threshold τ of token convergence
     """
-    check_batches(batches, batch_size)
     steps = (0, depth - 1) if steps is None else steps
     _check_args(sorted(steps), depth, scale_loops=1 if scale_loops is None else scale_loops,
                 convergence_tau=convergence_tau)

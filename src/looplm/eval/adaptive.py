@@ -2,8 +2,9 @@
 
 Per window b and step t < C: u_t(b) = max over its scored tokens of ‖h_{t+1} − h_t‖₂ / (‖h_t‖₂ + 1e-8), read
 out at ``D = min({t + 1 : u_t < τ} ∪ {C})`` (our choice; any registered exit criterion via ``criterion=``).
-:func:`trace_depths` runs every window to the ceiling once; τ is calibrated on valid for each target mean depth
-(8, 16, 24) and applied to test; :func:`early_exit_eval` really drops halted rows (the reported speedup).
+:func:`~looplm.eval.exits.trace` runs every window to the ceiling once; τ is calibrated on valid for each target
+mean depth (8, 16, 24) and applied to test; :func:`~looplm.eval.exits.run` really drops halted rows (the reported
+speedup; a τ that never fires runs every example to the ceiling, its reference).
 """
 
 from __future__ import annotations
@@ -16,47 +17,23 @@ import numpy as np
 import torch
 
 from looplm.data.tokens import eval_windows
-from looplm.eval.exits import (EXIT_CRITERIA, ExitCriterion, ExitRun, Trace, build_exit_criterion,
-                               calibrate, halting_depths, run, trace)
+from looplm.eval.exits import EXIT_CRITERIA, Batch, build_exit_criterion, calibrate, halting_depths, run, trace
 from looplm.model import DepthLM, eval_mode
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
 
 
-def _on_windows(fn, model: DepthLM, tokens: np.ndarray, criterion: str | ExitCriterion, tau: float, ceiling: int,
-                batch_size: int, max_tokens: int | None, device: str | torch.device, **kw: Any):
-    """``fn`` (exits.trace or exits.run) in eval mode over the non-overlapping windows of ``tokens[: max_tokens
-    + 1]`` (x, y with -100 on unscored targets, mask). ValueError: fewer than two tokens, or as ``fn``."""
+def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, max_tokens: int | None = None,
+                  device: str | torch.device = "cpu") -> list[Batch]:
+    """The non-overlapping windows of ``tokens[: max_tokens + 1]`` as :data:`~looplm.eval.exits.Batch` es (y = -100
+    on unscored targets); ValueError: fewer than two tokens."""
     if max_tokens is not None:
         tokens = tokens[: max_tokens + 1]
     if len(tokens) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    crit = build_exit_criterion(criterion, tau) if isinstance(criterion, str) else criterion
-    device = torch.device(device)
-    with eval_mode(model):
-        batches = [(x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
-                   for x, y, mask in eval_windows(tokens, model.cfg.seq_len, batch_size)]
-        return fn(model, batches, crit, ceiling, **kw)
-
-
-def trace_depths(model: DepthLM, tokens: np.ndarray, ceiling: int = DEFAULT_CEILING, *, batch_size: int = 16,
-                 max_tokens: int | None = None, device: str | torch.device = "cpu", progress: bool = True,
-                 desc: str = "trace", criterion: str | ExitCriterion = "hidden_update",
-                 scale_clamp: bool = False) -> Trace:
-    """:func:`~looplm.eval.exits.trace` of ``tokens``' windows: ``scores`` (N, C), column t = step t → t+1."""
-    return _on_windows(trace, model, tokens, criterion, 0.0, ceiling, batch_size, max_tokens, device,
-                       progress=progress, desc=desc, scale_clamp=scale_clamp)
-
-
-def early_exit_eval(model: DepthLM, tokens: np.ndarray, tau: float, ceiling: int = DEFAULT_CEILING, *,
-                    batch_size: int = 16, max_tokens: int | None = None, device: str | torch.device = "cpu",
-                    progress: bool = True, desc: str = "early exit",
-                    criterion: str | ExitCriterion = "hidden_update", scale_clamp: bool = False) -> ExitRun:
-    """Real early exit of ``tokens``' windows (:func:`~looplm.eval.exits.run`); a τ that never fires runs every
-    example to the ceiling (the speedup's reference)."""
-    return _on_windows(run, model, tokens, criterion, tau, ceiling, batch_size, max_tokens, device,
-                       progress=progress, desc=desc, scale_clamp=scale_clamp)
+    return [(x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
+            for x, y, mask in eval_windows(tokens, seq_len, batch_size)]
 
 
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
@@ -78,43 +55,47 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
         raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
     direction = EXIT_CRITERIA[criterion].direction
     never = -math.inf if direction == "below" else math.inf
-    kw = dict(batch_size=batch_size, max_tokens=max_tokens, device=device, progress=progress,
-              scale_clamp=scale_clamp)
-    tr_valid = trace_depths(model, valid, ceiling, desc="trace valid", criterion=criterion, **kw)
-    tr_test = trace_depths(model, test, ceiling, desc="trace test", criterion=criterion, **kw)
-    full = (early_exit_eval(model, test, never, ceiling, desc="full depth", criterion=criterion, **kw)
-            if timed else None)
-    res: dict[str, Any] = {
-        "criterion": criterion, "scale_clamp": scale_clamp, "ceiling": ceiling, "max_tokens": max_tokens,
-        "batch_size": batch_size,
-        "examples": {"valid": len(tr_valid.tokens), "test": len(tr_test.tokens)},
-        "tokens": {"valid": int(tr_valid.tokens.sum()), "test": int(tr_test.tokens.sum())},
-        "static": {str(T): {"valid_ppl": tr_valid.ppl_at(T), "test_ppl": tr_test.ppl_at(T)}
-                   for T in range(1, ceiling + 1)},
-        "full_depth_seconds": full.seconds if full else None,
-        "targets": {},
-    }
-    for target in targets:
-        tau = calibrate(tr_valid.scores, direction, target_depth=target).tau
-        d_valid, d_test = (halting_depths(tr.scores, tau, direction) for tr in (tr_valid, tr_test))
-        entry: dict[str, Any] = {
-            "target": target, "tau": tau,
-            "valid_mean_depth": float(d_valid.mean()), "test_mean_depth": float(d_test.mean()),
-            "valid_ppl": tr_valid.ppl_at(d_valid), "test_ppl": tr_test.ppl_at(d_test),
-            "test_depth_counts": {str(T): int(n) for T, n in zip(*np.unique(d_test, return_counts=True))},
-            "early_exit": None,
+    valid_b, test_b = (token_batches(t, model.cfg.seq_len, batch_size, max_tokens=max_tokens, device=device)
+                       for t in (valid, test))
+
+    def measure(fn, batches: list[Batch], tau: float, desc: str):  # exits.trace or exits.run
+        return fn(model, batches, build_exit_criterion(criterion, tau), ceiling, progress=progress, desc=desc,
+                  scale_clamp=scale_clamp)
+
+    with eval_mode(model):
+        tr_valid, tr_test = measure(trace, valid_b, 0.0, "trace valid"), measure(trace, test_b, 0.0, "trace test")
+        full = measure(run, test_b, never, "full depth") if timed else None
+        res: dict[str, Any] = {
+            "criterion": criterion, "scale_clamp": scale_clamp, "ceiling": ceiling, "max_tokens": max_tokens,
+            "batch_size": batch_size,
+            "examples": {"valid": len(tr_valid.tokens), "test": len(tr_test.tokens)},
+            "tokens": {"valid": int(tr_valid.tokens.sum()), "test": int(tr_test.tokens.sum())},
+            "static": {str(T): {"valid_ppl": tr_valid.ppl_at(T), "test_ppl": tr_test.ppl_at(T)}
+                       for T in range(1, ceiling + 1)},
+            "full_depth_seconds": full.seconds if full else None,
+            "targets": {},
         }
-        if timed:
-            ee = early_exit_eval(model, test, tau, ceiling, desc=f"early exit {target}", criterion=criterion, **kw)
-            same = ee.depth == d_test
-            ref = tr_test.nll[np.arange(len(d_test)), d_test - 1]
-            entry["early_exit"] = {
-                "seconds": ee.seconds, "speedup": full.seconds / ee.seconds if ee.seconds > 0 else None,
-                "row_steps": ee.row_steps, "full_row_steps": full.row_steps, "test_ppl": ee.ppl(),
-                "depth_agreement": float(same.mean()),
-                "max_abs_nll_diff": float(np.abs(ee.nll - ref)[same].max()) if same.any() else None,
+        for target in targets:
+            tau = calibrate(tr_valid.scores, direction, target_depth=target).tau
+            d_valid, d_test = (halting_depths(tr.scores, tau, direction) for tr in (tr_valid, tr_test))
+            entry: dict[str, Any] = {
+                "target": target, "tau": tau,
+                "valid_mean_depth": float(d_valid.mean()), "test_mean_depth": float(d_test.mean()),
+                "valid_ppl": tr_valid.ppl_at(d_valid), "test_ppl": tr_test.ppl_at(d_test),
+                "test_depth_counts": {str(T): int(n) for T, n in zip(*np.unique(d_test, return_counts=True))},
+                "early_exit": None,
             }
-        res["targets"][str(target)] = entry
+            if timed:
+                ee = measure(run, test_b, tau, f"early exit {target}")
+                same = ee.depth == d_test
+                ref = tr_test.nll[np.arange(len(d_test)), d_test - 1]
+                entry["early_exit"] = {
+                    "seconds": ee.seconds, "speedup": full.seconds / ee.seconds if ee.seconds > 0 else None,
+                    "row_steps": ee.row_steps, "full_row_steps": full.row_steps, "test_ppl": ee.ppl(),
+                    "depth_agreement": float(same.mean()),
+                    "max_abs_nll_diff": float(np.abs(ee.nll - ref)[same].max()) if same.any() else None,
+                }
+            res["targets"][str(target)] = entry
     return res
 
 

@@ -86,10 +86,6 @@ class ExitCriterion:
         """Whether the criterion fires for each score (NaN never fires)."""
         return fires(score, self.tau, self.direction)
 
-    def never_fires(self) -> bool:
-        """τ = −∞ ("below") or +∞ ("above"): the runner skips the statistic."""
-        return self.tau == (-math.inf if self.direction == "below" else math.inf)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(tau={self.tau})"
 
@@ -390,7 +386,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     def read(h: torch.Tensor, k: int) -> torch.Tensor:  # an extra readout: leaves no trace in a cache
         return model.readout(h, final=k >= final_from, scope=loop.scope, record=False)
 
-    fires = not criterion.never_fires()
+    fires = criterion.tau != (-math.inf if criterion.direction == "below" else math.inf)  # else skip the statistic
     use_logits = fires and criterion.needs_logits
     rows = torch.arange(B, device=device)  # input row of each running row
     depth = torch.full((B,), ceiling, dtype=torch.int64, device=device)
@@ -399,8 +395,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
     logits = read(loop.h, 0) if use_logits and criterion.needs_previous else None
     carry = None  # a cumulative criterion's per-token state (ExitCriterion.carry_score)
     row_steps = 0
-    for t in range(ceiling):
-        k = t + 1
+    for k in range(1, ceiling + 1):
         row_steps += len(rows)
         prev_h, h = loop.h, loop.advance()
         prev_logits, logits = logits, (read(h, k) if use_logits and k < ceiling else None)
@@ -411,7 +406,7 @@ def exit_loop(loop: Loop, criterion: ExitCriterion, ceiling: int, *, drop: bool 
         else:
             tok, carry = criterion.carry_score(prev_h, h, prev_logits, logits, _gate(model, h, criterion), carry)
             s = criterion.reduce(tok, valid)
-            scores[rows, t] = s.double()
+            scores[rows, k - 1] = s.double()
             halt = criterion.halts(s) & ~exited
         if bool(halt.any()):
             done = halt.nonzero().squeeze(1)

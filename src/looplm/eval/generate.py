@@ -87,10 +87,8 @@ def _left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, t
 
 def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: int,
                          criterion: ExitCriterion) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed idx (B, 1) through ``cache`` with per-token early exit (:func:`exit_loop`, exited rows frozen).
-
-    Returns (logits (B, V) at each row's exit state, depth (B,) int64 loop steps run).
-    """
+    """Feed idx (B, 1) through ``cache`` with per-token early exit (:func:`exit_loop`, exited rows frozen):
+    (logits (B, V) at each row's exit state, depth (B,) int64 loop steps run)."""
     loop = model.loop(idx, cache=cache)
     res = exit_loop(loop, criterion, max_depth, drop=False)
     out = model.readout(res.h, final=True, scope=loop.scope)[:, -1]  # (B, V), each row at its own exit state

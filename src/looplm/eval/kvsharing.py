@@ -35,9 +35,8 @@ def continuation_mask(x: torch.Tensor, P: int, eot_id: int | None) -> torch.Tens
     return ends[:, 1:] == 0  # column k ↔ j = P + k: EOTs in x_{P−1} … x_j
 
 
-def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int,
-                      mode: str, final_depth: int | None = None,
-                      scored: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: int, P: int, mode: str,
+                      final_depth: int, scored: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """Prefill x[:, :P] into a ``mode`` cache, score x[:, P:] in one pass: (NLL sum over the ``scored``
     targets, prefix cache bytes, prefix cache banks)."""
     cache = KVCache(mode)
@@ -46,7 +45,7 @@ def _continuation_nll(model: LoopLM, x: torch.Tensor, y: torch.Tensor, depth: in
     nbytes, banks = cache.nbytes(), cache.n_banks()
     out = model.read(model.loop(x[:, P:], cache=cache), depth, y[:, P:], readout=read)
     nll = out.nll_by_depth[depth].double()
-    return (nll if scored is None else nll * scored).sum(), nbytes, banks
+    return (nll * scored).sum(), nbytes, banks
 
 
 @torch.no_grad()

@@ -79,8 +79,7 @@ def load_lambada(path: str | Path, max_examples: int | None = None) -> list[Lamb
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
-                out.append(split_passage(text))
+                out.append(split_passage(json.loads(line)["text"]))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{n}: not a LAMBADA line ({type(exc).__name__}: {exc})") from None
     return out

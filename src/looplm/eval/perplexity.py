@@ -38,11 +38,9 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         total_nll, rms_sum, rms_max = ({T: 0.0 for T in depths} for _ in range(3))
         count = 0
         n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
-        bar = tqdm(total=math.ceil(n_windows / batch_size), desc=desc, disable=not progress, leave=False,
-                   unit="batch")
-        for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride):
-            x, y, mask = x.to(device), y.to(device), mask.to(device)
-            y = y.masked_fill(~mask, -100)
+        for x, y, mask in tqdm(eval_windows(tokens, seq_len, batch_size, stride=stride), desc=desc, unit="batch",
+                               total=math.ceil(n_windows / batch_size), disable=not progress, leave=False):
+            x, y, mask = x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device)
 
             def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # read's on_depth hook
                 if T in rms_sum:  # reduce h_T at once: no state is kept past its step
@@ -56,8 +54,6 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
             for T in depths:
                 total_nll[T] += float(out.nll_by_depth[T][mask].double().sum())
             count += int(mask.sum())
-            bar.update(1)
-        bar.close()
     return {T: {"nll": total_nll[T] / count, "ppl": _exp(total_nll[T] / count), "tokens": count,
                 **({"state_rms": rms_sum[T] / count, "state_rms_max": rms_max[T]} if state_rms else {})}
             for T in depths}
