@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -110,11 +109,9 @@ def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature
     for k in sorted({1, samples}):
         res[f"pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
     if greedy:
-        hits = 0
-        for start in range(0, len(problems), batch_rows):
-            chunk = problems[start:start + batch_rows]
-            for p, ids in zip(chunk, generate_chunk(model, chunk, depth, max_new_tokens, 0.0, 0)):
-                hits += int(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5)
+        gen = [ids for start in range(0, len(problems), batch_rows)
+               for ids in generate_chunk(model, problems[start:start + batch_rows], depth, max_new_tokens, 0.0, 0)]
+        hits = sum(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5 for p, ids in zip(problems, gen))
         res["greedy"] = hits / len(problems)
     return res
 
@@ -282,10 +279,14 @@ def _cos_null_reason(cmp: list[dict[str, Any]]) -> str | None:
             "every group's rewards were equal (e.g. all 0), so each Dr. GRPO advantage r - mean(r) is 0")
 
 
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
 def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[str, Any], *,
                   source: Path, params: int) -> dict[str, Any]:
     """The results of a finished run from its ``metrics.jsonl``."""
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    recs = _records(out)
     cmp = [r["compare"] for r in recs if "compare" in r]
     times = {m: [c["time_s"][m] for c in cmp] for m in UPDATE_METHODS}
     pairs = sorted({k for c in cmp for k in c["cos"]})
@@ -318,17 +319,13 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
     }
 
 
-def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
+def plot_run(out: Path, results: dict[str, Any]) -> Path:
     """``out/rl.png``: reward per update (and its running mean) and the scoring + backward time."""
-    try:
-        import matplotlib
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a dependency
-        print("looplm rl: matplotlib missing, no plot", file=sys.stderr)
-        return None
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    from looplm.analysis.plots import save_figure
+
+    recs = _records(out)
     x = [r["update"] for r in recs]
     rew = [r["reward"] for r in recs]
     w = max(1, len(rew) // 20)
@@ -340,8 +337,4 @@ def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
     ax[0].legend()
     ax[1].plot(x, [r["update_s"] for r in recs], ".", ms=3)
     ax[1].set(xlabel="update", ylabel="scoring + backward (s)")
-    fig.tight_layout()
-    path = out / "rl.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "rl.png")
