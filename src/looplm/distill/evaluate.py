@@ -49,10 +49,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
     """The protocol of the module docstring on a 1-D token stream at decoding depth R = ``depth`` (``student``
     None: teacher rows only; ``eot_id`` None: every target counts). Returns ``{path: {ppl, ppl_first, ppl_rest,
     nll (nats/token), tokens, recurrences, prefill_ms, kv_bytes (per sequence), label, ...}}``.
-
-    Raises:
-        ValueError: depth < 1, no full window, or no scored target.
-    """
+    ValueError: depth < 1, no full window, or no scored target."""
     if depth < 1:
         raise ValueError(f"depth: the decoding depth R must be >= 1, got {depth}")
     if max_tokens is not None:
@@ -143,22 +140,13 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
                                 dataset: str | None = None, split: str = "test", max_tokens: int | None = None,
                                 batch_size: int = 16, device: str = "cpu", progress: bool = True,
                                 doc_aware: bool = True, teacher_only: bool = False) -> dict[str, Any]:
-    """Continuation PPL after each prefill path (module docstring) for a teacher and its student.
-
-    Args:
-        checkpoint: the teacher's run folder or checkpoint.
-        student: the student's run folder or checkpoint (default: ``student/`` next to the teacher's run).
-        early_depths: early-stopped prefill depths r < R of the teacher rows.
-        teacher_only: leave the distilled row out (no student needed).
-        doc_aware: score only targets that continue the document begun in the prompt (LMDR).
-
-    R is the student's (``teacher_only``: the teacher's nominal depth). Returns the JSON-ready results (also to
-    ``out_json`` and ``.md``).
-
-    Raises:
-        CheckpointError: a damaged teacher or student. StudentMismatchError: a student of another teacher.
-        FileNotFoundError: a missing data split. ValueError: see :func:`distill_continuation_eval`.
-    """
+    """Continuation PPL after each prefill path (module docstring) for the teacher ``checkpoint`` and its
+    ``student`` (default: ``student/`` next to the teacher's run; ``teacher_only``: no distilled row), with
+    teacher rows early-stopped at ``early_depths`` r < R; ``doc_aware``: score only targets that continue the
+    document begun in the prompt (LMDR). R is the student's (``teacher_only``: the teacher's nominal depth).
+    Returns the JSON-ready results (also to ``out_json`` and ``.md``). CheckpointError: a damaged teacher or
+    student; StudentMismatchError: a student of another teacher; FileNotFoundError: a missing data split;
+    ValueError: see :func:`distill_continuation_eval`."""
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import open_checkpoint
 

@@ -33,10 +33,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     """The looplm :class:`~looplm.config.Config` of a Huginn-0125 ``config.json``, and its depth.
 
     ``seq_len`` and ``initial_state`` as for :func:`import_huginn`; depth is ``mean_recurrence``.
-
-    Raises:
-        ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
-    """
+    ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``."""
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["huginn_raven"], why="not a Huginn-0125 config")
     r.require("architecture_class_name", ["RecurrentGPT"])
@@ -114,10 +111,7 @@ _LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position
 def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: int) -> Path:
     """Write a looplm model of Huginn-0125's architecture in the published layout (config.json, model.safetensors
     with ``freqs_cis``, tokenizer.json): the inverse of :func:`tensor_map`, for round-trip checks.
-
-    Raises:
-        ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm.
-    """
+    ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm."""
     from safetensors.torch import save_file
 
     from looplm.model.layers import Rope
@@ -186,11 +180,8 @@ def tensor_map(model_cfg) -> list[Entry]:
 def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
     """Compare the stored ``freqs_cis`` (1, block_size, 1, hd/2, 2), with which the original rotates, to looplm's
     :class:`~looplm.model.layers.Rope` table rounded to the stored dtype; returns that ``table_dtype``.
-
-    Raises:
-        ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance``
-            from looplm's table (the message gives the count and the largest difference).
-    """
+    ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance`` from looplm's
+    table (the message gives the count and the largest difference)."""
     from safetensors import safe_open
 
     from looplm.model.layers import Rope
@@ -224,22 +215,13 @@ def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
 
 def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = None, dtype: str = "source",
                   initial_state: str = "table", rope_tolerance: float = 0.0, progress: bool = True) -> dict[str, Any]:
-    """Import a Huginn-0125 folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
-
-    Args:
-        src: the downloaded folder (e.g. huggingface-cli download tomg-group-umd/huginn-0125 --local-dir SRC).
-        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
-            checkpoint.
-        seq_len: context length of the imported model, at most block_size; default min(block_size, 4096)
-        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
-        initial_state: table (truncated normal, std √(2/5), fixed per position, seed 0), fresh (a new draw every
-            forward, as the original) or zeros (the original's init_scale=0)
-        rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact)
-        progress: show a progress bar over the bytes read
-
-    Raises:
-        ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named).
-    """
+    """Import a Huginn-0125 folder ``src`` (config.json, safetensors shards, tokenizer.json; e.g. ``huggingface-cli
+    download tomg-group-umd/huginn-0125 --local-dir SRC``) as step 0 of the new run folder ``out``. ``seq_len`` ≤
+    block_size (default min(that, 4096)); ``dtype`` as for :func:`~looplm.importers.common.store_dtype`;
+    ``initial_state``: table (truncated normal, std √(2/5), fixed per position, seed 0), fresh (a new draw every
+    forward, as the original) or zeros (the original's init_scale=0); ``rope_tolerance``: the largest accepted
+    difference between the stored RoPE table and looplm's (0: exact).
+    ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)
     cfg, depth = read_config(source.config, seq_len=seq_len, initial_state=initial_state)

@@ -27,12 +27,9 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
     """The looplm :class:`~looplm.config.Config` of an Ouro ``config.json``, its depth and exit threshold.
 
     ``seq_len`` as for :func:`import_ouro`; depth is ``total_ut_steps``.
-
-    Raises:
-        ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a
-            ``head_dim`` other than hidden_size / num_attention_heads, RoPE scaling other than linear,
-            attention biases, a fixed ``early_exit_step``, quantized weights.
-    """
+    ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a ``head_dim`` other than
+    hidden_size / num_attention_heads, RoPE scaling other than linear, attention biases, a fixed
+    ``early_exit_step``, quantized weights."""
     from looplm.config import FinalNormConfig, ModelConfig, RopeConfig
 
     r = ConfigReader(raw, MODEL_NAME)
@@ -111,19 +108,10 @@ def tensor_map(model_cfg) -> list[Entry]:
 
 def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None, dtype: str = "source",
                 progress: bool = True) -> dict[str, Any]:
-    """Import an Ouro folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
-
-    Args:
-        src: the downloaded folder (e.g. huggingface-cli download ByteDance/Ouro-1.4B --local-dir SRC).
-        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
-            checkpoint.
-        seq_len: context length, at most max_position_embeddings; default min(max_position_embeddings, 4096)
-        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
-        progress: show a progress bar over the bytes read
-
-    Raises:
-        ImporterError: the folder, a config key or a tensor cannot be imported exactly (named).
-    """
+    """Import an Ouro folder ``src`` (config.json, safetensors shards, tokenizer.json; e.g. ``huggingface-cli
+    download ByteDance/Ouro-1.4B --local-dir SRC``) as step 0 of the new run folder ``out``. ``seq_len`` ≤
+    max_position_embeddings (default min(that, 4096)); ``dtype`` as for :func:`~looplm.importers.common.store_dtype`.
+    ImporterError: the folder, a config key or a tensor cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)
     cfg, depth, tau = read_config(source.config, seq_len=seq_len)
