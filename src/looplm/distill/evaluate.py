@@ -140,13 +140,22 @@ def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | N
                                 dataset: str | None = None, split: str = "test", max_tokens: int | None = None,
                                 batch_size: int = 16, device: str = "cpu", progress: bool = True,
                                 doc_aware: bool = True, teacher_only: bool = False) -> dict[str, Any]:
-    """Continuation PPL after each prefill path (module docstring) for the teacher ``checkpoint`` and its
-    ``student`` (default: ``student/`` next to the teacher's run; ``teacher_only``: no distilled row), with
-    teacher rows early-stopped at ``early_depths`` r < R; ``doc_aware``: score only targets that continue the
-    document begun in the prompt (LMDR). R is the student's (``teacher_only``: the teacher's nominal depth).
-    Returns the JSON-ready results (also to ``out_json`` and ``.md``). CheckpointError: a damaged teacher or
-    student; StudentMismatchError: a student of another teacher; FileNotFoundError: a missing data split;
-    ValueError: see :func:`distill_continuation_eval`."""
+    """Continuation PPL after each prefill path (module docstring) for a teacher and its student.
+
+    Args:
+        checkpoint: the teacher's run folder or checkpoint.
+        student: the student's run folder or checkpoint (default: ``student/`` next to the teacher's run).
+        early_depths: early-stopped prefill depths r < R of the teacher rows.
+        teacher_only: leave the distilled row out (no student needed).
+        doc_aware: score only targets that continue the document begun in the prompt (LMDR).
+
+    R is the student's (``teacher_only``: the teacher's nominal depth). Returns the JSON-ready results (also to
+    ``out_json`` and ``.md``).
+
+    Raises:
+        CheckpointError: a damaged teacher or student. StudentMismatchError: a student of another teacher.
+        FileNotFoundError: a missing data split. ValueError: see :func:`distill_continuation_eval`.
+    """
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import open_checkpoint
 

@@ -47,9 +47,13 @@ def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | N
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
                       kv_cache: Literal["per_visit", "terminal"] = "per_visit", device: str = "cpu",
                       overwrite: bool = False) -> Path:
-    """Write a checkpoint (or run directory, or an export) as a Hugging Face folder ``out``: default depth
-    ``num_steps`` (else the checkpoint's train.eval_depth), ``generate``'s default cache layout ``kv_cache``;
-    ``overwrite`` writes into a non-empty ``out`` (its weight files removed first).
+    """Write a checkpoint (or run directory, or an export) as a Hugging Face folder ``out``.
+
+    Args:
+        out: the Hugging Face folder to write.
+        num_steps: default recurrence depth of the export (default: the checkpoint's train.eval_depth)
+        kv_cache: the cache layout ``generate`` uses by default (``per_visit`` or ``terminal``).
+        overwrite: write into a non-empty ``out`` (its weight files are removed first)
     CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file, or a non-empty folder without
     ``overwrite``."""
     from looplm.data.tokenizer import eot_id

@@ -215,12 +215,18 @@ def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
 
 def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = None, dtype: str = "source",
                   initial_state: str = "table", rope_tolerance: float = 0.0, progress: bool = True) -> dict[str, Any]:
-    """Import a Huginn-0125 folder ``src`` (config.json, safetensors shards, tokenizer.json; e.g. ``huggingface-cli
-    download tomg-group-umd/huginn-0125 --local-dir SRC``) as step 0 of the new run folder ``out``. ``seq_len`` ≤
-    block_size (default min(that, 4096)); ``dtype`` as for :func:`~looplm.importers.common.store_dtype`;
-    ``initial_state``: table (truncated normal, std √(2/5), fixed per position, seed 0), fresh (a new draw every
-    forward, as the original) or zeros (the original's init_scale=0); ``rope_tolerance``: the largest accepted
-    difference between the stored RoPE table and looplm's (0: exact).
+    """Import a Huginn-0125 folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
+
+    Args:
+        src: the downloaded folder (e.g. huggingface-cli download tomg-group-umd/huginn-0125 --local-dir SRC).
+        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
+            checkpoint.
+        seq_len: context length of the imported model, at most block_size; default min(block_size, 4096)
+        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
+        initial_state: table (truncated normal, std √(2/5), fixed per position, seed 0), fresh (a new draw every
+            forward, as the original) or zeros (the original's init_scale=0)
+        rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact)
+        progress: show a progress bar over the bytes read
     ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)

@@ -108,9 +108,15 @@ def tensor_map(model_cfg) -> list[Entry]:
 
 def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None, dtype: str = "source",
                 progress: bool = True) -> dict[str, Any]:
-    """Import an Ouro folder ``src`` (config.json, safetensors shards, tokenizer.json; e.g. ``huggingface-cli
-    download ByteDance/Ouro-1.4B --local-dir SRC``) as step 0 of the new run folder ``out``. ``seq_len`` ≤
-    max_position_embeddings (default min(that, 4096)); ``dtype`` as for :func:`~looplm.importers.common.store_dtype`.
+    """Import an Ouro folder (config.json, safetensors shards, tokenizer.json) as a looplm checkpoint.
+
+    Args:
+        src: the downloaded folder (e.g. huggingface-cli download ByteDance/Ouro-1.4B --local-dir SRC).
+        out: the run folder to write (OUT/latest → OUT/checkpoints/step-000000); must not hold a
+            checkpoint.
+        seq_len: context length, at most max_position_embeddings; default min(max_position_embeddings, 4096)
+        dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
+        progress: show a progress bar over the bytes read
     ImporterError: the folder, a config key or a tensor cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)

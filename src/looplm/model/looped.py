@@ -104,6 +104,8 @@ class DepthLM(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.position.NAME == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.in_norm = RMSNorm(d, cfg.norm_eps) if cfg.input_norm else None
+        self.prelude: Sequence[nn.Module] = ()  # blocks before / after the loop (a LoopLM's own)
+        self.coda: Sequence[nn.Module] = ()
 
     def _finish_init(self) -> None:
         d = self.cfg.d_model
@@ -402,8 +404,6 @@ class LoopLM(DepthLM):
 class TransformerLM(DepthLM):
     """The unshared reference: step t applies block t (identity past ``n_layers``), so depth T runs the first
     ``min(T, n_layers)`` blocks (SCSE eq. 20). Raises ValueError unless ``cfg.architecture`` is ``unshared``."""
-
-    prelude = coda = ()  # every block is a step
 
     def __init__(self, cfg: ModelConfig):
         if cfg.architecture != "unshared":

@@ -51,10 +51,18 @@ def _seed(*key: object) -> int:
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
                   train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
                   progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Supervised pretraining of ``cfg``'s model (``model.vocab_size`` set from the task) on ``train_records``
-    records of ``task`` (:data:`looplm.rl.task.TASKS`) with D = ``digits``, windows at record boundaries, into run
-    folder ``out`` (the trainer's files and ``task.json``); ``resume``, ``stop_after``, ``overwrite`` as for
-    :func:`looplm.train.trainer.train`. Returns the trainer's summary plus ``task``.
+    """Supervised pretraining of ``cfg``'s model on the task's stream (windows at record boundaries); returns the
+    trainer's summary plus ``task``.
+
+    Args:
+        out: run folder (checkpoints, metrics.jsonl, config.json, tokenizer.json, summary.json, task.json).
+        cfg: the config (default :data:`PRETRAIN_CONFIG`); ``model.vocab_size`` is set from the task.
+        task: the task name (:data:`looplm.rl.task.TASKS`).
+        digits: the task's operand width D.
+        train_records: records (examples) in the training stream.
+        resume: continue from the newest valid checkpoint in ``out``.
+        stop_after: stop (with a checkpoint) after this many steps of this invocation.
+        overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
     ValueError: ``model.seq_len`` not a multiple of the record length, or ``out`` holds another task."""
     from looplm.train.trainer import TrainData, train
 
@@ -133,9 +141,19 @@ def _task_of(ckpt: Path, task: str | None, digits: int | None):
 def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int = 8, temperature: float = 1.0,
                        problems: int = 500, task: str | None = None, digits: int | None = None, seed: int = 0,
                        reward: str = "exact_match", device: str = "cpu", progress: bool = True) -> dict[str, Any]:
-    """pass@1 and pass@``samples`` at recurrence depth ``depth`` of a ``looplm rl pretrain`` / ``rl train``
-    checkpoint (or run directory) on the first ``problems`` held-out problems of its task (``task``, ``digits``:
-    default the run's task.json), sampled at ``temperature`` from ``seed``, scored by ``reward``."""
+    """pass@k of a checkpoint on its task's held-out problems.
+
+    Args:
+        checkpoint: checkpoint or run directory (a ``looplm rl pretrain`` or ``looplm rl train`` run).
+        depth: the recurrence depth R of decoding.
+        samples: n responses per problem (pass@1 and pass@n are reported).
+        temperature: sampling temperature.
+        problems: evaluate the first this many held-out problems.
+        task, digits: the task (default: the run's task.json).
+        seed: seed of the evaluation samples.
+        reward: the verifier (exact_match or numeric).
+        device: cpu, cuda or cuda:N.
+    """
     model, cfg, _, ckpt = load_checkpoint(checkpoint, device=device)
     t = _task_of(Path(ckpt), task, digits)
     held = t.heldout()[:problems]
