@@ -13,17 +13,13 @@ from typing import BinaryIO
 _REPO = Path(__file__).resolve().parents[3]
 
 
-def default_data_roots() -> list[Path]:
-    """Data-root candidates tried in order when neither the config nor ``$LOOPLM_DATA`` names one."""
-    return [_REPO.parent / "shared" / "data", Path.cwd() / "data"]
-
-
 def resolve_data_root(configured: str = "") -> Path:
     """The raw-data directory (``brown/``, ``gpt2-tokenizer/`` …): ``configured``, else ``$LOOPLM_DATA``, else the
-    first existing of :func:`default_data_roots`, else ``./data`` (so the loaders' errors name the files)."""
+    first existing of ``../shared/data`` (beside the repository) and ``./data``, else ``./data`` (so the loaders'
+    errors name the files)."""
     if configured or os.environ.get("LOOPLM_DATA", ""):
         return Path(configured or os.environ["LOOPLM_DATA"]).expanduser()
-    candidates = default_data_roots()
+    candidates = [_REPO.parent / "shared" / "data", Path.cwd() / "data"]
     return next((path for path in candidates if path.is_dir()), candidates[-1])
 
 

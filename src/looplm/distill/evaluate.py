@@ -49,10 +49,7 @@ def distill_continuation_eval(teacher: LoopLM, student: Student | None, tokens: 
     """The protocol of the module docstring on a 1-D token stream at decoding depth R = ``depth`` (``student``
     None: teacher rows only; ``eot_id`` None: every target counts). Returns ``{path: {ppl, ppl_first, ppl_rest,
     nll (nats/token), tokens, recurrences, prefill_ms, kv_bytes (per sequence), label, ...}}``.
-
-    Raises:
-        ValueError: depth < 1, no full window, or no scored target.
-    """
+    ValueError: depth < 1, no full window, or no scored target."""
     if depth < 1:
         raise ValueError(f"depth: the decoding depth R must be >= 1, got {depth}")
     if max_tokens is not None:

@@ -27,10 +27,7 @@ class DistillLoss:
 
 def hidden_term(z_hat: torch.Tensor, z: torch.Tensor, sigma2: float) -> torch.Tensor:
     """‖ẑ − z‖²_F / (N·d·σ_T²) averaged over the batch. z_hat, z: (B, N, d). Returns a 0-d float32+ tensor.
-
-    Raises:
-        ValueError: shapes differ or σ_T² ≤ 0.
-    """
+    ValueError: shapes differ or σ_T² ≤ 0."""
     if z_hat.shape != z.shape:
         raise ValueError(f"hidden term: ẑ has shape {tuple(z_hat.shape)}, z^R {tuple(z.shape)}")
     if not sigma2 > 0:
@@ -53,10 +50,7 @@ def distill_loss(z_hat: torch.Tensor, z: torch.Tensor, sigma2: float, *, student
                  kl_weight: float = 1.0) -> DistillLoss:
     """Eq. 4 (module docstring). z_hat, z: (B, N, d); student_logits, teacher_logits: (B, N, V), needed
     when ``kl_weight > 0``.
-
-    Raises:
-        ValueError: ``kl_weight > 0`` without both logits; bad shapes or σ_T² (see :func:`hidden_term`).
-    """
+    ValueError: ``kl_weight > 0`` without both logits; bad shapes or σ_T² (see :func:`hidden_term`)."""
     hidden = hidden_term(z_hat, z, sigma2)
     if student_logits is not None and teacher_logits is not None:
         kl = kl_term(teacher_logits, student_logits)

@@ -24,11 +24,8 @@ def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, dept
 
     idx (B, L) int64 (left-padded with ``attention_mask``); ``depth`` the R of ẑ ≈ z^R (the pass runs recurrence
     R + 1 and reads out there); ``targets``, ``readout`` as for :meth:`~looplm.model.DepthLM.read`.
-
-    Raises:
-        ValueError: a cache that is not ``terminal`` or not empty (the student predicts only this chunk's
-            endpoint), or depth < 1.
-    """
+    ValueError: a cache that is not ``terminal`` or not empty (the student predicts only this chunk's endpoint), or
+    depth < 1."""
     if cache.mode != "terminal":
         raise ValueError(f"distilled prefill: needs a terminal KV cache (terminal KV sharing), got {cache.mode!r}; "
                          "the student predicts only the endpoint z^R, not every recurrence's K/V")

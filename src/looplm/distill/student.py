@@ -58,10 +58,7 @@ def build_student(teacher: LoopLM, cfg: DistillConfig) -> Student:
 
     ``init="teacher"``: block i copies teacher core block i mod n_core (LMDR §5.5); ``random``: re-drawn with
     ``torch.manual_seed(cfg.seed)`` by the GPT-2 rule of :meth:`looplm.model.DepthLM.reset_parameters`.
-
-    Raises:
-        ValueError: the teacher is not a looped model with a shared core.
-    """
+    ValueError: the teacher is not a looped model with a shared core."""
     if not getattr(teacher, "shared", False):
         raise ValueError("distill: the teacher must be a looped (shared-core) model; an unshared model has no "
                          "recurrent endpoint to distill")
@@ -111,10 +108,7 @@ def default_student_dir(teacher_checkpoint: str | Path) -> Path:
 
 def read_record(student_checkpoint: str | Path) -> tuple[StudentRecord, Path]:
     """(record, checkpoint folder) of a student checkpoint or run folder, after verifying its manifest.
-
-    Raises:
-        CheckpointError: nothing loadable there, a damaged file, or not a student checkpoint.
-    """
+    CheckpointError: nothing loadable there, a damaged file, or not a student checkpoint."""
     ckpt = resolve_checkpoint(student_checkpoint)
     verify_checkpoint(ckpt)
     try:
@@ -125,11 +119,8 @@ def read_record(student_checkpoint: str | Path) -> tuple[StudentRecord, Path]:
 
 def load_student(student_checkpoint: str | Path, teacher: LoopLM) -> tuple[Student, StudentRecord, Path]:
     """Load a student for ``teacher`` (eval mode, on the teacher's device); weights with strict=True.
-
-    Raises:
-        CheckpointError: missing, damaged or not a student checkpoint.
-        StudentMismatchError: the student was distilled from another teacher (fingerprints differ).
-    """
+    CheckpointError: missing, damaged or not a student checkpoint; StudentMismatchError: the student was distilled
+    from another teacher (fingerprints differ)."""
     record, ckpt = read_record(student_checkpoint)
     mine = teacher_fingerprint(teacher)
     if record.teacher.fingerprint != mine:

@@ -19,10 +19,7 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # what transformers 4.57 and 5 both
 def fast_tokenizer(tok: Tokenizer):
     """A ``PreTrainedTokenizerFast`` around ``tok`` with ``<|endoftext|>`` (Huginn-0125: ``<|end_text|>``) as
     BOS/EOS/UNK/pad, left padding.
-
-    Raises:
-        ValueError: ``tok`` has neither (:func:`looplm.data.tokenizer.eot_token`).
-    """
+    ValueError: ``tok`` has neither (:func:`looplm.data.tokenizer.eot_token`)."""
     from transformers import PreTrainedTokenizerFast
 
     from looplm.data.tokenizer import eot_token
@@ -57,11 +54,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, num_steps: int
         num_steps: default recurrence depth of the export (default: the checkpoint's train.eval_depth)
         kv_cache: the cache layout ``generate`` uses by default (``per_visit`` or ``terminal``).
         overwrite: write into a non-empty ``out`` (its weight files are removed first)
-
-    Raises:
-        CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file, or a non-empty
-            folder without ``overwrite``.
-    """
+    CheckpointError: damaged or missing checkpoint. ValueError: ``out`` is a file, or a non-empty folder without
+    ``overwrite``."""
     from looplm.data.tokenizer import eot_id
     from looplm.eval.runner import load_tokenizer_for
     from looplm.hf.modeling import LoopLMForCausalLM

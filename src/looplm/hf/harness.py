@@ -341,10 +341,7 @@ def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | 
                      required: bool = True) -> bool:
     """Write the :data:`LOCAL_TASKS` among ``tasks`` into ``folder`` from the data folder (whole files);
     returns whether there were any. Without ``required`` a task whose file is missing is skipped.
-
-    Raises:
-        FileNotFoundError: with ``required``, a task's file is missing from the data folder (named).
-    """
+    FileNotFoundError: with ``required``, a task's file is missing from the data folder (named)."""
     from looplm.data.paths import resolve_data_root
 
     root = resolve_data_root(str(data_root or ""))

@@ -28,11 +28,7 @@ from looplm.model.kvcache import CACHE_MODES, KVCache
 
 
 class LoopLMCache(Cache):
-    """A transformers ``Cache`` holding a looplm :class:`KVCache` (``per_visit`` or ``terminal``).
-
-    Attributes:
-        kv: the looplm cache (banks, validity mask, real-token counts, per-sequence statistics).
-    """
+    """A transformers ``Cache`` holding a looplm :class:`KVCache` ``kv`` (``per_visit`` or ``terminal``)."""
 
     is_compileable = is_croppable = False
 
@@ -118,12 +114,9 @@ class LoopLMPreTrainedModel(PreTrainedModel):
         ``from_pretrained`` loads every weight."""
 
 
-def _cache_field() -> str:
-    """The output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)."""
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-if _cache_field() != "cache":  # one spelling for looplm's callers on either transformers
+#: the output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+if _CACHE_FIELD != "cache":  # one spelling for looplm's callers on either transformers
     LoopLMCausalLMOutput.cache = property(lambda self: self.past_key_values)
 
 
@@ -194,11 +187,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
                 kv_cache: str | None = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs: Any):
         """See the module docstring. ``position_ids`` is accepted and ignored (derived from the mask).
-
-        Raises:
-            ValueError: ``inputs_embeds`` (not supported), ``output_attentions``, a bad depth, or a
-                non-empty cache of another type.
-        """
+        ValueError: ``inputs_embeds`` (not supported), ``output_attentions``, a bad depth, or a non-empty cache of
+        another type."""
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("inputs_embeds: LoopLMForCausalLM takes input_ids (and not inputs_embeds)")
         if output_attentions:
@@ -231,7 +221,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         targets = None if labels is None else torch.cat([labels[:, 1:], labels.new_full((B, 1), -100)], dim=1)
         out = self.model.read(self.model.loop(input_ids, cache=kv, attention_mask=mask), depths if multi else depths[0],
                               targets, readout=Readout(states=bool(output_hidden_states)))
-        result = {"loss": out.loss, "logits": out.logits, _cache_field(): hf_cache,
+        result = {"loss": out.loss, "logits": out.logits, _CACHE_FIELD: hf_cache,
                   "hidden_states": tuple(out.states) if output_hidden_states else None,
                   "logits_by_depth": dict(out.logits_by_depth) if multi else None}
         if return_dict is False:

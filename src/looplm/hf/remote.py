@@ -22,11 +22,8 @@ PACKAGE_ONLY = {"looplm.hf.modeling": ("LoopLMForCausalLM.from_checkpoint", "Loo
 
 def remote_code() -> dict[str, str]:
     """``{file name: source}`` of the self-contained remote code (module docstring).
-
-    Raises:
-        RuntimeError: a listed module imports a looplm module outside :data:`REMOTE_FILES`, or two modules of
-            one file define the same top-level name.
-    """
+    RuntimeError: a listed module imports a looplm module outside :data:`REMOTE_FILES`, or two modules of one file
+    define the same top-level name."""
     import importlib.util
 
     from looplm.version import __version__

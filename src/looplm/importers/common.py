@@ -42,12 +42,8 @@ class ImporterError(ValueError):
 
 # ---------------------------------------------------------------- config.json
 class ConfigReader:
-    """Reads a published ``config.json`` key by key, so that :meth:`finish` can refuse every key that was
-    neither read, checked nor declared irrelevant (:meth:`ignore`).
-
-    Args:
-        config: the parsed config.json. model: the model's name for messages ("Huginn-0125").
-    """
+    """Reads a published ``config.json`` (parsed: ``config``) key by key, so that :meth:`finish` can refuse every
+    key that was neither read, checked nor declared irrelevant (:meth:`ignore`); ``model`` names it in messages."""
 
     def __init__(self, config: dict[str, Any], model: str):
         self.config = config
@@ -100,13 +96,9 @@ class ConfigReader:
 # ---------------------------------------------------------------- the folder
 @dataclass
 class Source:
-    """A published checkpoint folder, read up to the tensor headers (no tensor data yet).
-
-    Attributes:
-        root: the folder. config: its config.json. shards: the safetensors files, in order.
-        where: tensor name → the shard that holds it. shapes, dtypes: per tensor name.
-        tokenizer_json: the text of tokenizer.json.
-    """
+    """A published checkpoint folder ``root``, read up to the tensor headers (no tensor data yet): its
+    config.json, safetensors ``shards`` in order, and per tensor name the shard that holds it (``where``), its
+    shape and dtype."""
 
     root: Path
     config: dict[str, Any]
@@ -135,11 +127,8 @@ def open_source(src: str | Path) -> Source:
 
     Shards come from ``model.safetensors.index.json`` when present (its ``weight_map`` must agree with
     the shards' contents), else ``model.safetensors``, else every ``*.safetensors`` file.
-
-    Raises:
-        ImporterError: a missing folder, config.json or tokenizer.json; no safetensors (``.bin`` pickles
-            are not read); a tensor stored twice or misplaced by the index.
-    """
+    ImporterError: a missing folder, config.json or tokenizer.json; no safetensors (``.bin`` pickles are not read);
+    a tensor stored twice or misplaced by the index."""
     from safetensors import safe_open
 
     root = Path(src)
@@ -212,13 +201,8 @@ def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:
     """State-dict keys that are the same tensor as an earlier key (the tied head ``lm_head.weight``)."""
-    seen: dict[int, str] = {}
-    out = set()
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            out.add(key)
-        seen.setdefault(id(t), key)
-    return out
+    first: dict[int, str] = {}  # tensor id → its first key
+    return {key for key, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), key) != key}
 
 
 def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Module, *, model_name: str,
@@ -226,10 +210,7 @@ def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Mod
     """Both directions, before any tensor is read: every stored tensor is used exactly once (by an entry, or
     in ``consumed`` by a check such as Huginn's RoPE table), every tensor an entry needs is stored, the
     entries fill exactly the looplm state dict (tied aliases once), and each combined shape matches.
-
-    Raises:
-        ImporterError: naming the unknown, missing or misshapen tensor (and the looplm key it feeds).
-    """
+    ImporterError: naming the unknown, missing or misshapen tensor (and the looplm key it feeds)."""
     used: dict[str, str] = {}
     for e in entries:
         for s in e.sources:

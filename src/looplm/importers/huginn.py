@@ -33,10 +33,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     """The looplm :class:`~looplm.config.Config` of a Huginn-0125 ``config.json``, and its depth.
 
     ``seq_len`` and ``initial_state`` as for :func:`import_huginn`; depth is ``mean_recurrence``.
-
-    Raises:
-        ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``.
-    """
+    ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``."""
     r = ConfigReader(raw, MODEL_NAME)
     r.require("model_type", ["huginn_raven"], why="not a Huginn-0125 config")
     r.require("architecture_class_name", ["RecurrentGPT"])
@@ -114,10 +111,7 @@ _LAYOUT_FIELDS = ("architecture", "rule", "tie_embeddings", "readout", "position
 def write_huginn_folder(model, tokenizer_json: str, out: str | Path, *, depth: int) -> Path:
     """Write a looplm model of Huginn-0125's architecture in the published layout (config.json, model.safetensors
     with ``freqs_cis``, tokenizer.json): the inverse of :func:`tensor_map`, for round-trip checks.
-
-    Raises:
-        ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm.
-    """
+    ImporterError: the model differs from the layout in a field (named), e.g. another rule or block norm."""
     from safetensors.torch import save_file
 
     from looplm.model.layers import Rope
@@ -186,11 +180,8 @@ def tensor_map(model_cfg) -> list[Entry]:
 def check_rope_table(source: Source, model_cfg, tolerance: float = 0.0) -> str:
     """Compare the stored ``freqs_cis`` (1, block_size, 1, hd/2, 2), with which the original rotates, to looplm's
     :class:`~looplm.model.layers.Rope` table rounded to the stored dtype; returns that ``table_dtype``.
-
-    Raises:
-        ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance``
-            from looplm's table (the message gives the count and the largest difference).
-    """
+    ImporterError: no ``freqs_cis``, a wrong shape or dtype, or values further than ``tolerance`` from looplm's
+    table (the message gives the count and the largest difference)."""
     from safetensors import safe_open
 
     from looplm.model.layers import Rope
@@ -236,10 +227,7 @@ def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = Non
             forward, as the original) or zeros (the original's init_scale=0)
         rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact)
         progress: show a progress bar over the bytes read
-
-    Raises:
-        ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named).
-    """
+    ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)
     cfg, depth = read_config(source.config, seq_len=seq_len, initial_state=initial_state)

@@ -27,12 +27,9 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
     """The looplm :class:`~looplm.config.Config` of an Ouro ``config.json``, its depth and exit threshold.
 
     ``seq_len`` as for :func:`import_ouro`; depth is ``total_ut_steps``.
-
-    Raises:
-        ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a
-            ``head_dim`` other than hidden_size / num_attention_heads, RoPE scaling other than linear,
-            attention biases, a fixed ``early_exit_step``, quantized weights.
-    """
+    ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a ``head_dim`` other than
+    hidden_size / num_attention_heads, RoPE scaling other than linear, attention biases, a fixed
+    ``early_exit_step``, quantized weights."""
     from looplm.config import FinalNormConfig, ModelConfig, RopeConfig
 
     r = ConfigReader(raw, MODEL_NAME)
@@ -120,10 +117,7 @@ def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None,
         seq_len: context length, at most max_position_embeddings; default min(max_position_embeddings, 4096)
         dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
         progress: show a progress bar over the bytes read
-
-    Raises:
-        ImporterError: the folder, a config key or a tensor cannot be imported exactly (named).
-    """
+    ImporterError: the folder, a config key or a tensor cannot be imported exactly (named)."""
     out = check_out(out)
     source = open_source(src)
     cfg, depth, tau = read_config(source.config, seq_len=seq_len)

@@ -101,10 +101,7 @@ class Loop:
 
     def resume(self, t: int, h: torch.Tensor) -> Loop:
         """Jump to step t with hidden state h (B, L, d), keeping the context (z̄ = sg(z^t), LMDR §3.2, §5.5).
-
-        Raises:
-            ValueError: the unshared reference, t < 0, a wrong shape, or ``scale_clamp`` with t > 0.
-        """
+        ValueError: the unshared reference, t < 0, a wrong shape, or ``scale_clamp`` with t > 0."""
         if not self.model.shared:
             raise ValueError("resume: the unshared reference has no loop state to resume")
         if t < 0:

@@ -174,18 +174,14 @@ class AttentionScope:
     # ------------------------------------------------------------------ attention
     def _mask(self, B: int, Lq: int, Lp: int, device) -> torch.Tensor | None:
         """Boolean (B, 1, Lq, Lp + Lq) mask (True = attend), or None for plain causal attention."""
-        has_pad = self.has_pad
-        past_pad = self.cache is not None and Lp > 0 and not self.cache.all_valid
-        if Lp == 0 and not has_pad:
+        if Lp == 0 and not self.has_pad:
             return None  # (one query over an all-valid prefix never gets here: _sdpa attends without a mask)
-        causal = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril()  # (Lq, Lq)
-        cur = causal.expand(B, Lq, Lq)
-        if has_pad:
-            eye = torch.eye(Lq, dtype=torch.bool, device=device)
+        cur = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril().expand(B, Lq, Lq)  # causal
+        if self.has_pad:
             # padded keys are masked; every query keeps its own key so no row is empty (no NaN)
-            cur = (cur & self.key_valid[:, None, :]) | eye
-        if Lp:
-            past = (self.cache.valid[:, None, :].expand(B, Lq, Lp) if past_pad
+            cur = (cur & self.key_valid[:, None, :]) | torch.eye(Lq, dtype=torch.bool, device=device)
+        if Lp:  # a cached prefix
+            past = (self.cache.valid[:, None, :].expand(B, Lq, Lp) if not self.cache.all_valid
                     else torch.ones(B, Lq, Lp, dtype=torch.bool, device=device))
             cur = torch.cat([past, cur], dim=-1)
         return cur[:, None]  # (B, 1, Lq, Lp + Lq)
@@ -245,9 +241,8 @@ class AttentionScope:
         cache = self.cache
         first = next(iter(self.pending.values()))[0]
         B, Lc, dev = first.shape[0], first.shape[2], first.device
-        L = cache.length
-        cache.reserve(L + Lc)
-        end = L + Lc
+        L, end = cache.length, cache.length + Lc
+        cache.reserve(end)
         if cache.mode == "terminal":
             for key, (k, v) in self.pending.items():  # key: (layer_id, call slot)
                 if key not in cache.buffers:

@@ -88,7 +88,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 class DepthLM(nn.Module):
     """What a looped model and its unshared reference share: embeddings, final norm, readout, init and
     :meth:`forward`. Subclasses define :meth:`start`, :meth:`step`, :meth:`hidden` / :meth:`to_state` and
-    the prelude / coda (``blocks_before`` / ``blocks_after``)."""
+    the ``prelude`` / ``coda`` blocks."""
 
     #: whether the model has a shared, depth-recurrent core (False for the unshared reference)
     shared = False
@@ -104,6 +104,8 @@ class DepthLM(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.position.NAME == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.in_norm = RMSNorm(d, cfg.norm_eps) if cfg.input_norm else None
+        self.prelude: Sequence[nn.Module] = ()  # blocks before / after the loop (a LoopLM's own)
+        self.coda: Sequence[nn.Module] = ()
 
     def _finish_init(self) -> None:
         d = self.cfg.d_model
@@ -158,14 +160,6 @@ class DepthLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     # ------------------------------------------------------------------ the pieces of the loop
-    @property
-    def blocks_before(self) -> Sequence[nn.Module]:  # the prelude
-        return ()
-
-    @property
-    def blocks_after(self) -> Sequence[nn.Module]:  # the coda
-        return ()
-
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None, *,
               scope: AttentionScope | None = None) -> torch.Tensor:
         """Token embedding × ``embed_scale`` + positions (+ input RMSNorm), then the prelude: (B, L) → (B, L, d).
@@ -188,7 +182,7 @@ class DepthLM(nn.Module):
         if self.in_norm is not None:
             x = self.in_norm(x)
         kv = None if scope is None else scope.at(0)
-        for block in self.blocks_before:
+        for block in self.prelude:
             x = x + block(x, None, kv)
         return x
 
@@ -206,7 +200,7 @@ class DepthLM(nn.Module):
         if self.cfg.exit_norm != "none":  # the loop's exit, before the coda (Huginn-0125: ln_f)
             h = (self.exit_norm if self.exit_norm is not None else self.norm_f)(h)
         kv = None if scope is None else scope.at(0, record)
-        for block in self.blocks_after:
+        for block in self.coda:
             h = h + block(h, None, kv)
         if tokens is not None:
             h = h[tokens[0], tokens[1]]  # (N, d)
@@ -219,10 +213,8 @@ class DepthLM(nn.Module):
         """Where ``final_only_norm`` starts: ``final_depth``, else ``self.final_depth``, else ``largest``."""
         return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
 
-    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None, *,
-              scope: AttentionScope | None = None, valid: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, LoopContext]:
-        """Initial loop state (B, L, d) and :class:`LoopContext` from e (B, L, d); ``valid`` (B, L) real tokens."""
+    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LoopContext]:
+        """Initial loop state (B, L, d) and :class:`LoopContext` from e (B, L, d) (:meth:`loop` adds the scope)."""
         raise NotImplementedError
 
     def step(self, state: torch.Tensor, t: int, ctx: LoopContext, **kw) -> torch.Tensor:
@@ -245,7 +237,9 @@ class DepthLM(nn.Module):
             raise ValueError("cache: KV caches need the shared architecture")
         scope, positions, valid = self._attention(idx, cache, attention_mask)
         e = self.embed(idx, positions, scope=scope)  # (B, L, d)
-        state, ctx = self.start(e, positions, scope=scope, valid=valid)
+        state, ctx = self.start(e, positions)
+        if valid is not None or scope is not None:  # valid: (B, L, 1) real tokens
+            ctx = dataclasses.replace(ctx, valid=None if valid is None else valid[..., None].to(e.dtype), scope=scope)
         return Loop(self, state, ctx, e=e, scale_clamp=scale_clamp)
 
     def forward(self, idx: torch.Tensor, depth: int | Sequence[int] = 8, targets: torch.Tensor | None = None, *,
@@ -262,11 +256,8 @@ class DepthLM(nn.Module):
         ``loop`` is at step t0 ≤ every depth; ``targets`` (B, L) int64 (or (N,) with ``readout.tokens``), -100
         ignored; ``endpoint`` reads depth T at ``gradient.key(T)``; ``on_depth(T, h_T, logits_T or None)`` runs at
         every T = t0 … max(depth).
-
-        Raises:
-            ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint
-                gradient, or a truncated gradient on the unshared reference.
-        """
+        ValueError: no depth, a depth below t0, a cached unroll at depth 0 or with an endpoint gradient, or a
+        truncated gradient on the unshared reference."""
         depths = sorted({int(depth)} if isinstance(depth, int) else {int(t) for t in depth})
         if not depths or depths[0] < loop.t:
             raise ValueError(f"depth: need one or more loop depths >= t0 = {loop.t}, got {depth!r}")
@@ -363,14 +354,6 @@ class LoopLM(DepthLM):
         self.calls_per_step = self.rule.core_calls_per_step
         self._finish_init()
 
-    @property
-    def blocks_before(self):
-        return self.prelude
-
-    @property
-    def blocks_after(self):
-        return self.coda
-
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if getattr(self.rule, "anchor_proj", None) is not None:
@@ -380,11 +363,8 @@ class LoopLM(DepthLM):
             init_source_modules(self.rule, opts.source_init, opts.source_init_std,
                                 unit_projections=getattr(opts, "projection_init", "source") == "unit")
 
-    def start(self, e, positions=None, *, scope=None, valid=None):
-        state, ctx = self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)
-        if valid is not None or scope is not None:
-            ctx = dataclasses.replace(ctx, valid=None if valid is None else valid[..., None].to(e.dtype), scope=scope)
-        return state, ctx
+    def start(self, e, positions=None):
+        return self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)
 
     def step(self, state: torch.Tensor, t: int, ctx: LoopContext, *, mask: bool = True,
              injection_gain: float = 1.0, clamp_rms: torch.Tensor | None = None) -> torch.Tensor:
@@ -434,9 +414,8 @@ class TransformerLM(DepthLM):
         self.exit_gate = None
         self._finish_init()
 
-    def start(self, e, positions=None, *, scope=None, valid=None):
-        return e, LoopContext(e=e, anchor=None, valid=None if valid is None else valid[..., None].to(e.dtype),
-                              scope=scope)
+    def start(self, e, positions=None):
+        return e, LoopContext(e=e, anchor=None)
 
     def step(self, state, t, ctx, *, clamp_rms=None):
         """Block t+1 of the stack (identity past ``n_layers``): h ← h + Block_t(h). (B, L, d) → (B, L, d)."""

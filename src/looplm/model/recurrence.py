@@ -106,10 +106,7 @@ def init_source_modules(rule: RecurrenceRule, scheme: str, std: float = 0.0, *, 
     keeps N(0, init_std), ``torch`` nn.Linear's default, ``normal`` N(0, ``std``) (``unit_projections``: only A, I),
     ``matched`` N(0, σ_m), bias 0. rms(Wx) = σ·√n·rms(x), so SCSE's Δ₀ = c_0·I(e) − c_a·A(e) (eq. 3–4) has the
     RMS of e at σ_m = 1/√(d·(c_0² + c_a²)); the other maps get 1/√fan_in (the rule's scalar sets the size).
-
-    Raises:
-        ValueError: an unknown scheme, or ``normal`` without a positive ``std``.
-    """
+    ValueError: an unknown scheme, or ``normal`` without a positive ``std``."""
     if scheme == "gpt2":
         return
     if scheme not in ("torch", "matched", "normal"):

@@ -19,11 +19,8 @@ from looplm.model.layers import attention
 class StaticKVCache:
     """A ``per_visit`` cache of ``capacity`` positions built from a prefilled :class:`KVCache`; tensors written in
     place: ``buffers`` (B, H_kv, capacity, hd) pairs, ``valid`` (B, capacity), ``length`` (), ``n_valid`` (B,).
-
-    Raises:
-        ValueError: a cache that is not ``per_visit`` or is empty, or a capacity below the cached
-            length or above ``seq_len``.
-    """
+    ValueError: a cache that is not ``per_visit`` or is empty, or a capacity below the cached length or above
+    ``seq_len``."""
 
     mode = "per_visit"
 
@@ -123,10 +120,7 @@ class DecodeStep:
     ``how``: ``eager``, ``compile`` (``fullgraph=True``) or ``cuda_graph`` (the logits are a view of the graph's
     output buffer, overwritten by the next step). On CPU the readout uses a (d, V)-laid-out copy of ``lm_head``
     taken at construction (1.3–1.5× at batch 1: ``benchmarks/results/decode-leads-cpu-2core.md``).
-
-    Raises:
-        ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity.
-    """
+    ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity."""
 
     HOW = ("eager", "compile", "cuda_graph")
 

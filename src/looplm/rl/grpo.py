@@ -44,8 +44,6 @@ class Rollouts:
     states: list[torch.Tensor] | None
     rewards: torch.Tensor
     texts: list[str]
-    depth: int
-    group_size: int
 
     @property
     def generated_tokens(self) -> int:
@@ -81,8 +79,7 @@ def sample_rollouts(model, problems: Sequence[Problem], *, group_size: int, dept
     answers = [p.answer for p in problems for _ in range(group_size)]
     rewards = torch.tensor([score(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     return Rollouts(prompts=prompts, responses=gen.tokens, states=gen.states,
-                    rewards=rewards.view(len(problems), group_size), texts=texts, depth=depth,
-                    group_size=group_size)
+                    rewards=rewards.view(len(problems), group_size), texts=texts)
 
 
 # ---------------------------------------------------------------------------------------------- Dr. GRPO
@@ -136,10 +133,7 @@ def score(model, batch: ScoreBatch, method: str, *, depth: int, neumann_steps: i
           state_depth: int | None = None) -> torch.Tensor:
     """Per-token NLL (N, L) of the sampled tokens under ``method`` (with its graph); b = ``neumann_steps``;
     ``state_depth``: T0 of the saved states (default R; ``reuse`` reads out at T0 + b).
-
-    Raises:
-        ValueError: an unknown method, or ``reuse`` without saved states.
-    """
+    ValueError: an unknown method, or ``reuse`` without saved states."""
     if method not in UPDATE_METHODS:
         raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(UPDATE_METHODS)}")
     if method == "reuse" and batch.states is None:

@@ -23,13 +23,8 @@ def exact_match(response: str, answer: str) -> float:
 
 def first_number(text: str) -> float | None:
     """The first number in ``text`` as a float (commas dropped), or None."""
-    m = _NUMBER.search(text)
-    if m is None:
-        return None
-    try:
-        return float(m.group(0).replace(",", ""))
-    except ValueError:
-        return None
+    m = _NUMBER.search(text)  # the pattern always parses as a float once its commas are dropped
+    return None if m is None else float(m.group(0).replace(",", ""))
 
 
 def numeric(response: str, answer: str) -> float:

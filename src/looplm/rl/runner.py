@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
         resume: continue from the newest valid checkpoint in ``out``.
         stop_after: stop (with a checkpoint) after this many steps of this invocation.
         overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
-
-    Raises:
-        ValueError: ``model.seq_len`` not a multiple of the record length, or ``out`` holds another task.
-    """
+    ValueError: ``model.seq_len`` not a multiple of the record length, or ``out`` holds another task."""
     from looplm.train.trainer import TrainData, train
 
     t = build_task(task, digits=digits)
@@ -110,11 +106,9 @@ def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature
     for k in sorted({1, samples}):
         res[f"pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
     if greedy:
-        hits = 0
-        for start in range(0, len(problems), batch_rows):
-            chunk = problems[start:start + batch_rows]
-            for p, ids in zip(chunk, generate_chunk(model, chunk, depth, max_new_tokens, 0.0, 0)):
-                hits += int(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5)
+        gen = [ids for start in range(0, len(problems), batch_rows)
+               for ids in generate_chunk(model, problems[start:start + batch_rows], depth, max_new_tokens, 0.0, 0)]
+        hits = sum(score(response_text(ids, NEWLINE_ID), p.answer) > 0.5 for p, ids in zip(problems, gen))
         res["greedy"] = hits / len(problems)
     return res
 
@@ -128,10 +122,7 @@ def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature
 
 def _task_of(ckpt: Path, task: str | None, digits: int | None):
     """The task a checkpoint was pretrained on (its run's task.json), unless given.
-
-    Raises:
-        ValueError: not the task vocabulary (not a `looplm rl pretrain` model), or no task.json nor ``digits``.
-    """
+    ValueError: not the task vocabulary (not a `looplm rl pretrain` model), or no task.json nor ``digits``."""
     from looplm.rl.task import VOCAB
 
     tok = ckpt / TOKENIZER_FILE
@@ -197,11 +188,8 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, cfg: RLConfig | Non
              stop_after: int | None = None, progress: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Dr. GRPO post-training of ``checkpoint`` (None with ``resume``, where the saved config wins over ``cfg``) into
     ``out``: :func:`rl_update` per update, pass@k before and after; returns ``results.json``'s dict.
-
-    Raises:
-        ValueError: a fresh run into a folder that holds checkpoints, or no ``checkpoint``.
-        CheckpointError: missing or damaged checkpoint; ``resume`` with none to resume.
-    """
+    ValueError: a fresh run into a folder that holds checkpoints, or no ``checkpoint``; CheckpointError: missing or
+    damaged checkpoint; ``resume`` with none to resume."""
     folder = RunFolder(out)
     with folder.start(resume=resume) as ckpt:
         if ckpt:
@@ -282,10 +270,14 @@ def _cos_null_reason(cmp: list[dict[str, Any]]) -> str | None:
             "every group's rewards were equal (e.g. all 0), so each Dr. GRPO advantage r - mean(r) is 0")
 
 
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
 def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[str, Any], *,
                   source: Path, params: int) -> dict[str, Any]:
     """The results of a finished run from its ``metrics.jsonl``."""
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    recs = _records(out)
     cmp = [r["compare"] for r in recs if "compare" in r]
     times = {m: [c["time_s"][m] for c in cmp] for m in UPDATE_METHODS}
     pairs = sorted({k for c in cmp for k in c["cos"]})
@@ -318,17 +310,13 @@ def summarize_run(out: Path, cfg: RLConfig, before: dict[str, Any], after: dict[
     }
 
 
-def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
+def plot_run(out: Path, results: dict[str, Any]) -> Path:
     """``out/rl.png``: reward per update (and its running mean) and the scoring + backward time."""
-    try:
-        import matplotlib
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a dependency
-        print("looplm rl: matplotlib missing, no plot", file=sys.stderr)
-        return None
-    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    from looplm.analysis.plots import save_figure
+
+    recs = _records(out)
     x = [r["update"] for r in recs]
     rew = [r["reward"] for r in recs]
     w = max(1, len(rew) // 20)
@@ -340,8 +328,4 @@ def plot_run(out: Path, results: dict[str, Any]) -> Path | None:
     ax[0].legend()
     ax[1].plot(x, [r["update_s"] for r in recs], ".", ms=3)
     ax[1].set(xlabel="update", ylabel="scoring + backward (s)")
-    fig.tight_layout()
-    path = out / "rl.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "rl.png")

@@ -44,5 +44,4 @@ def hf_export_config(path: str | Path) -> Config:
 
 def export_kv_cache(path: str | Path) -> str | None:
     """An export's default KV cache layout (``config.json``'s ``kv_cache``); None when not an export."""
-    d = read_hf_config(Path(path)) if is_hf_export(path) else None
-    return None if d is None else d.get("kv_cache", "per_visit")
+    return read_hf_config(path).get("kv_cache", "per_visit") if is_hf_export(path) else None

@@ -7,6 +7,7 @@ truncate them). POSIX only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -28,8 +29,6 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        import fcntl
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: the holder's details stay
         try:
@@ -50,8 +49,6 @@ class RunLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        import fcntl
-
         os.ftruncate(self._fd, 0)  # the file stays (unlinking a lock file races with a new holder)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)

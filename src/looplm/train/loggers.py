@@ -16,9 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-#: backend → (module that must import, looplm extra that installs it)
-REQUIREMENTS: dict[str, tuple[str, str]] = {name: (name, name) for name in ("tensorboard", "wandb", "trackio")}
-
+from looplm.run.finite import dumps
 
 class LoggerError(ValueError):
     """A ``train.logger`` backend cannot be used (its package is missing); the message names the extra."""
@@ -26,12 +24,10 @@ class LoggerError(ValueError):
 
 def check_loggers(names: Sequence[str]) -> None:
     """Fail early (LoggerError naming ``pip install "looplm[EXTRA]"``) when a backend lacks its package."""
-    for name in names:
-        if name in REQUIREMENTS:
-            module, extra = REQUIREMENTS[name]
-            if importlib.util.find_spec(module) is None:
-                raise LoggerError(f"train.logger: {name} needs the {module} package, which is not installed; "
-                                  f"pip install \"looplm[{extra}]\" (or drop {name} from train.logger)")
+    for name in names:  # each backend's package and looplm extra share its name
+        if name in TRACKERS and importlib.util.find_spec(name) is None:
+            raise LoggerError(f"train.logger: {name} needs the {name} package, which is not installed; "
+                              f"pip install \"looplm[{name}]\" (or drop {name} from train.logger)")
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -47,10 +43,8 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def _json_text(d: Mapping[str, Any]) -> str:
-    from looplm.run.finite import dumps
-
-    return dumps(dict(d), indent=2)
+def _json_block(d: Mapping[str, Any]) -> str:
+    return "```\n" + dumps(dict(d), indent=2) + "\n```"
 
 
 class Tracker:
@@ -67,10 +61,9 @@ class TensorBoardTracker(Tracker):
     def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.dir = out / "tensorboard"
         # purge_step: a resumed run hides the events the killed run logged after the checkpoint
-        self.writer = SummaryWriter(str(self.dir), purge_step=start_step + 1 if start_step else None)
-        self.writer.add_text("config", "```\n" + _json_text(config) + "\n```", global_step=start_step)
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self.writer.add_text("config", _json_block(config), global_step=start_step)
         self.step = start_step
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -80,7 +73,7 @@ class TensorBoardTracker(Tracker):
 
     def close(self, summary: Mapping[str, Any] | None) -> None:
         if summary is not None:
-            self.writer.add_text("summary", "```\n" + _json_text(summary) + "\n```", global_step=self.step)
+            self.writer.add_text("summary", _json_block(summary), global_step=self.step)
         self.writer.close()
 
 
@@ -115,7 +108,6 @@ class TrackioTracker(Tracker):
     def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         import trackio
 
-        self.trackio = trackio
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "looplm"), name=name,
                                 config=dict(config), resume="allow")
         self.step = 0

@@ -27,13 +27,9 @@ WSD_DECAY_FRACTION = 0.1
 
 def lr_factor(step: int, cfg: OptimConfig, steps: int) -> float:
     """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based) of ``steps``: linear warm-up over
-    ``warmup_steps``, then
-
-    - ``schedule=cosine``: cosine from 1 to ``min_lr_ratio`` at ``steps``;
-    - ``schedule=wsd`` (warm-up–stable–decay, LMDR §5.1): 1 until the decay starts at
-      ``max(warmup_steps, steps − round(0.1·steps))``, then cosine from 1 to ``min_lr_ratio`` at
-      ``steps``. LMDR warms up over 5% of the steps (set ``warmup_steps`` to that; preset ``huginn-cpu``).
-    """
+    ``warmup_steps``, then a cosine from 1 to ``min_lr_ratio`` at ``steps``, at once (``schedule=cosine``) or,
+    for ``wsd`` (warm-up–stable–decay, LMDR §5.1), after 1 until ``max(warmup_steps, steps − round(0.1·steps))``.
+    LMDR warms up over 5% of the steps (set ``warmup_steps`` to that; preset ``huginn-cpu``)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     start = cfg.warmup_steps

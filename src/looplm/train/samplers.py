@@ -225,10 +225,7 @@ class LearnedDepthPrior(DepthSampler):
         """Fold the observations into one step of J. ``reduce`` (a sum over ranks) is applied to
         [N_n·CE_n, N_n, r_n, 1] before the nonlinear reward, so every rank takes the identical global step.
         Returns {} or {"loss" (before), "reward", "baseline", "mean_depth", "entropy", "updates"}.
-
-        Raises:
-            RuntimeError: the ranks disagreed on the microbatch depths.
-        """
+        RuntimeError: the ranks disagreed on the microbatch depths."""
         if not self._obs:
             return {}
         depth, ce, ntok = (torch.tensor(c, dtype=torch.float64) for c in zip(*self._obs))  # each (M,)
