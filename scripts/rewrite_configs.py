@@ -25,9 +25,9 @@ import subprocess
 from pathlib import Path
 
 from looplm.analysis.store import _canonical, config_hash, config_identity
-from looplm.config import (DEPTH_SAMPLERS, FORMAT_VERSION, POSITIONS, RULE_OPTIONS, SCALE_CONTROLS, Config, DataConfig,
-                           DepthConfig, ModelConfig, OptimConfig, PositionConfig, RopeConfig, ScaleControlConfig,
-                           SpectralDampingConfig, TrainConfig, build_choice)
+from looplm.config import (FORMAT_VERSION, RULE_OPTIONS, Config, DataConfig, DepthConfig, ModelConfig, OptimConfig,
+                           PositionConfig, RopeConfig, ScaleControlConfig, SpectralDampingConfig, TrainConfig,
+                           build_choice)
 from looplm.distill.config import STUDENT_KIND, DistillConfig
 from looplm.rl.config import RLConfig
 
@@ -58,7 +58,7 @@ def _format3(d: dict) -> dict:
     """A format-2 config dict in the format-3 shape (sections ``depth``, ``optim``, ``train.gradient``)."""
     t = dict(d["train"])
     sampler = t.pop("depth_sampler")
-    own = DEPTH_SAMPLERS[sampler].field_names()
+    own = DepthConfig.VARIANTS[sampler].field_names()
     depth = {"sampler": sampler, **{new: t[old] for old, new in DEPTH.items() if new in own and old in t}}
     for old in DEPTH:
         t.pop(old, None)  # prior_init: absent from the files written before it (its default [])
@@ -85,8 +85,9 @@ def _model(m: dict) -> ModelConfig:
     position = {new: m.pop(old) for old, new in POSITION.items() if old in m}  # rope fields: absent in old files
     scale = {new: m.pop(old) for old, new in SCALE.items()}
     model = {**_defaults(ModelConfig), **m,  # fields added since: the values that rebuild the model
-             "position": _choice(PositionConfig, POSITIONS, position, _defaults(RopeConfig)),
-             "scale_control": _choice(ScaleControlConfig, SCALE_CONTROLS, scale, _defaults(SpectralDampingConfig))}
+             "position": _choice(PositionConfig, PositionConfig.VARIANTS, position, _defaults(RopeConfig)),
+             "scale_control": _choice(ScaleControlConfig, ScaleControlConfig.VARIANTS, scale,
+                                      _defaults(SpectralDampingConfig))}
     if model["architecture"] == "shared" and model["rule"] in RULE_OPTIONS:
         model["options"] = {**_defaults(RULE_OPTIONS[model["rule"]]), **model["options"]}
     return ModelConfig.from_dict(model)

@@ -107,8 +107,8 @@ def _check_literal(obj: Any, prefix: str) -> None:
 
 def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
     """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
-    _check(kind in GRADIENTS_CONFIG, "gradient kind",
-           f"got {kind!r}; allowed: {', '.join(map(repr, GRADIENTS_CONFIG))}")
+    _check(kind in GradientConfig.VARIANTS, "gradient kind",
+           f"got {kind!r}; allowed: {', '.join(map(repr, GradientConfig.VARIANTS))}")
     _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
            f"must be an integer >= 0, got {steps!r}")
     _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
@@ -566,9 +566,6 @@ class NoPositionConfig(PositionConfig):
     NAME = "none"
 
 
-#: the config class of every position signal (``model.position.kind``)
-POSITIONS = PositionConfig.VARIANTS
-
 
 # ---------------------------------------------------------------- scale control (SPEC §4)
 @dataclass(frozen=True)
@@ -612,9 +609,6 @@ class FinalNormConfig(ScaleControlConfig):
 
     NAME = "final_norm"
 
-
-#: the config class of every scale control (``model.scale_control.kind``)
-SCALE_CONTROLS = ScaleControlConfig.VARIANTS
 
 @dataclass(frozen=True)
 class ModelConfig(_Base):
@@ -907,9 +901,6 @@ class LearnedDepthConfig(PLNDepthConfig):
         object.__setattr__(self, "init", vals)
 
 
-#: the config class of every depth sampler (``depth.sampler``; looplm.train.samplers.SAMPLERS builds them)
-DEPTH_SAMPLERS = DepthConfig.VARIANTS
-
 
 # ---------------------------------------------------------------- gradient estimator (SPEC §5)
 @dataclass(frozen=True)
@@ -947,9 +938,6 @@ class EndpointConfig(TBPTTConfig):
 
     NAME = "endpoint"
 
-
-#: the config class of every gradient estimator (``train.gradient.kind``)
-GRADIENTS_CONFIG = GradientConfig.VARIANTS
 
 
 # ---------------------------------------------------------------- optimizer (SPEC §5)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from looplm.config import DEPTH_SAMPLERS, Config, ConfigError, LearnedDepthConfig, apply_overrides
+from looplm.config import Config, ConfigError, DepthConfig, LearnedDepthConfig, apply_overrides
 from looplm.train.samplers import (REWARDS, SAMPLERS, FixedDepth, LearnedDepthPrior, PoissonLogNormalDepth,
                                    UniformDepth, build_sampler)
 
@@ -70,11 +70,11 @@ def test_pln_bad_arguments_name_the_field(kwargs, field):
 
 
 def test_registry_matches_config_and_builds_every_sampler():
-    assert list(SAMPLERS) == list(DEPTH_SAMPLERS)
+    assert list(SAMPLERS) == list(DepthConfig.VARIANTS)
     expected = {"fixed": (FixedDepth, 8), "uniform": (UniformDepth, 8), "pln": (PoissonLogNormalDepth, CAP),
                 "learned": (LearnedDepthPrior, CAP)}
     for name, (cls, max_depth) in expected.items():
-        s = build_sampler(DEPTH_SAMPLERS[name]())
+        s = build_sampler(DepthConfig.VARIANTS[name]())
         assert type(s) is cls and s.name == name and s.max_depth == max_depth
         assert 1 <= s.sample(0, 0) <= max_depth
     fixed = FixedDepth(3)  # the trainer calls the learning hooks on any sampler

@@ -148,7 +148,7 @@ def lm_eval(checkpoint: Path, *, tasks: Sequence[str], depths: Sequence[int] | N
 
 
 def rl_train(cfg: Any, *, checkpoint: Path | None = None, out: OutDir, device: str = "cpu", resume: bool = False,
-             stop_after: int | None = None, progress: bool = True) -> int:
+             stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Dr. GRPO from ``checkpoint`` into ``out`` with the config ``cfg`` (``--rl.FIELD``, ``--optim.FIELD``).
 
     Args:
@@ -161,13 +161,11 @@ def rl_train(cfg: Any, *, checkpoint: Path | None = None, out: OutDir, device: s
 
     if checkpoint is None and not resume:
         raise UsageError("the following arguments are required: --checkpoint (unless --resume)")
-    print(json.dumps(run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress,
-                         device=device), indent=2))
-    return 0
+    return run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress, device=device)
 
 
 def distill(cfg: Any, *, checkpoint: Path, out: OutDir | None = None, resume: bool = False,
-            stop_after: int | None = None, progress: bool = True) -> int:
+            stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Train a student for teacher ``checkpoint`` with the config ``cfg`` (``--distill.FIELD``, ``--optim.FIELD``).
 
     Args:
@@ -180,5 +178,4 @@ def distill(cfg: Any, *, checkpoint: Path, out: OutDir | None = None, resume: bo
     from looplm.distill.train import distill as run
 
     out = out or prepare_out_dir(default_student_dir(checkpoint), "--out")
-    print(json.dumps(run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress), indent=2))
-    return 0
+    return run(checkpoint, out, cfg, resume=resume, stop_after=stop_after, progress=progress)

@@ -97,17 +97,13 @@ def positive_int(text: str) -> int:
 
 
 def comma_list(item: Any) -> Callable[[str], list[Any]]:
-    """A comma-separated list of ``item`` (int: 0..MAX_DEPTH; a Literal: a subset of its values)."""
-    choices = typing.get_args(item) if typing.get_origin(item) is Literal else None
+    """A comma-separated list of ``item`` (int: 0..MAX_DEPTH)."""
 
     def parse(text: str) -> list[Any]:
-        parts = [s.strip() for s in text.split(",")]
         try:
-            values = [s if choices else item(s) for s in parts]
+            values = [item(s.strip()) for s in text.split(",")]
         except ValueError:
             values = []
-        if choices and not set(values) <= set(choices):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}; got {text!r}")
         if not values or (item is int and not 0 <= min(values) <= max(values) <= MAX_DEPTH):
             what = f"integers in 0..{MAX_DEPTH}" if item is int else item.__name__ + " values"
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, e.g. 1,2,4; got {text!r}")
@@ -200,9 +196,8 @@ def exit_criteria() -> tuple[str, ...]:
 #: what a parameter name means in every command (the signature's annotation and docstring come first)
 NAMES: dict[str, Opt] = {
     **dict.fromkeys(("batches", "n_calib", "n_timed", "repeats", "steps", "eval_tokens", "matmul_n", "rounds",
-                     "train_records", "group_size", "updates", "stop_after", "prompts_per_update", "eval_problems",
-                     "eval_samples", "samples", "problems", "seq_len", "max_new_tokens", "depth", "k_max",
-                     "scale_loops", "neumann_steps", "num_steps", "max_depth", "digits"),
+                     "train_records", "stop_after", "samples", "problems", "seq_len", "max_new_tokens", "depth",
+                     "k_max", "scale_loops", "num_steps", "max_depth", "digits"),
                     Opt(type=positive_int, metavar="N")),
     "batch_size": Opt(type=positive_int, metavar="N", help="rows per forward pass"),
     "max_tokens": Opt(type=positive_int, metavar="N",
@@ -223,7 +218,7 @@ NAMES: dict[str, Opt] = {
 }
 #: parameters the command line supplies itself, never options
 NEVER = frozenset({"func", "options", "progress", "cfg", "overrides", "out_json", "out_dir", "data_root", "stem",
-                   "plot", "plots", "lm", "timed"})
+                   "plot", "plots", "timed"})
 _MARKS = {"in": in_file, "out": out_file, "outdir": out_dir}
 
 
