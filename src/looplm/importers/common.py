@@ -96,9 +96,7 @@ class ConfigReader:
 # ---------------------------------------------------------------- the folder
 @dataclass
 class Source:
-    """A published checkpoint folder ``root``, read up to the tensor headers (no tensor data yet): its
-    config.json, safetensors ``shards`` in order, and per tensor name the shard that holds it (``where``), its
-    shape and dtype."""
+    """A checkpoint folder read up to the tensor headers: per tensor name its shard (``where``), shape and dtype."""
 
     root: Path
     config: dict[str, Any]
@@ -114,12 +112,9 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def open_source(src: str | Path) -> Source:
-    """Read ``config.json``, ``tokenizer.json`` and the tensor headers of every safetensors shard of ``src``.
-
-    Shards come from ``model.safetensors.index.json`` when present (its ``weight_map`` must agree with
-    the shards' contents), else ``model.safetensors``, else every ``*.safetensors`` file.
-    ImporterError: a missing folder, config.json or tokenizer.json; no safetensors (``.bin`` pickles are not read);
-    a tensor stored twice or misplaced by the index."""
+    """Read config.json, tokenizer.json and the tensor headers of the shards: those of
+    ``model.safetensors.index.json`` (checked against their contents), else ``model.safetensors``, else every
+    ``*.safetensors``. ImporterError: a missing file, no safetensors, a tensor stored twice or misplaced."""
     from safetensors import safe_open
 
     root = Path(src)
@@ -190,12 +185,6 @@ def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
 
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """State-dict keys that are the same tensor as an earlier key (the tied head ``lm_head.weight``)."""
-    first: dict[int, str] = {}  # tensor id → its first key
-    return {key for key, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), key) != key}
-
-
 def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Module, *, model_name: str,
                    consumed: Iterable[str] = ()) -> None:
     """Both directions, before any tensor is read: every stored tensor is used exactly once (by an entry, or
@@ -224,7 +213,8 @@ def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Mod
                             + (" …" if len(missing) > 8 else "") + f": the {model_name} layout of this config.json "
                             "needs it and nothing is invented")
     want = model.state_dict()
-    aliases = tied_aliases(model)
+    first: dict[int, str] = {}  # tensor id → its first key; a later key is a tied alias (lm_head.weight)
+    aliases = {key for key, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), key) != key}
     targets = [e.target for e in entries]
     extra, lacking = set(targets) - set(want), set(want) - aliases - set(targets)
     if extra or lacking or len(targets) != len(set(targets)):
