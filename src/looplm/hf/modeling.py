@@ -123,7 +123,7 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LoopLMConfig, model=None):
         super().__init__(config)
-        from looplm.model import build_model
+        from looplm.model.looped import build_model
 
         cfg = config.looplm_config()
         self.model = model if model is not None else build_model(cfg)
