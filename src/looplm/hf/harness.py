@@ -134,16 +134,14 @@ class LoopLMEvalHarness(TemplateLM):
                                      for i in range(3))
             out = self.model(x.to(self.device_), self.depths, readout=Readout(tokens=(rows_t, cols_t)))
             self.unrolls += 1
-            per_depth = {}
             for T in self.depths:
                 logp = out.logits_by_depth[T].float().log_softmax(-1)  # (N, V)
                 ll = logp.gather(-1, tgt_t[:, None]).squeeze(-1).double()
                 hit = (logp.argmax(-1) == tgt_t).float()
                 sums = torch.zeros(len(chunk), dtype=torch.float64, device=self.device_).index_add_(0, rows_t, ll)
                 miss = torch.zeros(len(chunk), device=self.device_).index_add_(0, rows_t, 1.0 - hit)
-                per_depth[T] = (sums.tolist(), (miss == 0).tolist())
-            for b, k in enumerate(chunk):
-                self._memo[k] = {T: (float(per_depth[T][0][b]), bool(per_depth[T][1][b])) for T in self.depths}
+                for k, ll_k, greedy in zip(chunk, sums.tolist(), (miss == 0).tolist()):
+                    self._memo.setdefault(k, {})[T] = (float(ll_k), bool(greedy))
         results = [self._memo[k][self.depth] for k in keys]
         for (req, _, _), ans in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req, ans)

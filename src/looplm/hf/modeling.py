@@ -55,9 +55,6 @@ class LoopLMCache(Cache):
         """Cached positions (left padding included), as transformers counts them."""
         return self.kv.length
 
-    def get_max_length(self, layer_idx: int | None = None):
-        return None  # grows without bound (up to the model's seq_len)
-
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
