@@ -13,34 +13,24 @@ from typing import Literal
 
 from tokenizers import Tokenizer
 
-TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # what transformers 4.57 and 5 both read (5 writes TokenizersBackend)
 
-
-def fast_tokenizer(tok: Tokenizer):
-    """A ``PreTrainedTokenizerFast`` around ``tok`` with ``<|endoftext|>`` (Huginn-0125: ``<|end_text|>``) as
-    BOS/EOS/UNK/pad, left padding.
-    ValueError: ``tok`` has neither (:func:`looplm.data.tokenizer.eot_token`)."""
+def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | None = None) -> None:
+    """Write ``tok`` into ``out`` unchanged as a ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` (Huginn-0125:
+    ``<|end_text|>``) as BOS/EOS/UNK/pad, left padding. ValueError: ``tok`` has neither (``eot_token``)."""
     from transformers import PreTrainedTokenizerFast
 
     from looplm.data.tokenizer import eot_token
 
-    eot = eot_token(tok)  # raises when missing
+    eot = eot_token(tok)
     fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), bos_token=eot,
                                    eos_token=eot, unk_token=eot, pad_token=eot, padding_side="left",
                                    clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
-    fast.model_max_length = int(1e30)
-    return fast
-
-
-def save_tokenizer(tok: Tokenizer, out: str | Path, *, model_max_length: int | None = None) -> None:
-    """Write ``tok`` into ``out`` as a PreTrainedTokenizerFast (``tokenizer.json`` unchanged)."""
-    fast = fast_tokenizer(tok)
-    if model_max_length is not None:
-        fast.model_max_length = int(model_max_length)
+    fast.model_max_length = int(model_max_length) if model_max_length is not None else int(1e30)
     fast.save_pretrained(str(out))
     (Path(out) / "tokenizer.json").write_text(tok.to_str())  # exactly the checkpoint's tokenizer
     path = Path(out) / "tokenizer_config.json"
-    d = {**json.loads(path.read_text()), "tokenizer_class": TOKENIZER_CLASS}
+    # the class that transformers 4.57 and 5 both read (5 writes TokenizersBackend)
+    d = {**json.loads(path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

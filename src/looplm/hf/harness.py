@@ -52,43 +52,36 @@ class LoopLMEvalHarness(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, depth: int | str | None = None, depths: Any = None,
                  batch_size: int | str | None = 16, device: str | None = "cpu", kv_cache: str | None = None,
-                 stride: int | None = None, max_batch_size: int | None = None, model=None, config=None,
-                 tokenizer=None, **kwargs: Any):
+                 stride: int | None = None, max_batch_size: int | None = None, **kwargs: Any):
         super().__init__()
         from looplm.data.tokenizer import eot_id
+        from looplm.eval.runner import load_tokenizer_for
+        from looplm.run.checkpoint import load_checkpoint
         from looplm.run.hf_folder import export_kv_cache
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # the harness's command line defaults to cuda; a user who asked for it gets the warning
             logging.getLogger(__name__).warning("looplm: device=%s but no CUDA device is available; using cpu", device)
             device = "cpu"
-        if model is None:
-            if checkpoint is None:
-                raise ValueError("looplm: give checkpoint=DIR in --model_args")
-            from looplm.eval.runner import load_tokenizer_for
-            from looplm.run.checkpoint import load_checkpoint
-
-            model, config, _, ckpt = load_checkpoint(checkpoint, device=device or "cpu")
-            tokenizer = load_tokenizer_for(ckpt)
-            self.checkpoint = str(ckpt)
-        else:
-            self.checkpoint = checkpoint
+        if checkpoint is None:
+            raise ValueError("looplm: give checkpoint=DIR in --model_args")
         unknown = sorted(k for k, v in kwargs.items() if v is not None)
         if unknown:
             raise ValueError(f"looplm: unknown model_args {unknown}; allowed: checkpoint, depth, depths, "
                              "batch_size, device, kv_cache, stride")
-        self.model, self.config, self.tok = model, config, tokenizer
+        self.model, self.config, _, ckpt = load_checkpoint(checkpoint, device=device or "cpu")
+        self.tok = load_tokenizer_for(ckpt)
+        self.checkpoint = str(ckpt)
         self.device_ = torch.device(device or "cpu")
-        self.seq_len = int(model.cfg.seq_len)
+        self.seq_len = int(self.model.cfg.seq_len)
         listed = parse_depths(depths)
-        default = int(config.train.eval_depth) if config is not None else 8
-        self.depth = int(depth) if depth is not None else (listed[-1] if listed else default)
+        self.depth = int(depth) if depth is not None else (listed[-1] if listed else int(self.config.train.eval_depth))
         self.depths = sorted(set(listed) | {self.depth})
         self.batch_size_ = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        self.kv_cache = kv_cache or (checkpoint is not None and export_kv_cache(checkpoint)) or "per_visit"
+        self.kv_cache = kv_cache or export_kv_cache(checkpoint) or "per_visit"
         self.stride = None if stride in (None, "", "none") else int(stride)
         try:
-            self.eot = eot_id(tokenizer)
+            self.eot = eot_id(self.tok)
         except ValueError as exc:
             raise ValueError(f"looplm: {exc}") from None
         self._memo: dict[tuple, dict[int, Any]] = {}
@@ -111,7 +104,7 @@ class LoopLMEvalHarness(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         return {"model": MODEL_NAME, "checkpoint": self.checkpoint, "depth": self.depth, "depths": self.depths,
-                "rule": None if self.config is None else self.config.model.rule, "params": self.model.num_params()}
+                "rule": self.config.model.rule, "params": self.model.num_params()}
 
     def set_depth(self, depth: int) -> None:
         """Make ``depth`` the depth whose answers are returned (it must be one of ``depths``)."""
@@ -141,16 +134,14 @@ class LoopLMEvalHarness(TemplateLM):
                                      for i in range(3))
             out = self.model(x.to(self.device_), self.depths, readout=Readout(tokens=(rows_t, cols_t)))
             self.unrolls += 1
-            per_depth = {}
             for T in self.depths:
                 logp = out.logits_by_depth[T].float().log_softmax(-1)  # (N, V)
                 ll = logp.gather(-1, tgt_t[:, None]).squeeze(-1).double()
                 hit = (logp.argmax(-1) == tgt_t).float()
                 sums = torch.zeros(len(chunk), dtype=torch.float64, device=self.device_).index_add_(0, rows_t, ll)
                 miss = torch.zeros(len(chunk), device=self.device_).index_add_(0, rows_t, 1.0 - hit)
-                per_depth[T] = (sums.tolist(), (miss == 0).tolist())
-            for b, k in enumerate(chunk):
-                self._memo[k] = {T: (float(per_depth[T][0][b]), bool(per_depth[T][1][b])) for T in self.depths}
+                for k, ll_k, greedy in zip(chunk, sums.tolist(), (miss == 0).tolist()):
+                    self._memo.setdefault(k, {})[T] = (float(ll_k), bool(greedy))
         results = [self._memo[k][self.depth] for k in keys]
         for (req, _, _), ans in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req, ans)
@@ -233,34 +224,37 @@ def _metrics(task_result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[str], depths: Sequence[int] | None = None,
+def evaluate_harness(checkpoint: str | Path, *, tasks: Sequence[str], depths: Sequence[int] | None = None,
                      include_path: str | Path | None = None, include_defaults: bool = True,
                      num_fewshot: int | None = None, limit: float | None = None, batch_size: int = 16,
-                     device: str = "cpu", kv_cache: str | None = None, stride: int | None = None, seed: int = 0,
-                     bootstrap_iters: int = 1000, db: str | Path | None = None, tag: str = "",
-                     data_root: str | Path | None = None, lm: LoopLMEvalHarness | None = None) -> dict[str, Any]:
+                     device: str = "cpu", kv_cache: str | None = None, seed: int = 0,
+                     bootstrap_iters: int = 1000, db: str | Path | None = None, tag: str = "") -> dict[str, Any]:
     """Harness tasks at several loop depths from one unroll per batch (module docstring).
 
     ``tasks`` are found in ``include_path`` (and the harness's own with ``include_defaults``); the offline
-    :data:`LOCAL_TASKS` are written from ``data_root`` unless ``include_path`` defines them. ``depths`` default
+    :data:`LOCAL_TASKS` are written from the data folder unless ``include_path`` defines them. ``depths`` default
     to train.eval_depth; ``db`` stores every numeric metric per task and depth. Returns the JSON-ready results
     (``depths`` → ``"T"`` → the harness's ``results``, ``unrolls``, ``stored``, ``markdown``).
-    """
+    FileNotFoundError: without ``include_path``, a local task's file is missing from the data folder (named)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    if lm is None:
-        lm = LoopLMEvalHarness(checkpoint=str(checkpoint), depths=list(depths) if depths else None,
-                               batch_size=batch_size, device=device, kv_cache=kv_cache, stride=stride)
-    run_depths = list(depths) if depths else [lm.depth]
-    lm.depths = sorted(set(lm.depths) | set(run_depths))
+    from looplm.data.paths import resolve_data_root
+
+    lm = LoopLMEvalHarness(checkpoint=str(checkpoint), depths=list(depths) if depths else None,
+                           batch_size=batch_size, device=device, kv_cache=kv_cache)
+    files = {name: resolve_data_root("") / LOCAL_TASKS[name] for name in tasks if name in LOCAL_TASKS}
+    for name, path in files.items():
+        if include_path is None and not path.is_file():
+            raise FileNotFoundError(f"--tasks {name}: needs {path} (the data folder is $LOOPLM_DATA or ../shared/data)")
+    files = {name: path for name, path in files.items() if path.is_file()}
     per_depth: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="looplm-tasks-") as local:
         # the data-folder tasks first: a later include path (the user's) that defines the same task wins
-        wrote = write_data_tasks(local, tasks, data_root, required=include_path is None)
-        paths = [str(p) for p in (local if wrote else None, include_path) if p]
+        write_local_tasks(local, lambada_jsonl=files.get("looplm_lambada"), wikitext_raw=files.get("looplm_wikitext"))
+        paths = [str(p) for p in (local if files else None, include_path) if p]
         manager = TaskManager(include_path=paths or None, include_defaults=include_defaults)
-        for T in sorted(set(run_depths)):
+        for T in lm.depths:
             lm.set_depth(T)
             res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                           task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
@@ -274,8 +268,6 @@ def evaluate_harness(checkpoint: str | Path | None = None, *, tasks: Sequence[st
     out: dict[str, Any] = {"checkpoint": lm.checkpoint, "tasks": list(tasks), "depths": per_depth,
                            "unrolls": lm.unrolls, "lm_eval_version": version, "stored": 0, "settings": settings}
     if db is not None:
-        if lm.config is None:
-            raise ValueError("db: storing results needs the checkpoint's looplm config")
         from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
 
         items = [(EvalIdentity.make(lm.config, "lm_eval", dataset=task, split="", depth=int(T), settings=settings,
@@ -335,24 +327,6 @@ metric_list:
   - metric: byte_perplexity
   - metric: bits_per_byte
 """
-
-
-def write_data_tasks(folder: str | Path, tasks: Sequence[str], data_root: str | Path | None = None, *,
-                     required: bool = True) -> bool:
-    """Write the :data:`LOCAL_TASKS` among ``tasks`` into ``folder`` from the data folder (whole files);
-    returns whether there were any. Without ``required`` a task whose file is missing is skipped.
-    FileNotFoundError: with ``required``, a task's file is missing from the data folder (named)."""
-    from looplm.data.paths import resolve_data_root
-
-    root = resolve_data_root(str(data_root or ""))
-    files = {name: root / LOCAL_TASKS[name] for name in tasks if name in LOCAL_TASKS}
-    for name, path in files.items():
-        if required and not path.is_file():
-            raise FileNotFoundError(f"--tasks {name}: needs {path} (the data folder is $LOOPLM_DATA or ../shared/data)")
-    files = {name: path for name, path in files.items() if path.is_file()}
-    if files:
-        write_local_tasks(folder, lambada_jsonl=files.get("looplm_lambada"), wikitext_raw=files.get("looplm_wikitext"))
-    return bool(files)
 
 
 def write_local_tasks(folder: str | Path, *, lambada_jsonl: str | Path | None = None,

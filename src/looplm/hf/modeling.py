@@ -55,9 +55,6 @@ class LoopLMCache(Cache):
         """Cached positions (left padding included), as transformers counts them."""
         return self.kv.length
 
-    def get_max_length(self, layer_idx: int | None = None):
-        return None  # grows without bound (up to the model's seq_len)
-
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
@@ -102,7 +99,16 @@ class LoopLMCausalLMOutput(CausalLMOutputWithPast):
     logits_by_depth: dict[int, torch.Tensor] | None = None
 
 
-class LoopLMPreTrainedModel(PreTrainedModel):
+#: the output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+if _CACHE_FIELD != "cache":  # one spelling for looplm's callers on either transformers
+    LoopLMCausalLMOutput.cache = property(lambda self: self.past_key_values)
+
+
+class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
+    """A looplm model as a transformers causal LM (module docstring). ``self.model`` is the plain
+    :class:`~looplm.model.LoopLM` (or :class:`~looplm.model.TransformerLM`)."""
+
     config_class = LoopLMConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -110,23 +116,11 @@ class LoopLMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module):
-        """No-op: the looplm model initializes itself when built (``DepthLM.reset_parameters``), and
-        ``from_pretrained`` loads every weight."""
-
-
-#: the output field of the cache: ``cache`` (transformers 5) or ``past_key_values`` (earlier)
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-if _CACHE_FIELD != "cache":  # one spelling for looplm's callers on either transformers
-    LoopLMCausalLMOutput.cache = property(lambda self: self.past_key_values)
-
-
-class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
-    """A looplm model as a transformers causal LM (module docstring). ``self.model`` is the plain
-    :class:`~looplm.model.LoopLM` (or :class:`~looplm.model.TransformerLM`)."""
+        """No-op: the looplm model initializes itself when built, and ``from_pretrained`` loads every weight."""
 
     def __init__(self, config: LoopLMConfig, model=None):
         super().__init__(config)
-        from looplm.model import build_model
+        from looplm.model.looped import build_model
 
         cfg = config.looplm_config()
         self.model = model if model is not None else build_model(cfg)

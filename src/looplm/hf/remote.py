@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import ast
-import json
 from pathlib import Path
 
 AUTO_MAP = {"AutoConfig": "configuration_looplm.LoopLMConfig",
@@ -16,7 +15,6 @@ REMOTE_FILES = {"configuration_looplm": ("looplm.config", "looplm.hf.configurati
                 "modeling_looplm": ("looplm.model.fused", "looplm.model.layers", "looplm.model.kvcache",
                                     "looplm.model.recurrence", "looplm.model.cursor", "looplm.model.looped",
                                     "looplm.hf.modeling")}
-ALIASES = {"looplm.model": "looplm.model.looped"}  # a package whose imported names live in a listed module
 PACKAGE_ONLY = {"looplm.hf.modeling": ("LoopLMForCausalLM.from_checkpoint", "LoopLMForCausalLM.save_pretrained")}
 
 
@@ -57,7 +55,7 @@ def remote_code() -> dict[str, str]:
                 if node.module == "__future__":
                     edits[node.lineno - 1] = (node.end_lineno - 1, [])
                 elif node.module.split(".")[0] == "looplm":
-                    src = home.get(ALIASES.get(node.module, node.module))
+                    src = home.get(node.module)
                     if src is None:
                         raise RuntimeError(f"remote code: {mod} line {node.lineno} imports {node.module}, "
                                            f"which is not in {sorted(home)}")
@@ -86,14 +84,6 @@ def _names(node: ast.stmt) -> list[str]:
 
 
 def write_remote_code(out: str | Path) -> None:
-    """Write the remote-code files (:func:`remote_code`) into ``out`` and make sure its config.json has
-    ``auto_map``."""
-    out = Path(out)
+    """Write the remote-code files (:func:`remote_code`) into ``out``."""
     for name, text in remote_code().items():
-        (out / name).write_text(text)
-    path = out / "config.json"
-    if path.exists():
-        d = json.loads(path.read_text())
-        if d.get("auto_map") != AUTO_MAP:
-            d["auto_map"] = AUTO_MAP
-            path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+        (Path(out) / name).write_text(text)

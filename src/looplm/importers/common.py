@@ -96,9 +96,7 @@ class ConfigReader:
 # ---------------------------------------------------------------- the folder
 @dataclass
 class Source:
-    """A published checkpoint folder ``root``, read up to the tensor headers (no tensor data yet): its
-    config.json, safetensors ``shards`` in order, and per tensor name the shard that holds it (``where``), its
-    shape and dtype."""
+    """A checkpoint folder read up to the tensor headers: per tensor name its shard (``where``), shape and dtype."""
 
     root: Path
     config: dict[str, Any]
@@ -108,27 +106,15 @@ class Source:
     dtypes: dict[str, torch.dtype]
     tokenizer_json: str
 
-    def provenance(self) -> dict[str, Any]:
-        """Where the import came from: the folder, sha256 of config.json and tokenizer.json, every shard's size."""
-        return {"source": str(self.root.resolve()),
-                "config_sha256": sha256_file(self.root / "config.json"),
-                "tokenizer_sha256": sha256_file(self.root / "tokenizer.json"),
-                "shards": {p.name: p.stat().st_size for p in self.shards},
-                "tensors": len(self.where),
-                "source_dtypes": sorted({str(d).removeprefix("torch.") for d in self.dtypes.values()})}
-
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8}
 
 
 def open_source(src: str | Path) -> Source:
-    """Read ``config.json``, ``tokenizer.json`` and the tensor headers of every safetensors shard of ``src``.
-
-    Shards come from ``model.safetensors.index.json`` when present (its ``weight_map`` must agree with
-    the shards' contents), else ``model.safetensors``, else every ``*.safetensors`` file.
-    ImporterError: a missing folder, config.json or tokenizer.json; no safetensors (``.bin`` pickles are not read);
-    a tensor stored twice or misplaced by the index."""
+    """Read config.json, tokenizer.json and the tensor headers of the shards: those of
+    ``model.safetensors.index.json`` (checked against their contents), else ``model.safetensors``, else every
+    ``*.safetensors``. ImporterError: a missing file, no safetensors, a tensor stored twice or misplaced."""
     from safetensors import safe_open
 
     root = Path(src)
@@ -199,12 +185,6 @@ def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
 
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """State-dict keys that are the same tensor as an earlier key (the tied head ``lm_head.weight``)."""
-    first: dict[int, str] = {}  # tensor id → its first key
-    return {key for key, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), key) != key}
-
-
 def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Module, *, model_name: str,
                    consumed: Iterable[str] = ()) -> None:
     """Both directions, before any tensor is read: every stored tensor is used exactly once (by an entry, or
@@ -233,7 +213,8 @@ def check_coverage(source: Source, entries: Sequence[Entry], model: torch.nn.Mod
                             + (" …" if len(missing) > 8 else "") + f": the {model_name} layout of this config.json "
                             "needs it and nothing is invented")
     want = model.state_dict()
-    aliases = tied_aliases(model)
+    first: dict[int, str] = {}  # tensor id → its first key; a later key is a tied alias (lm_head.weight)
+    aliases = {key for key, t in model.state_dict(keep_vars=True).items() if first.setdefault(id(t), key) != key}
     targets = [e.target for e in entries]
     extra, lacking = set(targets) - set(want), set(want) - aliases - set(targets)
     if extra or lacking or len(targets) != len(set(targets)):
@@ -279,60 +260,55 @@ def fill(model: torch.nn.Module, source: Source, entries: Sequence[Entry], *, pr
                 params[e.target].copy_(e.build(tensors))
 
 
-def imported_config(model_cfg, depth: int, name: str):
-    """The looplm Config of an imported ``model_cfg``: fixed (and eval) depth ``depth``, BPE data of its vocabulary."""
-    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
-
-    data = DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model_cfg.vocab_size))
-    return Config(model=model_cfg, data=data, depth=FixedDepthConfig(depth=depth), train=TrainConfig(eval_depth=depth),
-                  name=name)
-
-
-def empty_model(model_cfg, dtype: torch.dtype) -> torch.nn.Module:
-    """The looplm model of ``model_cfg`` with uninitialized weights in ``dtype`` (built on the meta device,
-    so a multi-billion-parameter model costs no initialization time or second copy); eval mode."""
-    from looplm.model import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    model = model.to(dtype).to_empty(device="cpu").eval()
-    if model_cfg.tie_embeddings:  # to_empty gives every parameter its own storage: tie the head again
-        model.lm_head.weight = model.tok_emb.weight
-    return model
-
-
-# ---------------------------------------------------------------- output
+# ---------------------------------------------------------------- the pipeline
 STORE_DTYPES = ("source", "float32", "bfloat16")
 
 
-def store_dtype(source: Source, dtype: str) -> torch.dtype:
-    """The dtype of the written weights: ``source`` keeps the widest floating dtype of the stored tensors
-    (bf16 for the published checkpoints: no value changes), or ``float32`` / ``bfloat16``."""
-    if dtype not in STORE_DTYPES:
-        raise ImporterError(f"--dtype: got {dtype!r}; allowed: {', '.join(STORE_DTYPES)}")
-    if dtype != "source":
-        return getattr(torch, dtype)
-    floats = {d for d in source.dtypes.values() if d.is_floating_point}
-    return max(floats, key=lambda d: d.itemsize) if floats else torch.float32
+def import_folder(src: str | Path, out: str | Path, read: Callable[[Source], tuple[Any, dict[str, Any]]],
+                  tensor_map: Callable[[Any], list[Entry]], *, fmt: str, model_name: str, dtype: str,
+                  progress: bool, consumed: Sequence[str] = ()) -> dict[str, Any]:
+    """Import folder ``src`` as step 0 of run folder ``out`` (``out/latest`` → ``out/checkpoints/step-000000``).
 
+    ``read(source)`` gives the ModelConfig and the fields (``depth`` first) that ``import.json`` and the returned
+    summary add; ``consumed``: tensors checked, not stored. ``dtype``: ``source`` keeps the widest stored float
+    dtype (bf16 for the published checkpoints: no value changes), or ``float32`` / ``bfloat16``. The model is
+    built on the meta device (no initialization time or second copy). ``import.json`` records the provenance.
+    ImporterError: ``out`` holds a checkpoint (checked before any work), or what the steps raise."""
+    from looplm.config import Config, DataConfig, FixedDepthConfig, TrainConfig
+    from looplm.model import build_model
+    from looplm.run.checkpoint import save_checkpoint
+    from looplm.version import __version__
 
-def check_out(out: str | Path) -> Path:
-    """``out`` must not hold a checkpoint or run yet (checked before any work)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ImporterError(f"--out {out}: is a file; give a folder")
     if out.is_dir() and ((out / "latest").exists() or (out / "checkpoints").exists() or (out / "config.json").exists()):
         raise ImporterError(f"--out {out}: already holds a checkpoint; choose another folder or remove it")
-    return out
-
-
-def write_checkpoint(out: str | Path, model: torch.nn.Module, cfg, source: Source, record: dict[str, Any]) -> Path:
-    """Write the imported model as a looplm checkpoint (step 0 of run folder ``out``: ``out/latest`` →
-    ``out/checkpoints/step-000000``) with the source's ``tokenizer.json`` and ``import.json`` (provenance:
-    the source folder, config and tokenizer sha256, shard sizes, and ``record``). Returns the checkpoint."""
-    from looplm.version import __version__
-    from looplm.run.checkpoint import save_checkpoint
-
-    info = {"looplm_version": __version__, **source.provenance(), **record}
-    return save_checkpoint(out, 0, model, cfg, tokenizer_json=source.tokenizer_json,
-                           extra_files={"import.json": json.dumps(info, indent=2) + "\n"})
+    source = open_source(src)
+    model_cfg, info = read(source)
+    depth = info["depth"]
+    cfg = Config(model=model_cfg, depth=FixedDepthConfig(depth=depth), train=TrainConfig(eval_depth=depth), name=fmt,
+                 data=DataConfig(dataset="brown", tokenizer="bpe", bpe_vocab_size=max(260, model_cfg.vocab_size)))
+    if dtype not in STORE_DTYPES:
+        raise ImporterError(f"--dtype: got {dtype!r}; allowed: {', '.join(STORE_DTYPES)}")
+    floats = {d for d in source.dtypes.values() if d.is_floating_point}
+    weights = (getattr(torch, dtype) if dtype != "source"
+               else max(floats, key=lambda d: d.itemsize) if floats else torch.float32)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    model = model.to(weights).to_empty(device="cpu").eval()
+    if model_cfg.tie_embeddings:  # to_empty gives every parameter its own storage: tie the head again
+        model.lm_head.weight = model.tok_emb.weight
+    entries = tensor_map(model_cfg)
+    check_coverage(source, entries, model, model_name=model_name, consumed=consumed)
+    fill(model, source, entries, progress=progress, desc=f"import {fmt.split('-')[0]}")
+    sizes = {"seq_len": model_cfg.seq_len, "dtype": str(weights).removeprefix("torch.")}
+    record = {"format": fmt, **info, **sizes, "mapped": {e.target: list(e.sources) for e in entries},
+              **({"checked_not_stored": list(consumed)} if consumed else {})}
+    provenance = {"source": str(source.root.resolve()), "config_sha256": sha256_file(source.root / "config.json"),
+                  "tokenizer_sha256": sha256_file(source.root / "tokenizer.json"),
+                  "shards": {p.name: p.stat().st_size for p in source.shards}, "tensors": len(source.where),
+                  "source_dtypes": sorted({str(d).removeprefix("torch.") for d in source.dtypes.values()})}
+    ckpt = save_checkpoint(out, 0, model, cfg, tokenizer_json=source.tokenizer_json, extra_files={
+        "import.json": json.dumps({"looplm_version": __version__, **provenance, **record}, indent=2) + "\n"})
+    return {"checkpoint": str(ckpt), "model": model_name, **info, "params": model.num_params(), **sizes}

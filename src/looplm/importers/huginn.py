@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from looplm.importers.common import (ConfigReader, Entry, ImporterError, Source, check_coverage, check_out,
-                                     empty_model, fill, imported_config, open_source, store_dtype, write_checkpoint)
+from looplm.importers.common import ConfigReader, Entry, ImporterError, Source, import_folder
 
 MODEL_NAME = "Huginn-0125"
 #: ``initial_state`` choices: the loop's initial state s₀ of the imported model (see :func:`import_huginn`)
@@ -30,7 +29,7 @@ _BLOCK_NAMES = {"norm_1": "norm1", "norm_2": "post_attn_norm", "norm_3": "norm2"
 
 
 def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_state: str = "table"):
-    """The looplm :class:`~looplm.config.Config` of a Huginn-0125 ``config.json``, and its depth.
+    """The looplm :class:`~looplm.config.ModelConfig` of a Huginn-0125 ``config.json``, and its depth.
 
     ``seq_len`` and ``initial_state`` as for :func:`import_huginn`; depth is ``mean_recurrence``.
     ImporterError: an unknown key or an unsupported value (named), or a ``seq_len`` beyond ``block_size``."""
@@ -79,7 +78,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
         n_prelude=P, n_core=R, n_coda=C, norm_eps=r.number("norm_eps"), rope_theta=r.number("rope_base"),
         qk_bias=qk_bias, initial_state=initial_state)
     r.finish()
-    return imported_config(model, depth, "huginn-0125"), depth
+    return model, depth
 
 
 def huginn_layout_config(*, vocab_size: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, n_prelude: int,
@@ -228,20 +227,11 @@ def import_huginn(src: str | Path, out: str | Path, *, seq_len: int | None = Non
         rope_tolerance: largest accepted difference between the stored RoPE table and looplm's (0: exact)
         progress: show a progress bar over the bytes read
     ImporterError: the folder, a config key, a tensor or the RoPE table cannot be imported exactly (named)."""
-    out = check_out(out)
-    source = open_source(src)
-    cfg, depth = read_config(source.config, seq_len=seq_len, initial_state=initial_state)
-    table_dtype = check_rope_table(source, cfg.model, rope_tolerance)
-    cfg = cfg.replace(model=cfg.model.replace(position=cfg.model.position.replace(table_dtype=table_dtype)))
-    weights = store_dtype(source, dtype)
-    model = empty_model(cfg.model, weights)
-    entries = tensor_map(cfg.model)
-    check_coverage(source, entries, model, model_name=MODEL_NAME, consumed=["freqs_cis"])
-    fill(model, source, entries, progress=progress, desc="import huginn")
-    record = {"format": "huginn-0125", "depth": depth, "seq_len": cfg.model.seq_len, "dtype": str(weights)[6:],
-              "rope_table_dtype": table_dtype, "initial_state": initial_state,
-              "mapped": {e.target: list(e.sources) for e in entries}, "checked_not_stored": ["freqs_cis"]}
-    ckpt = write_checkpoint(out, model, cfg, source, record)
-    return {"checkpoint": str(ckpt), "model": MODEL_NAME, "depth": depth, "params": model.num_params(),
-            "seq_len": cfg.model.seq_len, "dtype": record["dtype"], "rope_table_dtype": table_dtype,
-            "initial_state": initial_state}
+    def read(source: Source):
+        model_cfg, depth = read_config(source.config, seq_len=seq_len, initial_state=initial_state)
+        table_dtype = check_rope_table(source, model_cfg, rope_tolerance)
+        model_cfg = model_cfg.replace(position=model_cfg.position.replace(table_dtype=table_dtype))
+        return model_cfg, {"depth": depth, "rope_table_dtype": table_dtype, "initial_state": initial_state}
+
+    return import_folder(src, out, read, tensor_map, fmt="huginn-0125", model_name=MODEL_NAME, dtype=dtype,
+                         progress=progress, consumed=["freqs_cis"])

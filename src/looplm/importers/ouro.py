@@ -14,9 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from looplm.importers.common import (ConfigReader, Entry, ImporterError, cat_rows, check_coverage, check_out,
-                                     empty_model, fill, imported_config, open_source, store_dtype,
-                                     write_checkpoint)
+from looplm.importers.common import ConfigReader, Entry, ImporterError, cat_rows, import_folder
 
 MODEL_NAME = "Ouro"
 _NORMS = {"input_layernorm": "norm1", "input_layernorm_2": "post_attn_norm", "post_attention_layernorm": "norm2",
@@ -24,7 +22,7 @@ _NORMS = {"input_layernorm": "norm1", "input_layernorm_2": "post_attn_norm", "po
 
 
 def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
-    """The looplm :class:`~looplm.config.Config` of an Ouro ``config.json``, its depth and exit threshold.
+    """The looplm :class:`~looplm.config.ModelConfig` of an Ouro ``config.json``, its depth and exit threshold.
 
     ``seq_len`` as for :func:`import_ouro`; depth is ``total_ut_steps``.
     ImporterError: an unknown key or an unsupported value (named): sliding-window layers, a ``head_dim`` other than
@@ -83,7 +81,7 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None):
                             scaling="linear" if scaling is not None else "none", scaling_factor=factor),
         n_kv_heads=0 if kv == heads else kv, block_norm="sandwich")
     r.finish()
-    return imported_config(model, depth, "ouro"), depth, tau
+    return model, depth, tau
 
 
 def tensor_map(model_cfg) -> list[Entry]:
@@ -118,16 +116,9 @@ def import_ouro(src: str | Path, out: str | Path, *, seq_len: int | None = None,
         dtype: weights as stored (source: bf16, every value kept) or converted (float32, bfloat16)
         progress: show a progress bar over the bytes read
     ImporterError: the folder, a config key or a tensor cannot be imported exactly (named)."""
-    out = check_out(out)
-    source = open_source(src)
-    cfg, depth, tau = read_config(source.config, seq_len=seq_len)
-    weights = store_dtype(source, dtype)
-    model = empty_model(cfg.model, weights)
-    entries = tensor_map(cfg.model)
-    check_coverage(source, entries, model, model_name=MODEL_NAME)
-    fill(model, source, entries, progress=progress, desc="import ouro")
-    record = {"format": "ouro", "depth": depth, "early_exit_threshold": tau, "seq_len": cfg.model.seq_len,
-              "dtype": str(weights)[6:], "mapped": {e.target: list(e.sources) for e in entries}}
-    ckpt = write_checkpoint(out, model, cfg, source, record)
-    return {"checkpoint": str(ckpt), "model": MODEL_NAME, "depth": depth, "early_exit_threshold": tau,
-            "params": model.num_params(), "seq_len": cfg.model.seq_len, "dtype": record["dtype"]}
+    def read(source):
+        model_cfg, depth, tau = read_config(source.config, seq_len=seq_len)
+        return model_cfg, {"depth": depth, "early_exit_threshold": tau}
+
+    return import_folder(src, out, read, tensor_map, fmt="ouro", model_name=MODEL_NAME, dtype=dtype,
+                         progress=progress)

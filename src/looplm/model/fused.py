@@ -24,11 +24,6 @@ import torch.nn.functional as F
 CHUNK_ELEMENTS = 1 << 23
 
 
-def chunk_rows(vocab: int, n: int) -> int:
-    """Tokens per chunk for a vocabulary of ``vocab``: ⌊CHUNK_ELEMENTS / V⌋ (at least 16, at most n)."""
-    return max(1, min(n, max(16, CHUNK_ELEMENTS // max(1, vocab))))
-
-
 def _chunks(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, gh: torch.Tensor | None,
             gw: torch.Tensor | None, nll: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
     """Chunk by chunk of rows of h (N, d): the NLL into ``nll`` (N,), G = softmax − onehot (ignored rows 0; × the
@@ -100,7 +95,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         dt = torch.get_autocast_dtype(dev)
         h, weight = h.to(dt), weight.to(dt)
     h2, t2 = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    c = chunk if chunk is not None else chunk_rows(weight.shape[0], max(1, h2.shape[0]))
+    n = max(1, h2.shape[0])  # tokens per chunk: ⌊CHUNK_ELEMENTS / V⌋, at least 16, at most n
+    c = chunk if chunk is not None else max(1, min(n, max(16, CHUNK_ELEMENTS // max(1, weight.shape[0]))))
     with torch.autocast(dev, enabled=False):
         grad = torch.is_grad_enabled()
         return _LinearCrossEntropy.apply(h2.contiguous(), weight, t2, c, shape,

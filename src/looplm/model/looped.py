@@ -213,14 +213,6 @@ class DepthLM(nn.Module):
         """Where ``final_only_norm`` starts: ``final_depth``, else ``self.final_depth``, else ``largest``."""
         return next(f for f in (final_depth, self.final_depth, largest) if f is not None)
 
-    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LoopContext]:
-        """Initial loop state (B, L, d) and :class:`LoopContext` from e (B, L, d) (:meth:`loop` adds the scope)."""
-        raise NotImplementedError
-
-    def step(self, state: torch.Tensor, t: int, ctx: LoopContext, **kw) -> torch.Tensor:
-        """The realized loop step t (0-based): state_t → state_{t+1}, (B, L, d) → (B, L, d)."""
-        raise NotImplementedError
-
     def hidden(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:  # readout coordinates h
         return state
 
@@ -363,7 +355,8 @@ class LoopLM(DepthLM):
             init_source_modules(self.rule, opts.source_init, opts.source_init_std,
                                 unit_projections=getattr(opts, "projection_init", "source") == "unit")
 
-    def start(self, e, positions=None):
+    def start(self, e: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, LoopContext]:
+        """Initial loop state (B, L, d) and :class:`LoopContext` from e (B, L, d) (:meth:`loop` adds the scope)."""
         return self.rule.start(e, positions) if self.rule.uses_positions else self.rule.start(e)
 
     def step(self, state: torch.Tensor, t: int, ctx: LoopContext, *, mask: bool = True,
