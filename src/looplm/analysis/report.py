@@ -12,12 +12,12 @@ import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
-from looplm.analysis.store import ResultStore, RunRecord, record_dict
+from looplm.analysis.store import ResultStore, RunRecord
 from looplm.config import DepthConfig, build_choice
 from looplm.run.finite import md_table, strict
 
@@ -204,7 +204,8 @@ def _model_entry(g: _Group) -> dict[str, Any]:
             "architecture": r.config["model"].get("architecture"), "rule": r.config["model"].get("rule"),
             "params": r.params, "flops": {str(k): v for k, v in sorted(r.flops.items())},
             "config_hash": r.config_hash, "config": r.config,
-            "runs": [{k: v for k, v in record_dict(x).items() if k not in ("config", "flops")} for x in g.runs]}
+            "runs": [{**{k: v for k, v in asdict(x).items() if k not in ("config", "flops")},
+                      "config_hash": x.config_hash} for x in g.runs]}
 
 
 def _section_title(sec: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ import json
 import math
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -306,15 +306,11 @@ class ResultStore:
         return len(moves)
 
     # -- evaluations ------------------------------------------------------------------------------
-    def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
-            settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        """Store ``metrics`` (NaN as NULL) as ``identity``, replacing what it held (its provenance too)."""
-        self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
-
     def put_many(self, items: Iterable[tuple[EvalIdentity, Mapping[str, float]]], *, config: Any = None,
                  settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> int:
-        """:meth:`put` for several identities in one transaction; returns how many. ValueError: an empty metric
-        set, or ``config`` / ``settings`` not hashing to an identity's hashes."""
+        """Store each ``(identity, metrics)`` (NaN as NULL), replacing what it held (its provenance too), in one
+        transaction; returns how many. ValueError: an empty metric set, or ``config`` / ``settings`` not hashing
+        to an identity's hashes."""
         items = [(ident, dict(m)) for ident, m in items]
         now = time.time()
         chash = config_hash(config) if config is not None else None
@@ -436,8 +432,3 @@ class ResultStore:
 def _none_if_nan(v: Any) -> float | None:
     v = float(v)
     return None if math.isnan(v) else v
-
-
-def record_dict(run: RunRecord) -> dict[str, Any]:
-    """JSON-ready dict of a :class:`RunRecord` (with its config hash)."""
-    return {**asdict(run), "config_hash": run.config_hash, "flops": {str(k): v for k, v in run.flops.items()}}
