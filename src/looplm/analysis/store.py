@@ -227,8 +227,7 @@ class ResultStore:
 
     def _check_readonly(self) -> None:
         tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        missing = [t for t in REQUIRED_TABLES if t not in tables]
-        if missing:
+        if missing := [t for t in REQUIRED_TABLES if t not in tables]:
             raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
                                    f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -361,8 +360,7 @@ class ResultStore:
 
     def _filters(self, filters: Mapping[str, Any]) -> tuple[str, list]:
         allowed = (*IDENTITY_COLUMNS, "metric")
-        unknown = sorted(set(filters) - set(allowed))
-        if unknown:
+        if unknown := sorted(set(filters) - set(allowed)):
             raise ValueError(f"{unknown[0]}: unknown filter; allowed: {', '.join(allowed)}")
         parts = [f"{k} = ?" for k in filters]
         return (" WHERE " + " AND ".join(parts)) if parts else "", list(filters.values())

@@ -160,8 +160,7 @@ def _flatten(d: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, An
 
 
 def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
-    unknown = [k for k in d if k not in allowed]
-    if unknown:
+    if unknown := [k for k in d if k not in allowed]:
         raise SweepError(f"{where}{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
 
 
@@ -174,13 +173,11 @@ def _int_list(value: Any, where: str, *, min_value: int = 0) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _str_list(value: Any, where: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def _str_list(value: Any, where: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise SweepError(f"{where}: expected a non-empty list of strings, got {value!r}")
-    if allowed is not None:
-        bad = [v for v in value if v not in allowed]
-        if bad:
-            raise SweepError(f"{where}: {bad[0]!r} is not allowed; allowed: {', '.join(allowed)}")
+    if bad := [v for v in value if v not in allowed]:
+        raise SweepError(f"{where}: {bad[0]!r} is not allowed; allowed: {', '.join(allowed)}")
     return tuple(value)
 
 
@@ -190,8 +187,7 @@ def _hook_kwargs(value: Any, where: str) -> dict[str, Any] | None:
     if value is False:
         return None
     if isinstance(value, dict):
-        reserved = [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]
-        if reserved:
+        if reserved := [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]:
             raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
         return dict(value)
     raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
@@ -309,8 +305,7 @@ def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path =
         if not isinstance(values, list) or not values:
             raise SweepError(f"grid.{key}: expected a non-empty list of values, got {values!r}")
         grid[key] = values
-    clash = [(v, k) for v, ov in variants.items() for k in ov if k in grid]
-    if clash:
+    if clash := [(v, k) for v, ov in variants.items() for k in ov if k in grid]:
         raise SweepError(f"grid.{clash[0][1]}: also set by variants.{clash[0][0]}; set it in one place")
 
     seeds = _int_list(d.get("seeds", list(DEFAULT_SEEDS)), "seeds")
