@@ -180,15 +180,14 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
     """``({variant: {(protocol, dataset, metric, depth): {seed: value}}}, {variant: params})`` of a sweep, read
     only (null values left out; ``({}, {})`` for a missing or empty database)."""
+    import contextlib
     import sqlite3
 
-    db = Path(db)
     cells: dict = {}
     params: dict = {}
-    if not db.exists():
+    if not Path(db).exists():
         return cells, params
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not {"runs", "evaluations"} <= tables:
             return cells, params
@@ -202,8 +201,6 @@ def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[
             variant = runs.get((chash, seed))
             if variant is not None and value is not None:
                 cells.setdefault(variant, {}).setdefault((protocol, dataset, metric, depth), {})[seed] = value
-    finally:
-        con.close()
     return cells, params
 
 

@@ -94,8 +94,7 @@ def _groups(runs: list[RunRecord]) -> list[_Group]:
         g.runs.append(r)
     out = sorted(groups.values(), key=lambda g: (g.order, g.variant, g.grid_key))
     for g in out:
-        hashes = {r.config_hash for r in g.runs}
-        if len(hashes) > 1:
+        if len({r.config_hash for r in g.runs}) > 1:
             raise ValueError(f"variant {g.label!r}: runs {', '.join(sorted(r.sweep + '/' + r.run_id for r in g.runs))} "
                              "have different configs; report one sweep at a time (--sweep NAME)")
     return out

@@ -5,11 +5,8 @@ An *evaluation identity* is ``(config_hash, protocol, protocol_hash, dataset, sp
 (:func:`config_identity`); ``protocol_hash`` the protocol name and the settings that change the numbers;
 ``depth`` is the loop depth T (``diagnose``: the loop step t). Each identity holds one set of metrics, replaced
 in one transaction, so a re-run never double-counts a seed. Several writer processes are safe (WAL mode, busy
-timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA`.
-
-``provenance`` (``CREATE TABLE IF NOT EXISTS`` adds it to older files) holds each evaluation's
-:func:`looplm.run.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
-after checking the schema, so an unrelated database is never changed.
+timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA`; ``provenance`` (added to older files by ``CREATE TABLE IF
+NOT EXISTS``) holds each evaluation's :func:`looplm.run.provenance.provenance`.
 """
 
 from __future__ import annotations
