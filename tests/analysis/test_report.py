@@ -111,8 +111,8 @@ def _fill(store: ResultStore) -> None:
             # a stale duplicate of the same identity must not add a seed: put replaces
             store.put_many(items, config=c, settings=settings)
             if name != "unshared":
-                store.put(EvalIdentity.make(c, "diagnose", dataset="brown", split="valid", depth=47),
-                          {"forcing.ratio": 0.0 if name == "scse" else 1.5 + seed, "gain": 1.1})
+                store.put_many([(EvalIdentity.make(c, "diagnose", dataset="brown", split="valid", depth=47),
+                                 {"forcing.ratio": 0.0 if name == "scse" else 1.5 + seed, "gain": 1.1})])
 
 
 def test_report_cells_on_a_synthetic_db(tmp_path):

@@ -36,18 +36,18 @@ def test_config_hash_ignores_name_seed_and_device_but_not_the_model():
 def test_put_replaces_and_never_double_counts(tmp_path):
     with ResultStore(tmp_path / "r.db") as store:
         a = _ident()
-        store.put(a, {"ppl": 100.0, "nll": math.log(100.0)}, config=Config(), settings={"max_tokens": None})
-        store.put(a, {"ppl": 90.0, "nll": math.log(90.0)})
+        store.put_many([(a, {"ppl": 100.0, "nll": math.log(100.0)})], config=Config(), settings={"max_tokens": None})
+        store.put_many([(a, {"ppl": 90.0, "nll": math.log(90.0)})])
         assert store.count() == 2
         assert store.get(a) == {"ppl": 90.0, "nll": math.log(90.0)}
         # a re-run with fewer metrics replaces the whole set (stale metrics dropped)
-        store.put(a, {"ppl": 80.0})
+        store.put_many([(a, {"ppl": 80.0})])
         assert store.get(a) == {"ppl": 80.0} and store.count() == 1
         # every identity column separates evaluations
         others = [_ident(depth=16), _ident(seed=1), _ident(tag="v2"), _ident(split="valid"),
                   _ident(dataset="wikitext2"), _ident(settings={"max_tokens": 512}), _ident(protocol="lambada")]
         for i, ident in enumerate(others):
-            store.put(ident, {"ppl": float(i)})
+            store.put_many([(ident, {"ppl": float(i)})])
         assert store.count() == 1 + len(others)
         # a, depth 16, seed 1 and max_tokens 512 (another protocol hash)
         assert store.count(protocol="ppl", dataset="brown", split="test", tag="") == 4
@@ -55,7 +55,7 @@ def test_put_replaces_and_never_double_counts(tmp_path):
                            tag="") == 3
         assert store.has(a, ["ppl"]) and not store.has(a, ["nll"])
         assert not store.has(_ident(depth=99))
-        store.put(_ident(depth=32), {"ppl": float("nan")})  # NaN round-trips through NULL
+        store.put_many([(_ident(depth=32), {"ppl": float("nan")})])  # NaN round-trips through NULL
         assert math.isnan(store.get(_ident(depth=32))["ppl"])
         assert store.config(a.config_hash) == config_identity(Config())
         assert store.protocol_settings(a.protocol_hash) == {"max_tokens": None}
@@ -63,7 +63,7 @@ def test_put_replaces_and_never_double_counts(tmp_path):
         with pytest.raises(ValueError, match="unknown filter"):
             store.count(variant="x")
         with pytest.raises(ValueError, match="settings"):
-            store.put(a, {"ppl": 1.0}, settings={"max_tokens": 5})
+            store.put_many([(a, {"ppl": 1.0})], settings={"max_tokens": 5})
     with ResultStore(tmp_path / "r.db") as store:  # reopen: persisted, WAL mode
         assert store.get(a) == {"ppl": 80.0}
         assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -92,7 +92,7 @@ def _writer(path: str, writer: int, barrier) -> None:
     barrier.wait()
     start = writer * (N_IDS - OVERLAP)
     for i in range(start, start + N_IDS):
-        store.put(_ident(depth=i), {m: float(writer) for m in METRICS})
+        store.put_many([(_ident(depth=i), {m: float(writer) for m in METRICS})])
     store.close()
 
 
@@ -151,8 +151,8 @@ def test_rehash_rekeys_rows_stored_under_an_older_identity_rule(tmp_path):
         make = EvalIdentity.make(cfg, "ppl", dataset="brown", split="test", depth=4, tag="t")
         stale = [EvalIdentity(**{**make.__dict__, "config_hash": old_hash, "depth": T}) for T in (4, 8)]
         for i, v in zip(stale, (10.0, 20.0)):
-            store.put(i, {"ppl": v})
-        store.put(make, {"ppl": 11.0})  # T=4 evaluated again since: the newer row wins
+            store.put_many([(i, {"ppl": v})])
+        store.put_many([(make, {"ppl": 11.0})])  # T=4 evaluated again since: the newer row wins
         store.put_run(RunRecord(sweep="s", run_id="a-s0", variant="a", seed=0, config=cfg.to_dict(), run_dir="x"))
         store._conn.execute("UPDATE runs SET config_hash = ?", (old_hash,))  # as recorded under the old rule
         store._conn.commit()
@@ -172,8 +172,8 @@ def test_sweep_cells_group_a_sweeps_evaluations_by_variant(tmp_path):
             store.put_run(RunRecord(sweep="s", run_id=f"looped-s{seed}", variant="looped", seed=seed,
                                     config=cfg.to_dict(), run_dir="/x", variant_order=0, grid={}, params=123,
                                     flops={}, weights_sha256=None, summary={}))
-            store.put(_ident(depth=8, seed=seed), {"ppl": 10.0 + seed, "nll": 2.0})
-        store.put(_ident(depth=8, seed=5), {"ppl": 99.0})  # no run of the sweep: left out
+            store.put_many([(_ident(depth=8, seed=seed), {"ppl": 10.0 + seed, "nll": 2.0})])
+        store.put_many([(_ident(depth=8, seed=5), {"ppl": 99.0})])  # no run of the sweep: left out
     cells, params = sweep_cells(tmp_path / "r.db", "s")
     assert params == {"looped": 123}
     assert cells == {"looped": {("ppl", "brown", "ppl", 8): {0: 10.0, 1: 11.0}, ("ppl", "brown", "nll", 8): {0: 2.0, 1: 2.0}}}
@@ -221,7 +221,7 @@ def test_readonly_store_reads_and_refuses_writes(tmp_path):
     import sqlite3
 
     with ResultStore(tmp_path / "r.db") as store:
-        store.put(_ident(), {"ppl": 3.0})
+        store.put_many([(_ident(), {"ppl": 3.0})])
     before = (tmp_path / "r.db").read_bytes()
     with ResultStore(tmp_path / "r.db", readonly=True) as store:
         assert store.get(_ident()) == {"ppl": 3.0}
@@ -233,8 +233,8 @@ def test_readonly_store_reads_and_refuses_writes(tmp_path):
 def test_put_stores_provenance_per_identity(tmp_path):
     prov = {"looplm_version": "0.1.0", "weights_sha256": "ab" * 32}
     with ResultStore(tmp_path / "r.db") as store:
-        store.put(_ident(depth=4), {"ppl": 3.0}, provenance=prov)
-        store.put(_ident(depth=8), {"ppl": 2.0})
+        store.put_many([(_ident(depth=4), {"ppl": 3.0})], provenance=prov)
+        store.put_many([(_ident(depth=8), {"ppl": 2.0})])
         assert store.provenance(_ident(depth=4)) == prov and store.provenance(_ident(depth=8)) is None
-        store.put(_ident(depth=4), {"ppl": 3.5})  # re-evaluated without one: the old record is not kept
+        store.put_many([(_ident(depth=4), {"ppl": 3.5})])  # re-evaluated without one: the old record is not kept
         assert store.provenance(_ident(depth=4)) is None

@@ -228,7 +228,7 @@ def test_a_store_write_that_fails_midway_leaves_the_database_as_it_was(tmp_path)
             raise RuntimeError("disk went away")
 
     with ResultStore(tmp_path / "r.db") as store:
-        store.put(ident(1), {"ppl": 10.0})
+        store.put_many([(ident(1), {"ppl": 10.0})])
         before = store.evaluations()
         with pytest.raises(RuntimeError, match="disk went away"):  # the second identity's write fails
             store.put_many([(ident(1), {"ppl": 99.0, "nll": 1.0}), (ident(2), {"ppl": 5.0, "nll": Broken()})])

@@ -78,8 +78,7 @@ def diagnose_sections(runs_dir: str | Path, cache: str | Path, section: str,
     merged into (and written back to) ``cache``."""
     records = {}
     for f in sorted(Path(runs_dir).glob("*-s*/diagnose/diagnose.json")):
-        sec = json.loads(f.read_text()).get(section)
-        if sec:
+        if sec := json.loads(f.read_text()).get(section):
             records[f.parent.parent.name] = pick(sec)
     return _merge_cache(cache, records)
 
@@ -149,8 +148,7 @@ def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: lis
                  else f"{statistics.mean(vals):.{digits}f}" + (f" [{len(vals)}]" if len(vals) != most else "")
                  for vals in (by_variant[v].get(s, []) for s in steps)]
         lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
-    settled = settled_ranking({v: d for v, d in by_variant.items() if v in order})
-    if settled:
+    if settled := settled_ranking({v: d for v, d in by_variant.items() if v in order}):
         ranking, since, last = settled
         lines += ["", f"Ranking of the means at step {last} (the last step every variant has reached): "
                   f"{' < '.join(ranking)}; unchanged since step {since}."]
@@ -164,8 +162,7 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, pts in series.items():
-        xs = sorted(x for x, v in pts.items() if v)
-        if xs:
+        if xs := sorted(x for x, v in pts.items() if v):
             ax.plot(xs, [statistics.mean(pts[x]) for x in xs], marker="o" if log2x else ".", label=label)
     if log2x:
         ax.set_xscale("log", base=2)
@@ -183,15 +180,14 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
     """``({variant: {(protocol, dataset, metric, depth): {seed: value}}}, {variant: params})`` of a sweep, read
     only (null values left out; ``({}, {})`` for a missing or empty database)."""
+    import contextlib
     import sqlite3
 
-    db = Path(db)
     cells: dict = {}
     params: dict = {}
-    if not db.exists():
+    if not Path(db).exists():
         return cells, params
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not {"runs", "evaluations"} <= tables:
             return cells, params
@@ -205,8 +201,6 @@ def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[
             variant = runs.get((chash, seed))
             if variant is not None and value is not None:
                 cells.setdefault(variant, {}).setdefault((protocol, dataset, metric, depth), {})[seed] = value
-    finally:
-        con.close()
     return cells, params
 
 

@@ -37,17 +37,13 @@ def flops_per_token(cfg: ModelConfig, depth: int) -> dict[str, int]:
     return {"body": body, "body_head": body + 2 * cfg.d_model * cfg.vocab_size}
 
 
-def readout_flops_per_token(cfg: ModelConfig) -> int:
-    """FLOPs per token of one readout: the coda's blocks and the readout matrix (2·d·V)."""
-    return (cfg.n_coda if cfg.architecture == "shared" else 0) * block_flops_per_token(cfg) \
-        + 2 * cfg.d_model * cfg.vocab_size
-
-
 def multidepth_flops_per_token(cfg: ModelConfig, depths) -> int:
-    """FLOPs/token of one unroll to max(depths) read out at every depth: body_head plus one readout per other
-    depth (real work: at V = 8,192, d = 192 one costs ~4 core blocks)."""
-    depths = sorted(set(int(t) for t in depths))
-    return flops_per_token(cfg, depths[-1])["body_head"] + (len(depths) - 1) * readout_flops_per_token(cfg)
+    """FLOPs/token of one unroll to max(depths) read out at every depth: body_head plus one readout (the coda's
+    blocks and 2·d·V) per other depth (real work: at V = 8,192, d = 192 one costs ~4 core blocks)."""
+    readout = (cfg.n_coda if cfg.architecture == "shared" else 0) * block_flops_per_token(cfg) \
+        + 2 * cfg.d_model * cfg.vocab_size
+    depths = {int(t) for t in depths}
+    return flops_per_token(cfg, max(depths))["body_head"] + (len(depths) - 1) * readout
 
 
 def config_info(cfg, *, depths: Sequence[int] = (8, 48), list: bool = False) -> dict[str, Any]:

@@ -12,14 +12,14 @@ import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from looplm.analysis.stats import DEFAULT_BOOTSTRAP_SEED, DEFAULT_RESAMPLES, mean_std, summarize_paired
-from looplm.analysis.store import ResultStore, RunRecord, record_dict
+from looplm.analysis.store import ResultStore, RunRecord
 from looplm.config import DepthConfig, build_choice
-from looplm.run.finite import md_table
+from looplm.run.finite import md_table, strict
 
 
 #: metrics tabulated per protocol, in this order (None: every metric found); other protocols: every
@@ -94,8 +94,7 @@ def _groups(runs: list[RunRecord]) -> list[_Group]:
         g.runs.append(r)
     out = sorted(groups.values(), key=lambda g: (g.order, g.variant, g.grid_key))
     for g in out:
-        hashes = {r.config_hash for r in g.runs}
-        if len(hashes) > 1:
+        if len({r.config_hash for r in g.runs}) > 1:
             raise ValueError(f"variant {g.label!r}: runs {', '.join(sorted(r.sweep + '/' + r.run_id for r in g.runs))} "
                              "have different configs; report one sweep at a time (--sweep NAME)")
     return out
@@ -204,7 +203,8 @@ def _model_entry(g: _Group) -> dict[str, Any]:
             "architecture": r.config["model"].get("architecture"), "rule": r.config["model"].get("rule"),
             "params": r.params, "flops": {str(k): v for k, v in sorted(r.flops.items())},
             "config_hash": r.config_hash, "config": r.config,
-            "runs": [{k: v for k, v in record_dict(x).items() if k not in ("config", "flops")} for x in g.runs]}
+            "runs": [{**{k: v for k, v in asdict(x).items() if k not in ("config", "flops")},
+                      "config_hash": x.config_hash} for x in g.runs]}
 
 
 def _section_title(sec: dict[str, Any]) -> str:
@@ -233,6 +233,14 @@ def _n_text(counts: list[int]) -> str:
     return str(counts[0]) if min(counts) == max(counts) else f"{min(counts)}–{max(counts)}"
 
 
+def _depth_table(sec: dict[str, Any], key: str, fmt: Callable[[dict], str]) -> list[str]:
+    """A section's ``cells`` or ``deltas`` as a Markdown table: variant, seeds (or pairs), one column per depth."""
+    rows = [[label, _n_text([c["n"] for c in per.values()]),
+             *[fmt(per[str(t)]) if str(t) in per else "–" for t in sec["depths"]]] for label, per in sec[key].items()]
+    n = "n" if key == "cells" else "pairs"
+    return md_table(["variant", n, *[f"{sec['depth_name']}={t}" for t in sec["depths"]]], rows) + [""]
+
+
 def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = None) -> str:
     """The report as Markdown (``plots``: section index → PNG file name to embed)."""
     plots = plots or {}
@@ -256,33 +264,14 @@ def render_markdown(report: dict[str, Any], *, plots: dict[int, str] | None = No
     lines += md_table(["variant", "architecture", "rule", "params", *[f"T={t}" for t in depths]], rows) + [""]
 
     for i, sec in enumerate(report["sections"]):
-        dn, depths = sec["depth_name"], sec["depths"]
         title = _section_title(sec)
-        rows = [[label, _n_text([c["n"] for c in per.values()]),
-                 *[format_mean_std(per[str(t)]["mean"], per[str(t)]["std"]) if str(t) in per else "–"
-                   for t in depths]]
-                for label, per in sec["cells"].items()]
-        lines += [f"## {title}", ""] + md_table(["variant", "n", *[f"{dn}={t}" for t in depths]], rows) + [""]
+        lines += [f"## {title}", ""] + _depth_table(sec, "cells", lambda c: format_mean_std(c["mean"], c["std"]))
         if sec["deltas"]:
-            rows = [[label, _n_text([d["n"] for d in per.values()]),
-                     *[format_delta(per[str(t)]) if str(t) in per else "–" for t in depths]]
-                    for label, per in sec["deltas"].items()]
             lines += [f"### Paired deltas vs {report['baseline']}: {title}", ""]
-            lines += md_table(["variant", "pairs", *[f"{dn}={t}" for t in depths]], rows) + [""]
+            lines += _depth_table(sec, "deltas", format_delta)
         if i in plots:
             lines += [f"![{title}]({plots[i]})", ""]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _strict_json(obj: Any) -> Any:
-    """NaN/inf → None, so that report.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_strict_json(v) for v in obj]
-    return obj
 
 
 def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str | None = None,
@@ -319,5 +308,5 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
             pngs[i] = name
     md_path, json_path = out / "report.md", out / "report.json"
     md_path.write_text(render_markdown(report, plots=pngs))
-    json_path.write_text(json.dumps(_strict_json(report), indent=2, allow_nan=False) + "\n")
+    json_path.write_text(json.dumps(strict(report)[0], indent=2, allow_nan=False) + "\n")
     return {"markdown": md_path, "json": json_path, "plots": [out / p for p in pngs.values()], "report": report}

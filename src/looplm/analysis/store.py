@@ -5,11 +5,8 @@ An *evaluation identity* is ``(config_hash, protocol, protocol_hash, dataset, sp
 (:func:`config_identity`); ``protocol_hash`` the protocol name and the settings that change the numbers;
 ``depth`` is the loop depth T (``diagnose``: the loop step t). Each identity holds one set of metrics, replaced
 in one transaction, so a re-run never double-counts a seed. Several writer processes are safe (WAL mode, busy
-timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA`.
-
-``provenance`` (``CREATE TABLE IF NOT EXISTS`` adds it to older files) holds each evaluation's
-:func:`looplm.run.provenance.provenance`. ``readonly=True`` (``looplm report``) opens with SQLite ``mode=ro``
-after checking the schema, so an unrelated database is never changed.
+timeout, ``BEGIN IMMEDIATE``). Schema: :data:`_SCHEMA`; ``provenance`` (added to older files by ``CREATE TABLE IF
+NOT EXISTS``) holds each evaluation's :func:`looplm.run.provenance.provenance`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import json
 import math
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -227,8 +224,7 @@ class ResultStore:
 
     def _check_readonly(self) -> None:
         tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        missing = [t for t in REQUIRED_TABLES if t not in tables]
-        if missing:
+        if missing := [t for t in REQUIRED_TABLES if t not in tables]:
             raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
                                    f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -306,15 +302,11 @@ class ResultStore:
         return len(moves)
 
     # -- evaluations ------------------------------------------------------------------------------
-    def put(self, identity: EvalIdentity, metrics: Mapping[str, float], *, config: Any = None,
-            settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        """Store ``metrics`` (NaN as NULL) as ``identity``, replacing what it held (its provenance too)."""
-        self.put_many([(identity, metrics)], config=config, settings=settings, provenance=provenance)
-
     def put_many(self, items: Iterable[tuple[EvalIdentity, Mapping[str, float]]], *, config: Any = None,
                  settings: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None) -> int:
-        """:meth:`put` for several identities in one transaction; returns how many. ValueError: an empty metric
-        set, or ``config`` / ``settings`` not hashing to an identity's hashes."""
+        """Store each ``(identity, metrics)`` (NaN as NULL), replacing what it held (its provenance too), in one
+        transaction; returns how many. ValueError: an empty metric set, or ``config`` / ``settings`` not hashing
+        to an identity's hashes."""
         items = [(ident, dict(m)) for ident, m in items]
         now = time.time()
         chash = config_hash(config) if config is not None else None
@@ -365,8 +357,7 @@ class ResultStore:
 
     def _filters(self, filters: Mapping[str, Any]) -> tuple[str, list]:
         allowed = (*IDENTITY_COLUMNS, "metric")
-        unknown = sorted(set(filters) - set(allowed))
-        if unknown:
+        if unknown := sorted(set(filters) - set(allowed)):
             raise ValueError(f"{unknown[0]}: unknown filter; allowed: {', '.join(allowed)}")
         parts = [f"{k} = ?" for k in filters]
         return (" WHERE " + " AND ".join(parts)) if parts else "", list(filters.values())
@@ -436,8 +427,3 @@ class ResultStore:
 def _none_if_nan(v: Any) -> float | None:
     v = float(v)
     return None if math.isnan(v) else v
-
-
-def record_dict(run: RunRecord) -> dict[str, Any]:
-    """JSON-ready dict of a :class:`RunRecord` (with its config hash)."""
-    return {**asdict(run), "config_hash": run.config_hash, "flops": {str(k): v for k, v in run.flops.items()}}

@@ -661,8 +661,7 @@ def markdown(res: dict[str, Any]) -> str:
         calls = " / ".join(map(str, iv["calls"])) if iv and "calls" in iv else ""
         lines.append(f"| `{k}` | {t['value']:.3f}{span} | {per_round} | {calls} | {t['op']} {t['target']} | "
                      f"{t['status']} |")
-    st = res.get("stability")
-    if st is not None:
+    if (st := res.get("stability")) is not None:
         lines += ["", "Status rule: a ratio measured in interleaved A/B/B/A rounds is `met` only when every round's "
                   "ratio is on the target's side, `not met` when every one is on the other side, `undecided` "
                   f"otherwise; `invalid` = impossible value (MFU > 1, or not finite); `unstable` = a timed "

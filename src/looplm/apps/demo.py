@@ -144,14 +144,19 @@ def run_demo(out: str | Path, *, steps: int | None = None, eval_tokens: int | No
     return results
 
 
-def _ppl(x: Any) -> str:
-    return f"{x:.1f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+def _ppl(x: Any, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def _get_ppl(entry: dict[str, Any], title: str, T: int) -> float:
+    v = entry["eval"].get(title, {}).get(str(T), {}).get("ppl")
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan
 
 
 def _depth_use(entry: dict[str, Any], title: str, train_depth: int) -> str:
     """:func:`~looplm.analysis.claims.depth_use_cell` of one model's finite PPLs on ``title``."""
-    ppl = {int(T): _get_ppl(entry, title, int(T)) for T in entry["eval"].get(title, {})}
-    return depth_use_cell({T: {0: p} for T, p in ppl.items() if math.isfinite(p)}, train_depth)
+    return depth_use_cell({int(T): {0: p} for T in entry["eval"].get(title, {})
+                           if math.isfinite(p := _get_ppl(entry, title, int(T)))}, train_depth)
 
 
 def results_markdown(results: dict[str, Any]) -> str:
@@ -170,8 +175,7 @@ def results_markdown(results: dict[str, Any]) -> str:
                + " | ".join(f"T={T}" for T in depths) + " |", "|---|---|" + "---:|" * len(depths)]
         for rule, e in results["models"].items():
             md.append(f"| {rule} | {_depth_use(e, title, depth.nominal_depth())} | "
-                      + " | ".join(f"{p:.2f}" if math.isfinite(p := _get_ppl(e, title, T)) else "n/a" for T in depths)
-                      + " |")
+                      + " | ".join(_ppl(_get_ppl(e, title, T), 2) for T in depths) + " |")
         md.append("")
     md += ["![PPL vs depth](ppl_vs_depth.png)", "", f"Total wall time: {results['wall_s']:.0f} s."]
     return "\n".join(md) + "\n"
@@ -193,11 +197,6 @@ def readme_table(results: dict[str, Any]) -> str:
         lines.append(f"| `{rule}` | {_depth_use(entry, brown, train_depth)} | {entry['params']:,} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + readme_summary(results)
-
-
-def _get_ppl(entry: dict[str, Any], title: str, T: int) -> float:
-    v = entry["eval"].get(title, {}).get(str(T), {}).get("ppl")
-    return v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan
 
 
 def readme_summary(results: dict[str, Any]) -> str:

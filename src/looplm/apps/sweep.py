@@ -33,6 +33,7 @@ Stored protocols (depth column): ``ppl`` (T), ``diagnose`` (loop step t), ``lamb
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -159,8 +160,7 @@ def _flatten(d: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, An
 
 
 def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
-    unknown = [k for k in d if k not in allowed]
-    if unknown:
+    if unknown := [k for k in d if k not in allowed]:
         raise SweepError(f"{where}{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
 
 
@@ -173,13 +173,11 @@ def _int_list(value: Any, where: str, *, min_value: int = 0) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _str_list(value: Any, where: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def _str_list(value: Any, where: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise SweepError(f"{where}: expected a non-empty list of strings, got {value!r}")
-    if allowed is not None:
-        bad = [v for v in value if v not in allowed]
-        if bad:
-            raise SweepError(f"{where}: {bad[0]!r} is not allowed; allowed: {', '.join(allowed)}")
+    if bad := [v for v in value if v not in allowed]:
+        raise SweepError(f"{where}: {bad[0]!r} is not allowed; allowed: {', '.join(allowed)}")
     return tuple(value)
 
 
@@ -189,8 +187,7 @@ def _hook_kwargs(value: Any, where: str) -> dict[str, Any] | None:
     if value is False:
         return None
     if isinstance(value, dict):
-        reserved = [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]
-        if reserved:
+        if reserved := [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]:
             raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
         return dict(value)
     raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
@@ -308,8 +305,7 @@ def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path =
         if not isinstance(values, list) or not values:
             raise SweepError(f"grid.{key}: expected a non-empty list of values, got {values!r}")
         grid[key] = values
-    clash = [(v, k) for v, ov in variants.items() for k in ov if k in grid]
-    if clash:
+    if clash := [(v, k) for v, ov in variants.items() for k in ov if k in grid]:
         raise SweepError(f"grid.{clash[0][1]}: also set by variants.{clash[0][0]}; set it in one place")
 
     seeds = _int_list(d.get("seeds", list(DEFAULT_SEEDS)), "seeds")
@@ -449,8 +445,7 @@ class _Runner:
 
         with torch.device("meta"):
             params = build_model(saved).num_params()
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = json.loads(p.read_text()) if (p := run_dir / "summary.json").exists() else {}
         return RunRecord(sweep=self.sweep.name, run_id=spec.run_id, variant=spec.variant,
                          variant_order=spec.variant_order, grid=spec.grid, seed=spec.seed, config=saved.to_dict(),
                          run_dir=str(run_dir.resolve()), params=params,
@@ -482,9 +477,8 @@ class _Runner:
                 res = evaluate_checkpoint(ckpt, depths=ev.depths, dataset=dataset, split=split,
                                           batch_size=ev.batch_size, max_tokens=ev.max_tokens, stride=ev.stride,
                                           device=self.device(), progress=self.progress)
-                self.store.put_many([(idents[T], {k: float(v) for k, v in res["depths"][str(T)].items()
-                                                  if k in ("ppl", "nll", "tokens")}) for T in ev.depths],
-                                    config=saved, settings=settings, provenance=res.get("provenance"))
+                self._put([(idents[T], {k: float(v) for k, v in res["depths"][str(T)].items()
+                                        if k in ("ppl", "nll", "tokens")}) for T in ev.depths], saved, settings, res)
                 done.append(f"ppl {dataset}/{split}: " + ", ".join(
                     f"T={T} {res['depths'][str(T)]['ppl']:.1f}" for T in ev.depths))
         return done
@@ -495,6 +489,9 @@ class _Runner:
     def _run_hook(self, protocol: str, ckpt: Path, *args, **settings) -> dict:
         return _hook(protocol)(ckpt, *args, progress=self.progress, **{"device": self.device(), **settings})
 
+    def _put(self, items: list, saved: Config, settings: dict[str, Any], res: dict[str, Any]) -> None:
+        self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
+
     def _eval_lambada(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
         ev, settings = self.ev, dict(self.ev.lambada)
         idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
@@ -503,8 +500,7 @@ class _Runner:
             return []
         if not dry:
             res = self._run_hook("lambada", ckpt, depths=list(ev.depths), **settings)
-            items = [(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths]
-            self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
+            self._put([(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths], saved, settings, res)
         return ["lambada"]
 
     def _eval_tasks(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
@@ -530,14 +526,12 @@ class _Runner:
         if dry:
             return ["tasks"]
         res = self._run_hook("tasks", ckpt, depths=list(ev.depths), halting=halting, **settings)
-        self.store.put_many([(ident, _numeric(res["accuracy"][str(k)][str(T)]))
-                             for (k, T), ident in idents.items()], config=saved, settings=settings,
-                            provenance=res.get("provenance"))
+        self._put([(ident, _numeric(res["accuracy"][str(k)][str(T)])) for (k, T), ident in idents.items()],
+                  saved, settings, res)
         if halting is not None:
             tau = res["halting"]["tau"]
-            self.store.put_many([(ident, {**_numeric(res["halting"]["by_k"][str(k)]), "tau": tau})
-                                 for k, ident in halt_idents.items()], config=saved, settings=halt_settings,
-                                provenance=res.get("provenance"))
+            self._put([(ident, {**_numeric(res["halting"]["by_k"][str(k)]), "tau": tau})
+                       for k, ident in halt_idents.items()], saved, halt_settings, res)
         T = ev.depths[-1]
         return [f"tasks: acc (%) at T={T} " + ", ".join(
             f"k={k} {100 * res['accuracy'][str(k)][str(T)]['acc']:.0f}" for k in ks)]
@@ -556,8 +550,7 @@ class _Runner:
         if dry:
             return ["kv_sharing"]
         res = self._run_hook("kv_sharing", ckpt, depths, **settings)
-        self.store.put_many([(idents[R], _numeric(res["depths"][str(R)])) for R in depths],
-                            config=saved, settings=settings, provenance=res.get("provenance"))
+        self._put([(idents[R], _numeric(res["depths"][str(R)])) for R in depths], saved, settings, res)
         return ["kv_sharing: " + ", ".join(f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%"
                                            for R in depths)]
 
@@ -588,7 +581,7 @@ class _Runner:
                                     settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
         if not items:
             raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records with a loop step t")
-        self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
+        self._put(items, saved, settings, res)
         return ["diagnose"]
 
     def pending(self, spec: RunSpec) -> list[str]:
@@ -670,16 +663,12 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
     specs = sweep.runs()
     chosen = {s.run_id for s in select_runs(specs, shard=shard)}
     db = out / "results.db"
-    store = ResultStore(db) if db.is_file() else None
-    if store is not None:
-        store.rehash()  # rows stored under an older identity rule count as done
-    try:
+    with ResultStore(db) if db.is_file() else contextlib.nullcontext() as store:
+        if store is not None:
+            store.rehash()  # rows stored under an older identity rule count as done
         runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
         todos = [(k, spec.run_id, runner.pending(spec)) for k, spec in enumerate(specs) if spec.run_id in chosen]
         return [{"index": k, "run_id": run_id, "todo": todo} for k, run_id, todo in todos if todo]
-    finally:
-        if store is not None:
-            store.close()
 
 
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
@@ -687,20 +676,17 @@ def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
     from looplm.data.corpora import source_fingerprint
     from looplm.data.paths import resolve_data_root
 
-    seen: set[tuple[str, str, str]] = set()
+    first: dict[tuple[str, str, str], RunSpec] = {}  # each (dataset, split, data root) once, with its first run
     for spec in specs:
-        data = spec.config.data
-        for dataset in ev.ppl_datasets(data):
+        for dataset in ev.ppl_datasets(spec.config.data):
             for split in ev.splits:
-                key = (dataset, split, data.data_root)
-                if key in seen:
-                    continue
-                seen.add(key)
-                try:
-                    source_fingerprint(data.replace(dataset=dataset), split, resolve_data_root(data.data_root))
-                except (FileNotFoundError, ValueError, ConfigError) as exc:
-                    raise SweepError(f"eval.datasets: {dataset} ({split} split) of run {spec.run_id} cannot be "
-                                     f"evaluated: {exc}") from None
+                first.setdefault((dataset, split, spec.config.data.data_root), spec)
+    for (dataset, split, root), spec in first.items():
+        try:
+            source_fingerprint(spec.config.data.replace(dataset=dataset), split, resolve_data_root(root))
+        except (FileNotFoundError, ValueError, ConfigError) as exc:
+            raise SweepError(f"eval.datasets: {dataset} ({split} split) of run {spec.run_id} cannot be "
+                             f"evaluated: {exc}") from None
 
 
 def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progress: bool = True,
