@@ -45,7 +45,7 @@ BlockInit = Literal["normal", "xavier_normal"]
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
 DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf", "task"]
 TaskName = Literal["phop", "modsum", "varchain", "addition", "pointer", "pointer_edges",
-                   "pointer_pairs", "pointer_pairs_mq"]  # looplm.tasks.TASKS
+                   "pointer_pairs", "pointer_pairs_mq", "pointer_forest"]  # looplm.tasks.TASKS
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallel = Literal["ddp", "fsdp"]

@@ -69,7 +69,7 @@ PRESETS: dict[str, Config] = {
                   train=dict(steps=40, batch_size=8, eval_every=20, eval_batches=2, eval_depth=4, ckpt_every=20)),
     # seq_len fits k up to 2·k_train (rows grow with k except for phop and pointer*); rope where they grow and
     # for pointer_edges (relative look-ups: an edge's child is the token before its parent); none for pointer_pairs
-    # (edges in random order, the query the only node token: a hop is a pure content match)
+    # and pointer_forest (edges in random order, the query the only node token: a hop is a pure content match)
     "task-phop": _task("phop", 8, 68, LearnedPositionConfig()),
     "task-varchain": _task("varchain", 4, 80, RopeConfig()),
     "task-modsum": _task("modsum", 8, 40, RopeConfig()),
@@ -78,6 +78,7 @@ PRESETS: dict[str, Config] = {
     "task-pointer_edges": _task("pointer_edges", 3, 52, RopeConfig()),
     "task-pointer_pairs": _task("pointer_pairs", 3, 18, NoPositionConfig()),
     "task-pointer_pairs_mq": _task("pointer_pairs_mq", 3, 28, NoPositionConfig()),
+    "task-pointer_forest": _task("pointer_forest", 3, 34, NoPositionConfig()),  # four trees: 32 edges + "?q"
 }
 
 

@@ -119,9 +119,38 @@ def _root_of(parent: dict[str, str], query: str) -> tuple[str, int]:
     return answer, hops
 
 
+def solve_pointer_forest(prompt: str) -> tuple[str, int]:
+    """Parses the 32 edge tokens (U+4E00 + 32·child + parent) and follows q's parents; checks the forest: every
+    node a … 5 the child of exactly one edge, four roots (self-loops) of four trees of 8 nodes, and each other tree
+    holding a node as many hops from its root as q (no count tells the roots apart)."""
+    edges, query = prompt.split("?")
+    nodes = "abcdefghijklmnopqrstuvwxyz012345"
+    pairs = [divmod(ord(t) - 0x4E00, 32) for t in edges]
+    assert len(edges) == 32 and all(0 <= c < 32 for c, _ in pairs) and len(query) == 1, "32 edge tokens, one query"
+    assert sorted(c for c, _ in pairs) == list(range(32)), "every node the child of exactly one edge"
+    parent = {nodes[c]: nodes[p] for c, p in pairs}
+
+    def walk(v: str) -> tuple[str, int]:
+        hops = 0
+        while parent[v] != v:
+            v, hops = parent[v], hops + 1
+            assert hops <= 32, "no cycle but the roots' self-loops"
+        return v, hops
+
+    walks = {v: walk(v) for v in nodes}
+    roots = [r for r, _ in walks.values()]
+    assert len(set(roots)) == 4 and all(roots.count(r) == 8 for r in set(roots)), "four trees of 8 nodes"
+    assert sorted(v for v in nodes if parent[v] == v) == sorted(set(roots)), "the roots are the self-loops"
+    answer, hops = walks[query]
+    for r in set(roots) - {answer}:
+        assert any(rv == r and d == hops for rv, d in walks.values()), "every other tree has a k-hop chain"
+    return answer, hops
+
+
 SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
            "pointer": solve_pointer, "pointer_edges": solve_pointer_edges,
-           "pointer_pairs": solve_pointer_pairs, "pointer_pairs_mq": solve_pointer_pairs}
+           "pointer_pairs": solve_pointer_pairs, "pointer_pairs_mq": solve_pointer_pairs,
+           "pointer_forest": solve_pointer_forest}
 
 
 def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
@@ -130,7 +159,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    known = "addition, modsum, phop, pointer, pointer_edges, pointer_pairs, pointer_pairs_mq, varchain"
+    known = "addition, modsum, phop, pointer, pointer_edges, pointer_forest, pointer_pairs, pointer_pairs_mq, varchain"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
         get_task("nope")
 
@@ -173,6 +202,35 @@ def test_multi_query_rows_score_every_answer_and_hold_out_every_view():
     views = {p for i in insts for _, p in get_task("pointer_pairs_mq").views(i)}
     assert len(views) > len(insts) and not views & held
     assert all(len(i.prompt) == 18 for k in (1, 5, 7) for i in heldout("pointer_pairs_mq", k, "test", 8, 0))
+
+
+def test_pointer_forest_has_four_equal_trees_and_a_fixed_length_prompt():
+    """Beyond the solver (run on every task above): q's hops counted on a parent array rebuilt from the tokens,
+    every root a possible answer (each of the four is the answer about a quarter of the time: the roots'
+    self-loops alone earn 25%), 34 prompt tokens at every k, and the instance fits the preset's seq_len."""
+    from looplm.presets import PRESETS
+
+    fam = get_task("pointer_forest")
+    assert fam.max_k == 7 and len(fam.vocab.vocab) == 1 + 41 + 1024
+    assert not {chr(c) for c in range(0x100, 0x200)} & set(fam.vocab.chars)  # apart from pointer_pairs' tokens
+    nodes = "abcdefghijklmnopqrstuvwxyz012345"
+    rank = {}
+    for k in range(1, 8):
+        for inst in heldout("pointer_forest", k, "valid", 64, 0):
+            edges, q = inst.prompt.split("?")
+            parent = [0] * 32
+            for t in edges:
+                parent[(ord(t) - 0x4E00) // 32] = (ord(t) - 0x4E00) % 32
+            v, hops = nodes.index(q), 0
+            while parent[v] != v:
+                v, hops = parent[v], hops + 1
+            assert (nodes[v], hops) == (inst.answer, k) and len(inst.prompt) == 34
+            roots = sorted(nodes[r] for r in range(32) if parent[r] == r)
+            rank[roots.index(inst.answer)] = rank.get(roots.index(inst.answer), 0) + 1
+    assert sorted(rank) == [0, 1, 2, 3] and max(rank.values()) < 0.4 * sum(rank.values())
+    x, _ = rows("pointer_forest", list(heldout("pointer_forest", 7, "valid", 8, 0)),
+                PRESETS["task-pointer_forest"].model.seq_len)
+    assert x.shape[1] == PRESETS["task-pointer_forest"].model.seq_len == 34
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

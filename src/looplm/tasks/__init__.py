@@ -2,7 +2,7 @@
 §1): p-hop induction, modular running sums, variable-binding chains, multi-digit addition; one module per
 :class:`~looplm.tasks.base.TaskFamily`, seeded data in :mod:`.data` (``data.dataset=task``)."""
 
-from looplm.tasks import addition, modsum, phop, pointer, varchain  # noqa: F401  (each registers its family)
+from looplm.tasks import addition, forest, modsum, phop, pointer, varchain  # noqa: F401  (each registers its family)
 from looplm.tasks.base import (CHARS, EOT, PAD_ID, TASKS, VOCAB, Instance, TaskFamily, decode, encode, get_task,
                                tokenizer)
 

@@ -25,11 +25,12 @@ NODES = "abcdefghijklmnopqrstuvwxyz"
 TREE = len(NODES) // 2  # nodes per tree
 
 
-def _forest(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``(parent, trees)``: two trees of n/2 nodes over ``range(n)``, each with a chain of exactly k hops ending
-    at ``trees[i][k]`` (``trees[0]`` holds the query); the other nodes attach to an earlier node of their tree."""
+def _forest(n: int, k: int, rng: np.random.Generator, n_trees: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """``(parent, trees)``: ``n_trees`` trees of n/n_trees nodes over ``range(n)``, each with a chain of exactly k
+    hops ending at ``trees[i][k]`` (``trees[0]`` holds the query); the other nodes attach to an earlier node of
+    their tree. The same draws for every ``n_trees``: two trees give what they gave before the argument."""
     parent = np.empty(n, dtype=np.int64)
-    trees = rng.permutation(n).reshape(2, n // 2)
+    trees = rng.permutation(n).reshape(n_trees, n // n_trees)
     for tree in trees:
         chain, rest = tree[: k + 1], tree[k + 1:]
         parent[chain[0]] = chain[0]

@@ -13,6 +13,10 @@ This is a probe with its own 20-line loop over looplm's model, optimizer and tas
 per-loop targets); 1 seed.
 
     PYTHONPATH=src python experiments/depth-testbed/probes/hop_targets/hop_targets.py --targets hop --out DIR
+
+``--task pointer_forest`` (probe 23) runs the same on the four-tree forest (preset ``task-pointer_forest``); the
+default ``pointer_pairs`` is what ``hop/`` and ``hop-plain/`` ran. ``attention_on_other_roots`` (added with
+``--task``): the mass on the other trees' self-loops.
 """
 
 from __future__ import annotations
@@ -31,20 +35,24 @@ from looplm.model import build_model, eval_mode, layers
 from looplm.presets import get_preset
 from looplm.tasks import get_task
 from looplm.tasks.data import accuracy_by_depth, heldout, rows, task_data, train_instances
+from looplm.tasks.forest import FOREST_NODES, forest_pair
 from looplm.tasks.pointer import EDGE_NODES, pair_of
 from looplm.train.optim import Optimization
 
-TASK, K_EVAL, T_EVAL = "pointer_pairs", range(1, 8), list(range(1, 17))
+TASK, K_EVAL, T_EVAL = "pointer_pairs", range(1, 8), list(range(1, 17))  # TASK: set by --task
+#: per task, the node names and the (child, parent) of an edge token
+GRAPHS = {"pointer_pairs": (EDGE_NODES, pair_of), "pointer_forest": (FOREST_NODES, forest_pair)}
 
 
 def ancestors(prompt: str, depth: int, vocab: dict[str, int]) -> list[int]:
     """Token ids of the t-th ancestor of the queried node, t = 1 … depth (the root's parent is itself)."""
+    nodes, pair_of = GRAPHS[TASK]
     edges, q = prompt.split("?")
     parent = dict(pair_of(tok) for tok in edges)
-    node, out = EDGE_NODES.index(q), []
+    node, out = nodes.index(q), []
     for _ in range(depth):
         node = parent[node]
-        out.append(vocab[EDGE_NODES[node]])
+        out.append(vocab[nodes[node]])
     return out
 
 
@@ -74,10 +82,12 @@ def hop_accuracy(model, insts, vocab: dict[str, int], depth: int = 8) -> list[fl
 
 
 @torch.no_grad()
-def attention_on_chain(model, insts, loops: int = 4) -> list[list[float]]:
+def attention_on_chain(model, insts, loops: int = 4) -> tuple[list[list[float]], list[float]]:
     """``[t][j]``: attention mass of the answer position at loop t (1 … loops) on the edge of q's j-th ancestor
     (j = 0: q's own edge, … k: the root's self-loop), the head that puts most there, mean over instances (a
-    1-block model: one attention call per loop). Read by wrapping ``looplm.model.layers.attention``."""
+    1-block model: one attention call per loop). Read by wrapping ``looplm.model.layers.attention``. Also
+    ``[t]``: the summed mass on the self-loops of the roots other than q's, the head that puts most there."""
+    nodes, pair_of = GRAPHS[TASK]
     probs, plain = [], layers.attention
 
     def spy(q, k, v, **kw):  # q, k (B, H, L, hd): the last query's attention over all keys (causal)
@@ -94,25 +104,33 @@ def attention_on_chain(model, insts, loops: int = 4) -> list[list[float]]:
         layers.attention = plain
     k = insts[0].k
     where = torch.zeros(len(insts), k + 1, dtype=torch.long)  # position of the edge of ancestor j
+    others = torch.zeros(len(insts), probs[0].shape[-1])  # 1 at the other roots' self-loops
     for r, inst in enumerate(insts):
         edges, q = inst.prompt.split("?")
         child = {pair_of(tok)[0]: pos for pos, tok in enumerate(edges)}
-        node, parent = EDGE_NODES.index(q), dict(map(pair_of, edges))
+        node, parent = nodes.index(q), dict(map(pair_of, edges))
         for j in range(k + 1):
             where[r, j] = child[node]
             node = parent[node]
-    return [[round(float(p.gather(2, where[:, None, :].expand(-1, p.shape[1], -1)).amax(1)[:, j].mean()), 3)
-             for j in range(k + 1)] for p in probs]
+        for c, p in parent.items():
+            if c == p and c != node:
+                others[r, child[c]] = 1.0
+    chain = [[round(float(p.gather(2, where[:, None, :].expand(-1, p.shape[1], -1)).amax(1)[:, j].mean()), 3)
+              for j in range(k + 1)] for p in probs]
+    return chain, [round(float((p * others[:, None, :]).sum(-1).amax(1).mean()), 3) for p in probs]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--targets", choices=["hop", "root"], required=True)
+    ap.add_argument("--task", choices=sorted(GRAPHS), default="pointer_pairs")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a further config override, e.g. model.rule=plain (repeatable)")
     args = ap.parse_args()
+    global TASK
+    TASK = args.task
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = apply_overrides(get_preset(f"task-{TASK}"), {"model.init_std": 0.06, "optim.lr": 2e-3,
@@ -144,11 +162,12 @@ def main() -> None:
     for k in K_EVAL:
         insts = list(heldout(TASK, k, "valid", cfg.data.task_heldout, cfg.data.task_seed))
         r = accuracy_by_depth(model, *rows(TASK, insts, cfg.model.seq_len), T_EVAL)
+        chain, other_roots = attention_on_chain(model, insts)
         by_k[k] = {"acc_by_T": {T: round(100 * r[T]["acc"], 1) for T in T_EVAL},
                    "hop_acc": [round(100 * a, 1) for a in hop_accuracy(model, insts, vocab)],
-                   "attention_on_chain": attention_on_chain(model, insts)}
+                   "attention_on_chain": chain, "attention_on_other_roots": other_roots}
     args.out.mkdir(parents=True, exist_ok=True)
-    json.dump({"targets": args.targets, "set": args.set, "steps": args.steps, "wall_s": round(time.time() - t0), "k_train": cfg.data.task_k,
+    json.dump({"task": TASK, "targets": args.targets, "set": args.set, "steps": args.steps, "wall_s": round(time.time() - t0), "k_train": cfg.data.task_k,
                "config": cfg.to_dict(), "validation": curve, "valid_by_k": by_k},
               open(args.out / "result.json", "w"), indent=1)
 
