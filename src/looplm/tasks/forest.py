@@ -8,7 +8,7 @@ at every loop makes the first hop at 100% but never the second; loop 2 attends t
 
 Our design (sizes our choice): 32 nodes (``FOREST_NODES``: ``a … z``, ``0 … 5``), four trees of 8 nodes, each
 holding a chain of exactly k hops (the queried one ends at q) and the other 7 − k nodes attached to an earlier
-node of their tree (``pointer._forest`` with ``n_trees=4``): all trees the same size, each with a k-hop chain,
+node of their tree (``pointer.forest`` with ``n_trees=4``): all trees the same size, each with a k-hop chain,
 so no count tells the roots apart. Each edge child → parent is one token (:func:`forest_token`, 1,024 tokens
 U+4E00 + 32·child + parent, apart from ``pointer_pairs``' U+0100 … U+01FF; a root is its own parent); the prompt
 is the 32 edge tokens in random order, then ``"?q"``, and the answer, the root of q, is read at q itself. 34
@@ -24,7 +24,7 @@ import numpy as np
 
 from looplm.data.tokenizer import CharVocab
 from looplm.tasks.base import CHARS, EOT, Instance, TaskFamily, register_task
-from looplm.tasks.pointer import _forest
+from looplm.tasks.pointer import forest
 
 FOREST_NODES = "abcdefghijklmnopqrstuvwxyz012345"
 N_TREES = 4
@@ -49,7 +49,7 @@ class PointerForest(TaskFamily):
                                       for p in range(len(FOREST_NODES))), EOT)
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = _forest(len(FOREST_NODES), k, rng, N_TREES)
+        parent, trees = forest(len(FOREST_NODES), k, rng, N_TREES)
         edges = "".join(forest_token(c, parent[c]) for c in rng.permutation(len(FOREST_NODES)))
         return Instance(prompt=edges + f"?{FOREST_NODES[trees[0][k]]}", answer=FOREST_NODES[trees[0][0]], k=k)
 

@@ -25,7 +25,7 @@ NODES = "abcdefghijklmnopqrstuvwxyz"
 TREE = len(NODES) // 2  # nodes per tree
 
 
-def _forest(n: int, k: int, rng: np.random.Generator, n_trees: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def forest(n: int, k: int, rng: np.random.Generator, n_trees: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """``(parent, trees)``: ``n_trees`` trees of n/n_trees nodes over ``range(n)``, each with a chain of exactly k
     hops ending at ``trees[i][k]`` (``trees[0]`` holds the query); the other nodes attach to an earlier node of
     their tree. The same draws for every ``n_trees``: two trees give what they gave before the argument."""
@@ -46,7 +46,7 @@ class Pointer(TaskFamily):
     max_k = TREE - 1
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = _forest(len(NODES), k, rng)
+        parent, trees = forest(len(NODES), k, rng)
         prompt = "".join(NODES[p] for p in parent) + f"?{NODES[trees[0][k]]}="
         return Instance(prompt=prompt, answer=NODES[trees[0][0]], k=k)
 
@@ -70,7 +70,7 @@ class PointerEdges(TaskFamily):
     max_k = len(EDGE_NODES) // 2 - 1
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        parent, trees = forest(len(EDGE_NODES), k, rng)
         edges = "".join(f"{EDGE_NODES[c]}{EDGE_NODES[parent[c]]};" for c in rng.permutation(len(EDGE_NODES)))
         return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k)
 
@@ -103,7 +103,7 @@ class PointerPairs(PointerEdges):
                                       for p in range(len(EDGE_NODES))), EOT)
 
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        parent, trees = forest(len(EDGE_NODES), k, rng)
         edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
         return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}", answer=EDGE_NODES[trees[0][0]], k=k)
 
@@ -133,7 +133,7 @@ class PointerPairsMQ(PointerPairs):
     queries = 4
 
     def make_train(self, k: int, k_train: int, rng: np.random.Generator) -> Instance:
-        parent, trees = _forest(len(EDGE_NODES), k, rng)
+        parent, trees = forest(len(EDGE_NODES), k, rng)
         hops, chain = _hops(parent), set(trees[0][: k + 1].tolist())
         pool = [v for v in range(len(EDGE_NODES)) if v not in chain and 1 <= hops[v] <= k_train]
         extra = rng.permutation(pool)[: int(rng.integers(self.queries))]
