@@ -363,6 +363,9 @@ def test_task_run_resumes_exactly_and_eval_tasks_reads_it(tmp_path, capsys):
     from looplm.run.provenance import weights_sha256
     assert res["provenance"]["weights_sha256"] == weights_sha256(res["checkpoint"])
     assert (res["provenance"]["task"], res["provenance"]["task_seed"]) == (res["task"], 0)
+    # depth 0 (no loop) is not a loop depth: refused with the flag named
+    assert main(["eval", "tasks", "--checkpoint", str(full), "--depths", "0,1", "--quiet"]) == 2
+    assert "--depths: loop depths must be >= 1, got 0" in capsys.readouterr().err
     # a task checkpoint has no text to score: a one-line error naming `eval tasks`
     assert main(["eval", "ppl", "--checkpoint", str(full), "--depths", "1", "--quiet"]) == 2
     assert "looplm eval tasks" in capsys.readouterr().err

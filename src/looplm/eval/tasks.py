@@ -202,6 +202,8 @@ def evaluate_task_checkpoint(checkpoint: str | Path, *, depths: Sequence[int] | 
         family.check_k(k, "--ks")
     train_depth = cfg.depth.max_depth()
     depths = sorted(set(depths or range(1, 2 * train_depth + 1)))
+    if depths[0] < 1:
+        raise ValueError(f"--depths: loop depths must be >= 1, got {depths[0]}")
     halting = None if halting is None else check_halting(halting, depths[-1])
     acc = task_accuracy(model, data, ks, depths, split=split, max_examples=max_examples, batch_size=batch_size,
                         device=torch.device(device), progress=progress)
