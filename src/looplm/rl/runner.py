@@ -45,9 +45,6 @@ def _seed(*key: object) -> int:
     return key_hash("looplm-rl-seed", *key) & ((1 << 63) - 1)
 
 
-# ---------------------------------------------------------------------------------------------- pretraining
-
-
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
                   train_records: int = 200_000, resume: bool = False, stop_after: int | None = None,
                   progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
@@ -83,9 +80,6 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
     task_file.write_text(json.dumps(spec, indent=2) + "\n")
     summary = train(cfg, out, resume=resume, progress=progress, data=data, stop_after=stop_after, overwrite=overwrite)
     return {**summary, "task": spec}
-
-
-# ---------------------------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
@@ -164,9 +158,6 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
                        f"{samples} samples at T = {temperature}: pass@1 {100 * res['pass@1']:.2f}%, pass@{samples} "
                        f"{100 * res[f'pass@{samples}']:.2f}%, greedy {100 * res['greedy']:.2f}%")
     return res
-
-
-# ---------------------------------------------------------------------------------------------- the RL run
 
 
 def training_problems(task, cfg: RLConfig, update: int) -> list:

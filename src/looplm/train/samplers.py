@@ -192,8 +192,6 @@ class LearnedDepthPrior(DepthSampler):
         with torch.no_grad():
             self._probs = torch.softmax(self.logits, 0).numpy().copy()
 
-    # --- the distribution -------------------------------------------------------------------------
-
     def probs(self) -> np.ndarray:
         """p_φ(r) for r = 1..R_max, float64 (R_max,)."""
         return self._probs.copy()
@@ -210,8 +208,6 @@ class LearnedDepthPrior(DepthSampler):
 
     def sample(self, seed, step, micro=0):
         return _draw_categorical(self._probs, _rng(seed, step, micro, "depth"))
-
-    # --- learning ---------------------------------------------------------------------------------
 
     def observe(self, depth: int, ce: float, n_tokens: int) -> None:
         """Record one microbatch's depth, mean CE (nats/token) and tokens (ValueError outside 1..R_max or n < 1)."""
@@ -279,8 +275,6 @@ class LearnedDepthPrior(DepthSampler):
             return float((w @ (x - w @ x) ** 2).sqrt())
 
         return max(std(ce), 1e-12) / max(std(reward), 1e-12)
-
-    # --- checkpointing ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Logits, Adam state, baseline, updates, s and its window (checkpoints fall between steps: no pending obs)."""
