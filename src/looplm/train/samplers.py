@@ -152,7 +152,7 @@ class LearnedDepthPrior(DepthSampler):
         J(φ) = −Ê_n[sg(A_n) log p_φ(r_n)] − λ_H H(p_φ) + λ_m (E_p[R] − R̄)²,
 
     Ê_n token-weighted over the step's microbatches, A_n = u_n − b, u_n = ω(CE_n) the reward arm. Our choices: b
-    is one scalar EMA (``baseline_decay``) of the mean reward, from the first step's, taken before the step;
+    is one scalar EMA (decay ``baseline_decay``) of the mean reward, from the first step's, taken before the step;
     the first ``warmup`` updates move only b and s. ``scale`` multiplies A_n by s = max(std(CE), 1e-12) /
     max(std(u), 1e-12), token-weighted population stds over the previous ``scale_window`` updates (s = 1
     before; exactly 1 for neg_ce). Per step: ``sample`` and ``observe`` per microbatch, then ``update``.
@@ -160,13 +160,11 @@ class LearnedDepthPrior(DepthSampler):
     """
 
     name = "learned"
+    baseline_decay = 0.9
 
     def __init__(self, budget_mean: float, sigma: float, r_max: int, *, lr: float = 1e-3,
                  entropy_weight: float = 0.01, budget_weight: float = 1.0, warmup: int = 32,
-                 reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1,
-                 init: list[float] | None = None):
-        if not 0 <= baseline_decay < 1:
-            raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
+                 reward: str = "neg_ce", scale: bool = False, scale_window: int = 1, init: list[float] | None = None):
         weights = LearnedDepthConfig(mean=budget_mean, sigma=sigma, cap=r_max, lr=lr, entropy=entropy_weight,
                                      budget=budget_weight, warmup=warmup, reward=reward, scale=scale,
                                      scale_window=scale_window, init=list(init or [])).init
@@ -175,7 +173,7 @@ class LearnedDepthPrior(DepthSampler):
         self.r_max = self.max_depth = int(r_max)
         self.budget_mean = float(budget_mean)
         self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
-        self.warmup, self.reward, self.baseline_decay = int(warmup), reward, float(baseline_decay)
+        self.warmup, self.reward = int(warmup), reward
         self.logits = torch.nn.Parameter(torch.from_numpy(np.log(init)))  # (R_max,) float64
         self.optimizer = torch.optim.Adam([self.logits], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.baseline: float | None = None
