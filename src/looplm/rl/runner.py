@@ -23,7 +23,7 @@ from looplm.rl.config import RLConfig
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
                             update_gradient)
 from looplm.rl.rewards import get_reward
-from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
+from looplm.rl.task import NEWLINE_ID, VOCAB, build_task, encode, tokenizer
 from looplm.tasks.base import key_hash
 from looplm.train.optim import Optimization
 
@@ -117,8 +117,6 @@ def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature
 def _task_of(ckpt: Path, task: str | None, digits: int | None):
     """The task a checkpoint was pretrained on (its run's task.json), unless given.
     ValueError: not the task vocabulary (not a `looplm rl pretrain` model), or no task.json nor ``digits``."""
-    from looplm.rl.task import VOCAB
-
     tok = ckpt / TOKENIZER_FILE
     vocab = json.loads(tok.read_text()).get("model", {}).get("vocab") if tok.exists() else None
     if vocab != VOCAB:
