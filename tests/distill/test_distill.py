@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from looplm.config import Config, ConfigError, DataConfig, FixedDepthConfig, ModelConfig, OptimConfig, TrainConfig
-from looplm.distill import (DistillConfig, StudentMismatchError, build_student, distill_loss, distilled_prefill,
-                            load_student, teacher_fingerprint)
-from looplm.distill.loss import VarianceAccumulator
+from looplm.distill.config import DistillConfig
+from looplm.distill.loss import VarianceAccumulator, distill_loss
+from looplm.distill.prefill import distilled_prefill
+from looplm.distill.student import StudentMismatchError, build_student, load_student, teacher_fingerprint
 from looplm.model import KVCache, build_model
 from looplm.model.cursor import Readout
 from helpers import VARIANTS, tiny  # noqa: E402

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from looplm.config import Config, ConfigError, DepthConfig, LearnedDepthConfig, apply_overrides
+from looplm.config import (Config, ConfigError, DepthConfig, FixedDepthConfig, LearnedDepthConfig, PLNDepthConfig,
+                           apply_overrides)
 from looplm.train.samplers import (REWARDS, SAMPLERS, FixedDepth, LearnedDepthPrior, PoissonLogNormalDepth,
                                    UniformDepth, build_sampler)
 
@@ -16,9 +17,14 @@ CAP = 64
 DEPTHS = np.arange(1, CAP + 1)
 
 
+def learned(mean: float = 5.0, cap: int = CAP, **kw) -> LearnedDepthPrior:
+    """The learned prior of ``depth.sampler=learned`` with σ = 0.5 and the other depth.* fields ``kw``."""
+    return LearnedDepthPrior(LearnedDepthConfig(mean=mean, sigma=0.5, cap=cap, **kw))
+
+
 @pytest.fixture(scope="module")
 def pln():
-    return PoissonLogNormalDepth(5.0, 0.5, CAP)
+    return PoissonLogNormalDepth(PLNDepthConfig(mean=5.0, sigma=0.5, cap=CAP))
 
 
 # --- Poisson log-normal -------------------------------------------------------------------------------
@@ -63,7 +69,7 @@ def test_pln_draws_are_a_function_of_seed_step_micro(pln):
 ])
 def test_pln_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        PoissonLogNormalDepth(**kwargs)
+        PoissonLogNormalDepth(PLNDepthConfig(**kwargs))
 
 
 # --- registry -------------------------------------------------------------------------------------------
@@ -77,7 +83,7 @@ def test_registry_matches_config_and_builds_every_sampler():
         s = build_sampler(DepthConfig.VARIANTS[name]())
         assert type(s) is cls and s.name == name and s.max_depth == max_depth
         assert 1 <= s.sample(0, 0) <= max_depth
-    fixed = FixedDepth(3)  # the trainer calls the learning hooks on any sampler
+    fixed = FixedDepth(FixedDepthConfig(depth=3))  # the trainer calls the learning hooks on any sampler
     fixed.observe(3, 2.0, 10)
     assert fixed.update() == {} and fixed.state_dict() == {}
 
@@ -98,7 +104,7 @@ def _train(prior, ce_of_depth, steps, *, first_step=0, micro=4, n_tokens=(1000, 
 
 
 def test_learned_prior_starts_at_pln(pln):
-    prior = LearnedDepthPrior(5.0, 0.5, CAP)
+    prior = learned()
     np.testing.assert_allclose(prior.probs(), pln.pmf(), rtol=1e-12, atol=0)
     assert abs(prior.mean_depth() - 5.0) < 1e-9 and prior.max_depth == CAP
     assert prior.logits.dtype == torch.float64
@@ -108,7 +114,7 @@ def test_learned_prior_gradient_matches_closed_form():
     # ∂J/∂φ_r = −Σ_n w_n A_n (1[r = r_n] − p_r) + λ_H p_r (log p_r + H)
     #           + 2 λ_m (E_p[R] − R̄) p_r (r − E_p[R])
     # (softmax score function; LMDR App. B.3 gives ∂H/∂φ_r = −p_r (log p_r + H)).
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, entropy_weight=0.3, budget_weight=2.0, warmup=1)
+    prior = learned(entropy=0.3, budget=2.0, warmup=1)
     prior.observe(4, 3.0, 100)
     prior.update()  # warm-up: baseline = −3.0
     p0 = prior.probs()
@@ -129,7 +135,7 @@ def test_learned_prior_gradient_matches_closed_form():
 
 @pytest.mark.parametrize("slope", [0.0, 0.05])  # flat CE, and CE falling 0.05 nats per extra loop step
 def test_budget_keeps_mean_depth_near_target(slope):
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, budget_weight=1.0)
+    prior = learned(budget=1.0)
     _train(prior, lambda r: 3.0 - slope * r, 300)
     print(f"slope {slope}: E_p[R] after 300 updates = {prior.mean_depth():.4f} (R̄ = 5)")
     assert prior.updates == 300
@@ -137,7 +143,7 @@ def test_budget_keeps_mean_depth_near_target(slope):
 
 
 def test_strong_reward_pulls_prior_toward_rewarded_depth():
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, budget_weight=0.0, lr=1e-2)
+    prior = learned(budget=0.0, lr=1e-2)
     before = prior.probs()[9]
     _train(prior, lambda r: 2.0 if r == 10 else 4.0, 300)
     after = prior.probs()
@@ -146,7 +152,7 @@ def test_strong_reward_pulls_prior_toward_rewarded_depth():
 
 
 def test_warmup_sets_baseline_without_moving_logits():
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, warmup=3, reward="log_ce")
+    prior = learned(warmup=3, reward="log_ce")
     logits0 = prior.logits.detach().clone()
     mean_ce = [2.0, 4.0, 3.0]  # token-weighted mean CE of each step's two microbatches
     for ce in mean_ce:
@@ -182,8 +188,7 @@ def _wstd(x, n):
 def test_advantage_scale_by_hand():
     """inv_ppl with s (LMDR App. B.3): update n uses s_{n−1} = std(CE)/std(u) of update n−1's microbatches
     (token-weighted), s_0 = 1; the prior loss of update 2 is −Σ w_n s_1 (u_n − b_1) log p(r_n)."""
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, entropy_weight=0.0, budget_weight=0.0, warmup=0, reward="inv_ppl",
-                              scale=True)
+    prior = learned(entropy=0.0, budget=0.0, warmup=0, reward="inv_ppl", scale=True)
     obs1 = [(2, 2.0, 100), (6, 3.0, 300)]
     for o in obs1:
         prior.observe(*o)
@@ -206,7 +211,7 @@ def test_advantage_scale_by_hand():
     assert m2["loss"] == pytest.approx(want, rel=1e-10)
     # window 2 pools both updates' microbatches
     ce12, n12 = ce1 + [2.5, 4.0], n1 + [200, 200]
-    wide = LearnedDepthPrior(5.0, 0.5, CAP, reward="inv_ppl", scale=True, scale_window=2)
+    wide = learned(reward="inv_ppl", scale=True, scale_window=2)
     for obs in (obs1, obs2):
         for o in obs:
             wide.observe(*o)
@@ -218,20 +223,20 @@ def test_advantage_scale_by_hand():
 def test_advantage_scale_is_one_for_neg_ce_and_single_microbatches():
     """neg_ce: std(CE) = std(−CE), so s = 1 exactly and the run is identical to the unscaled one; one
     microbatch per update (window 1): both stds are 0, floored at 1e-12, s = 1."""
-    a = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2, scale=True)
-    b = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2)
+    a = learned(warmup=2, lr=1e-2, scale=True)
+    b = learned(warmup=2, lr=1e-2)
     assert _train(a, lambda r: 3.0 - 0.05 * r, 10) == _train(b, lambda r: 3.0 - 0.05 * r, 10)
     assert a.advantage_scale == 1.0 and torch.equal(a.logits.detach(), b.logits.detach())  # exact: same updates
-    one = LearnedDepthPrior(5.0, 0.5, CAP, reward="inv_ppl", scale=True)
+    one = learned(reward="inv_ppl", scale=True)
     _train(one, lambda r: 3.0 - 0.05 * r, 5, micro=1)
     assert one.advantage_scale == 1.0
 
 
 def test_advantage_scale_resumes_exactly():
     cfg = dict(warmup=2, lr=1e-2, reward="inv_ppl", scale=True, scale_window=3)
-    a = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    a = learned(**cfg)
     _train(a, lambda r: 3.0 + 0.1 * abs(r - 7), 6)
-    b = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    b = learned(**cfg)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     assert _train(a, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6) == \
         _train(b, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6)
@@ -239,7 +244,7 @@ def test_advantage_scale_resumes_exactly():
     assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
     old = a.state_dict()
     del old["advantage_scale"], old["scale_history"]  # a checkpoint from before depth.scale
-    c = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    c = learned(**cfg)
     c.load_state_dict(old)
     assert c.advantage_scale == 1.0
     t = LearnedDepthConfig(reward="inv_ppl", scale=True, scale_window=4)
@@ -254,12 +259,12 @@ def test_state_dict_round_trip_resumes_exactly():
         return 3.0 + 0.1 * abs(r - 7)
 
     cfg = dict(warmup=5, lr=1e-2)
-    a = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    a = learned(**cfg)
     _train(a, ce, 20)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)  # as the checkpoint writes train_state.pt
     buf.seek(0)
-    b = LearnedDepthPrior(5.0, 0.5, CAP, **cfg)
+    b = learned(**cfg)
     b.load_state_dict(torch.load(buf, weights_only=False))
     draws_a = _train(a, ce, 20, first_step=20)
     draws_b = _train(b, ce, 20, first_step=20)
@@ -267,14 +272,14 @@ def test_state_dict_round_trip_resumes_exactly():
     assert torch.equal(a.logits.detach(), b.logits.detach()) and a.baseline == b.baseline  # exact: same updates
     assert a.updates == b.updates == 40
     with pytest.raises(ValueError, match="depth.cap"):
-        LearnedDepthPrior(5.0, 0.5, 32).load_state_dict(a.state_dict())
+        learned(cap=32).load_state_dict(a.state_dict())
 
 
 def test_reduce_hook_two_identical_ranks_equals_single_process():
     def ce(r):
         return 3.0 - 0.05 * r
 
-    single = LearnedDepthPrior(5.0, 0.5, CAP, warmup=2, lr=1e-2)
+    single = learned(warmup=2, lr=1e-2)
     ranks = copy.deepcopy(single)
     d1 = _train(single, ce, 10)
     d2 = _train(ranks, ce, 10, reduce=lambda t: 2 * t)  # fake all-reduce over 2 ranks with equal stats
@@ -289,11 +294,11 @@ def test_reduce_hook_two_identical_ranks_equals_single_process():
 
 def test_learned_prior_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="depth.reward"):
-        LearnedDepthPrior(5.0, 0.5, CAP, reward="bogus")
+        learned(reward="bogus")
     with pytest.raises(ValueError, match="depth.mean"):
-        LearnedDepthPrior(70.0, 0.5, CAP)
+        learned(70.0)
     with pytest.raises(ValueError, match="learned prior: depth"):
-        LearnedDepthPrior(5.0, 0.5, CAP).observe(65, 3.0, 10)
+        learned().observe(65, 3.0, 10)
 
 
 @pytest.mark.parametrize("cap,mean", [(64, 32.5), (10, 5.5)])
@@ -310,7 +315,7 @@ def test_prior_init_weights_normalized_and_frozen_through_warmup():
     """depth.init weights w give p = w / Σw; with depth.warmup >= the updates (the frozen-prior ablation) the
     logits never move. Same float64 computation on both sides up to the softmax's rounding."""
     w = np.arange(1.0, CAP + 1.0)
-    prior = LearnedDepthPrior(5.0, 0.5, CAP, init=list(w), warmup=3, lr=1.0)
+    prior = learned(init=list(w), warmup=3, lr=1.0)
     np.testing.assert_allclose(prior.probs(), w / w.sum(), rtol=1e-12)
     before = prior.logits.detach().clone()
     for step in range(3):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from looplm.config import ConfigError, FixedDepthConfig, OptimConfig
+from looplm.config import ConfigError, FixedDepthConfig, OptimConfig, UniformDepthConfig
 from looplm.model import build_model
 from looplm.run.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
                                    newest_valid_checkpoint, save_checkpoint)
@@ -113,14 +113,14 @@ def test_missing_checkpoint_error(tmp_path):
 
 
 def test_uniform_sampler_is_a_function_of_seed_and_step():
-    s = UniformDepth(1, 8)
+    s = UniformDepth(UniformDepthConfig(lo=1, hi=8))
     draws = [s.sample(0, step) for step in range(4000)]
     assert draws == [s.sample(0, step) for step in range(4000)]
     assert draws != [s.sample(1, step) for step in range(4000)]
     counts = torch.bincount(torch.tensor(draws), minlength=9)[1:]
     assert counts.min() > 400 and counts.max() < 600  # 500 expected per depth
     assert abs(sum(draws) / len(draws) - 4.5) < 0.1
-    assert FixedDepth(5).sample(3, 7) == 5
+    assert FixedDepth(FixedDepthConfig(depth=5)).sample(3, 7) == 5
     assert build_sampler(FixedDepthConfig(depth=3)).sample(0, 0) == 3
 
 

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from looplm.config import DataConfig
 
@@ -158,6 +159,16 @@ def _hub_available() -> bool:
     return True
 
 
+def _from_hub(load: Callable[[], Any], missing: Callable[[str], FileNotFoundError]) -> Any:
+    """``load()``, or ``missing(why)`` raised when ``datasets`` is not installed or the hub fails."""
+    if not _hub_available():
+        raise missing("the `datasets` package is not installed")
+    try:
+        return load()
+    except Exception as e:  # offline, hub down, auth …: all end in the same advice
+        raise missing(f"the hub failed: {type(e).__name__}: {e}") from e
+
+
 def _wikitext_hub_text(hub_config: str, split: str) -> str:
     """A raw WikiText split from ``Salesforce/wikitext`` rows, byte for byte (empty rows were ``" \\n"``)."""
     import datasets
@@ -170,9 +181,9 @@ def _wikitext(dirname: str, hub_config: str) -> tuple[Callable, Callable]:
     def local_path(data_root: Path, split: str) -> Path:
         return data_root / dirname / f"wiki.{split}.raw"
 
-    def missing(path: Path, split: str, why: str) -> FileNotFoundError:
-        return FileNotFoundError(
-            f"{path} not found ({why}). Put the raw WikiText file wiki.{split}.raw there, set "
+    def missing(path: Path, split: str) -> Callable[[str], FileNotFoundError]:
+        return lambda why: FileNotFoundError(
+            f"{path} not found (and {why}). Put the raw WikiText file wiki.{split}.raw there, set "
             f"LOOPLM_DATA / data.data_root to a directory with {dirname}/wiki.{split}.raw, or "
             f"`pip install datasets` while online to load Salesforce/wikitext {hub_config} from "
             f"the Hugging Face hub.")
@@ -181,20 +192,14 @@ def _wikitext(dirname: str, hub_config: str) -> tuple[Callable, Callable]:
         path = local_path(data_root, split)
         if path.is_file():
             return [read_text_lf(path)]
-        if not _hub_available():
-            raise missing(path, split, "and the `datasets` package is not installed")
-        try:
-            return [_wikitext_hub_text(hub_config, split)]
-        except Exception as e:  # offline, hub down, auth …: all end in the same advice
-            raise missing(path, split, f"and the hub failed: {type(e).__name__}: {e}") from e
+        return _from_hub(lambda: [_wikitext_hub_text(hub_config, split)], missing(path, split))
 
     def fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
         path = local_path(data_root, split)
         if path.is_file():
             return f"{cfg.dataset}:{split}:file:{file_sha256(path)}"
-        if not _hub_available():
-            raise missing(path, split, "and the `datasets` package is not installed")
-        return f"{cfg.dataset}:{split}:hub:Salesforce/wikitext:{hub_config}:{_HF_SPLIT[split]}"
+        return _from_hub(lambda: f"{cfg.dataset}:{split}:hub:Salesforce/wikitext:{hub_config}:{_HF_SPLIT[split]}",
+                         missing(path, split))
 
     return documents, fingerprint
 
@@ -249,21 +254,13 @@ def _hub_rows(sl: HubSlice) -> list[str]:
 
 
 def _hub_corpus(name: str, slices: dict[str, HubSlice]) -> Corpus:
-    def missing(split: str, why: str) -> FileNotFoundError:
+    def documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
         sl = slices[split]
         cfg_txt = f" (config {sl.hub_config!r})" if sl.hub_config else ""
-        return FileNotFoundError(
+        return _from_hub(lambda: _hub_rows(sl), lambda why: FileNotFoundError(
             f"dataset {name!r} ({split} split) is loaded from the Hugging Face hub: {sl.hub_id}{cfg_txt}, "
             f"{sl.hub_split} rows [{sl.start}, {sl.stop}) — {why}. Go online and `pip install datasets`; "
-            f"once tokenized, the split is reused offline from the token cache (LOOPLM_CACHE).")
-
-    def documents(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
-        if not _hub_available():
-            raise missing(split, "the `datasets` package is not installed")
-        try:
-            return _hub_rows(slices[split])
-        except Exception as e:  # offline, hub down, auth …: all end in the same advice
-            raise missing(split, f"the hub failed: {type(e).__name__}: {e}") from e
+            f"once tokenized, the split is reused offline from the token cache (LOOPLM_CACHE)."))
 
     def fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
         sl = slices[split]

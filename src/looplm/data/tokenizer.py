@@ -146,15 +146,11 @@ class CharVocab:
         """Ids → characters (``eot``/padding and unknown ids are dropped)."""
         return "".join(self.id_to_char.get(int(i), "") for i in ids)
 
-    def tokenizer(self):
-        """The vocabulary as a ``tokenizers.Tokenizer`` (:func:`char_tokenizer`), saved with checkpoints."""
-        return char_tokenizer(self.vocab, self.eot)
-
-
-def char_tokenizer(vocab: dict[str, int], eot: str = "<|endoftext|>"):
-    """A ``tokenizers.Tokenizer`` of one token per character of ``vocab`` (``eot`` special and unknown)."""
-    tok = Tokenizer(WordLevel(dict(vocab), unk_token=eot))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(eot, special=True)])
-    return tok
+    def tokenizer(self) -> Tokenizer:
+        """The vocabulary as a ``tokenizers.Tokenizer`` (one token per character, ``eot`` special and unknown),
+        saved with checkpoints."""
+        tok = Tokenizer(WordLevel(dict(self.vocab), unk_token=self.eot))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken(self.eot, special=True)])
+        return tok

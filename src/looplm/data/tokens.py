@@ -47,16 +47,6 @@ def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing
     bar = tqdm(total=total, unit="char", unit_scale=True, desc=desc, disable=not progress or total <= _PROGRESS_CHARS)
     group: list[str] = []  # chunks of possibly many documents, encoded in one parallel call
     eot_after: list[bool] = []  # chunk i ends a document that is followed by another one
-
-    def flush() -> Iterator[np.ndarray]:
-        for enc, sep in zip(tok.encode_batch(group, add_special_tokens=False), eot_after):
-            yield np.asarray(enc.ids, dtype=dtype)
-            if sep:
-                yield eot
-        bar.update(sum(len(c) for c in group))
-        group.clear()
-        eot_after.clear()
-
     group_chars = 0
     for i, doc in enumerate(docs):
         chunks = list(text_chunks(doc)) or [""]  # an empty document still gets its separator
@@ -64,11 +54,14 @@ def encode_documents(docs: list[str], tok: Tokenizer, *, desc: str = "tokenizing
             group.append(chunk)
             eot_after.append(k == len(chunks) - 1 and i < len(docs) - 1)
             group_chars += len(chunk)
-            if group_chars >= _BATCH_CHARS:
-                yield from flush()
-                group_chars = 0
-    if group:
-        yield from flush()
+            if group_chars < _BATCH_CHARS and (i, k) != (len(docs) - 1, len(chunks) - 1):
+                continue
+            for enc, sep in zip(tok.encode_batch(group, add_special_tokens=False), eot_after):
+                yield np.asarray(enc.ids, dtype=dtype)
+                if sep:
+                    yield eot
+            bar.update(group_chars)
+            group, eot_after, group_chars = [], [], 0
     bar.close()
 
 

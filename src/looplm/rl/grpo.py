@@ -31,9 +31,6 @@ from looplm.rl.task import Problem, decode, encode
 UPDATE_METHODS: tuple[str, ...] = get_args(UpdateMethod)
 
 
-# ---------------------------------------------------------------------------------------------- rollouts
-
-
 @dataclass
 class Rollouts:
     """G responses for each of P prompts, row-major (N = P·G rows): ``states`` (len(prompt) + len(response) − 1, d)
@@ -80,9 +77,6 @@ def sample_rollouts(model, problems: Sequence[Problem], *, group_size: int, dept
     rewards = torch.tensor([score(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
     return Rollouts(prompts=prompts, responses=gen.tokens, states=gen.states,
                     rewards=rewards.view(len(problems), group_size), texts=texts)
-
-
-# ---------------------------------------------------------------------------------------------- Dr. GRPO
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from looplm.rl.config import RLConfig
 from looplm.rl.grpo import (UPDATE_METHODS, compare_methods, pack, pass_at_k, response_text, sample_rollouts,
                             update_gradient)
 from looplm.rl.rewards import get_reward
-from looplm.rl.task import NEWLINE_ID, build_task, encode, tokenizer
+from looplm.rl.task import NEWLINE_ID, VOCAB, build_task, encode, tokenizer
 from looplm.tasks.base import key_hash
 from looplm.train.optim import Optimization
 
@@ -43,9 +43,6 @@ PRETRAIN_CONFIG = Config(
 
 def _seed(*key: object) -> int:
     return key_hash("looplm-rl-seed", *key) & ((1 << 63) - 1)
-
-
-# ---------------------------------------------------------------------------------------------- pretraining
 
 
 def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str = "addition", digits: int = 3,
@@ -85,9 +82,6 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
     return {**summary, "task": spec}
 
 
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
 @torch.no_grad()
 def evaluate_passk(model, problems, *, depth: int, samples: int = 8, temperature: float = 1.0, seed: int = 0,
                    max_new_tokens: int, reward: str = "exact_match", batch_rows: int = 1024,
@@ -123,8 +117,6 @@ def generate_chunk(model, problems, depth: int, max_new_tokens: int, temperature
 def _task_of(ckpt: Path, task: str | None, digits: int | None):
     """The task a checkpoint was pretrained on (its run's task.json), unless given.
     ValueError: not the task vocabulary (not a `looplm rl pretrain` model), or no task.json nor ``digits``."""
-    from looplm.rl.task import VOCAB
-
     tok = ckpt / TOKENIZER_FILE
     vocab = json.loads(tok.read_text()).get("model", {}).get("vocab") if tok.exists() else None
     if vocab != VOCAB:
@@ -164,9 +156,6 @@ def rl_eval_checkpoint(checkpoint: str | Path, *, depth: int = 6, samples: int =
                        f"{samples} samples at T = {temperature}: pass@1 {100 * res['pass@1']:.2f}%, pass@{samples} "
                        f"{100 * res[f'pass@{samples}']:.2f}%, greedy {100 * res['greedy']:.2f}%")
     return res
-
-
-# ---------------------------------------------------------------------------------------------- the RL run
 
 
 def training_problems(task, cfg: RLConfig, update: int) -> list:

@@ -171,14 +171,18 @@ def sharded_keys(ckpt: str | Path) -> set[str]:
         raise CheckpointError(f"{Path(ckpt) / SHARDED_DIR}: cannot read the DCP metadata ({exc})") from exc
 
 
-def _load_sharded_model(ckpt: Path, model: LoopLM) -> None:
-    """Consolidate the sharded weights of ``ckpt`` into the plain ``model`` (strict: same key set)."""
+def _check_keys(where: Path, model: LoopLM, saved: set[str]) -> None:
+    """CheckpointError unless the ``saved`` weight names are exactly ``model``'s."""
     expected = set(model.state_dict())
-    saved = {k[len("model."):] for k in sharded_keys(ckpt) if k.startswith("model.")}
     if saved != expected:
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
-        raise CheckpointError(f"{ckpt / SHARDED_DIR}: weights do not match the model of config.json "
+        raise CheckpointError(f"{where}: weights do not match the model of config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def _load_sharded_model(ckpt: Path, model: LoopLM) -> None:
+    """Consolidate the sharded weights of ``ckpt`` into the plain ``model`` (strict: same key set)."""
+    _check_keys(ckpt / SHARDED_DIR, model, {k[len("model."):] for k in sharded_keys(ckpt) if k.startswith("model.")})
     sd = {"model": model.state_dict()}
     load_sharded(ckpt, sd)
     model.load_state_dict(sd["model"], strict=True)
@@ -273,14 +277,13 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and containers, and "
             f"loading them could run code ({reason}). If you trust where this run folder came from, rewrite it "
             f"as data once with `looplm convert-train-state --checkpoint {path.parent} --trust-pickle`") from None
-    return state
 
 
 def _as_data(obj: Any, where: str = "train_state") -> Any:
@@ -339,11 +342,7 @@ def _load_hf_weights(path: Path, model: LoopLM, device: str | torch.device) -> N
     state = {k[len(WEIGHTS_PREFIX):] if k.startswith(WEIGHTS_PREFIX) else k: v for k, v in state.items()}
     if model.cfg.tie_embeddings and "lm_head.weight" not in state and "tok_emb.weight" in state:
         state["lm_head.weight"] = state["tok_emb.weight"]  # save_pretrained drops the tied copy
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the model of config.json "
-                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    _check_keys(path, model, set(state))
     model.load_state_dict(state, strict=True)
 
 

@@ -24,11 +24,10 @@ from torch import nn
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits: rank, world size, local rank, and its device."""
+    """Where this process sits: rank, world size and its device."""
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = torch.device("cpu")
 
     @property
@@ -62,7 +61,7 @@ def init_distributed(device: torch.device) -> DistEnv:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
 
 def shutdown(env: DistEnv) -> None:

@@ -47,17 +47,7 @@ def _json_block(d: Mapping[str, Any]) -> str:
     return "```\n" + dumps(dict(d), indent=2) + "\n```"
 
 
-class Tracker:
-    """One backend: :meth:`log` a record at a step, :meth:`close` with the training summary."""
-
-    def log(self, values: dict[str, float], step: int) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def close(self, summary: Mapping[str, Any] | None) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class TensorBoardTracker(Tracker):
+class TensorBoardTracker:
     def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -77,7 +67,7 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
-class WandbTracker(Tracker):
+class WandbTracker:
     def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         import wandb
 
@@ -104,7 +94,7 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
-class TrackioTracker(Tracker):
+class TrackioTracker:
     def __init__(self, out: Path, config: Mapping[str, Any], name: str, start_step: int, resume: bool) -> None:
         import trackio
 
@@ -125,16 +115,28 @@ class TrackioTracker(Tracker):
         self.run.finish()
 
 
-#: backend → its tracker, built as ``Tracker(out, config, name, start_step, resume)``
-TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
-                                      "trackio": TrackioTracker}
+#: backend → its tracker, built as ``Tracker(out, config, name, start_step, resume)``, with ``log(values, step)``
+#: and ``close(summary or None)``
+TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker}
 
 
 class Trackers:
     """The optional backends of one run (rank 0); ``jsonl`` is written by the trainer itself."""
 
-    def __init__(self, trackers: list[Tracker]) -> None:
-        self.trackers = trackers
+    def __init__(self) -> None:
+        self.trackers: list = []
+
+    def open(self, names: Sequence[str], out: Path, config: Mapping[str, Any], *, name: str, start_step: int = 0,
+             resume: bool = False) -> None:
+        """Start the backends of ``names`` (other than ``jsonl``) for the run in ``out`` from ``start_step``
+        (LoggerError: a backend's package is missing)."""
+        check_loggers(names)
+        try:
+            for backend in filter(TRACKERS.__contains__, names):  # appended one by one: a failure closes the rest
+                self.trackers.append(TRACKERS[backend](Path(out), config, name, start_step, resume))
+        except BaseException:
+            self.close(None)
+            raise
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Log the scalars of a ``metrics.jsonl`` record at its ``step``."""
@@ -148,18 +150,3 @@ class Trackers:
         for t in trackers:
             t.close(summary)
 
-
-def open_trackers(names: Sequence[str], out: Path, config: Mapping[str, Any], *, name: str,
-                  start_step: int = 0, resume: bool = False) -> Trackers:
-    """Start the backends of ``names`` (other than ``jsonl``) for the run in ``out`` from ``start_step``
-    (LoggerError: a backend's package is missing)."""
-    check_loggers(names)
-    out = Path(out)
-    trackers: list[Tracker] = []
-    try:
-        for backend in filter(TRACKERS.__contains__, names):  # appended one by one: a failure closes the rest
-            trackers.append(TRACKERS[backend](out, config, name, start_step, resume))
-    except BaseException:
-        Trackers(trackers).close(None)
-        raise
-    return Trackers(trackers)

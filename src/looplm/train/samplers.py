@@ -1,7 +1,8 @@
 """Depth samplers (SPEC §5; PLN from Huginn, arXiv:2502.05171; the learned prior from LMDR, arXiv:2610.06833,
 eq. 5–6): one loop depth per microbatch, a pure function of (seed, step, micro) (and of logits every rank
 updates identically), so every rank and every resume draws the same depths. ``SAMPLERS`` is keyed by
-``depth.sampler``; ``observe`` / ``update`` / state are no-ops except for the learned prior.
+``depth.sampler``, each built from its validated ``depth`` section; ``observe`` / ``update`` / state are no-ops
+except for the learned prior.
 """
 
 from __future__ import annotations
@@ -56,9 +57,8 @@ class FixedDepth(DepthSampler):
 
     name = "fixed"
 
-    def __init__(self, depth: int):
-        FixedDepthConfig(depth=depth)  # raises naming the bad depth.* field
-        self.depth = self.max_depth = depth
+    def __init__(self, cfg: FixedDepthConfig):
+        self.depth = self.max_depth = cfg.depth
 
     def sample(self, seed, step, micro=0):
         return self.depth
@@ -69,9 +69,8 @@ class UniformDepth(DepthSampler):
 
     name = "uniform"
 
-    def __init__(self, lo: int, hi: int):
-        UniformDepthConfig(lo=lo, hi=hi)
-        self.lo, self.hi, self.max_depth = lo, hi, hi
+    def __init__(self, cfg: UniformDepthConfig):
+        self.lo, self.hi, self.max_depth = cfg.lo, cfg.hi, cfg.hi
 
     def sample(self, seed, step, micro=0):
         return int(_rng(seed, step, micro, "depth").integers(self.lo, self.hi + 1))
@@ -103,15 +102,14 @@ def pln_pmf(mu: float, sigma: float, cap: int) -> np.ndarray:
 
 class PoissonLogNormalDepth(DepthSampler):
     """Huginn's capped Poisson log-normal depth prior (SPEC §5 ``pln``; LMDR eq. 5, App. B.3), with ``mu`` solved
-    (brentq) so that E[min(R, cap)] = ``mean`` exactly under ``pmf()``. ValueError names the bad depth.* field."""
+    (brentq) so that E[min(R, cap)] = ``mean`` exactly under ``pmf()``. ValueError: mean = 1 (depth.mean)."""
 
     name = "pln"
 
-    def __init__(self, mean: float, sigma: float, cap: int):
-        PLNDepthConfig(mean=mean, sigma=sigma, cap=cap)
-        if not 1 < mean < cap:
-            raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cap}, got {mean}")
-        self.mean, self.sigma, self.cap = float(mean), float(sigma), int(cap)
+    def __init__(self, cfg: PLNDepthConfig):
+        if not 1 < cfg.mean < cfg.cap:
+            raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cfg.cap}, got {cfg.mean}")
+        self.mean, self.sigma, self.cap = float(cfg.mean), float(cfg.sigma), int(cfg.cap)
         self.max_depth = self.cap
         self.mu = self._solve_mu()
         self._pmf = pln_pmf(self.mu, self.sigma, self.cap)
@@ -152,35 +150,27 @@ class LearnedDepthPrior(DepthSampler):
         J(φ) = −Ê_n[sg(A_n) log p_φ(r_n)] − λ_H H(p_φ) + λ_m (E_p[R] − R̄)²,
 
     Ê_n token-weighted over the step's microbatches, A_n = u_n − b, u_n = ω(CE_n) the reward arm. Our choices: b
-    is one scalar EMA (``baseline_decay``) of the mean reward, from the first step's, taken before the step;
+    is one scalar EMA (decay ``baseline_decay``) of the mean reward, from the first step's, taken before the step;
     the first ``warmup`` updates move only b and s. ``scale`` multiplies A_n by s = max(std(CE), 1e-12) /
     max(std(u), 1e-12), token-weighted population stds over the previous ``scale_window`` updates (s = 1
     before; exactly 1 for neg_ce). Per step: ``sample`` and ``observe`` per microbatch, then ``update``.
-    Arguments are the depth.* fields (ValueError names a bad one).
     """
 
     name = "learned"
+    baseline_decay = 0.9
 
-    def __init__(self, budget_mean: float, sigma: float, r_max: int, *, lr: float = 1e-3,
-                 entropy_weight: float = 0.01, budget_weight: float = 1.0, warmup: int = 32,
-                 reward: str = "neg_ce", baseline_decay: float = 0.9, scale: bool = False, scale_window: int = 1,
-                 init: list[float] | None = None):
-        if not 0 <= baseline_decay < 1:
-            raise ValueError(f"baseline_decay: must be in [0, 1), got {baseline_decay}")
-        weights = LearnedDepthConfig(mean=budget_mean, sigma=sigma, cap=r_max, lr=lr, entropy=entropy_weight,
-                                     budget=budget_weight, warmup=warmup, reward=reward, scale=scale,
-                                     scale_window=scale_window, init=list(init or [])).init
-        pln = PoissonLogNormalDepth(budget_mean, sigma, r_max).pmf()
-        init = np.asarray(weights, dtype=np.float64) / sum(weights) if weights else pln
-        self.r_max = self.max_depth = int(r_max)
-        self.budget_mean = float(budget_mean)
-        self.entropy_weight, self.budget_weight = float(entropy_weight), float(budget_weight)
-        self.warmup, self.reward, self.baseline_decay = int(warmup), reward, float(baseline_decay)
+    def __init__(self, cfg: LearnedDepthConfig):
+        pln = PoissonLogNormalDepth(cfg).pmf()  # also when init is given: it checks depth.mean
+        init = np.asarray(cfg.init, dtype=np.float64) / sum(cfg.init) if cfg.init else pln
+        self.r_max = self.max_depth = int(cfg.cap)
+        self.budget_mean = float(cfg.mean)
+        self.entropy_weight, self.budget_weight = float(cfg.entropy), float(cfg.budget)
+        self.warmup, self.reward = int(cfg.warmup), cfg.reward
         self.logits = torch.nn.Parameter(torch.from_numpy(np.log(init)))  # (R_max,) float64
-        self.optimizer = torch.optim.Adam([self.logits], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        self.optimizer = torch.optim.Adam([self.logits], lr=cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
         self.baseline: float | None = None
         self.updates = 0
-        self.scale, self.scale_window = bool(scale), int(scale_window)
+        self.scale, self.scale_window = bool(cfg.scale), int(cfg.scale_window)
         self.advantage_scale = 1.0  # s, from the previous updates (1 until there are any)
         self._scale_history: list[list[list[float]]] = []  # per update: [CE (M), reward (M), tokens (M)]
         self._obs: list[tuple[int, float, int]] = []  # (depth, mean CE in nats, tokens) per microbatch
@@ -191,8 +181,6 @@ class LearnedDepthPrior(DepthSampler):
         # Cache p_φ as numpy: it changes only in update/load_state_dict, and sample() runs per microbatch.
         with torch.no_grad():
             self._probs = torch.softmax(self.logits, 0).numpy().copy()
-
-    # --- the distribution -------------------------------------------------------------------------
 
     def probs(self) -> np.ndarray:
         """p_φ(r) for r = 1..R_max, float64 (R_max,)."""
@@ -210,8 +198,6 @@ class LearnedDepthPrior(DepthSampler):
 
     def sample(self, seed, step, micro=0):
         return _draw_categorical(self._probs, _rng(seed, step, micro, "depth"))
-
-    # --- learning ---------------------------------------------------------------------------------
 
     def observe(self, depth: int, ce: float, n_tokens: int) -> None:
         """Record one microbatch's depth, mean CE (nats/token) and tokens (ValueError outside 1..R_max or n < 1)."""
@@ -280,8 +266,6 @@ class LearnedDepthPrior(DepthSampler):
 
         return max(std(ce), 1e-12) / max(std(reward), 1e-12)
 
-    # --- checkpointing ----------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
         """Logits, Adam state, baseline, updates, s and its window (checkpoints fall between steps: no pending obs)."""
         return {"logits": self.logits.detach().clone(), "optimizer": self.optimizer.state_dict(),
@@ -311,12 +295,4 @@ SAMPLERS = {"fixed": FixedDepth, "uniform": UniformDepth, "pln": PoissonLogNorma
 
 def build_sampler(cfg: DepthConfig) -> DepthSampler:
     """The sampler of the ``depth`` section ``cfg``."""
-    if cfg.NAME == "fixed":
-        return FixedDepth(cfg.depth)
-    if cfg.NAME == "uniform":
-        return UniformDepth(cfg.lo, cfg.hi)
-    if cfg.NAME == "pln":
-        return PoissonLogNormalDepth(cfg.mean, cfg.sigma, cfg.cap)
-    return LearnedDepthPrior(cfg.mean, cfg.sigma, cfg.cap, lr=cfg.lr, entropy_weight=cfg.entropy,
-                             budget_weight=cfg.budget, warmup=cfg.warmup, reward=cfg.reward, scale=cfg.scale,
-                             scale_window=cfg.scale_window, init=cfg.init)
+    return SAMPLERS[cfg.NAME](cfg)

@@ -31,7 +31,7 @@ from looplm.run.dist import (all_reduce_sum, barrier, full_state, init_distribut
                              local_rows, mean_across_ranks, resolve_device, set_sharded_state, sharded_state,
                              shutdown, unwrap, wrap_model)
 from looplm.run.folder import Fit, RunFolder, run_state, set_rng_state
-from looplm.train.loggers import Trackers, check_loggers, open_trackers
+from looplm.train.loggers import Trackers, check_loggers
 from looplm.train.losses import training_loss
 from looplm.train.optim import Optimization, build_scheduler
 from looplm.train.samplers import build_sampler
@@ -133,7 +133,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         raise ValueError("--init-from starts a new run from a checkpoint's weights; not with --resume")
     folder = RunFolder(out_dir)
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
-    trackers = Trackers([])  # filled by _Run.fit (rank 0); closed here whatever happens
+    trackers = Trackers()  # filled by _Run.fit (rank 0); closed here whatever happens
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
     with folder.start(resume=resume, hold=int(os.environ.get("RANK", "0")) == 0) as ckpt:
         try:
@@ -315,8 +315,7 @@ class _Run:
             (out / "config.json").write_text(cfg.to_json())
             (out / "tokenizer.json").write_text(self.data.tokenizer_json)
             # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
-            trackers.trackers = open_trackers(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start,
-                                              resume=resume).trackers
+            trackers.open(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start, resume=resume)
         # FSDP forward is collective: every rank evaluates
         eval_model = self.wrapped if env.enabled and tcfg.distributed == "fsdp" else unwrap(self.wrapped)
         self.wrapped.train()
