@@ -15,22 +15,25 @@ class NonFiniteError(ValueError):
     """A loss, gradient, weight or metric that must be finite is NaN or ±inf; the message names it."""
 
 
+def strict(obj: Any, _path: str = "", _found: list[str] | None = None) -> tuple[Any, list[str]]:
+    """``obj`` (dicts, lists, tuples → lists) with every non-finite float as ``None``, and their dotted paths."""
+    found = [] if _found is None else _found
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj, found
+        found.append(_path or "<value>")
+        return None, found
+    if isinstance(obj, dict):
+        return {k: strict(v, f"{_path}.{k}" if _path else str(k), found)[0] for k, v in obj.items()}, found
+    if isinstance(obj, (list, tuple)):
+        return [strict(v, f"{_path}.{i}" if _path else str(i), found)[0] for i, v in enumerate(obj)], found
+    return obj, found
+
+
 def clean(obj: Any) -> Any:
-    """``obj`` (dicts, lists, tuples → lists) with every non-finite float as ``None``; a dict gains ``"nonfinite"``,
-    the sorted dotted paths of the values replaced (merged with any list it already has), when there are any."""
-    found: list[str] = []
-
-    def walk(o: Any, path: str) -> Any:
-        if isinstance(o, float) and not math.isfinite(o):
-            found.append(path or "<value>")
-            return None
-        if isinstance(o, dict):
-            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(o)]
-        return o
-
-    out = walk(obj, "")
+    """:func:`strict` of ``obj``; a dict gains ``"nonfinite"``, the sorted dotted paths of the values
+    replaced (merged with any list it already has), when there are any."""
+    out, found = strict(obj)
     if found and isinstance(out, dict):
         out[NONFINITE_KEY] = sorted(set(out.get(NONFINITE_KEY) or []) | set(found))
     return out
