@@ -139,6 +139,9 @@ def test_print_config_applies_overrides(capsys):
     # a per-rule option (three dotted parts) goes through the same generic path
     assert main(["info", "--preset", "debug", "--model.options.anchor_scale", "0.25", "--print_config"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["options"]["anchor_scale"] == 0.25
+    # a task difficulty outside the family's range is refused here, as `train` refuses it, not printed
+    assert main(["train", "--preset", "task-pointer_pairs", "--data.task_k", "9", "--print_config"]) == 2
+    assert "data.task_k: task pointer_pairs needs 1 <= k <= 7, got 9" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- eval protocols

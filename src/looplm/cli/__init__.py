@@ -229,6 +229,10 @@ def _run(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         (own if glue and "progress" in inspect.signature(glue).parameters else options)["progress"] = not args.quiet
     if cmd.config:
         cfg = _config(args, overrides)
+        if getattr(getattr(cfg, "data", None), "dataset", None) == "task":  # the family's k range, as train checks it
+            from looplm.tasks import get_task
+
+            get_task(cfg.data.task).check_k(cfg.data.task_k, "data.task_k")
         if args.print_config:
             print(cfg.to_json())
             return 0
