@@ -164,10 +164,8 @@ def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advanc
     active = list(range(len(result.tokens)))  # original row of each batch row
     step_depth = torch.full((len(active),), prefill_depth, dtype=torch.long, device=logits.device)
     for n in range(max_new_tokens):
-        if forced is None:
-            tok = sample(logits)  # (B,)
-        else:
-            tok = torch.tensor([forced[row][n] for row in active], dtype=torch.long, device=logits.device)
+        tok = sample(logits) if forced is None else torch.tensor(  # (B,)
+            [forced[row][n] for row in active], dtype=torch.long, device=logits.device)
         for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
             result.tokens[row].append(t)
             result.depths[row].append(d)
