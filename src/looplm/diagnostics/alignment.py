@@ -50,7 +50,7 @@ class _VisitRecorder:
     """Forward/tensor hooks that accumulate, per Linear module, Σ_r G_r and every ‖G_r‖² (float64)."""
 
     def __init__(self, modules: dict[str, nn.Linear]):
-        self.sums: dict[str, torch.Tensor | None] = {n: None for n in modules}
+        self.sums = {n: torch.zeros_like(m.weight, dtype=torch.float64) for n, m in modules.items()}
         self.sq: dict[str, dict[int, float]] = {n: {} for n in modules}
         self.calls: dict[str, int] = {n: 0 for n in modules}
         self.handles = [m.register_forward_hook(self._forward_hook(n)) for n, m in modules.items()]
@@ -68,7 +68,7 @@ class _VisitRecorder:
             def grad_hook(g: torch.Tensor) -> None:
                 G = g.detach().reshape(-1, g.shape[-1]).double().T @ x.reshape(-1, x.shape[-1]).double()  # (out, in)
                 self.sq[name][r] = self.sq[name].get(r, 0.0) + float(G.pow(2).sum())
-                self.sums[name] = G if self.sums[name] is None else self.sums[name] + G
+                self.sums[name] = self.sums[name] + G
 
             output.register_hook(grad_hook)
 
@@ -113,9 +113,7 @@ def visit_gradients(model: LoopLM, idx: torch.Tensor, targets: torch.Tensor, dep
                              f"({ {n: rec.calls[n] for n in mods} }); cannot pair visits")
         visits = counts.pop() if counts else 0
         sq = [sum(rec.sq[n].get(r, 0.0) for n in mods) for r in range(visits)]
-        sums = {n: (rec.sums[n] if rec.sums[n] is not None else torch.zeros_like(m.weight, dtype=torch.float64))
-                for n, m in mods.items()}
-        out[sub] = {"visits": visits, "sum": sums, "visit_sq": sq}
+        out[sub] = {"visits": visits, "sum": {n: rec.sums[n] for n in mods}, "visit_sq": sq}
     return out
 
 

@@ -23,13 +23,9 @@ def random_directions(shape: Sequence[int], n: int = N_DIRECTIONS, *, seed: int 
                       dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """``n`` Gaussian directions (B, L, d), ‖v^(b)‖_F = 1 per example; direction k from a float64 CPU generator
     seeded ``seed + k`` (independent of the device and the global RNG)."""
-    out = []
-    for k in range(n):
-        g = torch.Generator().manual_seed(seed + k)
-        v = torch.randn(*shape, generator=g, dtype=torch.float64)
-        v = v / v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))  # ‖v^(b)‖_F = 1
-        out.append(v.to(device=device, dtype=dtype))
-    return out
+    vs = [torch.randn(*shape, generator=torch.Generator().manual_seed(seed + k), dtype=torch.float64) for k in range(n)]
+    return [(v / v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))).to(device=device, dtype=dtype)
+            for v in vs]  # ‖v^(b)‖_F = 1
 
 
 def direction_gain(model: LoopLM, state: torch.Tensor, t: int, ctx: LoopContext,

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.diagnostics.forcing import DTYPES, check_shared
-from looplm.model.cursor import BPTT, NLL, Gradient, Readout
+from looplm.model.cursor import NLL, Gradient, Readout
 
 GROUPS: tuple[str, ...] = ("embeddings/readout", "prelude", "core", "rule", "coda", "other")
 ESTIMATORS: tuple[str, ...] = ("tbptt", "endpoint")
@@ -31,7 +31,7 @@ def parameter_group(name: str) -> str:
     return _GROUP_OF.get(name.split(".", 1)[0], "other")
 
 
-def _grads(model, x, y, depth: int, gradient: Gradient = BPTT) -> tuple[dict[str, torch.Tensor], float]:
+def _grads(model, x, y, depth: int, gradient: Gradient) -> tuple[dict[str, torch.Tensor], float]:
     """{group: flat gradient} of the mean terminal CE, and the CE (float)."""
     model.zero_grad(set_to_none=True)
     out = model(x, depth, y, gradient=gradient, readout=NLL)
@@ -80,9 +80,9 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
         raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(DTYPES)}")
     m = copy.deepcopy(model).to(DTYPES[dtype]).eval()
     keys = [(e, b) for b in steps for e in estimators]
-    sums: dict[Any, dict[str, torch.Tensor]] = {}
-    per_batch: dict[Any, list[dict[str, float | None]]] = {k: [] for k in keys}
+    sums: dict[Any, dict[str, torch.Tensor]] = {}  # per (estimator, b): {group: batch-summed gradient}
     ces: dict[Any, list[float]] = {k: [] for k in [("bptt", 0), *keys]}
+    per_batch: dict[Any, list[dict[str, float | None]]] = {k: [] for k in keys}
     residuals: list[torch.Tensor] = []
     batches = list(batches)
     n = len(batches)
@@ -91,14 +91,14 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
             hs = m(x, depth + 1, readout=Readout(logits=False, states=True)).states
             r = (hs[depth + 1] - hs[depth]).double().norm(dim=-1) / hs[depth].double().norm(dim=-1).clamp(min=1e-30)
             residuals.append(r[y != -100].flatten())
-        full, ce = _grads(m, x, y, depth)
-        ces[("bptt", 0)].append(ce)
-        _accumulate(sums, ("bptt", 0), full)
-        for key in keys:
+        for key in [("bptt", 0), *keys]:  # full BPTT first: the reference of the others
             g, ce = _grads(m, x, y, depth, Gradient(*key))
             ces[key].append(ce)
-            _accumulate(sums, key, g)
-            per_batch[key].append({grp: _cos(g[grp], full[grp]) for grp in full})
+            sums[key] = g if key not in sums else {k: sums[key][k] + v for k, v in g.items()}
+            if key in per_batch:
+                per_batch[key].append({grp: _cos(g[grp], full[grp]) for grp in full})
+            else:
+                full = g
     if not n:
         raise ValueError("batches: no batches to measure")
     ref = sums[("bptt", 0)]
@@ -122,11 +122,6 @@ def gradient_cosines(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
               "rows": rows}
     result["markdown"] = markdown_table(result)
     return result
-
-
-def _accumulate(sums: dict, key: Any, g: dict[str, torch.Tensor]) -> None:
-    old = sums.get(key)
-    sums[key] = {k: v.clone() if old is None else old[k] + v for k, v in g.items()}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:

@@ -14,9 +14,7 @@ from looplm.run.finite import md_table
 
 
 def _fmt(v: float | None) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.4g}" if v != 0 else "0"
+    return "–" if v is None else f"{v:.4g}" if v != 0 else "0"
 
 
 def _by_t(records: list[dict[str, Any]], key: str) -> dict[int, float | None]:

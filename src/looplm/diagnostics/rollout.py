@@ -110,10 +110,7 @@ def pca_views(paths: dict[str, Any], gains: Sequence[float]) -> dict[str, Any]:
     basis, share = pca_basis(a.reshape(-1, a.shape[-1]))
     view_a = {"basis_share": share, "paths": (a @ basis.T).tolist(), "ray": (paths["bias0"] @ basis.T).tolist()}
     disp = {g: traj[g] - traj[0.0] for g in (float(g) for g in gains) if g != 0.0}
-    if disp:
-        stacked = np.concatenate([x.reshape(-1, x.shape[-1]) for x in disp.values()])
-        basis_b, share_b = pca_basis(stacked)
-        view_b = {"basis_share": share_b, "paths": {str(g): (x @ basis_b.T).tolist() for g, x in disp.items()}}
-    else:
-        view_b = {"basis_share": [0.0, 0.0], "paths": {}}
+    stacked = [x.reshape(-1, x.shape[-1]) for x in disp.values()] or [np.zeros((0, a.shape[-1]))]
+    basis_b, share_b = pca_basis(np.concatenate(stacked))  # no nonzero gain: an empty, all-zero cloud
+    view_b = {"basis_share": share_b, "paths": {str(g): (x @ basis_b.T).tolist() for g, x in disp.items()}}
     return {"trajectories": view_a, "displacements": view_b}

@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from looplm.diagnostics.alignment import LOSSES, merge_alignment, merge_batches, visit_alignment
 from looplm.diagnostics.convergence import DEFAULT_TAU, ConvergenceAccumulator
-from looplm.diagnostics.forcing import DTYPES, along_trajectory, check_shared, forcing_record
-from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, direction_gain, random_directions
+from looplm.diagnostics.forcing import DTYPES, check_shared, forcing_profile
+from looplm.diagnostics.gain import FD_EPS, N_DIRECTIONS, gain_profile
 from looplm.diagnostics.report import markdown_report, plot_anchor_rollouts, plot_forcing_ratio, plot_scale
 from looplm.diagnostics.rollout import DOSE_GAINS, anchor_rollouts, pca_views
 from looplm.diagnostics.scale import DEFAULT_LOOPS, ScaleAccumulator
@@ -53,20 +53,6 @@ def _check_args(steps: Sequence[int], depth: int, gains: Sequence[float] = DOSE_
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def _step_records(model: LoopLM, idx: torch.Tensor, steps: Sequence[int], n_directions: int, seed: int,
-                  eps: float) -> tuple[list[dict], list[dict]]:
-    """Forcing and gain records at loop steps ``steps`` along one unroll of ``idx`` (directions seeded ``seed`` …)."""
-    shape = (*idx.shape, model.cfg.d_model)
-    dirs = random_directions(shape, n_directions, seed=seed, dtype=model.tok_emb.weight.dtype, device=idx.device)
-
-    def both(t: int, state: torch.Tensor, nxt: torch.Tensor, ctx) -> tuple[dict, dict]:
-        return (forcing_record(model, state, nxt, t, ctx),
-                {"t": t, "gain": direction_gain(model, state, t, ctx, dirs, eps=eps)})
-
-    records = along_trajectory(model, idx, steps, both)
-    return [f for f, _ in records], [g for _, g in records]
-
-
 def _unpack(item: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(idx, targets, mask) on ``device`` from (idx, targets[, mask]) or a bare (B, L) idx (targets from the
     window itself, the last position ignored)."""
@@ -96,9 +82,8 @@ def diagnose_model(model: LoopLM, batches: Iterable[Batch], *, steps: Sequence[i
     scale, convergence, alignment = ScaleAccumulator(scale_loops), ConvergenceAccumulator(convergence_tau), []
     for i, item in enumerate(tqdm(list(batches), desc="diagnose", unit="batch", disable=not progress)):
         idx, targets, mask = _unpack(item, device)
-        f_recs, g_recs = _step_records(model, idx, steps, n_directions, seed + n_directions * i, eps)
-        forcing.append(f_recs)
-        gain.append(g_recs)
+        forcing.append(forcing_profile(model, idx, steps))
+        gain.append(gain_profile(model, idx, steps, eps=eps, n_directions=n_directions, seed=seed + n_directions * i))
         roll = anchor_rollouts(model, idx, depth, gains=gains)
         rollout.append(roll["rollout"])
         dose.append(roll["dose_response"])

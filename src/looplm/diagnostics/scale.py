@@ -104,14 +104,12 @@ class ScaleAccumulator:
                 "final_l2_mean": loops[-1]["l2_mean"]}
 
 
-def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int, *,
-                     masks: Sequence[torch.Tensor | None] | None = None) -> dict[str, Any]:
-    """:meth:`ScaleAccumulator.result` over (idx, targets) batches for k = 0 … ``loops`` (eval mode); ValueError:
-    unshared, loops < 1, or no batches."""
+def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int) -> dict[str, Any]:
+    """:meth:`ScaleAccumulator.result` over (idx, targets) batches for k = 0 … ``loops`` (in the model's mode);
+    ValueError: unshared, loops < 1, or no batches."""
     check_shared(model, "the scale diagnostic")
     acc = ScaleAccumulator(loops)
-    for i, (idx, targets) in enumerate(batches):
+    for idx, targets in batches:
         with torch.no_grad():
-            states = list(model(idx, loops + 1, readout=Readout(logits=False, states=True)).states)
-        acc.add(model, states, targets, None if masks is None else masks[i])
+            acc.add(model, model(idx, loops + 1, readout=Readout(logits=False, states=True)).states, targets)
     return acc.result()

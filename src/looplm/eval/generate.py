@@ -119,7 +119,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
     result = Generation(tokens=[[] for _ in prompts], depths=[[] for _ in prompts])
     if max_new_tokens == 0:
         return result
-    states = _States(len(prompts), depth) if save_states else None
+    states = _States(prompts, depth) if save_states else None
     hook = states.hook if save_states else None
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(seed))
@@ -129,8 +129,6 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
         cache = KVCache(cache_mode, max_len=idx.shape[1] + max_new_tokens)
         logits, prefill_depth = _prefill(model, idx, mask, cache, ceiling if exit_criterion is not None else depth,
                                          student=student, student_depth=student_depth or depth, on_depth=hook)
-        if states is not None:
-            states.prompts([len(p) for p in prompts])
         advance = _token_step(model, cache, depth, ceiling=ceiling, exit_criterion=exit_criterion,
                               static_step=static_step if max_new_tokens > 1 else None,
                               capacity=idx.shape[1] + max_new_tokens - 1, states=states)
@@ -142,24 +140,22 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth
 
 
 class _States:
-    """``save_states``: each row's depth-R states in position order, kept by ``hook`` (``read``'s ``on_depth``)."""
+    """``save_states``: each row's depth-R states in position order, kept by ``hook`` (``read``'s ``on_depth``):
+    the prefill's real (left-padded) positions, then the fed-back token of each ``active`` row."""
 
-    def __init__(self, rows: int, depth: int):
-        self.depth, self.kept, self.parts = depth, [], [[] for _ in range(rows)]  # per row: (L_k, d) pieces
+    def __init__(self, prompts, depth: int):
+        self.depth, self.lengths, self.active = depth, [len(p) for p in prompts], None
+        self.parts = [[] for _ in prompts]  # per row: (n, d) pieces
 
-    def hook(self, T: int, h: torch.Tensor, _logits) -> None:
-        if T == self.depth:
-            self.kept.append(h)  # (B, L, d)
-
-    def prompts(self, lengths: list[int]) -> None:  # the prefill's real (left-padded) positions
-        for i, n in enumerate(lengths):
-            self.parts[i].append(self.kept[0][i, self.kept[0].shape[1] - n:])  # (n, d)
-        self.kept.clear()
-
-    def fed(self, active: list[int]) -> None:  # the fed-back tokens of the last step, one per active row
-        for j, row in enumerate(active):
-            self.parts[row].append(self.kept[0][j])  # (1, d)
-        self.kept.clear()
+    def hook(self, T: int, h: torch.Tensor, _logits) -> None:  # h (B, L, d)
+        if T != self.depth:
+            return
+        if self.active is None:  # the prefill
+            for i, n in enumerate(self.lengths):
+                self.parts[i].append(h[i, h.shape[1] - n:])  # (n, d)
+        else:
+            for j, row in enumerate(self.active):
+                self.parts[row].append(h[j])  # (1, d)
 
 
 def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advance, sample, *,
@@ -168,10 +164,8 @@ def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advanc
     active = list(range(len(result.tokens)))  # original row of each batch row
     step_depth = torch.full((len(active),), prefill_depth, dtype=torch.long, device=logits.device)
     for n in range(max_new_tokens):
-        if forced is None:
-            tok = sample(logits)  # (B,)
-        else:
-            tok = torch.tensor([forced[row][n] for row in active], dtype=torch.long, device=logits.device)
+        tok = sample(logits) if forced is None else torch.tensor(  # (B,)
+            [forced[row][n] for row in active], dtype=torch.long, device=logits.device)
         for row, t, d in zip(active, tok.tolist(), step_depth.tolist()):
             result.tokens[row].append(t)
             result.depths[row].append(d)
@@ -277,11 +271,10 @@ def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criteri
             cache.select(keep)
         if exit_criterion is not None:
             return adaptive_decode_step(model, tok[:, None], cache, ceiling, exit_criterion)
-        logits = model.read(model.loop(tok[:, None], cache=cache), depth,
-                            on_depth=None if states is None else states.hook).logits[:, -1]
         if states is not None:
-            states.fed(active)
-        return logits, fixed(len(tok))
+            states.active = active
+        return model.read(model.loop(tok[:, None], cache=cache), depth,
+                          on_depth=None if states is None else states.hook).logits[:, -1], fixed(len(tok))
     return cached
 
 
