@@ -24,7 +24,7 @@ import numpy as np
 
 from looplm.data.tokenizer import CharVocab
 from looplm.tasks.base import CHARS, EOT, Instance, TaskFamily, register_task
-from looplm.tasks.pointer import forest
+from looplm.tasks.pointer import forest, pair_of, pair_token
 
 FOREST_NODES = "abcdefghijklmnopqrstuvwxyz012345"
 N_TREES = 4
@@ -32,13 +32,13 @@ FOREST_BASE = 0x4E00
 
 
 def forest_token(child: int, parent: int) -> str:
-    """The token of the edge child → parent (``FOREST_NODES`` indices)."""
-    return chr(FOREST_BASE + len(FOREST_NODES) * child + parent)
+    """:func:`~looplm.tasks.pointer.pair_token` over ``FOREST_NODES`` from ``FOREST_BASE``."""
+    return pair_token(child, parent, len(FOREST_NODES), FOREST_BASE)
 
 
 def forest_pair(token: str) -> tuple[int, int]:
     """``(child, parent)`` of a :func:`forest_token`."""
-    return divmod(ord(token) - FOREST_BASE, len(FOREST_NODES))
+    return pair_of(token, len(FOREST_NODES), FOREST_BASE)
 
 
 @register_task

@@ -81,14 +81,15 @@ class PointerEdges(TaskFamily):
         return 10**9  # 16! edge orders alone
 
 
-def pair_token(child: int, parent: int) -> str:
-    """The token of the edge child → parent (``EDGE_NODES`` indices): one of 256 letters from U+0100 on."""
-    return chr(0x100 + len(EDGE_NODES) * child + parent)
+def pair_token(child: int, parent: int, n: int = len(EDGE_NODES), base: int = 0x100) -> str:
+    """The token of the edge child → parent (indices of n nodes): one of n² letters from ``base`` on (U+0100 for
+    ``pointer_pairs``' 16 nodes)."""
+    return chr(base + n * child + parent)
 
 
-def pair_of(token: str) -> tuple[int, int]:
+def pair_of(token: str, n: int = len(EDGE_NODES), base: int = 0x100) -> tuple[int, int]:
     """``(child, parent)`` of a :func:`pair_token`."""
-    return divmod(ord(token) - 0x100, len(EDGE_NODES))
+    return divmod(ord(token) - base, n)
 
 
 @register_task
