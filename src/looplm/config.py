@@ -105,16 +105,6 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
-def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
-    """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
-    _check(kind in GradientConfig.VARIANTS, "gradient kind",
-           f"got {kind!r}; allowed: {', '.join(map(repr, GradientConfig.VARIANTS))}")
-    _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
-           f"must be an integer >= 0, got {steps!r}")
-    _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
-    _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
-
-
 class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
