@@ -105,6 +105,11 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
+def _variant(base: type, cls_name: str, **attrs: Any) -> Any:
+    """A frozen subclass of ``base`` with no fields of its own (a choice variant: ``NAME=...``)."""
+    return dataclass(frozen=True)(type(cls_name, (base,), {"__module__": __name__, **attrs}))
+
+
 class _Base:
     """Shared JSON round-trip and checks for the config dataclasses."""
 
@@ -238,9 +243,7 @@ class RuleOptions(_Base):
                 object.__setattr__(self, "source_init_std", 0.0)
 
 
-@dataclass(frozen=True)
-class PlainOptions(RuleOptions):
-    """``plain``: no options (no injection, no residual scale)."""
+PlainOptions = _variant(RuleOptions, "PlainOptions")  # plain: no injection, no residual scale
 
 
 @dataclass(frozen=True)
@@ -520,11 +523,7 @@ class PositionConfig(ChoiceSection):
             "Ouro), none (the causal mask only)")
 
 
-@dataclass(frozen=True)
-class LearnedPositionConfig(PositionConfig):
-    """``learned``: a table of seq_len absolute positions added to the token embedding (GPT-2)."""
-
-    NAME = "learned"
+LearnedPositionConfig = _variant(PositionConfig, "LearnedPositionConfig", NAME="learned")
 
 
 @dataclass(frozen=True)
@@ -549,12 +548,7 @@ class RopeConfig(PositionConfig):
             self.require(self.scaling_factor > 0, "scaling_factor", f"must be > 0, got {self.scaling_factor}")
 
 
-@dataclass(frozen=True)
-class NoPositionConfig(PositionConfig):
-    """``none``: no position signal beyond the causal mask."""
-
-    NAME = "none"
-
+NoPositionConfig = _variant(PositionConfig, "NoPositionConfig", NAME="none")
 
 
 # ---------------------------------------------------------------- scale control (SPEC §4)
@@ -568,18 +562,8 @@ class ScaleControlConfig(ChoiceSection):
             "factor in (0, 1)), final_norm (h ← norm_f(h); Ouro; pair with model.readout=raw)")
 
 
-@dataclass(frozen=True)
-class NoScaleControlConfig(ScaleControlConfig):
-    """``none``: the state passes between loops unchanged."""
-
-    NAME = "none"
-
-
-@dataclass(frozen=True)
-class InterLoopNormConfig(ScaleControlConfig):
-    """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""
-
-    NAME = "inter_loop_norm"
+NoScaleControlConfig = _variant(ScaleControlConfig, "NoScaleControlConfig", NAME="none")
+InterLoopNormConfig = _variant(ScaleControlConfig, "InterLoopNormConfig", NAME="inter_loop_norm")
 
 
 @dataclass(frozen=True)
@@ -593,11 +577,7 @@ class SpectralDampingConfig(ScaleControlConfig):
         self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
 
 
-@dataclass(frozen=True)
-class FinalNormConfig(ScaleControlConfig):
-    """``final_norm``: h ← norm_f(h), the final norm itself, after every step (Ouro)."""
-
-    NAME = "final_norm"
+FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", NAME="final_norm")
 
 
 @dataclass(frozen=True)
@@ -904,11 +884,7 @@ class GradientConfig(ChoiceSection):
     steps: ClassVar[int] = 0
 
 
-@dataclass(frozen=True)
-class BPTTConfig(GradientConfig):
-    """``bptt``: full backpropagation through every recurrence (no fields)."""
-
-    NAME = "bptt"
+BPTTConfig = _variant(GradientConfig, "BPTTConfig", NAME="bptt")
 
 
 @dataclass(frozen=True)
@@ -922,12 +898,7 @@ class TBPTTConfig(GradientConfig):
         self.require(self.steps >= 1, "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
 
 
-@dataclass(frozen=True)
-class EndpointConfig(TBPTTConfig):
-    """``endpoint`` (Neumann-b): b recurrences with gradient from sg(z^T); the loss is read at T + b."""
-
-    NAME = "endpoint"
-
+EndpointConfig = _variant(TBPTTConfig, "EndpointConfig", NAME="endpoint")  # Neumann-b: the loss read at T + b
 
 
 # ---------------------------------------------------------------- optimizer (SPEC §5)
