@@ -117,7 +117,6 @@ class _Base:
     _key_kind = "field"  # what a key of its dict is, in the errors of _check_keys (Config: a section)
 
     def require(self, cond: bool, name: str, msg: str) -> None:
-        """ConfigError naming field ``name`` (with the section prefix) unless ``cond``."""
         _check(cond, self._prefix + name, msg)
 
     def at_least(self, lo: float, *names: str, strict: bool = False) -> None:
@@ -170,8 +169,7 @@ class _Base:
         """Range checks, after the type checks."""
 
     def _build_sections(self) -> None:
-        """Each section field given as a dict becomes its section (a choice section: its variant); anything else
-        is an error."""
+        """A section given as a dict becomes its section (a choice section: its variant)."""
         for name, base in _sections(type(self)).items():
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -184,9 +182,8 @@ class _Base:
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
     def fields_help(self) -> list[tuple[str, str, Any]]:
-        """``(key, help, default)`` of every leaf field below this config, for ``--help``: the rule options and the
-        choice sections list each field with the variants that read it (default ``dataclasses.MISSING``); a
-        top-level scalar (the run name) has its own flag."""
+        """``(key, help, default)`` of every leaf field below this config, for ``--help``; a field of the rule
+        options or a choice section lists the variants that read it (default ``dataclasses.MISSING``)."""
         out: list[tuple[str, str, Any]] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             key, value = self._prefix + f.name, getattr(self, f.name)
@@ -400,8 +397,7 @@ def options_class(rule: str) -> type[RuleOptions]:
 
 def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], variant: str, complete: bool,
                   key: str = "rule", verb: str = "use", kind: str = "option") -> None:
-    """Every key of ``d`` is a field of ``variant`` (and with ``complete`` every field is a key); else ConfigError,
-    naming the variants that have the field and listing the variant's fields."""
+    """ConfigError for a key of ``d`` that ``variant`` lacks (naming its owners), or with ``complete`` a missing one."""
     own = variants[variant].field_names()
     for name in d:
         if name not in own:
@@ -415,17 +411,13 @@ def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], vari
 
 
 def _options_from_dict(rule: str, d: dict[str, Any], *, complete: bool) -> RuleOptions:
-    cls = options_class(rule)
     _check_fields("model.options.", d, RULE_OPTIONS, rule, complete)
-    return cls(**d)
+    return RULE_OPTIONS[rule](**d)
 
 
 def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[str, Any] | None:
-    """The options ``model`` set away from their defaults, for ``rule`` / ``architecture``.
-
-    Raises:
-        ConfigError: such an option that the new rule (or the unshared architecture) does not have.
-    """
+    """The options ``model`` set away from their defaults, for ``rule`` / ``architecture`` (ConfigError: one
+    that the new rule, or the unshared architecture, does not have)."""
     opts = model.options
     changed = {} if opts is None else {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                                        if getattr(opts, f.name) != f.default}
@@ -447,9 +439,8 @@ def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[st
 
 # ---------------------------------------------------------------- typed choice sections
 class ChoiceSection(_Base):
-    """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); one frozen subclass per variant
-    (``NAME``) holds exactly the fields it reads and registers itself, in definition order, in the ``VARIANTS``
-    of its family's base (the class that sets ``KEY``). :func:`build_choice` builds one from a dict."""
+    """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); each variant (``NAME``) holds the
+    fields it reads and registers itself in the ``VARIANTS`` of its family's base (the class that sets ``KEY``)."""
 
     KEY: ClassVar[str]
     NAME: ClassVar[str]
@@ -468,7 +459,6 @@ class ChoiceSection(_Base):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChoiceSection":
-        """The variant a complete dict names (:func:`build_choice`)."""
         return build_choice(cls, d, complete=True)
 
 
@@ -481,13 +471,9 @@ def _sections(cls: type) -> dict[str, type[_Base]]:
 
 def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
                  carry: ChoiceSection | None = None) -> ChoiceSection:
-    """The variant of ``base``'s family named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
-    others from ``carry`` where its variant has them, else defaults. Strings are parsed to the field's type.
-
-    Raises:
-        ConfigError: an unknown variant (listing the known ones), a field the variant does not read
-            (naming the variant and its fields), a missing field with ``complete``, or a bad value.
-    """
+    """The variant of ``base``'s family named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``
+    (strings parsed), the others from ``carry`` where its variant has them, else defaults (ConfigError: an unknown
+    variant or field, a field the variant does not read, a missing field with ``complete``, a bad value)."""
     _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
     variants = base.VARIANTS
     d = dict(d)
@@ -674,11 +660,8 @@ class ModelConfig(_Base):
 
     @property
     def residual_alpha_beta(self) -> tuple[float, float]:
-        """(α, β) of the post-LN family with N = n_core · residual_depth (SPEC §3); (1, 1) for pre_ln.
-
-        Raises:
-            ConfigError: a post-LN family model without a resolved ``residual_depth``.
-        """
+        """(α, β) of the post-LN family with N = n_core · residual_depth (SPEC §3); (1, 1) for pre_ln (ConfigError:
+        a post-LN model with residual_depth 0)."""
         if self.residual == "pre_ln":
             return 1.0, 1.0
         self.require(self.residual_depth >= 1, "residual_depth",
@@ -696,10 +679,8 @@ class ModelConfig(_Base):
             object.__setattr__(self, "options", None)
             return
         cls = RULE_OPTIONS[self.rule]
-        if opts is None:
-            opts = cls()
-        elif isinstance(opts, dict):
-            opts = _options_from_dict(self.rule, opts, complete=False)
+        if opts is None or isinstance(opts, dict):
+            opts = _options_from_dict(self.rule, opts or {}, complete=False)
         elif type(opts) is not cls:
             raise ConfigError(f"{self._prefix}options: {type(opts).__name__} holds the options of "
                               f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
@@ -776,9 +757,6 @@ class DepthConfig(ChoiceSection):
     KEY = "sampler"
     HELP = ("training depth sampler (SPEC §5), one draw per microbatch: fixed, uniform (lo..hi), pln (Poisson "
             "log-normal) or learned (categorical prior trained by REINFORCE)")
-
-    def max_depth(self) -> int:
-        raise NotImplementedError
 
     def nominal_depth(self) -> int:
         """The depth a trained model stands for (default K_max of halting; final_only_norm's last loop)."""
@@ -1024,16 +1002,12 @@ class Config(_Base):
         return super().from_dict(d)
 
 
-SECTIONS: dict[str, type] = _sections(Config)
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
 def _set_field(sections: dict[str, type], d: dict[str, Any], key: str, value: Any) -> None:
-    """``d[section][field] = value`` for ``key = "section.field"`` of the ``{section: class}`` (strings parsed).
-
-    Raises:
-        ConfigError: an unknown section or field (with the closest known name), a section set whole, a bad string.
-    """
+    """``d[section][field] = value`` (parsed) for ``key = "section.field"`` of the ``{section: class}`` (ConfigError:
+    an unknown section or field, a section set whole, a bad string)."""
     section, _, name = key.partition(".")
     if section not in sections:
         raise _unknown(section, "section", sections)
@@ -1077,11 +1051,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """``cfg`` with ``{"section.field": value}`` overrides applied (strings parsed) and re-validated.
 
     Keys: ``section.field``, ``name``, ``model.options.FIELD`` and choice-section fields (``depth.FIELD``,
-    ``train.gradient.FIELD``, ...), each of the resulting rule or variant, which carries same-named fields over.
-
-    Raises:
-        ConfigError: an unknown key (with the closest known name), an option or field the chosen rule
-            or variant does not have (naming it and its fields), or a bad value.
+    ``train.gradient.FIELD``, ...) of the resulting rule or variant, which carries same-named fields over. Raises
+    ConfigError for an unknown key, an option or field the chosen rule or variant lacks, or a bad value.
     """
     d = cfg.to_dict()
     choices = {"depth": cfg.depth, "train.gradient": cfg.train.gradient, "model.position": cfg.model.position,
@@ -1094,7 +1065,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         elif where in given:
             given[where][name] = value
         else:
-            _set_field(SECTIONS, d, key, value)
+            _set_field(_sections(Config), d, key, value)
     options = given.pop("model.options")
     for where, carry in choices.items():
         section, _, name = where.rpartition(".")
