@@ -421,20 +421,16 @@ def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[st
     opts = model.options
     changed = {} if opts is None else {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                                        if getattr(opts, f.name) != f.default}
-    if architecture == "unshared":
-        for name, value in changed.items():
+    own = RULE_OPTIONS[rule].field_names() if rule in RULE_OPTIONS else None  # None: ModelConfig names the bad rule
+    for name, value in changed.items():
+        if architecture == "unshared":
             raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}; the unshared "
                               "architecture has no rule options")
-        return None
-    if rule not in RULE_OPTIONS:
-        return None  # ModelConfig names the bad rule
-    cls = RULE_OPTIONS[rule]
-    for name, value in changed.items():
-        if name not in cls.field_names():
+        if own is not None and name not in own:
             raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}, but rule {rule} "
-                              f"has no such option (options of {rule}: {', '.join(cls.field_names()) or 'none'}); "
+                              f"has no such option (options of {rule}: {', '.join(own) or 'none'}); "
                               "set rule-specific options together with model.rule")
-    return changed
+    return None if architecture == "unshared" or own is None else changed
 
 
 # ---------------------------------------------------------------- typed choice sections
@@ -598,12 +594,10 @@ class ModelConfig(_Base):
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw, "
                               "final_only_norm (RMSNorm at the last loop only)")
-    scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig, metadata={
-        "help": "the between-loop scale control (SPEC §4; model.scale_control.FIELD)"})
+    scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig)
     exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop; Ouro), for "
                          "supervision=exit_weighted and the exit criteria exit_gate / exit_cdf")
-    position: PositionConfig = field(default_factory=LearnedPositionConfig, metadata={
-        "help": "the position signal (SPEC §1; model.position.FIELD)"})
+    position: PositionConfig = field(default_factory=LearnedPositionConfig)
     n_kv_heads: int = _f(0, "key/value heads (grouped-query attention); 0 = n_heads")
     qk_bias: bool = _f(False, "a learned bias on the q and k projections, zero-initialized (Huginn-0125)")
     block_norm: BlockNorm = _f("pre", "norms in every block (residual=pre_ln): pre (x + f(N(x))), sandwich "
@@ -927,7 +921,7 @@ class TrainConfig(_Base):
     steps: int = _f(5000, "optimizer steps")
     batch_size: int = _f(32, "sequences per microbatch")
     grad_accum: int = _f(1, "microbatches per optimizer step")
-    gradient: GradientConfig = field(default_factory=BPTTConfig, metadata={"help": "the gradient estimator"})
+    gradient: GradientConfig = field(default_factory=BPTTConfig)
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
                                   "per-loop CE, plus an entropy term)")
