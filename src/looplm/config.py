@@ -1024,10 +1024,8 @@ def _parse(tp: Any, key: str, text: Any) -> Any:
             if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                 raise ValueError(text)
             return low in ("true", "1", "yes", "on")
-        if tp is int:
-            return int(text)
-        if tp is float:
-            return float(text)
+        if tp in (int, float):
+            return tp(text)
         if tp is list or typing.get_origin(tp) is list:
             return [s for s in text.split(",") if s] if not text.startswith("[") else json.loads(text)
         return text
