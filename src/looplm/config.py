@@ -105,14 +105,9 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
 
 
-def check_gradient(kind: str = "bptt", steps: int = 0) -> None:
-    """Check the estimator ``(kind, b = steps)`` of :class:`looplm.model.cursor.Gradient` (raises ConfigError)."""
-    _check(kind in GradientConfig.VARIANTS, "gradient kind",
-           f"got {kind!r}; allowed: {', '.join(map(repr, GradientConfig.VARIANTS))}")
-    _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "gradient steps",
-           f"must be an integer >= 0, got {steps!r}")
-    _check(kind != "bptt" or steps == 0, "gradient steps", f"full BPTT (kind bptt) has none; must be 0, got {steps}")
-    _check(kind == "bptt" or steps >= 1, "gradient steps", f"{kind} needs b >= 1, got {steps}")
+def _variant(base: type, cls_name: str, **attrs: Any) -> Any:
+    """A frozen subclass of ``base`` with no fields of its own (a choice variant: ``NAME=...``)."""
+    return dataclass(frozen=True)(type(cls_name, (base,), {"__module__": __name__, **attrs}))
 
 
 class _Base:
@@ -122,7 +117,6 @@ class _Base:
     _key_kind = "field"  # what a key of its dict is, in the errors of _check_keys (Config: a section)
 
     def require(self, cond: bool, name: str, msg: str) -> None:
-        """ConfigError naming field ``name`` (with the section prefix) unless ``cond``."""
         _check(cond, self._prefix + name, msg)
 
     def at_least(self, lo: float, *names: str, strict: bool = False) -> None:
@@ -175,8 +169,7 @@ class _Base:
         """Range checks, after the type checks."""
 
     def _build_sections(self) -> None:
-        """Each section field given as a dict becomes its section (a choice section: its variant); anything else
-        is an error."""
+        """A section given as a dict becomes its section (a choice section: its variant)."""
         for name, base in _sections(type(self)).items():
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -189,9 +182,8 @@ class _Base:
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
     def fields_help(self) -> list[tuple[str, str, Any]]:
-        """``(key, help, default)`` of every leaf field below this config, for ``--help``: the rule options and the
-        choice sections list each field with the variants that read it (default ``dataclasses.MISSING``); a
-        top-level scalar (the run name) has its own flag."""
+        """``(key, help, default)`` of every leaf field below this config, for ``--help``; a field of the rule
+        options or a choice section lists the variants that read it (default ``dataclasses.MISSING``)."""
         out: list[tuple[str, str, Any]] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             key, value = self._prefix + f.name, getattr(self, f.name)
@@ -248,9 +240,7 @@ class RuleOptions(_Base):
                 object.__setattr__(self, "source_init_std", 0.0)
 
 
-@dataclass(frozen=True)
-class PlainOptions(RuleOptions):
-    """``plain``: no options (no injection, no residual scale)."""
+PlainOptions = _variant(RuleOptions, "PlainOptions")  # plain: no injection, no residual scale
 
 
 @dataclass(frozen=True)
@@ -407,8 +397,7 @@ def options_class(rule: str) -> type[RuleOptions]:
 
 def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], variant: str, complete: bool,
                   key: str = "rule", verb: str = "use", kind: str = "option") -> None:
-    """Every key of ``d`` is a field of ``variant`` (and with ``complete`` every field is a key); else ConfigError,
-    naming the variants that have the field and listing the variant's fields."""
+    """ConfigError for a key of ``d`` that ``variant`` lacks (naming its owners), or with ``complete`` a missing one."""
     own = variants[variant].field_names()
     for name in d:
         if name not in own:
@@ -422,41 +411,32 @@ def _check_fields(prefix: str, d: dict[str, Any], variants: dict[str, Any], vari
 
 
 def _options_from_dict(rule: str, d: dict[str, Any], *, complete: bool) -> RuleOptions:
-    cls = options_class(rule)
     _check_fields("model.options.", d, RULE_OPTIONS, rule, complete)
-    return cls(**d)
+    return RULE_OPTIONS[rule](**d)
 
 
 def carry_options(model: "ModelConfig", rule: str, architecture: str) -> dict[str, Any] | None:
-    """The options ``model`` set away from their defaults, for ``rule`` / ``architecture``.
-
-    Raises:
-        ConfigError: such an option that the new rule (or the unshared architecture) does not have.
-    """
+    """The options ``model`` set away from their defaults, for ``rule`` / ``architecture`` (ConfigError: one
+    that the new rule, or the unshared architecture, does not have)."""
     opts = model.options
     changed = {} if opts is None else {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
                                        if getattr(opts, f.name) != f.default}
-    if architecture == "unshared":
-        for name, value in changed.items():
+    own = RULE_OPTIONS[rule].field_names() if rule in RULE_OPTIONS else None  # None: ModelConfig names the bad rule
+    for name, value in changed.items():
+        if architecture == "unshared":
             raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}; the unshared "
                               "architecture has no rule options")
-        return None
-    if rule not in RULE_OPTIONS:
-        return None  # ModelConfig names the bad rule
-    cls = RULE_OPTIONS[rule]
-    for name, value in changed.items():
-        if name not in cls.field_names():
+        if own is not None and name not in own:
             raise ConfigError(f"model.options.{name}: {value!r} was set for rule {model.rule}, but rule {rule} "
-                              f"has no such option (options of {rule}: {', '.join(cls.field_names()) or 'none'}); "
+                              f"has no such option (options of {rule}: {', '.join(own) or 'none'}); "
                               "set rule-specific options together with model.rule")
-    return changed
+    return None if architecture == "unshared" or own is None else changed
 
 
 # ---------------------------------------------------------------- typed choice sections
 class ChoiceSection(_Base):
-    """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); one frozen subclass per variant
-    (``NAME``) holds exactly the fields it reads and registers itself, in definition order, in the ``VARIANTS``
-    of its family's base (the class that sets ``KEY``). :func:`build_choice` builds one from a dict."""
+    """A section whose variant is named by ``KEY`` (``depth.sampler``, ...); each variant (``NAME``) holds the
+    fields it reads and registers itself in the ``VARIANTS`` of its family's base (the class that sets ``KEY``)."""
 
     KEY: ClassVar[str]
     NAME: ClassVar[str]
@@ -475,7 +455,6 @@ class ChoiceSection(_Base):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChoiceSection":
-        """The variant a complete dict names (:func:`build_choice`)."""
         return build_choice(cls, d, complete=True)
 
 
@@ -488,13 +467,9 @@ def _sections(cls: type) -> dict[str, type[_Base]]:
 
 def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool = False,
                  carry: ChoiceSection | None = None) -> ChoiceSection:
-    """The variant of ``base``'s family named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``; the
-    others from ``carry`` where its variant has them, else defaults. Strings are parsed to the field's type.
-
-    Raises:
-        ConfigError: an unknown variant (listing the known ones), a field the variant does not read
-            (naming the variant and its fields), a missing field with ``complete``, or a bad value.
-    """
+    """The variant of ``base``'s family named by ``d[base.KEY]`` (default: ``carry``'s) with the fields of ``d``
+    (strings parsed), the others from ``carry`` where its variant has them, else defaults (ConfigError: an unknown
+    variant or field, a field the variant does not read, a missing field with ``complete``, a bad value)."""
     _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
     variants = base.VARIANTS
     d = dict(d)
@@ -530,11 +505,7 @@ class PositionConfig(ChoiceSection):
             "Ouro), none (the causal mask only)")
 
 
-@dataclass(frozen=True)
-class LearnedPositionConfig(PositionConfig):
-    """``learned``: a table of seq_len absolute positions added to the token embedding (GPT-2)."""
-
-    NAME = "learned"
+LearnedPositionConfig = _variant(PositionConfig, "LearnedPositionConfig", NAME="learned")
 
 
 @dataclass(frozen=True)
@@ -559,12 +530,7 @@ class RopeConfig(PositionConfig):
             self.require(self.scaling_factor > 0, "scaling_factor", f"must be > 0, got {self.scaling_factor}")
 
 
-@dataclass(frozen=True)
-class NoPositionConfig(PositionConfig):
-    """``none``: no position signal beyond the causal mask."""
-
-    NAME = "none"
-
+NoPositionConfig = _variant(PositionConfig, "NoPositionConfig", NAME="none")
 
 
 # ---------------------------------------------------------------- scale control (SPEC §4)
@@ -578,18 +544,8 @@ class ScaleControlConfig(ChoiceSection):
             "factor in (0, 1)), final_norm (h ← norm_f(h); Ouro; pair with model.readout=raw)")
 
 
-@dataclass(frozen=True)
-class NoScaleControlConfig(ScaleControlConfig):
-    """``none``: the state passes between loops unchanged."""
-
-    NAME = "none"
-
-
-@dataclass(frozen=True)
-class InterLoopNormConfig(ScaleControlConfig):
-    """``inter_loop_norm``: h ← RMSNorm(h) with its own learned gain after every step."""
-
-    NAME = "inter_loop_norm"
+NoScaleControlConfig = _variant(ScaleControlConfig, "NoScaleControlConfig", NAME="none")
+InterLoopNormConfig = _variant(ScaleControlConfig, "InterLoopNormConfig", NAME="inter_loop_norm")
 
 
 @dataclass(frozen=True)
@@ -603,11 +559,7 @@ class SpectralDampingConfig(ScaleControlConfig):
         self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
 
 
-@dataclass(frozen=True)
-class FinalNormConfig(ScaleControlConfig):
-    """``final_norm``: h ← norm_f(h), the final norm itself, after every step (Ouro)."""
-
-    NAME = "final_norm"
+FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", NAME="final_norm")
 
 
 @dataclass(frozen=True)
@@ -642,12 +594,10 @@ class ModelConfig(_Base):
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw, "
                               "final_only_norm (RMSNorm at the last loop only)")
-    scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig, metadata={
-        "help": "the between-loop scale control (SPEC §4; model.scale_control.FIELD)"})
+    scale_control: ScaleControlConfig = field(default_factory=NoScaleControlConfig)
     exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop; Ouro), for "
                          "supervision=exit_weighted and the exit criteria exit_gate / exit_cdf")
-    position: PositionConfig = field(default_factory=LearnedPositionConfig, metadata={
-        "help": "the position signal (SPEC §1; model.position.FIELD)"})
+    position: PositionConfig = field(default_factory=LearnedPositionConfig)
     n_kv_heads: int = _f(0, "key/value heads (grouped-query attention); 0 = n_heads")
     qk_bias: bool = _f(False, "a learned bias on the q and k projections, zero-initialized (Huginn-0125)")
     block_norm: BlockNorm = _f("pre", "norms in every block (residual=pre_ln): pre (x + f(N(x))), sandwich "
@@ -704,11 +654,8 @@ class ModelConfig(_Base):
 
     @property
     def residual_alpha_beta(self) -> tuple[float, float]:
-        """(α, β) of the post-LN family with N = n_core · residual_depth (SPEC §3); (1, 1) for pre_ln.
-
-        Raises:
-            ConfigError: a post-LN family model without a resolved ``residual_depth``.
-        """
+        """(α, β) of the post-LN family with N = n_core · residual_depth (SPEC §3); (1, 1) for pre_ln (ConfigError:
+        a post-LN model with residual_depth 0)."""
         if self.residual == "pre_ln":
             return 1.0, 1.0
         self.require(self.residual_depth >= 1, "residual_depth",
@@ -726,10 +673,8 @@ class ModelConfig(_Base):
             object.__setattr__(self, "options", None)
             return
         cls = RULE_OPTIONS[self.rule]
-        if opts is None:
-            opts = cls()
-        elif isinstance(opts, dict):
-            opts = _options_from_dict(self.rule, opts, complete=False)
+        if opts is None or isinstance(opts, dict):
+            opts = _options_from_dict(self.rule, opts or {}, complete=False)
         elif type(opts) is not cls:
             raise ConfigError(f"{self._prefix}options: {type(opts).__name__} holds the options of "
                               f"{', '.join(_rules_of(type(opts))) or 'no rule'}; rule {self.rule} takes {cls.__name__}")
@@ -806,9 +751,6 @@ class DepthConfig(ChoiceSection):
     KEY = "sampler"
     HELP = ("training depth sampler (SPEC §5), one draw per microbatch: fixed, uniform (lo..hi), pln (Poisson "
             "log-normal) or learned (categorical prior trained by REINFORCE)")
-
-    def max_depth(self) -> int:
-        raise NotImplementedError
 
     def nominal_depth(self) -> int:
         """The depth a trained model stands for (default K_max of halting; final_only_norm's last loop)."""
@@ -914,11 +856,7 @@ class GradientConfig(ChoiceSection):
     steps: ClassVar[int] = 0
 
 
-@dataclass(frozen=True)
-class BPTTConfig(GradientConfig):
-    """``bptt``: full backpropagation through every recurrence (no fields)."""
-
-    NAME = "bptt"
+BPTTConfig = _variant(GradientConfig, "BPTTConfig", NAME="bptt")
 
 
 @dataclass(frozen=True)
@@ -932,12 +870,7 @@ class TBPTTConfig(GradientConfig):
         self.require(self.steps >= 1, "steps", f"{self.NAME} needs b >= 1, got {self.steps}")
 
 
-@dataclass(frozen=True)
-class EndpointConfig(TBPTTConfig):
-    """``endpoint`` (Neumann-b): b recurrences with gradient from sg(z^T); the loss is read at T + b."""
-
-    NAME = "endpoint"
-
+EndpointConfig = _variant(TBPTTConfig, "EndpointConfig", NAME="endpoint")  # Neumann-b: the loss read at T + b
 
 
 # ---------------------------------------------------------------- optimizer (SPEC §5)
@@ -988,7 +921,7 @@ class TrainConfig(_Base):
     steps: int = _f(5000, "optimizer steps")
     batch_size: int = _f(32, "sequences per microbatch")
     grad_accum: int = _f(1, "microbatches per optimizer step")
-    gradient: GradientConfig = field(default_factory=BPTTConfig, metadata={"help": "the gradient estimator"})
+    gradient: GradientConfig = field(default_factory=BPTTConfig)
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
                                   "per-loop CE, plus an entropy term)")
@@ -1063,16 +996,12 @@ class Config(_Base):
         return super().from_dict(d)
 
 
-SECTIONS: dict[str, type] = _sections(Config)
 assert set(RULE_OPTIONS) == set(RULE_NAMES), "RULE_OPTIONS must name the options class of every rule"
 
 
 def _set_field(sections: dict[str, type], d: dict[str, Any], key: str, value: Any) -> None:
-    """``d[section][field] = value`` for ``key = "section.field"`` of the ``{section: class}`` (strings parsed).
-
-    Raises:
-        ConfigError: an unknown section or field (with the closest known name), a section set whole, a bad string.
-    """
+    """``d[section][field] = value`` (parsed) for ``key = "section.field"`` of the ``{section: class}`` (ConfigError:
+    an unknown section or field, a section set whole, a bad string)."""
     section, _, name = key.partition(".")
     if section not in sections:
         raise _unknown(section, "section", sections)
@@ -1095,10 +1024,8 @@ def _parse(tp: Any, key: str, text: Any) -> Any:
             if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                 raise ValueError(text)
             return low in ("true", "1", "yes", "on")
-        if tp is int:
-            return int(text)
-        if tp is float:
-            return float(text)
+        if tp in (int, float):
+            return tp(text)
         if tp is list or typing.get_origin(tp) is list:
             return [s for s in text.split(",") if s] if not text.startswith("[") else json.loads(text)
         return text
@@ -1116,11 +1043,8 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """``cfg`` with ``{"section.field": value}`` overrides applied (strings parsed) and re-validated.
 
     Keys: ``section.field``, ``name``, ``model.options.FIELD`` and choice-section fields (``depth.FIELD``,
-    ``train.gradient.FIELD``, ...), each of the resulting rule or variant, which carries same-named fields over.
-
-    Raises:
-        ConfigError: an unknown key (with the closest known name), an option or field the chosen rule
-            or variant does not have (naming it and its fields), or a bad value.
+    ``train.gradient.FIELD``, ...) of the resulting rule or variant, which carries same-named fields over. Raises
+    ConfigError for an unknown key, an option or field the chosen rule or variant lacks, or a bad value.
     """
     d = cfg.to_dict()
     choices = {"depth": cfg.depth, "train.gradient": cfg.train.gradient, "model.position": cfg.model.position,
@@ -1133,7 +1057,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         elif where in given:
             given[where][name] = value
         else:
-            _set_field(SECTIONS, d, key, value)
+            _set_field(_sections(Config), d, key, value)
     options = given.pop("model.options")
     for where, carry in choices.items():
         section, _, name = where.rpartition(".")

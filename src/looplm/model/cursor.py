@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from looplm.config import check_gradient
+from looplm.config import GradientConfig, build_choice
 
 
 def token_rms(h: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,8 @@ class Gradient:
     steps: int = 0
 
     def __post_init__(self):
-        check_gradient(self.kind, self.steps)
+        given = {"steps": self.steps} if self.kind != "bptt" or self.steps else {}  # bptt has no steps field
+        build_choice(GradientConfig, {"kind": self.kind, **given})  # the checks of train.gradient
 
     def key(self, depth: int) -> int:
         """The depth the readout of requested ``depth`` is taken and keyed at."""
