@@ -12,7 +12,7 @@ from typing import Callable, Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from looplm.model.kvcache import KVCache
+from looplm.model.kvcache import KVCache, KVVisit
 from looplm.model.layers import attention
 
 StepHow = Literal["eager", "compile", "cuda_graph"]
@@ -50,11 +50,8 @@ class StaticKVCache:
         return StaticScope(self, positions)
 
 
-class _StaticVisit:
-    """The handle attention receives (as :class:`~looplm.model.kvcache.KVVisit`, traced, not eager)."""
-
-    def __init__(self, scope: "StaticScope", visit: int, record: bool):
-        self.scope, self.visit, self.record = scope, visit, record
+class _StaticVisit(KVVisit):
+    """:class:`~looplm.model.kvcache.KVVisit` traced, not eager (the static step is one graph)."""
 
     def attend(self, layer_id: int, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
         return self.scope.attend(layer_id, self.visit, q, k, v, record=self.record)
