@@ -32,6 +32,7 @@ from looplm.distill.student import build_student
 from looplm.eval.exits import sync_device
 from looplm.eval.perplexity import DEFAULT_DEPTHS
 from looplm.model import KVCache, LoopLM, build_model
+from looplm.model.kvcache import CACHE_MODES
 from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.model.static_decode import DecodeStep, StaticKVCache
 from looplm.presets import get_preset
@@ -269,7 +270,7 @@ def decode_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, depth:
             return res[f"decode_steps_s_{mode}"]
         return run
 
-    for mode in ("per_visit", "terminal"):
+    for mode in CACHE_MODES:
         cached(mode)()  # warm-up
         res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _seconds(cached(mode), device)
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
@@ -349,20 +350,19 @@ def prefill_measurements(cfg: ModelConfig, *, depth: int, contexts: tuple[int, .
     for c in contexts:
         prompt = torch.randint(0, long.vocab_size, (batch_size, c), device=device)
         last = (torch.arange(batch_size, device=device), torch.full((batch_size,), c - 1, device=device))
+
+        def run(name: str) -> Callable[[], None]:
+            return lambda: paths[name][1](prompt, KVCache("terminal", max_len=c), readout=Readout(tokens=last))
+
         times: dict[str, list[float]] = {n: [] for n in paths}
         for rnd in range(repeat + 1):  # round 0 warms up
-            for name, (_, prefill) in paths.items():
-                cache = KVCache("terminal", max_len=c)
-                sec = _seconds(lambda: prefill(prompt, cache, readout=Readout(tokens=last)), device)
+            for name in paths:
+                sec = _seconds(run(name), device)
                 if rnd:
                     times[name].append(1000 * sec)
         res[f"{prefix}prefill_ms_ctx{c}"] = {
             n: {"mean": statistics.fmean(t), "sd": statistics.stdev(t) if len(t) > 1 else 0.0,
                 "median": statistics.median(t)} for n, t in times.items()}
-
-        def run(name: str) -> Callable[[], None]:
-            return lambda: paths[name][1](prompt, KVCache("terminal", max_len=c), readout=Readout(tokens=last))
-
         iv = res[f"{prefix}prefill_rounds_ctx{c}"] = interleaved(run("distilled"), run("teacher"), rounds=rounds,
                                                                  repeat=1, device=device, min_s=min_s)
         res[f"{prefix}distilled_prefill_speedup_ctx{c}"] = iv["median"]

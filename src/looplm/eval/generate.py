@@ -30,7 +30,8 @@ import torch
 from looplm.eval.exits import EXIT_CRITERIA, ExitCriterion, build_exit_criterion, check_criterion, exit_loop
 from looplm.model import eval_mode
 from looplm.model.cursor import Readout
-from looplm.model.kvcache import CACHE_MODES, KVCache
+from looplm.model.kvcache import CacheMode, KVCache, check_cache_mode
+from looplm.model.static_decode import DecodeStep, StaticKVCache, StepHow
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -99,10 +100,10 @@ def adaptive_decode_step(model, idx: torch.Tensor, cache: KVCache, max_depth: in
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, depth: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             cache_mode: str = "per_visit", exit_criterion: ExitCriterion | None = None,
+             cache_mode: CacheMode = "per_visit", exit_criterion: ExitCriterion | None = None,
              max_depth: int | None = None, eos_id: int | None = None, save_states: bool = False,
              forced: Sequence[Sequence[int]] | None = None, student=None,
-             student_depth: int | None = None, static_step: str | None = None) -> Generation:
+             student_depth: int | None = None, static_step: StepHow | None = None) -> Generation:
     """Continue B prompts (non-empty token-id lists) at loop depth ``depth`` (module docstring); ``model`` is
     a shared LoopLM, put in eval mode and restored. ``max_depth``: the adaptive ceiling and prefill depth
     (default ``depth``); ``student_depth``: the student's R (default ``depth``).
@@ -182,8 +183,8 @@ def _decode(result: Generation, logits: torch.Tensor, prefill_depth: int, advanc
         logits, step_depth = advance(tok, keep, active)
 
 
-def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mode: str, exit_criterion,
-                   max_depth: int | None, save_states: bool, forced, student, static_step: str | None) -> int:
+def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mode: CacheMode, exit_criterion,
+                   max_depth: int | None, save_states: bool, forced, student, static_step: StepHow | None) -> int:
     """Validate :func:`generate`'s arguments; returns the adaptive depth ceiling."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -191,16 +192,13 @@ def _check_request(model, prompts, max_new_tokens: int, depth: int, *, cache_mod
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    if cache_mode not in CACHE_MODES:
-        raise ValueError(f"cache_mode: unknown {cache_mode!r}; allowed: {', '.join(CACHE_MODES)}")
+    check_cache_mode(cache_mode, "cache_mode")
     if not getattr(model, "shared", False):
         raise ValueError("generate: needs the shared (looped) architecture; KV caches do not cover unshared models")
     if student is not None and cache_mode != "terminal":
         raise ValueError(f"generate: a distilled prefill fills terminal KV banks; use cache_mode='terminal', "
                          f"got {cache_mode!r}")
     if static_step is not None:
-        from looplm.model.static_decode import DecodeStep
-
         if static_step not in DecodeStep.HOW:
             raise ValueError(f"static_step: unknown {static_step!r}; allowed: {', '.join(DecodeStep.HOW)} (or None)")
         if exit_criterion is not None or save_states or cache_mode != "per_visit":
@@ -243,7 +241,7 @@ def _prefill(model, idx: torch.Tensor, mask: torch.Tensor, cache: KVCache, depth
                              readout=Readout(tokens=last)).logits, 1  # the one teacher recurrence after the student
 
 
-def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criterion, static_step: str | None,
+def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criterion, static_step: StepHow | None,
                 capacity: int, states: _States | None):
     """``advance(tok (B,), keep (B_keep,) | None, active) → (logits (B, V), depth (B,))`` of the static, adaptive
     or eager cached path, on the rows ``keep`` leaves (``active``: their original rows)."""
@@ -253,8 +251,6 @@ def _token_step(model, cache: KVCache, depth: int, *, ceiling: int, exit_criteri
         return torch.full((n,), depth, dtype=torch.long, device=device)
 
     if static_step is not None:  # rows that stop stay in the static batch; their outputs are dropped
-        from looplm.model.static_decode import DecodeStep, StaticKVCache
-
         step = DecodeStep(model, StaticKVCache(cache, capacity, model.cfg.seq_len), depth, static_step)
         feed = torch.zeros(B, dtype=torch.long, device=device)  # (B,): the static batch's tokens
         rows = [torch.arange(B, device=device)]  # the static batch row of each active row
@@ -307,10 +303,10 @@ def _check_cli_request(prompts: list[str], temperature: float, top_k, top_p, exi
 def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = None, prompts_file: Path | None = None,
                         max_new_tokens: int = 32, depth: int | None = None, temperature: float = 0.0,
                         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                        kv_cache: Literal["per_visit", "terminal"] | None = None,
+                        kv_cache: CacheMode | None = None,
                         prefill: Literal["teacher", "distilled"] = "teacher", student: Path | None = None,
                         exit: str = "none", exit_tau: float | None = None, max_depth: int | None = None,
-                        static_step: Literal["eager", "compile", "cuda_graph"] | None = None, device: str = "cpu",
+                        static_step: StepHow | None = None, device: str = "cpu",
                         out: Path | None = None) -> int:
     """Continue each prompt of a checkpoint (``looplm generate``); print them, ``out`` also as JSON.
 

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looplm.hf.configuration import LoopLMConfig
 from looplm.model.cursor import Readout
-from looplm.model.kvcache import CACHE_MODES, KVCache
+from looplm.model.kvcache import KVCache, check_cache_mode
 
 
 class LoopLMCache(Cache):
@@ -34,8 +34,7 @@ class LoopLMCache(Cache):
 
     def __init__(self, mode: str = "per_visit", kv: KVCache | None = None):
         super().__init__(layers=[])
-        if mode not in CACHE_MODES:
-            raise ValueError(f"kv_cache: unknown {mode!r}; allowed: {', '.join(CACHE_MODES)}")
+        check_cache_mode(mode, "kv_cache")
         self.kv = kv if kv is not None else KVCache(mode)
 
     def __repr__(self) -> str:

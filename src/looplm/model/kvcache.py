@@ -11,7 +11,7 @@ at or below its own, one running fewer copies its deepest forward.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from looplm.model.layers import attention
 
 CacheMode = Literal["per_visit", "terminal"]
-CACHE_MODES: tuple[str, ...] = ("per_visit", "terminal")
+CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
+
+
+def check_cache_mode(mode: str, field: str) -> None:
+    """ValueError naming ``field`` unless ``mode`` is one of :data:`CACHE_MODES`."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"{field}: unknown KV cache mode {mode!r}; allowed: {', '.join(CACHE_MODES)}")
+
 
 def chunk_positions(valid: torch.Tensor | None, cache: KVCache | None, L: int, device) -> torch.Tensor:
     """Position ids (B, L) (or (1, L)) of a chunk: the real tokens of ``cache`` (None: 0) plus those of the chunk
@@ -44,8 +51,7 @@ class KVCache:
     ``n_valid`` (B,) real tokens; ``stats`` per-sequence running sums (SCSE mask energy)."""
 
     def __init__(self, mode: CacheMode = "per_visit", max_len: int | None = None):
-        if mode not in CACHE_MODES:
-            raise ValueError(f"kv_sharing: unknown KV cache mode {mode!r}; allowed: {', '.join(CACHE_MODES)}")
+        check_cache_mode(mode, "mode")
         self.mode = mode
         self.capacity = max_len
         self.buffers: dict = {}  # key → (K, V) (B, H_kv, capacity, hd)

@@ -7,13 +7,15 @@ capacity under a mask. Fixed depth only; the prefill keeps the eager path.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-from looplm.model.kvcache import KVCache
+from looplm.model.kvcache import KVCache, KVVisit
 from looplm.model.layers import attention
+
+StepHow = Literal["eager", "compile", "cuda_graph"]
 
 
 class StaticKVCache:
@@ -21,8 +23,6 @@ class StaticKVCache:
     place: ``buffers`` (B, H_kv, capacity, hd) pairs, ``valid`` (B, capacity), ``length`` (), ``n_valid`` (B,).
     ValueError: a cache that is not ``per_visit`` or is empty, or a capacity below the cached length or above
     ``seq_len``."""
-
-    mode = "per_visit"
 
     def __init__(self, cache: KVCache, capacity: int, seq_len: int):
         if cache.mode != "per_visit" or not cache.buffers:
@@ -32,7 +32,7 @@ class StaticKVCache:
             raise ValueError(f"capacity: need {cache.length} (cached) <= capacity <= {seq_len} (model.seq_len), "
                              f"got {capacity}")
         L = cache.length
-        self.capacity, self.calls_per_step, self.steps_left = capacity, cache.calls_per_step, capacity - L
+        self.capacity, self.steps_left = capacity, capacity - L
         # the cached positions, then zeros up to the capacity: (B, H_kv, capacity, hd) banks, (B, capacity) valid
         self.buffers = {key: tuple(F.pad(t[:, :, :L], (0, 0, 0, capacity - L)) for t in kv)
                         for key, kv in cache.buffers.items()}
@@ -50,11 +50,8 @@ class StaticKVCache:
         return StaticScope(self, positions)
 
 
-class _StaticVisit:
-    """The handle attention receives (as :class:`~looplm.model.kvcache.KVVisit`, traced, not eager)."""
-
-    def __init__(self, scope: "StaticScope", visit: int, record: bool):
-        self.scope, self.visit, self.record = scope, visit, record
+class _StaticVisit(KVVisit):
+    """:class:`~looplm.model.kvcache.KVVisit` traced, not eager (the static step is one graph)."""
 
     def attend(self, layer_id: int, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
         return self.scope.attend(layer_id, self.visit, q, k, v, record=self.record)
@@ -122,9 +119,9 @@ class DecodeStep:
     taken at construction (1.3–1.5× at batch 1: ``benchmarks/results/decode-leads-cpu-2core.md``).
     ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity."""
 
-    HOW = ("eager", "compile", "cuda_graph")
+    HOW: tuple[str, ...] = get_args(StepHow)
 
-    def __init__(self, model, cache: StaticKVCache, depth: int, how: str = "compile", backend: str = "inductor"):
+    def __init__(self, model, cache: StaticKVCache, depth: int, how: StepHow = "compile", backend: str = "inductor"):
         if how not in self.HOW:
             raise ValueError(f"how: unknown {how!r}; allowed: {', '.join(self.HOW)}")
         if how == "cuda_graph" and cache.length.device.type != "cuda":
