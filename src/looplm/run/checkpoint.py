@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
@@ -272,7 +271,7 @@ def load_config(ckpt: str | Path) -> Config:
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
     """The training state (step, scheduler, RNG, depth prior; consolidated: the optimizer), loaded as data
-    (``weights_only=True``); CheckpointError when missing or holding pickled objects (:func:`convert_train_state`)."""
+    (``weights_only=True``); CheckpointError when missing or holding pickled objects (they could run code)."""
     path = resolve_checkpoint(ckpt) / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
@@ -280,40 +279,8 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and containers, and "
-            f"loading them could run code ({reason}). If you trust where this run folder came from, rewrite it "
-            f"as data once with `looplm convert-train-state --checkpoint {path.parent} --trust-pickle`") from None
-
-
-def _as_data(obj: Any, where: str = "train_state") -> Any:
-    """``obj`` with numpy arrays/scalars as tensors/numbers; CheckpointError naming an object that is not data."""
-    if isinstance(obj, dict):
-        return {k: _as_data(v, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_as_data(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise CheckpointError(f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} is not data; cannot convert")
-
-
-def convert_train_state(ckpt: str | Path) -> Path:
-    """Rewrite a ``train_state.pt`` the user vouched for (``--trust-pickle``) as data, atomically: the one
-    place looplm unpickles."""
-    ckpt = resolve_checkpoint(ckpt)
-    path = ckpt / STATE_FILE
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing (nothing to convert)")
-    manifest = verify_checkpoint(ckpt, skip=frozenset({STATE_FILE}))  # the file being vouched for; rerunnable
-    state = _as_data(torch.load(path, map_location="cpu", weights_only=False))
-    tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    torch.load(tmp, map_location="cpu", weights_only=True)  # proves the new file loads as data
-    return _replace_file(ckpt, manifest, STATE_FILE, tmp)
+        raise CheckpointError(f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and "
+                              f"containers, and loading them could run code ({reason})") from None
 
 
 def _replace_file(ckpt: Path, manifest: dict[str, Any], name: str, tmp: Path) -> Path:
