@@ -28,12 +28,9 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     """
     import os
 
-    from looplm.run.checkpoint import list_checkpoints
     from looplm.train.trainer import train as run_train
 
     assert out is not None
-    if not resume and list_checkpoints(out):
-        raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
     created = not any(out.iterdir())
     steps = cfg.train.steps if resume and "train.steps" in overrides else None  # train a finished run on to it
     try:
