@@ -242,11 +242,6 @@ def test_advantage_scale_resumes_exactly():
         _train(b, lambda r: 3.0 + 0.1 * abs(r - 7), 6, first_step=6)
     # exact: same updates
     assert a.advantage_scale == b.advantage_scale != 1.0 and torch.equal(a.logits.detach(), b.logits.detach())
-    old = a.state_dict()
-    del old["advantage_scale"], old["scale_history"]  # a checkpoint from before depth.scale
-    c = learned(**cfg)
-    c.load_state_dict(old)
-    assert c.advantage_scale == 1.0
     t = LearnedDepthConfig(reward="inv_ppl", scale=True, scale_window=4)
     built = build_sampler(t)
     assert built.scale and built.scale_window == 4 and built.reward == "inv_ppl"

@@ -147,7 +147,7 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
                         train_state=run_state(step, cfg.seed, **optim.state_dict()))
 
     fit = Fit(folder, start=start, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
-              save=checkpoint, desc="distill", progress=progress)
+              save=checkpoint, desc="distill", eval_every=cfg.eval_every, progress=progress)
     t_start, last = time.time(), {}
     with fit:
         for step in fit:
@@ -163,7 +163,7 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
             done = step + 1
             last = {"step": done, "loss": loss, "hidden": float(res.hidden.detach()), "kl": float(res.kl.detach()),
                     "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / (time.time() - t0)}
-            if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
+            if fit.evaluating(done):
                 last.update(validate(teacher, student, tokens["valid"], cfg, sigma2, L, device))
             fit.log(last, loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
                     **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))

@@ -283,8 +283,8 @@ class LearnedDepthPrior(DepthSampler):
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline = state["baseline"]
         self.updates = int(state["updates"])
-        self.advantage_scale = float(state.get("advantage_scale", 1.0))  # checkpoints before depth.scale: 1
-        self._scale_history = [list(map(list, upd)) for upd in state.get("scale_history", [])]
+        self.advantage_scale = float(state["advantage_scale"])
+        self._scale_history = [list(map(list, upd)) for upd in state["scale_history"]]
         self._obs = []
         self._refresh()
 
