@@ -32,7 +32,7 @@ from looplm.config import Config
 from looplm.data.paths import atomic_write
 from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
-from looplm.run.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
+from looplm.run.dist import DistEnv, barrier, load_shards, resolve_device, save_shards, shard_keys
 from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export_config, is_hf_export, read_hf_config
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
@@ -283,18 +283,6 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
                               f"containers, and loading them could run code ({reason})") from None
 
 
-def _replace_file(ckpt: Path, manifest: dict[str, Any], name: str, tmp: Path) -> Path:
-    """Move the written ``tmp`` onto ``ckpt/name`` and record it in ``manifest``, rewritten atomically."""
-    _fsync(tmp)
-    os.replace(tmp, ckpt / name)
-    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": sha256_file(ckpt / name)}
-    manifest["files"] = dict(sorted(manifest["files"].items()))
-    with atomic_write(ckpt / MANIFEST_FILE) as fh:
-        fh.write(json.dumps(manifest, indent=2).encode())
-    _fsync(ckpt)
-    return ckpt / name
-
-
 def _load_hf_weights(path: Path, model: LoopLM, device: str | torch.device) -> None:
     """Load an export folder's ``model*.safetensors`` into ``model`` strictly (without the export's key prefix)."""
     files = sorted(path.glob("model*.safetensors"))
@@ -321,12 +309,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
 
     CheckpointError: damaged checkpoint; NonFiniteError: NaN/inf weights; ValueError: a bad device.
     """
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device: got {device!r}; allowed: cpu, cuda, cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
+    device = resolve_device(str(device), "--device")
     ckpt = resolve_checkpoint(path)
     bare = not with_state and not (ckpt / MANIFEST_FILE).exists()
     hf = read_hf_config(ckpt) if bare and is_hf_export(ckpt) else None
@@ -372,9 +355,16 @@ def consolidate_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
     model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()))
     _load_sharded_model(ckpt, model)
-    tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
+    tmp, final = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}", ckpt / MODEL_FILE
     _save_weights(model, tmp)
-    return _replace_file(ckpt, manifest, MODEL_FILE, tmp)
+    _fsync(tmp)
+    os.replace(tmp, final)
+    manifest["files"][MODEL_FILE] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    with atomic_write(ckpt / MANIFEST_FILE) as fh:  # the manifest last: a crash before leaves it unchanged
+        fh.write(json.dumps(manifest, indent=2).encode())
+    _fsync(ckpt)
+    return final
 
 
 def _problem(ckpt: Path) -> str | None:
