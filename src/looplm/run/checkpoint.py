@@ -33,7 +33,7 @@ from looplm.data.paths import atomic_write
 from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
 from looplm.run.dist import DistEnv, barrier, load_shards, resolve_device, save_shards, shard_keys
-from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export_config, is_hf_export, read_hf_config
+from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export, hf_export_config
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
     "model.safetensors", "config.json", "train_state.pt", "tokenizer.json", "manifest.json")
@@ -266,7 +266,8 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
-    return hf_export_config(ckpt) if is_hf_export(ckpt) else Config.from_json((ckpt / CONFIG_FILE).read_text())
+    export = hf_export(ckpt)
+    return hf_export_config(export) if export else Config.from_json((ckpt / CONFIG_FILE).read_text())
 
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
@@ -312,9 +313,9 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
     device = resolve_device(str(device), "--device")
     ckpt = resolve_checkpoint(path)
     bare = not with_state and not (ckpt / MANIFEST_FILE).exists()
-    hf = read_hf_config(ckpt) if bare and is_hf_export(ckpt) else None
+    hf = hf_export(ckpt) if bare else None
     if hf is not None:  # a Hugging Face export (`looplm export`): no transformers
-        cfg = hf_export_config(ckpt)
+        cfg = hf_export_config(hf)
         model = build_model(cfg)
         _load_hf_weights(ckpt, model, device)
     else:
