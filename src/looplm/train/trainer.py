@@ -52,13 +52,6 @@ def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
     return model
 
 
-def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast when ``dtype == "bfloat16"``, otherwise a no-op context."""
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @dataclass
 class TrainData:
     """Tokenized splits and the tokenizer of a run. ``window_stride``: training windows start at
@@ -283,7 +276,7 @@ class _Run:
             ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             # one block: no_sync() is a generator context manager, which can be entered once
             with wrapped.no_sync() if ddp and micro < tcfg.grad_accum - 1 else contextlib.nullcontext():
-                with autocast_context(device, tcfg.dtype):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bfloat16"):
                     res = training_loss(wrapped, x, y, T, tcfg)
                 (res.loss / tcfg.grad_accum).backward()
             loss_sum += res.ce
