@@ -119,9 +119,9 @@ class Fit:
     """Steps ``start`` … ``end − 1`` of a run of ``total`` steps (``end``: ``total``, or ``start + stop_after``
     when given), as a context manager to iterate: each step's body reports its record with :meth:`log` (one
     line of ``metrics.jsonl`` and the progress bar); after the body, ``save(done)`` writes a checkpoint every
-    ``ckpt_every`` steps and at ``end``; :meth:`evaluating` says when to validate. Entering truncates ``metrics.jsonl`` to the records of steps ≤
-    ``start`` (a resume; ``key`` names the step field) or deletes it (a fresh run, ``start`` = 0).
-    ``write=False`` (ranks other than 0) leaves the file alone."""
+    ``ckpt_every`` steps and at ``end``; :meth:`evaluating` says when to validate. Entering truncates
+    ``metrics.jsonl`` to the records of steps ≤ ``start`` (a resume; ``key`` names the step field) or deletes it
+    (a fresh run, ``start`` = 0). ``write=False`` (ranks other than 0) leaves the file alone."""
 
     def __init__(self, folder: RunFolder, *, start: int, total: int, stop_after: int | None, ckpt_every: int,
                  save: Callable[[int], None], desc: str, eval_every: int = 0, unit: str = "step", key: str = "step",
