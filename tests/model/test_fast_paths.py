@@ -12,7 +12,7 @@ import torch
 from looplm.cli import main
 from looplm.config import ModelConfig
 from looplm.model import build_model
-from looplm.train.trainer import autocast_context, compile_blocks
+from looplm.train.trainer import compile_blocks
 
 CFG = ModelConfig(rule="scse", vocab_size=97, d_model=32, n_heads=4, d_ff=64, seq_len=16, dropout=0.0)
 
@@ -49,7 +49,7 @@ def test_bf16_autocast_agrees_with_fp32():
     x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(x, depth=4, targets=x).loss
-        with autocast_context(torch.device("cpu"), "bfloat16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             got = model(x, depth=4, targets=x).loss
     print(f"fp32 loss {ref.item():.5f}, bf16 autocast loss {got.item():.5f}")
     assert got.item() == pytest.approx(ref.item(), rel=2e-2)

@@ -57,18 +57,18 @@ def test_fit_fresh_start_replaces_an_old_log_and_a_rank_that_does_not_write_leav
     assert folder.metrics.read_text() == ""
 
 
-def test_locked_is_exclusive_and_a_failed_start_leaves_no_folder(tmp_path):
+def test_start_is_exclusive_and_a_failed_start_leaves_no_folder(tmp_path):
     folder = RunFolder(tmp_path / "run")
     with pytest.raises(RuntimeError, match="boom"):
-        with folder.locked():
+        with folder.start(resume=False):
             raise RuntimeError("boom")
     assert not folder.path.exists()  # nothing was written: no folder with a stale .lock
-    with folder.locked():
+    with folder.start(resume=False):
         with pytest.raises(RunLockedError, match="in use by another training process"):
-            RunFolder(folder.path).locked().__enter__()
+            RunFolder(folder.path).start(resume=False).__enter__()
         (folder.path / "config.json").write_text("{}")
     with pytest.raises(RuntimeError):
-        with folder.locked():
+        with folder.start(resume=False):
             raise RuntimeError("later failure")
     assert (folder.path / "config.json").exists()  # a folder with content stays
 

@@ -37,7 +37,7 @@ from looplm.model.cursor import BPTT, NLL, Gradient, Readout
 from looplm.model.static_decode import DecodeStep, StaticKVCache
 from looplm.presets import get_preset
 from looplm.run.dist import resolve_device
-from looplm.train.trainer import autocast_context, compile_blocks
+from looplm.train.trainer import compile_blocks
 
 TARGETS = {"mfu": (">=", 0.80), "bf16_train_speedup": (">=", 1.5), "loop_overhead_ratio": (">=", 0.97),
            "scse_vs_looped_ratio": (">=", 0.97), "multidepth_eval_ratio": ("<=", 1.1),
@@ -176,7 +176,7 @@ def train_step(cfg: ModelConfig, depth: int, *, batch_size: int, device: torch.d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
-        with autocast_context(device, dtype):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
             loss = model(x, depth, x, readout=NLL).loss
         loss.backward()
         opt.step()

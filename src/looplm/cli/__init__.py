@@ -80,8 +80,6 @@ COMMANDS: tuple[Cmd, ...] = (
         "exit": Opt(choices=lambda: ("none", *exit_criteria()))}),
     Cmd("consolidate", "looplm.run.checkpoint:consolidate_checkpoint",
         "add the full weights (model.safetensors) to a sharded checkpoint", checkpoint=True),
-    Cmd("convert-train-state", _C + "convert_train_state",
-        "rewrite a trusted checkpoint's pickled train_state.pt as data", checkpoint=True),
     Cmd("info", "looplm.analysis.flops:config_info", "parameter count and FLOP proxy of a config, as JSON",
         config="preset"),
     Cmd("bench", "looplm.apps.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,

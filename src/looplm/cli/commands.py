@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from looplm.cli.core import CliError, OutDir, OutFile, Report, UsageError, prepare_out_dir
+from looplm.cli.core import OutDir, OutFile, Report, UsageError, prepare_out_dir
 
 
 def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, name: str | None = None,
@@ -28,12 +28,9 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     """
     import os
 
-    from looplm.run.checkpoint import list_checkpoints
     from looplm.train.trainer import train as run_train
 
     assert out is not None
-    if not resume and list_checkpoints(out):
-        raise ValueError(f"--out {out} already holds a run; continue it with --resume or choose another --out")
     created = not any(out.iterdir())
     steps = cfg.train.steps if resume and "train.steps" in overrides else None  # train a finished run on to it
     try:
@@ -46,20 +43,6 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))
     return 0
-
-
-def convert_train_state(checkpoint: Path, *, trust_pickle: bool = False) -> Path:
-    """Rewrite a trusted checkpoint's pickled train_state.pt as data.
-
-    Args:
-        trust_pickle: required: you vouch that the file comes from a source you trust
-    """
-    from looplm.run.checkpoint import convert_train_state as convert
-
-    if not trust_pickle:
-        raise CliError("convert-train-state unpickles the file, which can run any code it holds: pass "
-                       "--trust-pickle only for a run folder you trust")
-    return convert(checkpoint)
 
 
 def eval_halting(func: Callable[..., dict], options: dict[str, Any], checkpoint: Path, report: Report, *,

@@ -17,8 +17,6 @@ DESCRIPTIONS: dict[str, str] = {
                 "--checkpoint runs/a --prompt 'The jury' --max-new-tokens 20.",
     "consolidate": "Adds model.safetensors (and its manifest entry) to a checkpoint written sharded; prints its "
                    "path.",
-    "convert-train-state": "Resuming loads train_state.pt as data only; this unpickles a trusted file once and "
-                           "rewrites it as data.",
     "info": "Prints params and flops_per_token per depth (SCSE eq. 20–21); builds the model on the meta device. "
             "Example: looplm info --preset scse-22m --depths 8,48.",
     "bench": "Throughput, MFU, loop overhead, decoding and memory figures, each a ratio or rate from the same run; "

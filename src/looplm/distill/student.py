@@ -24,7 +24,7 @@ from looplm.distill.config import DistillConfig, StudentRecord, TeacherRef
 from looplm.model import Block, LoopLM, RMSNorm
 from looplm.model.kvcache import AttentionScope
 from looplm.run.checkpoint import CONFIG_FILE, MODEL_FILE, CheckpointError, resolve_checkpoint, verify_checkpoint
-from looplm.run.hf_folder import is_hf_export
+from looplm.run.hf_folder import hf_export
 
 #: the folder of a teacher run that holds its student by default
 STUDENT_DIR = "student"
@@ -99,7 +99,7 @@ def teacher_ref(teacher: LoopLM, checkpoint: str | Path, name: str) -> TeacherRe
 def default_student_dir(teacher_checkpoint: str | Path) -> Path:
     """``RUN/student`` for a run or ``RUN/checkpoints/step-N``; ``DIR-student`` beside an HF export ``DIR``."""
     path = Path(teacher_checkpoint)
-    if is_hf_export(path):
+    if hf_export(path) is not None:
         return path.parent / f"{path.name}-{STUDENT_DIR}"
     if path.parent.name == "checkpoints" and path.name.startswith("step-"):
         path = path.parent.parent

@@ -16,15 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from looplm.data.paths import resolve_cache_dir, resolve_data_root
-from looplm.data.tokens import eval_windows, load_tokens, sample_batch
+from looplm.data.tokens import eval_windows, sample_batch
 from looplm.distill.config import DistillConfig, StudentRecord
 from looplm.distill.loss import VarianceAccumulator, distill_loss
 from looplm.distill.prefill import student_readout, teacher_targets
 from looplm.distill.student import Student, build_student, default_student_dir, load_student, read_record, teacher_ref
 from looplm.run.finite import NonFiniteError, clean
 from looplm.model import LoopLM, eval_mode
-from looplm.run.checkpoint import load_checkpoint, load_train_state, newest_valid_checkpoint, save_checkpoint
+from looplm.run.checkpoint import load_train_state, newest_valid_checkpoint, save_checkpoint
 from looplm.run.dist import resolve_device
 from looplm.run.folder import Fit, RunFolder, run_state, set_rng_state
 from looplm.train.optim import Optimization
@@ -110,14 +109,11 @@ def distill(teacher_checkpoint: str | Path, out: str | Path | None = None, cfg: 
         device = resolve_device(cfg.device, "distill.device")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        teacher, tcfg, _, tckpt = load_checkpoint(teacher_checkpoint, device=device)
-        teacher.requires_grad_(False)
-        teacher.eval()
-        from looplm.eval.runner import load_tokenizer_for
+        from looplm.eval.runner import open_checkpoint
 
-        tok = load_tokenizer_for(tckpt)
-        root, cache = resolve_data_root(tcfg.data.data_root), resolve_cache_dir(tcfg.data.cache_dir)
-        tokens = {split: load_tokens(tcfg.data, split, tok, root, cache) for split in ("train", "valid")}
+        opened = open_checkpoint(teacher_checkpoint, device=device)  # the teacher, in eval mode
+        teacher, tcfg, tckpt = opened.model.requires_grad_(False), opened.cfg, opened.ckpt
+        tokens = {split: opened.tokens(split) for split in ("train", "valid")}
         if ckpt:
             student, record, _ = load_student(ckpt, teacher)  # refuses another teacher's student
             student.train()
@@ -147,7 +143,7 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
                         train_state=run_state(step, cfg.seed, **optim.state_dict()))
 
     fit = Fit(folder, start=start, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
-              save=checkpoint, desc="distill", progress=progress)
+              save=checkpoint, desc="distill", eval_every=cfg.eval_every, progress=progress)
     t_start, last = time.time(), {}
     with fit:
         for step in fit:
@@ -163,7 +159,7 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
             done = step + 1
             last = {"step": done, "loss": loss, "hidden": float(res.hidden.detach()), "kl": float(res.kl.detach()),
                     "lr": lr, "grad_norm": grad_norm, "tokens_per_s": cfg.batch_size * L / (time.time() - t0)}
-            if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.steps:
+            if fit.evaluating(done):
                 last.update(validate(teacher, student, tokens["valid"], cfg, sigma2, L, device))
             fit.log(last, loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
                     **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))

@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
@@ -33,8 +32,8 @@ from looplm.config import Config
 from looplm.data.paths import atomic_write
 from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
-from looplm.run.dist import DistEnv, barrier, load_shards, save_shards, shard_keys
-from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export_config, is_hf_export, read_hf_config
+from looplm.run.dist import DistEnv, barrier, load_shards, resolve_device, save_shards, shard_keys
+from looplm.run.hf_folder import WEIGHTS_PREFIX, hf_export, hf_export_config
 
 MODEL_FILE, CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, MANIFEST_FILE = (
     "model.safetensors", "config.json", "train_state.pt", "tokenizer.json", "manifest.json")
@@ -267,12 +266,13 @@ def _config_changes(path: Path, saved: dict[str, Any] | None) -> str:
 def load_config(ckpt: str | Path) -> Config:
     """The config saved with a checkpoint (``ckpt``: checkpoint or run directory)."""
     ckpt = resolve_checkpoint(ckpt)
-    return hf_export_config(ckpt) if is_hf_export(ckpt) else Config.from_json((ckpt / CONFIG_FILE).read_text())
+    export = hf_export(ckpt)
+    return hf_export_config(export) if export else Config.from_json((ckpt / CONFIG_FILE).read_text())
 
 
 def load_train_state(ckpt: str | Path) -> dict[str, Any]:
     """The training state (step, scheduler, RNG, depth prior; consolidated: the optimizer), loaded as data
-    (``weights_only=True``); CheckpointError when missing or holding pickled objects (:func:`convert_train_state`)."""
+    (``weights_only=True``); CheckpointError when missing or holding pickled objects (they could run code)."""
     path = resolve_checkpoint(ckpt) / STATE_FILE
     if not path.exists():
         raise CheckpointError(f"{path}: missing (weights-only checkpoint cannot resume)")
@@ -280,52 +280,8 @@ def load_train_state(ckpt: str | Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and containers, and "
-            f"loading them could run code ({reason}). If you trust where this run folder came from, rewrite it "
-            f"as data once with `looplm convert-train-state --checkpoint {path.parent} --trust-pickle`") from None
-
-
-def _as_data(obj: Any, where: str = "train_state") -> Any:
-    """``obj`` with numpy arrays/scalars as tensors/numbers; CheckpointError naming an object that is not data."""
-    if isinstance(obj, dict):
-        return {k: _as_data(v, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_as_data(v, f"{where}[{i}]") for i, v in enumerate(obj))
-    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise CheckpointError(f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} is not data; cannot convert")
-
-
-def convert_train_state(ckpt: str | Path) -> Path:
-    """Rewrite a ``train_state.pt`` the user vouched for (``--trust-pickle``) as data, atomically: the one
-    place looplm unpickles."""
-    ckpt = resolve_checkpoint(ckpt)
-    path = ckpt / STATE_FILE
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing (nothing to convert)")
-    manifest = verify_checkpoint(ckpt, skip=frozenset({STATE_FILE}))  # the file being vouched for; rerunnable
-    state = _as_data(torch.load(path, map_location="cpu", weights_only=False))
-    tmp = path.with_name(f".{STATE_FILE}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    torch.load(tmp, map_location="cpu", weights_only=True)  # proves the new file loads as data
-    return _replace_file(ckpt, manifest, STATE_FILE, tmp)
-
-
-def _replace_file(ckpt: Path, manifest: dict[str, Any], name: str, tmp: Path) -> Path:
-    """Move the written ``tmp`` onto ``ckpt/name`` and record it in ``manifest``, rewritten atomically."""
-    _fsync(tmp)
-    os.replace(tmp, ckpt / name)
-    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": sha256_file(ckpt / name)}
-    manifest["files"] = dict(sorted(manifest["files"].items()))
-    with atomic_write(ckpt / MANIFEST_FILE) as fh:
-        fh.write(json.dumps(manifest, indent=2).encode())
-    _fsync(ckpt)
-    return ckpt / name
+        raise CheckpointError(f"{path}: refused: it holds pickled objects beyond tensors, numbers, strings and "
+                              f"containers, and loading them could run code ({reason})") from None
 
 
 def _load_hf_weights(path: Path, model: LoopLM, device: str | torch.device) -> None:
@@ -354,17 +310,12 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
 
     CheckpointError: damaged checkpoint; NonFiniteError: NaN/inf weights; ValueError: a bad device.
     """
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device: got {device!r}; allowed: cpu, cuda, cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device={device} but no CUDA device is available; use cpu")
+    device = resolve_device(str(device), "--device")
     ckpt = resolve_checkpoint(path)
     bare = not with_state and not (ckpt / MANIFEST_FILE).exists()
-    hf = read_hf_config(ckpt) if bare and is_hf_export(ckpt) else None
+    hf = hf_export(ckpt) if bare else None
     if hf is not None:  # a Hugging Face export (`looplm export`): no transformers
-        cfg = hf_export_config(ckpt)
+        cfg = hf_export_config(hf)
         model = build_model(cfg)
         _load_hf_weights(ckpt, model, device)
     else:
@@ -405,9 +356,16 @@ def consolidate_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{ckpt}: neither {MODEL_FILE} nor {SHARDED_DIR}/ to consolidate")
     model = build_model(Config.from_json((ckpt / CONFIG_FILE).read_text()))
     _load_sharded_model(ckpt, model)
-    tmp = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}"
+    tmp, final = ckpt / f".{MODEL_FILE}.tmp-{os.getpid()}", ckpt / MODEL_FILE
     _save_weights(model, tmp)
-    return _replace_file(ckpt, manifest, MODEL_FILE, tmp)
+    _fsync(tmp)
+    os.replace(tmp, final)
+    manifest["files"][MODEL_FILE] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    with atomic_write(ckpt / MANIFEST_FILE) as fh:  # the manifest last: a crash before leaves it unchanged
+        fh.write(json.dumps(manifest, indent=2).encode())
+    _fsync(ckpt)
+    return final
 
 
 def _problem(ckpt: Path) -> str | None:

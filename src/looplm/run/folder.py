@@ -49,16 +49,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state` output (states saved before numpy/Python were recorded restore torch/CUDA)."""
+    """Restore :func:`rng_state` output (CUDA's where both the saving and this process have CUDA)."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        n = state["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "python" in state:
-        p = state["python"]
-        random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    n, p = state["numpy"], state["python"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
 
 
 class RunFolder:
@@ -69,15 +66,20 @@ class RunFolder:
         self.metrics = self.path / METRICS_FILE
 
     @contextlib.contextmanager
-    def locked(self, *, hold: bool = True) -> Iterator["RunFolder"]:
+    def start(self, *, resume: bool, what: str = "a run", hold: bool = True) -> Iterator[Path | None]:
         """Hold the folder's lock for the block (RunLockedError if another process does; ``hold=False``: rank 0
-        holds it for this process under torchrun). A block that fails before writing anything leaves no trace."""
+        holds it for this process under torchrun), yielding the checkpoint to resume from
+        (:meth:`resume_checkpoint`), or None for a fresh run (ValueError where checkpoints are). A block that
+        fails before writing anything leaves no trace."""
         existed = self.path.exists()
         empty = not existed or not any(self.path.iterdir())
         lock = RunLock(self.path).acquire() if hold else None
         ok = False
         try:
-            yield self
+            if not resume and list_checkpoints(self.path):
+                raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose "
+                                 "another --out")
+            yield self.resume_checkpoint() if resume else None
             ok = True
         finally:
             if lock is not None:
@@ -86,19 +88,6 @@ class RunFolder:
                     lock.path.unlink()  # failed before writing anything (e.g. unreadable data)
                     if not existed:
                         self.path.rmdir()
-
-    @contextlib.contextmanager
-    def start(self, *, resume: bool, what: str = "a run", hold: bool = True) -> Iterator[Path | None]:
-        """:meth:`locked` for the block, yielding the checkpoint to resume from (:meth:`resume_checkpoint`), or
-        None for a fresh run (:meth:`check_fresh`); raises as those methods."""
-        with self.locked(hold=hold):
-            yield self.resume_checkpoint() if resume else self.check_fresh(what)
-
-    def check_fresh(self, what: str = "a run") -> None:
-        """ValueError: a new run where checkpoints are."""
-        if list_checkpoints(self.path):
-            raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose another "
-                             "--out")
 
     def resume_checkpoint(self) -> Path:
         """The newest checkpoint that passes verification, newer damaged ones skipped with a warning;
@@ -130,14 +119,15 @@ class Fit:
     """Steps ``start`` … ``end − 1`` of a run of ``total`` steps (``end``: ``total``, or ``start + stop_after``
     when given), as a context manager to iterate: each step's body reports its record with :meth:`log` (one
     line of ``metrics.jsonl`` and the progress bar); after the body, ``save(done)`` writes a checkpoint every
-    ``ckpt_every`` steps and at ``end``. Entering truncates ``metrics.jsonl`` to the records of steps ≤
-    ``start`` (a resume; ``key`` names the step field) or deletes it (a fresh run, ``start`` = 0).
-    ``write=False`` (ranks other than 0) leaves the file alone."""
+    ``ckpt_every`` steps and at ``end``; :meth:`evaluating` says when to validate. Entering truncates
+    ``metrics.jsonl`` to the records of steps ≤ ``start`` (a resume; ``key`` names the step field) or deletes it
+    (a fresh run, ``start`` = 0). ``write=False`` (ranks other than 0) leaves the file alone."""
 
     def __init__(self, folder: RunFolder, *, start: int, total: int, stop_after: int | None, ckpt_every: int,
-                 save: Callable[[int], None], desc: str, unit: str = "step", key: str = "step",
+                 save: Callable[[int], None], desc: str, eval_every: int = 0, unit: str = "step", key: str = "step",
                  progress: bool = True, write: bool = True):
         self.folder, self.start, self.total, self.ckpt_every, self.save = folder, start, total, ckpt_every, save
+        self.eval_every = eval_every
         self.end = total if stop_after is None else min(total, start + stop_after)
         self.desc, self.unit, self.key, self.progress, self.write = desc, unit, key, progress, write
 
@@ -166,6 +156,10 @@ class Fit:
             done = step + 1
             if self.ckpt_every and done % self.ckpt_every == 0 or done == self.end:
                 self.save(done)
+
+    def evaluating(self, done: int) -> bool:
+        """Whether to validate after ``done`` steps: every ``eval_every`` (0: never) and after the run's last."""
+        return bool(self.eval_every and done % self.eval_every == 0 or done == self.total)
 
     def log(self, record: dict[str, Any], **postfix: Any) -> None:
         """Append ``record`` to ``metrics.jsonl`` (strict JSON) and advance the bar, showing ``postfix``."""

@@ -30,10 +30,7 @@ def _draw_categorical(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class DepthSampler:
-    """Base class: ``sample(seed, step, micro) -> T`` and ``max_depth``, the largest T it can return."""
-
-    name = ""
-    max_depth: int
+    """Base class: ``sample(seed, step, micro) -> T``, at most the config's ``max_depth()``."""
 
     def sample(self, seed: int, step: int, micro: int = 0) -> int:
         raise NotImplementedError
@@ -55,10 +52,8 @@ class DepthSampler:
 class FixedDepth(DepthSampler):
     """Always T = depth."""
 
-    name = "fixed"
-
     def __init__(self, cfg: FixedDepthConfig):
-        self.depth = self.max_depth = cfg.depth
+        self.depth = cfg.depth
 
     def sample(self, seed, step, micro=0):
         return self.depth
@@ -67,10 +62,8 @@ class FixedDepth(DepthSampler):
 class UniformDepth(DepthSampler):
     """T ~ Uniform{lo, …, hi} (inclusive); SCSE trains with 1..8."""
 
-    name = "uniform"
-
     def __init__(self, cfg: UniformDepthConfig):
-        self.lo, self.hi, self.max_depth = cfg.lo, cfg.hi, cfg.hi
+        self.lo, self.hi = cfg.lo, cfg.hi
 
     def sample(self, seed, step, micro=0):
         return int(_rng(seed, step, micro, "depth").integers(self.lo, self.hi + 1))
@@ -104,13 +97,10 @@ class PoissonLogNormalDepth(DepthSampler):
     """Huginn's capped Poisson log-normal depth prior (SPEC §5 ``pln``; LMDR eq. 5, App. B.3), with ``mu`` solved
     (brentq) so that E[min(R, cap)] = ``mean`` exactly under ``pmf()``. ValueError: mean = 1 (depth.mean)."""
 
-    name = "pln"
-
     def __init__(self, cfg: PLNDepthConfig):
         if not 1 < cfg.mean < cfg.cap:
             raise ValueError(f"depth.mean: pln needs 1 < mean < depth.cap={cfg.cap}, got {cfg.mean}")
         self.mean, self.sigma, self.cap = float(cfg.mean), float(cfg.sigma), int(cfg.cap)
-        self.max_depth = self.cap
         self.mu = self._solve_mu()
         self._pmf = pln_pmf(self.mu, self.sigma, self.cap)
 
@@ -156,13 +146,12 @@ class LearnedDepthPrior(DepthSampler):
     before; exactly 1 for neg_ce). Per step: ``sample`` and ``observe`` per microbatch, then ``update``.
     """
 
-    name = "learned"
     baseline_decay = 0.9
 
     def __init__(self, cfg: LearnedDepthConfig):
         pln = PoissonLogNormalDepth(cfg).pmf()  # also when init is given: it checks depth.mean
         init = np.asarray(cfg.init, dtype=np.float64) / sum(cfg.init) if cfg.init else pln
-        self.r_max = self.max_depth = int(cfg.cap)
+        self.r_max = int(cfg.cap)
         self.budget_mean = float(cfg.mean)
         self.entropy_weight, self.budget_weight = float(cfg.entropy), float(cfg.budget)
         self.warmup, self.reward = int(cfg.warmup), cfg.reward
@@ -283,8 +272,8 @@ class LearnedDepthPrior(DepthSampler):
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline = state["baseline"]
         self.updates = int(state["updates"])
-        self.advantage_scale = float(state.get("advantage_scale", 1.0))  # checkpoints before depth.scale: 1
-        self._scale_history = [list(map(list, upd)) for upd in state.get("scale_history", [])]
+        self.advantage_scale = float(state["advantage_scale"])
+        self._scale_history = [list(map(list, upd)) for upd in state["scale_history"]]
         self._obs = []
         self._refresh()
 

@@ -52,13 +52,6 @@ def compile_blocks(model: LoopLM, backend: str = "inductor") -> LoopLM:
     return model
 
 
-def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast when ``dtype == "bfloat16"``, otherwise a no-op context."""
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @dataclass
 class TrainData:
     """Tokenized splits and the tokenizer of a run. ``window_stride``: training windows start at
@@ -232,8 +225,7 @@ class _Run:
             else:  # a new total: its schedule from the resumed step on (the groups' initial_lr came with the state)
                 optim.sched = build_scheduler(optim.opt, cfg.optim, tcfg.steps, start=int(state["step"]))
             set_rng_state(state["rng"])
-            if state.get("depth_prior"):
-                sampler.load_state_dict(state["depth_prior"])
+            sampler.load_state_dict(state["depth_prior"])
         guard = (state or {}).get("nonfinite", {})
         return cls(cfg, folder, env, rows, data, model, wrapped, optim, sampler, state, n_params,
                    wall_before=float((state or {}).get("wall_s", 0.0)), skipped=int(guard.get("skipped_steps", 0)),
@@ -284,7 +276,7 @@ class _Run:
             ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             # one block: no_sync() is a generator context manager, which can be entered once
             with wrapped.no_sync() if ddp and micro < tcfg.grad_accum - 1 else contextlib.nullcontext():
-                with autocast_context(device, tcfg.dtype):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bfloat16"):
                     res = training_loss(wrapped, x, y, T, tcfg)
                 (res.loss / tcfg.grad_accum).backward()
             loss_sum += res.ce
@@ -321,12 +313,13 @@ class _Run:
         self.wrapped.train()
         self.t_start, tokens, last = time.time(), 0, {}
         fit = Fit(self.folder, start=start, total=tcfg.steps, stop_after=stop_after, ckpt_every=tcfg.ckpt_every,
-                  save=self.checkpoint, desc=cfg.name, progress=progress and env.is_main, write=env.is_main)
+                  save=self.checkpoint, desc=cfg.name, eval_every=tcfg.eval_every, progress=progress and env.is_main,
+                  write=env.is_main)
         with fit:
             for step in fit:
                 last, n_tok = self.step(step)
                 tokens += n_tok
-                if tcfg.eval_every and last["step"] % tcfg.eval_every == 0 or last["step"] == tcfg.steps:
+                if fit.evaluating(last["step"]):
                     last.update(self.data.validate(eval_model, tcfg.eval_depth, batch_size=tcfg.batch_size,
                                                    batches=tcfg.eval_batches, device=env.device))
                 fit.log(last, loss=f"{last['loss']:.3f}", T=last["depths"][0], tok_s=f"{last['tokens_per_s']:.0f}",
