@@ -14,9 +14,8 @@ EOT = "<|endoftext|>"
 #: the characters of every task (ids 1 … len(CHARS)); id 0 is <|endoftext|>, the padding
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+=;?:"
 _VOCAB = CharVocab(CHARS, EOT)
-VOCAB: dict[str, int] = _VOCAB.vocab
 PAD_ID = 0
-encode, decode, tokenizer = _VOCAB.encode, _VOCAB.decode, _VOCAB.tokenizer
+encode, decode = _VOCAB.encode, _VOCAB.decode
 
 
 def key_hash(*key: object) -> int:
