@@ -346,15 +346,6 @@ def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
     return [r.replace("\r\n", "\n") for r in rows if r is not None]
 
 
-def _hf_hub_error(cfg: DataConfig, split: str, why: str) -> FileNotFoundError:
-    name = f" (config {cfg.hf_name!r})" if cfg.hf_name else ""
-    return FileNotFoundError(
-        f"data.hf_path {cfg.hf_path!r} is not a local file or folder, so it is read as a Hugging Face hub "
-        f"dataset id{name}; loading its {split} split ({cfg.hf_splits[SPLITS.index(split)]!r}) failed: {why}. "
-        "Check the path, or go online with `pip install \"looplm[hub]\"`; once tokenized, the split is reused "
-        "offline from the token cache (LOOPLM_CACHE).")
-
-
 def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
     try:
         importlib.import_module("datasets")
@@ -367,7 +358,12 @@ def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
         # but local data, and our own messages (a split or column it lacks), raise as they are
         if _hf_local(cfg) is not None or isinstance(e, ValueError) and "data." in str(e):
             raise
-        raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
+        name = f" (config {cfg.hf_name!r})" if cfg.hf_name else ""
+        raise FileNotFoundError(
+            f"data.hf_path {cfg.hf_path!r} is not a local file or folder, so it is read as a Hugging Face hub "
+            f"dataset id{name}; loading its {split} split ({cfg.hf_splits[SPLITS.index(split)]!r}) failed: "
+            f"{type(e).__name__}: {e}. Check the path, or go online with `pip install \"looplm[hub]\"`; once "
+            "tokenized, the split is reused offline from the token cache (LOOPLM_CACHE).") from e
 
 
 def _hf_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
