@@ -42,7 +42,7 @@ class AffineRule(RecurrenceRule):
         self.register_buffer("c", c)
 
     def start(self, e):
-        return e + self.c, LoopContext(e=e, anchor=e, injection=self.b.expand_as(e))
+        return e + self.c, LoopContext(anchor=e, injection=self.b.expand_as(e))
 
     def step(self, core, state, t, ctx, *, mask=True):
         return ctx.anchor + (state - ctx.anchor) @ self.A.T + ctx.injection

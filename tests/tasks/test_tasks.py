@@ -184,7 +184,6 @@ def test_independent_solver_agrees_on_answer_and_difficulty(task):
     for inst in insts:
         answer, steps = solve(inst.prompt, 3) if task == "pointer_pairs_mq" else solve(inst.prompt)  # k_train 3
         assert (answer, steps) == (inst.answer, inst.k), inst
-        assert len(fam.vocab.encode(inst.prompt + inst.answer)) <= fam.row_len(inst.k)
 
 
 def test_multi_query_rows_score_every_answer_and_hold_out_every_view():

@@ -58,10 +58,10 @@ class LinearToyLM(DepthLM):
         return 1
 
     def start(self, e, positions=None, *, scope=None, valid=None):
-        return torch.zeros_like(e), LoopContext(e=e, anchor=None, scope=scope)
+        return torch.zeros_like(e), LoopContext(anchor=None, injection=e, scope=scope)
 
     def step(self, state, t, ctx, *, clamp_rms=None):
-        return state @ self.A.T + ctx.e @ self.W.T
+        return state @ self.A.T + ctx.injection @ self.W.T
 
 
 def rel_err(a, b):

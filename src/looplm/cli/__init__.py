@@ -83,7 +83,7 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("info", "looplm.analysis.flops:config_info", "parameter count and FLOP proxy of a config, as JSON",
         config="preset"),
     Cmd("bench", "looplm.apps.bench:run_bench", "throughput benchmarks with their targets (JSON + Markdown)", report=True,
-        checkpoint=False, out=Path("benchmarks/results/bench.json"), opts={"device": Opt(help="cpu, cuda or auto")}),
+        checkpoint=False, out=Path("benchmarks/results/bench.json")),
     Cmd("diagnose", "looplm.diagnostics.runner:diagnose_checkpoint", "mechanism diagnostics of a checkpoint: forcing "
         "bias, gain, anchor-start rollouts, hidden-state scale, visit alignment, token convergence",
         run=_C + "diagnose", report=True,

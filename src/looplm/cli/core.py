@@ -213,7 +213,6 @@ NAMES: dict[str, Opt] = {
     "criterion": Opt(choices=exit_criteria, metavar="NAME", help="exit criterion (looplm.eval.exits)"),
     "scale_clamp": Opt(help="rescale each token's state after every loop to its loop-1 RMS (SPEC §4)"),
     "out": Opt(type=OutDir),
-    "checkpoint": Opt(type=Path, help="checkpoint or run directory"),
     "student": Opt(type=Path, metavar="DIR"),
 }
 #: parameters the command line supplies itself, never options

@@ -18,6 +18,7 @@ Hub fingerprints need no network, so a token cache built online is reused offlin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import itertools
@@ -151,18 +152,12 @@ def _brown_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:
 _HF_SPLIT = {"train": "train", "valid": "validation", "test": "test"}
 
 
-def _hub_available() -> bool:
+def _from_hub(load: Callable[[], Any], missing: Callable[[str], FileNotFoundError]) -> Any:
+    """``load()``, or ``missing(why)`` raised when ``datasets`` is not installed or the hub fails."""
     try:
         importlib.import_module("datasets")
     except ImportError:
-        return False
-    return True
-
-
-def _from_hub(load: Callable[[], Any], missing: Callable[[str], FileNotFoundError]) -> Any:
-    """``load()``, or ``missing(why)`` raised when ``datasets`` is not installed or the hub fails."""
-    if not _hub_available():
-        raise missing("the `datasets` package is not installed")
+        raise missing("the `datasets` package is not installed") from None
     try:
         return load()
     except Exception as e:  # offline, hub down, auth …: all end in the same advice
@@ -326,21 +321,18 @@ def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}  # text: a paragraph is a document
         # a file is one split called train; a folder's split names come from its file names
         source = {"data_files": {"train": str(local)}} if local.is_file() else {"data_dir": str(local)}
-
-        def load(split_spec=None):
-            return datasets.load_dataset(builder, split=split_spec, **source, **kwargs)
+        load = functools.partial(datasets.load_dataset, builder, **source, **kwargs)
         where = str(local)
     else:
-        def load(split_spec=None):
-            return datasets.load_dataset(cfg.hf_path, cfg.hf_name or None, split=split_spec)
+        load = functools.partial(datasets.load_dataset, cfg.hf_path, cfg.hf_name or None)
         where = f"hub dataset {cfg.hf_path}" + (f" (config {cfg.hf_name})" if cfg.hf_name else "")
-    splits = list(load())
+    splits = list(load(split=None))
     base = spec.split("[", 1)[0].strip()
     if base not in splits:
         raise ValueError(f"data.hf_splits[{i}]: {where} has no split {base!r} (in {spec!r}); its splits: "
                          f"{', '.join(splits)} (slices of one also work, e.g. {splits[0]}[:90%])")
     try:
-        ds = load(spec)
+        ds = load(split=spec)
     except ValueError as e:
         raise ValueError(f"data.hf_splits[{i}]: bad split spec {spec!r} for {where}: {e}") from None
     if cfg.text_column not in ds.column_names:
@@ -354,26 +346,24 @@ def _hf_rows(cfg: DataConfig, split: str) -> list[str]:
     return [r.replace("\r\n", "\n") for r in rows if r is not None]
 
 
-def _hf_hub_error(cfg: DataConfig, split: str, why: str) -> FileNotFoundError:
-    name = f" (config {cfg.hf_name!r})" if cfg.hf_name else ""
-    return FileNotFoundError(
-        f"data.hf_path {cfg.hf_path!r} is not a local file or folder, so it is read as a Hugging Face hub "
-        f"dataset id{name}; loading its {split} split ({cfg.hf_splits[SPLITS.index(split)]!r}) failed: {why}. "
-        "Check the path, or go online with `pip install \"looplm[hub]\"`; once tokenized, the split is reused "
-        "offline from the token cache (LOOPLM_CACHE).")
-
-
 def _hf_docs(cfg: DataConfig, split: str, data_root: Path) -> list[str]:
-    if not _hub_available():
+    try:
+        importlib.import_module("datasets")
+    except ImportError:
         raise FileNotFoundError("dataset 'hf' is read with the `datasets` package, which is not installed; "
-                                "pip install \"looplm[hub]\"")
+                                "pip install \"looplm[hub]\"") from None
     try:
         return _hf_rows(cfg, split)
     except Exception as e:  # offline, unknown id, auth …: all end in the same advice
         # but local data, and our own messages (a split or column it lacks), raise as they are
         if _hf_local(cfg) is not None or isinstance(e, ValueError) and "data." in str(e):
             raise
-        raise _hf_hub_error(cfg, split, f"{type(e).__name__}: {e}") from e
+        name = f" (config {cfg.hf_name!r})" if cfg.hf_name else ""
+        raise FileNotFoundError(
+            f"data.hf_path {cfg.hf_path!r} is not a local file or folder, so it is read as a Hugging Face hub "
+            f"dataset id{name}; loading its {split} split ({cfg.hf_splits[SPLITS.index(split)]!r}) failed: "
+            f"{type(e).__name__}: {e}. Check the path, or go online with `pip install \"looplm[hub]\"`; once "
+            "tokenized, the split is reused offline from the token cache (LOOPLM_CACHE).") from e
 
 
 def _hf_fingerprint(cfg: DataConfig, split: str, data_root: Path) -> str:

@@ -408,7 +408,7 @@ class TransformerLM(DepthLM):
         self._finish_init()
 
     def start(self, e, positions=None):
-        return e, LoopContext(e=e, anchor=None)
+        return e, LoopContext(anchor=None)
 
     def step(self, state, t, ctx, *, clamp_rms=None):
         """Block t+1 of the stack (identity past ``n_layers``): h ← h + Block_t(h). (B, L, d) → (B, L, d)."""

@@ -29,7 +29,6 @@ class LoopContext:
     every step; None for none), ``qkv`` per-core-block Q/K/V injections (B, L, 3d) of ``deq_qkv``; set by the
     model: ``valid`` (B, L, 1) real tokens (None = all) and ``scope``, a cached forward's attention scope."""
 
-    e: torch.Tensor
     anchor: torch.Tensor | None
     injection: torch.Tensor | None = None
     qkv: list | None = None
@@ -38,9 +37,8 @@ class LoopContext:
 
 
 class RecurrenceRule(nn.Module):
-    """Base class. Subclasses implement ``start`` and ``step``; :func:`register_rule` names them (``name``)."""
+    """Base class. Subclasses implement ``start`` and ``step``; :func:`register_rule` names them."""
 
-    name = ""
     #: whether ``start`` takes the token positions (the Huginn family's gaussian initial state)
     uses_positions = False
     #: core applications per loop step (2 for the subtractive controls)
@@ -81,11 +79,10 @@ class RecurrenceRule(nn.Module):
 RULES: dict[str, type[RecurrenceRule]] = {}
 
 
-def register_rule(name: str):
-    """Class decorator: ``RULES[name]`` is the class, and ``name`` its ``name``."""
+def register_rule(*names: str):
+    """Class decorator: ``RULES[name]`` is the class for each of ``names`` (the class reads ``cfg.rule``)."""
     def register(cls: type[RecurrenceRule]) -> type[RecurrenceRule]:
-        cls.name = name
-        RULES[name] = cls
+        RULES.update(dict.fromkeys(names, cls))
         return cls
     return register
 
@@ -129,7 +126,7 @@ class Looped(RecurrenceRule):
     """Looped baseline: ``h_{t+1} = h_t + s·G(h_t + e)``, h* = h_0 = e, s = 1 (SPEC §2, our choice)."""
 
     def start(self, e):
-        return e, LoopContext(e=e, anchor=e, injection=e)
+        return e, LoopContext(anchor=e, injection=e)
 
     def step(self, core, state, t, ctx, *, mask=True):
         return state + self.s * core(state + ctx.injection)
@@ -167,7 +164,7 @@ class Adapter(_AnchoredStart):
 
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
-        return h0, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(anchor))
+        return h0, LoopContext(anchor=anchor, injection=self.alpha * self.in_proj(anchor))
 
     step = Looped.step
 
@@ -218,13 +215,14 @@ class NormReset(Looped):
         return self.reset_norm(h) if (t + 1) % self.period == 0 else h
 
 
-class _SourceCentered(_AnchoredStart):
-    """The masked source-centered recurrence of the SCSE family (SCSE eq. 5, Listing 1) on Δ = h − h*:
+@register_rule("scse", "sc_cond", "scse_leak")
+class SourceCentered(_AnchoredStart):
+    """The masked source-centered recurrence of the SCSE family (SCSE eq. 5, Listing 1; SPEC §2) on Δ = h − h*:
     ``q_t = s·U(Δ_t)``, ``m_b = 1{‖Δ_t^(b)‖²_F > ε}``, ``Δ_{t+1} = (1 − λ)Δ_t + m_b·q_t``, readout ``h* + Δ_T``;
-    the injection is ``c_sc = κ·W_c h*``; option ``anchor`` picks h*, ``leak`` λ (0 without the option)."""
-
-    #: κ = 0 means no W_c at all (main SCSE); the SC-Cond rules keep W_c whatever κ
-    zero_kappa_drops = False
+    the injection is ``c_sc = κ·W_c h*``; option ``anchor`` picks h*, ``leak`` λ (0 without the option).
+    ``scse``: the main method, κ = 0 (then no W_c at all), λ = 0, s = 0.5. ``sc_cond`` (SC-Cond, SCSE appendix):
+    ``q = s·G(Δ + c_sc)``, W_c whatever κ, no leak; masked, b_t = 0 but b̃_t = s·G(c_sc). ``scse_leak`` (SCSE
+    appendix; Listing 1): SC-Cond with deviation leak λ_leak = ``leak``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -237,7 +235,7 @@ class _SourceCentered(_AnchoredStart):
         elif self.anchor_kind == "frozen_random":
             self.anchor_proj.weight.requires_grad_(False)
         kappa = cfg.options.kappa
-        if kappa != 0.0 or not self.zero_kappa_drops:
+        if kappa != 0.0 or cfg.rule != "scse":  # the SC-Cond rules keep W_c whatever κ
             self.cond_proj = _linear(cfg.d_model)  # W_c
             self.kappa = nn.Parameter(torch.tensor(float(kappa)))
         else:
@@ -252,7 +250,7 @@ class _SourceCentered(_AnchoredStart):
         else:
             anchor = e + self.c_a * self.anchor_proj(e)
         cond = self.kappa * self.cond_proj(anchor) if self.cond_proj is not None else None
-        return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=cond)
+        return h0 - anchor, LoopContext(anchor=anchor, injection=cond)
 
     def raw_update(self, core, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """U(Δ) = G(Δ + c_sc) (G(Δ) without conditioning). (B, L, d) → (B, L, d)."""
@@ -276,20 +274,8 @@ class _SourceCentered(_AnchoredStart):
         return h - ctx.anchor
 
 
-@register_rule("scse")
-class SCSE(_SourceCentered):
-    """Source-Centered State Evolution (SCSE eq. 5; SPEC §2); main method κ = 0 (no W_c), λ = 0, s = 0.5."""
-
-    zero_kappa_drops = True
-
-
-@register_rule("sc_cond")
-class SCCond(_SourceCentered):
-    """SC-Cond (SCSE appendix; SPEC §2): ``q = s·G(Δ + c_sc)``, no leak. Masked, b_t = 0 but b̃_t = s·G(c_sc)."""
-
-
 @register_rule("sc_subtract")
-class SCSubtract(SCCond):
+class SCSubtract(SourceCentered):
     """Subtractive SC-Cond (SCSE appendix; SPEC §2): ``q = s·[G(Δ + c_sc) − G(c_sc)]``, two core calls per step
     (c_body = 2; independent dropout masks in training, as in the paper)."""
 
@@ -297,11 +283,6 @@ class SCSubtract(SCCond):
 
     def raw_update(self, core, state, ctx):
         return core(state + ctx.injection) - core(ctx.injection, call=1)
-
-
-@register_rule("scse_leak")
-class SCSELeak(_SourceCentered):
-    """SCSE leak diagnostic (SCSE appendix; Listing 1): SC-Cond with deviation leak λ_leak = ``leak``."""
 
 
 @register_rule("additive_subtract")
@@ -319,7 +300,7 @@ class AdditiveSubtract(Adapter):
 
     def start(self, e):
         anchor, h0 = self.anchor_and_init(e)
-        return h0 - anchor, LoopContext(e=e, anchor=anchor, injection=self.alpha * self.in_proj(e))
+        return h0 - anchor, LoopContext(anchor=anchor, injection=self.alpha * self.in_proj(e))
 
     def step(self, core, state, t, ctx, *, mask=True):
         base = ctx.anchor + ctx.injection  # h* + α·W_in e, (B, L, d)
@@ -329,7 +310,7 @@ class AdditiveSubtract(Adapter):
         # base + 0 == base exactly, so at Δ = 0 the two (dropout-free) calls cancel bit for bit
         return state + self.s * (core(base + state) - core(base, call=1))
 
-    hidden, to_state = _SourceCentered.hidden, _SourceCentered.to_state  # the state is Δ = h − h*
+    hidden, to_state = SourceCentered.hidden, SourceCentered.to_state  # the state is Δ = h − h*
 
 
 @register_rule("plain")
@@ -337,7 +318,7 @@ class Plain(RecurrenceRule):
     """No injection (DeepLoop baseline; SPEC §2): ``h_{t+1} = h_t + G(h_t)``, h* = h_0 = e, no scale s."""
 
     def start(self, e):
-        return e, LoopContext(e=e, anchor=e, injection=None)
+        return e, LoopContext(anchor=e, injection=None)
 
     def step(self, core, state, t, ctx, *, mask=True):
         return state + core(state)
@@ -372,7 +353,7 @@ class _Huginn(RecurrenceRule):
         if self.state_init == "embedding":
             return e
         if self.training or self.seed < 0:
-            return self.std * (torch.randn_like(e) if self.state_init == "gaussian" else self._unit_noise(e.shape, e))
+            return self.std * self._unit_noise(e.shape, e)
         d = e.shape[-1]
         if self._table is None or self._table.device != e.device or self._table.shape != (self.seq_len, d):
             g = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -382,7 +363,7 @@ class _Huginn(RecurrenceRule):
         return (self.std * self._table[positions]).to(e.dtype)  # (B, L, d)
 
     def start(self, e, positions=None):
-        return self.initial_state(e, positions), LoopContext(e=e, anchor=e, injection=e)
+        return self.initial_state(e, positions), LoopContext(anchor=e, injection=e)
 
     def core_input(self, state: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """ζ (B, L, d); h itself unless the rule mixes in e (deq_qkv injects into attention instead)."""
@@ -427,9 +408,10 @@ class _Decay(_Huginn):
         return torch.exp(-delta * torch.exp(self.alpha_raw)), delta
 
 
-@register_rule("parcae")
+@register_rule("parcae", "parcae_decay")
 class Parcae(_Decay):
-    """``ζ = Λ h + Δ ⊙ W e`` (SPEC §2)."""
+    """``parcae``: ``ζ = Λ h + Δ ⊙ W e``; ``parcae_decay``: ``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2; learned gains,
+    LMDR Table 7, unless ``input_norm_affine=false``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -439,11 +421,6 @@ class Parcae(_Decay):
     def core_input(self, state, ctx):
         lam, delta = self.decay()
         return lam * state + delta * self.in_proj(self.in_norm(ctx.injection))
-
-
-@register_rule("parcae_decay")
-class ParcaeDecay(Parcae):
-    """``ζ = Λ h + Δ ⊙ W·RMSNorm(e)`` (SPEC §2; learned gains, LMDR Table 7, unless ``input_norm_affine=false``)."""
 
 
 @register_rule("orthoinj")

@@ -3,8 +3,6 @@
 :class:`~looplm.tasks.base.TaskFamily`, seeded data in :mod:`.data` (``data.dataset=task``)."""
 
 from looplm.tasks import addition, forest, modsum, phop, pointer, varchain  # noqa: F401  (each registers its family)
-from looplm.tasks.base import (CHARS, EOT, PAD_ID, TASKS, VOCAB, Instance, TaskFamily, decode, encode, get_task,
-                               tokenizer)
+from looplm.tasks.base import TASKS, Instance, TaskFamily, decode, encode, get_task
 
-__all__ = ["CHARS", "EOT", "PAD_ID", "TASKS", "VOCAB", "Instance", "TaskFamily", "decode", "encode", "get_task",
-           "tokenizer"]
+__all__ = ["TASKS", "Instance", "TaskFamily", "decode", "encode", "get_task"]

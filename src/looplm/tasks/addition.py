@@ -28,8 +28,6 @@ class Addition(TaskFamily):
         a, b = _number(k, rng), _number(k, rng)
         return Instance(prompt=f"{a}+{b}=", answer=f"{a + b:0{k + 1}d}"[::-1], k=k)
 
-    def row_len(self, k: int) -> int:
-        return 2 * k + 2 + k + 1
 
     def space(self, k: int) -> int:
         return min((10**k - (0 if k == 1 else 10 ** (k - 1))) ** 2, 10**9)

@@ -20,11 +20,9 @@ characters and unassigned code points; these are 1,024 assigned letters (categor
 
 from __future__ import annotations
 
-import numpy as np
-
 from looplm.data.tokenizer import CharVocab
-from looplm.tasks.base import CHARS, EOT, Instance, TaskFamily, register_task
-from looplm.tasks.pointer import forest, pair_of, pair_token
+from looplm.tasks.base import CHARS, EOT, register_task
+from looplm.tasks.pointer import PointerPairs, pair_of, pair_token
 
 FOREST_NODES = "abcdefghijklmnopqrstuvwxyz012345"
 N_TREES = 4
@@ -42,19 +40,12 @@ def forest_pair(token: str) -> tuple[int, int]:
 
 
 @register_task
-class PointerForest(TaskFamily):
+class PointerForest(PointerPairs):
     name = "pointer_forest"
+    nodes, n_trees = FOREST_NODES, N_TREES
     max_k = len(FOREST_NODES) // N_TREES - 1
     vocab = CharVocab(CHARS + "".join(forest_token(c, p) for c in range(len(FOREST_NODES))
                                       for p in range(len(FOREST_NODES))), EOT)
 
-    def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = forest(len(FOREST_NODES), k, rng, N_TREES)
-        edges = "".join(forest_token(c, parent[c]) for c in rng.permutation(len(FOREST_NODES)))
-        return Instance(prompt=edges + f"?{FOREST_NODES[trees[0][k]]}", answer=FOREST_NODES[trees[0][0]], k=k)
-
-    def row_len(self, k: int) -> int:
-        return len(FOREST_NODES) + 2 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # 32! edge orders alone
+    def edge(self, child: int, parent: int) -> str:
+        return forest_token(child, parent)

@@ -21,8 +21,6 @@ class ModSum(TaskFamily):
         digits = rng.integers(0, 10, k)
         return Instance(prompt="+".join(map(str, digits)) + "=", answer=str(int(digits.sum()) % 10), k=k)
 
-    def row_len(self, k: int) -> int:
-        return 2 * k + 1
 
     def space(self, k: int) -> int:
         return 10 ** min(k, 9)

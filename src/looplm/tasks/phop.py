@@ -41,9 +41,3 @@ class PHop(TaskFamily):
             path = hop_chain(seq, k)
             if path is not None:
                 return Instance(prompt=f"{k:02d}:{seq}=", answer=seq[path[-1]], k=k)
-
-    def row_len(self, k: int) -> int:
-        return 3 + N_SYMBOLS + 1 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # 4**64 sequences

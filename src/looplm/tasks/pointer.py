@@ -50,13 +50,6 @@ class Pointer(TaskFamily):
         prompt = "".join(NODES[p] for p in parent) + f"?{NODES[trees[0][k]]}="
         return Instance(prompt=prompt, answer=NODES[trees[0][0]], k=k)
 
-    def row_len(self, k: int) -> int:
-        return len(NODES) + 3 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # 26! / (13!)**2 tree splits times their chains and attachments
-
-
 EDGE_NODES = NODES[:16]
 
 
@@ -64,21 +57,24 @@ EDGE_NODES = NODES[:16]
 class PointerEdges(TaskFamily):
     """The same forest over 16 nodes (two trees of 8) as an edge list: ``"<child><parent>;"`` per node in random
     order (a root is its own parent), then ``"?q="``. Each hop is a look-up by content (find q's edge), so one
-    loop can follow one pointer whatever the positions; past the root more hops change nothing (a fixed point)."""
+    loop can follow one pointer whatever the positions; past the root more hops change nothing (a fixed point).
+    Its subclasses change ``nodes``, ``n_trees``, :meth:`edge` and the query's ``end``."""
 
     name = "pointer_edges"
+    nodes, n_trees, end = EDGE_NODES, 2, "="
     max_k = len(EDGE_NODES) // 2 - 1
 
+    def edge(self, child: int, parent: int) -> str:
+        return f"{self.nodes[child]}{self.nodes[parent]};"
+
+    def edges(self, parent: np.ndarray, rng: np.random.Generator) -> str:
+        """Every node's edge, in a random order."""
+        return "".join(self.edge(c, parent[c]) for c in rng.permutation(len(self.nodes)))
+
     def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = forest(len(EDGE_NODES), k, rng)
-        edges = "".join(f"{EDGE_NODES[c]}{EDGE_NODES[parent[c]]};" for c in rng.permutation(len(EDGE_NODES)))
-        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}=", answer=EDGE_NODES[trees[0][0]], k=k)
-
-    def row_len(self, k: int) -> int:
-        return 3 * len(EDGE_NODES) + 3 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # 16! edge orders alone
+        parent, trees = forest(len(self.nodes), k, rng, self.n_trees)
+        edges = self.edges(parent, rng)
+        return Instance(prompt=f"{edges}?{self.nodes[trees[0][k]]}{self.end}", answer=self.nodes[trees[0][0]], k=k)
 
 
 def pair_token(child: int, parent: int, n: int = len(EDGE_NODES), base: int = 0x100) -> str:
@@ -100,16 +96,12 @@ class PointerPairs(PointerEdges):
     induction-head composition and no copy of q to learn first. 18 prompt tokens."""
 
     name = "pointer_pairs"
+    end = ""
     vocab = CharVocab(CHARS + "".join(pair_token(c, p) for c in range(len(EDGE_NODES))
                                       for p in range(len(EDGE_NODES))), EOT)
 
-    def make(self, k: int, rng: np.random.Generator) -> Instance:
-        parent, trees = forest(len(EDGE_NODES), k, rng)
-        edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
-        return Instance(prompt=edges + f"?{EDGE_NODES[trees[0][k]]}", answer=EDGE_NODES[trees[0][0]], k=k)
-
-    def row_len(self, k: int) -> int:
-        return len(EDGE_NODES) + 2 + 1
+    def edge(self, child: int, parent: int) -> str:
+        return pair_token(child, parent)
 
 
 def _hops(parent: np.ndarray) -> np.ndarray:
@@ -138,7 +130,7 @@ class PointerPairsMQ(PointerPairs):
         hops, chain = _hops(parent), set(trees[0][: k + 1].tolist())
         pool = [v for v in range(len(EDGE_NODES)) if v not in chain and 1 <= hops[v] <= k_train]
         extra = rng.permutation(pool)[: int(rng.integers(self.queries))]
-        edges = "".join(pair_token(c, parent[c]) for c in rng.permutation(len(EDGE_NODES)))
+        edges = self.edges(parent, rng)
         roots = {v: EDGE_NODES[trees[0][0] if v in trees[0] else trees[1][0]] for v in extra.tolist()}
         prompt = edges + "".join(f"?{EDGE_NODES[v]}{roots[v]}" for v in extra.tolist())
         scored = tuple(len(edges) + 3 * i + 2 for i in range(len(extra)))
@@ -152,6 +144,3 @@ class PointerPairsMQ(PointerPairs):
             parent[c] = p
         hops = _hops(parent)
         return [(int(hops[EDGE_NODES.index(qa[0])]), f"{edges}?{qa[0]}") for qa in queries]
-
-    def row_len(self, k: int) -> int:
-        return len(EDGE_NODES) + 3 * self.queries

@@ -33,9 +33,3 @@ class VarChain(TaskFamily):
             stmts.append(chains[c][pos[c]])
             pos[c] += 1
         return Instance(prompt=";".join(stmts) + f"?{main[-1]}=", answer=str(value), k=k)
-
-    def row_len(self, k: int) -> int:
-        return 8 * k - 1 + 3 + 1
-
-    def space(self, k: int) -> int:
-        return 10**9  # ≥ 26!/(26 − 2k)! · 90 orderings of names and values
