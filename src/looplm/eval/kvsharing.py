@@ -75,13 +75,11 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}
     mem: dict[int, dict[str, int]] = {}
     count = n_seq = 0
-    bar = tqdm(total=math.ceil(n_full / batch_size), desc="kv sharing", disable=not progress, leave=False,
-               unit="batch")
-    with eval_mode(model), bar:
-        for x, y, mask in eval_windows(tokens, L, batch_size):
+    n_batches = math.ceil(n_full / batch_size)  # each holds a full window
+    with eval_mode(model):
+        for x, y, mask in tqdm(eval_windows(tokens, L, batch_size, max_batches=n_batches), total=n_batches,
+                               desc="kv sharing", disable=not progress, leave=False, unit="batch"):
             full = mask.all(1)  # only full windows: both halves have real tokens
-            if not bool(full.any()):
-                continue
             x, y = x[full].to(device), y[full].to(device)
             scored = continuation_mask(x, P, eot_id)  # (B, L − P)
             out = model(x, depths, y, readout=Readout(logits=False, final_depth=final_depth))
@@ -93,7 +91,6 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
                     mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
             count += int(scored.sum())
             n_seq += x.shape[0]
-            bar.update(1)
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
