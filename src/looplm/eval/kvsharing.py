@@ -19,7 +19,6 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.run.finite import write_json_markdown
 from looplm.model import LoopLM, eval_mode
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Readout
@@ -120,12 +119,10 @@ def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> st
     return "\n".join(rows)
 
 
-def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], out_json: str | Path | None = None,
-                                   *, split: str = "test", max_tokens: int | None = None, batch_size: int = 16,
-                                   dataset: str | None = None, device: str = "cpu",
-                                   progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
-    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring); writes ``out_json`` and
-    its ``.md`` when given.
+def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], *, split: str = "test",
+                                   max_tokens: int | None = None, batch_size: int = 16, dataset: str | None = None,
+                                   device: str = "cpu", progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
+    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring).
 
     Args:
         doc_aware: score only targets continuing the prompt's document (LMDR's protocol); else all
@@ -140,11 +137,8 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
                           device=torch.device(device), progress=progress, eot_id=eot_id(tok) if doc_aware else None)
     label = (f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"
              + (", tokens continuing the prompt's document" if doc_aware else ", every second-half token"))
-    result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
-              "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
-              "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
-              "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label),
-              "provenance": opened.provenance(tokens)}
-    if out_json is not None:
-        write_json_markdown(result, out_json)
-    return result
+    return {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
+            "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
+            "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
+            "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label),
+            "provenance": opened.provenance(tokens)}
