@@ -57,10 +57,9 @@ def split_passage(text: str) -> LambadaExample:
     return LambadaExample(context=text[:i], target=text[i:])
 
 
-def lambada_path(data_root: str | Path | None = None) -> Path:
-    """``<data_root>/lambada/lambada_test.jsonl``; data_root None → :func:`resolve_data_root`."""
-    root = resolve_data_root("") if data_root is None else Path(data_root).expanduser()
-    return root / LAMBADA_FILE
+def lambada_path(data_root: str | Path) -> Path:
+    """``<data_root>/lambada/lambada_test.jsonl``."""
+    return Path(data_root).expanduser() / LAMBADA_FILE
 
 
 def load_lambada(path: str | Path, max_examples: int | None = None) -> list[LambadaExample]:
