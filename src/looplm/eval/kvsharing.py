@@ -121,7 +121,8 @@ def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> st
 
 def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], *, split: str = "test",
                                    max_tokens: int | None = None, batch_size: int = 16, dataset: str | None = None,
-                                   device: str = "cpu", progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
+                                   device: str = "cpu", progress: bool = True, doc_aware: bool = True
+                                   ) -> dict[str, Any]:
     """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring).
 
     Args:
