@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from looplm.config import ModelConfig
-from looplm.eval.adaptive import adaptive_depth_checkpoint, token_batches
+from looplm.eval.adaptive import adaptive_depth_checkpoint
 from looplm.eval.exits import build_exit_criterion, calibrate, halting_depths, run, trace
-from looplm.eval.perplexity import evaluate_depths
+from looplm.eval.perplexity import evaluate_depths, token_batches
 from looplm.model import RULES, LoopLM, build_model
 from looplm.model.cursor import Readout
 
@@ -63,7 +63,8 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
     """u_t from LoopLM.forward's returned states, NLL from its nll_by_depth: one window at a time."""
     model = _model("scse", tiny_data.vocab_size, n_prelude=1, n_coda=1)
     tokens = np.asarray(tiny_data.valid[:300])
-    tr = trace(model, token_batches(tokens, model.cfg.seq_len, 4), build_exit_criterion("hidden_update", 0.0), CEIL)
+    batches = list(token_batches(tokens, model.cfg.seq_len, 4))
+    tr = trace(model, batches, build_exit_criterion("hidden_update", 0.0), CEIL)
     L = model.cfg.seq_len
     assert tr.scores.shape == tr.nll.shape == (math.ceil(299 / L), CEIL)
     for b in range(len(tr.tokens)):
@@ -84,7 +85,7 @@ def test_trace_matches_forward_states_and_nll(tiny_data):
 def test_early_exit_equals_offline_accounting(rule, tiny_data):
     model = _model(rule, tiny_data.vocab_size, **({"n_layers": 4} if rule == "unshared" else {}))
     tokens = np.asarray(tiny_data.valid[:800])
-    batches = token_batches(tokens, model.cfg.seq_len, 8)
+    batches = list(token_batches(tokens, model.cfg.seq_len, 8))
     tr = trace(model, batches, build_exit_criterion("hidden_update", 0.0), CEIL)
     for target in (CEIL / 2, CEIL / 2 + 0.5, CEIL / 2 + 1, CEIL / 2 - 0.5):  # the first that splits examples
         # (rules started from h_0 = 0 halt in lockstep early)

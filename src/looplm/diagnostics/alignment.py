@@ -19,20 +19,6 @@ from looplm.model.cursor import NLL
 LOSSES = ("terminal", "per_loop")
 
 
-def kappa_hat(visit_grads: Sequence[torch.Tensor]) -> float:
-    """κ̂ = ‖Σ_r G_r‖² / Σ_r ‖G_r‖² of R visit-wise gradients, in [0, R]; ValueError: none, mismatched, all zero."""
-    if not visit_grads:
-        raise ValueError("visit_grads: need at least one visit-wise gradient")
-    if any(g.shape != visit_grads[0].shape for g in visit_grads):
-        raise ValueError(f"visit_grads: shapes differ: {[tuple(g.shape) for g in visit_grads]}")
-    gs = [g.detach().double().flatten() for g in visit_grads]
-    total = torch.stack(gs).sum(0)
-    denom = sum(float(g.pow(2).sum()) for g in gs)
-    if denom == 0.0:
-        raise ValueError("visit_grads: every visit-wise gradient is zero; κ̂ is undefined")
-    return float(total.pow(2).sum()) / denom
-
-
 def core_sublayers(model: LoopLM) -> dict[str, dict[str, nn.Linear]]:
     """{"core.blocks.i.attn" | "core.blocks.i.mlp": {module name: nn.Linear}} in block order (ValueError: unshared)."""
     if not model.shared:

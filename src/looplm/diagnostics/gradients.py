@@ -37,13 +37,10 @@ def _grads(model, x, y, depth: int, gradient: Gradient) -> tuple[dict[str, torch
     out = model(x, depth, y, gradient=gradient, readout=NLL)
     out.loss.backward()
     flat: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        flat[parameter_group(name)].append(grad.detach().flatten())
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        if p.requires_grad:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            flat[parameter_group(name)].append(grad.detach().flatten())
     res = {g: torch.cat(v) for g, v in flat.items() if v}
     res["overall"] = torch.cat([res[g] for g in GROUPS if g in res])
     return res, float(out.loss.detach())

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from looplm.diagnostics.forcing import check_shared
 from looplm.model import LoopLM
-from looplm.model.cursor import Readout, token_rms
+from looplm.model.cursor import token_rms
 
 DEFAULT_LOOPS = 8  # K when the checkpoint has no training depth
 
@@ -103,13 +102,3 @@ class ScaleAccumulator:
                 "g_K": loops[-1]["radial_derivative"], "final_rms_mean": loops[-1]["rms_mean"],
                 "final_l2_mean": loops[-1]["l2_mean"]}
 
-
-def scale_diagnostic(model: LoopLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loops: int) -> dict[str, Any]:
-    """:meth:`ScaleAccumulator.result` over (idx, targets) batches for k = 0 … ``loops`` (in the model's mode);
-    ValueError: unshared, loops < 1, or no batches."""
-    check_shared(model, "the scale diagnostic")
-    acc = ScaleAccumulator(loops)
-    for idx, targets in batches:
-        with torch.no_grad():
-            acc.add(model, model(idx, loops + 1, readout=Readout(logits=False, states=True)).states, targets)
-    return acc.result()

@@ -16,24 +16,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from looplm.data.tokens import eval_windows
 from looplm.eval.exits import EXIT_CRITERIA, Batch, build_exit_criterion, calibrate, halting_depths, run, trace
+from looplm.eval.perplexity import token_batches
 from looplm.model import DepthLM, eval_mode
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
-
-
-def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, max_tokens: int | None = None,
-                  device: str | torch.device = "cpu") -> list[Batch]:
-    """The non-overlapping windows of ``tokens[: max_tokens + 1]`` as :data:`~looplm.eval.exits.Batch` es (y = -100
-    on unscored targets); ValueError: fewer than two tokens."""
-    if max_tokens is not None:
-        tokens = tokens[: max_tokens + 1]
-    if len(tokens) < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    return [(x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
-            for x, y, mask in eval_windows(tokens, seq_len, batch_size)]
 
 
 def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
@@ -55,7 +43,7 @@ def adaptive_depth(model: DepthLM, valid: np.ndarray, test: np.ndarray, *,
         raise ValueError(f"criterion: unknown {criterion!r}; known: {', '.join(sorted(EXIT_CRITERIA))}")
     direction = EXIT_CRITERIA[criterion].direction
     never = -math.inf if direction == "below" else math.inf
-    valid_b, test_b = (token_batches(t, model.cfg.seq_len, batch_size, max_tokens=max_tokens, device=device)
+    valid_b, test_b = (list(token_batches(t, model.cfg.seq_len, batch_size, max_tokens=max_tokens, device=device))
                        for t in (valid, test))
 
     def measure(fn, batches: list[Batch], tau: float, desc: str):  # exits.trace or exits.run

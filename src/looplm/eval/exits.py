@@ -74,8 +74,6 @@ class ExitCriterion:
     def reduce(self, s: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L) → (B,) by ``aggregate`` over ``valid`` tokens (a row without one: max 0, mean NaN)."""
         s = s.float()
-        if s.dim() < 2:
-            return s
         if valid is None:
             return s.amax(dim=1) if self.aggregate == "max" else s.mean(dim=1)
         if self.aggregate == "max":

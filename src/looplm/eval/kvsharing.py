@@ -19,7 +19,6 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
-from looplm.run.finite import write_json_markdown
 from looplm.model import LoopLM, eval_mode
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Readout
@@ -75,13 +74,11 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
     sums = {R: {"full": 0.0, "terminal": 0.0, "per_visit": 0.0} for R in depths}
     mem: dict[int, dict[str, int]] = {}
     count = n_seq = 0
-    bar = tqdm(total=math.ceil(n_full / batch_size), desc="kv sharing", disable=not progress, leave=False,
-               unit="batch")
-    with eval_mode(model), bar:
-        for x, y, mask in eval_windows(tokens, L, batch_size):
+    n_batches = math.ceil(n_full / batch_size)  # each holds a full window
+    with eval_mode(model):
+        for x, y, mask in tqdm(eval_windows(tokens, L, batch_size, max_batches=n_batches), total=n_batches,
+                               desc="kv sharing", disable=not progress, leave=False, unit="batch"):
             full = mask.all(1)  # only full windows: both halves have real tokens
-            if not bool(full.any()):
-                continue
             x, y = x[full].to(device), y[full].to(device)
             scored = continuation_mask(x, P, eot_id)  # (B, L − P)
             out = model(x, depths, y, readout=Readout(logits=False, final_depth=final_depth))
@@ -93,7 +90,6 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
                     mem.setdefault(R, {})[mode] = (nbytes // x.shape[0], banks)
             count += int(scored.sum())
             n_seq += x.shape[0]
-            bar.update(1)
     if count == 0:
         raise ValueError(f"kv sharing: no second-half target continues a document begun in its prompt "
                          f"(<|endoftext|> id {eot_id}); score without document boundaries (doc_aware=False)")
@@ -123,12 +119,11 @@ def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> st
     return "\n".join(rows)
 
 
-def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], out_json: str | Path | None = None,
-                                   *, split: str = "test", max_tokens: int | None = None, batch_size: int = 16,
-                                   dataset: str | None = None, device: str = "cpu",
-                                   progress: bool = True, doc_aware: bool = True) -> dict[str, Any]:
-    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring); writes ``out_json`` and
-    its ``.md`` when given.
+def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], *, split: str = "test",
+                                   max_tokens: int | None = None, batch_size: int = 16, dataset: str | None = None,
+                                   device: str = "cpu", progress: bool = True, doc_aware: bool = True
+                                   ) -> dict[str, Any]:
+    """Terminal KV sharing of a checkpoint on ``dataset``/``split`` (module docstring).
 
     Args:
         doc_aware: score only targets continuing the prompt's document (LMDR's protocol); else all
@@ -143,11 +138,8 @@ def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], 
                           device=torch.device(device), progress=progress, eot_id=eot_id(tok) if doc_aware else None)
     label = (f"{cfg.name}: {cfg.model.rule} ({data_cfg.dataset} {split}), terminal KV sharing"
              + (", tokens continuing the prompt's document" if doc_aware else ", every second-half token"))
-    result = {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
-              "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
-              "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
-              "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label),
-              "provenance": opened.provenance(tokens)}
-    if out_json is not None:
-        write_json_markdown(result, out_json)
-    return result
+    return {"checkpoint": str(ckpt), "name": cfg.name, "rule": cfg.model.rule, "dataset": data_cfg.dataset,
+            "split": split, "seq_len": cfg.model.seq_len, "prefix_tokens": cfg.model.seq_len // 2,
+            "max_tokens": max_tokens, "doc_aware": doc_aware, "params": model.num_params(),
+            "depths": {str(R): r for R, r in res.items()}, "markdown": markdown_table(res, label),
+            "provenance": opened.provenance(tokens)}

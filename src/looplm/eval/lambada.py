@@ -57,10 +57,9 @@ def split_passage(text: str) -> LambadaExample:
     return LambadaExample(context=text[:i], target=text[i:])
 
 
-def lambada_path(data_root: str | Path | None = None) -> Path:
-    """``<data_root>/lambada/lambada_test.jsonl``; data_root None → :func:`resolve_data_root`."""
-    root = resolve_data_root("") if data_root is None else Path(data_root).expanduser()
-    return root / LAMBADA_FILE
+def lambada_path(data_root: str | Path) -> Path:
+    """``<data_root>/lambada/lambada_test.jsonl``."""
+    return Path(data_root).expanduser() / LAMBADA_FILE
 
 
 def load_lambada(path: str | Path, max_examples: int | None = None) -> list[LambadaExample]:
@@ -101,15 +100,16 @@ def encode_examples(examples: Sequence[LambadaExample], tok: Tokenizer, seq_len:
     return out
 
 
-def _batch(examples: Sequence[EncodedExample], device: torch.device):
-    """Right-padded inputs x (B, Lmax), target ids (N,), their (row, col) positions and example index."""
-    width = max(len(e.ids) for e in examples) - 1
-    x = torch.zeros(len(examples), width, dtype=torch.int64)
-    for b, e in enumerate(examples):
-        x[b, : len(e.ids) - 1] = torch.tensor(e.ids[:-1])
-    pos = [(b, j, e.ids[j + 1]) for b, e in enumerate(examples)
-           for j in range(len(e.ids) - 1 - e.n_target, len(e.ids) - 1)]  # position j predicts ids[j + 1]
-    rows, cols, tgt = torch.tensor(pos, dtype=torch.int64, device=device).unbind(1)
+def right_pad(seqs: Sequence[Sequence[int]], n_targets: Sequence[int], device: torch.device | str):
+    """Right-padded inputs x (B, Lmax) of token sequences, and (N,) rows, columns and targets: the positions that
+    predict each sequence's last ``n_targets[b]`` tokens, with those tokens."""
+    width = max(len(s) for s in seqs) - 1
+    x = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        x[b, : len(s) - 1] = torch.tensor(s[:-1])
+    pos = [(b, j, s[j + 1]) for b, (s, n) in enumerate(zip(seqs, n_targets))
+           for j in range(len(s) - 1 - n, len(s) - 1)]  # position j predicts s[j + 1]
+    rows, cols, tgt = (torch.tensor([p[i] for p in pos], dtype=torch.int64, device=device) for i in range(3))
     return x.to(device), rows, cols, tgt
 
 
@@ -131,7 +131,7 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
         for i in tqdm(range(0, len(order), batch_size), desc="lambada", disable=not progress, leave=False,
                       unit="batch"):
             chunk = [examples[k] for k in order[i:i + batch_size]]
-            x, rows, cols, tgt = _batch(chunk, device)
+            x, rows, cols, tgt = right_pad([e.ids for e in chunk], [e.n_target for e in chunk], device)
             out = model(x, depths, readout=Readout(tokens=(rows, cols)))  # logits (N, V) per depth
             for T in depths:
                 logits = out.logits_by_depth[T].float()

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
+from looplm.eval.exits import Batch
 from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import NLL
 from looplm.run.dist import unsharded
 
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+
+
+def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, max_tokens: int | None = None,
+                  stride: int | None = None, device: str | torch.device = "cpu") -> Iterator[Batch]:
+    """The windows (:func:`eval_windows`) of ``tokens[: max_tokens + 1]`` as :data:`~looplm.eval.exits.Batch` es
+    on ``device`` (y = -100 on unscored targets); ValueError: fewer than two tokens."""
+    if max_tokens is not None:
+        tokens = tokens[: max_tokens + 1]
+    if len(tokens) < 2:
+        raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
+    return ((x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device))
+            for x, y, mask in eval_windows(tokens, seq_len, batch_size, stride=stride))
 
 
 @torch.no_grad()
@@ -31,16 +44,14 @@ def evaluate_depths(model: LoopLM, tokens: np.ndarray, depths: Sequence[int] = D
         raise ValueError("depths: need at least one loop depth")
     if max_tokens is not None:
         tokens = tokens[: max_tokens + 1]
-    if len(tokens) < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
+    seq_len = model.cfg.seq_len
+    batches = token_batches(tokens, seq_len, batch_size, stride=stride, device=device)
     with eval_mode(model):
-        seq_len = model.cfg.seq_len
         total_nll, rms_sum, rms_max = ({T: 0.0 for T in depths} for _ in range(3))
         count = 0
         n_windows = math.ceil((len(tokens) - 1) / (stride or seq_len))
-        for x, y, mask in tqdm(eval_windows(tokens, seq_len, batch_size, stride=stride), desc=desc, unit="batch",
-                               total=math.ceil(n_windows / batch_size), disable=not progress, leave=False):
-            x, y, mask = x.to(device), y.masked_fill(~mask, -100).to(device), mask.to(device)
+        for x, y, mask in tqdm(batches, desc=desc, unit="batch", total=math.ceil(n_windows / batch_size),
+                               disable=not progress, leave=False):
 
             def measure(T: int, h: torch.Tensor, _logits, mask=mask) -> None:  # read's on_depth hook
                 if T in rms_sum:  # reduce h_T at once: no state is kept past its step

@@ -115,6 +115,8 @@ class LoopLMEvalHarness(TemplateLM):
     # ------------------------------------------------------------------ loglikelihood
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        from looplm.eval.lambada import right_pad
+
         keys = [(tuple(ctx), tuple(cont)) for _, ctx, cont in requests]
         todo = sorted({k for k in keys if k not in self._memo or any(T not in self._memo[k] for T in self.depths)},
                       key=lambda k: -(len(k[0]) + len(k[1])))
@@ -123,16 +125,8 @@ class LoopLMEvalHarness(TemplateLM):
             chunk = todo[i:i + self.batch_size_]
             seqs = [(list(c) + list(t))[-(self.seq_len + 1):] for c, t in chunk]
             n_cont = [min(len(t), len(s) - 1) for (_, t), s in zip(chunk, seqs)]
-            width = max(len(s) for s in seqs) - 1
-            x = torch.zeros(len(chunk), width, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                x[b, :len(s) - 1] = torch.tensor(s[:-1])
-            # (row, position j, the token s[j + 1] that j predicts) of every continuation token
-            scored = [(b, j, s[j + 1]) for b, (s, n) in enumerate(zip(seqs, n_cont))
-                      for j in range(len(s) - 1 - n, len(s) - 1)]
-            rows_t, cols_t, tgt_t = (torch.tensor([p[i] for p in scored], dtype=torch.long, device=self.device_)
-                                     for i in range(3))
-            out = self.model(x.to(self.device_), self.depths, readout=Readout(tokens=(rows_t, cols_t)))
+            x, rows_t, cols_t, tgt_t = right_pad(seqs, n_cont, self.device_)  # every continuation token
+            out = self.model(x, self.depths, readout=Readout(tokens=(rows_t, cols_t)))
             self.unrolls += 1
             for T in self.depths:
                 logp = out.logits_by_depth[T].float().log_softmax(-1)  # (N, V)
