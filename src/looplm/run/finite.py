@@ -55,10 +55,14 @@ def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: st
     return [out, md]
 
 
-def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """The lines of a Markdown table: the header, a ``---`` rule per column, one line per row."""
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-            *("| " + " | ".join(r) + " |" for r in rows)]
+_RULES = {"l": "---", "r": "---:", "c": ":---:"}
+
+
+def md_table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """The lines of a Markdown table: the header, a rule per column, one line per row. ``align``: a letter per
+    column, ``l`` (``---``), ``r`` (``---:``) or ``c`` (``:---:``); columns past its end are ``l``."""
+    rule = "|" + "|".join(_RULES[a] for a in align.ljust(len(header), "l")) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
