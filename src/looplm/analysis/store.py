@@ -177,7 +177,6 @@ class ResultStoreError(ValueError):
 
 
 def _put_config(c: sqlite3.Connection, config: Any) -> str:
-    """Store the identity of ``config`` (a ``configs`` row); returns its hash."""
     identity = canonical_json(config_identity(config))
     c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (_sha256(identity), identity))
     return _sha256(identity)

@@ -40,7 +40,7 @@ import json
 import re
 import time
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, get_args
 
@@ -487,8 +487,8 @@ class _Runner:
 
     def _depth_hook(self, protocol: str, ckpt: Path, saved: Config, settings: dict[str, Any], depths: list[int], *,
                     dataset: str, split: str, metric: str, force: bool, dry: bool) -> dict[str, Any] | None:
-        """Run hook ``protocol`` at ``depths`` unless each holds ``metric``, storing its ``depths`` rows; its
-        result, ``{}`` when ``dry``, None when nothing is to do."""
+        """Run and store hook ``protocol`` at ``depths`` unless each holds ``metric``: its result (``{}`` if dry,
+        None if nothing to do)."""
         idents = {d: EvalIdentity.make(saved, protocol, dataset=dataset, split=split, depth=d, settings=settings,
                                        tag=self.ev.tag) for d in depths}
         if not self._todo(idents, metric, force):
@@ -573,15 +573,13 @@ class _Runner:
                             per_t.setdefault(int(rec["t"]), {})[m if m == key else f"{key}.{m}"] = v
         if force:
             self.store.delete(**where)
-        items = [(EvalIdentity.make(saved, "diagnose", dataset=dataset, split=split, depth=t,
-                                    settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
+        items = [(replace(probe, dataset=dataset, split=split, depth=t), m) for t, m in sorted(per_t.items()) if m]
         if not items:
             raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records with a loop step t")
         self._put(items, saved, settings, res)
         return ["diagnose"]
 
     def _stale(self, spec: RunSpec, weights_sha256: str | None) -> bool:
-        """Whether ``spec`` has no stored run or one of other weights (a retrained run: redo every evaluation)."""
         previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
         return previous is None or previous.weights_sha256 != weights_sha256
 
@@ -606,6 +604,7 @@ class _Runner:
         trained, ckpt = self.train(spec, run_dir)
         saved = Config.from_json((ckpt / "config.json").read_text())
         record = self.record(spec, run_dir, ckpt, saved)
+        # evaluations stored for other weights (a retrained run) are stale: redo them all
         force = trained is not None or self._stale(spec, record.weights_sha256)
         self.store.put_run(record)
         done = self.evaluate(spec, ckpt, saved, force)
@@ -650,7 +649,6 @@ def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
 
 
 def _sweep_and_out(sweep: Sweep | str | Path, out: str | Path | None) -> tuple[Sweep, Path]:
-    """``sweep`` (loaded when a file) and its output folder (default ``results/<name>``)."""
     sweep = sweep if isinstance(sweep, Sweep) else load_sweep(sweep)
     return sweep, Path(out) if out is not None else Path("results") / sweep.name
 
@@ -669,8 +667,8 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
         if store is not None:
             store.rehash()  # rows stored under an older identity rule count as done
         runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
-        todos = [(k, spec.run_id, runner.pending(spec)) for k, spec in enumerate(specs) if spec.run_id in chosen]
-        return [{"index": k, "run_id": run_id, "todo": todo} for k, run_id, todo in todos if todo]
+        return [{"index": k, "run_id": spec.run_id, "todo": todo} for k, spec in enumerate(specs)
+                if spec.run_id in chosen and (todo := runner.pending(spec))]
 
 
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
@@ -680,9 +678,8 @@ def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
 
     first: dict[tuple[str, str, str], RunSpec] = {}  # each (dataset, split, data root) once, with its first run
     for spec in specs:
-        for dataset in ev.ppl_datasets(spec.config.data):
-            for split in ev.splits:
-                first.setdefault((dataset, split, spec.config.data.data_root), spec)
+        for dataset, split in itertools.product(ev.ppl_datasets(spec.config.data), ev.splits):
+            first.setdefault((dataset, split, spec.config.data.data_root), spec)
     for (dataset, split, root), spec in first.items():
         try:
             source_fingerprint(spec.config.data.replace(dataset=dataset), split, resolve_data_root(root))

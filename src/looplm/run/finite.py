@@ -55,14 +55,12 @@ def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: st
     return [out, md]
 
 
-_RULES = {"l": "---", "r": "---:", "c": ":---:"}
-
-
 def md_table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
-    """The lines of a Markdown table: the header, a rule per column, one line per row. ``align``: a letter per
-    column, ``l`` (``---``), ``r`` (``---:``) or ``c`` (``:---:``); columns past its end are ``l``."""
-    rule = "|" + "|".join(_RULES[a] for a in align.ljust(len(header), "l")) + "|"
-    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
+    """The lines of a Markdown table: the header, a rule per column (``align``: a letter each, ``l`` ``r`` or
+    ``c``; ``l`` past its end), one line per row."""
+    rule = {"l": "---", "r": "---:", "c": ":---:"}
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(rule[a] for a in align.ljust(len(header), "l")) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
