@@ -24,7 +24,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-from looplm.analysis.store import _canonical, config_hash, config_identity
+from looplm.analysis.store import canonical_json, config_hash, config_identity
 from looplm.config import (FORMAT_VERSION, RULE_OPTIONS, Config, DataConfig, DepthConfig, ModelConfig, OptimConfig,
                            PositionConfig, RopeConfig, ScaleControlConfig, SpectralDampingConfig, TrainConfig,
                            build_choice)
@@ -175,8 +175,9 @@ def rewrite_db(path: Path, moves: dict[str, str]) -> None:
             new_hash = config_hash(cfg)
             assert local.setdefault(old_hash, new_hash) == new_hash, (path, run_id)
             con.execute("UPDATE runs SET config_hash = ?, config_json = ?, grid_json = ? WHERE sweep = ? AND run_id = ?",
-                        (new_hash, _canonical(cfg), _canonical(rekey(json.loads(grid))), sweep, run_id))
-            con.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new_hash, _canonical(config_identity(cfg))))
+                        (new_hash, canonical_json(cfg), canonical_json(rekey(json.loads(grid))), sweep, run_id))
+            con.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)",
+                        (new_hash, canonical_json(config_identity(cfg))))
         stored = {h for (h,) in con.execute("SELECT config_hash FROM configs")}
         assert stored - set(local) - set(local.values()) == set(), f"{path}: a stored config without a run"
         assert len(set(local.values())) == len(local), f"{path}: two configs now share one identity"

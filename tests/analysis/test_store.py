@@ -133,20 +133,20 @@ def test_identity_resolves_the_post_ln_residual_depth():
 def test_rehash_rekeys_rows_stored_under_an_older_identity_rule(tmp_path):
     """Rows written under an older identity rule (a post-LN residual_depth of 0 not yet resolved) are re-keyed to today's hash, with their run records; a row already stored
     under the new hash wins; a second rehash changes nothing."""
+    import hashlib
     import json
 
-    from looplm.analysis.store import _canonical, _sha256
-
+    from looplm.analysis.store import canonical_json
     from looplm.config import FixedDepthConfig, ModelConfig
 
     cfg = Config(model=ModelConfig(rule="plain", residual="deeploop"), depth=FixedDepthConfig(depth=3))
     ident = config_identity(cfg)
     with_fields = json.loads(json.dumps(ident))
     with_fields["model"]["residual_depth"] = 0  # as the identity held it before R was resolved there
-    old_hash, new_hash = _sha256(_canonical(with_fields)), config_hash(cfg)
+    old_hash, new_hash = hashlib.sha256(canonical_json(with_fields).encode()).hexdigest(), config_hash(cfg)
     assert old_hash != new_hash
     with ResultStore(tmp_path / "r.db") as store:
-        store._conn.execute("INSERT INTO configs VALUES (?, ?)", (old_hash, _canonical(with_fields)))
+        store._conn.execute("INSERT INTO configs VALUES (?, ?)", (old_hash, canonical_json(with_fields)))
         store._conn.commit()
         make = EvalIdentity.make(cfg, "ppl", dataset="brown", split="test", depth=4, tag="t")
         stale = [EvalIdentity(**{**make.__dict__, "config_hash": old_hash, "depth": T}) for T in (4, 8)]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def test_docstring_example_parses():
     doc = sweep_module.__doc__
     example = "\n".join(line[4:] for line in doc[doc.index("    # scse-vs-looped.toml"):
                                                  doc.index("The grid is")].splitlines())
-    sweep = parse_sweep(sweep_module.toml_loads(example))
+    sweep = parse_sweep(tomllib.loads(example))
     runs = sweep.runs()
     assert len(runs) == 3 * 3 * 2 and sweep.name == "scse-vs-looped"
     assert runs[2].config.model.architecture == "unshared" and runs[2].config.train.steps == 400
@@ -109,9 +110,7 @@ def test_docstring_example_parses():
 def test_rule_options_in_a_sweep_file():
     """``model.options.FIELD`` keys (dotted or as a nested table) apply to the variant's rule; a variant that
     changes the rule gets that rule's options; an option the rule lacks names the variant."""
-    import looplm.apps.sweep as sweep_module
-
-    sweep = parse_sweep(sweep_module.toml_loads("""
+    sweep = parse_sweep(tomllib.loads("""
 seeds = [0]
 [base]
 preset = "cpu"

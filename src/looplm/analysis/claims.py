@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from looplm.analysis.stats import claim_verdict, summarize_paired
+from looplm.run.finite import md_table
 
 
 def mean_std_cell(values: Iterable[float], digits: int = 1, *, notation: str = "f") -> str:
@@ -125,16 +126,15 @@ def status_table(order: list[str], params: Mapping[str, int], evaluated: Mapping
     if not params and not curves:
         lines = ["**Not run yet:** the results database holds no run of this sweep and no run folder exists.", ""]
     head, cells = depth_use if depth_use else (None, {})
-    lines += ["| variant | " + (f"{head} | " if head else "") + "params | seeds evaluated | runs in progress (step) |",
-              "|---|" + ("---|" if head else "") + "---:|---|---|"]
+    first = ["variant", head] if head else ["variant"]
+    rows = []
     for v in order:
         prog = [f"seed {rid.rsplit('-s', 1)[1]} ({c['steps_done']})" for rid, c in sorted(curves.items())
                 if rid.rsplit("-s", 1)[0] == v and not c.get("finished")]
-        n = f"{params[v]:,}" if params.get(v) else "–"
-        lines.append(f"| `{v}` | " + (f"{cells.get(v, '–')} | " if head else "")
-                     + f"{n} | {', '.join(map(str, sorted(evaluated.get(v, [])))) or '–'} "
-                     f"| {', '.join(prog) or '–'} |")
-    return lines
+        rows.append([f"`{v}`", *([cells.get(v, "–")] if head else []), f"{params[v]:,}" if params.get(v) else "–",
+                     ", ".join(map(str, sorted(evaluated.get(v, [])))) or "–", ", ".join(prog) or "–"])
+    return lines + md_table([*first, "params", "seeds evaluated", "runs in progress (step)"], rows,
+                            align="l" * len(first) + "r")
 
 
 def curves_table(by_variant: Mapping[str, Mapping[int, list[float]]], order: list[str], digits: int = 0) -> list[str]:

@@ -73,7 +73,8 @@ CREATE TABLE IF NOT EXISTS provenance (
 REQUIRED_TABLES: tuple[str, ...] = ("meta", "configs", "protocols", "evaluations", "runs")
 
 
-def _canonical(obj: Any) -> str:
+def canonical_json(obj: Any) -> str:
+    """The JSON text that is hashed and stored: sorted keys, no spaces (NaN kept as ``NaN``)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
@@ -112,12 +113,12 @@ def config_identity(config: Any) -> dict[str, Any]:
 
 def config_hash(config: Any) -> str:
     """sha256 (64 hex chars) of the canonical JSON of :func:`config_identity`."""
-    return _sha256(_canonical(config_identity(config)))
+    return _sha256(canonical_json(config_identity(config)))
 
 
 def protocol_hash(protocol: str, settings: Mapping[str, Any] | None = None) -> str:
     """sha256 (64 hex chars) of the protocol name and its (JSON-serializable) settings."""
-    return _sha256(_canonical({"protocol": protocol, "settings": dict(settings or {})}))
+    return _sha256(canonical_json({"protocol": protocol, "settings": dict(settings or {})}))
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,12 @@ class ResultStoreError(ValueError):
     """The results database cannot be used (not SQLite, damaged, or locked too long); names the file."""
 
 
+def _put_config(c: sqlite3.Connection, config: Any) -> str:
+    identity = canonical_json(config_identity(config))
+    c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (_sha256(identity), identity))
+    return _sha256(identity)
+
+
 def _float(v: Any) -> float:
     return math.nan if v is None else float(v)
 
@@ -216,17 +223,17 @@ class ResultStore:
             # one statement at a time: executescript() would commit the open transaction
             for stmt in filter(str.strip, _SCHEMA.split(";")):
                 c.execute(stmt)
-            row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None:
-                c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise ValueError(f"{self.path}: schema_version {row[0]}; this looplm reads {SCHEMA_VERSION}")
+            c.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            self._check_version()
 
     def _check_readonly(self) -> None:
         tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if missing := [t for t in REQUIRED_TABLES if t not in tables]:
             raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
                                    f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
+        self._check_version()
+
+    def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None or row[0] != str(SCHEMA_VERSION):
             raise ValueError(f"{self.path}: schema_version {row[0] if row else 'missing'}; this looplm reads "
@@ -298,7 +305,7 @@ class ResultStore:
                 c.execute("DELETE FROM provenance WHERE config_hash = ?", (old,))
                 c.execute("UPDATE runs SET config_hash = ? WHERE config_hash = ?", (new, old))
                 c.execute("DELETE FROM configs WHERE config_hash = ?", (old,))
-                c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)", (new, _canonical(config_identity(identity))))
+                _put_config(c, identity)
         return len(moves)
 
     # -- evaluations ------------------------------------------------------------------------------
@@ -309,11 +316,8 @@ class ResultStore:
         to an identity's hashes."""
         items = [(ident, dict(m)) for ident, m in items]
         now = time.time()
-        chash = config_hash(config) if config is not None else None
         with self._write() as c:
-            if config is not None:
-                c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)",
-                          (chash, _canonical(config_identity(config))))
+            chash = _put_config(c, config) if config is not None else None
             for ident, metrics in items:
                 if not metrics:
                     raise ValueError(f"metrics: empty metric set for {ident}")
@@ -325,7 +329,7 @@ class ResultStore:
                         raise ValueError(f"settings: hash to {phash[:12]} for protocol {ident.protocol!r}, "
                                          f"identity has {ident.protocol_hash[:12]}")
                     c.execute("INSERT OR REPLACE INTO protocols VALUES (?, ?, ?)",
-                              (phash, ident.protocol, _canonical(dict(settings))))
+                              (phash, ident.protocol, canonical_json(dict(settings))))
                 names = sorted(metrics)
                 c.execute(f"DELETE FROM evaluations WHERE {_WHERE} AND metric NOT IN "
                           f"({', '.join('?' * len(names))})", (*ident.as_tuple(), *names))
@@ -338,7 +342,7 @@ class ResultStore:
                 c.execute(f"DELETE FROM provenance WHERE {_WHERE}", ident.as_tuple())
                 if provenance is not None:
                     c.execute("INSERT INTO provenance VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                              (*ident.as_tuple(), _canonical(dict(provenance))))
+                              (*ident.as_tuple(), canonical_json(dict(provenance))))
         return len(items)
 
     def provenance(self, identity: EvalIdentity) -> dict[str, Any] | None:
@@ -400,13 +404,12 @@ class ResultStore:
     def put_run(self, run: RunRecord) -> None:
         """Insert or replace the metadata of ``run`` (keyed by sweep and run id)."""
         with self._write() as c:
-            c.execute("INSERT OR REPLACE INTO configs VALUES (?, ?)",
-                      (run.config_hash, _canonical(config_identity(run.config))))
+            chash = _put_config(c, run.config)
             c.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                      (run.sweep, run.run_id, run.variant, run.variant_order, _canonical(run.grid), run.seed,
-                       run.config_hash, _canonical(run.config), run.params,
-                       _canonical({str(k): v for k, v in run.flops.items()}), run.run_dir, run.weights_sha256,
-                       _canonical(run.summary), time.time()))
+                      (run.sweep, run.run_id, run.variant, run.variant_order, canonical_json(run.grid), run.seed,
+                       chash, canonical_json(run.config), run.params,
+                       canonical_json({str(k): v for k, v in run.flops.items()}), run.run_dir, run.weights_sha256,
+                       canonical_json(run.summary), time.time()))
 
     def runs(self, sweep: str | None = None) -> list[RunRecord]:
         """Stored runs (of one sweep, or all), ordered by sweep, variant order, run id."""

@@ -40,7 +40,7 @@ import json
 import re
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, get_args
 
@@ -52,8 +52,6 @@ from looplm.run.finite import dumps
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
-EVAL_KEYS = ("depths", "datasets", "splits", "max_tokens", "stride", "batch_size", "tag", "device", "diagnose",
-             "lambada", "kv_sharing", "tasks")
 SPLITS = ("train", "valid", "test")
 DEFAULT_SEEDS = (0, 1, 2)
 #: hook protocols: name → (module, function), imported only when the sweep file enables them.
@@ -93,6 +91,9 @@ class EvalProtocol:
         return self.datasets or (() if data.dataset == "task" else (data.dataset,))
 
 
+EVAL_KEYS = tuple(f.name for f in fields(EvalProtocol))
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run of the grid: its id, variant, seed, grid point and full config."""
@@ -122,17 +123,15 @@ class Sweep:
         keys = list(self.grid)
         points = [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))]
         out = []
-        for seed in self.seeds:
-            for point in points:
-                for order, (variant, overrides) in enumerate(self.variants.items()):
-                    run_id = "-".join([variant, *(f"{k}={_value_text(v)}" for k, v in point.items()), f"s{seed}"])
-                    try:
-                        cfg = apply_overrides(self.base, {**overrides, **point})
-                    except ConfigError as exc:
-                        raise SweepError(f"variants.{variant}: {exc}") from None
-                    cfg = cfg.replace(name=run_id, train=cfg.train.replace(seed=seed))
-                    out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed,
-                                       grid=point, config=cfg))
+        for seed, point, (order, (variant, overrides)) in itertools.product(self.seeds, points,
+                                                                             enumerate(self.variants.items())):
+            run_id = "-".join([variant, *(f"{k}={_value_text(v)}" for k, v in point.items()), f"s{seed}"])
+            try:
+                cfg = apply_overrides(self.base, {**overrides, **point})
+            except ConfigError as exc:
+                raise SweepError(f"variants.{variant}: {exc}") from None
+            cfg = cfg.replace(name=run_id, train=cfg.train.replace(seed=seed))
+            out.append(RunSpec(run_id=run_id, variant=variant, variant_order=order, seed=seed, grid=point, config=cfg))
         return out
 
 
@@ -318,21 +317,16 @@ def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path =
     return sweep
 
 
-def toml_loads(text: str) -> dict[str, Any]:
-    """Parse TOML (SweepError when invalid)."""
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SweepError(f"not valid TOML ({exc})") from None
-
-
 def load_sweep(path: str | Path) -> Sweep:
     """Read and validate a sweep file (FileNotFoundError; SweepError naming the key)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such sweep file")
     try:
-        data = toml_loads(path.read_text())
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SweepError(f"{path}: not valid TOML ({exc})") from None
+    try:
         return parse_sweep(data, name=path.stem if _NAME_RE.match(path.stem) else "sweep", root=path.parent)
     except SweepError as exc:
         raise SweepError(f"{path}: {exc}") from None
@@ -420,7 +414,7 @@ class _Runner:
         from looplm.run.checkpoint import newest_valid_checkpoint
         from looplm.train.trainer import prepare_data, train
 
-        cfg = spec.config
+        cfg, step = spec.config, 0
         ckpt = newest_valid_checkpoint(run_dir)
         if ckpt is not None:
             _, step = self._saved_run(spec, run_dir, ckpt)
@@ -430,8 +424,7 @@ class _Runner:
         if key not in self.data:
             self.log(f"preparing data: {cfg.data.dataset}, tokenizer {cfg.data.tokenizer}")
             self.data[key] = prepare_data(cfg, progress=self.progress)
-        step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
-        self.log(f"{spec.run_id}: {'resuming from step ' + str(step) if ckpt else 'training'} "
+        self.log(f"{spec.run_id}: {f'resuming from step {step}' if ckpt else 'training'} "
                  f"({cfg.train.steps} steps)")
         train(cfg, run_dir, resume=ckpt is not None, progress=self.progress, data=self.data[key],
               overwrite=True)  # its own run folder: a run with no checkpoint starts again
@@ -492,16 +485,24 @@ class _Runner:
     def _put(self, items: list, saved: Config, settings: dict[str, Any], res: dict[str, Any]) -> None:
         self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
 
+    def _depth_hook(self, protocol: str, ckpt: Path, saved: Config, settings: dict[str, Any], depths: list[int], *,
+                    dataset: str, split: str, metric: str, force: bool, dry: bool) -> dict[str, Any] | None:
+        """Run and store hook ``protocol`` at ``depths`` unless each holds ``metric``: its result (``{}`` if dry,
+        None if nothing to do)."""
+        idents = {d: EvalIdentity.make(saved, protocol, dataset=dataset, split=split, depth=d, settings=settings,
+                                       tag=self.ev.tag) for d in depths}
+        if not self._todo(idents, metric, force):
+            return None
+        if dry:
+            return {}
+        res = self._run_hook(protocol, ckpt, depths=depths, **settings)
+        self._put([(ident, _numeric(res["depths"][str(d)])) for d, ident in idents.items()], saved, settings, res)
+        return res
+
     def _eval_lambada(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
-        ev, settings = self.ev, dict(self.ev.lambada)
-        idents = {T: EvalIdentity.make(saved, "lambada", dataset="lambada", split="test", depth=T,
-                                       settings=settings, tag=ev.tag) for T in ev.depths}
-        if not self._todo(idents, "target_ppl", force):
-            return []
-        if not dry:
-            res = self._run_hook("lambada", ckpt, depths=list(ev.depths), **settings)
-            self._put([(idents[T], _numeric(res["depths"][str(T)])) for T in ev.depths], saved, settings, res)
-        return ["lambada"]
+        res = self._depth_hook("lambada", ckpt, saved, dict(self.ev.lambada), list(self.ev.depths), dataset="lambada",
+                               split="test", metric="target_ppl", force=force, dry=dry)
+        return [] if res is None else ["lambada"]
 
     def _eval_tasks(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool) -> list[str]:
         if saved.data.dataset != "task":
@@ -541,16 +542,11 @@ class _Runner:
             return []
         settings = dict(self.ev.kv_sharing)
         depths = settings.pop("depths")
-        dataset = str(settings.get("dataset") or saved.data.dataset)
-        split = str(settings.get("split", "test"))
-        idents = {R: EvalIdentity.make(saved, "kv_sharing", dataset=dataset, split=split, depth=R,
-                                       settings=settings, tag=self.ev.tag) for R in depths}
-        if not self._todo(idents, "ppl_terminal", force):
-            return []
-        if dry:
-            return ["kv_sharing"]
-        res = self._run_hook("kv_sharing", ckpt, depths, **settings)
-        self._put([(idents[R], _numeric(res["depths"][str(R)])) for R in depths], saved, settings, res)
+        res = self._depth_hook("kv_sharing", ckpt, saved, settings, depths, force=force, dry=dry, metric="ppl_terminal",
+                               dataset=str(settings.get("dataset") or saved.data.dataset),
+                               split=str(settings.get("split", "test")))
+        if not res:
+            return [] if res is None else ["kv_sharing"]
         return ["kv_sharing: " + ", ".join(f"R={R} {res['depths'][str(R)]['sharing_penalty_pct']:+.1f}%"
                                            for R in depths)]
 
@@ -577,12 +573,15 @@ class _Runner:
                             per_t.setdefault(int(rec["t"]), {})[m if m == key else f"{key}.{m}"] = v
         if force:
             self.store.delete(**where)
-        items = [(EvalIdentity.make(saved, "diagnose", dataset=dataset, split=split, depth=t,
-                                    settings=settings, tag=tag), m) for t, m in sorted(per_t.items()) if m]
+        items = [(replace(probe, dataset=dataset, split=split, depth=t), m) for t, m in sorted(per_t.items()) if m]
         if not items:
             raise SweepError(f"eval.diagnose: {spec.run_id}: the diagnostic returned no records with a loop step t")
         self._put(items, saved, settings, res)
         return ["diagnose"]
+
+    def _stale(self, spec: RunSpec, weights_sha256: str | None) -> bool:
+        previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
+        return previous is None or previous.weights_sha256 != weights_sha256
 
     def pending(self, spec: RunSpec) -> list[str]:
         """What :meth:`run_one` would do for ``spec`` (empty: the run is done). Runs nothing."""
@@ -595,8 +594,7 @@ class _Runner:
         saved, step = self._saved_run(spec, run_dir, ckpt)
         if step < spec.config.train.steps:
             return [f"resume from step {step}"]
-        previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
-        if previous is None or previous.weights_sha256 != _weights_sha(ckpt):
+        if self._stale(spec, _weights_sha(ckpt)):
             return ["evaluate"]
         return self.evaluate(spec, ckpt, saved, force=False, dry=True)
 
@@ -606,9 +604,8 @@ class _Runner:
         trained, ckpt = self.train(spec, run_dir)
         saved = Config.from_json((ckpt / "config.json").read_text())
         record = self.record(spec, run_dir, ckpt, saved)
-        previous = self.store.run(self.sweep.name, spec.run_id)
         # evaluations stored for other weights (a retrained run) are stale: redo them all
-        force = trained is not None or previous is None or previous.weights_sha256 != record.weights_sha256
+        force = trained is not None or self._stale(spec, record.weights_sha256)
         self.store.put_run(record)
         done = self.evaluate(spec, ckpt, saved, force)
         status = trained or ("evaluated" if done else "skipped")
@@ -651,15 +648,18 @@ def select_runs(specs: list[RunSpec], *, only: Sequence[str] | None = None,
             if (only is None or s.run_id in only) and (shard is None or k % shard[1] == shard[0])]
 
 
+def _sweep_and_out(sweep: Sweep | str | Path, out: str | Path | None) -> tuple[Sweep, Path]:
+    sweep = sweep if isinstance(sweep, Sweep) else load_sweep(sweep)
+    return sweep, Path(out) if out is not None else Path("results") / sweep.name
+
+
 def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
                shard: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """The runs of ``sweep`` that :func:`run_sweep` would train, resume or evaluate in ``out``; runs nothing.
 
     Returns per pending run ``index`` (in run order), ``run_id`` and ``todo`` (e.g. ``["resume from step 4"]``).
     """
-    if not isinstance(sweep, Sweep):
-        sweep = load_sweep(sweep)
-    out = Path(out) if out is not None else Path("results") / sweep.name
+    sweep, out = _sweep_and_out(sweep, out)
     specs = sweep.runs()
     chosen = {s.run_id for s in select_runs(specs, shard=shard)}
     db = out / "results.db"
@@ -667,8 +667,8 @@ def plan_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *,
         if store is not None:
             store.rehash()  # rows stored under an older identity rule count as done
         runner = _Runner(sweep, out, store, {}, progress=False)  # type: ignore[arg-type]
-        todos = [(k, spec.run_id, runner.pending(spec)) for k, spec in enumerate(specs) if spec.run_id in chosen]
-        return [{"index": k, "run_id": run_id, "todo": todo} for k, run_id, todo in todos if todo]
+        return [{"index": k, "run_id": spec.run_id, "todo": todo} for k, spec in enumerate(specs)
+                if spec.run_id in chosen and (todo := runner.pending(spec))]
 
 
 def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
@@ -678,9 +678,8 @@ def _check_eval_sources(ev: EvalProtocol, specs: list[RunSpec]) -> None:
 
     first: dict[tuple[str, str, str], RunSpec] = {}  # each (dataset, split, data root) once, with its first run
     for spec in specs:
-        for dataset in ev.ppl_datasets(spec.config.data):
-            for split in ev.splits:
-                first.setdefault((dataset, split, spec.config.data.data_root), spec)
+        for dataset, split in itertools.product(ev.ppl_datasets(spec.config.data), ev.splits):
+            first.setdefault((dataset, split, spec.config.data.data_root), spec)
     for (dataset, split, root), spec in first.items():
         try:
             source_fingerprint(spec.config.data.replace(dataset=dataset), split, resolve_data_root(root))
@@ -699,9 +698,7 @@ def run_sweep(sweep: Sweep | str | Path, out: str | Path | None = None, *, progr
     ``only`` (run ids) and ``shard`` ``(i, n)`` select runs (:func:`select_runs`); parts may run at once
     into one ``out`` (the results DB takes concurrent writers).
     """
-    if not isinstance(sweep, Sweep):
-        sweep = load_sweep(sweep)
-    out = Path(out) if out is not None else Path("results") / sweep.name
+    sweep, out = _sweep_and_out(sweep, out)
     out.mkdir(parents=True, exist_ok=True)
     all_specs = sweep.runs()
     specs = select_runs(all_specs, only=only, shard=shard)
@@ -757,8 +754,7 @@ def sweep_file(file: Path, *, out: Path | None = None, plan: bool = False, shard
     import shlex
     import sys
 
-    spec = load_sweep(file)
-    out = out if out is not None else Path("results") / spec.name
+    spec, out = _sweep_and_out(file, out)
     shards = parse_shard(shard) if shard is not None else None
     if plan:
         if only is not None:

@@ -25,7 +25,7 @@ from looplm.distill.prefill import prefill_paths
 from looplm.distill.student import Student, default_student_dir, load_student
 from looplm.eval.exits import sync_device
 from looplm.eval.kvsharing import continuation_mask
-from looplm.run.finite import clean, write_json_markdown
+from looplm.run.finite import clean, md_table, write_json_markdown
 from looplm.model import KVCache, LoopLM
 from looplm.model.cursor import NLL, Readout
 
@@ -123,16 +123,13 @@ def _score_batch(teacher: LoopLM, paths: dict, x: torch.Tensor, y: torch.Tensor,
 def markdown_table(res: dict[str, dict[str, Any]], title: str) -> str:
     """One Markdown row per prefill path (Table 5 order)."""
     ref = res["teacher"]["ppl"]
-    rows = [f"**{title}**", "",
-            "| prefill path | recurrences in prefill | PPL | Δ vs teacher | PPL first token | PPL rest "
-            "| prefill (ms/batch) | KV bytes / seq |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res.values():
-        ms = "–" if not math.isfinite(r["prefill_ms"]) else f"{r['prefill_ms']:.1f}"
-        kv = f"{r['kv_bytes']:,}" if r["kv_bytes"] else "–"
-        rows.append(f"| {r['label']} | {r['recurrences']} | {r['ppl']:.2f} | {100 * (r['ppl'] / ref - 1):+.2f}% "
-                    f"| {r['ppl_first']:.2f} | {r['ppl_rest']:.2f} | {ms} | {kv} |")
-    return "\n".join(rows)
+    rows = [[r["label"], str(r["recurrences"]), f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / ref - 1):+.2f}%",
+             f"{r['ppl_first']:.2f}", f"{r['ppl_rest']:.2f}",
+             "–" if not math.isfinite(r["prefill_ms"]) else f"{r['prefill_ms']:.1f}",
+             f"{r['kv_bytes']:,}" if r["kv_bytes"] else "–"] for r in res.values()]
+    return "\n".join([f"**{title}**", "", *md_table(["prefill path", "recurrences in prefill", "PPL", "Δ vs teacher",
+                                                    "PPL first token", "PPL rest", "prefill (ms/batch)",
+                                                    "KV bytes / seq"], rows, align="l" + "r" * 7)])
 
 
 def evaluate_distill_checkpoint(checkpoint: str | Path, out_json: str | Path | None = None, *,

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looplm.data.tokens import eval_windows
+from looplm.run.finite import md_table
 from looplm.model import LoopLM, eval_mode
 from looplm.model.kvcache import KVCache
 from looplm.model.cursor import Readout
@@ -108,15 +109,12 @@ def kv_sharing_eval(model: LoopLM, tokens: np.ndarray, depths: Sequence[int], *,
 
 def markdown_table(res: dict[int, dict[str, float]], label: str = "model") -> str:
     """One row per depth: PPL full / terminal, sharing penalty, KV bytes per sequence and banks."""
-    rows = [f"**{label}**", "",
-            "| R | PPL full | PPL terminal | sharing penalty (%) | KV bytes per_visit | KV bytes terminal "
-            "| banks per_visit / terminal |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
-    for R, r in sorted(res.items()):
-        rows.append(f"| {R} | {r['ppl_full']:.3f} | {r['ppl_terminal']:.3f} | {r['sharing_penalty_pct']:+.2f} "
-                    f"| {r['kv_bytes_full']:,} | {r['kv_bytes_terminal']:,} "
-                    f"| {r['kv_banks_full']} / {r['kv_banks_terminal']} |")
-    return "\n".join(rows)
+    rows = [[str(R), f"{r['ppl_full']:.3f}", f"{r['ppl_terminal']:.3f}", f"{r['sharing_penalty_pct']:+.2f}",
+             f"{r['kv_bytes_full']:,}", f"{r['kv_bytes_terminal']:,}",
+             f"{r['kv_banks_full']} / {r['kv_banks_terminal']}"] for R, r in sorted(res.items())]
+    return "\n".join([f"**{label}**", "", *md_table(["R", "PPL full", "PPL terminal", "sharing penalty (%)",
+                                                    "KV bytes per_visit", "KV bytes terminal",
+                                                    "banks per_visit / terminal"], rows, align="r" * 7)])
 
 
 def evaluate_kv_sharing_checkpoint(ckpt_dir: str | Path, depths: Sequence[int], *, split: str = "test",

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from looplm.data.paths import resolve_data_root
 from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import Readout
+from looplm.run.finite import md_table
 
 LAMBADA_FILE = "lambada/lambada_test.jsonl"
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
@@ -148,26 +149,23 @@ def score_lambada(model: LoopLM, examples: Sequence[EncodedExample], depths: Seq
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     """Markdown in the paper's Table 16 layout (T=8, else the smallest, and the deepest depth), and every depth."""
-    rows = ["| model | depth | completion PPL (10³) | target-token acc. (%) | depth | completion PPL (10³) "
-            "| target-token acc. (%) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    def cells(T: str, m: dict[str, float]) -> list[str]:
+        return [f"T={T}", f"{m['target_ppl'] / 1e3:.2f}", f"{100 * m['target_acc']:.2f}"]
+
+    rows = []
     for label, res in results.items():
         ds = sorted(res["depths"], key=int)
         first = "8" if "8" in res["depths"] else ds[0]
-        last = ds[-1]
-        a, b = res["depths"][first], res["depths"][last]
-        right = (f"T={last} | {b['target_ppl'] / 1e3:.2f} | {100 * b['target_acc']:.2f}" if last != first
-                 else "– | – | –")
-        rows.append(f"| {label} | T={first} | {a['target_ppl'] / 1e3:.2f} | {100 * a['target_acc']:.2f} | {right} |")
-    out = ["\n".join(rows)]
+        rows.append([label, *cells(first, res["depths"][first]),
+                     *(cells(ds[-1], res["depths"][ds[-1]]) if ds[-1] != first else ["–"] * 3)])
+    cols = ["depth", "completion PPL (10³)", "target-token acc. (%)"]
+    out = ["\n".join(md_table(["model", *cols, *cols], rows, align="l" + "r" * 6))]
     for label, res in results.items():
-        det = [f"{label}: {res['examples']} passages, {res['target_tokens']} target tokens, "
-               f"{res['truncated']} contexts left-truncated to seq_len.", "",
-               "| T | target PPL | target acc (%) | exact acc (%) |", "|---:|---:|---:|---:|"]
-        for T in sorted(res["depths"], key=int):
-            m = res["depths"][T]
-            det.append(f"| {T} | {m['target_ppl']:.1f} | {100 * m['target_acc']:.2f} | "
-                       f"{100 * m['exact_acc']:.2f} |")
-        out.append("\n".join(det))
+        rows = [[str(T), f"{m['target_ppl']:.1f}", f"{100 * m['target_acc']:.2f}", f"{100 * m['exact_acc']:.2f}"]
+                for T, m in sorted(res["depths"].items(), key=lambda item: int(item[0]))]
+        out.append("\n".join([f"{label}: {res['examples']} passages, {res['target_tokens']} target tokens, "
+                              f"{res['truncated']} contexts left-truncated to seq_len.", "",
+                              *md_table(["T", "target PPL", "target acc (%)", "exact acc (%)"], rows, align="rrrr")]))
     return "\n\n".join(out)
 
 

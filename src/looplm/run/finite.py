@@ -55,9 +55,11 @@ def write_json_markdown(result: dict[str, Any], out: str | Path, *, markdown: st
     return [out, md]
 
 
-def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """The lines of a Markdown table: the header, a ``---`` rule per column, one line per row."""
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+def md_table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """The lines of a Markdown table: the header, a rule per column (``align``: a letter each, ``l`` ``r`` or
+    ``c``; ``l`` past its end), one line per row."""
+    rule = {"l": "---", "r": "---:", "c": ":---:"}
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(rule[a] for a in align.ljust(len(header), "l")) + "|",
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
