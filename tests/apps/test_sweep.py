@@ -261,9 +261,7 @@ def test_missing_hook_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
 
 
 def test_missing_eval_corpus_fails_before_training(tmp_path, tiny_cfg, monkeypatch):
-    import looplm.data.corpora as corpora
-
-    monkeypatch.setattr(corpora, "_hub_available", lambda: False)  # no hub fallback: the local file decides
+    monkeypatch.setitem(sys.modules, "datasets", None)  # no hub fallback: the local file decides
     monkeypatch.setenv("LOOPLM_DATA", str(tmp_path / "empty"))
     (tmp_path / "empty").mkdir()
     text = TOML.replace("[eval]\n", '[eval]\ndatasets = ["wikitext2"]\n').replace('"valid", "test"', '"test"')
