@@ -44,7 +44,7 @@ PRESETS: dict[str, Config] = {cfg.name: cfg for cfg in [
     _cpu("cpu", UniformDepthConfig(lo=1, hi=8), OptimConfig(lr=2e-3, warmup_steps=40),
          model=dict(rule="scse", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128),
          train=dict(steps=400, batch_size=16, eval_every=200, eval_batches=4, eval_depth=8, ckpt_every=100)),
-    # the CPU reference protocol with a Huginn-style 1 + 2×R + 1 layout (experiments/huginn-cpu)
+    # the CPU reference protocol with a Huginn-style 1 + 2×R + 1 layout (experiments/lmdr-ablation, -endpoint, -distill)
     _cpu("huginn-cpu", PLNDepthConfig(mean=5.0, cap=64),
          OptimConfig(lr=2e-3, warmup_steps=15, schedule="wsd", beta2=0.98),
          model=dict(rule="huginn_linear", vocab_size=8192, d_model=192, n_heads=3, d_ff=768, seq_len=128,
