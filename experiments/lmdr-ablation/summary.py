@@ -148,7 +148,7 @@ def main() -> None:
                   "Random-direction gain ‖T_t(Δ + εv) − T_t(Δ)‖_F / ε of one recurrence step at steps t = 0 and 4 "
                   "(unit v per example, ε = 1e-3, 4 directions; < 1 shrinks a perturbation of the state) and the "
                   "state's motion N⁻¹‖Δ₅ − Δ₄‖² along the ordinary trajectory (mean ± std over seeds). float32 "
-                  "rounding can inflate gains this small (README.md has a float64 check of seed 0).", "",
+                  "rounding can inflate gains this small (no float64 check is committed).", "",
                   f"| variant | {use_head} | seeds | gain t=0 | gain t=4 | motion t=4 |",
                   "|---|---|---:|---:|---:|---:|"]
         for v in ORDER:

@@ -16,7 +16,7 @@ from looplm.analysis.claims import depth_use_cell
 
 EXP = Path(__file__).resolve().parent
 RES = EXP / "results"
-TEACHERS = {"learned": "LMDR-style teacher: learned depth prior, TBPTT b = 2",
+TEACHERS = {"learned": "learned-depth-prior teacher (LMDR's objective, not its recipe): TBPTT b = 2",
             "fixed5": "fixed-depth teacher: R = 5, full BPTT"}
 SPLITS = [("brown", "valid", "Brown valid"), ("brown", "test", "Brown test"), ("wikitext2", "test", "WikiText-2 test")]
 ORDER = ["full", "teacher", "teacher_r3", "teacher_r2", "teacher_r1", "distilled"]
