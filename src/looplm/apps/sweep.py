@@ -180,16 +180,29 @@ def _str_list(value: Any, where: str, allowed: tuple[str, ...]) -> tuple[str, ..
     return tuple(value)
 
 
-def _hook_kwargs(value: Any, where: str) -> dict[str, Any] | None:
-    if value is True:
-        return {}
+def _hook_kwargs(name: str, value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
+    """``eval.<name>`` of a hook: true (its defaults), false (off) or a table of its keyword arguments, less the
+    ones the sweep sets. ``kv_sharing``'s ``depths`` (the recurrences R, default [5]) is its own; ``tasks``'
+    ``halting`` table is checked here (a bad one fails at parse)."""
+    where = f"eval.{name}"
     if value is False:
         return None
-    if isinstance(value, dict):
-        if reserved := [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]:
-            raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
-        return dict(value)
-    raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
+    if value is not True and not isinstance(value, dict):
+        raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
+    kwargs = {} if value is True else dict(value)
+    own = ("depths",) if name == "kv_sharing" else ()
+    if reserved := [k for k in kwargs if k in ("checkpoint", "depths", "out_dir", "progress") and k not in own]:
+        raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
+    if name == "kv_sharing":
+        kwargs = {"depths": list(_int_list(kwargs.pop("depths", [5]), f"{where}.depths", min_value=1)), **kwargs}
+    if name == "tasks" and "halting" in kwargs:
+        from looplm.eval.tasks import check_halting
+
+        try:
+            check_halting(kwargs["halting"], depths[-1])
+        except ValueError as e:
+            raise SweepError(f"{where}.{e}") from None
+    return kwargs
 
 
 def _positive_int(value: Any, where: str) -> int:
@@ -221,32 +234,7 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         stride=_positive_int(d["stride"], "eval.stride") if "stride" in d else None,
         batch_size=_positive_int(d.get("batch_size", 16), "eval.batch_size"),
         tag=tag, device=device,
-        diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
-        lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
-        kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)),
-        tasks=_tasks_kwargs(d.get("tasks", False), depths))
-
-
-def _tasks_kwargs(value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
-    """``eval.tasks``: like the other hooks; its ``halting`` table is checked here (a bad one fails at parse)."""
-    kwargs = _hook_kwargs(value, "eval.tasks")
-    if kwargs is not None and "halting" in kwargs:
-        from looplm.eval.tasks import check_halting
-
-        try:
-            check_halting(kwargs["halting"], depths[-1])
-        except ValueError as e:
-            raise SweepError(f"eval.tasks.{e}") from None
-    return kwargs
-
-
-def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
-    """``eval.kv_sharing``: like the other hooks, but ``depths`` (the recurrences R) is its own."""
-    if isinstance(value, dict) and "depths" in value:
-        rest = _hook_kwargs({k: v for k, v in value.items() if k != "depths"}, "eval.kv_sharing")
-        return {"depths": list(_int_list(value["depths"], "eval.kv_sharing.depths", min_value=1)), **rest}
-    kwargs = _hook_kwargs(value, "eval.kv_sharing")
-    return None if kwargs is None else {"depths": [5], **kwargs}
+        **{name: _hook_kwargs(name, d.get(name, False), depths) for name in HOOKS})
 
 
 def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path = ".") -> Sweep:
