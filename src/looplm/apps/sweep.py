@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
 from looplm.run.finite import dumps
+from looplm.run.provenance import weights_sha256
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
@@ -337,13 +338,6 @@ class SweepResult:
                 "report": str(self.report["markdown"]) if self.report else None}
 
 
-def _weights_sha(ckpt: Path) -> str | None:
-    try:
-        return json.loads((ckpt / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return None
-
-
 def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
     out = []
     for k in sorted(set(a) | set(b)):
@@ -431,7 +425,7 @@ class _Runner:
                          variant_order=spec.variant_order, grid=spec.grid, seed=spec.seed, config=saved.to_dict(),
                          run_dir=str(run_dir.resolve()), params=params,
                          flops={T: flops_per_token(saved.model, T) for T in self.ev.depths},
-                         weights_sha256=_weights_sha(ckpt), summary=summary)
+                         weights_sha256=weights_sha256(ckpt), summary=summary)
 
     def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool = False) -> list[str]:
         """Run every missing evaluation (all when ``force``); returns what ran (``dry``: would run)."""
@@ -567,9 +561,9 @@ class _Runner:
         self._put(items, saved, settings, res)
         return ["diagnose"]
 
-    def _stale(self, spec: RunSpec, weights_sha256: str | None) -> bool:
+    def _stale(self, spec: RunSpec, sha: str | None) -> bool:
         previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
-        return previous is None or previous.weights_sha256 != weights_sha256
+        return previous is None or previous.weights_sha256 != sha
 
     def pending(self, spec: RunSpec) -> list[str]:
         """What :meth:`run_one` would do for ``spec`` (empty: the run is done). Runs nothing."""
@@ -582,7 +576,7 @@ class _Runner:
         saved, step = self._saved_run(spec, run_dir, ckpt)
         if step < spec.config.train.steps:
             return [f"resume from step {step}"]
-        if self._stale(spec, _weights_sha(ckpt)):
+        if self._stale(spec, weights_sha256(ckpt)):
             return ["evaluate"]
         return self.evaluate(spec, ckpt, saved, force=False, dry=True)
 
