@@ -461,8 +461,8 @@ class _Runner:
     def _todo(self, idents, metric: str, force: bool) -> bool:
         return force or not all(self.store.has(i, [metric]) for i in idents.values())
 
-    def _run_hook(self, protocol: str, ckpt: Path, *args, **settings) -> dict:
-        return _hook(protocol)(ckpt, *args, progress=self.progress, **{"device": self.device(), **settings})
+    def _run_hook(self, protocol: str, ckpt: Path, **settings) -> dict:
+        return _hook(protocol)(ckpt, progress=self.progress, **{"device": self.device(), **settings})
 
     def _put(self, items: list, saved: Config, settings: dict[str, Any], res: dict[str, Any]) -> None:
         self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
