@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from looplm.analysis.stats import claim_verdict, summarize_paired
-from looplm.analysis.store import ResultStore, ResultStoreError
+from looplm.analysis.store import ResultStore
 from looplm.run.finite import md_table
 
 
@@ -181,14 +181,13 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
     """``({variant: {(protocol, dataset, metric, depth): {seed: value}}}, {variant: params})`` of a sweep, read
-    only (null values left out; ``({}, {})`` for a missing or empty database)."""
+    only (null values left out; ``({}, {})`` for a missing or empty database; ResultStoreError for a damaged one
+    or another SQLite file)."""
     cells: dict = {}
     params: dict = {}
-    try:
-        store = ResultStore(db, readonly=True)
-    except (FileNotFoundError, ResultStoreError):
+    if not Path(db).is_file() or Path(db).stat().st_size == 0:  # missing, or created empty
         return cells, params
-    with store:
+    with ResultStore(db, readonly=True) as store:
         runs = {}
         for r in sorted(store.runs(sweep), key=lambda r: r.run_id):  # the order the table holds them in
             runs[(r.config_hash, r.seed)] = r.variant
