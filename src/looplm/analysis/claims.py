@@ -6,11 +6,13 @@ caches, so a summary still has them when the run folders (not committed) are gon
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from looplm.analysis.stats import claim_verdict, summarize_paired
+from looplm.analysis.store import ResultStore
 from looplm.run.finite import md_table
 
 
@@ -179,28 +181,22 @@ def plot_mean_curves(series: Mapping[str, Mapping[int, list[float]]], path: str 
 
 def sweep_cells(db: str | Path, sweep: str) -> tuple[dict[str, dict[tuple, dict[int, float]]], dict[str, int]]:
     """``({variant: {(protocol, dataset, metric, depth): {seed: value}}}, {variant: params})`` of a sweep, read
-    only (null values left out; ``({}, {})`` for a missing or empty database)."""
-    import contextlib
-    import sqlite3
-
+    only (null values left out; ``({}, {})`` for a missing or empty database; ResultStoreError for a damaged one
+    or another SQLite file)."""
     cells: dict = {}
     params: dict = {}
-    if not Path(db).exists():
+    if not Path(db).is_file() or Path(db).stat().st_size == 0:  # missing, or created empty
         return cells, params
-    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not {"runs", "evaluations"} <= tables:
-            return cells, params
+    with ResultStore(db, readonly=True) as store:
         runs = {}
-        for variant, seed, chash, n in con.execute(
-                "SELECT variant, seed, config_hash, params FROM runs WHERE sweep = ?", (sweep,)):
-            runs[(chash, seed)] = variant
-            params[variant] = n
-        for chash, seed, protocol, dataset, metric, depth, value in con.execute(
-                "SELECT config_hash, seed, protocol, dataset, metric, depth, value FROM evaluations"):
-            variant = runs.get((chash, seed))
-            if variant is not None and value is not None:
-                cells.setdefault(variant, {}).setdefault((protocol, dataset, metric, depth), {})[seed] = value
+        for r in sorted(store.runs(sweep), key=lambda r: r.run_id):  # the order the table holds them in
+            runs[(r.config_hash, r.seed)] = r.variant
+            params[r.variant] = r.params
+        for e in store.evaluations():
+            variant = runs.get((e["config_hash"], e["seed"]))
+            if variant is not None and not math.isnan(e["value"]):
+                cells.setdefault(variant, {}).setdefault((e["protocol"], e["dataset"], e["metric"], e["depth"]),
+                                                         {})[e["seed"]] = e["value"]
     return cells, params
 
 

@@ -8,6 +8,7 @@ Tables 1/5); for PPL-like metrics paired deltas ``variant − baseline`` (same g
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -285,13 +286,9 @@ def write_report(db: str | Path | ResultStore, out: str | Path, *, baseline: str
     """
     from looplm.analysis.plots import plot_mean_std_vs_depth
 
-    if isinstance(db, ResultStore):
-        report = build_report(db, baseline=baseline, sweep=sweep)
-    elif not Path(db).is_file():
-        raise FileNotFoundError(f"--db: {db} does not exist")
-    else:
-        with ResultStore(db, readonly=True) as store:  # never changes the file
-            report = build_report(store, baseline=baseline, sweep=sweep)
+    # a path is opened read-only: never changes the file (FileNotFoundError when it does not exist)
+    with contextlib.nullcontext(db) if isinstance(db, ResultStore) else ResultStore(db, readonly=True) as store:
+        report = build_report(store, baseline=baseline, sweep=sweep)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pngs: dict[int, str] = {}

@@ -257,27 +257,25 @@ def decode_measurements(res: dict[str, Any], cfg: ModelConfig, t: Timing, depth:
     prompt = torch.randint(0, long.vocab_size, (1, context - new_tokens), device=device)
     res.update(decode_depth=depth, decode_context=context, decode_new_tokens=new_tokens)
 
-    def cached(mode: str) -> Callable[[], float]:
-        def run() -> float:  # the decode phase's seconds
-            cache = KVCache(mode)
-            t0 = time.perf_counter()
-            nxt = _prefill(model, prompt, cache, depth)
-            sync_device(device)
-            res[f"decode_prefill_s_{mode}"] = time.perf_counter() - t0
-            res[f"decode_steps_s_{mode}"] = _timed_loop(lambda t: _step(model, t, cache, depth), nxt, new_tokens - 1,
-                                                        device)
-            res[f"kv_bytes_{mode}"] = cache.nbytes()
-            return res[f"decode_steps_s_{mode}"]
-        return run
+    def cached(mode: str) -> float:  # the decode phase's seconds
+        cache = KVCache(mode)
+        t0 = time.perf_counter()
+        nxt = _prefill(model, prompt, cache, depth)
+        sync_device(device)
+        res[f"decode_prefill_s_{mode}"] = time.perf_counter() - t0
+        res[f"decode_steps_s_{mode}"] = _timed_loop(lambda t: _step(model, t, cache, depth), nxt, new_tokens - 1,
+                                                    device)
+        res[f"kv_bytes_{mode}"] = cache.nbytes()
+        return res[f"decode_steps_s_{mode}"]
 
     for mode in CACHE_MODES:
-        cached(mode)()  # warm-up
-        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _seconds(cached(mode), device)
+        cached(mode)  # warm-up
+        res[f"decode_tokens_per_s_with_prefill_{mode}"] = new_tokens / _seconds(lambda: cached(mode), device)
         # the decode phase: tokens 2..n, each one cached step (the prefill's cost is reported apart)
         res[f"decode_tokens_per_s_{mode}"] = (new_tokens - 1) / res[f"decode_steps_s_{mode}"]
     # decode-phase tokens/s cached over uncached, interleaved: (n − 1) / t_cached over n / t_uncached
-    iv = t.ratio(res, "decode_cache_speedup", cached("per_visit"), lambda: _uncached(model, prompt, new_tokens, depth),
-                 repeat=1, scale=(new_tokens - 1) / new_tokens)
+    iv = t.ratio(res, "decode_cache_speedup", lambda: cached("per_visit"),
+                 lambda: _uncached(model, prompt, new_tokens, depth), repeat=1, scale=(new_tokens - 1) / new_tokens)
     res["decode_tokens_per_s_uncached"] = new_tokens / iv["b_s"]
     res["decode_tokens_per_s_per_visit"] = (new_tokens - 1) / iv["a_s"]
     res["decode_cache_speedup_with_prefill"] = (res["decode_tokens_per_s_with_prefill_per_visit"]

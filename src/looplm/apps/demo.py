@@ -22,7 +22,7 @@ from looplm.config import Config, ConfigError, DataConfig
 from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokens import load_tokens, unigram_ppl
 from looplm.eval.perplexity import DEFAULT_DEPTHS, evaluate_depths, nonfinite_depths
-from looplm.run.finite import dumps
+from looplm.run.finite import dumps, md_table
 from looplm.presets import get_preset
 from looplm.run.checkpoint import list_checkpoints, load_checkpoint, newest_valid_checkpoint
 from looplm.run.lock import RunLock
@@ -170,13 +170,11 @@ def results_markdown(results: dict[str, Any]) -> str:
           f"{m.vocab_size} trained on Brown train. Evaluation on the first {results['eval_tokens']} tokens of each "
           "test split (non-overlapping windows, token-weighted).", ""]
     for title, uni in results["unigram_ppl"].items():
+        rows = [[rule, _depth_use(e, title, depth.nominal_depth()), *(_ppl(_get_ppl(e, title, T), 2) for T in depths)]
+                for rule, e in results["models"].items()]
         md += [f"## {title} — PPL by loop depth (unigram: {uni:.1f})", "",
-               f"| model | depth use: PPL at T=1 · T={depth.nominal_depth()} · best T | "
-               + " | ".join(f"T={T}" for T in depths) + " |", "|---|---|" + "---:|" * len(depths)]
-        for rule, e in results["models"].items():
-            md.append(f"| {rule} | {_depth_use(e, title, depth.nominal_depth())} | "
-                      + " | ".join(_ppl(_get_ppl(e, title, T), 2) for T in depths) + " |")
-        md.append("")
+               *md_table(["model", f"depth use: PPL at T=1 · T={depth.nominal_depth()} · best T",
+                          *(f"T={T}" for T in depths)], rows, align="ll" + "r" * len(depths)), ""]
     md += ["![PPL vs depth](ppl_vs_depth.png)", "", f"Total wall time: {results['wall_s']:.0f} s."]
     return "\n".join(md) + "\n"
 
@@ -187,15 +185,12 @@ def readme_table(results: dict[str, Any]) -> str:
     train_depth = Config.from_dict(results["preset"]).depth.nominal_depth()
     brown = README_COLUMNS[0][0]
     cols = [(title, label, [T for T in shown if T in evaluated]) for title, label, shown in README_COLUMNS]
-    lines = [f"| model | depth use: Brown test PPL at T=1 · T={train_depth} · best T | params | "
-             + " | ".join(f"{label}, T={' / '.join(map(str, ds))}" for _, label, ds in cols)
-             + " |", "|---|---|---:|" + "---|" * len(cols),
-             "| unigram (add-one, Brown train) | – | – | "
-             + " | ".join(_ppl(results["unigram_ppl"][title]) for title, _, _ in cols) + " |"]
-    for rule, entry in results["models"].items():
-        cells = [" / ".join(_ppl(entry["eval"][title][str(T)]["ppl"]) for T in ds) for title, _, ds in cols]
-        lines.append(f"| `{rule}` | {_depth_use(entry, brown, train_depth)} | {entry['params']:,} | "
-                     + " | ".join(cells) + " |")
+    rows = [["unigram (add-one, Brown train)", "–", "–", *(_ppl(results["unigram_ppl"][t]) for t, _, _ in cols)]]
+    rows += [[f"`{rule}`", _depth_use(entry, brown, train_depth), f"{entry['params']:,}",
+              *(" / ".join(_ppl(entry["eval"][title][str(T)]["ppl"]) for T in ds) for title, _, ds in cols)]
+             for rule, entry in results["models"].items()]
+    lines = md_table(["model", f"depth use: Brown test PPL at T=1 · T={train_depth} · best T", "params",
+                      *(f"{label}, T={' / '.join(map(str, ds))}" for _, label, ds in cols)], rows, align="llr")
     return "\n".join(lines) + "\n\n" + readme_summary(results)
 
 

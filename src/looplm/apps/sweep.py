@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord, config_identity
 from looplm.config import Config, ConfigError, DatasetName, apply_overrides
 from looplm.run.finite import dumps
+from looplm.run.provenance import weights_sha256
 
 SWEEP_KEYS = ("name", "seeds", "baseline", "base", "variants", "grid", "eval")
 BASE_KEYS = ("preset", "config")
@@ -180,16 +181,29 @@ def _str_list(value: Any, where: str, allowed: tuple[str, ...]) -> tuple[str, ..
     return tuple(value)
 
 
-def _hook_kwargs(value: Any, where: str) -> dict[str, Any] | None:
-    if value is True:
-        return {}
+def _hook_kwargs(name: str, value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
+    """``eval.<name>`` of a hook: true (its defaults), false (off) or a table of its keyword arguments, less the
+    ones the sweep sets. ``kv_sharing``'s ``depths`` (the recurrences R, default [5]) is its own; ``tasks``'
+    ``halting`` table is checked here (a bad one fails at parse)."""
+    where = f"eval.{name}"
     if value is False:
         return None
-    if isinstance(value, dict):
-        if reserved := [k for k in value if k in ("checkpoint", "depths", "out_dir", "progress")]:
-            raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
-        return dict(value)
-    raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
+    if value is not True and not isinstance(value, dict):
+        raise SweepError(f"{where}: expected true, false or a table of keyword arguments, got {value!r}")
+    kwargs = {} if value is True else dict(value)
+    own = ("depths",) if name == "kv_sharing" else ()
+    if reserved := [k for k in kwargs if k in ("checkpoint", "depths", "out_dir", "progress") and k not in own]:
+        raise SweepError(f"{where}.{reserved[0]}: set by the sweep; remove it")
+    if name == "kv_sharing":
+        kwargs = {"depths": list(_int_list(kwargs.pop("depths", [5]), f"{where}.depths", min_value=1)), **kwargs}
+    if name == "tasks" and "halting" in kwargs:
+        from looplm.eval.tasks import check_halting
+
+        try:
+            check_halting(kwargs["halting"], depths[-1])
+        except ValueError as e:
+            raise SweepError(f"{where}.{e}") from None
+    return kwargs
 
 
 def _positive_int(value: Any, where: str) -> int:
@@ -221,32 +235,7 @@ def parse_eval(d: Mapping[str, Any]) -> EvalProtocol:
         stride=_positive_int(d["stride"], "eval.stride") if "stride" in d else None,
         batch_size=_positive_int(d.get("batch_size", 16), "eval.batch_size"),
         tag=tag, device=device,
-        diagnose=_hook_kwargs(d.get("diagnose", False), "eval.diagnose"),
-        lambada=_hook_kwargs(d.get("lambada", False), "eval.lambada"),
-        kv_sharing=_kv_sharing_kwargs(d.get("kv_sharing", False)),
-        tasks=_tasks_kwargs(d.get("tasks", False), depths))
-
-
-def _tasks_kwargs(value: Any, depths: tuple[int, ...]) -> dict[str, Any] | None:
-    """``eval.tasks``: like the other hooks; its ``halting`` table is checked here (a bad one fails at parse)."""
-    kwargs = _hook_kwargs(value, "eval.tasks")
-    if kwargs is not None and "halting" in kwargs:
-        from looplm.eval.tasks import check_halting
-
-        try:
-            check_halting(kwargs["halting"], depths[-1])
-        except ValueError as e:
-            raise SweepError(f"eval.tasks.{e}") from None
-    return kwargs
-
-
-def _kv_sharing_kwargs(value: Any) -> dict[str, Any] | None:
-    """``eval.kv_sharing``: like the other hooks, but ``depths`` (the recurrences R) is its own."""
-    if isinstance(value, dict) and "depths" in value:
-        rest = _hook_kwargs({k: v for k, v in value.items() if k != "depths"}, "eval.kv_sharing")
-        return {"depths": list(_int_list(value["depths"], "eval.kv_sharing.depths", min_value=1)), **rest}
-    kwargs = _hook_kwargs(value, "eval.kv_sharing")
-    return None if kwargs is None else {"depths": [5], **kwargs}
+        **{name: _hook_kwargs(name, d.get(name, False), depths) for name in HOOKS})
 
 
 def parse_sweep(d: Mapping[str, Any], *, name: str = "sweep", root: str | Path = ".") -> Sweep:
@@ -349,13 +338,6 @@ class SweepResult:
                 "report": str(self.report["markdown"]) if self.report else None}
 
 
-def _weights_sha(ckpt: Path) -> str | None:
-    try:
-        return json.loads((ckpt / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return None
-
-
 def _diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
     out = []
     for k in sorted(set(a) | set(b)):
@@ -443,7 +425,7 @@ class _Runner:
                          variant_order=spec.variant_order, grid=spec.grid, seed=spec.seed, config=saved.to_dict(),
                          run_dir=str(run_dir.resolve()), params=params,
                          flops={T: flops_per_token(saved.model, T) for T in self.ev.depths},
-                         weights_sha256=_weights_sha(ckpt), summary=summary)
+                         weights_sha256=weights_sha256(ckpt), summary=summary)
 
     def evaluate(self, spec: RunSpec, ckpt: Path, saved: Config, force: bool, dry: bool = False) -> list[str]:
         """Run every missing evaluation (all when ``force``); returns what ran (``dry``: would run)."""
@@ -479,8 +461,8 @@ class _Runner:
     def _todo(self, idents, metric: str, force: bool) -> bool:
         return force or not all(self.store.has(i, [metric]) for i in idents.values())
 
-    def _run_hook(self, protocol: str, ckpt: Path, *args, **settings) -> dict:
-        return _hook(protocol)(ckpt, *args, progress=self.progress, **{"device": self.device(), **settings})
+    def _run_hook(self, protocol: str, ckpt: Path, **settings) -> dict:
+        return _hook(protocol)(ckpt, progress=self.progress, **{"device": self.device(), **settings})
 
     def _put(self, items: list, saved: Config, settings: dict[str, Any], res: dict[str, Any]) -> None:
         self.store.put_many(items, config=saved, settings=settings, provenance=res.get("provenance"))
@@ -579,9 +561,9 @@ class _Runner:
         self._put(items, saved, settings, res)
         return ["diagnose"]
 
-    def _stale(self, spec: RunSpec, weights_sha256: str | None) -> bool:
+    def _stale(self, spec: RunSpec, sha: str | None) -> bool:
         previous = self.store.run(self.sweep.name, spec.run_id) if self.store is not None else None
-        return previous is None or previous.weights_sha256 != weights_sha256
+        return previous is None or previous.weights_sha256 != sha
 
     def pending(self, spec: RunSpec) -> list[str]:
         """What :meth:`run_one` would do for ``spec`` (empty: the run is done). Runs nothing."""
@@ -594,7 +576,7 @@ class _Runner:
         saved, step = self._saved_run(spec, run_dir, ckpt)
         if step < spec.config.train.steps:
             return [f"resume from step {step}"]
-        if self._stale(spec, _weights_sha(ckpt)):
+        if self._stale(spec, weights_sha256(ckpt)):
             return ["evaluate"]
         return self.evaluate(spec, ckpt, saved, force=False, dry=True)
 
