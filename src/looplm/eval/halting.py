@@ -152,7 +152,8 @@ def markdown_report(res: dict[str, Any], label: str = "model") -> str:
     ]
 
     def cells(p: dict[str, Any]) -> list[str]:
-        return [f"{p['ppl']:.3f}", f"{p['seconds']:.3f}", f"{p['tokens_per_s']:.0f}", f"{static_s / p['seconds']:.2f}×"]
+        return [f"{p['ppl']:.3f}", f"{p['seconds']:.3f}", f"{p['tokens_per_s']:.0f}",
+                f"{static_s / p['seconds']:.2f}×"]
 
     rows = [[f"dynamic (τ = {tau})", f"{dyn['mean_loops']:.2f}", *cells(dyn)],
             *([f"fixed K = {p['k']}", str(p["k"]), *cells(p)] for p in res["frontier"])]

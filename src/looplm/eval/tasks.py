@@ -135,20 +135,16 @@ def default_ks(data_cfg) -> list[int]:
 def markdown_table(acc: dict[int, dict[int, dict[str, float]]], k_train: int, title: str = "") -> str:
     """Accuracy (%) with one row per depth T and one column per k (k > k_train marked *)."""
     ks = sorted(acc)
+    head = ["T \\ k", *(f"{k}{'*' if k > k_train else ''}" for k in ks)]
     rows = [[str(T), *(f"{100 * acc[k][T]['acc']:.1f}" for k in ks)] for T in sorted(next(iter(acc.values())))]
-    return "\n".join([*([f"**{title}**", ""] if title else []),
-                      *md_table(["T \\ k", *(_k(k, k_train) for k in ks)], rows, align="l" + "r" * len(ks)), "",
+    return "\n".join([*([f"**{title}**", ""] if title else []), *md_table(head, rows, align="l" + "r" * len(ks)), "",
                       f"exact-match accuracy (%) on held-out instances; * = k beyond training (k_train = {k_train})"])
-
-
-def _k(k: int, k_train: int) -> str:
-    return f"{k}{'*' if k > k_train else ''}"
 
 
 def halting_table(by_k: Mapping[int, Mapping[str, float]], k_train: int, criterion: str, tau: float) -> str:
     """Markdown: per k the mean halting depth, exact match (%) at halting and at the matched fixed depth."""
-    rows = [[_k(k, k_train), f"{r['mean_depth']:.2f}", f"{100 * r['acc']:.1f}", f"{100 * r['acc_matched']:.1f}",
-             str(r["n"])] for k, r in sorted(by_k.items())]
+    rows = [[f"{k}{'*' if k > k_train else ''}", f"{r['mean_depth']:.2f}", f"{100 * r['acc']:.1f}",
+             f"{100 * r['acc_matched']:.1f}", str(r["n"])] for k, r in sorted(by_k.items())]
     return "\n".join([f"halting ({criterion}, τ = {tau:.4g})", "", *md_table(
         ["k", "mean halting depth", "acc at halting", "acc at matched fixed depth", "n"], rows, align="rrrrr")])
 
