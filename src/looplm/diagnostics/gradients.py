@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from looplm.diagnostics.forcing import DTYPES, check_shared
 from looplm.model.cursor import NLL, Gradient, Readout
+from looplm.run.finite import md_table
 
 GROUPS: tuple[str, ...] = ("embeddings/readout", "prelude", "core", "rule", "coda", "other")
 ESTIMATORS: tuple[str, ...] = ("tbptt", "endpoint")
@@ -131,14 +132,12 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"Gradient cosine to full BPTT at depth R = {result['depth']} ({result['batches']} batches, "
              f"{result['dtype']}; cosine of the batch-summed gradients, per-batch min in brackets). Terminal "
              f"CE: BPTT {result['ce_bptt']:.4f} at R; endpoint-b reads it at R + b. Endpoint residual "
-             f"‖h_(R+1) − h_R‖/‖h_R‖: median {_fmt(result['endpoint_residual']['median'])}.", "",
-             "| estimator | b | overall | " + " | ".join(groups) + " | ‖g‖/‖g_bptt‖ | CE |",
-             "|---|---:|---:|" + "---:|" * len(groups) + "---:|---:|"]
-    for row in result["rows"]:
-        cells = [f"{_fmt(row[g]['cos'])} [{_fmt(row[g]['cos_batch_min'], 3)}]" for g in ["overall", *groups]]
-        lines.append(f"| {row['estimator']} | {row['b']} | " + " | ".join(cells)
-                     + f" | {_fmt(row['overall']['norm_ratio'], 3)} | {row['ce']:.4f} |")
-    return "\n".join(lines)
+             f"‖h_(R+1) − h_R‖/‖h_R‖: median {_fmt(result['endpoint_residual']['median'])}.", ""]
+    rows = [[row["estimator"], str(row["b"]),
+             *(f"{_fmt(row[g]['cos'])} [{_fmt(row[g]['cos_batch_min'], 3)}]" for g in ["overall", *groups]),
+             _fmt(row["overall"]["norm_ratio"], 3), f"{row['ce']:.4f}"] for row in result["rows"]]
+    return "\n".join(lines + md_table(["estimator", "b", "overall", *groups, "‖g‖/‖g_bptt‖", "CE"], rows,
+                                      align="l" + "r" * (len(groups) + 4)))
 
 
 def gradcheck_checkpoint(checkpoint: str | Path, *, depth: int | None = None, steps: Sequence[int] = (1, 2, 4, 8),

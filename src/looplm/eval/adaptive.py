@@ -19,6 +19,7 @@ import torch
 from looplm.eval.exits import EXIT_CRITERIA, Batch, build_exit_criterion, calibrate, halting_depths, run, trace
 from looplm.eval.perplexity import token_batches
 from looplm.model import DepthLM, eval_mode
+from looplm.run.finite import md_table
 
 DEFAULT_TARGETS: tuple[int, ...] = (8, 16, 24)
 DEFAULT_CEILING = 48
@@ -94,24 +95,22 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     targets = list(first["targets"])
     cols = ([f"Static T={statics[0]}"] + [f"Adaptive {t}" for t in targets]
             + [f"Static T={T}" for T in statics[1:]])
-    rows = ["| model (test PPL) | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    rows = [[label, f"{res['static'][str(statics[0])]['test_ppl']:.2f}",
+             *(f"{res['targets'][t]['test_ppl']:.2f}" for t in targets),
+             *(f"{res['static'][str(T)]['test_ppl']:.2f}" for T in statics[1:])] for label, res in results.items()]
+    out = ["\n".join(md_table(["model (test PPL)", *cols], rows, align="l" + "r" * len(cols)))]
     for label, res in results.items():
-        cells = ([f"{res['static'][str(statics[0])]['test_ppl']:.2f}"]
-                 + [f"{res['targets'][t]['test_ppl']:.2f}" for t in targets]
-                 + [f"{res['static'][str(T)]['test_ppl']:.2f}" for T in statics[1:]])
-        rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    out = ["\n".join(rows)]
-    for label, res in results.items():
+        rows = []
+        for t, e in res["targets"].items():
+            ee = e["early_exit"]
+            timing = [f"{ee['seconds']:.2f}", f"{ee['speedup']:.2f}×"] if ee and ee["speedup"] else ["–", "–"]
+            rows.append([t, f"{e['tau']:.4g}", f"{e['valid_mean_depth']:.2f}", f"{e['test_mean_depth']:.2f}",
+                         f"{e['valid_ppl']:.2f}", f"{e['test_ppl']:.2f}", *timing])
         det = [f"{label}: criterion {res.get('criterion', 'hidden_update')}, τ calibrated on valid "
                f"({res['examples']['valid']} windows), applied to test "
                f"({res['examples']['test']} windows), ceiling {res['ceiling']}.", "",
-               "| target | τ | valid mean depth | test mean depth | valid PPL | test PPL | early-exit s | speedup |",
-               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for t, e in res["targets"].items():
-            ee = e["early_exit"]
-            timing = (f"{ee['seconds']:.2f} | {ee['speedup']:.2f}×" if ee and ee["speedup"] else "– | –")
-            det.append(f"| {t} | {e['tau']:.4g} | {e['valid_mean_depth']:.2f} | {e['test_mean_depth']:.2f} | "
-                       f"{e['valid_ppl']:.2f} | {e['test_ppl']:.2f} | {timing} |")
+               *md_table(["target", "τ", "valid mean depth", "test mean depth", "valid PPL", "test PPL",
+                          "early-exit s", "speedup"], rows, align="r" * 8)]
         if res.get("full_depth_seconds") is not None:
             det.append(f"\nAll examples to the ceiling: {res['full_depth_seconds']:.2f} s.")
         out.append("\n".join(det))

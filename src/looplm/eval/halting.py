@@ -13,7 +13,6 @@ batches prebuilt on the device, one untimed warm-up batch per mode, the median o
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from looplm.eval.exits import (EXIT_CRITERIA, Batch, build_exit_criterion, calib
                                sync_device, trace)
 from looplm.model import DepthLM, eval_mode
 from looplm.model.cursor import NLL
+from looplm.run.finite import md_table, write_json_markdown
 
 DEFAULT_N_CALIB = 160
 DEFAULT_N_TIMED = 160
@@ -149,15 +149,16 @@ def markdown_report(res: dict[str, Any], label: str = "model") -> str:
         f"K_max PPL {cal['ppl_kmax']:.3f} (ratio {cal['ppl_ratio']:.4f}).", "",
         f"Timed ({res.get('split_timed', 'timed')}, {tm['sequences']} sequences, {tm['tokens']} tokens): "
         f"speedup {tm['speedup']:.2f}× over always K_max; PPL ratio {tm['ppl_ratio']:.4f}.", "",
-        "| run | mean loops | PPL | seconds | tokens/s | speedup vs K_max |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| dynamic (τ = {tau}) | {dyn['mean_loops']:.2f} | {dyn['ppl']:.3f} | {dyn['seconds']:.3f} | "
-        f"{dyn['tokens_per_s']:.0f} | {static_s / dyn['seconds']:.2f}× |",
     ]
-    for p in res["frontier"]:
-        lines.append(f"| fixed K = {p['k']} | {p['k']} | {p['ppl']:.3f} | {p['seconds']:.3f} | "
-                     f"{p['tokens_per_s']:.0f} | {static_s / p['seconds']:.2f}× |")
-    return "\n".join(lines)
+
+    def cells(p: dict[str, Any]) -> list[str]:
+        return [f"{p['ppl']:.3f}", f"{p['seconds']:.3f}", f"{p['tokens_per_s']:.0f}",
+                f"{static_s / p['seconds']:.2f}×"]
+
+    rows = [[f"dynamic (τ = {tau})", f"{dyn['mean_loops']:.2f}", *cells(dyn)],
+            *([f"fixed K = {p['k']}", str(p["k"]), *cells(p)] for p in res["frontier"])]
+    return "\n".join(lines + md_table(["run", "mean loops", "PPL", "seconds", "tokens/s", "speedup vs K_max"], rows,
+                                      align="l" + "r" * 5))
 
 
 def plot_frontier(res: dict[str, Any], path: str | Path, title: str = "") -> Path:
@@ -234,6 +235,5 @@ def evaluate_halting_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, k_
     files = {"json": out / "halting.json", "markdown": out / "halting.md", "plot": out / "halting_frontier.png"}
     plot_frontier(res, files["plot"], title=label)
     res["files"] = {k: str(v) for k, v in files.items()}
-    files["markdown"].write_text(res["markdown"] + "\n")
-    files["json"].write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+    write_json_markdown(res, files["json"])
     return res

@@ -14,6 +14,7 @@ from looplm.eval.exits import Batch
 from looplm.model import LoopLM, eval_mode
 from looplm.model.cursor import NLL
 from looplm.run.dist import unsharded
+from looplm.run.finite import md_table
 
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
@@ -85,8 +86,5 @@ def nonfinite_depths(results: dict[int, dict[str, float]]) -> list[int]:
 
 def markdown_table(results: dict[str, dict[int, dict[str, float]]], depths: Sequence[int]) -> str:
     """A Markdown table of PPL by depth: one row per named result, one column per depth."""
-    depths = list(depths)
-    rows = ["| model | " + " | ".join(f"T={T}" for T in depths) + " |", "|---|" + "---:|" * len(depths)]
-    rows += [f"| {name} | " + " | ".join(f"{res[T]['ppl']:.2f}" for T in depths) + " |"
-             for name, res in results.items()]
-    return "\n".join(rows)
+    rows = [[name, *(f"{res[T]['ppl']:.2f}" for T in depths)] for name, res in results.items()]
+    return "\n".join(md_table(["model", *(f"T={T}" for T in depths)], rows, align="l" + "r" * len(depths)))

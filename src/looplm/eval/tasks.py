@@ -26,6 +26,7 @@ from looplm.model import eval_mode
 from looplm.tasks.data import accuracy_by_depth, heldout, rows
 from looplm.tasks.base import get_task
 from looplm.run.checkpoint import load_checkpoint
+from looplm.run.finite import md_table
 from looplm.run.provenance import provenance
 
 
@@ -134,22 +135,18 @@ def default_ks(data_cfg) -> list[int]:
 def markdown_table(acc: dict[int, dict[int, dict[str, float]]], k_train: int, title: str = "") -> str:
     """Accuracy (%) with one row per depth T and one column per k (k > k_train marked *)."""
     ks = sorted(acc)
-    depths = sorted(next(iter(acc.values())))
-    head = "| T \\ k | " + " | ".join(f"{k}{'*' if k > k_train else ''}" for k in ks) + " |"
-    lines = [f"**{title}**", ""] if title else []
-    lines += [head, "|---|" + "---:|" * len(ks)]
-    lines += [f"| {T} | " + " | ".join(f"{100 * acc[k][T]['acc']:.1f}" for k in ks) + " |" for T in depths]
-    lines += ["", f"exact-match accuracy (%) on held-out instances; * = k beyond training (k_train = {k_train})"]
-    return "\n".join(lines)
+    head = ["T \\ k", *(f"{k}{'*' if k > k_train else ''}" for k in ks)]
+    rows = [[str(T), *(f"{100 * acc[k][T]['acc']:.1f}" for k in ks)] for T in sorted(next(iter(acc.values())))]
+    return "\n".join([*([f"**{title}**", ""] if title else []), *md_table(head, rows, align="l" + "r" * len(ks)), "",
+                      f"exact-match accuracy (%) on held-out instances; * = k beyond training (k_train = {k_train})"])
 
 
 def halting_table(by_k: Mapping[int, Mapping[str, float]], k_train: int, criterion: str, tau: float) -> str:
     """Markdown: per k the mean halting depth, exact match (%) at halting and at the matched fixed depth."""
-    lines = [f"halting ({criterion}, τ = {tau:.4g})", "", "| k | mean halting depth | acc at halting | "
-             "acc at matched fixed depth | n |", "|---:|---:|---:|---:|---:|"]
-    lines += [f"| {k}{'*' if k > k_train else ''} | {r['mean_depth']:.2f} | {100 * r['acc']:.1f} "
-              f"| {100 * r['acc_matched']:.1f} | {r['n']} |" for k, r in sorted(by_k.items())]
-    return "\n".join(lines)
+    rows = [[f"{k}{'*' if k > k_train else ''}", f"{r['mean_depth']:.2f}", f"{100 * r['acc']:.1f}",
+             f"{100 * r['acc_matched']:.1f}", str(r["n"])] for k, r in sorted(by_k.items())]
+    return "\n".join([f"halting ({criterion}, τ = {tau:.4g})", "", *md_table(
+        ["k", "mean halting depth", "acc at halting", "acc at matched fixed depth", "n"], rows, align="rrrrr")])
 
 
 def plot_heatmap(acc: dict[int, dict[int, dict[str, float]]], path: str | Path, *, k_train: int,

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 import lm_eval.models  # noqa: F401  lm-eval loads its own models only into an empty registry: fill it before ours
 from looplm.model.cursor import NLL, Readout
+from looplm.run.finite import md_table
 
 MODEL_NAME = "looplm"
 CHECKPOINT_SWEEP = "checkpoints"  # the runs-table sweep of checkpoints evaluated outside a sweep (``--db``)
@@ -281,15 +282,12 @@ def evaluate_harness(checkpoint: str | Path, *, tasks: Sequence[str], depths: Se
 def markdown_table(per_depth: dict[str, Any]) -> str:
     """One row per (task, metric), one column per depth."""
     depths = sorted(per_depth, key=int)
-    rows = ["| task | metric | " + " | ".join(f"T={T}" for T in depths) + " |",
-            "|---|---|" + "---:|" * len(depths)]
-    tasks = sorted({t for r in per_depth.values() for t in r["results"]})
-    for task in tasks:
-        names = sorted({m for r in per_depth.values() for m in r["results"].get(task, {})})
-        for m in names:
+    rows = []
+    for task in sorted({t for r in per_depth.values() for t in r["results"]}):
+        for m in sorted({m for r in per_depth.values() for m in r["results"].get(task, {})}):
             vals = [per_depth[T]["results"].get(task, {}).get(m) for T in depths]
-            rows.append(f"| {task} | {m} | " + " | ".join("–" if v is None else f"{v:.4g}" for v in vals) + " |")
-    return "\n".join(rows)
+            rows.append([task, m, *("–" if v is None else f"{v:.4g}" for v in vals)])
+    return "\n".join(md_table(["task", "metric", *(f"T={T}" for T in depths)], rows, align="ll" + "r" * len(depths)))
 
 
 # ---------------------------------------------------------------------------------------------- local tasks

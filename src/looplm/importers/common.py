@@ -68,10 +68,11 @@ class ConfigReader:
                                 f"{' (' + why + ')' if why else ''}; supported: {', '.join(map(repr, allowed))}")
         return value
 
-    def positive_int(self, key: str) -> int:
+    def positive_int(self, key: str, minimum: int = 1) -> int:
+        """The integer value of ``key``, at least ``minimum`` (1: positive)."""
         value = self.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ImporterError(f"config.json: {key} must be an integer >= 1, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ImporterError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
         return value
 
     def number(self, key: str, default: Any = _MISSING) -> float:

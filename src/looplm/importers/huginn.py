@@ -50,11 +50,8 @@ def read_config(raw: dict[str, Any], *, seq_len: int | None = None, initial_stat
     r.require("head_dim", [d // heads], default=d // heads, why="looplm's head width is n_embd / n_heads")
     r.require("num_key_value_heads", [heads], default=heads, why="Huginn's qk_bias has one row per query head; "
               "grouped key/value heads are not part of its layout")
-    P, R, C = (r.get(k) for k in ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda"))
-    for key, v in (("n_layers_in_prelude", P), ("n_layers_in_coda", C)):
-        if not isinstance(v, int) or v < 0:
-            raise ImporterError(f"config.json: {key} must be an integer >= 0, got {v!r}")
-    r.positive_int("n_layers_in_recurrent_block")
+    P, R, C = (r.positive_int("n_layers_in_prelude", minimum=0), r.positive_int("n_layers_in_recurrent_block"),
+               r.positive_int("n_layers_in_coda", minimum=0))
     r.require("n_layers", [P + R + C], default=P + R + C, why="prelude + recurrent block + coda")
     vocab = r.positive_int("padded_vocab_size")
     block_size = r.positive_int("block_size")
