@@ -19,7 +19,7 @@ import torch
 from looplm.data.tokens import eval_windows, sample_batch
 from looplm.distill.config import DistillConfig, StudentRecord
 from looplm.distill.loss import VarianceAccumulator, distill_loss
-from looplm.distill.prefill import student_readout, teacher_targets
+from looplm.distill.prefill import teacher_targets
 from looplm.distill.student import Student, build_student, default_student_dir, load_student, read_record, teacher_ref
 from looplm.run.finite import NonFiniteError
 from looplm.model import LoopLM, eval_mode
@@ -57,7 +57,8 @@ def student_step(teacher: LoopLM, student: Student, x: torch.Tensor, cfg: Distil
     targets y, the cross-entropies (nats/token) of the teacher at R and of the student's readout."""
     e, z, t_logits = teacher_targets(teacher, x, cfg.depth, logits=cfg.kl_weight > 0 or y is not None)
     z_hat = student(e)
-    s_logits = student_readout(teacher, z_hat, cfg.depth) if cfg.kl_weight > 0 or y is not None else None
+    s_logits = (teacher.readout(z_hat, final=cfg.depth >= teacher.resolve_final_depth(None, cfg.depth))
+                if cfg.kl_weight > 0 or y is not None else None)  # p̂: the teacher's coda + readout on ẑ at R
     res = distill_loss(z_hat, z, sigma2, student_logits=s_logits, teacher_logits=t_logits,
                        hidden_weight=cfg.hidden_weight, kl_weight=cfg.kl_weight)
     if y is None:
