@@ -74,8 +74,11 @@ def test_start_is_exclusive_and_a_failed_start_leaves_no_folder(tmp_path):
 
 
 def test_summary_is_written_once_finished_and_read_back_when_nothing_is_left(tmp_path):
-    folder = RunFolder(tmp_path)
-    assert folder.summary({"a": 1}, start=0, end=3, total=5) == {"a": 1}
+    def fit(start: int, end: int) -> Fit:
+        return Fit(RunFolder(tmp_path), start=start, total=5, stop_after=end - start, ckpt_every=0, save=print,
+                   desc="run")
+
+    assert fit(0, 3).summary({"a": 1}) == {"a": 1}
     assert not (tmp_path / "summary.json").exists()  # stopped early: no summary yet
-    assert folder.summary({"a": 2}, start=3, end=5, total=5) == {"a": 2}
-    assert folder.summary({"a": 3}, start=5, end=5, total=5) == {"a": 2}  # finished before: the stored one
+    assert fit(3, 5).summary({"a": 2}) == {"a": 2}
+    assert fit(5, 5).summary({"a": 3}) == {"a": 2}  # finished before: the stored one

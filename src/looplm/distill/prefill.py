@@ -40,22 +40,18 @@ def distilled_prefill(teacher: LoopLM, student: Student, idx: torch.Tensor, dept
     return teacher.read(loop, depth + 1, targets, readout=readout)
 
 
-def teacher_prefill(teacher: LoopLM, idx: torch.Tensor, depth: int, cache: KVCache,
-                    targets: torch.Tensor | None = None, *, readout: Readout = Readout()) -> LoopOutput:
-    """The teacher's own prefill at ``depth`` recurrences (R, or fewer: early-stopped) into ``cache``;
-    ``targets``, ``readout`` as for :meth:`looplm.model.DepthLM.read`."""
-    return teacher.read(teacher.loop(idx, cache=cache), depth, targets, readout=readout)
-
-
 def prefill_paths(teacher: LoopLM, student: Student | None, depth: int, early_depths: tuple[int, ...] = (3, 2, 1)
                   ) -> dict[str, tuple[int, Callable[..., LoopOutput]]]:
     """The prefill paths of LMDR Table 5, in its row order: ``{name: (teacher recurrences in the prefill,
     prefill(idx, cache, **kw))}``: ``teacher`` (R), ``teacher_r{r}`` for each early-stopped depth r < R
-    (largest first) and ``distilled`` (one recurrence after the student; only with a student)."""
-    paths: dict[str, tuple[int, Callable[..., LoopOutput]]] = {
-        "teacher": (depth, lambda idx, cache, **kw: teacher_prefill(teacher, idx, depth, cache, **kw))}
+    (largest first) and ``distilled`` (one recurrence after the student; only with a student). A teacher path
+    takes ``targets`` and ``readout`` as :meth:`looplm.model.DepthLM.read` does."""
+    def teacher_prefill(r: int) -> tuple[int, Callable[..., LoopOutput]]:  # the teacher's own, at r recurrences
+        return r, lambda idx, cache, **kw: teacher.read(teacher.loop(idx, cache=cache), r, **kw)
+
+    paths = {"teacher": teacher_prefill(depth)}
     for r in sorted({int(r) for r in early_depths if 1 <= int(r) < depth}, reverse=True):
-        paths[f"teacher_r{r}"] = (r, lambda idx, cache, r=r, **kw: teacher_prefill(teacher, idx, r, cache, **kw))
+        paths[f"teacher_r{r}"] = teacher_prefill(r)
     if student is not None:
         paths["distilled"] = (1, lambda idx, cache, **kw: distilled_prefill(teacher, student, idx, depth, cache, **kw))
     return paths
@@ -69,9 +65,3 @@ def teacher_targets(teacher: LoopLM, x: torch.Tensor, depth: int, *, logits: boo
     loop = teacher.loop(x)
     out = teacher.read(loop, depth, readout=Readout(logits=logits))
     return loop.e, loop.h, out.logits if logits else None
-
-
-def student_readout(teacher: LoopLM, z_hat: torch.Tensor, depth: int) -> torch.Tensor:
-    """p̂ of eq. 4: the teacher's coda + readout applied to ẑ as at depth R, (B, L, d) → (B, L, V)."""
-    final = depth >= teacher.resolve_final_depth(None, depth)
-    return teacher.readout(z_hat, final=final)

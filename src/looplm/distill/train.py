@@ -19,9 +19,9 @@ import torch
 from looplm.data.tokens import eval_windows, sample_batch
 from looplm.distill.config import DistillConfig, StudentRecord
 from looplm.distill.loss import VarianceAccumulator, distill_loss
-from looplm.distill.prefill import student_readout, teacher_targets
+from looplm.distill.prefill import teacher_targets
 from looplm.distill.student import Student, build_student, default_student_dir, load_student, read_record, teacher_ref
-from looplm.run.finite import NonFiniteError, clean
+from looplm.run.finite import NonFiniteError
 from looplm.model import LoopLM, eval_mode
 from looplm.run.checkpoint import load_train_state, newest_valid_checkpoint, save_checkpoint
 from looplm.run.dist import resolve_device
@@ -57,7 +57,8 @@ def student_step(teacher: LoopLM, student: Student, x: torch.Tensor, cfg: Distil
     targets y, the cross-entropies (nats/token) of the teacher at R and of the student's readout."""
     e, z, t_logits = teacher_targets(teacher, x, cfg.depth, logits=cfg.kl_weight > 0 or y is not None)
     z_hat = student(e)
-    s_logits = student_readout(teacher, z_hat, cfg.depth) if cfg.kl_weight > 0 or y is not None else None
+    s_logits = (teacher.readout(z_hat, final=cfg.depth >= teacher.resolve_final_depth(None, cfg.depth))
+                if cfg.kl_weight > 0 or y is not None else None)  # p̂: the teacher's coda + readout on ẑ at R
     res = distill_loss(z_hat, z, sigma2, student_logits=s_logits, teacher_logits=t_logits,
                        hidden_weight=cfg.hidden_weight, kl_weight=cfg.kl_weight)
     if y is None:
@@ -144,7 +145,6 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
 
     fit = Fit(folder, start=start, total=cfg.steps, stop_after=stop_after, ckpt_every=cfg.ckpt_every,
               save=checkpoint, desc="distill", eval_every=cfg.eval_every, progress=progress)
-    t_start, last = time.time(), {}
     with fit:
         for step in fit:
             t0 = time.time()
@@ -163,10 +163,9 @@ def _fit(folder: RunFolder, teacher: LoopLM, student: Student, record: StudentRe
                 last.update(validate(teacher, student, tokens["valid"], cfg, sigma2, L, device))
             fit.log(last, loss=f"{loss:.4f}", hidden=f"{last['hidden']:.4f}", kl=f"{last['kl']:.4f}",
                     **({"val_ce": f"{last['val_ce_student']:.3f}"} if "val_ce_student" in last else {}))
-    summary = clean({"steps": cfg.steps, "completed_steps": fit.end, "depth": cfg.depth, "sigma2": sigma2,
-                     "params": sum(p.numel() for p in student.parameters()), "wall_s": time.time() - t_start,
-                     "tokens": (fit.end - start) * cfg.batch_size * L,
-                     **{k: v for k, v in last.items() if k.startswith("val_")},
-                     "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
-                     "out": str(folder.path)})
-    return folder.summary(summary, start=start, end=fit.end, total=cfg.steps)
+    return fit.summary({"steps": cfg.steps, "completed_steps": fit.end, "depth": cfg.depth, "sigma2": sigma2,
+                        "params": sum(p.numel() for p in student.parameters()), "wall_s": time.time() - fit.t_start,
+                        "tokens": (fit.end - start) * cfg.batch_size * L,
+                        **{k: v for k, v in fit.last.items() if k.startswith("val_")},
+                        "teacher": record.teacher.checkpoint, "teacher_fingerprint": record.teacher.fingerprint,
+                        "out": str(folder.path)})

@@ -12,7 +12,7 @@ from typing import Callable, Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from looplm.model.kvcache import KVCache, KVVisit
+from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import attention
 
 StepHow = Literal["eager", "compile", "cuda_graph"]
@@ -47,7 +47,7 @@ class StaticKVCache:
     def open_scope(self, key_valid: torch.Tensor | None, positions: torch.Tensor) -> "StaticScope":
         if key_valid is not None:
             raise ValueError("attention_mask: a static decode step takes no padding mask (the cache holds it)")
-        return StaticScope(self, positions)
+        return StaticScope(self, None, positions)
 
 
 class _StaticVisit(KVVisit):
@@ -57,16 +57,14 @@ class _StaticVisit(KVVisit):
         return self.scope.attend(layer_id, self.visit, q, k, v, record=self.record)
 
     def positions(self, L: int, device=None) -> torch.Tensor:
-        return self.scope.positions_
+        return self.scope.positions(L, device)
 
 
-class StaticScope:
-    """The attention scope of one static decode step (one token per row)."""
+class StaticScope(AttentionScope):
+    """The attention scope of one static decode step (one token per row): its positions and statistics as an
+    :class:`AttentionScope`'s, the token's K/V written in place."""
 
     check_positions = False  # positions < capacity <= seq_len by construction (StaticKVCache)
-
-    def __init__(self, cache: StaticKVCache, positions: torch.Tensor):
-        self.cache, self.positions_, self.pending_stats = cache, positions, {}
 
     def at(self, visit: int, record: bool = True) -> _StaticVisit:
         return _StaticVisit(self, visit, record)
@@ -84,11 +82,6 @@ class StaticScope:
         here = torch.arange(c.capacity, device=q.device) == c.length  # (capacity,)
         mask = (c.valid | here)[:, None, None, :]  # (B, 1, 1, capacity)
         return attention(q, bk, bv, attn_mask=mask)
-
-    def accumulate(self, key, value: torch.Tensor) -> torch.Tensor:
-        total = self.cache.stats[key] + value
-        self.pending_stats[key] = total
-        return total
 
     def commit(self) -> None:
         c = self.cache

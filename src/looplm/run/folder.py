@@ -14,6 +14,7 @@ import contextlib
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looplm.run.finite import dumps
+from looplm.run.finite import clean, dumps
 from looplm.run.checkpoint import CheckpointError, checkpoint_problems, list_checkpoints
 from looplm.run.lock import RunLock
 
@@ -103,17 +104,6 @@ class RunFolder:
                       f"{valid[-1].name}", file=sys.stderr)
         return valid[-1]
 
-    def summary(self, summary: dict[str, Any], *, start: int, end: int, total: int,
-                write: bool = True) -> dict[str, Any]:
-        """``summary``, written to ``summary.json`` (if ``write``) when this invocation finished the run
-        (``end == total > start``); the stored one when the run had finished before (nothing left to do)."""
-        path = self.path / SUMMARY_FILE
-        if write and end == total and end > start:
-            path.write_text(dumps(summary, indent=2) + "\n")
-        elif end == total and path.exists():
-            summary = json.loads(path.read_text())
-        return summary
-
 
 class Fit:
     """Steps ``start`` … ``end − 1`` of a run of ``total`` steps (``end``: ``total``, or ``start + stop_after``
@@ -121,7 +111,8 @@ class Fit:
     line of ``metrics.jsonl`` and the progress bar); after the body, ``save(done)`` writes a checkpoint every
     ``ckpt_every`` steps and at ``end``; :meth:`evaluating` says when to validate. Entering truncates
     ``metrics.jsonl`` to the records of steps ≤ ``start`` (a resume; ``key`` names the step field) or deletes it
-    (a fresh run, ``start`` = 0). ``write=False`` (ranks other than 0) leaves the file alone."""
+    (a fresh run, ``start`` = 0) and starts the clock ``t_start``; ``last`` is the latest record logged.
+    ``write=False`` (ranks other than 0) leaves the files alone."""
 
     def __init__(self, folder: RunFolder, *, start: int, total: int, stop_after: int | None, ckpt_every: int,
                  save: Callable[[int], None], desc: str, eval_every: int = 0, unit: str = "step", key: str = "step",
@@ -143,6 +134,7 @@ class Fit:
         self._log = path.open("a") if self.write else None
         self._bar = tqdm(total=self.total, initial=self.start, desc=self.desc, disable=not self.progress,
                          unit=self.unit, dynamic_ncols=True)
+        self.t_start, self.last = time.time(), {}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -163,8 +155,20 @@ class Fit:
 
     def log(self, record: dict[str, Any], **postfix: Any) -> None:
         """Append ``record`` to ``metrics.jsonl`` (strict JSON) and advance the bar, showing ``postfix``."""
+        self.last = record
         if self._log is not None:
             self._log.write(dumps(record) + "\n")
             self._log.flush()
         self._bar.update(1)
         self._bar.set_postfix(**postfix)
+
+    def summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """``summary`` as strict JSON (a NaN becomes null, listed in ``"nonfinite"``), written to ``summary.json``
+        when this invocation finished the run (``end == total > start``); the stored one when the run had
+        finished before (nothing left to do)."""
+        path = self.folder.path / SUMMARY_FILE
+        if self.write and self.end == self.total > self.start:
+            path.write_text(dumps(summary, indent=2) + "\n")
+        elif self.end == self.total and path.exists():
+            return json.loads(path.read_text())
+        return clean(summary)

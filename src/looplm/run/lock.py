@@ -36,9 +36,13 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
             os.close(fd)
-            raise RunLockedError(f"{self.path.parent} is in use by another training process "
-                                 f"({describe_holder(holder)}); wait for it to finish, stop it, or choose "
-                                 "another --out") from None
+            try:
+                info = json.loads(holder)
+                holder = f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+            except (ValueError, KeyError, TypeError):
+                holder = "holder unknown: it has not written its details yet"
+            raise RunLockedError(f"{self.path.parent} is in use by another training process ({holder}); wait for "
+                                 "it to finish, stop it, or choose another --out") from None
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
@@ -59,12 +63,3 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def describe_holder(text: str) -> str:
-    """``pid 123 on host h, started 2026-...`` from the lock file's JSON (or a fallback)."""
-    try:
-        info = json.loads(text)
-        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
-    except (ValueError, KeyError, TypeError):
-        return "holder unknown: it has not written its details yet"

@@ -22,13 +22,6 @@ def _rng(seed: int, step: int, micro: int, stream: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-def _draw_categorical(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from P(R = r) = probs[r-1] by inverting the CDF with a single uniform; returns r >= 1."""
-    cdf = np.cumsum(probs)
-    r = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")) + 1
-    return min(r, len(probs))  # guards u·cdf[-1] == cdf[-1] in floating point
-
-
 class DepthSampler:
     """Base class: ``sample(seed, step, micro) -> T``, at most the config's ``max_depth()``."""
 
@@ -186,7 +179,10 @@ class LearnedDepthPrior(DepthSampler):
             return float(-(logp.exp() * logp).sum())
 
     def sample(self, seed, step, micro=0):
-        return _draw_categorical(self._probs, _rng(seed, step, micro, "depth"))
+        """One draw r ≥ 1 from p_φ, inverting its CDF with a single uniform."""
+        cdf = np.cumsum(self._probs)
+        r = int(np.searchsorted(cdf, _rng(seed, step, micro, "depth").random() * cdf[-1], side="right")) + 1
+        return min(r, self.r_max)  # guards u·cdf[-1] == cdf[-1] in floating point
 
     def observe(self, depth: int, ce: float, n_tokens: int) -> None:
         """Record one microbatch's depth, mean CE (nats/token) and tokens (ValueError outside 1..R_max or n < 1)."""

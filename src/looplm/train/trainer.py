@@ -23,7 +23,7 @@ from looplm.data.paths import resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import get_tokenizer
 from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
-from looplm.run.finite import NonFiniteError, clean, nonfinite_tensors
+from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
 from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, load_sharded, load_train_state,
                                    newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint, sharded_keys)
@@ -311,7 +311,7 @@ class _Run:
         # FSDP forward is collective: every rank evaluates
         eval_model = self.wrapped if env.enabled and tcfg.distributed == "fsdp" else unwrap(self.wrapped)
         self.wrapped.train()
-        self.t_start, tokens, last = time.time(), 0, {}
+        self.t_start, tokens = time.time(), 0
         fit = Fit(self.folder, start=start, total=tcfg.steps, stop_after=stop_after, ckpt_every=tcfg.ckpt_every,
                   save=self.checkpoint, desc=cfg.name, eval_every=tcfg.eval_every, progress=progress and env.is_main,
                   write=env.is_main)
@@ -329,12 +329,12 @@ class _Run:
                 if self.streak >= tcfg.max_nonfinite_steps:
                     self._diverged(last)
         wall = time.time() - self.t_start
-        summary = {"name": cfg.name, "steps": tcfg.steps, "completed_steps": fit.end, "skipped_steps": self.skipped,
-                   "params": self.n_params, "world_size": env.world_size, "wall_s": self.wall_before + wall,
-                   "train_tokens_per_s": tokens / wall if wall > 0 else 0.0,
-                   "val_loss": last.get("val_loss"), "val_ppl": last.get("val_ppl"), "out": str(out)}
-        # strict JSON: a NaN validation loss becomes null, listed in "nonfinite"
-        summary = self.folder.summary(clean(summary), start=start, end=fit.end, total=tcfg.steps, write=env.is_main)
+        summary = fit.summary({"name": cfg.name, "steps": tcfg.steps, "completed_steps": fit.end,
+                               "skipped_steps": self.skipped, "params": self.n_params, "world_size": env.world_size,
+                               "wall_s": self.wall_before + wall,
+                               "train_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                               "val_loss": fit.last.get("val_loss"), "val_ppl": fit.last.get("val_ppl"),
+                               "out": str(out)})
         trackers.close(summary)  # the summary as run metadata
         shutdown(env)
         return summary
