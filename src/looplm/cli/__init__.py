@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, UsageError, add_command,
-                             add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
-                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands)
+from looplm.cli.core import (CliError, InFile, Opt, OutFile, Report, UsageError, add_command, add_config_fields,
+                             add_options, exit_criteria, in_file, lazy_subparsers, option_strings, out_file,
+                             prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 from looplm.config import Config, ConfigError, apply_overrides, suggest
 
@@ -173,10 +173,11 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     return apply_overrides(cfg, overrides) if isinstance(cfg, Config) else cfg.with_overrides(overrides)
 
 
-def build_parser() -> Parser:
-    """The ``looplm`` parser; each command's options are added when the command is first looked up."""
-    parser = Parser(prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
-                    "depth-recurrent) transformer language models.")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``looplm`` parser (no abbreviated options); each command's options are added when the command is first
+    looked up."""
+    parser = argparse.ArgumentParser(prog="looplm", allow_abbrev=False, description="Build, train, evaluate and "
+                                     "diagnose looped (shared-block, depth-recurrent) transformer language models.")
     subs = {"": lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")}
     for cmd in COMMANDS:
         group, _, name = cmd.name.rpartition(" ")

@@ -1,5 +1,5 @@
 """The generator of the ``looplm`` command line (stdlib argparse; imports no torch): options from typed
-signatures (:func:`add_options`), the strict :class:`Parser`, lazy subcommands, ``--section.field VALUE``
+signatures (:func:`add_options`), lazy subcommands taking no abbreviated options, ``--section.field VALUE``
 overrides and the one report convention (:class:`Report`: ``--quiet/--json/--out``).
 """
 
@@ -28,13 +28,6 @@ class UsageError(CliError):
 
 
 # ---------------------------------------------------------------- parser
-class Parser(argparse.ArgumentParser):
-    """No abbreviated options at any level (its subparsers are Parsers too)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
-
-
 class LazyParsers(dict):
     """A subparsers' name → parser map that adds a command's options on its first lookup: ``looplm --help``
     lists commands from their help strings alone, and ``looplm eval ppl`` imports only its own code."""
@@ -58,9 +51,10 @@ def lazy_subparsers(parser: argparse.ArgumentParser, **kwargs: Any) -> argparse.
 
 def add_command(sub: argparse._SubParsersAction, name: str, build: Callable[[argparse.ArgumentParser], None],
                 **kwargs: Any) -> argparse.ArgumentParser:
-    """``sub.add_parser(name, **kwargs)``; ``build(parser)`` adds its options on first use."""
+    """``sub.add_parser(name, **kwargs)`` taking no abbreviated options; ``build(parser)`` adds its options on first
+    use."""
     sub.choices.builders[name] = build  # type: ignore[attr-defined]
-    return sub.add_parser(name, **kwargs)
+    return sub.add_parser(name, allow_abbrev=False, **kwargs)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
