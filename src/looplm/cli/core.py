@@ -314,21 +314,19 @@ def split_config_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, st
     """
     rest: list[str] = []
     overrides: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        m = _CONFIG_FLAG.match(argv[i])
-        if argv[i] == "--" or not m:
-            if argv[i] == "--":
-                return rest + list(argv[i:]), overrides
-            rest.append(argv[i])
+    tokens = iter(argv)
+    for arg in tokens:
+        m = _CONFIG_FLAG.match(arg)
+        if arg == "--":
+            return [*rest, arg, *tokens], overrides
+        if not m:
+            rest.append(arg)
         elif m.group(2) is not None:
             overrides[m.group(1)] = m.group(2)
-        elif i + 1 >= len(argv) or (argv[i + 1].startswith("-") and not _NUMBER.match(argv[i + 1])):
+        elif (value := next(tokens, None)) is None or (value.startswith("-") and not _NUMBER.match(value)):
             raise CliError(f"--{m.group(1)}: expected a value (--{m.group(1)} VALUE)")
         else:
-            overrides[m.group(1)] = argv[i + 1]
-            i += 1
-        i += 1
+            overrides[m.group(1)] = value
     return rest, overrides
 
 
