@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -38,6 +39,29 @@ def test_model_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:
         ModelConfig(**kwargs)
     assert str(info.value).startswith(field)
+
+
+def _bounded_fields():
+    """``(class, field, type, Min)`` of every config field with a lower bound in its annotation."""
+    from looplm.config import RULE_OPTIONS, ChoiceSection, Min, OptimConfig
+    from looplm.distill.config import DistillConfig
+    from looplm.rl.config import RLConfig
+
+    variants = [v for base in ChoiceSection.__subclasses__() for v in base.VARIANTS.values()]
+    for cls in {*RULE_OPTIONS.values(), *variants, ModelConfig, DataConfig, OptimConfig, TrainConfig, RLConfig,
+                DistillConfig}:
+        for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+            yield from ((cls, name, tp.__origin__, m) for m in getattr(tp, "__metadata__", ()) if isinstance(m, Min))
+
+
+@pytest.mark.parametrize("cls, name, tp, bound", sorted(_bounded_fields(), key=lambda c: (c[0].__name__, c[1])),
+                         ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_lower_bounds_refuse_the_first_value_outside(cls, name, tp, bound):
+    """A ``Min`` annotation refuses the first value below it (its edge too when strict), naming the field."""
+    outside = tp(bound.lo) if bound.strict else tp(bound.lo) - (1 if tp is int else 0.5)
+    with pytest.raises(ConfigError, match=f"^{cls._prefix}{name}: must be {'>' if bound.strict else '>='} "
+                                          f"{bound.lo:g}, got {outside}$"):
+        cls(**{name: outside})
 
 
 def test_error_lists_allowed_values():
