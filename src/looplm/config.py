@@ -672,14 +672,12 @@ class ModelConfig(_Base):
 
     def _resolve_options(self) -> None:
         """Turn ``options`` into the rule's options object (None → defaults, dict → fields)."""
-        opts = self.options
+        opts, cls = self.options, RULE_OPTIONS[self.rule]
         if self.architecture == "unshared":
             self.require(opts is None or opts == {}, "options",
                          f"the unshared architecture has no rule options; got {opts!r}")
-            object.__setattr__(self, "options", None)
-            return
-        cls = RULE_OPTIONS[self.rule]
-        if opts is None or isinstance(opts, dict):
+            opts = None
+        elif opts is None or isinstance(opts, dict):
             opts = _options_from_dict(self.rule, opts or {}, complete=False)
         elif type(opts) is not cls:
             raise ConfigError(f"{self._prefix}options: {type(opts).__name__} holds the options of "
