@@ -60,17 +60,19 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Min:
-    """A number field's lower bound ``lo`` (``strict``: excluded), as ``Annotated[int, Min(1)]``."""
+class Range:
+    """A number field's range, as ``Annotated[int, Range(1)]``: ``>= lo`` (``> lo`` if ``strict``), ``< below``."""
 
     lo: float
     strict: bool = False
+    below: float = math.inf
 
 
-PositiveInt = Annotated[int, Min(1)]
-NonNegInt = Annotated[int, Min(0)]
-PositiveFloat = Annotated[float, Min(0.0, strict=True)]
-NonNegFloat = Annotated[float, Min(0.0)]
+PositiveInt = Annotated[int, Range(1)]
+NonNegInt = Annotated[int, Range(0)]
+PositiveFloat = Annotated[float, Range(0.0, strict=True)]
+NonNegFloat = Annotated[float, Range(0.0)]
+Fraction = Annotated[float, Range(0.0, below=1.0)]  # [0, 1)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -101,7 +103,7 @@ def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
 
 
 def _check_literal(obj: Any, prefix: str) -> None:
-    """Type-check every field of ``obj``: Literal names, strings, bools, ints, finite floats, a :class:`Min`."""
+    """Type-check every field of ``obj``: Literal names, strings, bools, ints, finite floats, a :class:`Range`."""
     hints = typing.get_type_hints(type(obj), include_extras=True)
     for f in dataclasses.fields(obj):
         tp, name, value = hints[f.name], prefix + f.name, getattr(obj, f.name)
@@ -119,8 +121,9 @@ def _check_literal(obj: Any, prefix: str) -> None:
             _check(number, name, f"must be a number, got {value!r}")
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
         if bound is not None:
-            lo, op = bound.lo, ">" if bound.strict else ">="
-            _check(value > lo if bound.strict else value >= lo, name, f"must be {op} {lo:g}, got {value}")
+            lo, hi, op = bound.lo, bound.below, ">" if bound.strict else ">="
+            shown = f"{op} {lo:g}" if hi == math.inf else f"in {'(' if bound.strict else '['}{lo:g}, {hi:g})"
+            _check((value > lo if bound.strict else value >= lo) and value < hi, name, f"must be {shown}, got {value}")
 
 
 def _variant(base: type, cls_name: str, **attrs: Any) -> Any:
@@ -232,8 +235,6 @@ class RuleOptions(_Base):
 
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
-        if hasattr(self, "leak"):
-            self.require(0.0 <= self.leak < 1.0, "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "source_init"):
             if self.source_init == "normal":
                 self.require(self.source_init_std > 0, "source_init_std",
@@ -319,7 +320,7 @@ class _SourceCenteredOptions(_AnchoredOptions):
 class SCSEOptions(_SourceCenteredOptions):
     """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
 
-    leak: float = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
+    leak: Fraction = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
     kappa: float = _f(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main method)")
 
 
@@ -334,7 +335,7 @@ class SCCondOptions(_SourceCenteredOptions):
 class SCSELeakOptions(SCCondOptions):
     """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
 
-    leak: float = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
+    leak: Fraction = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,7 @@ class HuginnOptions(RuleOptions):
     state_init: StateInit = _f("gaussian", "initial loop state h_0: zeros, embedding (e), gaussian (N(0, "
                                "state_init_std²)) or truncated_normal (cut at ±3 std; Huginn-0125)")
     state_init_std: NonNegFloat = _f(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
-    state_init_seed: Annotated[int, Min(-1)] = _f(
+    state_init_seed: Annotated[int, Range(-1)] = _f(
         0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise table; -1: fresh "
         "global-RNG noise in evaluation too (Huginn-0125)")
     source_init: SourceInit = _f("gpt2", _SOURCE_INIT_HELP.format(
@@ -562,10 +563,7 @@ class SpectralDampingConfig(ScaleControlConfig):
     """``spectral_damping``: h ← σ(ρ)·h after every step, ρ learned."""
 
     NAME = "spectral_damping"
-    init: float = _f(0.9, "initial factor σ(ρ) in (0, 1)")
-
-    def validate(self) -> None:
-        self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
+    init: Annotated[float, Range(0.0, strict=True, below=1.0)] = _f(0.9, "initial factor σ(ρ) in (0, 1)")
 
 
 FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", NAME="final_norm")
@@ -584,7 +582,7 @@ class ModelConfig(_Base):
     n_heads: PositiveInt = _f(6, "attention heads (d_model must be divisible by it)")
     d_ff: PositiveInt = _f(1536, "SwiGLU hidden width")
     seq_len: PositiveInt = _f(128, "context length L (the longest sequence of any forward)")
-    dropout: float = _f(0.1, "dropout probability on embeddings, attention and residual branches")
+    dropout: Fraction = _f(0.1, "dropout probability on embeddings, attention and residual branches")
     n_prelude: NonNegInt = _f(0, "unshared prelude blocks before the loop")
     n_core: PositiveInt = _f(1, "K: blocks in the shared core applied once per loop step")
     n_coda: NonNegInt = _f(0, "unshared coda blocks after the loop")
@@ -617,7 +615,6 @@ class ModelConfig(_Base):
     def validate(self) -> None:
         self.require(self.d_model % self.n_heads == 0, "n_heads",
                      f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        self.require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
         self.require(self.embed_init_std == -1.0 or self.embed_init_std > 0, "embed_init_std",
                      f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
         self.require(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, "residual_p",
@@ -796,7 +793,7 @@ class PLNDepthConfig(DepthConfig):
     NAME = "pln"
     mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the init's mean)")
     sigma: PositiveFloat = _f(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
-    cap: Annotated[int, Min(2)] = _f(64, "pln: cap on R; learned: R_max")
+    cap: Annotated[int, Range(2)] = _f(64, "pln: cap on R; learned: R_max")
 
     def validate(self) -> None:
         self.require(1 <= self.mean < self.cap, "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
@@ -881,14 +878,12 @@ class OptimConfig(_Base):
     schedule: Schedule = _f("cosine", "schedule after the warm-up (SPEC §5): cosine (to min_lr_ratio·lr) or wsd "
                             "(LMDR: constant, then cosine over the last tenth of the steps)")
     weight_decay: NonNegFloat = _f(0.1, "AdamW weight decay, applied to matrices only")
-    beta1: float = _f(0.9, "AdamW β1")
-    beta2: float = _f(0.95, "AdamW β2")
+    beta1: Fraction = _f(0.9, "AdamW β1")
+    beta2: Fraction = _f(0.95, "AdamW β2")
     grad_clip: NonNegFloat = _f(1.0, "gradient-norm clipping threshold (0 = off)")
 
     def validate(self) -> None:
         self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("beta1", "beta2"):
-            self.require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
 
 
 section_field = _f  # a RunSection field: its default and its --help text
