@@ -483,13 +483,12 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
     variants = base.VARIANTS
     d = dict(d)
-    name = d.pop(base.KEY, carry.NAME if carry is not None else None)
+    name = d.pop(base.KEY, getattr(carry, "NAME", None))
     _check(name in variants, base._prefix + base.KEY, f"got {name!r}; allowed: {', '.join(map(repr, variants))}")
     cls = variants[name]
     _check_fields(base._prefix, d, variants, name, complete, base.KEY, "read", "field")
-    values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
-    values.update(_parsed(cls, base._prefix, d))
-    return cls(**values)
+    carried = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)}  # none without carry
+    return cls(**{**carried, **_parsed(cls, base._prefix, d)})
 
 
 def _variants_help(prefix: str, classes: dict[str, Any], tag: str) -> list[tuple[str, str, Any]]:
