@@ -172,8 +172,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``looplm`` parser (no abbreviated options); each command's options are added when the command is first
-    looked up."""
+    """The ``looplm`` parser; each command's options are added when the command is first looked up."""
     parser = argparse.ArgumentParser(prog="looplm", allow_abbrev=False, description="Build, train, evaluate and "
                                      "diagnose looped (shared-block, depth-recurrent) transformer language models.")
     subs = {"": lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")}

@@ -51,8 +51,7 @@ def lazy_subparsers(parser: argparse.ArgumentParser, **kwargs: Any) -> argparse.
 
 def add_command(sub: argparse._SubParsersAction, name: str, build: Callable[[argparse.ArgumentParser], None],
                 **kwargs: Any) -> argparse.ArgumentParser:
-    """``sub.add_parser(name, **kwargs)`` taking no abbreviated options; ``build(parser)`` adds its options on first
-    use."""
+    """``sub.add_parser(name, **kwargs)``, no abbreviated options; ``build(parser)`` adds its options on first use."""
     sub.choices.builders[name] = build  # type: ignore[attr-defined]
     return sub.add_parser(name, allow_abbrev=False, **kwargs)
 
