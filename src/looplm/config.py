@@ -16,7 +16,7 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, get_args
+from typing import Annotated, Any, ClassVar, Iterable, Literal, get_args
 
 #: config.json layout (4: typed choice sections, rule options under ``model.options``)
 FORMAT_VERSION = 4
@@ -59,6 +59,22 @@ class ConfigError(ValueError):
     """A config field has a value that is not allowed; the message names the field."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """A number field's range, as ``Annotated[int, Range(1)]``: ``>= lo`` (``> lo`` if ``strict``), ``< below``."""
+
+    lo: float
+    strict: bool = False
+    below: float = math.inf
+
+
+PositiveInt = Annotated[int, Range(1)]
+NonNegInt = Annotated[int, Range(0)]
+PositiveFloat = Annotated[float, Range(0.0, strict=True)]
+NonNegFloat = Annotated[float, Range(0.0)]
+Fraction = Annotated[float, Range(0.0, below=1.0)]  # [0, 1)
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
@@ -87,10 +103,11 @@ def _unknown(where: str, kind: str, known: Iterable[str]) -> ConfigError:
 
 
 def _check_literal(obj: Any, prefix: str) -> None:
-    """Type-check every field of ``obj``: Literal names, strings, bools, ints, finite floats."""
-    hints = typing.get_type_hints(type(obj))
+    """Type-check every field of ``obj``: Literal names, strings, bools, ints, finite floats, a :class:`Range`."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
     for f in dataclasses.fields(obj):
         tp, name, value = hints[f.name], prefix + f.name, getattr(obj, f.name)
+        tp, bound = get_args(tp) if typing.get_origin(tp) is Annotated else (tp, None)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if typing.get_origin(tp) is Literal:
             _check(value in get_args(tp), name, f"got {value!r}; allowed: {', '.join(map(repr, get_args(tp)))}")
@@ -103,6 +120,10 @@ def _check_literal(obj: Any, prefix: str) -> None:
         elif tp is float:
             _check(number, name, f"must be a number, got {value!r}")
             _check(math.isfinite(value), name, f"must be finite, got {value!r}")
+        if bound is not None:
+            lo, hi, op = bound.lo, bound.below, ">" if bound.strict else ">="
+            shown = f"{op} {lo:g}" if hi == math.inf else f"in {'(' if bound.strict else '['}{lo:g}, {hi:g})"
+            _check((value > lo if bound.strict else value >= lo) and value < hi, name, f"must be {shown}, got {value}")
 
 
 def _variant(base: type, cls_name: str, **attrs: Any) -> Any:
@@ -118,12 +139,6 @@ class _Base:
 
     def require(self, cond: bool, name: str, msg: str) -> None:
         _check(cond, self._prefix + name, msg)
-
-    def at_least(self, lo: float, *names: str, strict: bool = False) -> None:
-        """Check ``self.NAME >= lo`` (``> lo`` if ``strict``) for every name."""
-        for name in names:
-            v = getattr(self, name)
-            self.require(v > lo if strict else v >= lo, name, f"must be {'>' if strict else '>='} {lo:g}, got {v}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -220,13 +235,6 @@ class RuleOptions(_Base):
 
     def validate(self) -> None:
         """Range checks (every float is already checked to be finite)."""
-        has = (lambda *names: [n for n in names if hasattr(self, n)])
-        self.at_least(0.0, *has("step_scale"), strict=True)
-        self.at_least(0.0, *has("anchor_scale", "init_scale", "step_tau", "eps", "sigma", "state_init_std"))
-        self.at_least(1, *has("steps", "period"))
-        self.at_least(-1, *has("state_init_seed"))
-        if hasattr(self, "leak"):
-            self.require(0.0 <= self.leak < 1.0, "leak", f"must be in [0, 1), got {self.leak}")
         if hasattr(self, "source_init"):
             if self.source_init == "normal":
                 self.require(self.source_init_std > 0, "source_init_std",
@@ -247,23 +255,23 @@ PlainOptions = _variant(RuleOptions, "PlainOptions")  # plain: no injection, no 
 class LoopedOptions(RuleOptions):
     """``looped``: h + s·G(h + e)."""
 
-    step_scale: float = _f(1.0, _STEP_SCALE_HELP)
+    step_scale: PositiveFloat = _f(1.0, _STEP_SCALE_HELP)
 
 
 @dataclass(frozen=True)
 class NormResetOptions(LoopedOptions):
     """``norm_reset``: the looped step, then h ← RMSNorm(h) every ``period`` steps."""
 
-    period: int = _f(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
+    period: PositiveInt = _f(4, "P: apply the parameter-free h ← RMSNorm(h) after every P-th loop step")
 
 
 @dataclass(frozen=True)
 class _AnchoredOptions(RuleOptions):
     """The learned anchor h* = e + c_a·A(e) and initial state h_0 = e + c_0·I(e) (SCSE eq. 3–4)."""
 
-    step_scale: float = _f(0.5, _STEP_SCALE_HELP)
-    anchor_scale: float = _f(0.1, "c_a: anchor h* = e + c_a·A(e)")
-    init_scale: float = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
+    step_scale: PositiveFloat = _f(0.5, _STEP_SCALE_HELP)
+    anchor_scale: NonNegFloat = _f(0.1, "c_a: anchor h* = e + c_a·A(e)")
+    init_scale: NonNegFloat = _f(0.1, "c_0: initial state h_0 = e + c_0·I(e)")
     source_init: SourceInit = _f(ANCHORED_SOURCE_INIT, _SOURCE_INIT_HELP.format(
         "A, I, W_in, W_c, P_step", "Δ₀ = c_0·I(e) − c_a·A(e) has the RMS of e") + "; default: the init study's")
     source_init_std: float = _f(ANCHORED_SOURCE_INIT_STD, _SOURCE_INIT_STD_HELP)
@@ -280,7 +288,7 @@ class _AnchoredOptions(RuleOptions):
 class AdapterOptions(_AnchoredOptions):
     """``adapter`` (tuned adapter): h + s·G(h + α·W_in h*)."""
 
-    step_scale: float = _f(0.35, _STEP_SCALE_HELP)
+    step_scale: PositiveFloat = _f(0.35, _STEP_SCALE_HELP)
     alpha_init: float = _f(0.15, "initial value of the learned source gain α")
 
 
@@ -288,15 +296,15 @@ class AdapterOptions(_AnchoredOptions):
 class StepAdapterOptions(AdapterOptions):
     """``step_adapter``: the adapter plus τ·P_step γ_t in the core input."""
 
-    step_tau: float = _f(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
+    step_tau: NonNegFloat = _f(0.015, "scale τ of the projected sinusoidal step embedding τ·P_step γ_t")
 
 
 @dataclass(frozen=True)
 class StepFilmOptions(AdapterOptions):
     """``step_film``: h + s·G((1 + σ·g_t)⊙u + σ·b_t), u = h + α·W_in h*."""
 
-    sigma: float = _f(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
-    steps: int = _f(8, "rows of the learned step-embedding table (g_t, b_t); later steps reuse the last row")
+    sigma: NonNegFloat = _f(0.1, "modulation scale σ of (1 + σ·g_t)⊙u + σ·b_t")
+    steps: PositiveInt = _f(8, "rows of the learned step-embedding table (g_t, b_t); later steps reuse the last row")
 
 
 @dataclass(frozen=True)
@@ -305,14 +313,14 @@ class _SourceCenteredOptions(_AnchoredOptions):
 
     anchor: AnchorName = _f("learned", "anchor h*: learned (e + c_a·A(e)), embedding (e), init (h_0), frozen_random")
     mask: bool = _f(True, "apply the zero-deviation mask m = 1{‖Δ‖²_F > ε}")
-    eps: float = _f(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
+    eps: NonNegFloat = _f(1e-8, "mask threshold ε on the per-example squared Frobenius norm")
 
 
 @dataclass(frozen=True)
 class SCSEOptions(_SourceCenteredOptions):
     """``scse``: Δ ← (1 − λ_leak)·Δ + m·s·G(Δ + κ·W_c h*); the main method has λ_leak = 0, κ = 0."""
 
-    leak: float = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
+    leak: Fraction = _f(0.0, "deviation leak λ_leak (0 in the main method; 0.02 in the leak diagnostic)")
     kappa: float = _f(0.0, "initial learned gain κ of the conditioning input κ·W_c h*; 0 = no W_c (main method)")
 
 
@@ -327,7 +335,7 @@ class SCCondOptions(_SourceCenteredOptions):
 class SCSELeakOptions(SCCondOptions):
     """``scse_leak``: the leak diagnostic, SC-Cond with a deviation leak."""
 
-    leak: float = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
+    leak: Fraction = _f(0.02, "deviation leak λ_leak of Δ_{t+1} = (1 − λ_leak)·Δ_t + m·q_t")
 
 
 @dataclass(frozen=True)
@@ -335,7 +343,8 @@ class AdditiveSubtractOptions(_AnchoredOptions):
     """``additive_subtract`` (SCSE eq. 22): Δ + s·[G(h* + Δ + α·W_in e + τ_t) − G(h* + α·W_in e + τ_t)]."""
 
     alpha_init: float = _f(0.15, "initial value of the learned source gain α")
-    step_tau: float = _f(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's control)")
+    step_tau: NonNegFloat = _f(0.0, "scale τ of the optional step term τ_t = τ·P_step γ_t (0 = none, the paper's "
+                               "control)")
 
 
 @dataclass(frozen=True)
@@ -344,9 +353,10 @@ class HuginnOptions(RuleOptions):
 
     state_init: StateInit = _f("gaussian", "initial loop state h_0: zeros, embedding (e), gaussian (N(0, "
                                "state_init_std²)) or truncated_normal (cut at ±3 std; Huginn-0125)")
-    state_init_std: float = _f(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
-    state_init_seed: int = _f(0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise "
-                              "table; -1: fresh global-RNG noise in evaluation too (Huginn-0125)")
+    state_init_std: NonNegFloat = _f(0.02, "gaussian / truncated_normal: std of h_0 (Huginn-0125: √(2/5))")
+    state_init_seed: Annotated[int, Range(-1)] = _f(
+        0, "gaussian / truncated_normal: seed of the fixed evaluation-mode (seq_len, d) noise table; -1: fresh "
+        "global-RNG noise in evaluation too (Huginn-0125)")
     source_init: SourceInit = _f("gpt2", _SOURCE_INIT_HELP.format(
         "the injection matrices", "N(0, 1/√fan_in): the injected term has its input's RMS"))
     source_init_std: float = _f(0.0, _SOURCE_INIT_STD_HELP)
@@ -473,13 +483,12 @@ def build_choice(base: type[ChoiceSection], d: dict[str, Any], *, complete: bool
     _check(isinstance(d, dict), base._prefix.rstrip("."), f"must be a JSON object, got {d!r}")
     variants = base.VARIANTS
     d = dict(d)
-    name = d.pop(base.KEY, carry.NAME if carry is not None else None)
+    name = d.pop(base.KEY, getattr(carry, "NAME", None))
     _check(name in variants, base._prefix + base.KEY, f"got {name!r}; allowed: {', '.join(map(repr, variants))}")
     cls = variants[name]
     _check_fields(base._prefix, d, variants, name, complete, base.KEY, "read", "field")
-    values = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)} if carry is not None else {}
-    values.update(_parsed(cls, base._prefix, d))
-    return cls(**values)
+    carried = {k: getattr(carry, k) for k in cls.field_names() if hasattr(carry, k)}  # none without carry
+    return cls(**{**carried, **_parsed(cls, base._prefix, d)})
 
 
 def _variants_help(prefix: str, classes: dict[str, Any], tag: str) -> list[tuple[str, str, Any]]:
@@ -553,10 +562,7 @@ class SpectralDampingConfig(ScaleControlConfig):
     """``spectral_damping``: h ← σ(ρ)·h after every step, ρ learned."""
 
     NAME = "spectral_damping"
-    init: float = _f(0.9, "initial factor σ(ρ) in (0, 1)")
-
-    def validate(self) -> None:
-        self.require(0.0 < self.init < 1.0, "init", f"must be in (0, 1), got {self.init}")
+    init: Annotated[float, Range(0.0, strict=True, below=1.0)] = _f(0.9, "initial factor σ(ρ) in (0, 1)")
 
 
 FinalNormConfig = _variant(ScaleControlConfig, "FinalNormConfig", NAME="final_norm")
@@ -570,27 +576,27 @@ class ModelConfig(_Base):
     architecture: Architecture = _f("shared", "shared: prelude + core×T + coda; unshared: n_layers distinct blocks")
     rule: RuleName = _f("scse", "recurrence rule (SPEC §2): " + ", ".join(RULE_NAMES))
     options: RuleOptions | None = _f(None, "the rule's options (model.options.FIELD); None when unshared")
-    vocab_size: int = _f(50257, "vocabulary size V (set from the tokenizer when training)")
-    d_model: int = _f(384, "model width d")
-    n_heads: int = _f(6, "attention heads (d_model must be divisible by it)")
-    d_ff: int = _f(1536, "SwiGLU hidden width")
-    seq_len: int = _f(128, "context length L (the longest sequence of any forward)")
-    dropout: float = _f(0.1, "dropout probability on embeddings, attention and residual branches")
-    n_prelude: int = _f(0, "unshared prelude blocks before the loop")
-    n_core: int = _f(1, "K: blocks in the shared core applied once per loop step")
-    n_coda: int = _f(0, "unshared coda blocks after the loop")
-    n_layers: int = _f(4, "unshared architecture only: number of distinct blocks")
+    vocab_size: PositiveInt = _f(50257, "vocabulary size V (set from the tokenizer when training)")
+    d_model: PositiveInt = _f(384, "model width d")
+    n_heads: PositiveInt = _f(6, "attention heads (d_model must be divisible by it)")
+    d_ff: PositiveInt = _f(1536, "SwiGLU hidden width")
+    seq_len: PositiveInt = _f(128, "context length L (the longest sequence of any forward)")
+    dropout: Fraction = _f(0.1, "dropout probability on embeddings, attention and residual branches")
+    n_prelude: NonNegInt = _f(0, "unshared prelude blocks before the loop")
+    n_core: PositiveInt = _f(1, "K: blocks in the shared core applied once per loop step")
+    n_coda: NonNegInt = _f(0, "unshared coda blocks after the loop")
+    n_layers: PositiveInt = _f(4, "unshared architecture only: number of distinct blocks")
     tie_embeddings: bool = _f(True, "tie the readout W_out to the token embedding")
-    norm_eps: float = _f(1e-6, "RMSNorm epsilon")
-    init_std: float = _f(0.02, "std of the normal initialization of linear and embedding weights")
+    norm_eps: PositiveFloat = _f(1e-6, "RMSNorm epsilon")
+    init_std: PositiveFloat = _f(0.02, "std of the normal initialization of linear and embedding weights")
     block_init: BlockInit = _f("normal", "post-LN family: block matrix init before β: normal or xavier_normal "
                                "(per q, k, v, gate, up; DeepNet arXiv:2203.00555)")
     embed_init_std: float = _f(-1.0, "std of the token/position embedding init; -1 = init_std (GPT-2)")
     residual: Residual = _f("pre_ln", "residual (SPEC §3): pre_ln, or x ← RMSNorm(α·x + f(x)), α=(2N)^p, β=(8N)^-p, "
                             "N=K·R: post_ln (p=0), deepnorm (p=1/4), deeploop (p=1/2)")
     residual_p: float = _f(-1.0, "post-LN family: exponent p; -1 takes the family's")
-    residual_depth: int = _f(0, "post-LN family: R in N = K·R (0 = the depth sampler's maximum, resolved by "
-                             "build_model)")
+    residual_depth: NonNegInt = _f(0, "post-LN family: R in N = K·R (0 = the depth sampler's maximum, resolved by "
+                                   "build_model)")
     input_norm: bool = _f(False, "RMSNorm on the input embedding e (the DeepLoop baseline)")
     readout: ReadoutName = _f("rmsnorm", "readout at loop k (SPEC §4): rmsnorm (W_out·RMSNorm(H_k)), raw, "
                               "final_only_norm (RMSNorm at the last loop only)")
@@ -598,20 +604,16 @@ class ModelConfig(_Base):
     exit_gate: bool = _f(False, "a learned exit gate (Linear d→1 per token and loop; Ouro), for "
                          "supervision=exit_weighted and the exit criteria exit_gate / exit_cdf")
     position: PositionConfig = field(default_factory=LearnedPositionConfig)
-    n_kv_heads: int = _f(0, "key/value heads (grouped-query attention); 0 = n_heads")
+    n_kv_heads: NonNegInt = _f(0, "key/value heads (grouped-query attention); 0 = n_heads")
     qk_bias: bool = _f(False, "a learned bias on the q and k projections, zero-initialized (Huginn-0125)")
     block_norm: BlockNorm = _f("pre", "norms in every block (residual=pre_ln): pre (x + f(N(x))), sandwich "
                                "(x + N'(f(N(x))); Ouro), pre_post (x ← N'(x + f(N(x))); Huginn-0125)")
-    embed_scale: float = _f(1.0, "factor on the token embedding, not the tied readout (Huginn-0125: √d)")
+    embed_scale: PositiveFloat = _f(1.0, "factor on the token embedding, not the tied readout (Huginn-0125: √d)")
     exit_norm: ExitNorm = _f("none", "an RMSNorm of h_T before the coda: none, learned, final (norm_f; Huginn-0125)")
 
     def validate(self) -> None:
-        self.at_least(1, "vocab_size", "d_model", "n_heads", "d_ff", "seq_len", "n_core", "n_layers")
-        self.at_least(0, "n_prelude", "n_coda", "residual_depth", "n_kv_heads")
-        self.at_least(0, "embed_scale", "norm_eps", "init_std", strict=True)
         self.require(self.d_model % self.n_heads == 0, "n_heads",
                      f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        self.require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
         self.require(self.embed_init_std == -1.0 or self.embed_init_std > 0, "embed_init_std",
                      f"must be > 0, or -1 (init_std), got {self.embed_init_std}")
         self.require(self.residual_p == -1.0 or 0.0 <= self.residual_p <= 2.0, "residual_p",
@@ -666,14 +668,12 @@ class ModelConfig(_Base):
 
     def _resolve_options(self) -> None:
         """Turn ``options`` into the rule's options object (None → defaults, dict → fields)."""
-        opts = self.options
+        opts, cls = self.options, RULE_OPTIONS[self.rule]
         if self.architecture == "unshared":
             self.require(opts is None or opts == {}, "options",
                          f"the unshared architecture has no rule options; got {opts!r}")
-            object.__setattr__(self, "options", None)
-            return
-        cls = RULE_OPTIONS[self.rule]
-        if opts is None or isinstance(opts, dict):
+            opts = None
+        elif opts is None or isinstance(opts, dict):
             opts = _options_from_dict(self.rule, opts or {}, complete=False)
         elif type(opts) is not cls:
             raise ConfigError(f"{self._prefix}options: {type(opts).__name__} holds the options of "
@@ -735,7 +735,8 @@ class DataConfig(_Base):
                          "dataset=hf needs a hub dataset id or a local json/jsonl/parquet/text file or folder")
             self.require(bool(self.text_column.strip()), "text_column", "must name a column")
         if self.dataset == "task":
-            self.at_least(1, "task_k", "task_heldout")
+            for name in ("task_k", "task_heldout"):
+                self.require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         else:
             for name in ("task", "task_k", "task_heldout", "task_seed"):
                 self.require(getattr(self, name) == DataConfig.__dataclass_fields__[name].default, name,
@@ -762,10 +763,7 @@ class FixedDepthConfig(DepthConfig):
     """``fixed``: every microbatch at depth T."""
 
     NAME = "fixed"
-    depth: int = _f(8, "loop depth T")
-
-    def validate(self) -> None:
-        self.at_least(1, "depth")
+    depth: PositiveInt = _f(8, "loop depth T")
 
     def max_depth(self) -> int:
         return self.depth
@@ -776,11 +774,10 @@ class UniformDepthConfig(DepthConfig):
     """``uniform``: T uniform in lo..hi (inclusive)."""
 
     NAME = "uniform"
-    lo: int = _f(1, "lowest depth")
+    lo: PositiveInt = _f(1, "lowest depth")
     hi: int = _f(8, "highest depth")
 
     def validate(self) -> None:
-        self.at_least(1, "lo")
         self.require(self.lo <= self.hi, "hi", f"must be >= depth.lo={self.lo}, got {self.hi}")
 
     def max_depth(self) -> int:
@@ -794,12 +791,10 @@ class PLNDepthConfig(DepthConfig):
 
     NAME = "pln"
     mean: float = _f(5.0, "pln: target mean E[min(R, cap)]; learned: budget target R̄ (and the init's mean)")
-    sigma: float = _f(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
-    cap: int = _f(64, "pln: cap on R; learned: R_max")
+    sigma: PositiveFloat = _f(0.5, "σ of ξ ~ N(μ, σ²) (learned: of the PLN initialization)")
+    cap: Annotated[int, Range(2)] = _f(64, "pln: cap on R; learned: R_max")
 
     def validate(self) -> None:
-        self.at_least(0, "sigma", strict=True)
-        self.at_least(2, "cap")
         self.require(1 <= self.mean < self.cap, "mean", f"must be in [1, depth.cap={self.cap}), got {self.mean}")
 
     def max_depth(self) -> int:
@@ -814,21 +809,18 @@ class LearnedDepthConfig(PLNDepthConfig):
     """``learned``: a categorical prior over 1..cap trained by REINFORCE (LMDR §3.1, App. B.3)."""
 
     NAME = "learned"
-    lr: float = _f(1e-3, "Adam learning rate of the prior logits")
-    entropy: float = _f(0.01, "entropy weight λ_H")
-    budget: float = _f(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
-    warmup: int = _f(32, "warm-up updates that only collect the reward baseline")
+    lr: PositiveFloat = _f(1e-3, "Adam learning rate of the prior logits")
+    entropy: NonNegFloat = _f(0.01, "entropy weight λ_H")
+    budget: NonNegFloat = _f(1.0, "budget weight λ_m of (E_p[R] − R̄)²")
+    warmup: NonNegInt = _f(32, "warm-up updates that only collect the reward baseline")
     init: list = _f([], "initial prior weights over depths 1..cap (normalized; [] = the capped PLN); LMDR App. B.3")
     reward: PriorReward = _f("neg_ce", "reward: neg_ce (−CE), log_ce (−log CE), exp_ce (−exp(CE)), inv_ppl (exp(−CE); "
                              "LMDR's main setting, with scale)")
     scale: bool = _f(False, "multiply the advantage by s = std(CE)/std(reward) of the previous updates (LMDR App. B.3)")
-    scale_window: int = _f(1, "scale: s pools the microbatches of the last W updates")
+    scale_window: PositiveInt = _f(1, "scale: s pools the microbatches of the last W updates")
 
     def validate(self) -> None:
         super().validate()
-        self.at_least(0, "lr", strict=True)
-        self.at_least(0, "entropy", "budget", "warmup")
-        self.at_least(1, "scale_window")
         w = self.init
         self.require(isinstance(w, list), "init", f"must be a list of numbers, got {w!r}")
         if not w:
@@ -879,22 +871,18 @@ class OptimConfig(_Base):
     """AdamW and its learning-rate schedule (SPEC §5); one section shared by train, distill and rl."""
 
     _prefix = "optim."
-    lr: float = _f(3e-4, "peak learning rate")
+    lr: PositiveFloat = _f(3e-4, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine floor)")
-    warmup_steps: int = _f(500, "linear warm-up steps")
+    warmup_steps: NonNegInt = _f(500, "linear warm-up steps")
     schedule: Schedule = _f("cosine", "schedule after the warm-up (SPEC §5): cosine (to min_lr_ratio·lr) or wsd "
                             "(LMDR: constant, then cosine over the last tenth of the steps)")
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
-    beta1: float = _f(0.9, "AdamW β1")
-    beta2: float = _f(0.95, "AdamW β2")
-    grad_clip: float = _f(1.0, "gradient-norm clipping threshold (0 = off)")
+    weight_decay: NonNegFloat = _f(0.1, "AdamW weight decay, applied to matrices only")
+    beta1: Fraction = _f(0.9, "AdamW β1")
+    beta2: Fraction = _f(0.95, "AdamW β2")
+    grad_clip: NonNegFloat = _f(1.0, "gradient-norm clipping threshold (0 = off)")
 
     def validate(self) -> None:
-        self.at_least(0, "lr", strict=True)
-        self.at_least(0, "warmup_steps", "weight_decay", "grad_clip")
         self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("beta1", "beta2"):
-            self.require(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
 
 
 section_field = _f  # a RunSection field: its default and its --help text
@@ -918,35 +906,33 @@ class TrainConfig(_Base):
     """The training loop (SPEC §5): steps, batches, gradient estimator, loss, evaluation and checkpoints."""
 
     _prefix = "train."
-    steps: int = _f(5000, "optimizer steps")
-    batch_size: int = _f(32, "sequences per microbatch")
-    grad_accum: int = _f(1, "microbatches per optimizer step")
+    steps: PositiveInt = _f(5000, "optimizer steps")
+    batch_size: PositiveInt = _f(32, "sequences per microbatch")
+    grad_accum: PositiveInt = _f(1, "microbatches per optimizer step")
     gradient: GradientConfig = field(default_factory=BPTTConfig)
     supervision: Supervision = _f("terminal", "loss (SPEC §4): terminal (CE at the last loop), per_loop "
                                   "(mean CE over loops 1..T), exit_weighted (learned exit gate weights the "
                                   "per-loop CE, plus an entropy term)")
-    exit_entropy: float = _f(0.05, "exit_weighted: weight of the exit-distribution entropy bonus")
-    norm_penalty: float = _f(0.0, "λ of the scale penalty λ·T⁻¹ Σ_k mean_tokens ‖H_k‖²_rms (0 = off)")
+    exit_entropy: NonNegFloat = _f(0.05, "exit_weighted: weight of the exit-distribution entropy bonus")
+    norm_penalty: NonNegFloat = _f(0.0, "λ of the scale penalty λ·T⁻¹ Σ_k mean_tokens ‖H_k‖²_rms (0 = off)")
     seed: int = _f(0, "seed for initialization, data order and depth draws")
-    eval_every: int = _f(500, "validate every this many steps (0 = only at the end)")
-    eval_batches: int = _f(20, "validation batches per periodic validation")
-    eval_depth: int = _f(8, "loop depth used for periodic validation")
-    ckpt_every: int = _f(500, "write a checkpoint every this many steps (0 = only at the end)")
+    eval_every: NonNegInt = _f(500, "validate every this many steps (0 = only at the end)")
+    eval_batches: PositiveInt = _f(20, "validation batches per periodic validation")
+    eval_depth: PositiveInt = _f(8, "loop depth used for periodic validation")
+    ckpt_every: NonNegInt = _f(500, "write a checkpoint every this many steps (0 = only at the end)")
     checkpoint_format: CheckpointFormat = _f("consolidated", "consolidated (rank 0 writes model.safetensors) or "
                                              "sharded (every rank writes its shards; a shared filesystem)")
     device: Device = _f("auto", "cpu, cuda, or auto (cuda when available)")
     dtype: DType = _f("float32", "autocast dtype for forward/backward (bfloat16 on GPU)")
-    num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
+    num_threads: NonNegInt = _f(0, "torch CPU threads (0 = torch default)")
     distributed: Parallel = _f("ddp", "under torchrun: ddp or fsdp (FSDP2 per block); batch_size is the global batch")
     compile: bool = _f(False, "torch.compile each block (a new loop depth does not recompile)")
-    max_nonfinite_steps: int = _f(5, "stop after this many consecutive skipped steps with a non-finite loss or "
-                                  "gradient norm")
+    max_nonfinite_steps: PositiveInt = _f(5, "stop after this many consecutive skipped steps with a non-finite loss or "
+                                          "gradient norm")
     logger: list = _f(["jsonl"], "metric loggers (comma-separated): jsonl (always), tensorboard, wandb (offline "
                       "unless WANDB_MODE), trackio; the optional ones need their extra")
 
     def validate(self) -> None:
-        self.at_least(1, "steps", "batch_size", "grad_accum", "eval_batches", "eval_depth", "max_nonfinite_steps")
-        self.at_least(0, "exit_entropy", "norm_penalty", "eval_every", "ckpt_every", "num_threads")
         names = self.logger
         if isinstance(names, str):
             names = [s.strip() for s in names.split(",") if s.strip()]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -38,6 +41,33 @@ def test_model_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:
         ModelConfig(**kwargs)
     assert str(info.value).startswith(field)
+
+
+def _bounded_fields():
+    """``(class, field, type, Range)`` of every config field with a range in its annotation."""
+    from looplm.config import RULE_OPTIONS, ChoiceSection, OptimConfig, Range
+    from looplm.distill.config import DistillConfig
+    from looplm.rl.config import RLConfig
+
+    variants = [v for base in ChoiceSection.__subclasses__() for v in base.VARIANTS.values()]
+    for cls in {*RULE_OPTIONS.values(), *variants, ModelConfig, DataConfig, OptimConfig, TrainConfig, RLConfig,
+                DistillConfig}:
+        for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+            yield from ((cls, name, tp.__origin__, r) for r in getattr(tp, "__metadata__", ()) if isinstance(r, Range))
+
+
+@pytest.mark.parametrize("cls, name, tp, bound", sorted(_bounded_fields(), key=lambda c: (c[0].__name__, c[1])),
+                         ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_ranges_refuse_the_first_values_outside(cls, name, tp, bound):
+    """A ``Range`` annotation refuses the first value below it (its edge too when strict) and its upper edge,
+    naming the field and the range."""
+    shown = (f"{'>' if bound.strict else '>='} {bound.lo:g}" if bound.below == math.inf else
+             f"in {'(' if bound.strict else '['}{bound.lo:g}, {bound.below:g})")
+    outside = [tp(bound.lo) if bound.strict else tp(bound.lo) - (1 if tp is int else 0.5)]
+    outside += [tp(bound.below)] if bound.below != math.inf else []
+    for value in outside:
+        with pytest.raises(ConfigError, match=re.escape(f"{cls._prefix}{name}: must be {shown}, got {value}")):
+            cls(**{name: value})
 
 
 def test_error_lists_allowed_values():

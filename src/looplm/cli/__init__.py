@@ -16,11 +16,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from looplm.cli.core import (CliError, InFile, Opt, OutFile, Parser, Report, UsageError, add_command,
-                             add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers,
-                             option_strings, out_file, prepare_outputs, split_config_overrides, subcommands)
+from looplm.cli.core import (CliError, InFile, Opt, OutFile, Report, UsageError, add_command, add_config_fields,
+                             add_options, exit_criteria, in_file, lazy_subparsers, option_strings, out_file,
+                             prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 from looplm.config import Config, ConfigError, apply_overrides, suggest
 
@@ -43,6 +43,36 @@ class Cmd:
     opts: dict[str, Opt] = dataclasses.field(default_factory=dict)
     out: Path | None = None
     extra: str | None = None
+
+    def build(self, p: argparse.ArgumentParser) -> None:
+        """Add the command's options to its parser ``p`` (on first use: :func:`looplm.cli.core.add_command`)."""
+        func, glue = _resolve(self.func), _resolve(self.run) if self.run else None
+        params, own = inspect.signature(func).parameters, inspect.signature(glue).parameters if glue else {}
+        first = next(iter(params)) if (self.report if self.checkpoint is None else self.checkpoint) else None
+        if first:  # the driven function's first parameter
+            p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
+        add_options(p, func, self.opts, skip={*own, first})
+        if glue:
+            add_options(p, glue, self.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
+        if self.report:
+            p.add_argument("--out", type=out_file, metavar="FILE.json", default=self.out, help="write the JSON here "
+                           "and the Markdown next to it as FILE.md" + (f" (default {self.out})" if self.out else ""))
+            p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown)")
+        if "progress" in params or "progress" in own:
+            p.add_argument("--quiet", action="store_true", help="no progress output")
+        if self.config == "preset":
+            p.add_argument("--preset", help="named config to start from (`looplm info --list`); default: cpu")
+        if self.config:
+            p.add_argument("--config", type=in_file, metavar="FILE.json", help="a config file (JSON, as in every "
+                           "checkpoint) to start from instead of " + ("a preset" if self.config == "preset" else
+                                                                      "the built-in one"))
+            p.add_argument("--print_config", "--print-config", action="store_true",
+                           help="print the resolved config (base, then overrides) as JSON and exit")
+            section = None if self.config == "preset" else _resolve(self.config)
+            add_config_fields(p, "--preset or --config" if self.config == "preset" else "the built-in config "
+                              "(`--print_config` shows it) or --config",
+                              (section if isinstance(section, type) else Config)().fields_help())  # distill, rl train
+        p.set_defaults(_cmd=self, _parser=p, _first=first)
 
 
 _C = "looplm.cli.commands:"
@@ -119,38 +149,6 @@ def _resolve(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _builder(cmd: Cmd) -> Callable[[argparse.ArgumentParser], None]:
-    def build(p: argparse.ArgumentParser) -> None:
-        func, glue = _resolve(cmd.func), _resolve(cmd.run) if cmd.run else None
-        params, own = inspect.signature(func).parameters, inspect.signature(glue).parameters if glue else {}
-        first = next(iter(params)) if (cmd.report if cmd.checkpoint is None else cmd.checkpoint) else None
-        if first:  # the driven function's first parameter
-            p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
-        add_options(p, func, cmd.opts, skip={*own, first})
-        if glue:
-            add_options(p, glue, cmd.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
-        if cmd.report:
-            p.add_argument("--out", type=out_file, metavar="FILE.json", default=cmd.out, help="write the JSON here "
-                           "and the Markdown next to it as FILE.md" + (f" (default {cmd.out})" if cmd.out else ""))
-            p.add_argument("--json", action="store_true", help="print the result as JSON (default: the Markdown)")
-        if "progress" in params or "progress" in own:
-            p.add_argument("--quiet", action="store_true", help="no progress output")
-        if cmd.config == "preset":
-            p.add_argument("--preset", help="named config to start from (`looplm info --list`); default: cpu")
-        if cmd.config:
-            p.add_argument("--config", type=in_file, metavar="FILE.json", help="a config file (JSON, as in every "
-                           "checkpoint) to start from instead of " + ("a preset" if cmd.config == "preset" else
-                                                                      "the built-in one"))
-            p.add_argument("--print_config", "--print-config", action="store_true",
-                           help="print the resolved config (base, then overrides) as JSON and exit")
-            section = None if cmd.config == "preset" else _resolve(cmd.config)
-            add_config_fields(p, "--preset or --config" if cmd.config == "preset" else "the built-in config "
-                              "(`--print_config` shows it) or --config",
-                              (section if isinstance(section, type) else Config)().fields_help())  # distill, rl train
-        p.set_defaults(_cmd=cmd, _parser=p, _first=first)
-    return build
-
-
 def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     """--preset (default cpu), --config or the command's built-in config, then the overrides (and --name)."""
     preset = getattr(args, "preset", None)
@@ -173,10 +171,10 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     return apply_overrides(cfg, overrides) if isinstance(cfg, Config) else cfg.with_overrides(overrides)
 
 
-def build_parser() -> Parser:
+def build_parser() -> argparse.ArgumentParser:
     """The ``looplm`` parser; each command's options are added when the command is first looked up."""
-    parser = Parser(prog="looplm", description="Build, train, evaluate and diagnose looped (shared-block, "
-                    "depth-recurrent) transformer language models.")
+    parser = argparse.ArgumentParser(prog="looplm", allow_abbrev=False, description="Build, train, evaluate and "
+                                     "diagnose looped (shared-block, depth-recurrent) transformer language models.")
     subs = {"": lazy_subparsers(parser, dest="command", required=True, metavar="COMMAND")}
     for cmd in COMMANDS:
         group, _, name = cmd.name.rpartition(" ")
@@ -187,7 +185,7 @@ def build_parser() -> Parser:
             subs[group] = lazy_subparsers(p, dest=group + "_command", required=True, metavar="COMMAND")
         text = DESCRIPTIONS.get(cmd.name, "")
         raw = "\n" in text  # an example whose layout must stay
-        add_command(subs[group], name, _builder(cmd), help=cmd.help, description=text if raw else
+        add_command(subs[group], name, cmd.build, help=cmd.help, description=text if raw else
                     f"{cmd.help[0].upper()}{cmd.help[1:]}. {text}",
                     epilog=f"details: docs/commands.md#looplm-{cmd.name.replace(' ', '-')}",
                     formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)

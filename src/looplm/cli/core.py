@@ -1,5 +1,5 @@
 """The generator of the ``looplm`` command line (stdlib argparse; imports no torch): options from typed
-signatures (:func:`add_options`), the strict :class:`Parser`, lazy subcommands, ``--section.field VALUE``
+signatures (:func:`add_options`), lazy subcommands taking no abbreviated options, ``--section.field VALUE``
 overrides and the one report convention (:class:`Report`: ``--quiet/--json/--out``).
 """
 
@@ -28,13 +28,6 @@ class UsageError(CliError):
 
 
 # ---------------------------------------------------------------- parser
-class Parser(argparse.ArgumentParser):
-    """No abbreviated options at any level (its subparsers are Parsers too)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
-
-
 class LazyParsers(dict):
     """A subparsers' name → parser map that adds a command's options on its first lookup: ``looplm --help``
     lists commands from their help strings alone, and ``looplm eval ppl`` imports only its own code."""
@@ -58,9 +51,9 @@ def lazy_subparsers(parser: argparse.ArgumentParser, **kwargs: Any) -> argparse.
 
 def add_command(sub: argparse._SubParsersAction, name: str, build: Callable[[argparse.ArgumentParser], None],
                 **kwargs: Any) -> argparse.ArgumentParser:
-    """``sub.add_parser(name, **kwargs)``; ``build(parser)`` adds its options on first use."""
+    """``sub.add_parser(name, **kwargs)``, no abbreviated options; ``build(parser)`` adds its options on first use."""
     sub.choices.builders[name] = build  # type: ignore[attr-defined]
-    return sub.add_parser(name, **kwargs)
+    return sub.add_parser(name, allow_abbrev=False, **kwargs)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -81,9 +74,6 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 # ---------------------------------------------------------------- value types (argparse types)
 MAX_DEPTH = 4096
-InFile = Annotated[Path, "in"]  #: an existing file to read
-OutFile = Annotated[Path, "out"]  #: a file to write (its folder is created before the work)
-OutDir = Annotated[Path, "outdir"]  #: a folder to write into (created before the work)
 
 
 def positive_int(text: str) -> int:
@@ -130,6 +120,11 @@ def out_dir(text: str) -> Path:
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; give a directory path")
     return Path(text)
+
+
+InFile = Annotated[Path, in_file]  #: an existing file to read
+OutFile = Annotated[Path, out_file]  #: a file to write (its folder is created before the work)
+OutDir = Annotated[Path, out_dir]  #: a folder to write into (created before the work)
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -218,7 +213,6 @@ NAMES: dict[str, Opt] = {
 #: parameters the command line supplies itself, never options
 NEVER = frozenset({"func", "options", "progress", "cfg", "overrides", "out_json", "out_dir", "data_root", "stem",
                    "plot", "plots", "timed"})
-_MARKS = {"in": in_file, "out": out_file, "outdir": out_dir}
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
@@ -233,11 +227,11 @@ def _hints(func: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _parse_kw(tp: Any, default: Any) -> dict[str, Any]:
-    """argparse keywords (type, choices, action; ``mark`` for checked paths) for annotation ``tp``."""
+    """argparse keywords (type, choices, action) for annotation ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
-        mark = next((m for m in args[1:] if m in _MARKS), None)
-        return {**_parse_kw(args[0], default), **({"type": _MARKS[mark], "mark": mark} if mark else {})}
+        check = next((m for m in args[1:] if m in (in_file, out_file, out_dir)), None)
+        return {**_parse_kw(args[0], default), **({"type": check} if check else {})}
     if origin in (typing.Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
         return _parse_kw(next((a for a in members if typing.get_origin(a) is Annotated or a is Path), members[0]),
@@ -275,9 +269,8 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
         required = default is inspect.Parameter.empty
         kw = _parse_kw(hints.get(name, type(default) if default is not None else str), default)
         # the command's Opt, else a name's meaning where the annotation says no more (int, Path, str)
-        if name in opts and opts[name].type or opt.type and "mark" not in kw and kw.get("type") in (int, Path, str):
+        if name in opts and opts[name].type or opt.type and kw.get("type") in (int, Path, str):
             kw = _parse_kw(opt.type, default)
-        mark = kw.pop("mark", None)
         if opt.choices is not None:
             kw["choices"] = opt.choices() if callable(opt.choices) else opt.choices
         help_text = opt.help or ""
@@ -293,8 +286,8 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
             kw.update(required=True) if required else kw.update(default=default)
             parser.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
         names.append(name)
-        if mark in ("out", "outdir"):
-            prepare.append((name, mark))
+        if kw.get("type") in (out_file, out_dir):
+            prepare.append((name, kw["type"]))
     parser.set_defaults(**{key: tuple(parser.get_default(key) or ()) + tuple(names),
                            "_driven": tuple(parser.get_default("_driven") or ()) + ((func, tuple(names)),),
                            "_prepare": tuple(parser.get_default("_prepare") or ()) + tuple(prepare)})
@@ -302,9 +295,9 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
 
 def prepare_outputs(args: argparse.Namespace) -> None:
     """Before the work: every given output path checked and its folder created."""
-    for name, mark in getattr(args, "_prepare", ()):
+    for name, check in getattr(args, "_prepare", ()):
         if (path := getattr(args, name)) is not None:
-            (prepare_out_dir if mark == "outdir" else prepare_out_file)(path, "--" + name.replace("_", "-"))
+            (prepare_out_dir if check is out_dir else prepare_out_file)(path, "--" + name.replace("_", "-"))
 
 
 # ---------------------------------------------------------------- config overrides
@@ -320,21 +313,19 @@ def split_config_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, st
     """
     rest: list[str] = []
     overrides: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        m = _CONFIG_FLAG.match(argv[i])
-        if argv[i] == "--" or not m:
-            if argv[i] == "--":
-                return rest + list(argv[i:]), overrides
-            rest.append(argv[i])
+    tokens = iter(argv)
+    for arg in tokens:
+        m = _CONFIG_FLAG.match(arg)
+        if arg == "--":
+            return [*rest, arg, *tokens], overrides
+        if not m:
+            rest.append(arg)
         elif m.group(2) is not None:
             overrides[m.group(1)] = m.group(2)
-        elif i + 1 >= len(argv) or (argv[i + 1].startswith("-") and not _NUMBER.match(argv[i + 1])):
+        elif (value := next(tokens, None)) is None or (value.startswith("-") and not _NUMBER.match(value)):
             raise CliError(f"--{m.group(1)}: expected a value (--{m.group(1)} VALUE)")
         else:
-            overrides[m.group(1)] = argv[i + 1]
-            i += 1
-        i += 1
+            overrides[m.group(1)] = value
     return rest, overrides
 
 

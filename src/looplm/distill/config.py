@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from looplm.config import ConfigError, Device, OptimConfig, RunSection, section_field as _f
+from looplm.config import (ConfigError, Device, NonNegFloat, NonNegInt, OptimConfig, PositiveInt, RunSection,
+                           section_field as _f)
 
 StudentInit = Literal["teacher", "random"]
 
@@ -21,29 +22,26 @@ class DistillConfig(RunSection):
     """A distillation run: student S_ψ, loss (LMDR eq. 4) and optimization (SPEC §8)."""
 
     _prefix = "distill."
-    n_blocks: int = _f(2, "student blocks (LMDR §5.5: 2), each a teacher Block with causal attention")
+    n_blocks: PositiveInt = _f(2, "student blocks (LMDR §5.5: 2), each a teacher Block with causal attention")
     init: StudentInit = _f("teacher", "teacher: block i copies teacher core block i mod n_core (LMDR §5.5); "
                            "random: GPT-2 init")
     out_norm: bool = _f(True, "end the student with an RMSNorm (learned gain, starts at 1)")
-    depth: int = _f(0, "teacher depth R whose endpoint z^R the student learns (0 = the teacher's nominal depth)")
-    hidden_weight: float = _f(1.0, "weight of the hidden term ||ẑ − z^R||²_F / (N d σ_T²) of eq. 4 (0 = off)")
-    kl_weight: float = _f(1.0, "weight of the token-mean KL(p_t || p̂_t) term of eq. 4 (0 = off)")
-    sigma_batches: int = _f(4, "batches that estimate σ_T², the variance of z^R's entries, before step 0")
-    steps: int = _f(0, "optimizer steps (0 = a quarter of the teacher's training tokens, LMDR §5.5)")
-    batch_size: int = _f(0, "windows of seq_len tokens per step (0 = the teacher's train.batch_size)")
+    depth: NonNegInt = _f(0, "teacher depth R whose endpoint z^R the student learns (0 = the teacher's nominal depth)")
+    hidden_weight: NonNegFloat = _f(1.0, "weight of the hidden term ||ẑ − z^R||²_F / (N d σ_T²) of eq. 4 (0 = off)")
+    kl_weight: NonNegFloat = _f(1.0, "weight of the token-mean KL(p_t || p̂_t) term of eq. 4 (0 = off)")
+    sigma_batches: PositiveInt = _f(4, "batches that estimate σ_T², the variance of z^R's entries, before step 0")
+    steps: NonNegInt = _f(0, "optimizer steps (0 = a quarter of the teacher's training tokens, LMDR §5.5)")
+    batch_size: NonNegInt = _f(0, "windows of seq_len tokens per step (0 = the teacher's train.batch_size)")
     seed: int = _f(0, "seed of the random init and of the batch draws")
-    eval_every: int = _f(100, "measure the loss terms on the valid split every this many steps (0 = only at the end)")
-    eval_batches: int = _f(4, "valid batches per measurement")
-    ckpt_every: int = _f(100, "write a checkpoint every this many steps (0 = only at the end)")
-    num_threads: int = _f(0, "torch CPU threads (0 = torch default)")
+    eval_every: NonNegInt = _f(100, "measure the loss terms on the valid split every this many steps (0 = only at the "
+                                    "end)")
+    eval_batches: PositiveInt = _f(4, "valid batches per measurement")
+    ckpt_every: NonNegInt = _f(100, "write a checkpoint every this many steps (0 = only at the end)")
+    num_threads: NonNegInt = _f(0, "torch CPU threads (0 = torch default)")
     device: Device = _f("cpu", "cpu, cuda or auto")
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20),
-                               metadata={"help": "AdamW and its schedule (distill's defaults: lr 1e-3, 20 warm-up)"})
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
 
     def validate(self) -> None:
-        self.at_least(1, "n_blocks", "sigma_batches", "eval_batches")
-        self.at_least(0, "depth", "steps", "batch_size", "eval_every", "ckpt_every", "num_threads", "hidden_weight",
-                      "kl_weight")
         self.require(self.hidden_weight > 0 or self.kl_weight > 0, "kl_weight",
                      "hidden_weight and kl_weight are both 0: eq. 4 needs at least one term")
 
