@@ -44,7 +44,7 @@ BlockInit = Literal["normal", "xavier_normal"]
 #: the residual exponent p of each family (SPEC §3); post_ln has α = β = 1 (p = 0)
 RESIDUAL_P: dict[str, float] = {"pre_ln": 0.0, "post_ln": 0.0, "deepnorm": 0.25, "deeploop": 0.5}
 DatasetName = Literal["brown", "wikitext2", "wikitext103", "text", "openwebtext", "c4", "hf", "task"]
-TaskName = Literal["phop", "modsum", "varchain", "addition", "pointer", "pointer_edges",
+TaskName = Literal["phop", "modsum", "modsum_partial", "varchain", "addition", "pointer", "pointer_edges",
                    "pointer_pairs", "pointer_pairs_mq", "pointer_forest"]  # looplm.tasks.TASKS
 TokenizerName = Literal["gpt2", "bpe"]
 Device = Literal["cpu", "cuda", "auto"]

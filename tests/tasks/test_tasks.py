@@ -13,7 +13,7 @@ import torch
 from looplm.config import (Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TaskName, TrainConfig,
                            UniformDepthConfig)
 from looplm.model import build_model
-from looplm.tasks import TASKS, encode, get_task
+from looplm.tasks import TASKS, decode, encode, get_task
 from looplm.tasks.data import accuracy_by_depth, heldout, rng_for, rows, task_data, train_instances
 
 
@@ -147,7 +147,7 @@ def solve_pointer_forest(prompt: str) -> tuple[str, int]:
     return answer, hops
 
 
-SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
+SOLVERS = {"phop": solve_phop, "modsum": solve_modsum, "modsum_partial": solve_modsum, "varchain": solve_varchain, "addition": solve_addition,
            "pointer": solve_pointer, "pointer_edges": solve_pointer_edges,
            "pointer_pairs": solve_pointer_pairs, "pointer_pairs_mq": solve_pointer_pairs,
            "pointer_forest": solve_pointer_forest}
@@ -159,7 +159,7 @@ def _cfg(task: str, k: int = 3, heldout_size: int = 32) -> DataConfig:
 
 def test_registry_matches_config_literal():
     assert set(TASKS) == set(get_args(TaskName)) == set(SOLVERS)
-    known = "addition, modsum, phop, pointer, pointer_edges, pointer_forest, pointer_pairs, pointer_pairs_mq, varchain"
+    known = "addition, modsum, modsum_partial, phop, pointer, pointer_edges, pointer_forest, pointer_pairs, pointer_pairs_mq, varchain"
     with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
         get_task("nope")
 
@@ -201,6 +201,21 @@ def test_multi_query_rows_score_every_answer_and_hold_out_every_view():
     views = {p for i in insts for _, p in get_task("pointer_pairs_mq").views(i)}
     assert len(views) > len(insts) and not views & held
     assert all(len(i.prompt) == 18 for k in (1, 5, 7) for i in heldout("pointer_pairs_mq", k, "test", 8, 0))
+
+
+def test_modsum_partial_rows_supervise_every_running_sum():
+    cfg = _cfg("modsum_partial", k=6, heldout_size=64)
+    insts = [i for step in range(4) for i in train_instances(cfg, 16, 0, step, 0)]
+    x, y = rows("modsum_partial", insts, 24)
+    for r, inst in enumerate(insts):
+        ops = inst.prompt[:-1].split("+")
+        want = {2 * i: solve_modsum("+".join(ops[: i + 1]) + "=")[0] for i in range(len(ops))}  # after operand i
+        want[len(inst.prompt) - 1] = inst.answer  # the "=" position reads out the answer
+        scored = (y[r] != -100).nonzero().flatten().tolist()
+        assert scored == sorted(want) and [decode([y[r, j].item()]) for j in scored] == [want[j] for j in scored]
+    plain = heldout("modsum_partial", 3, "test", 8, 0)
+    assert all(i.targets == () for i in plain)
+    assert (rows("modsum_partial", list(plain), 24)[1] != -100).sum() == len(plain)  # held out: the answer only
 
 
 def test_pointer_forest_has_four_equal_trees_and_a_fixed_length_prompt():

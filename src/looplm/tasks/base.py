@@ -26,12 +26,13 @@ def key_hash(*key: object) -> int:
 @dataclass(frozen=True)
 class Instance:
     """One problem: ``prompt`` (text the model reads), ``answer`` (the text scored by exact match), ``k``;
-    ``scored``: prompt tokens also trained on (earlier queries' answers in a training row), by token index."""
+    ``targets``: extra training targets ``(j, c)``, the readout at prompt token j trained to give the one token
+    c (an earlier query's answer, a running sum)."""
 
     prompt: str
     answer: str
     k: int
-    scored: tuple[int, ...] = ()
+    targets: tuple[tuple[int, str], ...] = ()
 
 
 class TaskFamily:

@@ -4,7 +4,7 @@ Held-out sets: per k, ``data.task_heldout`` distinct instances (at most a quarte
 hash(task, k, split, task_seed); ``valid`` excludes ``test``. Training row r of step s (micro m): k uniform in
 1 … task_k, seeded by hash(task, "train", task_seed, seed, s, m, r), redrawn while held out. Rows: one instance
 at position 0, prompt then answer, padded with id 0; every target but the answer's (and a training row's
-``Instance.scored`` tokens) is −100 (the prompts of ``phop`` and ``varchain`` are random symbols: a loss on
+``Instance.targets``) is −100 (the prompts of ``phop`` and ``varchain`` are random symbols: a loss on
 them would only add noise).
 """
 
@@ -84,8 +84,8 @@ def rows(task: str, instances: list[Instance], seq_len: int) -> tuple[torch.Tens
         ids = p + a
         x[r, : len(ids) - 1] = torch.tensor(ids[:-1])
         y[r, len(p) - 1: len(ids) - 1] = torch.tensor(a)  # target j is token j + 1: the answer's tokens
-        for j in instances[r].scored:
-            y[r, j - 1] = ids[j]
+        for j, c in instances[r].targets:
+            (y[r, j],) = encode(c)
     return x, y
 
 

@@ -21,6 +21,19 @@ class ModSum(TaskFamily):
         digits = rng.integers(0, 10, k)
         return Instance(prompt="+".join(map(str, digits)) + "=", answer=str(int(digits.sum()) % 10), k=k)
 
-
     def space(self, k: int) -> int:
         return 10 ** min(k, 9)
+
+
+@register_task
+class ModSumPartial(ModSum):
+    """``modsum`` whose training rows also supervise every running sum: the readout at operand i's digit is
+    trained to give (d_1 + … + d_i) mod 10, the state after i updates (per-step supervision, as in looped
+    models trained for length generalization, arXiv:2409.15647). Held-out instances are plain ``modsum`` prompts."""
+
+    name = "modsum_partial"
+
+    def make_train(self, k: int, k_train: int, rng: np.random.Generator) -> Instance:
+        inst = self.make(k, rng)
+        sums = np.cumsum([int(c) for c in inst.prompt[::2]]) % 10
+        return Instance(inst.prompt, inst.answer, k, targets=tuple((2 * i, str(s)) for i, s in enumerate(sums)))

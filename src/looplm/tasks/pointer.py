@@ -133,9 +133,9 @@ class PointerPairsMQ(PointerPairs):
         edges = self.edges(parent, rng)
         roots = {v: EDGE_NODES[trees[0][0] if v in trees[0] else trees[1][0]] for v in extra.tolist()}
         prompt = edges + "".join(f"?{EDGE_NODES[v]}{roots[v]}" for v in extra.tolist())
-        scored = tuple(len(edges) + 3 * i + 2 for i in range(len(extra)))
+        targets = tuple((j - 1, prompt[j]) for j in (len(edges) + 3 * i + 2 for i in range(len(extra))))
         return Instance(prompt=prompt + f"?{EDGE_NODES[trees[0][k]]}", answer=EDGE_NODES[trees[0][0]], k=k,
-                        scored=scored)
+                        targets=targets)
 
     def views(self, inst: Instance) -> list[tuple[int, str]]:
         edges, *queries = inst.prompt.split("?")
