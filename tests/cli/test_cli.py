@@ -78,6 +78,41 @@ def test_unwritable_out_folder_is_refused_before_the_work(make_argv, afile, tmp_
     assert f"--out {out}: cannot be written: {afile} is a file, not a folder" in err and "Traceback" not in err
 
 
+def _tree(root):
+    """Every path under ``root`` (folders too) → its bytes (None for a folder)."""
+    return {p.relative_to(root): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", ["is", "holds", "lies inside", "inside-checkpoint", "link"])
+def test_export_out_apart_from_its_checkpoint_is_refused_before_the_work(tiny_ckpt, tmp_path, case, capsys):
+    """`looplm export --out` that is the source checkpoint, its run folder, lies inside or holds it: refused
+    (even with --overwrite) before anything is written, so the checkpoint still loads."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ckpt, run)
+    step = run / "checkpoints" / "step-000001"
+    (tmp_path / "link").symlink_to(run)  # the run folder under another name: compared resolved
+    src, out, how = {"is": (step, step, "is"), "holds": (step, run, "holds"), "lies inside": (run, run / "hf", case),
+                     "inside-checkpoint": (step, step / "hf", "lies inside"),
+                     "link": (step, tmp_path / "link", "holds")}[case]
+    before = _tree(run)
+    assert main(["export", "--checkpoint", str(src), "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {how} --checkpoint {src}" in err and "Traceback" not in err
+    assert _tree(run) == before  # not a file changed, no folder created
+
+
+def test_check_apart_compares_path_components_not_strings(tmp_path):
+    from looplm.cli.core import check_apart
+
+    run = tmp_path / "run"
+    for out in (tmp_path / "run2", tmp_path / "run-hf", tmp_path / "hf"):  # siblings: a prefix is not a parent
+        check_apart(out, "--out", [("--checkpoint", run / "checkpoints" / "step-000001")])
+    with pytest.raises(CliError, match=r"--out .*/run/\.\./run: is --checkpoint"):
+        check_apart(run / ".." / "run", "--out", [("--checkpoint", run)])
+
+
 def test_lm_eval_out_and_db_are_checked_before_the_work(afile, tmp_path, capsys):
     pytest.importorskip("lm_eval")
     for flag in ("--out", "--db"):

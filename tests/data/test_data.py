@@ -7,7 +7,9 @@ and hand-computed values. Offline; needs the shared data directory (skipped with
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 import sys
 import types
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 from looplm.config import DataConfig, DatasetName
 from looplm.data import tokens as tokens_mod
 from looplm.data.corpora import CORPORA, brown_documents, brown_split, get_corpus, load_split_text, source_fingerprint
-from looplm.data.paths import resolve_cache_dir, resolve_data_root
+from looplm.data.paths import atomic_write, resolve_cache_dir, resolve_data_root
 from looplm.data.tokenizer import eot_id, get_tokenizer, load_gpt2_tokenizer, text_chunks, train_bpe_tokenizer
 from looplm.data.tokens import eval_windows, load_tokens, sample_batch, tokens_cache_path, unigram_ppl
 
@@ -322,3 +324,19 @@ def test_non_utf8_local_hf_text_file_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: not UTF-8 text: byte offset {at} ") as info:
         load_split_text(cfg, "train", tmp_path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_atomic_write_gives_the_mode_of_a_plain_open(tmp_path, umask):
+    """mkstemp creates 0o600; the renamed file must be readable as a plain ``open()``'s would be (0o666 & ~umask),
+    a new file and a replaced one alike."""
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain.json").write_text("{}")
+        for _ in range(2):
+            with atomic_write(tmp_path / "atomic.json") as f:
+                f.write(b"{}")
+            assert stat.S_IMODE((tmp_path / "atomic.json").stat().st_mode) == 0o666 & ~umask
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "plain.json").stat().st_mode) == 0o666 & ~umask

@@ -49,7 +49,7 @@ def test_core_runs_without_transformers_and_lm_eval(tmp_path):
         "assert m.final_depth == 3 and not m.training\n"
         # exact: load_checkpoint copies the weights into fresh parameters, so the same computation
         "assert torch.equal(m(torch.load(d + '/x.pt'), depth=2).logits, torch.load(d + '/want.pt'))\n"
-        "assert main(['export', '--checkpoint', d, '--out', d + '/hf']) == 2\n"
+        "assert main(['export', '--checkpoint', d, '--out', d + '-hf']) == 2\n"  # beside it: not inside
         "assert main(['lm-eval', '--checkpoint', d, '--tasks', 'x']) == 2\n"
         "assert 'transformers' not in [k for k, v in sys.modules.items() if v is not None]\n"
         "print('ok')\n")

@@ -225,6 +225,21 @@ def test_export_refuses_a_non_empty_folder_unless_overwrite(tiny_ckpt, exported,
     assert (other / "model.safetensors").read_bytes() == (exported / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_files_get_the_mode_of_a_plain_open(tiny_ckpt, tmp_path, umask):
+    """model.safetensors (safetensors writes it 0o600) is as readable as config.json: a shared export."""
+    import stat
+
+    old = os.umask(umask)
+    try:
+        assert main(["export", "--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    assert "model.safetensors" in modes
+
+
 def test_distill_default_output_is_outside_an_export(tiny_ckpt, exported):
     from looplm.distill.student import default_student_dir
 

@@ -82,3 +82,36 @@ def test_summary_is_written_once_finished_and_read_back_when_nothing_is_left(tmp
     assert not (tmp_path / "summary.json").exists()  # stopped early: no summary yet
     assert fit(3, 5).summary({"a": 2}) == {"a": 2}
     assert fit(5, 5).summary({"a": 3}) == {"a": 2}  # finished before: the stored one
+
+
+@pytest.mark.parametrize("overwrite", [False, None])
+def test_a_fresh_run_refuses_a_folder_holding_files_it_writes(tmp_path, overwrite):
+    """A folder that is not a looplm run (or a run that wrote no checkpoint) keeps its files: config.json,
+    tokenizer.json (``writes``), summary.json, metrics.jsonl (every run's) are refused unless ``overwrite``;
+    ``overwrite=None`` (distill, rl train) offers no --overwrite in the message."""
+    user = {"config.json": "{}", "tokenizer.json": "mine", "summary.json": "[]", "notes.txt": "keep"}
+    for name, text in user.items():
+        (tmp_path / name).write_text(text)
+    folder = RunFolder(tmp_path)
+    with pytest.raises(ValueError) as err:
+        with folder.start(resume=False, writes=("config.json", "tokenizer.json"), overwrite=overwrite):
+            pytest.fail("the block ran")
+    assert f"--out {tmp_path} already holds summary.json, config.json, tokenizer.json" in str(err.value)
+    assert ("pass --overwrite" in str(err.value)) == (overwrite is False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(user)  # no .lock left behind
+    assert all((tmp_path / name).read_text() == text for name, text in user.items())
+    (tmp_path / "summary.json").unlink()
+    with folder.start(resume=False, writes=("task.json",)):  # files the run does not write are no obstacle
+        pass
+
+
+def test_overwrite_lets_a_fresh_run_replace_its_files_but_never_checkpoints(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "config.json").write_text("{}")
+    with RunFolder(tmp_path).start(resume=False, writes=("config.json",), overwrite=True) as ckpt:
+        assert ckpt is None
+    (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000001" / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds a run; continue it with --resume"):
+        with RunFolder(tmp_path).start(resume=False, overwrite=True):
+            pass

@@ -202,12 +202,32 @@ def test_a_run_without_checkpoint_is_not_silently_replaced(tmp_path, tiny_cfg, t
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": null, "skipped": true}\n')
-    with pytest.raises(ValueError, match=rf"--out {run} holds the metrics.jsonl of a run that wrote no "
-                                         r"checkpoint.*--overwrite"):
+    with pytest.raises(ValueError, match=rf"--out {run} already holds metrics.jsonl, which a new run writes "
+                                         r"\(the folder is not a looplm run, or its run wrote no checkpoint\); "
+                                         r"pass --overwrite"):
         train(tiny_cfg, run, progress=False, data=tiny_data)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": null, "skipped": true}\n'
     train(tiny_cfg, run, progress=False, data=tiny_data, overwrite=True)
     assert [r["step"] for r in _trace(run)] == list(range(1, 7))
+
+
+def test_train_cli_refuses_a_folder_with_files_it_would_replace(tmp_path, capsys):
+    """`looplm train --out DIR` into a folder of the user's (not a looplm run) changes none of its files; with
+    --overwrite it replaces them."""
+    from looplm.cli import main
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    user = {"config.json": '{"mine": 1}', "tokenizer.json": "mine", "summary.json": "[]", "notes.txt": "keep"}
+    for name, text in user.items():
+        (out / name).write_text(text)
+    argv = ["train", "--preset", "debug", "--out", str(out), "--quiet", "--train.steps", "1", "--train.eval_every", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds summary.json, config.json, tokenizer.json" in err and "--overwrite" in err
+    assert {p.name: p.read_text() for p in out.iterdir()} == user  # unchanged, and no .lock left
+    assert main([*argv, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "keep" and json.loads((out / "config.json").read_text())["name"]
 
 
 def test_resume_with_more_steps_trains_a_finished_run_on(tmp_path, tiny_cfg, tiny_data):

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from looplm.cli.core import (CliError, InFile, Opt, OutFile, Report, UsageError, add_command, add_config_fields,
-                             add_options, exit_criteria, in_file, lazy_subparsers, option_strings, out_file,
-                             prepare_outputs, split_config_overrides, subcommands)
+from looplm.cli.core import (CliError, InFile, NewDir, Opt, OutFile, Report, UsageError, add_command,
+                             add_config_fields, add_options, exit_criteria, in_file, lazy_subparsers, option_strings,
+                             out_file, prepare_outputs, split_config_overrides, subcommands)
 from looplm.cli.texts import DESCRIPTIONS, GROUPS
 from looplm.config import Config, ConfigError, apply_overrides, suggest
 
@@ -51,6 +51,7 @@ class Cmd:
         first = next(iter(params)) if (self.report if self.checkpoint is None else self.checkpoint) else None
         if first:  # the driven function's first parameter
             p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint, run directory or export folder")
+            p.set_defaults(_inputs=("checkpoint",))  # an input a NewDir output stays apart from
         add_options(p, func, self.opts, skip={*own, first})
         if glue:
             add_options(p, glue, self.opts, skip={"report", *(["checkpoint"] if first else [])}, key="_glue")
@@ -126,7 +127,7 @@ COMMANDS: tuple[Cmd, ...] = (
     Cmd("report", "looplm.analysis.report:write_report", "mean ± std tables, paired deltas and plots from a results "
         "database", run=_C + "report"),
     Cmd("export", "looplm.hf.export:export_checkpoint", "write a checkpoint as a Hugging Face folder (transformers, "
-        "AutoTokenizer)", checkpoint=True, extra="hf"),
+        "AutoTokenizer)", checkpoint=True, extra="hf", opts={"out": Opt(type=NewDir)}),
     Cmd("lm-eval", _C + "lm_eval", "lm-evaluation-harness tasks at one or several loop depths", report=True,
         extra="lmeval"),
     *(Cmd("import " + name, f"looplm.importers.{name}:import_{name}", text, opts=_IMPORT)

@@ -23,7 +23,8 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
             to N; the LR schedule follows the new total)
         init_from: start from these weights (run, checkpoint or HF export folder; its model config is used);
             fresh optimizer and schedule
-        overwrite: replace the metrics of a run in --out that wrote no checkpoint
+        overwrite: replace the files a run writes (config.json, tokenizer.json, summary.json, metrics.jsonl) in an
+            --out that holds no checkpoint (a run that wrote none, or a folder of yours)
         stop_after: stop with a checkpoint after N steps of this invocation (continue with --resume)
     """
     import os

@@ -122,9 +122,16 @@ def out_dir(text: str) -> Path:
     return Path(text)
 
 
+def new_dir(text: str) -> Path:
+    return out_dir(text)
+
+
 InFile = Annotated[Path, in_file]  #: an existing file to read
 OutFile = Annotated[Path, out_file]  #: a file to write (its folder is created before the work)
 OutDir = Annotated[Path, out_dir]  #: a folder to write into (created before the work)
+#: a folder the command fills with files of its own (config.json, weights, tokenizer): also refused where it is,
+#: holds or lies inside an input of the command (--checkpoint, an input file), before the work (:func:`check_apart`)
+NewDir = Annotated[Path, new_dir]
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -230,7 +237,7 @@ def _parse_kw(tp: Any, default: Any) -> dict[str, Any]:
     """argparse keywords (type, choices, action) for annotation ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Annotated:
-        check = next((m for m in args[1:] if m in (in_file, out_file, out_dir)), None)
+        check = next((m for m in args[1:] if m in (in_file, out_file, out_dir, new_dir)), None)
         return {**_parse_kw(args[0], default), **({"type": check} if check else {})}
     if origin in (typing.Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
@@ -254,13 +261,15 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
     """One option per parameter of ``func`` (but ``skip`` and :data:`NEVER`): ``max_tokens`` → ``--max-tokens``,
     default and help (``Args:``) from ``func``, parsing from the annotation: ``Literal`` → choices, ``bool`` →
     a flag, ``Sequence[int]`` → a comma list, ``list[str]`` → repeatable, ``Mapping`` → a JSON object,
-    :data:`InFile` / :data:`OutFile` / :data:`OutDir` → checked paths; :data:`NAMES` refines a name everywhere.
+    :data:`InFile` / :data:`OutFile` / :data:`OutDir` / :data:`NewDir` → checked paths; :data:`NAMES` refines a
+    name everywhere.
 
     A parameter without a default is required. The names go to ``args.<key>``, ``(func, names)`` to
-    ``args._driven``, the output paths to ``args._prepare`` (:func:`prepare_outputs`).
+    ``args._driven``, the output paths to ``args._prepare`` and the input files to ``args._inputs``
+    (:func:`prepare_outputs`).
     """
     hints, docs, opts, skip = _hints(func), doc_args(func), opts or {}, set(skip) | NEVER
-    names, prepare = [], []
+    names, prepare, inputs = [], [], []
     for name, p in inspect.signature(func).parameters.items():
         if name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
@@ -286,18 +295,29 @@ def add_options(parser: argparse.ArgumentParser, func: Callable[..., Any], opts:
             kw.update(required=True) if required else kw.update(default=default)
             parser.add_argument("--" + name.replace("_", "-"), dest=name, **kw)
         names.append(name)
-        if kw.get("type") in (out_file, out_dir):
+        if kw.get("type") in (out_file, out_dir, new_dir):
             prepare.append((name, kw["type"]))
+        elif kw.get("type") is in_file:
+            inputs.append(name)
     parser.set_defaults(**{key: tuple(parser.get_default(key) or ()) + tuple(names),
                            "_driven": tuple(parser.get_default("_driven") or ()) + ((func, tuple(names)),),
-                           "_prepare": tuple(parser.get_default("_prepare") or ()) + tuple(prepare)})
+                           "_prepare": tuple(parser.get_default("_prepare") or ()) + tuple(prepare),
+                           "_inputs": tuple(parser.get_default("_inputs") or ()) + tuple(inputs)})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def prepare_outputs(args: argparse.Namespace) -> None:
-    """Before the work: every given output path checked and its folder created."""
+    """Before the work: every given output path checked (a :data:`NewDir` against the inputs named in
+    ``args._inputs`` too) and its folder created."""
+    inputs = [(_flag(n), p) for n in getattr(args, "_inputs", ()) if (p := getattr(args, n, None)) is not None]
     for name, check in getattr(args, "_prepare", ()):
         if (path := getattr(args, name)) is not None:
-            (prepare_out_dir if check is out_dir else prepare_out_file)(path, "--" + name.replace("_", "-"))
+            if check is new_dir:
+                check_apart(path, _flag(name), inputs)
+            (prepare_out_file if check is out_file else prepare_out_dir)(path, _flag(name))
 
 
 # ---------------------------------------------------------------- config overrides
@@ -343,6 +363,20 @@ def add_config_fields(parser: argparse.ArgumentParser, start: str, fields: list[
 
 
 # ---------------------------------------------------------------- output paths and the report convention
+def check_apart(path: Path, flag: str, inputs: Iterable[tuple[str, Path]]) -> None:
+    """CliError naming ``flag`` and the input's flag where output folder ``path`` is an input of ``inputs``
+    (``(flag, path)`` pairs), lies inside one or holds one (paths compared resolved: links, ``..``): the files
+    written there would replace or mix with the files the command reads (a checkpoint, its run folder)."""
+    out = path.resolve()
+    for in_flag, src in inputs:
+        source = Path(src).resolve()
+        how = ("is" if out == source else "lies inside" if out.is_relative_to(source) else
+               "holds" if source.is_relative_to(out) else None)
+        if how:
+            raise CliError(f"{flag} {path}: {how} {in_flag} {src}; writing there would change what the command "
+                           f"reads; give a {flag} folder outside {in_flag}")
+
+
 def prepare_out_dir(path: Path, flag: str, shown: Path | None = None) -> Path:
     """Create folder ``path`` before any work; CliError naming ``flag`` and ``shown`` if it cannot be written."""
     shown = path if shown is None else shown

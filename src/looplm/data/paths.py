@@ -31,13 +31,28 @@ def resolve_cache_dir(configured: str = "") -> Path:
     return Path.home() / ".cache" / "looplm"
 
 
+def file_mode() -> int:
+    """The permission bits a plain ``open(path, "w")`` gives a new file: 0o666 less the process umask."""
+    mask = os.umask(0)  # the umask can only be read by setting it; set it straight back
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def plain_mode(path: str | Path) -> None:
+    """Give the file ``path`` :func:`file_mode` (writers through ``mkstemp``, such as safetensors, leave 0o600:
+    other users could not read a shared run or export)."""
+    os.chmod(path, file_mode())
+
+
 @contextlib.contextmanager
 def atomic_write(path: Path) -> Iterator[BinaryIO]:
     """A temporary file next to ``path`` for binary writing, renamed onto it on success: never a half-written
-    ``path`` (a killed process may leave a ``.tmp``); concurrent writers of the same content are safe."""
+    ``path`` (a killed process may leave a ``.tmp``); concurrent writers of the same content are safe. ``path``
+    gets the mode a plain ``open()`` would give it (:func:`file_mode`), not ``mkstemp``'s 0o600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

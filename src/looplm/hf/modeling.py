@@ -224,11 +224,16 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' ``save_pretrained``, plus ``auto_map`` in config.json and the two remote-code files
         (``trust_remote_code=True`` then loads without looplm's registration; see
-        :mod:`looplm.hf.remote`)."""
+        :mod:`looplm.hf.remote`); the weight files get the mode of the other files (safetensors writes 0o600)."""
+        from pathlib import Path
+
+        from looplm.data.paths import plain_mode
         from looplm.hf.remote import AUTO_MAP, write_remote_code
 
         self.config.auto_map = dict(AUTO_MAP)
         result = super().save_pretrained(save_directory, *args, **kwargs)
+        for weights in Path(save_directory).glob("model*.safetensors"):
+            plain_mode(weights)
         write_remote_code(save_directory)
         return result
 

@@ -59,7 +59,7 @@ def pretrain_task(out: str | Path, cfg: Config = PRETRAIN_CONFIG, *, task: str =
         train_records: records (examples) in the training stream.
         resume: continue from the newest valid checkpoint in ``out``.
         stop_after: stop (with a checkpoint) after this many steps of this invocation.
-        overwrite: replace the metrics of a run in ``out`` that wrote no checkpoint (refused otherwise).
+        overwrite: replace the files a run writes in an ``out`` that holds no checkpoint (refused otherwise).
     ValueError: ``model.seq_len`` not a multiple of the record length, or ``out`` holds another task."""
     from looplm.train.trainer import TrainData, train
 
@@ -180,7 +180,7 @@ def rl_train(checkpoint: str | Path | None, out: str | Path, cfg: RLConfig | Non
     ValueError: a fresh run into a folder that holds checkpoints, or no ``checkpoint``; CheckpointError: missing or
     damaged checkpoint; ``resume`` with none to resume."""
     folder = RunFolder(out)
-    with folder.start(resume=resume) as ckpt:
+    with folder.start(resume=resume, writes=("rl_config.json", "task.json", "results.json", "rl.png")) as ckpt:
         if ckpt:
             model, mcfg, state, _ = load_checkpoint(ckpt, device=device, with_state=True)
             cfg, source = RLConfig.from_dict(state["rl"]), Path(state["source"])

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_model
 
 from looplm.config import Config
-from looplm.data.paths import atomic_write
+from looplm.data.paths import atomic_write, plain_mode
 from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import LoopLM, build_model
 from looplm.run.dist import DistEnv, barrier, load_shards, resolve_device, save_shards, shard_keys
@@ -63,9 +63,7 @@ def _fsync(path: Path) -> None:
 def _save_weights(model: torch.nn.Module, path: Path) -> None:
     """``save_model`` with the mode every other file gets (0o666 less the umask; safetensors writes 0o600)."""
     save_model(model, str(path))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    plain_mode(path)
 
 
 def _files(root: Path) -> list[str]:

@@ -27,6 +27,7 @@ from looplm.run.checkpoint import CheckpointError, checkpoint_problems, list_che
 from looplm.run.lock import RunLock
 
 METRICS_FILE, SUMMARY_FILE = "metrics.jsonl", "summary.json"
+RUN_FILES = (METRICS_FILE, SUMMARY_FILE, "checkpoints", "latest")  #: what every run writes into its folder
 
 
 def run_state(step: int, seed: int, **more: Any) -> dict[str, Any]:
@@ -67,26 +68,38 @@ class RunFolder:
         self.metrics = self.path / METRICS_FILE
 
     @contextlib.contextmanager
-    def start(self, *, resume: bool, what: str = "a run", hold: bool = True) -> Iterator[Path | None]:
+    def start(self, *, resume: bool, what: str = "a run", hold: bool = True, writes: tuple[str, ...] = (),
+              overwrite: bool | None = None) -> Iterator[Path | None]:
         """Hold the folder's lock for the block (RunLockedError if another process does; ``hold=False``: rank 0
         holds it for this process under torchrun), yielding the checkpoint to resume from
-        (:meth:`resume_checkpoint`), or None for a fresh run (ValueError where checkpoints are). A block that
-        fails before writing anything leaves no trace."""
+        (:meth:`resume_checkpoint`), or None for a fresh run. A block that fails before writing anything leaves
+        no trace (no ``.lock`` either).
+
+        A fresh run refuses (ValueError naming --out) a folder that holds checkpoints, and one that holds any
+        file it would write (:data:`RUN_FILES` and ``writes``, e.g. a user's config.json, or a run that wrote no
+        checkpoint) unless ``overwrite``; ``overwrite=None``: the command has no --overwrite."""
         existed = self.path.exists()
-        empty = not existed or not any(self.path.iterdir())
+        before = {p.name for p in self.path.iterdir()} if existed else set()
         lock = RunLock(self.path).acquire() if hold else None
         ok = False
         try:
             if not resume and list_checkpoints(self.path):
                 raise ValueError(f"--out {self.path} already holds {what}; continue it with --resume or choose "
                                  "another --out")
+            found = [n for n in (*RUN_FILES, *writes) if (self.path / n).exists()] if not resume else []
+            if found and not overwrite:
+                raise ValueError(f"--out {self.path} already holds {', '.join(found)}, which a new run writes (the "
+                                 "folder is not a looplm run, or its run wrote no checkpoint); " +
+                                 ("choose another --out, or move them away" if overwrite is None else
+                                  "pass --overwrite to replace them, or choose another --out"))
             yield self.resume_checkpoint() if resume else None
             ok = True
         finally:
             if lock is not None:
                 lock.release()
-                if not ok and empty and [p.name for p in self.path.iterdir()] == [lock.path.name]:
-                    lock.path.unlink()  # failed before writing anything (e.g. unreadable data)
+                if not ok and lock.path.name not in before and \
+                        {p.name for p in self.path.iterdir()} == before | {lock.path.name}:
+                    lock.path.unlink()  # failed before writing anything (unreadable data, a refused folder)
                     if not existed:
                         self.path.rmdir()
 

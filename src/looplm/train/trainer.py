@@ -25,8 +25,9 @@ from looplm.data.tokens import load_tokens, sample_batch
 from looplm.eval.perplexity import evaluate_depths
 from looplm.run.finite import NonFiniteError, nonfinite_tensors
 from looplm.model import Block, LoopLM, build_model
-from looplm.run.checkpoint import (is_sharded, load_checkpoint, load_config, load_sharded, load_train_state,
-                                   newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint, sharded_keys)
+from looplm.run.checkpoint import (CONFIG_FILE, TOKENIZER_FILE, is_sharded, load_checkpoint, load_config, load_sharded,
+                                   load_train_state, newest_valid_checkpoint, save_checkpoint, save_sharded_checkpoint,
+                                   sharded_keys)
 from looplm.run.dist import (all_reduce_sum, barrier, full_state, init_distributed, load_optimizer_state,
                              local_rows, mean_across_ranks, resolve_device, set_sharded_state, sharded_state,
                              shutdown, unwrap, wrap_model)
@@ -111,7 +112,8 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     ``torchrun`` (``train.distributed``), rank 0 writing. ``resume``: from the newest valid checkpoint (its
     config wins; any world size); ``data``: pre-tokenized; ``stop_after``: steps of this invocation; ``steps``:
     with ``resume``, extend the schedule to this total; ``init_from``: a fresh run from a checkpoint's weights
-    and model config; ``overwrite``: replace a checkpoint-less run's metrics. Returns the summary.
+    and model config; ``overwrite``: replace the files of a folder that holds no checkpoint (a run that wrote
+    none, or anything else: config.json, tokenizer.json, summary.json, metrics.jsonl). Returns the summary.
 
     Raises:
         CheckpointError: ``resume`` with no valid checkpoint in ``out_dir``.
@@ -119,7 +121,7 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
         DivergenceError: ``train.max_nonfinite_steps`` consecutive non-finite steps.
         NonFiniteError: the weights became non-finite (no checkpoint is written from them).
         ValueError: ``train.batch_size`` not divisible by the world size; a fresh run (no ``resume``)
-            into a folder that already holds checkpoints, or (without ``overwrite``) a ``metrics.jsonl``;
+            into a folder that already holds checkpoints, or (without ``overwrite``) a file the run writes;
             ``steps`` below the resumed step; ``init_from`` with ``resume`` or another vocabulary.
     """
     if resume and init_from is not None:
@@ -128,12 +130,9 @@ def train(cfg: Config, out_dir: str | Path, *, resume: bool = False, progress: b
     check_loggers(cfg.train.logger)  # a missing tracking package fails before anything else happens
     trackers = Trackers()  # filled by _Run.fit (rank 0); closed here whatever happens
     # one writer per run folder; under torchrun rank 0 holds the lock for all ranks (it writes the files)
-    with folder.start(resume=resume, hold=int(os.environ.get("RANK", "0")) == 0) as ckpt:
+    with folder.start(resume=resume, hold=int(os.environ.get("RANK", "0")) == 0, writes=(CONFIG_FILE, TOKENIZER_FILE),
+                      overwrite=overwrite) as ckpt:
         try:
-            if not resume and not overwrite and folder.metrics.exists():
-                raise ValueError(f"--out {folder.path} holds the metrics.jsonl of a run that wrote no checkpoint (it "
-                                 "diverged or stopped before its first); pass --overwrite to replace it, or choose "
-                                 "another --out")
             run = _Run.setup(cfg, folder, ckpt, data=data, steps=steps, init_from=init_from, progress=progress)
             return run.fit(trackers, resume=resume, stop_after=stop_after, progress=progress)
         finally:
@@ -304,8 +303,8 @@ class _Run:
         start = int(self.state["step"]) if self.state is not None else 0
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(cfg.to_json())
-            (out / "tokenizer.json").write_text(self.data.tokenizer_json)
+            (out / CONFIG_FILE).write_text(cfg.to_json())
+            (out / TOKENIZER_FILE).write_text(self.data.tokenizer_json)
             # TensorBoard / W&B / trackio (train.logger): the same records as metrics.jsonl
             trackers.open(tcfg.logger, out, cfg.to_dict(), name=cfg.name, start_step=start, resume=resume)
         # FSDP forward is collective: every rank evaluates
