@@ -142,3 +142,31 @@ def terminal_reference(model: LoopLM, visits, chunk: torch.Tensor, start: int, R
     finally:
         for m, f in originals.items():
             m.forward = f
+
+
+def damaged_results_db(path):
+    """A results DB at ``path`` (one run, two evaluations) whose pages other than the schema page and the
+    ``meta`` table's are garbage: it opens (readonly or not) and SQLite finds the damage only when a query reads
+    those pages, as with a file damaged in its middle."""
+    import contextlib
+    import sqlite3
+    from pathlib import Path
+
+    from looplm.analysis.store import EvalIdentity, ResultStore, RunRecord
+    from looplm.config import Config
+
+    path = Path(path)
+    with ResultStore(path) as store:
+        idents = [EvalIdentity.make(Config(), "ppl", dataset="brown", split="test", depth=T) for T in (1, 2)]
+        store.put_many([(i, {"ppl": 10.0}) for i in idents], config=Config(), settings={}, provenance={"a": 1})
+        store.put_run(RunRecord(sweep="s", run_id="r-s0", variant="r", seed=0, config=Config().to_dict(),
+                                run_dir="/x"))
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # meta: its table and its primary-key index
+        keep = {1, *(r[0] for r in conn.execute("SELECT rootpage FROM sqlite_master WHERE tbl_name = 'meta'"))}
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    for k in range(len(data) // page):
+        if k + 1 not in keep:
+            data[k * page:(k + 1) * page] = b"\xab" * page
+    path.write_bytes(bytes(data))
+    return path

@@ -238,3 +238,39 @@ def test_put_stores_provenance_per_identity(tmp_path):
         assert store.provenance(_ident(depth=4)) == prov and store.provenance(_ident(depth=8)) is None
         store.put_many([(_ident(depth=4), {"ppl": 3.5})])  # re-evaluated without one: the old record is not kept
         assert store.provenance(_ident(depth=4)) is None
+
+
+@pytest.mark.parametrize("readonly", [True, False])
+def test_damage_found_by_a_later_read_is_a_store_error_naming_the_file(tmp_path, readonly):
+    """The file opens (its schema and meta pages are intact); every read or write that meets a damaged page
+    raises ResultStoreError naming the file, not sqlite3.DatabaseError."""
+    from helpers import damaged_results_db
+
+    from looplm.analysis.store import ResultStoreError
+
+    db = damaged_results_db(tmp_path / "r.db")
+    calls = {"runs": lambda s: s.runs(), "run": lambda s: s.run("s", "r-s0"), "evaluations": lambda s: s.evaluations(),
+             "count": lambda s: s.count(), "get": lambda s: s.get(_ident()), "has": lambda s: s.has(_ident()),
+             "config": lambda s: s.config(_ident().config_hash), "provenance": lambda s: s.provenance(_ident()),
+             "protocol_settings": lambda s: s.protocol_settings(_ident().protocol_hash), "rehash": lambda s: s.rehash()}
+    if not readonly:
+        calls.update(put_many=lambda s: s.put_many([(_ident(depth=3), {"ppl": 1.0})]),
+                     delete=lambda s: s.delete(depth=1))
+    with ResultStore(db, readonly=readonly) as store:
+        for name, call in calls.items():
+            with pytest.raises(ResultStoreError, match="not a usable looplm results database") as exc:
+                call(store)
+            assert str(exc.value).startswith(f"{db}: "), name
+
+
+def test_report_on_a_database_damaged_in_its_middle_is_a_clear_error(tmp_path, capsys):
+    from helpers import damaged_results_db
+
+    from looplm.cli import main
+
+    db = damaged_results_db(tmp_path / "results.db")
+    assert main(["report", "--db", str(db), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"looplm report: error: {db}: not a usable looplm results database (database disk "
+                                "image is malformed); give the path of a results.db written by `looplm sweep`, or "
+                                "move the damaged file aside"]

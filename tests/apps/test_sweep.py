@@ -272,6 +272,23 @@ def test_missing_eval_corpus_fails_before_training(tmp_path, tiny_cfg, monkeypat
     assert not (tmp_path / "out" / "runs").exists()
 
 
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "run"])
+def test_a_damaged_results_db_is_a_clear_error_before_training(tmp_path, tiny_cfg, plan, capsys):
+    """A results.db in --out that opens but is damaged in its middle: the command names it and trains nothing."""
+    from helpers import damaged_results_db
+
+    from looplm.cli import main
+
+    path, out = _write_sweep(tmp_path, tiny_cfg), tmp_path / "out"
+    db = damaged_results_db(out / "results.db")
+    assert main(["sweep", str(path), "--out", str(out), "--quiet", *(["--plan"] if plan else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"looplm sweep: error: {db}: not a usable looplm results database (database disk "
+                                "image is malformed); give the path of a results.db written by `looplm sweep`, or "
+                                "move the damaged file aside"]
+    assert not (out / "runs").exists()
+
+
 def test_shard_and_only_selection(tmp_path, tiny_cfg):
     from looplm.apps.sweep import parse_shard, select_runs
 

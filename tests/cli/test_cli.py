@@ -289,3 +289,48 @@ def test_mapping_parameter_takes_a_json_object(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "tasks", "--checkpoint", "c", "--halting", "[1]"])
     assert "expected a JSON object" in capsys.readouterr().err
+
+
+def _main_interrupted(argv):
+    """``main(argv)``; a KeyboardInterrupt that leaves it fails the test instead of stopping pytest."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt left looplm.cli.main (a traceback for the user)")
+
+
+def test_ctrl_c_during_train_is_one_line_exit_130_and_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in step 4 of 6 (checkpoints every 2): exit 130, one stderr line pointing at --resume, no
+    checkpoint written on the way out; --resume then finishes the run."""
+    from looplm.train.trainer import _Run
+
+    real = _Run.step
+
+    def step(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(_Run, "step", step)
+    run = tmp_path / "run"
+    assert _main_interrupted(["train", "--preset", "debug", "--out", str(run), "--quiet", "--train.steps", "6",
+                              "--train.ckpt_every", "2", "--train.eval_every", "0"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"looplm train: interrupted; --resume continues from the newest checkpoint "
+                                         f"in {run}"]
+    assert captured.out == ""
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002"]
+    monkeypatch.setattr(_Run, "step", real)
+    assert main(["train", "--out", str(run), "--quiet", "--resume"]) == 0
+    assert json.loads((run / "summary.json").read_text())["completed_steps"] == 6
+
+
+def test_ctrl_c_in_a_command_without_resume_is_one_line_exit_130(monkeypatch, capsys):
+    import looplm.analysis.flops
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(looplm.analysis.flops, "config_info", interrupted)
+    assert _main_interrupted(["info", "--preset", "debug"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["looplm info: interrupted"]

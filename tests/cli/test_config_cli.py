@@ -477,3 +477,27 @@ def test_lmdr_preset_is_the_papers_recipe():
     assert m.seq_len * t.batch_size * t.grad_accum == ref.model.seq_len * ref.train.batch_size * ref.train.grad_accum
     assert (o.schedule, o.warmup_steps / t.steps, o.beta1, o.beta2, o.min_lr_ratio) == ("wsd", 0.05, 0.9, 0.98, 0.1)
     assert n_params(m) == 5_544_000  # the module docstring's 5.54M
+
+
+@pytest.mark.parametrize("argv, size, source", [
+    (["--preset", "debug"], 1024, "data.bpe_vocab_size"),
+    (["--preset", "debug", "--data.tokenizer", "gpt2"], 50257, "data.tokenizer=gpt2"),
+    (["--preset", "task-addition"], 42, "data.task=addition"),
+], ids=["bpe", "gpt2", "task"])
+def test_train_vocab_size_override_that_the_tokenizer_replaces_is_an_error(tmp_path, capsys, argv, size, source):
+    """Training sets model.vocab_size from the tokenizer: a --model.vocab_size that differs is refused before
+    training (and before any file is written), naming the field, the tokenizer's size and what sets it."""
+    out = tmp_path / "x"
+    assert main(["train", *argv, "--model.vocab_size", "10", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"looplm train: error: --model.vocab_size 10: the tokenizer has {size} entries (set "
+                                f"by {source}) and training sets model.vocab_size from it; leave --model.vocab_size "
+                                "out" + (" (to change it, set --data.bpe_vocab_size)" if "bpe" in source else "")]
+    assert not out.exists()
+
+
+def test_train_vocab_size_override_that_agrees_with_the_tokenizer_trains(tmp_path):
+    out = tmp_path / "x"
+    assert main(["train", "--preset", "debug", "--model.vocab_size", "1024", "--out", str(out), "--quiet",
+                 "--train.steps", "1", "--train.eval_every", "0"]) == 0
+    assert json.loads((out / "config.json").read_text())["model"]["vocab_size"] == 1024

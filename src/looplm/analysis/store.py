@@ -191,8 +191,8 @@ class ResultStore:
 
     Every public write is one transaction (a write that fails midway leaves the database as it was).
     ``readonly=True`` opens an existing file with SQLite ``mode=ro`` after checking its tables and schema
-    version. ResultStoreError: not SQLite, damaged, no looplm tables, or locked past ``timeout`` seconds;
-    ValueError: another schema version.
+    version. ResultStoreError (naming the file): not SQLite, damaged (found on opening or by any later read or
+    write), no looplm tables, or locked past ``timeout`` seconds; ValueError: another schema version.
     """
 
     def __init__(self, path: str | Path, *, timeout: float = 60.0, readonly: bool = False) -> None:
@@ -227,14 +227,14 @@ class ResultStore:
             self._check_version()
 
     def _check_readonly(self) -> None:
-        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if missing := [t for t in REQUIRED_TABLES if t not in tables]:
             raise ResultStoreError(f"{self.path}: not a looplm results database (no table "
                                    f"{', '.join(missing)}); give the results.db written by `looplm sweep`")
         self._check_version()
 
     def _check_version(self) -> None:
-        row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        row = next(iter(self._rows("SELECT value FROM meta WHERE key = 'schema_version'")), None)
         if row is None or row[0] != str(SCHEMA_VERSION):
             raise ValueError(f"{self.path}: schema_version {row[0] if row else 'missing'}; this looplm reads "
                              f"{SCHEMA_VERSION}")
@@ -249,6 +249,14 @@ class ResultStore:
                 if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
+        """Every row of the query ``sql``: each read goes through here, so that a damaged page, which SQLite finds
+        only when a query reads it, leaves as :class:`ResultStoreError` naming the file."""
+        try:
+            return self._conn.execute(sql, tuple(args)).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise self._error(exc) from exc
 
     @contextlib.contextmanager
     def _write(self):
@@ -292,7 +300,7 @@ class ResultStore:
     def rehash(self) -> int:
         """Re-key every config hash that today's :func:`config_identity` hashes differently, with its
         evaluations and runs (a row already under the new hash wins); returns how many. Idempotent."""
-        rows = self._conn.execute("SELECT config_hash, config_json FROM configs").fetchall()
+        rows = self._rows("SELECT config_hash, config_json FROM configs")
         moves = [(old, config_hash(json.loads(text)), json.loads(text)) for old, text in rows]
         moves = [(old, new, identity) for old, new, identity in moves if new != old]
         if not moves:
@@ -351,7 +359,7 @@ class ResultStore:
 
     def get(self, identity: EvalIdentity) -> dict[str, float]:
         """The metrics stored for ``identity`` (empty dict when none)."""
-        rows = self._conn.execute(f"SELECT metric, value FROM evaluations WHERE {_WHERE}", identity.as_tuple())
+        rows = self._rows(f"SELECT metric, value FROM evaluations WHERE {_WHERE}", identity.as_tuple())
         return {m: _float(v) for m, v in rows}
 
     def has(self, identity: EvalIdentity, metrics: Iterable[str] = ()) -> bool:
@@ -370,15 +378,15 @@ class ResultStore:
         """Rows (identity columns, ``metric``, ``value`` (NaN for NULL), ``updated_at``) matching ``column=value``
         filters over the identity columns and ``metric`` (ValueError for another)."""
         where, args = self._filters(filters)
-        cur = self._conn.execute(f"SELECT {', '.join(IDENTITY_COLUMNS)}, metric, value, updated_at "
-                                 f"FROM evaluations{where} ORDER BY {', '.join(IDENTITY_COLUMNS)}, metric", args)
-        cols = [d[0] for d in cur.description]
-        return [{**dict(zip(cols, row)), "value": _float(row[cols.index("value")])} for row in cur]
+        cols = [*IDENTITY_COLUMNS, "metric", "value", "updated_at"]
+        rows = self._rows(f"SELECT {', '.join(cols)} FROM evaluations{where} "
+                          f"ORDER BY {', '.join(IDENTITY_COLUMNS)}, metric", args)
+        return [{**dict(zip(cols, row)), "value": _float(row[cols.index("value")])} for row in rows]
 
     def count(self, **filters: Any) -> int:
         """Number of stored (identity, metric) rows matching the filters."""
         where, args = self._filters(filters)
-        return int(self._conn.execute(f"SELECT COUNT(*) FROM evaluations{where}", args).fetchone()[0])
+        return int(self._rows(f"SELECT COUNT(*) FROM evaluations{where}", args)[0][0])
 
     def delete(self, **filters: Any) -> int:
         """Delete the rows matching the filters (at least one filter). Returns the rows deleted."""
@@ -397,8 +405,8 @@ class ResultStore:
         return self._json("SELECT settings_json FROM protocols WHERE protocol_hash = ?", (protocol_hash,))
 
     def _json(self, sql: str, args: tuple) -> Any:
-        row = self._conn.execute(sql, args).fetchone()
-        return json.loads(row[0]) if row else None
+        rows = self._rows(sql, args)
+        return json.loads(rows[0][0]) if rows else None
 
     # -- runs -------------------------------------------------------------------------------------
     def put_run(self, run: RunRecord) -> None:
@@ -416,7 +424,7 @@ class ResultStore:
         sql = ("SELECT sweep, run_id, variant, variant_order, grid_json, seed, config_json, params, flops_json, "
                "run_dir, weights_sha256, summary_json FROM runs" + (" WHERE sweep = ?" if sweep is not None else ""))
         args = (sweep,) if sweep is not None else ()
-        rows = self._conn.execute(sql + " ORDER BY sweep, variant_order, run_id", args)
+        rows = self._rows(sql + " ORDER BY sweep, variant_order, run_id", args)
         return [RunRecord(sweep=sw, run_id=rid, variant=var, variant_order=order, grid=json.loads(grid), seed=seed,
                           config=json.loads(cfg), params=params, run_dir=run_dir, weights_sha256=sha,
                           flops={int(k): v for k, v in json.loads(flops).items()}, summary=json.loads(summary))

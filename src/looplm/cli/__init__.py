@@ -282,6 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `looplm info --list | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not raise again
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; nothing more is written (no checkpoint)
+        out = getattr(args, "out", None)
+        hint = ("; --resume continues from the newest checkpoint" + (f" in {out}" if out else "")
+                if getattr(args, "resume", None) is not None else "")
+        print(f"{leaf.prog}: interrupted{hint}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
     except Exception as exc:
         from looplm.run.checkpoint import CheckpointError
 

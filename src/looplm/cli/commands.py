@@ -35,8 +35,11 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     created = not any(out.iterdir())
     steps = cfg.train.steps if resume and "train.steps" in overrides else None  # train a finished run on to it
     try:
+        data = None  # the trainer sets model.vocab_size from the tokenizer: a fresh run's override must agree
+        if "model.vocab_size" in overrides and not resume and init_from is None:
+            data = _vocab_checked_data(cfg, progress)
         summary = run_train(cfg, out, resume=resume, progress=progress, stop_after=stop_after,
-                            steps=steps, init_from=init_from, overwrite=overwrite)
+                            steps=steps, init_from=init_from, overwrite=overwrite, data=data)
     except BaseException:
         if created and not any(out.iterdir()):
             out.rmdir()  # nothing was written: leave no empty folder behind
@@ -44,6 +47,25 @@ def train(cfg: Any, overrides: dict[str, str], *, out: OutDir | None = None, nam
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def _vocab_checked_data(cfg: Any, progress: bool) -> Any:
+    """The training data of ``cfg`` (:func:`looplm.train.trainer.prepare_data`). ConfigError: ``model.vocab_size``
+    differs from the size of the tokenizer (which the trainer would use instead)."""
+    import os
+
+    from looplm.config import ConfigError
+    from looplm.train.trainer import prepare_data
+
+    data = prepare_data(cfg, progress=progress and os.environ.get("RANK", "0") == "0")
+    given, d = cfg.model.vocab_size, cfg.data
+    if given != data.vocab_size:
+        source = (f"data.task={d.task}" if d.dataset == "task" else
+                  "data.bpe_vocab_size" if d.tokenizer == "bpe" else f"data.tokenizer={d.tokenizer}")
+        raise ConfigError(f"--model.vocab_size {given}: the tokenizer has {data.vocab_size} entries (set by {source}) "
+                          "and training sets model.vocab_size from it; leave --model.vocab_size out"
+                          + (" (to change it, set --data.bpe_vocab_size)" if source == "data.bpe_vocab_size" else ""))
+    return data
 
 
 def eval_halting(func: Callable[..., dict], options: dict[str, Any], checkpoint: Path, report: Report, *,
