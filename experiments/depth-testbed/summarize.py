@@ -22,10 +22,11 @@ from looplm.analysis.claims import depth_use_cell, mean_std_cell, paired_claim
 from looplm.analysis.store import ResultStore
 
 HERE = Path(__file__).resolve().parent
-#: name → (folder, sweep, baseline, the claim's sign (model − baseline), title, results.md and plot folder)
-SWEEPS = {"headline": ("headline", "depth-testbed", "looped", "negative", "headline", HERE),
+#: name → (folder, sweep, baseline, the claim's sign (model − baseline), title, results.md and plot folder, extra
+#: paired comparisons (model, reference): two-sided, no claimed side)
+SWEEPS = {"headline": ("headline", "depth-testbed", "looped", "negative", "headline", HERE, ()),
           "extrapolation": ("extrapolation", "depth-extrapolation", "answer", "positive", "depth extrapolation",
-                            HERE / "extrapolation")}
+                            HERE / "extrapolation", (("unshared_flops", "partial"),))}
 
 
 def train_depth(config: dict) -> int:
@@ -88,7 +89,7 @@ def plot(acc: dict, meta: dict, variants: list[str], path: Path) -> None:
 
 
 def main(name: str = "headline") -> None:
-    folder, sweep, baseline, expect, title, out = SWEEPS[name]
+    folder, sweep, baseline, expect, title, out, pairs = SWEEPS[name]
     db = HERE / folder / "results.db"
     with ResultStore(db, readonly=True) as store:
         acc, meta = load(store, sweep)
@@ -136,6 +137,15 @@ def main(name: str = "headline") -> None:
             lines.append(f"| {depth_use_cell(by_T, T, higher_is_better=True)} | {k}{'*' if k > k_train else ''} "
                          f"| `{v}` | {mean_std_cell(by_T.get(T, {}).values())} | {per_seed(by_T.get(T, {}))} "
                          f"| {cell} | {verdict} |")
+    for v, ref in pairs:
+        if v not in meta or ref not in meta:
+            continue
+        lines += ["", f"## `{v}` − `{ref}` per k, each at its training depth, paired over seeds", "",
+                  f"| k | `{v}` | `{ref}` | Δ [95% t interval] (bootstrap) |", "|---:|---:|---:|---|"]
+        for k in sorted(set(acc[v]) & set(acc[ref])):
+            a, b = acc[v][k].get(meta[v]["T"], {}), acc[ref][k].get(meta[ref]["T"], {})
+            lines.append(f"| {k}{'*' if k > k_train else ''} | {mean_std_cell(a.values())} | "
+                         f"{mean_std_cell(b.values())} | {paired_claim(a, b)[0]} |")
     lines += ["", "\\* k beyond training.", "", "![accuracy vs T](acc_vs_T.png)", ""]
     plot(acc, meta, variants, out / "acc_vs_T.png")
     (out / "results.md").write_text("\n".join(lines))
