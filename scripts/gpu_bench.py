@@ -9,8 +9,10 @@
   ``compiled``: every block under ``torch.compile`` (``train.compile``);
 - ``train_peak_mem_bytes``: peak allocated memory of the training step (CUDA; on CPU the process's peak RSS);
 - ``decode_b{B}_tokens_per_s``: greedy decoding at batch 1 and 64 after a 512-token prompt: ``kvcache`` (the
-  eager path), ``static`` (:class:`looplm.model.static_decode.DecodeStep`, eager) and ``cuda_graph`` (the
-  static step captured once and replayed; CUDA only).
+  eager path), ``static`` (:class:`looplm.model.static_decode.DecodeStep`, eager), ``cuda_graph`` (the
+  static step captured once and replayed) and ``compile_cuda_graph`` (the inductor-compiled static step,
+  captured; the last two CUDA only). A path that fails records ``null`` and its error under
+  ``decode_errors`` rather than stopping the run.
 
 ``--device cpu --tiny`` runs every measurement at toy shapes (seconds; the values mean nothing), which
 is how the CPU test suite checks this script end to end.
@@ -137,14 +139,25 @@ def run(device: str, tiny: bool, log=print) -> dict:
 
     model.eval()
     context, new = (512, 64) if not tiny else (32, 6)
-    hows = ["kvcache", "static"] + (["cuda_graph"] if dev.type == "cuda" else [])
+    hows = ["kvcache", "static"] + (["cuda_graph", "compile_cuda_graph"] if dev.type == "cuda" else [])
+    res["decode_errors"] = {}
     for b in (1, 64) if not tiny else (1, 4):
-        res[f"decode_b{b}_tokens_per_s"] = {h: decode_tokens_per_s(model, depth, b, context, new, h, dev) for h in hows}
-        log(f"decode batch {b}: " + ", ".join(f"{h} {v:.1f}" for h, v in res[f"decode_b{b}_tokens_per_s"].items()))
+        rates = res[f"decode_b{b}_tokens_per_s"] = {}
+        for h in hows:
+            try:
+                rates[h] = decode_tokens_per_s(model, depth, b, context, new, h, dev)
+            except Exception as e:  # a bench records what failed and goes on
+                rates[h] = None
+                res["decode_errors"][f"b{b}_{h}"] = f"{type(e).__name__}: {e}"[:2000]
+        log(f"decode batch {b}: " + ", ".join(f"{h} {_rate(v)}" for h, v in rates.items()))
     res["decode_context"], res["decode_new_tokens"] = context, new
     res["peak_mem_bytes"] = _peak_mem(dev)
     res["markdown"] = markdown(res)
     return res
+
+
+def _rate(v: float | None) -> str:
+    return "failed" if v is None else f"{v:.1f}"
 
 
 def markdown(res: dict) -> str:
@@ -162,9 +175,10 @@ def markdown(res: dict) -> str:
              f"{res['peak_mem_bytes'] / 2**30:.2f} GiB |"]
     for k in sorted(k for k in res if k.startswith("decode_b")):
         lines.append(f"| decode tokens/s, batch {k.split('_')[1][1:]}, {res['decode_context']}-token context: "
-                     + " / ".join(res[k]) + " | " + " / ".join(f"{v:.1f}" for v in res[k].values()) + " |")
+                     + " / ".join(res[k]) + " | " + " / ".join(_rate(v) for v in res[k].values()) + " |")
     t = res["targets"]["train_mfu"]
     lines += ["", f"Target `train_mfu` {t['op']} {t['target']}: {t['value']:.3f} ({'met' if t['met'] else 'not met'})."]
+    lines += [f"Decode path `{k}` failed: {v.splitlines()[0][:300]}" for k, v in res.get("decode_errors", {}).items()]
     return "\n".join(lines)
 
 

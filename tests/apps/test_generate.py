@@ -365,14 +365,16 @@ def test_static_step_reads_out_on_a_transposed_copy_and_equals_recomputation():
 
 def test_static_step_errors():
     model = model_for("scse")
-    with pytest.raises(ValueError, match="static_step: unknown 'graph'; allowed: eager, compile, cuda_graph"):
+    with pytest.raises(ValueError, match="static_step: unknown 'graph'; allowed: eager, compile, cuda_graph, "
+                                         "compile_cuda_graph"):
         generate(model, PROMPTS, 2, 2, static_step="graph")
     for kw in ({"cache_mode": "terminal"}, {"save_states": True}, {"exit_criterion": RelativeChange(0.1)}):
         with pytest.raises(ValueError, match="static_step: needs fixed-depth decoding"):
             generate(model, PROMPTS, 2, 2, static_step="eager", **kw)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="cuda_graph needs"):
-            generate(model, PROMPTS, 2, 2, static_step="cuda_graph")
+        for how in ("cuda_graph", "compile_cuda_graph"):
+            with pytest.raises(ValueError, match=f"how: {how} needs the model and cache on a CUDA device"):
+                generate(model, PROMPTS, 2, 2, static_step=how)
 
 
 # --- the CLI ---------------------------------------------------------------------------------------

@@ -326,7 +326,8 @@ def generate_checkpoint(checkpoint: str | Path, *, prompt: list[str] | None = No
         exit: per-token adaptive depth criterion (looplm.eval.exits); none = fixed --depth
         exit_tau: threshold of --exit (default: the criterion's)
         max_depth: with --exit: loop ceiling per token and prefill depth (default --depth)
-        static_step: fixed-depth per_visit decoding as one static region per token: eager, compile or cuda_graph
+        static_step: fixed-depth per_visit decoding as one static region per token: eager, compile, cuda_graph or
+            compile_cuda_graph
         out: also write prompts, token ids, continuations and loops per token as JSON
     """
     prompts = list(prompt or []) + ([s for s in prompts_file.read_text().splitlines() if s.strip()]

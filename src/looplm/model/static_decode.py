@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
 from looplm.model.layers import attention
 
-StepHow = Literal["eager", "compile", "cuda_graph"]
+StepHow = Literal["eager", "compile", "cuda_graph", "compile_cuda_graph"]
 
 
 class StaticKVCache:
@@ -107,8 +107,9 @@ class _Read(torch.nn.Module):
 class DecodeStep:
     """``step(tokens (B,)) → logits (B, V)``: one fixed-depth decode step on a :class:`StaticKVCache`.
 
-    ``how``: ``eager``, ``compile`` (``fullgraph=True``) or ``cuda_graph`` (the logits are a view of the graph's
-    output buffer, overwritten by the next step). On CPU the readout uses a (d, V)-laid-out copy of ``lm_head``
+    ``how``: ``eager``, ``compile`` (``fullgraph=True``), ``cuda_graph`` (the eager step captured once) or
+    ``compile_cuda_graph`` (the compiled step captured once: fused kernels and no launch overhead); a captured
+    step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU the readout uses a (d, V)-laid-out copy of ``lm_head``
     taken at construction (1.3–1.5× at batch 1: ``benchmarks/results/decode-leads-cpu-2core.md``).
     ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity."""
 
@@ -117,14 +118,14 @@ class DecodeStep:
     def __init__(self, model, cache: StaticKVCache, depth: int, how: StepHow = "compile", backend: str = "inductor"):
         if how not in self.HOW:
             raise ValueError(f"how: unknown {how!r}; allowed: {', '.join(self.HOW)}")
-        if how == "cuda_graph" and cache.length.device.type != "cuda":
-            raise ValueError("how: cuda_graph needs the model and cache on a CUDA device")
+        if how.endswith("cuda_graph") and cache.length.device.type != "cuda":
+            raise ValueError(f"how: {how} needs the model and cache on a CUDA device")
         self.model, self.cache, self.depth, self.how = model, cache, depth, how
         w = model.lm_head.weight.detach()  # on CPU: (V, d) with strides (1, V)
         self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cache.length.device.type == "cpu" else {}
         self._read = _Read(model)
-        self._fn: Callable = self._step if how != "compile" else torch.compile(self._step, backend=backend,
-                                                                              dynamic=False, fullgraph=True)
+        self._fn: Callable = self._step if how in ("eager", "cuda_graph") else torch.compile(
+            self._step, backend=backend, dynamic=False, fullgraph=True)
         self._graph = None
 
     @torch.no_grad()
@@ -136,20 +137,20 @@ class DecodeStep:
         if self.cache.steps_left < 1:
             raise ValueError(f"decode step: the static cache is full ({self.cache.capacity} positions)")
         self.cache.steps_left -= 1
-        if self.how != "cuda_graph":
+        if not self.how.endswith("cuda_graph"):
             return self._fn(tok)
-        if self._graph is None:  # warm up on a side stream (allocator, lazy tables), then capture
+        if self._graph is None:  # warm up on a side stream (allocator, lazy tables, compilation), then capture
             self._tok = tok.clone()
             snapshot = self.state()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step(self._tok)
+                self._fn(self._tok)
             torch.cuda.current_stream().wait_stream(side)
             self.rewind(snapshot)  # the warm-up step wrote the cache: undo it
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
-                self._out = self._step(self._tok)  # recorded, not run
+                self._out = self._fn(self._tok)  # recorded, not run
         self._tok.copy_(tok)
         self._graph.replay()
         return self._out
