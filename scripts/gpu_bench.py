@@ -8,6 +8,8 @@
   its matmuls from ``FlopCounterMode``) over that peak; target ``train_mfu`` (the better) ≥ 0.40;
   ``compiled``: every block under ``torch.compile`` (``train.compile``);
 - ``train_peak_mem_bytes``: peak allocated memory of the training step (CUDA; on CPU the process's peak RSS);
+- ``train_profile_eager``: the 15 operators of one eager training step with the most self device time
+  (``torch.profiler``), each with its share: where the step's time goes when the MFU falls short;
 - ``decode_b{B}_tokens_per_s``: greedy decoding at batch 1 and 64 after a 512-token prompt: ``kvcache`` (the
   eager path), ``static`` (:class:`looplm.model.static_decode.DecodeStep`, eager), ``cuda_graph`` (the
   static step captured once and replayed) and ``compile_cuda_graph`` (the inductor-compiled static step,
@@ -79,6 +81,31 @@ def train_tokens_per_s(model, cfg: ModelConfig, depth: int, batch: int, steps: i
     return batch * cfg.seq_len / sorted(times)[len(times) // 2]
 
 
+def train_step_profile(model, cfg: ModelConfig, depth: int, batch: int, dev: torch.device, top: int = 15) -> list:
+    """The ``top`` operators of one eager bf16 training step by self device time (CUDA; CPU time on CPU), from
+    ``torch.profiler``: ``[{"op", "calls", "self_ms", "share"}]``, share of the step's summed self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(x, depth, x, readout=NLL).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(dev)
+
+    def self_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) if dev.type == "cuda" else e.self_cpu_time_total)
+
+    events = sorted(prof.key_averages(), key=self_us, reverse=True)
+    total = sum(self_us(e) for e in events) or 1.0
+    return [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "share": self_us(e) / total}
+            for e in events[:top]]
+
+
 @torch.no_grad()
 def decode_tokens_per_s(model, depth: int, batch: int, context: int, new: int, how: str, dev: torch.device) -> float:
     """Tokens/s (all rows) of ``new`` greedy steps after a ``context − new``-token prompt (prefill untimed)."""
@@ -133,6 +160,10 @@ def run(device: str, tiny: bool, log=print) -> dict:
         log(f"train ({variant}): {tps:.0f} tok/s, MFU {res[f'train_mfu_{variant}']:.3f}")
         del m
     res["train_peak_mem_bytes"] = _peak_mem(dev)
+    try:  # not yet run on a GPU: a profiler failure must not cost the decode measurements
+        res["train_profile_eager"] = train_step_profile(model, cfg, depth, batch, dev)
+    except Exception as e:
+        res["train_profile_eager"], res["train_profile_error"] = [], f"{type(e).__name__}: {e}"[:2000]
     res["train_mfu"] = max(res["train_mfu_eager"], res["train_mfu_compiled"])
     res["targets"] = {"train_mfu": {"op": ">=", "target": MFU_TARGET, "value": res["train_mfu"],
                                     "met": res["train_mfu"] >= MFU_TARGET and res["train_mfu"] <= 1}}
@@ -176,6 +207,9 @@ def markdown(res: dict) -> str:
     for k in sorted(k for k in res if k.startswith("decode_b")):
         lines.append(f"| decode tokens/s, batch {k.split('_')[1][1:]}, {res['decode_context']}-token context: "
                      + " / ".join(res[k]) + " | " + " / ".join(_rate(v) for v in res[k].values()) + " |")
+    lines += ["", "One eager training step, top operators by self device time: "
+              + ("; ".join(f"`{e['op']}` {100 * e['share']:.1f}%" for e in res["train_profile_eager"][:8])
+                 or f"(profile failed: {res.get('train_profile_error', '?').splitlines()[0][:300]})") + "."]
     t = res["targets"]["train_mfu"]
     lines += ["", f"Target `train_mfu` {t['op']} {t['target']}: {t['value']:.3f} ({'met' if t['met'] else 'not met'})."]
     lines += [f"Decode path `{k}` failed: {v.splitlines()[0][:300]}" for k, v in res.get("decode_errors", {}).items()]

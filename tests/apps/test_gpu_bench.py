@@ -42,3 +42,6 @@ def test_gpu_bench_runs_on_cpu_and_writes_valid_json(tmp_path):
         speeds = res[f"decode_b{b}_tokens_per_s"]
         assert set(speeds) == {"kvcache", "static"} and all(v > 0 for v in speeds.values())
     assert res["peak_mem_bytes"] >= res["train_peak_mem_bytes"] > 0
+    prof = res["train_profile_eager"]  # shares of one step's summed self time: descending, summing to <= 1
+    assert len(prof) == 15 and all(a["self_ms"] >= b["self_ms"] for a, b in zip(prof, prof[1:]))
+    assert 0 < sum(e["share"] for e in prof) <= 1 + 1e-9 and all(e["calls"] >= 1 for e in prof)
