@@ -7,7 +7,7 @@ table opens with the depth-use column (issue 24: accuracy at T = 1, at the model
 best T, seed means; :func:`looplm.analysis.claims.depth_use_cell`). Paired deltas pair the seeds (same seed,
 same instances).
 
-    python experiments/depth-testbed/summarize.py [headline|extrapolation]
+    python experiments/depth-testbed/summarize.py [headline|extrapolation|extrapolation-long]
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ HERE = Path(__file__).resolve().parent
 #: paired comparisons (model, reference): two-sided, no claimed side)
 SWEEPS = {"headline": ("headline", "depth-testbed", "looped", "negative", "headline", HERE, ()),
           "extrapolation": ("extrapolation", "depth-extrapolation", "answer", "positive", "depth extrapolation",
-                            HERE / "extrapolation", (("unshared_flops", "partial"),))}
+                            HERE / "extrapolation", (("unshared_flops", "partial"),)),
+          "extrapolation-long": ("extrapolation-long", "depth-extrapolation-long", "answer", "positive",
+                                 "depth extrapolation, 10,000 steps", HERE / "extrapolation-long",
+                                 (("unshared_flops", "partial"),))}
 
 
 def train_depth(config: dict) -> int:
