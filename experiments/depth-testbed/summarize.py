@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from looplm.analysis.claims import depth_use_cell, mean_std_cell, paired_claim
+from looplm.analysis.claims import depth_use_cell, mean_std_cell, paired_claim, validation_curves
 from looplm.analysis.store import ResultStore
 
 HERE = Path(__file__).resolve().parent
@@ -150,6 +150,18 @@ def main(name: str = "headline") -> None:
             lines.append(f"| {k}{'*' if k > k_train else ''} | {mean_std_cell(a.values())} | "
                          f"{mean_std_cell(b.values())} | {paired_claim(a, b)[0]} |")
     lines += ["", "\\* k beyond training.", "", "![accuracy vs T](acc_vs_T.png)", ""]
+    # learning curves (valid split, T = train.eval_depth), kept in curves.json: the run folders are not committed
+    curves = validation_curves(HERE / folder / "runs", out / "curves.json", extra=("val_acc",))
+    if curves:
+        lines += ["## Learning curves (valid exact match at the evaluation depth; `curves.json`)", "",
+                  "| run | steps | first step at ≥ 95% | last valid exact match |", "|---|---:|---:|---:|"]
+        for run, c in sorted(curves.items()):
+            acc_by_step = sorted((int(st), a) for st, a in c["val_acc"].items())
+            first = next((st for st, a in acc_by_step if a >= 0.95), None)
+            lines.append(f"| `{run}` | {c['steps_done']:,}{'' if c['finished'] else ' (running)'} | "
+                         f"{'–' if first is None else f'{first:,}'} | "
+                         f"{100 * acc_by_step[-1][1] if acc_by_step else float('nan'):.1f}% |")
+        lines.append("")
     plot(acc, meta, variants, out / "acc_vs_T.png")
     (out / "results.md").write_text("\n".join(lines))
     print(f"wrote {out / 'results.md'} ({total} of {planned} runs)")
