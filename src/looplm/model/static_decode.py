@@ -109,9 +109,10 @@ class DecodeStep:
 
     ``how``: ``eager``, ``compile`` (``fullgraph=True``), ``cuda_graph`` (the eager step captured once) or
     ``compile_cuda_graph`` (the compiled step captured once: fused kernels and no launch overhead); a captured
-    step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU the readout uses a (d, V)-laid-out copy of ``lm_head``
-    taken at construction (1.3–1.5× at batch 1: ``benchmarks/results/decode-leads-cpu-2core.md``).
-    ValueError: unknown ``how``; ``cuda_graph`` off CUDA; a step past the cache's capacity."""
+    step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU the readout
+    uses a (d, V)-laid-out copy of ``lm_head`` taken at construction (1.3–1.5× at batch 1:
+    ``benchmarks/results/decode-leads-cpu-2core.md``).
+    ValueError: unknown ``how``; a captured step off CUDA; a step past the cache's capacity."""
 
     HOW: tuple[str, ...] = get_args(StepHow)
 
