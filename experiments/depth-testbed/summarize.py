@@ -158,7 +158,7 @@ def main(name: str = "headline") -> None:
         for run, c in sorted(curves.items()):
             acc_by_step = sorted((int(st), a) for st, a in c["val_acc"].items())
             first = next((st for st, a in acc_by_step if a >= 0.95), None)
-            lines.append(f"| `{run}` | {c['steps_done']:,}{'' if c['finished'] else ' (running)'} | "
+            lines.append(f"| `{run}` | {c['steps_done']:,}{'' if c['finished'] else ' (unfinished)'} | "
                          f"{'–' if first is None else f'{first:,}'} | "
                          f"{100 * acc_by_step[-1][1] if acc_by_step else float('nan'):.1f}% |")
         lines.append("")
