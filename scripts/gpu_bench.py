@@ -62,20 +62,29 @@ def _peak_mem(dev: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def train_tokens_per_s(model, cfg: ModelConfig, depth: int, batch: int, steps: int, dev: torch.device) -> float:
-    """bf16-autocast training tokens/s (median step after 2 warm-up steps, which also compile)."""
+def _training(model, cfg: ModelConfig, batch: int, dev: torch.device):
+    """``step(depth)``: one bf16-autocast training step (forward, backward, AdamW) on a fixed random batch."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=dev)
-    times = []
-    for i in range(steps + 2):
-        _sync(dev)
-        t0 = time.perf_counter()
+
+    def step(depth: int) -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(x, depth, x, readout=NLL).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(dev)
+
+    return step
+
+
+def train_tokens_per_s(model, cfg: ModelConfig, depth: int, batch: int, steps: int, dev: torch.device) -> float:
+    """bf16-autocast training tokens/s (median step after 2 warm-up steps, which also compile)."""
+    step, times = _training(model, cfg, batch, dev), []
+    for i in range(steps + 2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step(depth)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return batch * cfg.seq_len / sorted(times)[len(times) // 2]
@@ -86,16 +95,10 @@ def train_step_profile(model, cfg: ModelConfig, depth: int, batch: int, dev: tor
     ``torch.profiler``: ``[{"op", "calls", "self_ms", "share"}]``, share of the step's summed self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=dev)
+    step = _training(model, cfg, batch, dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(x, depth, x, readout=NLL).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(dev)
+        step(depth)
 
     def self_us(e) -> float:
         return float(getattr(e, "self_device_time_total", 0.0) if dev.type == "cuda" else e.self_cpu_time_total)

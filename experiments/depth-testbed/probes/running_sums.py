@@ -34,9 +34,10 @@ def main(argv=None) -> None:
         digits = x[:, 0:2 * k:2] - 1  # token ids 1 … 10 are the characters 0 … 9
         sums = (digits.cumsum(1) % 10) + 1  # (N, k): the running sums as token ids
         res[k] = {}
+        with torch.no_grad():  # every depth from one unroll
+            logits = model.read(model.loop(x), depths).logits_by_depth
         for T in depths:
-            with torch.no_grad():
-                pred = model(x, depth=T).logits.argmax(-1)  # (N, L)
+            pred = logits[T].argmax(-1)  # (N, L)
             per_op = (pred[:, 0:2 * k:2] == sums).float().mean(0)
             answer = (pred[:, 2 * k - 1] == y[:, 2 * k - 1]).float().mean()
             res[k][T] = {"running_sum_acc": [round(100 * float(v), 1) for v in per_op],
