@@ -52,6 +52,7 @@ def load(store: ResultStore, sweep: str) -> tuple[dict, dict]:
         meta.setdefault(run.variant, {"order": run.variant_order, "params": run.params, "T": T_train,
                                       "flops": run.flops.get(T_train, {}).get("body_head"),
                                       "k_train": run.config["data"]["task_k"], "task": run.config["data"]["task"],
+                                      "looped": run.config["model"]["architecture"] != "unshared",
                                       "seeds": set(), "wall_s": []})
         meta[run.variant]["wall_s"].append(run.summary.get("wall_s", float("nan")))
         rows = store.evaluations(protocol="tasks", config_hash=run.config_hash, seed=run.seed, metric="acc",
@@ -89,6 +90,27 @@ def plot(acc: dict, meta: dict, variants: list[str], path: Path) -> None:
     axes[0][0].set_ylabel("exact match (%)")
     axes[0][-1].legend(fontsize=7, ncol=2)
     save_figure(fig, path)
+
+
+def more_loops(acc: dict, meta: dict, variants: list[str], k_train: int) -> list[str]:
+    """Issue 24 §2's "more loops than were trained": accuracy at T = 2·T_train against T = T_train per k,
+    paired over seeds (one-sided: more loops higher), for each looped model evaluated at 2·T_train. The depth 2·T_train
+    is fixed in advance, not picked on the test split."""
+    lines = []
+    for v in variants:
+        T = meta[v]["T"]
+        if not meta[v]["looped"] or not any(2 * T in by_T for by_T in acc[v].values()):
+            continue
+        lines += ["", f"## More loops than trained: `{v}` at T = {2 * T} (2 × its training depth) − at T = {T}, "
+                  "paired over seeds", "",
+                  f"| k | acc at T = {T} | acc at T = {2 * T} | Δ [95% t interval] (bootstrap) | verdict "
+                  "(more loops higher) |", "|---:|---:|---:|---|---|"]
+        for k in sorted(acc[v]):
+            a, b = acc[v][k].get(2 * T, {}), acc[v][k].get(T, {})
+            cell, verdict = paired_claim(a, b, expect="positive")
+            lines.append(f"| {k}{'*' if k > k_train else ''} | {mean_std_cell(b.values())} | "
+                         f"{mean_std_cell(a.values())} | {cell} | {verdict} |")
+    return lines
 
 
 def main(name: str = "headline") -> None:
@@ -149,6 +171,7 @@ def main(name: str = "headline") -> None:
             a, b = acc[v][k].get(meta[v]["T"], {}), acc[ref][k].get(meta[ref]["T"], {})
             lines.append(f"| {k}{'*' if k > k_train else ''} | {mean_std_cell(a.values())} | "
                          f"{mean_std_cell(b.values())} | {paired_claim(a, b)[0]} |")
+    lines += more_loops(acc, meta, variants, k_train)
     lines += ["", "\\* k beyond training.", "", "![accuracy vs T](acc_vs_T.png)", ""]
     # learning curves (valid split, T = train.eval_depth), kept in curves.json: the run folders are not committed
     curves = validation_curves(HERE / folder / "runs", out / "curves.json", extra=("val_acc",))
