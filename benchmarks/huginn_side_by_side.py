@@ -11,7 +11,10 @@ before timing) against Huginn's ``generate`` (HF ``GenerationMixin``, its dynami
 looplm's eager cached path, each pair in interleaved A/B/B/A rounds (:func:`looplm.apps.bench.interleaved`),
 reported as median [min, max] of the per-round ratios. ``--profile`` adds, at batch 1, the operators of
 one eager and one compiled decode step (``torch.profiler``) and the graph count of the compiled step
-(``torch._dynamo.explain``). Writes NAME.json and NAME.md with the machine and its load (``uptime``).
+(``torch._dynamo.explain``). Also the batch-1 memory floor: a batch-1 token reads every weight at least once
+(the tied 50,257 × 256 readout alone is 51 MB in fp32), so no decoder beats (unique weight bytes) / (this
+machine's copy bandwidth, same thread count); each side's ms/token is reported against that floor. Writes
+NAME.json and NAME.md with the machine and its load (``uptime``).
 
 Huginn's file was written against transformers 4.51.3; with transformers 5 it fails (the script says
 where). Run it with that version first on the path, e.g.
@@ -73,6 +76,19 @@ def build_pair(modeling: Path, *, vocab: int, d: int, heads: int, d_ff: int, seq
     return huginn, gen_config, looplm
 
 
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large fp32 ``copy_`` (read + write counted), the best of ``repeats``: the memory bandwidth a
+    weight-streaming decode step can use at this thread count."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
 def profile_step(model, prompt: torch.Tensor, depth: int, how: str, capacity: int, steps: int = 4) -> dict:
     """Top operators (self CPU time) of ``steps`` static decode steps run ``how`` (eager | compile) on a
     cache of ``capacity`` positions (``generate``'s, so the compiled graph is reused)."""
@@ -127,6 +143,9 @@ def main() -> None:
                        "transformers": transformers.__version__,
                        "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()},
            "batches": {}}
+    weight_bytes = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+    bw = copy_bandwidth()
+    res["memory_floor"] = {"weight_bytes": weight_bytes, "copy_bytes_per_s": bw, "ms_per_token": 1e3 * weight_bytes / bw}
     dev = torch.device("cpu")
     for B in [int(b) for b in a.batches.split(",")]:
         x = torch.randint(0, shape["vocab"], (B, a.prompt), generator=torch.Generator().manual_seed(B))
@@ -185,6 +204,15 @@ def markdown(res: dict) -> str:
         ms = r["ms_per_token_call"]
         lines.append(f"| {B} | {ms['looplm_compiled']:.1f} | {ms['huginn']:.1f} | {ms['looplm_eager']:.1f} | "
                      f"{iv(r['compiled_vs_huginn'])} | {iv(r['compiled_vs_eager'])} | {r['compile_s']:.0f} |")
+    if (f := res.get("memory_floor")) and "1" in res["batches"]:
+        ms = res["batches"]["1"]["ms_per_token_call"]
+        lines += ["", f"Memory floor at batch 1: every token reads the {f['weight_bytes'] / 1e6:.1f} MB of unique weights "
+                  f"at least once; at this machine's copy bandwidth ({f['copy_bytes_per_s'] / 1e9:.1f} GB/s, read + "
+                  f"write, same threads) that takes {f['ms_per_token']:.1f} ms/token. looplm compiled takes "
+                  f"{ms['looplm_compiled'] / f['ms_per_token']:.1f}× the floor, Huginn "
+                  f"{ms['huginn'] / f['ms_per_token']:.1f}×; 3× Huginn would be {ms['huginn'] / 3:.1f} ms/token, "
+                  f"{ms['huginn'] / 3 / f['ms_per_token']:.1f}× the floor. The ms/token include the "
+                  "prefill, which reads the weights once more per call."]
     for how, pr in res.get("profile_b1", {}).items():
         lines += ["", f"Profile, batch 1, static step {how}: {pr['ms_per_step']:.1f} ms/step (self CPU), "
                   f"{pr['operator_calls_per_step']:.0f} operator calls/step"
