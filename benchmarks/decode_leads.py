@@ -7,8 +7,8 @@ a 32-token prompt prefilled into a static cache of 63 positions, then ``--steps`
 :class:`looplm.model.static_decode.DecodeStep` (``how="compile"``), rewound before every run. Each variant
 is timed against ``plain`` (the step as first merged: the (V, d) readout weight, inductor's Python wrapper)
 in interleaved A/B/B/A rounds (:func:`looplm.apps.bench.interleaved`): per-round median [min, max] of the
-speed ratio. Variants: ``transposed`` (the readout weight laid out (d, V) in memory: what ``DecodeStep``
-does on CPU), ``cpp_wrapper`` (inductor's C++ wrapper), both, and both plus inductor's ``freezing``
+speed ratio. Variants: ``transposed`` (the readout weight laid out (d, V) in memory), ``transposed_all``
+(every linear's weight laid out (in, out): what ``DecodeStep`` does on CPU), ``cpp_wrapper`` (inductor's C++ wrapper), both, and both plus inductor's ``freezing``
 (weights as constants, prepacked for oneDNN) or ``max_autotune`` (GEMM templates benchmarked at compile
 time), and ``transposed+bf16`` (the whole model in bf16: half the weight bytes streamed per token; its
 logits differ from fp32 by bf16 rounding). Writes NAME.json and NAME.md with the machine's load (``uptime``).
@@ -31,8 +31,10 @@ from looplm.model import build_model
 from looplm.model.kvcache import KVCache
 from looplm.model.static_decode import DecodeStep, StaticKVCache
 
-#: variant → (readout weight transposed in memory, inductor options, weight dtype)
+#: variant → (weights transposed in memory: False, True (the readout's) or "all" (every linear's), inductor
+#: options, weight dtype)
 VARIANTS = {"plain": (False, {}, torch.float32), "transposed": (True, {}, torch.float32),
+            "transposed_all": ("all", {}, torch.float32),
             "cpp_wrapper": (False, {"cpp_wrapper": True}, torch.float32),
             "transposed+cpp_wrapper": (True, {"cpp_wrapper": True}, torch.float32),
             "transposed+cpp_wrapper+freezing": (True, {"cpp_wrapper": True, "freezing": True}, torch.float32),
@@ -48,8 +50,8 @@ def timed_step(model, prompt: torch.Tensor, variant: str, steps: int):
     with torch.no_grad():
         tok = model.read(model.loop(prompt, cache=cache), 8).logits[:, -1].argmax(-1)
     step = DecodeStep(model, StaticKVCache(cache, prompt.shape[1] + steps, model.cfg.seq_len), 8, "compile")
-    if not transposed:
-        step._head = {}  # the model's own (V, d) weight
+    if transposed != "all":  # DecodeStep's own layout: every linear weight (in, out) in memory
+        step._layout = {k: w for k, w in step._layout.items() if k == "model.lm_head.weight"} if transposed else {}
     step._fn = torch.compile(step._step, dynamic=False, fullgraph=True, options=options)
     start = step.state()
     t0 = time.perf_counter()

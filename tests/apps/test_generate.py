@@ -343,9 +343,10 @@ def test_inductor_static_step_logits_equal_recomputation():
 
 
 @torch.no_grad()
-def test_static_step_reads_out_on_a_transposed_copy_and_equals_recomputation():
-    """On CPU the step's readout runs on a (d, V)-in-memory copy of lm_head.weight (the same values): each
-    step's logits equal the full forward's, and the model's own weight keeps its (V, d) layout."""
+def test_static_step_runs_on_transposed_weight_copies_and_equals_recomputation():
+    """On CPU every nn.Linear of the step (the readout included) runs on an (in, out)-in-memory copy of its
+    weight (the same values): each step's logits equal the full forward's, and the model's own weights keep
+    their (out, in) layout."""
     from looplm.model.static_decode import DecodeStep, StaticKVCache
 
     model = model_for("huginn-0125")
@@ -356,11 +357,15 @@ def test_static_step_reads_out_on_a_transposed_copy_and_equals_recomputation():
     step = DecodeStep(model, StaticKVCache(cache, SEQ, SEQ), 3, "eager")
     got = torch.stack([step(x[:, j]) for j in range(5, SEQ)], 1)  # (2, SEQ − 5, V)
     print(f"max |Δlogits| {(got - full[:, 5:]).abs().max().item():.2e}")
-    # another matmul kernel for the readout (and attention over the masked capacity) sums in another
+    # another matmul kernel for every linear (and attention over the masked capacity) sums in another
     # order: fp32 rounding, ~1e-7 relative per op through 1 + 2·3 + 1 blocks, logits of O(1)
     torch.testing.assert_close(got, full[:, 5:], rtol=1e-5, atol=1e-5)
-    V, d = model.lm_head.weight.shape
-    assert step._head["model.lm_head.weight"].stride() == (1, V) and model.lm_head.weight.stride() == (d, 1)
+    linears = {f"model.{n}.weight": m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears.keys() == step._layout.keys() and "model.lm_head.weight" in linears
+    for name, w in linears.items():
+        n_out, n_in = w.shape
+        assert torch.equal(step._layout[name], w) and step._layout[name].stride() == (1, n_out), name
+        assert w.stride() == (n_in, 1), name
 
 
 def test_static_step_errors():

@@ -109,9 +109,9 @@ class DecodeStep:
 
     ``how``: ``eager``, ``compile`` (``fullgraph=True``), ``cuda_graph`` (the eager step captured once) or
     ``compile_cuda_graph`` (the compiled step captured once: fused kernels and no launch overhead); a captured
-    step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU the readout
-    uses a (d, V)-laid-out copy of ``lm_head`` taken at construction (1.3–1.5× at batch 1:
-    ``benchmarks/results/decode-leads-cpu-2core.md``).
+    step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU every
+    ``nn.Linear`` runs on a copy of its weight laid out (in, out) in memory, taken at construction: a batch-1
+    GEMV then reads contiguous rows (``benchmarks/results/decode-leads-*.md``: the readout alone 1.3–1.5×).
     ValueError: unknown ``how``; a captured step off CUDA; a step past the cache's capacity."""
 
     HOW: tuple[str, ...] = get_args(StepHow)
@@ -122,8 +122,9 @@ class DecodeStep:
         if how.endswith("cuda_graph") and cache.length.device.type != "cuda":
             raise ValueError(f"how: {how} needs the model and cache on a CUDA device")
         self.model, self.cache, self.depth, self.how = model, cache, depth, how
-        w = model.lm_head.weight.detach()  # on CPU: (V, d) with strides (1, V)
-        self._head = {"model.lm_head.weight": w.t().contiguous().t()} if cache.length.device.type == "cpu" else {}
+        self._layout = {f"model.{name}.weight": mod.weight.detach().t().contiguous().t()  # (out, in), strides (1, out)
+                        for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
+                        } if cache.length.device.type == "cpu" else {}
         self._read = _Read(model)
         self._fn: Callable = self._step if how in ("eager", "cuda_graph") else torch.compile(
             self._step, backend=backend, dynamic=False, fullgraph=True)
@@ -131,7 +132,7 @@ class DecodeStep:
 
     @torch.no_grad()
     def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(self._read, self._head, (tok, self.cache, self.depth))  # (B, V)
+        return torch.func.functional_call(self._read, self._layout, (tok, self.cache, self.depth))  # (B, V)
 
     @torch.no_grad()
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
