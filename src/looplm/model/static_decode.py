@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from looplm.model.kvcache import AttentionScope, KVCache, KVVisit
-from looplm.model.layers import attention
 
 StepHow = Literal["eager", "compile", "cuda_graph", "compile_cuda_graph"]
 
@@ -81,7 +80,12 @@ class StaticScope(AttentionScope):
             bk, bv = bk.index_copy(2, slot, k), bv.index_copy(2, slot, v)
         here = torch.arange(c.capacity, device=q.device) == c.length  # (capacity,)
         mask = (c.valid | here)[:, None, None, :]  # (B, 1, 1, capacity)
-        return attention(q, bk, bv, attn_mask=mask)
+        # SDPA's math for one query, written out so the compiler fuses it (no kernel call per visit); the g
+        # query heads a key/value head serves (attention()'s grouping) share its scores' row block
+        B, H, _, hd = q.shape
+        s = q.view(B, bk.shape[1], -1, hd) @ bk.transpose(-1, -2) * hd**-0.5  # (B, H_kv, g, capacity)
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        return (p @ bv).view(B, H, 1, hd)
 
     def commit(self) -> None:
         c = self.cache
