@@ -5,10 +5,11 @@
 looplm in Huginn-0125's layout at the Huginn shape (V = 50,257, d = 256, 1 + 2×8 + 1, fp32, random weights),
 a 32-token prompt prefilled into a static cache of 63 positions, then ``--steps`` greedy steps of
 :class:`looplm.model.static_decode.DecodeStep` (``how="compile"``), rewound before every run. Each variant
-is timed against ``plain`` (the step as first merged: the (V, d) readout weight, inductor's Python wrapper)
+is timed against ``plain`` (no weight copies: the model's own (out, in) weights, inductor's Python wrapper)
 in interleaved A/B/B/A rounds (:func:`looplm.apps.bench.interleaved`): per-round median [min, max] of the
 speed ratio. Variants: ``transposed`` (the readout weight laid out (d, V) in memory), ``transposed_all``
-(every linear's weight laid out (in, out): what ``DecodeStep`` does on CPU), ``cpp_wrapper`` (inductor's C++ wrapper), both, and both plus inductor's ``freezing``
+(every linear's weight laid out (in, out): what ``DecodeStep`` does on CPU), ``cpp_wrapper`` (inductor's
+C++ wrapper), both, and both plus inductor's ``freezing``
 (weights as constants, prepacked for oneDNN) or ``max_autotune`` (GEMM templates benchmarked at compile
 time), and ``transposed+bf16`` (the whole model in bf16: half the weight bytes streamed per token; its
 logits differ from fp32 by bf16 rounding). Writes NAME.json and NAME.md with the machine's load (``uptime``).

@@ -115,7 +115,8 @@ class DecodeStep:
     ``compile_cuda_graph`` (the compiled step captured once: fused kernels and no launch overhead); a captured
     step's logits are a view of the graph's output buffer, overwritten by the next step. On CPU every
     ``nn.Linear`` runs on a copy of its weight laid out (in, out) in memory, taken at construction: a batch-1
-    GEMV then reads contiguous rows (``benchmarks/results/decode-leads-*.md``: the readout alone 1.3–1.5×).
+    GEMV then reads contiguous rows (1.54× over the model's own layout at the Huginn shape, the readout's
+    copy alone 1.12×: ``benchmarks/results/decode-leads-3-cpu-2core.md``).
     ValueError: unknown ``how``; a captured step off CUDA; a step past the cache's capacity."""
 
     HOW: tuple[str, ...] = get_args(StepHow)
